@@ -1,0 +1,21 @@
+# raycheck: `make run` runs the main job on the embedded default; `make test` runs the tests.
+VENV := .venv
+STAMP := $(VENV)/.installed
+RUN_ARGS ?= --model smollm2-135m --steps 50 --fail 20:worker --fail 30:shadow --fail 40:both --verify --overwrite --out runs/default
+
+.PHONY: setup run test test-all bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/raycheck run $(RUN_ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m experiments.log_cost

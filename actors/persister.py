@@ -1,0 +1,103 @@
+"""The snapshot persister: writes shadow images to storage on its own thread, never blocking anyone.
+
+``SnapshotPersister`` is the plain logic (tested without Ray); ``PersisterActor`` is its Ray shell.
+Backpressure: one image is written at a time and at most one waits; a newer image replaces a waiting
+one (counted in ``superseded``), so memory stays bounded when storage is slower than the interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from storage.snapshots import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotPersister:
+    """Persists ``(step, state)`` images into ``store`` asynchronously.
+
+    ``submit`` returns at once; ``status`` reports the last durable step, counts, bytes and errors;
+    ``flush`` waits until nothing is waiting or being written.
+    """
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+        self._cond = threading.Condition()
+        self._waiting: tuple[int, Mapping[str, np.ndarray]] | None = None
+        self._writing = False
+        self.last_durable_step: int | None = None
+        self.written = 0
+        self.superseded = 0
+        self.failed = 0
+        self.last_error: str | None = None
+        self.bytes_written = 0
+        self.write_seconds = 0.0
+        threading.Thread(target=self._run, name="snapshot-persister", daemon=True).start()
+
+    def submit(self, step: int, state: Mapping[str, np.ndarray]) -> None:
+        """Queue the image of ``step`` (replacing a waiting older one)."""
+        with self._cond:
+            if self._waiting is not None:
+                self.superseded += 1
+            self._waiting = (step, state)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None:
+                    self._cond.wait()
+                step, state = self._waiting
+                self._waiting, self._writing = None, True
+            t0 = time.perf_counter()
+            try:
+                info = self.store.write(step, state)
+                with self._cond:
+                    self.last_durable_step = step
+                    self.written += 1
+                    self.bytes_written += sum(f["bytes"] for f in info.manifest["files"].values())
+            except Exception as exc:  # counted and surfaced through status(); the thread keeps going
+                log.exception("persisting snapshot of step %d failed", step)
+                with self._cond:
+                    self.failed += 1
+                    self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
+            finally:
+                del state
+                with self._cond:
+                    self.write_seconds += time.perf_counter() - t0
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def status(self) -> dict:
+        with self._cond:
+            return {
+                "last_durable_step": self.last_durable_step,
+                "written": self.written,
+                "superseded": self.superseded,
+                "failed": self.failed,
+                "last_error": self.last_error,
+                "bytes_written": self.bytes_written,
+                "write_seconds": self.write_seconds,
+                "busy": self._writing or self._waiting is not None,
+            }
+
+    def flush(self, timeout_s: float) -> dict:
+        """Wait until idle (or ``timeout_s``); returns ``status()``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (self._writing or self._waiting is not None) and time.monotonic() < deadline:
+                self._cond.wait(0.2)
+        return self.status()
+
+
+class PersisterActor(SnapshotPersister):
+    """Ray shell: ``ray.remote(PersisterActor).options(num_cpus=0, max_concurrency=4, name=...)``."""
+
+    def __init__(self, snapshot_dir: str, keep_last: int = 3) -> None:
+        super().__init__(SnapshotStore(snapshot_dir, keep_last=keep_last))

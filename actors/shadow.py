@@ -1,0 +1,222 @@
+"""The CPU shadow replayer: keeps its own copy of the weights current by replaying the step log.
+
+Source: ZOCheck (arXiv 2026), CPU-shadow checkpointing: the shadow re-executes each logged ZO step
+(perturbation round trip and update, ``training.zo.replay_step_``) off the training critical path,
+materialises consistent recovery images, and hands them to the snapshot persister.
+
+``ShadowReplayer`` is the plain logic (tested without Ray); ``ShadowActor`` is the thin Ray shell
+that runs it on a background thread and serves images through the object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+from policies.interval import FixedInterval
+from storage.snapshots import NoSnapshotError, SnapshotStore
+from storage.steplog import StepLogReader, StepRecord
+from training.model import layout_sha256, load_model, parameter_layout, trainable_parameters
+from training.state import copy_state, load_into, state_sha256
+from training.zo import GENERATOR, replay_step_
+
+log = logging.getLogger(__name__)
+
+
+class ShadowReplayer:
+    """Replays a step log into ``params`` (in place), one record at a time.
+
+    Args:
+        params: ordered parameter tensors holding the state after ``start_step`` steps.
+        log_path: the step log to follow.
+        start_step: steps already applied to ``params``.
+        hash_every: record ``state_sha256`` whenever the step count is a multiple of this (0: never).
+
+    Raises:
+        ValueError: the log was written for another parameter layout or noise generator.
+    """
+
+    def __init__(self, params: "OrderedDict[str, torch.Tensor]", log_path, start_step: int = 0, hash_every: int = 0):
+        self.params = params
+        self.reader = StepLogReader(log_path, start_step)
+        header = self.reader.header
+        if header["layout_sha256"] != layout_sha256(parameter_layout(params)):
+            raise ValueError(f"{log_path}: log was written for another model layout ({header.get('model')})")
+        if header["generator"] != GENERATOR:
+            raise ValueError(f"{log_path}: log uses generator {header['generator']!r}, this replayer {GENERATOR!r}")
+        self.step = start_step
+        self.hash_every = hash_every
+        self.hashes: dict[int, str] = {}
+        self.replay_seconds = 0.0
+        self.replayed = 0
+        self._pending: list[StepRecord] = []
+
+    def poll(self) -> int:
+        """Read newly durable records; returns how many are waiting to be replayed."""
+        self._pending.extend(self.reader.poll())
+        return len(self._pending)
+
+    @property
+    def log_end(self) -> int:
+        """Steps in the log as of the last poll."""
+        return self.reader.next_step
+
+    def replay_one(self) -> bool:
+        """Replay the oldest waiting record; False when none waits."""
+        if not self._pending:
+            return False
+        rec = self._pending.pop(0)
+        t0 = time.perf_counter()
+        replay_step_(self.params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay)
+        self.replay_seconds += time.perf_counter() - t0
+        self.replayed += 1
+        self.step = rec.step + 1
+        if self.hash_every and self.step % self.hash_every == 0:
+            self.hashes[self.step] = state_sha256(self.params)
+        return True
+
+    def catch_up(self) -> int:
+        """Replay everything durable now; returns the number of steps replayed."""
+        self.poll()
+        n = 0
+        while self.replay_one():
+            n += 1
+        return n
+
+    def state_dict(self) -> dict:
+        """{"step": int, "params": ordered name -> numpy copy}."""
+        return {"step": self.step, "params": copy_state(self.params)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Reset to ``state`` (as returned by ``state_dict``) and follow the log from its step."""
+        load_into(self.params, state["params"])
+        self.reader = StepLogReader(self.reader.path, state["step"])
+        self.step = state["step"]
+        self._pending.clear()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShadowSpec:
+    """What a shadow actor needs to start: the model, the log, where snapshots live and how often."""
+
+    model: str
+    cache_dir: str
+    log_path: str
+    snapshot_dir: str
+    persister_name: str | None
+    snapshot_every_steps: int
+    hash_every: int = 0
+    poll_interval_s: float = 0.05
+
+
+class ShadowActor:
+    """Ray shell around ``ShadowReplayer``: starts from the newest verified snapshot (else the initial
+    weights), replays on a background thread, snapshots on the interval policy, serves images.
+
+    Create with ``ray.remote(ShadowActor).options(num_cpus=0, max_concurrency=4, name=...)``.
+    """
+
+    def __init__(self, spec: ShadowSpec) -> None:
+        torch.set_num_threads(1)
+        self.spec = spec
+        self.started_unix_s = time.time()
+        params = trainable_parameters(load_model(spec.model, spec.cache_dir))
+        store = SnapshotStore(spec.snapshot_dir)
+        try:
+            info, state = store.load_latest()
+            load_into(params, state)
+            self.base = {"source": "snapshot", "step": info.step}
+        except NoSnapshotError:
+            self.base = {"source": "initial", "step": 0}
+        self.replayer = ShadowReplayer(params, spec.log_path, self.base["step"], spec.hash_every)
+        self.policy = FixedInterval(every_steps=spec.snapshot_every_steps)
+        self.last_snapshot_step = self.base["step"]
+        self.snapshots_sent = 0
+        self.error: str | None = None
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="shadow-replay", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        persister = ray.get_actor(self.spec.persister_name) if self.spec.persister_name else None
+        try:
+            while not self._stop:
+                with self._cond:
+                    self.replayer.poll()
+                    progressed = self.replayer.replay_one()
+                    image = None
+                    if progressed and self.policy.due(self.replayer.step, self.last_snapshot_step):
+                        image = (self.replayer.step, copy_state(self.replayer.params))
+                        self.last_snapshot_step = self.replayer.step
+                    self._cond.notify_all()
+                if image and persister is not None:
+                    persister.submit.remote(*image)
+                    self.snapshots_sent += 1
+                if not progressed:
+                    time.sleep(self.spec.poll_interval_s)
+        except Exception as exc:  # surfaced through status() and image(); never dies silently
+            log.exception("shadow replay stopped")
+            with self._cond:
+                self.error = f"{type(exc).__name__}: {exc}"
+                self._cond.notify_all()
+
+    def status(self) -> dict:
+        """Step, log end, lag (steps), replay seconds per step, base of this incarnation, error if any."""
+        r = self.replayer
+        with self._cond:
+            return {
+                "step": r.step,
+                "log_end": r.log_end,
+                "lag_steps": r.log_end - r.step,
+                "replayed": r.replayed,
+                "replay_seconds_per_step": r.replay_seconds / r.replayed if r.replayed else None,
+                "base": self.base,
+                "snapshots_sent": self.snapshots_sent,
+                "started_unix_s": self.started_unix_s,
+                "error": self.error,
+            }
+
+    def hashes(self) -> dict[int, str]:
+        """state_sha256 recorded at every ``hash_every`` steps."""
+        with self._cond:
+            return dict(self.replayer.hashes)
+
+    def image(self, min_step: int, timeout_s: float) -> dict:
+        """A consistent copy of the state once at least ``min_step`` steps are replayed.
+
+        Returns ``{"step": int, "state": ordered name -> numpy array}``; Ray puts it in the object
+        store, so the caller reads it zero-copy (copy before writing).
+
+        Raises:
+            TimeoutError: not caught up within ``timeout_s``.
+            RuntimeError: replay stopped on an error (e.g. a gap in the log).
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.replayer.step < min_step and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"shadow at step {self.replayer.step}, {min_step} requested")
+                self._cond.wait(min(left, 1.0))
+            if self.error is not None:
+                raise RuntimeError(f"shadow replay failed: {self.error}")
+            return {"step": self.replayer.step, "state": copy_state(self.replayer.params)}
+
+    def state_sha256(self, step: int, timeout_s: float) -> str:
+        """The hash of the state after exactly ``step`` steps (waits until replayed; not past it)."""
+        image = self.image(step, timeout_s)
+        if image["step"] != step:
+            raise RuntimeError(f"shadow is at step {image['step']}, past {step}")
+        return state_sha256(image["state"])
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=10)

@@ -1,0 +1,99 @@
+"""The ``raycheck`` command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import shutil
+import uuid
+from typing import Annotated
+
+import typer
+
+from orchestrator.config import FailureSpec, JobConfig
+from training.model import MODEL_NAMES, default_cache_dir
+
+app = typer.Typer(
+    help="raycheck: fault-tolerant MeZO training on Ray with a durable step log, a CPU shadow and exact recovery.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug detail.")] = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _storage_path(uri: str) -> str:
+    if uri.startswith("file://"):
+        return uri.removeprefix("file://")
+    if "://" in uri:
+        raise typer.BadParameter(f"{uri!r}: only local paths or file:// URIs are supported so far")
+    return uri
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}.")] = "smollm2-135m",
+    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 50,
+    batch_size: Annotated[int, typer.Option(min=1, help="Samples per step (split across workers).")] = 8,
+    seq_len: Annotated[int, typer.Option(min=8, help="Maximum prompt length in tokens.")] = 32,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-6,
+    eps: Annotated[float, typer.Option(help="MeZO perturbation scale.")] = 1e-3,
+    weight_decay: Annotated[float, typer.Option(help="Weight decay for matrices.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Run seed (batches and perturbations).")] = 0,
+    workers: Annotated[int, typer.Option(min=1, help="Ray Train workers (data parallel, gloo).")] = 1,
+    torch_threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker (fixed for reproducibility).")] = 1,
+    fail: Annotated[
+        list[str],
+        typer.Option(help="Inject a failure: STEP[:TARGET[:HOW]], TARGET worker|shadow|both, HOW exit|raise|sigkill. Repeatable."),
+    ] = [],
+    snapshot_every: Annotated[int, typer.Option(min=0, help="Shadow snapshot interval in steps (0: log only).")] = 10,
+    keep_snapshots: Annotated[int, typer.Option(min=1, help="Complete snapshots to keep.")] = 3,
+    storage: Annotated[str, typer.Option(help="Snapshot storage: a local path or file:// URI. Default: <out>/snapshots.")] = "",
+    out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
+    verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
+    eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
+    hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
+    cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
+) -> None:
+    """Fine-tune with MeZO under Ray Train, inject failures, recover exactly; writes summary.json and metrics.parquet."""
+    from orchestrator.controller import run_job
+
+    try:
+        failures = tuple(FailureSpec.parse(f) for f in fail)
+        cfg = JobConfig(
+            out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=model, steps=steps,
+            batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
+            workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
+            keep_snapshots=keep_snapshots, snapshot_dir=str(pathlib.Path(_storage_path(storage)).resolve()) if storage else "",
+            eval_samples=eval_samples, hash_every=hash_every, run_id=uuid.uuid4().hex[:8],
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if out.exists() and any(p.name != "reference" for p in out.iterdir()):
+        if not overwrite:
+            typer.echo(f"error: {out} already holds a run; pass --overwrite or choose another --out", err=True)
+            raise typer.Exit(2)
+        for p in out.iterdir():
+            if p.name != "reference":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    summary = run_job(cfg, verify=verify, echo=typer.echo)
+    keys = ("ok", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
+            "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "shadow_replay_seconds_per_step",
+            "shadow_max_lag_steps", "wall_seconds")
+    typer.echo(json.dumps({k: summary[k] for k in keys}, indent=2))
+    typer.echo(f"summary: {out / 'summary.json'}   metrics: {out / 'metrics.parquet'}")
+    if not summary["ok"]:
+        typer.echo(f"error: training failed: {summary['error']}", err=True)
+        raise typer.Exit(1)
+    if summary["lost_steps"] or not summary["shadow_equal"] or summary["bitwise_equal"] is False:
+        typer.echo("error: recovery was not exact (see summary.json)", err=True)
+        raise typer.Exit(3)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,125 @@
+"""Job configuration: one frozen dataclass, validated up front, serialisable to the workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+from training.model import MODEL_NAMES
+
+FailureTarget = Literal["worker", "shadow", "both"]
+FailureHow = Literal["exit", "raise", "sigkill"]
+TARGETS = ("worker", "shadow", "both")
+HOWS = ("exit", "raise", "sigkill")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureSpec:
+    """A failure injected at ``step`` (during that step, after its first forward pass).
+
+    Attributes:
+        step: 0-based step during which the failure happens.
+        target: ``worker`` (a train worker dies), ``shadow`` (the shadow replayer is killed), or
+            ``both`` (the shadow is killed, then a worker dies: recovery must use storage + log tail).
+        how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (an exception), or ``sigkill``.
+    """
+
+    step: int
+    target: FailureTarget = "worker"
+    how: FailureHow = "exit"
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"failure step must be >= 0, got {self.step}")
+        if self.target not in TARGETS:
+            raise ValueError(f"failure target {self.target!r}: choose one of {', '.join(TARGETS)}")
+        if self.how not in HOWS:
+            raise ValueError(f"failure how {self.how!r}: choose one of {', '.join(HOWS)}")
+
+    @classmethod
+    def parse(cls, text: str) -> "FailureSpec":
+        """Parse ``STEP[:TARGET[:HOW]]``, e.g. ``20``, ``35:shadow``, ``12:worker:sigkill``."""
+        parts = text.split(":")
+        if not 1 <= len(parts) <= 3 or not parts[0].isdigit():
+            raise ValueError(f"bad failure {text!r}: expected STEP[:TARGET[:HOW]], e.g. 20:worker:exit")
+        return cls(step=int(parts[0]), **dict(zip(("target", "how"), parts[1:])))
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """Everything a run needs. Fields that change the training trajectory are listed in ``TRAJECTORY``."""
+
+    out_dir: str
+    """Run directory: step log, snapshots (by default), events, metrics, summary."""
+    cache_dir: str
+    """Where converted models live (see ``training.model.default_cache_dir``)."""
+    model: str = "smollm2-135m"
+    steps: int = 50
+    batch_size: int = 8
+    seq_len: int = 32
+    seed: int = 0
+    lr: float = 1e-6
+    eps: float = 1e-3
+    weight_decay: float = 0.0
+    workers: int = 1
+    torch_threads: int = 1
+    """Torch threads per worker, fixed so forward passes are reproducible across restarts."""
+    snapshot_every: int = 10
+    """Shadow snapshot interval in steps (0: log-only)."""
+    keep_snapshots: int = 3
+    snapshot_dir: str = ""
+    """Snapshot folder; empty means ``<out_dir>/snapshots``."""
+    failures: tuple[FailureSpec, ...] = ()
+    eval_samples: int = 200
+    """Held-out snippets scored before and after training (0 skips evaluation)."""
+    hash_every: int = 0
+    """Record the worker's and shadow's state sha256 every this many steps (0: only at the end)."""
+    run_id: str = "run"
+    namespace: str = "raycheck"
+    recovery_timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+    TRAJECTORY = ("model", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads")
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"model {self.model!r}: choose one of {', '.join(MODEL_NAMES)}")
+        for name in ("steps", "batch_size", "seq_len", "workers", "torch_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.workers:
+            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers})")
+        for f in self.failures:
+            if f.step >= self.steps:
+                raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
+        if not self.snapshot_dir:
+            object.__setattr__(self, "snapshot_dir", str(pathlib.Path(self.out_dir) / "snapshots"))
+
+    def trajectory_sha256(self) -> str:
+        """Hash of the fields that determine the trajectory: equal hashes, comparable runs."""
+        values = {k: getattr(self, k) for k in self.TRAJECTORY}
+        return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobConfig":
+        d = dict(d)
+        d["failures"] = tuple(FailureSpec(**f) for f in d.get("failures", ()))
+        return cls(**d)
+
+    def replace(self, **changes) -> "JobConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def shadow_name(self) -> str:
+        return f"raycheck-shadow-{self.run_id}"
+
+    @property
+    def persister_name(self) -> str:
+        return f"raycheck-persister-{self.run_id}"

@@ -1,0 +1,274 @@
+"""The controller: starts the shadow and persister, runs Ray Train, watches, repairs, summarises.
+
+States (``Phase``): STARTING -> RUNNING <-> RECOVERING -> FINISHED | FAILED. The driver runs
+``TorchTrainer.fit`` on a thread and, on its own thread, follows the run's event and metric streams:
+it prints progress, restarts a dead shadow (from the newest snapshot plus the log tail) once no
+worker recovery needs it, and at the end compares the shadow's state hash with the worker's.
+
+Durability never depends on Ray Train's checkpoint registration (a hard crash can drop the newest
+reported checkpoint): workers restore from the shadow or from storage + the step log themselves.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import pathlib
+import shutil
+import threading
+import time
+from collections.abc import Callable
+
+import ray
+from ray.exceptions import RayActorError
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from actors.persister import PersisterActor
+from actors.shadow import ShadowActor, ShadowSpec
+from orchestrator.cluster import connect
+from orchestrator.config import JobConfig
+from orchestrator.run_dir import RunDir
+from orchestrator.summary import recoveries, write_metrics, write_summary
+from storage.steplog import StepLogWriter
+from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
+from training.worker import train_loop_per_worker
+from training.zo import GENERATOR
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+def next_phase(phase: Phase, worker_failures: int, recoveries_seen: int, fit_done: bool, fit_ok: bool) -> Phase:
+    """Pure transition function of the controller."""
+    if fit_done:
+        return Phase.FINISHED if fit_ok else Phase.FAILED
+    if worker_failures > recoveries_seen:
+        return Phase.RECOVERING
+    return Phase.RUNNING
+
+
+def prepare(cfg: JobConfig, run: RunDir) -> None:
+    """Convert the model once and create the step log with everything replay needs in its header."""
+    tokenizer_dir(cfg.cache_dir)
+    model_dir(cfg.model, cfg.cache_dir)
+    layout = parameter_layout(trainable_parameters(load_model(cfg.model, cfg.cache_dir)))
+    header = {
+        "run_id": cfg.run_id,
+        "model": cfg.model,
+        "dtype": "float32",
+        "layout": layout,
+        "layout_sha256": layout_sha256(layout),
+        "generator": GENERATOR,
+        "run_seed": cfg.seed,
+        "trajectory_sha256": cfg.trajectory_sha256(),
+    }
+    StepLogWriter.create(run.step_log, header).close()
+
+
+class Controller:
+    """One run of ``cfg``. ``run()`` returns the summary dict (also written to ``summary.json``).
+
+    Args:
+        cfg: the job configuration.
+        echo: where progress lines go (default ``print``).
+    """
+
+    def __init__(self, cfg: JobConfig, echo: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
+        self.echo = echo
+        self.phase = Phase.STARTING
+        self.shadow_lag: dict[int, int] = {}
+        self.shadow_status: dict = {}
+        self.shadow_restarts: list[dict] = []
+        self._printed_steps = 0
+        self._seen_events = 0
+
+    # -- actors -------------------------------------------------------------------------------
+    def _start_persister(self):
+        return ray.remote(PersisterActor).options(
+            name=self.cfg.persister_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4
+        ).remote(self.cfg.snapshot_dir, self.cfg.keep_snapshots)
+
+    def _start_shadow(self):
+        spec = ShadowSpec(
+            model=self.cfg.model, cache_dir=self.cfg.cache_dir, log_path=str(self.run_dir.step_log),
+            snapshot_dir=self.cfg.snapshot_dir, persister_name=self.cfg.persister_name,
+            snapshot_every_steps=self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                shadow = ray.remote(ShadowActor).options(
+                    name=self.cfg.shadow_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4
+                ).remote(spec)
+                self.shadow_status = ray.get(shadow.status.remote(), timeout=300)
+                return shadow
+            except ValueError:  # the killed incarnation still holds the name for a moment
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def _poll_shadow(self, shadow) -> bool:
+        """Refresh ``shadow_status``; False when the shadow is dead."""
+        try:
+            self.shadow_status = ray.get(shadow.status.remote(), timeout=10)
+            return True
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    # -- monitoring ---------------------------------------------------------------------------
+    def _follow(self) -> tuple[int, int]:
+        """Print new events and steps; returns (worker failures, recoveries) so far."""
+        events = self.run_dir.read(self.run_dir.events)
+        for e in events[self._seen_events:]:
+            fields = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "unix_s", "worker_start_unix_s"))
+            self.echo(f"[raycheck] {e['kind']}: {fields}")
+        self._seen_events = len(events)
+        rows = self.run_dir.read(self.run_dir.metrics)
+        lag = self.shadow_status.get("log_end", 0) - self.shadow_status.get("step", 0)
+        for r in rows[self._printed_steps:]:
+            self.shadow_lag.setdefault(r["step"], max(0, r["step"] + 1 - self.shadow_status.get("step", 0)))
+            self.echo(
+                f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
+                f"log append {r['log_append_seconds'] * 1e3:.2f} ms  shadow lag {lag} steps"
+            )
+        self._printed_steps = len(rows)
+        worker_failures = sum(1 for e in events if e["kind"] == "failure" and e["target"] == "worker")
+        return worker_failures, sum(1 for e in events if e["kind"] == "recovery")
+
+    def _trainer(self) -> TorchTrainer:
+        worker_failures = sum(1 for f in self.cfg.failures if f.target in ("worker", "both"))
+        return TorchTrainer(
+            train_loop_per_worker=train_loop_per_worker,
+            train_loop_config=self.cfg.to_dict(),
+            scaling_config=ScalingConfig(num_workers=self.cfg.workers, use_gpu=False),
+            run_config=RunConfig(
+                name=f"raycheck-{self.cfg.run_id}",
+                storage_path=str(pathlib.Path(self.cfg.out_dir).resolve() / "ray_train"),
+                failure_config=FailureConfig(max_failures=worker_failures + 2),
+            ),
+        )
+
+    def run(self) -> dict:
+        cfg, run = self.cfg, self.run_dir
+        t_start = time.time()
+        run.root.mkdir(parents=True, exist_ok=True)
+        self.echo(f"[raycheck] preparing {cfg.model} (first use converts it once) in {run.root}")
+        prepare(cfg, run)
+        connect(cfg.namespace, num_cpus=max(2, cfg.workers))
+        persister = self._start_persister()
+        shadow = self._start_shadow()
+        self.echo(f"[raycheck] shadow ready at step {self.shadow_status['step']}; training {cfg.steps} steps")
+
+        outcome: dict = {}
+
+        def fit() -> None:
+            try:
+                self._trainer().fit()
+                outcome["ok"] = True
+            except Exception as exc:  # reported in the summary and by the exit code
+                outcome["ok"] = False
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+        thread.start()
+        self.phase = Phase.RUNNING
+        while True:
+            done = not thread.is_alive()
+            failures, recovered = self._follow()
+            self.phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
+            if not self._poll_shadow(shadow) and self.phase is not Phase.RECOVERING and not done:
+                t0 = time.time()
+                shadow = self._start_shadow()
+                restart = {"seconds": time.time() - t0, **self.shadow_status["base"]}
+                self.shadow_restarts.append(restart)
+                run.event("shadow_restart", **restart)
+            if done:
+                break
+            time.sleep(0.5)
+        self._follow()
+        return self._finish(shadow, persister, outcome, t_start)
+
+    def _finish(self, shadow, persister, outcome: dict, t_start: float) -> dict:
+        cfg, run = self.cfg, self.run_dir
+        events = run.read(run.events)
+        final = next((e for e in reversed(events) if e["kind"] == "final"), {})
+        shadow_sha = None
+        if outcome.get("ok"):
+            shadow_sha = ray.get(shadow.state_sha256.remote(cfg.steps, cfg.recovery_timeout_s))
+            self._poll_shadow(shadow)
+        persisted = ray.get(persister.flush.remote(600))
+        shadow_hashes = ray.get(shadow.hashes.remote())
+        rows = write_metrics(run, self.shadow_lag, run.root / "metrics.parquet")
+        recs = recoveries(events)
+        step_s = [r["step_seconds"] for r in rows]
+        summary = {
+            "ok": outcome.get("ok", False),
+            "error": outcome.get("error"),
+            "final_step": final.get("step"),
+            "state_sha256": final.get("state_sha256"),
+            "shadow_state_sha256": shadow_sha,
+            "shadow_equal": shadow_sha is not None and shadow_sha == final.get("state_sha256"),
+            "reference_state_sha256": None,
+            "bitwise_equal": None,
+            "failures": [{k: e[k] for k in ("step", "target", "how")} for e in events if e["kind"] == "failure"],
+            "recoveries": recs,
+            "shadow_restarts": self.shadow_restarts,
+            "lost_steps": sum(r.get("lost_steps", 0) for r in recs),
+            "torn_tails_cut": [e for e in events if e["kind"] == "torn_tail_cut"],
+            "accuracy_before": next((e["value"] for e in events if e["kind"] == "accuracy"), None),
+            "accuracy_after": final.get("accuracy_after"),
+            "mean_step_seconds": sum(step_s) / len(step_s) if step_s else None,
+            "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
+            "shadow_replay_seconds_per_step": self.shadow_status.get("replay_seconds_per_step"),
+            "shadow_max_lag_steps": max(self.shadow_lag.values(), default=None),
+            "shadow_hashes": {str(k): v for k, v in sorted(shadow_hashes.items())},
+            "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
+            "snapshots": persisted,
+            "wall_seconds": time.time() - t_start,
+            "trajectory_sha256": cfg.trajectory_sha256(),
+            "config": cfg.to_dict(),
+        }
+        for actor in (shadow, persister):
+            ray.kill(actor)
+        write_summary(run.root / "summary.json", summary)
+        return summary
+
+
+def run_job(cfg: JobConfig, verify: bool = False, echo: Callable[[str], None] = print) -> dict:
+    """Run ``cfg``; with ``verify``, also run (or reuse) the failure-free reference in
+    ``<out_dir>/reference`` and compare the final states bitwise."""
+    summary = Controller(cfg, echo).run()
+    if verify and summary["ok"]:
+        ref = reference(cfg, echo)
+        summary["reference_state_sha256"] = ref["state_sha256"]
+        summary["bitwise_equal"] = ref["state_sha256"] == summary["state_sha256"]
+        write_summary(pathlib.Path(cfg.out_dir) / "summary.json", summary)
+    return summary
+
+
+def reference(cfg: JobConfig, echo: Callable[[str], None] = print) -> dict:
+    """The failure-free run with the same trajectory settings (reused when already complete)."""
+    out = pathlib.Path(cfg.out_dir) / "reference"
+    previous = out / "summary.json"
+    if previous.exists():
+        ref = json.loads(previous.read_text())
+        if ref.get("ok") and ref.get("trajectory_sha256") == cfg.trajectory_sha256():
+            echo(f"[raycheck] reusing the failure-free reference in {out}")
+            return ref
+    shutil.rmtree(out, ignore_errors=True)
+    echo(f"[raycheck] running the failure-free reference in {out}")
+    ref_cfg = cfg.replace(
+        out_dir=str(out), snapshot_dir="", failures=(), eval_samples=0, hash_every=0, run_id=f"{cfg.run_id}-ref"
+    )
+    return Controller(ref_cfg, echo).run()

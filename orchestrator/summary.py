@@ -1,0 +1,48 @@
+"""Turning a run's event and metric streams into ``summary.json`` and ``metrics.parquet``."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from orchestrator.run_dir import RunDir
+
+METRIC_COLUMNS = ("step", "loss", "step_seconds", "log_append_seconds", "shadow_lag_steps")
+
+
+def recoveries(events: list[dict]) -> list[dict]:
+    """Each worker recovery with its latency from the failure it answers (seconds, restart, load)."""
+    out, last_failure = [], None
+    for e in events:
+        if e["kind"] == "failure" and e["target"] == "worker":
+            last_failure = e
+        elif e["kind"] == "recovery":
+            row = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
+            row["load_seconds"] = e["seconds"]
+            if last_failure is not None:
+                row["seconds"] = e["unix_s"] - last_failure["unix_s"]
+                row["restart_seconds"] = e["worker_start_unix_s"] - last_failure["unix_s"]
+                row["lost_steps"] = max(0, last_failure["durable_steps"] - e["restored_step"])
+            out.append(row)
+    return out
+
+
+def write_metrics(run: RunDir, shadow_lag: dict[int, int], path: pathlib.Path) -> list[dict]:
+    """One row per executed step (the last execution if a step ran twice) as Parquet; returns the rows."""
+    rows: dict[int, dict] = {}
+    for r in run.read(run.metrics):
+        rows[r["step"]] = {**r, "shadow_lag_steps": shadow_lag.get(r["step"])}
+    ordered = [rows[k] for k in sorted(rows)]
+    columns = list(METRIC_COLUMNS) + sorted({k for r in ordered for k in r} - set(METRIC_COLUMNS))
+    table = pa.table({c: [r.get(c) for r in ordered] for c in columns})
+    pq.write_table(table, path)
+    return ordered
+
+
+def write_summary(path: pathlib.Path, summary: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    tmp.replace(path)

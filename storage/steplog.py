@@ -1,0 +1,239 @@
+"""The durable step log: one fixed-size, checksummed record per ZO step, appended with fsync.
+
+File layout (little-endian)::
+
+    b"RCSTEPLG"  u32 header_len  header_json[header_len]  u32 crc32(header_json)
+    record*      each RECORD.size bytes: fields of StepRecord, then u32 crc32 of those field bytes
+
+Durability point: ``StepLogWriter.append`` returns only after ``os.write`` of the whole record and
+``os.fsync`` of the file have returned, so a record is durable (survives a crash of the process, the
+node's OS, or power loss where the disk honours flushes) before the worker applies that step's update
+and before the next step begins. The directory entry is fsynced once when the log is created.
+
+What a crash can leave: at most one torn (partial or unchecksummable) record at the tail. Opening the
+log for writing cuts it (``StepLogWriter.open``) and reports the bytes cut; a reader stops before it.
+A bad record followed by good ones is corruption, and a step number that does not follow its
+predecessor is a gap: both raise, because replay past them would not be exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+import zlib
+from dataclasses import astuple, dataclass
+
+MAGIC = b"RCSTEPLG"
+FORMAT_VERSION = 1
+_FIELDS = struct.Struct("<QQddddddQ")
+_CRC = struct.Struct("<I")
+RECORD_BYTES = _FIELDS.size + _CRC.size
+
+
+class StepLogError(Exception):
+    """Base class of step log errors."""
+
+
+class StepLogCorruptError(StepLogError):
+    """A record or the header fails its checksum and is not a torn tail."""
+
+
+class StepLogGapError(StepLogError):
+    """Step numbers are not consecutive: replay past the gap is impossible."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """Everything needed to replay ZO step ``step`` exactly (72 bytes + 4 of checksum).
+
+    Attributes:
+        step: 0-based step number; the record turns state_step into state_(step+1).
+        seed: the step seed s_t from which every z is derived (``training.zo.noise``).
+        projected_grad: g_t = (loss_plus - loss_minus) / (2 eps), float64.
+        loss_plus, loss_minus: the two losses (float64), for audit and plots.
+        lr, eps, weight_decay: the step's hyper-parameters.
+        batch_id: identity (hash of sample indices) of the step's batch.
+    """
+
+    step: int
+    seed: int
+    projected_grad: float
+    loss_plus: float
+    loss_minus: float
+    lr: float
+    eps: float
+    weight_decay: float
+    batch_id: int
+
+    def encode(self) -> bytes:
+        body = _FIELDS.pack(*astuple(self))
+        return body + _CRC.pack(zlib.crc32(body))
+
+
+def _encode_header(header: dict) -> bytes:
+    body = json.dumps(header, sort_keys=True).encode()
+    return MAGIC + _CRC.pack(len(body)) + body + _CRC.pack(zlib.crc32(body))
+
+
+def _decode_header(data: bytes, path: pathlib.Path) -> tuple[dict, int]:
+    """(header, offset of the first record)."""
+    if len(data) < len(MAGIC) + 4 or data[: len(MAGIC)] != MAGIC:
+        raise StepLogCorruptError(f"{path}: not a raycheck step log (bad magic)")
+    (n,) = _CRC.unpack_from(data, len(MAGIC))
+    start = len(MAGIC) + 4
+    end = start + n + 4
+    if len(data) < end:
+        raise StepLogCorruptError(f"{path}: header is truncated ({len(data)} of {end} bytes)")
+    body = data[start : start + n]
+    if _CRC.unpack_from(data, start + n)[0] != zlib.crc32(body):
+        raise StepLogCorruptError(f"{path}: header checksum mismatch")
+    header = json.loads(body)
+    if header.get("format_version") != FORMAT_VERSION:
+        raise StepLogCorruptError(f"{path}: format version {header.get('format_version')}, expected {FORMAT_VERSION}")
+    return header, end
+
+
+def _scan(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tuple[list[StepRecord], int]:
+    """Decode records from ``offset``; returns (records, end offset of the last good record).
+
+    Stops at a torn tail (partial record, or a bad checksum on the last complete record).
+    """
+    records: list[StepRecord] = []
+    expect = first_step
+    while offset + RECORD_BYTES <= len(data):
+        body = data[offset : offset + _FIELDS.size]
+        (crc,) = _CRC.unpack_from(data, offset + _FIELDS.size)
+        if crc != zlib.crc32(body):
+            if offset + RECORD_BYTES < len(data):
+                raise StepLogCorruptError(
+                    f"{path}: record at byte {offset} (after step {expect - 1}) fails its checksum and is "
+                    f"followed by more data; the log is corrupt, not torn"
+                )
+            break
+        rec = StepRecord(**dict(zip(StepRecord.__dataclass_fields__, _FIELDS.unpack(body))))
+        if rec.step != expect:
+            raise StepLogGapError(
+                f"{path}: record at byte {offset} is step {rec.step}, expected step {expect}; "
+                f"steps {expect}..{rec.step - 1} are missing, so the log cannot be replayed past step {expect - 1}"
+            )
+        records.append(rec)
+        expect += 1
+        offset += RECORD_BYTES
+    return records, offset
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The header of the step log at ``path``."""
+    path = pathlib.Path(path)
+    return _decode_header(path.read_bytes(), path)[0]
+
+
+def read_records(path: str | os.PathLike) -> list[StepRecord]:
+    """All complete, checksummed records of the log (a torn tail is ignored, not cut).
+
+    Raises:
+        StepLogCorruptError, StepLogGapError: see the module docstring.
+    """
+    path = pathlib.Path(path)
+    data = path.read_bytes()
+    _, start = _decode_header(data, path)
+    return _scan(data, start, path, 0)[0]
+
+
+class StepLogReader:
+    """Follows a log that another process appends to (the shadow's view). Not thread-safe.
+
+    ``poll()`` returns the records that became complete since the last call, in order.
+    """
+
+    def __init__(self, path: str | os.PathLike, start_step: int = 0) -> None:
+        self.path = pathlib.Path(path)
+        data = self.path.read_bytes()
+        self.header, self._offset = _decode_header(data, self.path)
+        self._offset += start_step * RECORD_BYTES
+        self.next_step = start_step
+
+    def poll(self) -> list[StepRecord]:
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            data = fh.read()
+        records, end = _scan(data, 0, self.path, self.next_step)
+        self._offset += end
+        self.next_step += len(records)
+        return records
+
+
+class StepLogWriter:
+    """The single appender of a step log (rank 0 of the training workers)."""
+
+    def __init__(self, path: pathlib.Path, fd: int, header: dict, next_step: int, cut_bytes: int) -> None:
+        self.path = path
+        self._fd = fd
+        self.header = header
+        self.next_step = next_step
+        self.cut_bytes = cut_bytes
+        """Bytes of a torn tail removed when the log was opened (0 when it was clean)."""
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, header: dict) -> "StepLogWriter":
+        """Create a new log with ``header`` (atomically: written to a temp name, fsynced, renamed).
+
+        Raises:
+            FileExistsError: a log already exists at ``path``.
+        """
+        path = pathlib.Path(path)
+        if path.exists():
+            raise FileExistsError(f"{path}: step log already exists")
+        header = {**header, "format_version": FORMAT_VERSION, "record_bytes": RECORD_BYTES}
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(_encode_header(header))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        return cls.open(path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "StepLogWriter":
+        """Open an existing log for appending, cutting a torn tail (made durable before returning).
+
+        Raises:
+            StepLogCorruptError, StepLogGapError: the log cannot be continued safely.
+        """
+        path = pathlib.Path(path)
+        data = path.read_bytes()
+        header, start = _decode_header(data, path)
+        records, end = _scan(data, start, path, 0)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        if end < len(data):
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+        return cls(path, fd, header, len(records), len(data) - end)
+
+    def append(self, record: StepRecord) -> None:
+        """Append ``record`` durably (write + fsync). See the module docstring for the durability point.
+
+        Raises:
+            StepLogGapError: ``record.step`` is not ``self.next_step``.
+        """
+        if record.step != self.next_step:
+            raise StepLogGapError(f"{self.path}: appending step {record.step}, but the next step is {self.next_step}")
+        data = record.encode()
+        if os.write(self._fd, data) != len(data):
+            raise OSError(f"{self.path}: short write while appending step {record.step}")
+        os.fsync(self._fd)
+        self.next_step += 1
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,67 @@
+"""Failure injection inside the training workers, reproducible by step.
+
+Each ``FailureSpec`` fires once per run: before acting, the acting rank writes a marker file (and an
+event), so a restarted worker that re-executes the same step does not fail again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import ray
+
+from orchestrator.config import JobConfig
+from orchestrator.run_dir import RunDir
+from storage.steplog import read_records
+
+
+class FaultInjector:
+    """Fires the failures of ``cfg`` that are due at a step, for worker ``rank`` of ``world``.
+
+    The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank.
+    """
+
+    def __init__(self, cfg: JobConfig, run: RunDir, rank: int, world: int) -> None:
+        self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
+        run.markers.mkdir(exist_ok=True)
+
+    def _claim(self, index: int, part: str) -> bool:
+        marker = self.run.markers / f"{index}.{part}"
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        os.fsync(fd)
+        os.close(fd)
+        return True
+
+    def fired(self) -> bool:
+        """True once any failure has fired in this run (a start is then a restart)."""
+        return any(self.run.markers.iterdir())
+
+    def _announce_worker_failure(self, step: int, how: str, rank: int) -> None:
+        durable = len(read_records(self.run.step_log))
+        self.run.event("failure", step=step, target="worker", how=how, rank=rank, durable_steps=durable)
+
+    def maybe_fail(self, step: int) -> None:
+        """Inject the failures due at ``step`` (may not return)."""
+        for i, f in enumerate(self.cfg.failures):
+            if f.step != step:
+                continue
+            if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):
+                if f.target == "both":  # announce the worker failure first: the controller then waits
+                    self._announce_worker_failure(step, f.how, self.world - 1)
+                self.run.event("failure", step=step, target="shadow", how="ray.kill")
+                try:
+                    ray.kill(ray.get_actor(self.cfg.shadow_name, namespace=self.cfg.namespace), no_restart=True)
+                except ValueError:
+                    pass  # already gone
+            if f.target in ("worker", "both") and self.rank == self.world - 1 and self._claim(i, "worker"):
+                if f.target == "worker":
+                    self._announce_worker_failure(step, f.how, self.rank)
+                if f.how == "raise":
+                    raise RuntimeError(f"raycheck: injected worker failure at step {step}")
+                if f.how == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                os._exit(1)

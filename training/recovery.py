@@ -1,0 +1,67 @@
+"""Restoring a worker's state: the freshest complete state, then the durable log tail.
+
+Order of preference (ZOCheck's recovery rule): the live shadow's image through Ray's object store,
+when the shadow is alive, intact and catches up to the end of the durable log; else the newest
+verified snapshot in storage (or the initial weights when none exists) plus replay of the logged
+tail. Either way the restored state is the one after every durable step: nothing logged is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from orchestrator.config import JobConfig
+from storage.snapshots import NoSnapshotError, SnapshotStore
+from storage.steplog import read_records
+from training.state import load_into
+from training.zo import replay_step_
+
+log = logging.getLogger(__name__)
+
+
+def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_end: int) -> dict | None:
+    """Load the shadow's image at ``log_end`` into ``params``; None when the shadow cannot serve it."""
+    try:
+        shadow = ray.get_actor(cfg.shadow_name, namespace=cfg.namespace)
+        image = ray.get(shadow.image.remote(log_end, cfg.recovery_timeout_s), timeout=cfg.recovery_timeout_s + 30)
+    except (ValueError, RayActorError, RayTaskError, GetTimeoutError) as exc:
+        log.warning("shadow cannot serve step %d (%s); falling back to storage", log_end, type(exc).__name__)
+        return None
+    if image["step"] != log_end:
+        log.warning("shadow served step %d, the log ends at %d; falling back to storage", image["step"], log_end)
+        return None
+    load_into(params, image["state"])
+    return {"source": "object_store", "base_step": log_end, "replayed_steps": 0}
+
+
+def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int) -> dict:
+    """Load the newest verified snapshot at or before ``log_end`` (else keep the initial weights in
+    ``params``) and replay the logged steps after it."""
+    try:
+        info, state = SnapshotStore(cfg.snapshot_dir, keep_last=cfg.keep_snapshots).load_latest(max_step=log_end)
+        load_into(params, state)
+        base = info.step
+    except NoSnapshotError as exc:
+        log.warning("%s; replaying the whole log from the initial weights", exc)
+        base = 0
+    records = read_records(log_path)[base:log_end]
+    for rec in records:
+        replay_step_(params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay)
+    return {"source": "storage", "base_step": base, "replayed_steps": len(records)}
+
+
+def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int) -> dict:
+    """Restore ``params`` (holding the initial weights) to the state after ``log_end`` steps.
+
+    Returns ``{"source": "object_store" | "storage", "base_step", "replayed_steps", "seconds"}``.
+    """
+    t0 = time.perf_counter()
+    result = from_shadow(params, cfg, log_end) or from_storage(params, cfg, log_path, log_end)
+    result["seconds"] = time.perf_counter() - t0
+    return result

@@ -1,0 +1,109 @@
+"""What each Ray Train worker runs: MeZO steps with a durable step log, restoring after failures.
+
+Per step t (rank r of W workers; every worker holds identical weights):
+  z for every parameter from s_t  ->  +eps z, loss+ on the rank's shard of batch t  ->  -2 eps z,
+  loss-  ->  +eps z  ->  average loss+ and loss- over the workers (one all-reduce of two float64s)
+  ->  g_t  ->  rank 0 appends the step record durably  ->  every worker applies the update.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import numpy as np
+import ray.train
+import torch
+import torch.distributed as dist
+
+from orchestrator.config import JobConfig
+from orchestrator.run_dir import RunDir
+from storage.steplog import StepLogWriter, StepRecord, read_records
+from training.data import PromptEncoder, accuracy, batch_id, batch_indices, classification_loss, load_rotten_tomatoes
+from training.faults import FaultInjector
+from training.model import load_model, load_tokenizer, trainable_parameters
+from training.recovery import restore
+from training.state import state_sha256
+from training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
+
+
+def _mean_over_workers(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return (t / world).tolist()
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train entry point; ``config`` is ``JobConfig.to_dict()``."""
+    cfg = JobConfig.from_dict(config)
+    torch.set_num_threads(cfg.torch_threads)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    run = RunDir(pathlib.Path(cfg.out_dir))
+    started = time.time()
+
+    model = load_model(cfg.model, cfg.cache_dir)
+    params = trainable_parameters(model)
+    encoder = PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len)
+    train, held_out = load_rotten_tomatoes()
+    hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    faults = FaultInjector(cfg, run, rank, world)
+
+    writer = StepLogWriter.open(run.step_log) if rank == 0 else None  # cuts a torn tail
+    if writer is not None and writer.cut_bytes:
+        run.event("torn_tail_cut", bytes=writer.cut_bytes, step=writer.next_step)
+    _barrier(world)
+    log_end = len(read_records(run.step_log))
+
+    if faults.fired() or log_end > 0:
+        result = restore(params, cfg, run.step_log, log_end)
+        if rank == 0:
+            run.event("recovery", at_step=log_end, restored_step=log_end, worker_start_unix_s=started, **result)
+    elif rank == 0 and cfg.eval_samples:
+        run.event("accuracy", when="before", value=accuracy(model, encoder, held_out, cfg.eval_samples))
+
+    for step in range(log_end, cfg.steps):
+        t0 = time.perf_counter()
+        seed = step_seed(cfg.seed, step)
+        idx = batch_indices(cfg.seed, step, cfg.batch_size, len(train))
+        shard = idx[rank::world]
+        zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
+        perturb_all_(params, zs, cfg.eps)
+        loss_plus = classification_loss(model, encoder, train, shard)
+        faults.maybe_fail(step)
+        perturb_all_(params, zs, -2 * cfg.eps)
+        loss_minus = classification_loss(model, encoder, train, shard)
+        perturb_all_(params, zs, cfg.eps)
+        loss_plus, loss_minus = _mean_over_workers([loss_plus, loss_minus], world)
+        grad = (loss_plus - loss_minus) / (2 * cfg.eps)
+        record = StepRecord(
+            step=step, seed=seed, projected_grad=grad, loss_plus=loss_plus, loss_minus=loss_minus,
+            lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, batch_id=batch_id(idx),
+        )
+        append_s = 0.0
+        if writer is not None:
+            t_append = time.perf_counter()
+            writer.append(record)  # durable before the update and before the next step
+            append_s = time.perf_counter() - t_append
+        update_all_(params, zs, grad, hyper)
+        del zs
+        if writer is not None:
+            row = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
+                       projected_grad=grad, step_seconds=time.perf_counter() - t0, log_append_seconds=append_s)
+            if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
+                row["state_sha256"] = state_sha256(params)  # the state after step + 1 steps
+            run.append(run.metrics, **row)
+
+    if rank == 0:
+        final = {"step": cfg.steps, "state_sha256": state_sha256(params)}
+        if cfg.eval_samples:
+            final["accuracy_after"] = accuracy(model, encoder, held_out, cfg.eval_samples)
+        run.event("final", **final)
+        writer.close()

@@ -1,0 +1,131 @@
+"""The zeroth-order (MeZO) step and its exact replay.
+
+Source: Malladi et al., "Fine-Tuning Language Models with Just Forward Passes", NeurIPS 2023,
+Algorithm 1 (MeZO). For step t with seed s_t and every trainable parameter p in a fixed order:
+
+1. p <- p + eps * z_p                       loss_plus  = L(theta + eps z; B_t)
+2. p <- p - 2 eps * z_p                     loss_minus = L(theta - eps z; B_t)
+3. p <- p + eps * z_p                       ("reset"; NOT an identity in floating point)
+4. g_t = (loss_plus - loss_minus) / (2 eps)  the projected gradient (float64 scalar)
+5. p <- p - lr * (g_t * z_p + wd * p)        wd only for weight-decayed parameters (ndim >= 2)
+
+Exactness contract (checked bitwise by the tests): the worker and every replayer call the same
+primitives below, ``perturb_`` and ``update_``, with the same z, in the same order per element. Each
+primitive is a chain of single elementwise ops (mul by a scalar, then a plain add/sub), so no fused
+multiply-add or reduction can make the result depend on vectorisation or thread count. z_p is drawn
+from torch's CPU generator seeded per (step seed, parameter index), so each tensor's noise is
+independent of the others (a sharded shadow can replay any subset) and of the thread count.
+Generating each z once and applying steps 1, 2, 3 and 5 back to back (``replay_step_``) is bitwise
+identical to the worker's phase-by-phase order, because every element sees the same rounded ops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+GENERATOR = "torch-cpu-mt19937:randn:seed=blake2b64(step_seed,param_index)"
+"""Recorded in the step log header; a replayer refuses a log written with another generator."""
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, stable across processes, platforms and Python versions."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(parts)}Q", *parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+def step_seed(run_seed: int, step: int) -> int:
+    """The seed s_t of step ``step`` of a run."""
+    return derive_seed(run_seed, step)
+
+
+def noise(seed: int, index: int, like: torch.Tensor) -> torch.Tensor:
+    """z for parameter number ``index`` at step seed ``seed``: N(0, 1) with ``like``'s shape and dtype."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(derive_seed(seed, index))
+    return torch.randn(like.shape, generator=gen, dtype=like.dtype)
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay applies to matrices, not to biases or norm gains (MeZO's rule)."""
+    return p.ndim >= 2
+
+
+def perturb_(p: torch.Tensor, z: torch.Tensor, scale: float) -> None:
+    """p <- p + (z * scale), two rounded ops."""
+    p.add_(z * scale)
+
+
+def update_(p: torch.Tensor, z: torch.Tensor, projected_grad: float, lr: float, weight_decay: float) -> None:
+    """p <- p - ((g * z + wd * p) * lr), each op rounded separately (MeZO Algorithm 1, line 'update')."""
+    u = z * projected_grad
+    if weight_decay:
+        u.add_(p * weight_decay)
+    p.sub_(u * lr)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZOHyper:
+    """Hyper-parameters of one ZO step.
+
+    Attributes:
+        lr: learning rate (MeZO uses 1e-6 .. 1e-7 for large models).
+        eps: perturbation scale (MeZO default 1e-3).
+        weight_decay: decoupled weight decay coefficient for matrices.
+    """
+
+    lr: float = 1e-6
+    eps: float = 1e-3
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not self.lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+
+def perturb_all_(params: Mapping[str, torch.Tensor], zs: Sequence[torch.Tensor], scale: float) -> None:
+    """``perturb_`` every parameter with its z (the worker's phase-by-phase form)."""
+    for p, z in zip(params.values(), zs):
+        perturb_(p, z, scale)
+
+
+def update_all_(
+    params: Mapping[str, torch.Tensor], zs: Sequence[torch.Tensor], projected_grad: float, hyper: "ZOHyper"
+) -> None:
+    """``update_`` every parameter with its z, weight decay where ``decays``."""
+    for (name, p), z in zip(params.items(), zs):
+        update_(p, z, projected_grad, hyper.lr, hyper.weight_decay if decays(name, p) else 0.0)
+
+
+def replay_step_(
+    params: Mapping[str, torch.Tensor],
+    seed: int,
+    projected_grad: float,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    indices: Sequence[int] | None = None,
+) -> None:
+    """Re-execute one logged ZO step on ``params`` (in place), bitwise as the worker executed it.
+
+    Generates each z once and applies +eps, -2 eps, +eps and the update in that order.
+    ``indices`` restricts replay to those parameter positions (a sharded shadow); default all.
+    """
+    items = list(params.items())
+    for i in range(len(items)) if indices is None else indices:
+        name, p = items[i]
+        z = noise(seed, i, p)
+        perturb_(p, z, eps)
+        perturb_(p, z, -2 * eps)
+        perturb_(p, z, eps)
+        update_(p, z, projected_grad, lr, weight_decay if decays(name, p) else 0.0)
