@@ -12,9 +12,9 @@ from typing import Literal
 from training.model import MODEL_NAMES
 
 FailureTarget = Literal["worker", "shadow", "both"]
-FailureHow = Literal["exit", "raise", "sigkill"]
+FailureHow = Literal["exit", "raise", "sigkill", "torn"]
 TARGETS = ("worker", "shadow", "both")
-HOWS = ("exit", "raise", "sigkill")
+HOWS = ("exit", "raise", "sigkill", "torn")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +25,8 @@ class FailureSpec:
         step: 0-based step during which the failure happens.
         target: ``worker`` (a train worker dies), ``shadow`` (the shadow replayer is killed), or
             ``both`` (the shadow is killed, then a worker dies: recovery must use storage + log tail).
-        how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (an exception), or ``sigkill``.
+        how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (an exception), ``sigkill``, or
+            ``torn`` (rank 0 dies half-way through writing a step log record: a torn tail).
     """
 
     step: int

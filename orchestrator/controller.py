@@ -269,6 +269,6 @@ def reference(cfg: JobConfig, echo: Callable[[str], None] = print) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     echo(f"[raycheck] running the failure-free reference in {out}")
     ref_cfg = cfg.replace(
-        out_dir=str(out), snapshot_dir="", failures=(), eval_samples=0, hash_every=0, run_id=f"{cfg.run_id}-ref"
+        out_dir=str(out), snapshot_dir="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref"
     )
     return Controller(ref_cfg, echo).run()

@@ -227,6 +227,12 @@ class StepLogWriter:
         os.fsync(self._fd)
         self.next_step += 1
 
+    def write_torn(self, step: int) -> None:
+        """Failure injection: write the first half of a record for ``step``, as a crash mid-write would."""
+        os.write(self._fd, StepRecord(step=step, seed=0, projected_grad=0.0, loss_plus=0.0, loss_minus=0.0,
+                                      lr=0.0, eps=0.0, weight_decay=0.0, batch_id=0).encode()[: RECORD_BYTES // 2])
+        os.fsync(self._fd)
+
     def close(self) -> None:
         os.close(self._fd)
 

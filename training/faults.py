@@ -13,13 +13,14 @@ import ray
 
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
-from storage.steplog import read_records
+from storage.steplog import StepLogWriter, read_records
 
 
 class FaultInjector:
     """Fires the failures of ``cfg`` that are due at a step, for worker ``rank`` of ``world``.
 
-    The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank.
+    The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank
+    (``torn`` needs rank 0's log writer, so use it with one worker).
     """
 
     def __init__(self, cfg: JobConfig, run: RunDir, rank: int, world: int) -> None:
@@ -44,8 +45,8 @@ class FaultInjector:
         durable = len(read_records(self.run.step_log))
         self.run.event("failure", step=step, target="worker", how=how, rank=rank, durable_steps=durable)
 
-    def maybe_fail(self, step: int) -> None:
-        """Inject the failures due at ``step`` (may not return)."""
+    def maybe_fail(self, step: int, writer: StepLogWriter | None = None) -> None:
+        """Inject the failures due at ``step`` (may not return). ``writer``: rank 0's step log writer."""
         for i, f in enumerate(self.cfg.failures):
             if f.step != step:
                 continue
@@ -62,6 +63,8 @@ class FaultInjector:
                     self._announce_worker_failure(step, f.how, self.rank)
                 if f.how == "raise":
                     raise RuntimeError(f"raycheck: injected worker failure at step {step}")
+                if f.how == "torn" and writer is not None:
+                    writer.write_torn(step)
                 if f.how == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(1)

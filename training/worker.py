@@ -77,7 +77,7 @@ def train_loop_per_worker(config: dict) -> None:
         zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
         perturb_all_(params, zs, cfg.eps)
         loss_plus = classification_loss(model, encoder, train, shard)
-        faults.maybe_fail(step)
+        faults.maybe_fail(step, writer)
         perturb_all_(params, zs, -2 * cfg.eps)
         loss_minus = classification_loss(model, encoder, train, shard)
         perturb_all_(params, zs, cfg.eps)

@@ -1,0 +1,58 @@
+"""The same job through ``ray job submit`` against a ``ray start --head`` on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BIN = pathlib.Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def head_node():
+    tmp = tempfile.mkdtemp(prefix="rcjob-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+           "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash = free_port(), free_port()
+    subprocess.run(
+        [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"],
+        env=env, check=True, capture_output=True, timeout=120,
+    )
+    try:
+        yield env, f"http://127.0.0.1:{dash}", pathlib.Path(tmp)
+    finally:
+        subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ray_job_submit_runs_the_job_with_a_failure(head_node):
+    env, address, tmp = head_node
+    out = tmp / "job-run"
+    cmd = [BIN / "ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
+           "python", "-m", "orchestrator.cli", "run", "--model", "tiny", "--steps", "6", "--eval-samples", "0",
+           "--fail", "3:worker", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "succeeded" in proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and summary["final_step"] == 6 and summary["shadow_equal"]
+    assert [r["source"] for r in summary["recoveries"]] == ["object_store"]

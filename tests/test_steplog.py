@@ -1,0 +1,109 @@
+import os
+
+import pytest
+
+from storage.steplog import (
+    RECORD_BYTES,
+    StepLogCorruptError,
+    StepLogGapError,
+    StepLogReader,
+    StepLogWriter,
+    StepRecord,
+    read_header,
+    read_records,
+)
+
+
+def rec(step: int) -> StepRecord:
+    return StepRecord(step=step, seed=1000 + step, projected_grad=0.1 * step - 0.3, loss_plus=0.7, loss_minus=0.69,
+                      lr=1e-6, eps=1e-3, weight_decay=0.0, batch_id=77 + step)
+
+
+def make_log(path, n: int) -> StepLogWriter:
+    w = StepLogWriter.create(path, {"model": "x"})
+    for i in range(n):
+        w.append(rec(i))
+    return w
+
+
+def test_roundtrip_keeps_every_field_exactly(tmp_path):
+    make_log(tmp_path / "log", 5).close()
+    assert read_records(tmp_path / "log") == [rec(i) for i in range(5)]
+    assert read_header(tmp_path / "log")["model"] == "x"
+    assert RECORD_BYTES == 76
+
+
+def test_append_refuses_a_gap_or_a_repeat(tmp_path):
+    w = make_log(tmp_path / "log", 3)
+    with pytest.raises(StepLogGapError, match="appending step 5, but the next step is 3"):
+        w.append(rec(5))
+    with pytest.raises(StepLogGapError):
+        w.append(rec(2))
+
+
+def test_torn_tail_is_cut_on_open_and_the_log_continues(tmp_path):
+    w = make_log(tmp_path / "log", 4)
+    w.write_torn(4)
+    w.close()
+    size = os.path.getsize(tmp_path / "log")
+    assert read_records(tmp_path / "log") == [rec(i) for i in range(4)]  # readers stop before it
+    w = StepLogWriter.open(tmp_path / "log")
+    assert (w.cut_bytes, w.next_step) == (RECORD_BYTES // 2, 4)
+    assert os.path.getsize(tmp_path / "log") == size - RECORD_BYTES // 2
+    w.append(rec(4))
+    w.close()
+    assert read_records(tmp_path / "log") == [rec(i) for i in range(5)]
+
+
+def test_bad_checksum_on_the_last_record_is_a_torn_tail(tmp_path):
+    make_log(tmp_path / "log", 3).close()
+    with open(tmp_path / "log", "r+b") as fh:
+        fh.seek(-3, os.SEEK_END)
+        fh.write(b"\xff\xff\xff")
+    w = StepLogWriter.open(tmp_path / "log")
+    assert (w.next_step, w.cut_bytes) == (2, RECORD_BYTES)
+
+
+def test_corruption_before_good_records_is_refused(tmp_path):
+    make_log(tmp_path / "log", 3).close()
+    with open(tmp_path / "log", "r+b") as fh:
+        fh.seek(-RECORD_BYTES - 40, os.SEEK_END)  # inside step 1's projected gradient
+        fh.write(b"\xaa")
+    with pytest.raises(StepLogCorruptError, match="followed by more data"):
+        StepLogWriter.open(tmp_path / "log")
+
+
+def test_gap_in_the_file_is_refused_with_the_missing_steps(tmp_path):
+    w = make_log(tmp_path / "log", 2)
+    os.write(w._fd, rec(5).encode())  # bypass the writer's own check, as a foreign writer could
+    w.close()
+    with pytest.raises(StepLogGapError, match=r"is step 5, expected step 2; steps 2..4 are missing"):
+        read_records(tmp_path / "log")
+
+
+def test_header_corruption_is_detected(tmp_path):
+    make_log(tmp_path / "log", 1).close()
+    with open(tmp_path / "log", "r+b") as fh:
+        fh.seek(14)
+        fh.write(b"#")
+    with pytest.raises(StepLogCorruptError, match="header checksum"):
+        read_records(tmp_path / "log")
+
+
+def test_reader_follows_appends_and_waits_on_a_partial_record(tmp_path):
+    w = make_log(tmp_path / "log", 2)
+    r = StepLogReader(tmp_path / "log")
+    assert [x.step for x in r.poll()] == [0, 1]
+    os.write(w._fd, rec(2).encode()[:30])
+    assert r.poll() == []
+    os.write(w._fd, rec(2).encode()[30:])
+    w.next_step = 3
+    w.append(rec(3))
+    assert [x.step for x in r.poll()] == [2, 3]
+    assert StepLogReader(tmp_path / "log", start_step=3).poll() == [rec(3)]
+
+
+def test_create_refuses_to_overwrite(tmp_path):
+    make_log(tmp_path / "log", 1).close()
+    with pytest.raises(FileExistsError):
+        StepLogWriter.create(tmp_path / "log", {})
