@@ -21,15 +21,15 @@ import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayActorError
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from actors.persister import PersisterActor
-from actors.shadow import ShadowActor, ShadowSpec
+from actors.shadow import ShadowSpec
 from orchestrator.cluster import connect
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
+from orchestrator.shadow_keeper import ShadowKeeper
 from orchestrator.summary import recoveries, write_metrics, write_summary
 from storage.steplog import StepLogWriter
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
@@ -54,6 +54,12 @@ def next_phase(phase: Phase, worker_failures: int, recoveries_seen: int, fit_don
     if worker_failures > recoveries_seen:
         return Phase.RECOVERING
     return Phase.RUNNING
+
+
+def worker_failures_and_recoveries(events: list[dict]) -> tuple[int, int]:
+    """Counts of worker failures and of worker recoveries in an event stream."""
+    failures = sum(1 for e in events if e["kind"] == "failure" and e["target"] == "worker")
+    return failures, sum(1 for e in events if e["kind"] == "recovery")
 
 
 def prepare(cfg: JobConfig, run: RunDir) -> None:
@@ -88,43 +94,21 @@ class Controller:
         self.echo = echo
         self.phase = Phase.STARTING
         self.shadow_lag: dict[int, int] = {}
-        self.shadow_status: dict = {}
-        self.shadow_restarts: list[dict] = []
+        self.shadow: ShadowKeeper | None = None
         self._printed_steps = 0
         self._seen_events = 0
 
-    # -- actors -------------------------------------------------------------------------------
     def _start_persister(self):
         return ray.remote(PersisterActor).options(
             name=self.cfg.persister_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4
         ).remote(self.cfg.snapshot_dir, self.cfg.keep_snapshots)
 
-    def _start_shadow(self):
-        spec = ShadowSpec(
+    def _shadow_spec(self) -> ShadowSpec:
+        return ShadowSpec(
             model=self.cfg.model, cache_dir=self.cfg.cache_dir, log_path=str(self.run_dir.step_log),
             snapshot_dir=self.cfg.snapshot_dir, persister_name=self.cfg.persister_name,
             snapshot_every_steps=self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
         )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                shadow = ray.remote(ShadowActor).options(
-                    name=self.cfg.shadow_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4
-                ).remote(spec)
-                self.shadow_status = ray.get(shadow.status.remote(), timeout=300)
-                return shadow
-            except ValueError:  # the killed incarnation still holds the name for a moment
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-
-    def _poll_shadow(self, shadow) -> bool:
-        """Refresh ``shadow_status``; False when the shadow is dead."""
-        try:
-            self.shadow_status = ray.get(shadow.status.remote(), timeout=10)
-            return True
-        except (RayActorError, ray.exceptions.GetTimeoutError):
-            return False
 
     # -- monitoring ---------------------------------------------------------------------------
     def _follow(self) -> tuple[int, int]:
@@ -135,16 +119,21 @@ class Controller:
             self.echo(f"[raycheck] {e['kind']}: {fields}")
         self._seen_events = len(events)
         rows = self.run_dir.read(self.run_dir.metrics)
-        lag = self.shadow_status.get("log_end", 0) - self.shadow_status.get("step", 0)
+        shadow_step = self.shadow.status.get("step", 0)
         for r in rows[self._printed_steps:]:
-            self.shadow_lag.setdefault(r["step"], max(0, r["step"] + 1 - self.shadow_status.get("step", 0)))
+            lag = max(0, r["step"] + 1 - shadow_step)
+            self.shadow_lag.setdefault(r["step"], lag)
             self.echo(
                 f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
                 f"log append {r['log_append_seconds'] * 1e3:.2f} ms  shadow lag {lag} steps"
             )
         self._printed_steps = len(rows)
-        worker_failures = sum(1 for e in events if e["kind"] == "failure" and e["target"] == "worker")
-        return worker_failures, sum(1 for e in events if e["kind"] == "recovery")
+        return worker_failures_and_recoveries(events)
+
+    def _recovery_pending(self) -> bool:
+        """True while a worker failure has no recovery yet (read fresh from the event stream)."""
+        failures, recovered = worker_failures_and_recoveries(self.run_dir.read(self.run_dir.events))
+        return failures > recovered
 
     def _trainer(self) -> TorchTrainer:
         worker_failures = sum(1 for f in self.cfg.failures if f.target in ("worker", "both"))
@@ -167,8 +156,10 @@ class Controller:
         prepare(cfg, run)
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         persister = self._start_persister()
-        shadow = self._start_shadow()
-        self.echo(f"[raycheck] shadow ready at step {self.shadow_status['step']}; training {cfg.steps} steps")
+        self.shadow = ShadowKeeper(cfg, run, self._shadow_spec())
+        self.shadow.start()
+        self.shadow.wait_ready(timeout_s=300)
+        self.echo(f"[raycheck] shadow ready at step {self.shadow.status['step']}; training {cfg.steps} steps")
 
         outcome: dict = {}
 
@@ -187,28 +178,23 @@ class Controller:
             done = not thread.is_alive()
             failures, recovered = self._follow()
             self.phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
-            if not self._poll_shadow(shadow) and self.phase is not Phase.RECOVERING and not done:
-                t0 = time.time()
-                shadow = self._start_shadow()
-                restart = {"seconds": time.time() - t0, **self.shadow_status["base"]}
-                self.shadow_restarts.append(restart)
-                run.event("shadow_restart", **restart)
+            self.shadow.poll(may_restart=lambda: not self._recovery_pending())
             if done:
                 break
             time.sleep(0.5)
         self._follow()
-        return self._finish(shadow, persister, outcome, t_start)
+        return self._finish(persister, outcome, t_start)
 
-    def _finish(self, shadow, persister, outcome: dict, t_start: float) -> dict:
+    def _finish(self, persister, outcome: dict, t_start: float) -> dict:
         cfg, run = self.cfg, self.run_dir
         events = run.read(run.events)
         final = next((e for e in reversed(events) if e["kind"] == "final"), {})
         shadow_sha = None
         if outcome.get("ok"):
-            shadow_sha = ray.get(shadow.state_sha256.remote(cfg.steps, cfg.recovery_timeout_s))
-            self._poll_shadow(shadow)
+            shadow_sha = self.shadow.call("state_sha256", cfg.steps, cfg.recovery_timeout_s, timeout_s=cfg.recovery_timeout_s + 30)
+            self.shadow.status = self.shadow.call("status", timeout_s=60)
         persisted = ray.get(persister.flush.remote(600))
-        shadow_hashes = ray.get(shadow.hashes.remote())
+        shadow_hashes = self.shadow.call("hashes", timeout_s=60)
         rows = write_metrics(run, self.shadow_lag, run.root / "metrics.parquet")
         recs = recoveries(events)
         step_s = [r["step_seconds"] for r in rows]
@@ -223,14 +209,14 @@ class Controller:
             "bitwise_equal": None,
             "failures": [{k: e[k] for k in ("step", "target", "how")} for e in events if e["kind"] == "failure"],
             "recoveries": recs,
-            "shadow_restarts": self.shadow_restarts,
+            "shadow_restarts": self.shadow.restarts,
             "lost_steps": sum(r.get("lost_steps", 0) for r in recs),
             "torn_tails_cut": [e for e in events if e["kind"] == "torn_tail_cut"],
             "accuracy_before": next((e["value"] for e in events if e["kind"] == "accuracy"), None),
             "accuracy_after": final.get("accuracy_after"),
             "mean_step_seconds": sum(step_s) / len(step_s) if step_s else None,
             "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
-            "shadow_replay_seconds_per_step": self.shadow_status.get("replay_seconds_per_step"),
+            "shadow_replay_seconds_per_step": self.shadow.status.get("replay_seconds_per_step"),
             "shadow_max_lag_steps": max(self.shadow_lag.values(), default=None),
             "shadow_hashes": {str(k): v for k, v in sorted(shadow_hashes.items())},
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
@@ -239,7 +225,7 @@ class Controller:
             "trajectory_sha256": cfg.trajectory_sha256(),
             "config": cfg.to_dict(),
         }
-        for actor in (shadow, persister):
+        for actor in (self.shadow.actor, persister):
             ray.kill(actor)
         write_summary(run.root / "summary.json", summary)
         return summary

@@ -32,6 +32,28 @@ class RunDir:
     def markers(self) -> pathlib.Path:
         return self.root / "failures"
 
+    @property
+    def shadow_pointer(self) -> pathlib.Path:
+        """``{"name", "incarnation"}`` of the current shadow actor."""
+        return self.root / "shadow.json"
+
+    @staticmethod
+    def write_json(path: pathlib.Path, value: dict) -> None:
+        """Replace ``path`` atomically (temp file, fsync, rename): readers see the old or the new value."""
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as fh:
+            json.dump(value, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    @staticmethod
+    def read_json(path: pathlib.Path) -> dict | None:
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+
     def append(self, stream: pathlib.Path, **row) -> None:
         """Append one JSON line (with ``unix_s`` added) to ``stream``; fsynced for events."""
         row.setdefault("unix_s", time.time())

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
+from orchestrator.shadow_keeper import find_shadow
 from storage.steplog import StepLogWriter, read_records
 
 
@@ -41,6 +44,32 @@ class FaultInjector:
         """True once any failure has fired in this run (a start is then a restart)."""
         return any(self.run.markers.iterdir())
 
+    def _kill_shadow(self, index: int, step: int, worker_how: str | None) -> None:
+        """Kill the live shadow. If a restarted incarnation is still starting, wait for it (bounded),
+        so the failure always hits a running shadow. With ``worker_how`` (target ``both``) the worker
+        failure is announced before the kill, so the controller does not restart the shadow until the
+        worker has recovered without it."""
+
+        def answers(handle) -> bool:
+            try:
+                ray.get(handle.status.remote(), timeout=120)
+                return True
+            except (RayActorError, GetTimeoutError):
+                return False
+
+        shadow = find_shadow(self.run, self.cfg.namespace, timeout_s=180, alive=answers)
+        if worker_how is not None:
+            self._announce_worker_failure(step, worker_how, self.world - 1)
+        self.run.event("failure", step=step, target="shadow", how="ray.kill", found=shadow is not None)
+        if shadow is not None:
+            ray.kill(shadow, no_restart=True)
+        self._claim(index, "shadow-killed")
+
+    def _wait_for_marker(self, name: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not (self.run.markers / name).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def _announce_worker_failure(self, step: int, how: str, rank: int) -> None:
         durable = len(read_records(self.run.step_log))
         self.run.event("failure", step=step, target="worker", how=how, rank=rank, durable_steps=durable)
@@ -51,14 +80,10 @@ class FaultInjector:
             if f.step != step:
                 continue
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):
-                if f.target == "both":  # announce the worker failure first: the controller then waits
-                    self._announce_worker_failure(step, f.how, self.world - 1)
-                self.run.event("failure", step=step, target="shadow", how="ray.kill")
-                try:
-                    ray.kill(ray.get_actor(self.cfg.shadow_name, namespace=self.cfg.namespace), no_restart=True)
-                except ValueError:
-                    pass  # already gone
+                self._kill_shadow(i, step, f.how if f.target == "both" else None)
             if f.target in ("worker", "both") and self.rank == self.world - 1 and self._claim(i, "worker"):
+                if f.target == "both":  # die only after rank 0 has killed the shadow
+                    self._wait_for_marker(f"{i}.shadow-killed", timeout_s=300)
                 if f.target == "worker":
                     self._announce_worker_failure(step, f.how, self.rank)
                 if f.how == "raise":

@@ -9,6 +9,7 @@ tail. Either way the restored state is the one after every durable step: nothing
 from __future__ import annotations
 
 import logging
+import pathlib
 import time
 from collections import OrderedDict
 
@@ -17,6 +18,8 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from orchestrator.config import JobConfig
+from orchestrator.run_dir import RunDir
+from orchestrator.shadow_keeper import find_shadow
 from storage.snapshots import NoSnapshotError, SnapshotStore
 from storage.steplog import read_records
 from training.state import load_into
@@ -27,10 +30,13 @@ log = logging.getLogger(__name__)
 
 def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_end: int) -> dict | None:
     """Load the shadow's image at ``log_end`` into ``params``; None when the shadow cannot serve it."""
+    shadow = find_shadow(RunDir(pathlib.Path(cfg.out_dir)), cfg.namespace, timeout_s=0)
+    if shadow is None:
+        log.warning("no live shadow; falling back to storage")
+        return None
     try:
-        shadow = ray.get_actor(cfg.shadow_name, namespace=cfg.namespace)
         image = ray.get(shadow.image.remote(log_end, cfg.recovery_timeout_s), timeout=cfg.recovery_timeout_s + 30)
-    except (ValueError, RayActorError, RayTaskError, GetTimeoutError) as exc:
+    except (RayActorError, RayTaskError, GetTimeoutError) as exc:
         log.warning("shadow cannot serve step %d (%s); falling back to storage", log_end, type(exc).__name__)
         return None
     if image["step"] != log_end:

@@ -1,0 +1,134 @@
+"""``raycheck policy``: compare snapshot strategies and intervals for given costs and failure rates."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from policies.compare import Option, compare, recommend
+from policies.costs import InfeasibleError, MeasuredCosts
+
+UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([a-z]+)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration with a unit: ``1.2s``, ``250ms``, ``5min``, ``3h``, ``2d``, ``80us``.
+
+    Raises:
+        ValueError: no number, no unit, or an unknown unit; the message lists the units.
+    """
+    match = _DURATION.match(text.lower())
+    if not match or match.group(3) not in UNITS_S:
+        raise ValueError(f"{text!r} is not a duration: write a number and a unit, e.g. 1.2s, 250ms, 5min, 3h, 2d "
+                         f"(units: {', '.join(UNITS_S)})")
+    number, exponent, unit = match.groups()
+    return float(number) * 10 ** int(exponent or 0) * UNITS_S[unit]
+
+
+def format_duration(seconds: float) -> str:
+    """A short human reading of ``seconds``: 850 ms, 42 s, 3.5 min, 2.1 h, 1.5 d."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0), ("s", 1.0)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _seconds(flag: str, text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=flag) from exc
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else None
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else "inf" if math.isinf(value) else f"{value:.2f}" if value < 1e4 else f"{value:.1e}"
+
+
+def _costs(step: str, replay: str, snapshot: str, stall: str, log: str, restart: str, load: str,
+           mtbf: str | None, gpus: int, gpu_mtbf: str | None, background_weight: float) -> MeasuredCosts:
+    if (mtbf is None) == (gpu_mtbf is None):
+        raise typer.BadParameter("give the job's --mtbf, or --gpus with the per-accelerator --gpu-mtbf", param_hint="--mtbf")
+    costs = {
+        "step_s": _seconds("--step-time", step), "replay_step_s": _seconds("--replay-time", replay),
+        "snapshot_s": _seconds("--snapshot-time", snapshot), "stall_s": _seconds("--stall-time", stall),
+        "log_append_s": _seconds("--log-time", log), "restart_s": _seconds("--restart-time", restart),
+        "load_s": _seconds("--load-time", load), "background_weight": background_weight,
+    }
+    try:
+        if gpu_mtbf is not None:
+            return MeasuredCosts.for_accelerators(accelerator_mtbf_s=_seconds("--gpu-mtbf", gpu_mtbf), accelerators=gpus, **costs)
+        return MeasuredCosts(mtbf_s=_seconds("--mtbf", mtbf), accelerators=gpus, **costs)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def _explain(best: Option, options: list[Option]) -> str:
+    classical = [o for o in options if o.rule in ("young", "daly") and o.strategy == "full-sync" and o.waste_ratio is not None]
+    line = (f"recommended: {best.strategy} ({best.rule} interval"
+            + (f", every {best.interval_steps} steps = {format_duration(best.interval_s)}" if best.interval_steps else "")
+            + f"): expected overhead {best.overhead_pct:.2f}%, {best.wasted_h_per_day:.2f} h wasted per day")
+    if classical:
+        ref = min(classical, key=lambda o: o.waste_ratio)
+        line += f"; full-sync at {ref.rule.capitalize()}'s interval: {ref.overhead_pct:.2f}%"
+    return line
+
+
+def policy(
+    step_time: Annotated[str, typer.Option(help="Training step time, e.g. 1.2s.")],
+    replay_time: Annotated[str, typer.Option(help="Shadow replay time per step, e.g. 250ms.")],
+    snapshot_time: Annotated[str, typer.Option(help="Time to write one full-state snapshot, e.g. 30s.")],
+    restart_time: Annotated[str, typer.Option(help="Detect a failure and restart the job, e.g. 5min.")],
+    load_time: Annotated[str, typer.Option(help="Load a snapshot after a restart.")] = "0s",
+    stall_time: Annotated[str, typer.Option(help="Training stall of an asynchronous snapshot (staging copy).")] = "0s",
+    log_time: Annotated[str, typer.Option(help="Durable step-log append per step.")] = "0s",
+    mtbf: Annotated[str | None, typer.Option(help="Mean time between failures of the whole job, e.g. 3h.")] = None,
+    gpus: Annotated[int, typer.Option(min=1, help="Accelerators in the job.")] = 1,
+    gpu_mtbf: Annotated[str | None, typer.Option(help="MTBF of one accelerator (job MTBF = this / --gpus), e.g. 2000d.")] = None,
+    background_weight: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of background snapshot time charged as waste.")] = 1.0,
+    horizon: Annotated[str, typer.Option(help="Training time of the run (log-only waste grows with it).")] = "7d",
+    max_overhead: Annotated[float, typer.Option(help="CheckFreq overhead bound, percent.")] = 3.5,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Expected wasted time of each snapshot strategy at classical and model-optimal intervals, and the pick."""
+    costs = _costs(step_time, replay_time, snapshot_time, stall_time, log_time, restart_time, load_time,
+                   mtbf, gpus, gpu_mtbf, background_weight)
+    try:
+        options = compare(costs, horizon_s=_seconds("--horizon", horizon), max_overhead=max_overhead / 100)
+        best = recommend(options)
+    except ValueError as exc:  # InfeasibleError included
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2 if isinstance(exc, InfeasibleError) else 1) from exc
+    if as_json:
+        rows = [{k: _finite(v) if isinstance(v, float) else v for k, v in o.to_dict().items()} for o in options]
+        typer.echo(json.dumps({"costs": costs.to_dict(), "options": rows, "recommended": rows[options.index(best)],
+                               "explanation": _explain(best, options)}, indent=2))
+        return
+    console = Console(width=120)
+    console.print(f"job MTBF {format_duration(costs.mtbf_s)} (accelerators: {costs.accelerators}), step {format_duration(costs.step_s)}, "
+                  f"replay {format_duration(costs.replay_step_s)}/step, snapshot {format_duration(costs.snapshot_s)}, "
+                  f"restart + load {format_duration(costs.downtime_s)}", highlight=False)
+    table = Table("strategy", "interval rule", "steps", "interval", "overhead %", "wasted h/day", "")
+    for o in options:
+        interval = ("-", "-") if o.interval_steps is None else (str(o.interval_steps), format_duration(o.interval_s))
+        table.add_row(str(o.strategy), o.rule, *interval, _fmt(o.overhead_pct), _fmt(o.wasted_h_per_day),
+                      "recommended" if o is best else "infeasible (below)" if o.error else "")
+    console.print(table)
+    for error in dict.fromkeys(o.error for o in options if o.error):
+        names = ", ".join(f"{o.strategy}/{o.rule}" for o in options if o.error == error)
+        console.print(f"{names} infeasible: {error}", highlight=False)
+    console.print(_explain(best, options), highlight=False)
+
+
+app = typer.Typer(add_completion=False)
+app.command()(policy)

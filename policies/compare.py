@@ -1,0 +1,100 @@
+"""Every strategy at its classical and its model-optimal interval, side by side, and the pick."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from policies.costs import InfeasibleError, MeasuredCosts
+from policies.models import (
+    Strategy,
+    checkfreq_interval_steps,
+    daly_interval_s,
+    expected_waste,
+    optimal_interval_steps,
+    steps_for,
+    young_interval_s,
+)
+
+DAY_H = 24.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One strategy at one interval rule, with its expected waste (None when infeasible)."""
+
+    strategy: Strategy
+    rule: str
+    """How the interval was chosen: young, daly, checkfreq, optimal, or none (log-only)."""
+    interval_steps: int | None
+    step_s: float
+    waste_ratio: float | None
+    """Expected wasted seconds per productive second (``policies.models``)."""
+    error: str | None = None
+
+    @property
+    def interval_s(self) -> float | None:
+        return None if self.interval_steps is None else self.interval_steps * self.step_s
+
+    @property
+    def overhead_pct(self) -> float | None:
+        return None if self.waste_ratio is None else 100 * self.waste_ratio
+
+    @property
+    def wasted_h_per_day(self) -> float | None:
+        """Expected wasted hours in each day of wall-clock time: 24 w / (1 + w)."""
+        w = self.waste_ratio
+        return None if w is None else DAY_H if math.isinf(w) else DAY_H * w / (1 + w)
+
+    def to_dict(self) -> dict:
+        return {
+            "strategy": str(self.strategy), "rule": self.rule, "interval_steps": self.interval_steps,
+            "interval_s": self.interval_s, "waste_ratio": self.waste_ratio, "overhead_pct": self.overhead_pct,
+            "wasted_h_per_day": self.wasted_h_per_day, "error": self.error,
+        }
+
+
+def _classical(interval_s, costs: MeasuredCosts) -> int:
+    """A classical rule's interval (C = ``snapshot_s``) in steps; 1 step when snapshots are free."""
+    return steps_for(interval_s(costs.snapshot_s, costs.mtbf_s), costs.step_s) if costs.snapshot_s > 0 else 1
+
+
+def _option(strategy: Strategy, rule: str, costs: MeasuredCosts, choose, horizon_s: float) -> Option:
+    try:
+        k = choose()
+        waste = expected_waste(strategy, costs, interval_steps=k, horizon_s=horizon_s)
+    except InfeasibleError as exc:
+        return Option(strategy=strategy, rule=rule, interval_steps=None, step_s=costs.step_s, waste_ratio=None, error=str(exc))
+    return Option(strategy=strategy, rule=rule, interval_steps=k, step_s=costs.step_s, waste_ratio=waste)
+
+
+def compare(costs: MeasuredCosts, *, horizon_s: float, max_overhead: float = 0.035) -> list[Option]:
+    """The strategies at the intervals users pick today and at the model's optimum.
+
+    Full sync at Young's and Daly's intervals (C = ``snapshot_s``); full async at the CheckFreq
+    bound (``max_overhead``) and at its optimum; log-only over a run of ``horizon_s`` seconds of
+    training; the shadow at Young's interval (C = ``snapshot_s``) and at its optimum.
+    """
+    young = _classical(young_interval_s, costs)
+    choices = [
+        (Strategy.FULL_SYNC, "young", lambda: young),
+        (Strategy.FULL_SYNC, "daly", lambda: _classical(daly_interval_s, costs)),
+        (Strategy.FULL_ASYNC, "checkfreq", lambda: checkfreq_interval_steps(costs, max_overhead)),
+        (Strategy.FULL_ASYNC, "optimal", lambda: optimal_interval_steps(Strategy.FULL_ASYNC, costs)),
+        (Strategy.LOG_ONLY, "none", lambda: None),
+        (Strategy.SHADOW, "young", lambda: young),
+        (Strategy.SHADOW, "optimal", lambda: optimal_interval_steps(Strategy.SHADOW, costs)),
+    ]
+    return [_option(strategy, rule, costs, choose, horizon_s) for strategy, rule, choose in choices]
+
+
+def recommend(options: list[Option]) -> Option:
+    """The feasible option with the least expected waste.
+
+    Raises:
+        InfeasibleError: no option is feasible (the errors of each are joined).
+    """
+    feasible = [o for o in options if o.waste_ratio is not None]
+    if not feasible:
+        raise InfeasibleError("; ".join(f"{o.strategy}/{o.rule}: {o.error}" for o in options))
+    return min(feasible, key=lambda o: o.waste_ratio)

@@ -1,0 +1,206 @@
+"""Discrete-event Monte Carlo simulation of a long run with failures, for any strategy and interval.
+
+The simulated system is the one ``policies.models`` describes (see its module docstring), played
+out event by event: failures (exponential or Weibull inter-arrival times in wall-clock seconds,
+a renewal process started afresh with each run), recoveries that a failure restarts, steps,
+snapshot captures and the moments snapshots become durable. Between two failures the schedule is
+deterministic, so the simulator jumps from failure to failure and counts what completed in
+between. For the shadow it follows the running code: a snapshot is taken when the shadow has
+replayed a multiple of k steps, a failure kills the snapshot being written, and the catch-up
+replay during recovery takes the snapshots it passes again.
+
+Seeded: the i-th failure gap depends only on the seed, so intervals compared with one seed share
+their failures (common random numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies.costs import MeasuredCosts
+from policies.models import Strategy, check_background, check_shadow
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exponential:
+    """Memoryless failures: exponential inter-arrival times (constant failure rate)."""
+
+    def sample(self, rng: np.random.Generator, mean_s: float, size: int) -> np.ndarray:
+        return rng.exponential(mean_s, size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weibull:
+    """Weibull inter-arrival times with the given mean; ``shape`` < 1 gives bursts of failures
+    (infant mortality, as measured on large clusters), 1 is exponential."""
+
+    shape: float
+
+    def __post_init__(self) -> None:
+        if not self.shape > 0:
+            raise ValueError(f"shape must be > 0, got {self.shape!r}")
+
+    def sample(self, rng: np.random.Generator, mean_s: float, size: int) -> np.ndarray:
+        return mean_s / math.gamma(1 + 1 / self.shape) * rng.weibull(self.shape, size)
+
+
+FailureModel = Exponential | Weibull
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    """Totals over all simulated runs, in seconds."""
+
+    strategy: Strategy
+    interval_steps: int | None
+    runs: int
+    failures: int
+    useful_s: float
+    """Productive training: steps times ``step_s``."""
+    wall_s: float
+    """Wall-clock time of the runs, failures and recoveries included."""
+    charged_s: float
+    """Background snapshot seconds charged at ``background_weight``."""
+
+    @property
+    def waste_ratio(self) -> float:
+        """Wasted seconds per productive second: the quantity ``policies.models`` predicts."""
+        return (self.wall_s + self.charged_s - self.useful_s) / self.useful_s
+
+
+class _Gaps:
+    """The seeded stream of failure inter-arrival times, drawn in blocks."""
+
+    def __init__(self, failures: FailureModel, mean_s: float, seed: int) -> None:
+        self._failures, self._mean_s = failures, mean_s
+        self._rng = np.random.default_rng(seed)
+        self._block: list[float] = []
+
+    def __call__(self) -> float:
+        if not self._block:
+            self._block = self._failures.sample(self._rng, self._mean_s, 4096).tolist()[::-1]
+        return self._block.pop()
+
+
+@dataclass
+class _Run:
+    """What one run adds up; a strategy's run function fills it in."""
+
+    wall_s: float = 0.0
+    charged_s: float = 0.0
+    failures: int = 0
+
+
+def _run_checkpoints(costs: MeasuredCosts, k: int, steps: int, gaps: _Gaps, asynchronous: bool) -> _Run:
+    """Full-state checkpoints every k steps: each failure-free period yields the checkpoints that
+    became durable in it; the next period restarts from the last of them."""
+    blocking = costs.stall_s if asynchronous else costs.snapshot_s
+    persist = costs.snapshot_s if asynchronous else 0.0
+    charge = costs.background_weight * costs.snapshot_s if asynchronous else 0.0
+    segment_s = k * costs.step_s + blocking
+    run, done, offset = _Run(), 0, 0.0
+    while True:
+        gap, left = gaps(), steps - done
+        checkpoints_left = math.ceil(left / k) - 1
+        finish_s = offset + left * costs.step_s + checkpoints_left * blocking
+        if gap >= finish_s:
+            run.wall_s += finish_s
+            run.charged_s += checkpoints_left * charge
+            return run
+        run.wall_s += gap
+        run.failures += 1
+        run.charged_s += max(0, math.floor((gap - offset) / segment_s)) * charge
+        done += k * max(0, math.floor((gap - offset - persist) / segment_s))
+        offset = costs.downtime_s
+
+
+def _run_logged(costs: MeasuredCosts, k: int | None, steps: int, gaps: _Gaps) -> _Run:
+    """Every step logged; with k, a shadow snapshot every k steps (else log-only: replay from 0)."""
+    u, r, snap = costs.step_s + costs.log_append_s, costs.replay_step_s, costs.snapshot_s
+    charge = costs.background_weight * snap
+    run = _Run()
+    t, next_fail = 0.0, gaps()
+    n = durable = 0
+    pending: list[tuple[int, float]] = []  # (snapshot step, time it becomes durable)
+    while True:
+        finish = t + (steps - n) * u
+        if next_fail >= finish:
+            if k:
+                run.charged_s += charge * ((steps - 1) // k - n // k)
+            run.wall_s = finish
+            return run
+        failed_at = next_fail
+        reached = n + math.floor((failed_at - t) / u)
+        durable = max([durable] + [m for m, at in pending if at <= failed_at])
+        if k and reached // k > n // k:
+            last = reached // k * k
+            captured = reached // k - n // k - (failed_at < t + (last - n) * u + r)
+            run.charged_s += charge * captured
+            for m in range(last, n, -k):
+                if t + (m - n) * u + r + snap <= failed_at:
+                    durable = max(durable, m)
+                    break
+        n, t = reached, failed_at
+        run.failures += 1
+        next_fail = t + gaps()
+        while True:  # recovery: restart, load the durable snapshot, replay to n; a failure restarts it
+            catch_up = [(m, t + costs.downtime_s + (m - durable) * r) for m in _multiples(k, durable, n)]
+            end = t + costs.downtime_s + (n - durable) * r
+            if next_fail >= end:
+                run.charged_s += charge * len(catch_up)
+                pending = [(m, at + snap) for m, at in catch_up]
+                t = end
+                break
+            run.charged_s += charge * sum(at < next_fail for _, at in catch_up)
+            durable = max([durable] + [m for m, at in catch_up if at + snap <= next_fail])
+            t = next_fail
+            run.failures += 1
+            next_fail = t + gaps()
+
+
+def _multiples(k: int | None, after: int, upto: int) -> range:
+    """Multiples of k in (after, upto]; none without k."""
+    return range((after // k + 1) * k, upto + 1, k) if k else range(0)
+
+
+def simulate(strategy: Strategy, costs: MeasuredCosts, *, horizon_s: float, interval_steps: int | None = None,
+             runs: int = 1, failures: FailureModel = Exponential(), seed: int = 0) -> SimResult:
+    """Simulate ``runs`` runs of ``horizon_s`` seconds of productive training each.
+
+    ``interval_steps`` is required for every strategy but log-only. For a steady-state estimate of
+    an interval strategy use one long run (thousands of MTBFs); log-only depends on the run length,
+    so use many runs of the length of interest.
+
+    Raises:
+        ValueError: a missing interval, or ``horizon_s``/``runs`` not positive.
+        InfeasibleError: the strategy's constraints fail (as in ``policies.models``).
+    """
+    if not horizon_s > 0 or runs < 1:
+        raise ValueError(f"horizon_s must be > 0 and runs >= 1, got {horizon_s!r}, {runs!r}")
+    if strategy is not Strategy.LOG_ONLY and interval_steps is None:
+        raise ValueError(f"{strategy} needs interval_steps")
+    k = None if strategy is Strategy.LOG_ONLY else interval_steps
+    if strategy is Strategy.SHADOW:
+        check_shadow(costs, k)
+    elif strategy is Strategy.FULL_ASYNC:
+        check_background(costs, k)
+    elif strategy is Strategy.FULL_SYNC and k < 1:
+        raise ValueError(f"interval_steps must be >= 1, got {k}")
+    steps = max(1, round(horizon_s / costs.step_s))
+    gaps = _Gaps(failures, costs.mtbf_s, seed)
+    one_run: Callable[[], _Run] = {
+        Strategy.FULL_SYNC: lambda: _run_checkpoints(costs, k, steps, gaps, asynchronous=False),
+        Strategy.FULL_ASYNC: lambda: _run_checkpoints(costs, k, steps, gaps, asynchronous=True),
+        Strategy.LOG_ONLY: lambda: _run_logged(costs, None, steps, gaps),
+        Strategy.SHADOW: lambda: _run_logged(costs, k, steps, gaps),
+    }[strategy]
+    done = [one_run() for _ in range(runs)]
+    return SimResult(
+        strategy=strategy, interval_steps=k, runs=runs, failures=sum(d.failures for d in done),
+        useful_s=runs * steps * costs.step_s, wall_s=sum(d.wall_s for d in done),
+        charged_s=sum(d.charged_s for d in done),
+    )

@@ -1,0 +1,165 @@
+"""Cost models of the snapshot interval: classical formulas, closed-form waste, and the simulator."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from policies.costs import InfeasibleError, MeasuredCosts
+from policies.models import (
+    INTERVAL_STRATEGIES,
+    Strategy,
+    checkfreq_interval_steps,
+    daly_interval_s,
+    expected_waste,
+    min_background_steps,
+    optimal_interval_steps,
+    shadow_interval_steps,
+    waste_full_async,
+    waste_log_only,
+    waste_shadow,
+    young_interval_s,
+)
+from policies.simulate import Exponential, Weibull, simulate
+
+MIN, HOUR = 60.0, 3600.0
+
+
+def costs(**changes) -> MeasuredCosts:
+    base = dict(step_s=1.0, replay_step_s=0.3, snapshot_s=60.0, stall_s=6.0, restart_s=300.0, load_s=30.0,
+                mtbf_s=HOUR, log_append_s=0.001)
+    return MeasuredCosts(**{**base, **changes})
+
+
+@pytest.mark.parametrize("mtbf_s, daly_min, young_min", [(24 * HOUR, 117, 120.0), (6 * HOUR, 57, 60.0), (15 * MIN, 9.1, 12.25)])
+def test_young_and_daly_reproduce_dalys_worked_examples(mtbf_s, daly_min, young_min):
+    assert daly_interval_s(5 * MIN, mtbf_s) / MIN == pytest.approx(daly_min, abs=0.35)
+    assert young_interval_s(5 * MIN, mtbf_s) / MIN == pytest.approx(young_min, abs=0.01)
+
+
+def test_daly_is_capped_at_the_mtbf_and_approximates_the_exact_sync_optimum():
+    assert daly_interval_s(3 * HOUR, HOUR) == HOUR
+    for mtbf_s in (15 * MIN, 6 * HOUR, 24 * HOUR):
+        c = costs(snapshot_s=5 * MIN, mtbf_s=mtbf_s, restart_s=10 * MIN)
+        exact = optimal_interval_steps(Strategy.FULL_SYNC, c)
+        assert exact == pytest.approx(daly_interval_s(5 * MIN, mtbf_s), rel=0.005)
+
+
+def test_shadow_model_is_youngs_interval_when_replay_costs_a_step_and_close_to_the_exact_optimum():
+    slow_shadow = costs(replay_step_s=0.999999, mtbf_s=24 * HOUR)
+    assert shadow_interval_steps(slow_shadow) == round(young_interval_s(60.0, 24 * HOUR))
+    c = costs(mtbf_s=24 * HOUR)
+    assert shadow_interval_steps(c) == round(math.sqrt(2 * 60 * 24 * HOUR / 0.3))
+    assert optimal_interval_steps(Strategy.SHADOW, c) == pytest.approx(shadow_interval_steps(c), rel=0.05)
+
+
+def test_checkfreq_bounds_the_overhead_and_waits_for_the_previous_persist():
+    c = costs(stall_s=0.5, snapshot_s=2.0, background_weight=0.0)
+    assert checkfreq_interval_steps(c, 0.035) == math.ceil(0.5 / 0.035)  # 15 steps: stall / step <= 3.5%
+    assert checkfreq_interval_steps(costs(stall_s=0.0, snapshot_s=7.5, background_weight=0.0)) == 8
+    charged = costs(stall_s=0.5, snapshot_s=2.0, background_weight=1.0)
+    assert checkfreq_interval_steps(charged, 0.05) == 50  # (0.5 + 2.0) / (0.05 * 1.0)
+
+
+def test_the_model_optimum_beats_the_classical_interval_for_the_shadow():
+    c = costs()
+    young = round(young_interval_s(c.snapshot_s, c.mtbf_s) / c.step_s)
+    best = optimal_interval_steps(Strategy.SHADOW, c)
+    assert waste_shadow(c, best) < 0.97 * waste_shadow(c, young)
+    sim = {k: simulate(Strategy.SHADOW, c, interval_steps=k, horizon_s=2000 * c.mtbf_s, seed=3).waste_ratio for k in (best, young)}
+    assert sim[best] < sim[young]
+
+
+GRID = [
+    costs(mtbf_s=m, snapshot_s=s, stall_s=s / 10, load_s=s / 2, restart_s=r, replay_step_s=rp)
+    for m in (15 * MIN, HOUR, 6 * HOUR, 24 * HOUR)
+    for s, r, rp in ((300.0, 600.0, 0.2), (20.0, 60.0, 0.6))
+]
+
+
+@pytest.mark.parametrize("strategy", INTERVAL_STRATEGIES, ids=str)
+def test_analytic_waste_agrees_with_simulation_within_5_percent(strategy):
+    for c in GRID:
+        k = optimal_interval_steps(strategy, c)
+        for interval in (k, 2 * k):
+            predicted = expected_waste(strategy, c, interval_steps=interval)
+            sim = simulate(strategy, c, interval_steps=interval, horizon_s=8000 * c.mtbf_s, seed=11)
+            assert sim.failures > 6000
+            assert sim.waste_ratio == pytest.approx(predicted, rel=0.05), (c, interval)
+
+
+def test_log_only_analytic_waste_agrees_with_simulation_and_grows_with_the_run():
+    for c in GRID[::2]:
+        predicted = waste_log_only(c, 2 * c.mtbf_s)
+        sim = simulate(Strategy.LOG_ONLY, c, horizon_s=2 * c.mtbf_s, runs=6000, seed=5)
+        assert sim.waste_ratio == pytest.approx(predicted, rel=0.05), c
+        assert waste_log_only(c, 20 * c.mtbf_s) > 2 * predicted
+
+
+def test_weibull_failures_of_shape_one_are_exponential_and_burstier_failures_waste_less_here():
+    c = costs()
+    k = optimal_interval_steps(Strategy.FULL_SYNC, c)
+    runs = {name: simulate(Strategy.FULL_SYNC, c, interval_steps=k, horizon_s=4000 * c.mtbf_s, failures=f, seed=2).waste_ratio
+            for name, f in (("exp", Exponential()), ("w1", Weibull(shape=1.0)), ("w07", Weibull(shape=0.7)))}
+    assert runs["w1"] == pytest.approx(runs["exp"], rel=0.04)
+    # Clustered failures hit the job while it is already down: fewer distinct losses per failure.
+    assert runs["w07"] < 0.95 * runs["exp"]
+
+
+@pytest.mark.parametrize("strategy", INTERVAL_STRATEGIES, ids=str)
+def test_the_optimal_interval_minimises_simulated_waste(strategy):
+    """Common random numbers: every interval sees the same failures for a given seed."""
+    for c in (costs(), costs(step_s=2.0, replay_step_s=1.0, snapshot_s=20.0, stall_s=2.0, restart_s=60.0, mtbf_s=6 * HOUR)):
+        k = optimal_interval_steps(strategy, c)
+        seeds = range(8)
+        waste = {
+            f: np.array([simulate(strategy, c, interval_steps=round(f * k), horizon_s=1500 * c.mtbf_s, seed=s).waste_ratio
+                         for s in seeds])
+            for f in (0.5, 0.9, 1.0, 1.1, 2.0)
+        }
+        for f in (0.5, 0.9, 1.1, 2.0):
+            diff = waste[f] - waste[1.0]
+            se = diff.std(ddof=1) / math.sqrt(len(diff))
+            assert diff.mean() > -2 * se, (strategy, f, diff.mean(), se)
+            if f in (0.5, 2.0):
+                assert diff.mean() > 5 * se  # the test can tell intervals apart
+
+
+def test_infeasible_inputs_raise_an_error_that_says_what_to_change():
+    slow = costs(replay_step_s=1.2)
+    for call in (lambda: shadow_interval_steps(slow), lambda: optimal_interval_steps(Strategy.SHADOW, slow),
+                 lambda: waste_shadow(slow, 100), lambda: simulate(Strategy.SHADOW, slow, interval_steps=100, horizon_s=1e5)):
+        with pytest.raises(InfeasibleError, match=r"replay_step_s=1.2 s .* step_s=1 s: its lag grows without bound; make replay faster"):
+            call()
+    c = costs(snapshot_s=60.0)
+    assert min_background_steps(c) == 60
+    for call in (lambda: waste_full_async(c, 59), lambda: waste_shadow(c, 30)):
+        with pytest.raises(InfeasibleError, match="would not finish before the next; snapshot every >= 60 steps"):
+            call()
+    assert optimal_interval_steps(Strategy.FULL_ASYNC, costs(snapshot_s=600.0, mtbf_s=24 * HOUR)) >= 600
+    with pytest.raises(ValueError, match="max_overhead must be in"):
+        checkfreq_interval_steps(c, 0.0)
+    with pytest.raises(ValueError, match="pass horizon_s"):
+        expected_waste(Strategy.LOG_ONLY, c)
+    with pytest.raises(ValueError, match="pass interval_steps"):
+        expected_waste(Strategy.SHADOW, c)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("step_s", 0.0, "step_s must be > 0 seconds"),
+    ("restart_s", -1.0, "restart_s must be a finite number >= 0"),
+    ("mtbf_s", math.inf, "mtbf_s must be a finite number >= 0"),
+    ("background_weight", 1.5, r"background_weight must be in \[0, 1\]"),
+    ("accelerators", 0, "accelerators must be an integer >= 1"),
+])
+def test_costs_are_validated_with_errors_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        costs(**{field: value})
+
+
+def test_job_mtbf_from_accelerators():
+    c = MeasuredCosts.for_accelerators(accelerator_mtbf_s=16_384 * 3 * HOUR, accelerators=16_384, step_s=1.0,
+                                       replay_step_s=0.3, snapshot_s=10.0, restart_s=60.0, load_s=5.0)
+    assert (c.mtbf_s, c.accelerators, c.failure_rate_per_s, c.downtime_s) == (3 * HOUR, 16_384, 1 / (3 * HOUR), 65.0)
