@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.config import FailureSpec, JobConfig
+from orchestrator.policy_cli import policy
 from training.model import MODEL_NAMES, default_cache_dir
 
 app = typer.Typer(
@@ -94,6 +95,8 @@ def run(
         typer.echo("error: recovery was not exact (see summary.json)", err=True)
         raise typer.Exit(3)
 
+
+app.command()(policy)
 
 if __name__ == "__main__":
     app()

@@ -97,7 +97,7 @@ def policy(
     gpu_mtbf: Annotated[str | None, typer.Option(help="MTBF of one accelerator (job MTBF = this / --gpus), e.g. 2000d.")] = None,
     background_weight: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of background snapshot time charged as waste.")] = 1.0,
     horizon: Annotated[str, typer.Option(help="Training time of the run (log-only waste grows with it).")] = "7d",
-    max_overhead: Annotated[float, typer.Option(help="CheckFreq overhead bound, percent.")] = 3.5,
+    max_overhead: Annotated[float, typer.Option(min=0.01, max=99.0, help="CheckFreq overhead bound, percent.")] = 3.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Expected wasted time of each snapshot strategy at classical and model-optimal intervals, and the pick."""

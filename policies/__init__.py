@@ -1,0 +1,10 @@
+"""Snapshot policies: pure decisions over measured costs and step counts (no Ray, no I/O).
+
+- ``costs``: the measured costs (``MeasuredCosts``) and ``InfeasibleError``.
+- ``models``: Young, Daly, CheckFreq-style and shadow-snapshot intervals; closed-form expected waste
+  of each strategy; the model-optimal interval.
+- ``simulate``: seeded discrete-event Monte Carlo of long runs with failures.
+- ``compare``: every strategy at classical and optimal intervals, and the recommendation.
+- ``replan``: robust online estimates and a re-planner with hysteresis.
+- ``interval``: ``FixedInterval`` and ``AdaptiveInterval``, which the shadow asks ``due(...)``.
+"""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.costs import InfeasibleError, MeasuredCosts
@@ -54,12 +55,12 @@ class Option:
         }
 
 
-def _classical(interval_s, costs: MeasuredCosts) -> int:
+def _classical(rule: Callable[[float, float], float], costs: MeasuredCosts) -> int:
     """A classical rule's interval (C = ``snapshot_s``) in steps; 1 step when snapshots are free."""
-    return steps_for(interval_s(costs.snapshot_s, costs.mtbf_s), costs.step_s) if costs.snapshot_s > 0 else 1
+    return steps_for(rule(costs.snapshot_s, costs.mtbf_s), costs.step_s) if costs.snapshot_s > 0 else 1
 
 
-def _option(strategy: Strategy, rule: str, costs: MeasuredCosts, choose, horizon_s: float) -> Option:
+def _option(strategy: Strategy, rule: str, costs: MeasuredCosts, choose: Callable[[], int | None], horizon_s: float) -> Option:
     try:
         k = choose()
         waste = expected_waste(strategy, costs, interval_steps=k, horizon_s=horizon_s)

@@ -138,9 +138,9 @@ def checkfreq_interval_steps(costs: MeasuredCosts, max_overhead: float = 0.035) 
     Source: J. Mohan, A. Phanishayee, V. Chidambaram, "CheckFreq: Frequent, Fine-Grained DNN
     Checkpointing", FAST'21, its checkpoint-frequency policy: choose the frequency from profiled
     iteration and checkpoint times so that the overhead stays under a target p (3.5% there), and
-    never start a checkpoint before the previous persist is done. CheckFreq measures the overhead as the
-    iterations' slowdown, which includes the persist's interference; here a snapshot costs its
-    stall c plus the charged background time w P, so (c + w P) / (k step_s) <= p gives
+    never start a checkpoint before the previous persist is done. CheckFreq measures the overhead
+    as the iterations' slowdown, which includes the persist's interference; here a snapshot costs
+    its stall c plus the charged background time w P, so (c + w P) / (k step_s) <= p gives
     k >= (c + w P) / (p step_s); the persist must also fit in k steps, k >= P / step_s.
 
     Raises:
@@ -317,11 +317,9 @@ def optimal_interval_steps(strategy: Strategy, costs: MeasuredCosts) -> int:
     """
     if strategy not in INTERVAL_STRATEGIES:
         raise ValueError(f"{strategy} has no snapshot interval")
-    lo = 1
     if strategy is Strategy.SHADOW:
         check_shadow(costs)
-    if strategy is not Strategy.FULL_SYNC:
-        lo = min_background_steps(costs)
+    lo = 1 if strategy is Strategy.FULL_SYNC else min_background_steps(costs)
     hi = max(lo, math.ceil(50 * costs.mtbf_s / costs.step_s))
     waste = _WASTE[strategy]
     while hi - lo > 2:

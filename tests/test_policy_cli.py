@@ -1,0 +1,96 @@
+"""``raycheck policy`` and the scale study."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.policy_cli import app, format_duration, parse_duration
+from policies.costs import MeasuredCosts
+from policies.models import Strategy, optimal_interval_steps
+
+ARGS = ["--step-time", "5.6s", "--replay-time", "1s", "--snapshot-time", "930ms", "--stall-time", "60ms",
+        "--restart-time", "1min", "--load-time", "1s", "--log-time", "76us"]
+
+
+@pytest.mark.parametrize("text, seconds", [("1.2s", 1.2), ("250ms", 0.25), ("5min", 300.0), ("3h", 10800.0),
+                                           ("2d", 172800.0), ("80us", 8e-5), ("1e3ms", 1.0), (" 2 H ", 7200.0)])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["1.2", "3 hours", "-1s", "", "h"])
+def test_parse_duration_rejects_text_without_a_known_unit(text):
+    with pytest.raises(ValueError, match="is not a duration: write a number and a unit"):
+        parse_duration(text)
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (0.25, 42.0, 336.0, 10800.0, 1.5 * 86400)] == ["250 ms", "42 s", "5.6 min", "3 h", "1.5 d"]
+
+
+def test_policy_table_recommends_the_shadow_at_its_optimum():
+    result = CliRunner().invoke(app, [*ARGS, "--mtbf", "3h"])
+    assert result.exit_code == 0, result.output
+    costs = MeasuredCosts(step_s=5.6, replay_step_s=1.0, snapshot_s=0.93, stall_s=0.06, restart_s=60.0, load_s=1.0,
+                          log_append_s=76e-6, mtbf_s=10800.0)
+    k = optimal_interval_steps(Strategy.SHADOW, costs)
+    shadow_row = next(line for line in result.output.splitlines() if "shadow" in line and "optimal" in line)
+    assert f" {k} " in shadow_row and "recommended" in shadow_row
+    assert f"recommended: shadow (optimal interval, every {k} steps" in result.output
+    assert "full-sync at " in result.output and "daly" in result.output and "checkfreq" in result.output
+
+
+def test_policy_json_for_scripts_with_accelerator_mtbf():
+    result = CliRunner().invoke(app, [*ARGS, "--gpus", "16384", "--gpu-mtbf", "2048d", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["costs"]["mtbf_s"] == pytest.approx(3 * 3600) and out["costs"]["accelerators"] == 16384
+    assert [(o["strategy"], o["rule"]) for o in out["options"]] == [
+        ("full-sync", "young"), ("full-sync", "daly"), ("full-async", "checkfreq"), ("full-async", "optimal"),
+        ("log-only", "none"), ("shadow", "young"), ("shadow", "optimal")]
+    best = out["recommended"]
+    assert (best["strategy"], best["rule"]) == ("shadow", "optimal")
+    assert best["overhead_pct"] == min(o["overhead_pct"] for o in out["options"] if o["overhead_pct"] is not None)
+    assert best["wasted_h_per_day"] == pytest.approx(24 * best["waste_ratio"] / (1 + best["waste_ratio"]))
+
+
+def test_policy_reports_an_infeasible_shadow_and_recommends_something_else():
+    args = [a if a != "1s" else "6s" for a in ARGS]  # replay slower than a step
+    result = CliRunner().invoke(app, [*args, "--mtbf", "3h", "--json"])
+    out = json.loads(result.output)
+    shadow = [o for o in out["options"] if o["strategy"] == "shadow"]
+    assert all(o["waste_ratio"] is None and "lag grows without bound" in o["error"] for o in shadow)
+    assert out["recommended"]["strategy"] in ("full-sync", "full-async")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--mtbf", "3"], "is not a duration"),
+    (["--mtbf", "3h", "--gpu-mtbf", "100d"], "give the job's --mtbf, or --gpus"),
+    ([], "give the job's --mtbf, or --gpus"),
+])
+def test_policy_rejects_bad_flags_with_a_clear_error(extra, message):
+    result = CliRunner().invoke(app, [*ARGS, *extra])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_scale_study_writes_the_table_and_the_plot(tmp_path, capsys):
+    from experiments.scale_study import STUDIED, main
+
+    rows = main(["--out", str(tmp_path), "--accelerators", "1024", "16384", "--models", "7", "--sim-mtbfs", "1500"])
+    with (tmp_path / "scale_study.csv").open() as fh:
+        table = list(csv.DictReader(fh))
+    assert len(table) == len(rows) == 2 * len(STUDIED)
+    assert (tmp_path / "scale_study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    waste = {(int(r["accelerators"]), r["strategy"], r["rule"]): float(r["simulated_pct"]) for r in table}
+    for n in (1024, 16384):
+        assert waste[n, "shadow", "optimal"] < waste[n, "shadow", "young"] < waste[n, "full-sync", "daly"]
+        assert waste[n, "log-only", "none"] > waste[n, "full-sync", "daly"]
+    assert all(waste[16384, s, r] > 3 * waste[1024, s, r] for s, r in STUDIED)
+    for r in table:
+        assert float(r["simulated_pct"]) == pytest.approx(float(r["analytic_pct"]), rel=0.1)
+    assert "shadow" in capsys.readouterr().out
