@@ -23,11 +23,9 @@ def cluster():
 
 
 def job(tmp_path_factory, name: str, failures: str = "", **kw) -> dict:
-    cfg = JobConfig(
-        out_dir=str(tmp_path_factory.mktemp(name)), cache_dir=str(default_cache_dir()), model="tiny", steps=12,
-        batch_size=8, seq_len=32, lr=1e-4, eval_samples=16, hash_every=2, snapshot_every=3, run_id=name,
-        failures=tuple(FailureSpec.parse(f) for f in failures.split()), **kw,
-    )
+    settings = dict(model="tiny", steps=12, batch_size=8, seq_len=32, lr=1e-4, eval_samples=16, hash_every=2,
+                    snapshot_every=3, run_id=name, failures=tuple(FailureSpec.parse(f) for f in failures.split()))
+    cfg = JobConfig(out_dir=str(tmp_path_factory.mktemp(name)), cache_dir=str(default_cache_dir()), **{**settings, **kw})
     summary = Controller(cfg, echo=lambda _: None).run()
     assert summary["ok"], summary["error"]
     return summary
