@@ -1,8 +1,12 @@
 """The snapshot persister: writes shadow images to storage on its own thread, never blocking anyone.
 
-``SnapshotPersister`` is the plain logic (tested without Ray); ``PersisterActor`` is its Ray shell.
+``SnapshotPersister`` is the plain logic (tested without Ray); ``PersisterActor`` is its Ray shell,
+which also mirrors the step log to remote storage as segments (``storage.log_segments``).
+
 Backpressure: one image is written at a time and at most one waits; a newer image replaces a waiting
-one (counted in ``superseded``), so memory stays bounded when storage is slower than the interval.
+one (counted in ``superseded``), so memory stays bounded however slow storage is. A failed write is
+counted and surfaced (``failed``, ``last_error``); the snapshot is simply not committed, so the
+previous one stays the restore point.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from storage.log_segments import SegmentMirror
 from storage.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -31,6 +36,7 @@ class SnapshotPersister:
         self._cond = threading.Condition()
         self._waiting: tuple[int, Mapping[str, np.ndarray]] | None = None
         self._writing = False
+        self.last_submitted_step: int | None = None
         self.last_durable_step: int | None = None
         self.written = 0
         self.superseded = 0
@@ -46,6 +52,7 @@ class SnapshotPersister:
             if self._waiting is not None:
                 self.superseded += 1
             self._waiting = (step, state)
+            self.last_submitted_step = step
             self._cond.notify_all()
 
     def _run(self) -> None:
@@ -61,7 +68,7 @@ class SnapshotPersister:
                 with self._cond:
                     self.last_durable_step = step
                     self.written += 1
-                    self.bytes_written += sum(f["bytes"] for f in info.manifest["files"].values())
+                    self.bytes_written += info.bytes
             except Exception as exc:  # counted and surfaced through status(); the thread keeps going
                 log.exception("persisting snapshot of step %d failed", step)
                 with self._cond:
@@ -77,6 +84,7 @@ class SnapshotPersister:
     def status(self) -> dict:
         with self._cond:
             return {
+                "last_submitted_step": self.last_submitted_step,
                 "last_durable_step": self.last_durable_step,
                 "written": self.written,
                 "superseded": self.superseded,
@@ -97,7 +105,42 @@ class SnapshotPersister:
 
 
 class PersisterActor(SnapshotPersister):
-    """Ray shell: ``ray.remote(PersisterActor).options(num_cpus=0, max_concurrency=4, name=...)``."""
+    """Ray shell: ``ray.remote(PersisterActor).options(num_cpus=0, max_concurrency=4, name=...)``.
 
-    def __init__(self, snapshot_dir: str, keep_last: int = 3) -> None:
-        super().__init__(SnapshotStore(snapshot_dir, keep_last=keep_last))
+    Args:
+        store: where snapshots go.
+        log_path: the local step log to mirror into ``store``'s storage as segments (None: do not
+            mirror, e.g. when the store is on the same disk as the log).
+        mirror_every_s: how often the mirror uploads new records.
+    """
+
+    def __init__(self, store: SnapshotStore, log_path: str | None = None, mirror_every_s: float = 2.0) -> None:
+        super().__init__(store)
+        self.mirror = SegmentMirror(store.storage, log_path, max_age_s=mirror_every_s) if log_path else None
+        self.mirror_error: str | None = None
+        if self.mirror is not None:
+            threading.Thread(target=self._mirror_loop, args=(mirror_every_s,), name="log-mirror", daemon=True).start()
+
+    def _mirror_loop(self, every_s: float) -> None:
+        while True:
+            time.sleep(every_s)
+            self._sync_log(final=False)
+
+    def _sync_log(self, final: bool) -> None:
+        try:
+            self.mirror.sync(final=final)
+            self.mirror_error = None
+        except Exception as exc:  # surfaced through status(); retried on the next round
+            log.warning("mirroring the step log failed: %s", exc)
+            self.mirror_error = f"{type(exc).__name__}: {exc}"
+
+    def status(self) -> dict:
+        status = super().status()
+        if self.mirror is not None:
+            status.update(log_mirrored_steps=self.mirror.mirrored, log_mirror_error=self.mirror_error)
+        return status
+
+    def flush(self, timeout_s: float) -> dict:
+        if self.mirror is not None:
+            self._sync_log(final=True)
+        return super().flush(timeout_s)

@@ -109,7 +109,7 @@ class ShadowSpec:
     model: str
     cache_dir: str
     log_path: str
-    snapshot_dir: str
+    store: SnapshotStore
     persister_name: str | None
     snapshot_every_steps: int
     hash_every: int = 0
@@ -128,9 +128,8 @@ class ShadowActor:
         self.spec = spec
         self.started_unix_s = time.time()
         params = trainable_parameters(load_model(spec.model, spec.cache_dir))
-        store = SnapshotStore(spec.snapshot_dir)
         try:
-            info, state = store.load_latest()
+            info, state, _ = spec.store.load_latest()
             load_into(params, state)
             self.base = {"source": "snapshot", "step": info.step}
         except NoSnapshotError:
@@ -140,13 +139,13 @@ class ShadowActor:
         self.last_snapshot_step = self.base["step"]
         self.snapshots_sent = 0
         self.error: str | None = None
+        self.persister = ray.get_actor(spec.persister_name) if spec.persister_name else None
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="shadow-replay", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        persister = ray.get_actor(self.spec.persister_name) if self.spec.persister_name else None
         try:
             while not self._stop:
                 with self._cond:
@@ -157,9 +156,8 @@ class ShadowActor:
                         image = (self.replayer.step, copy_state(self.replayer.params))
                         self.last_snapshot_step = self.replayer.step
                     self._cond.notify_all()
-                if image and persister is not None:
-                    persister.submit.remote(*image)
-                    self.snapshots_sent += 1
+                if image:
+                    self._send(image)
                 if not progressed:
                     time.sleep(self.spec.poll_interval_s)
         except Exception as exc:  # surfaced through status() and image(); never dies silently
@@ -167,6 +165,24 @@ class ShadowActor:
             with self._cond:
                 self.error = f"{type(exc).__name__}: {exc}"
                 self._cond.notify_all()
+
+    def _send(self, image: tuple) -> None:
+        if self.persister is not None:
+            self.persister.submit.remote(*image)
+            self.snapshots_sent += 1
+
+    def snapshot_now(self) -> int:
+        """Hand the current state to the persister now (e.g. the final state); returns its step."""
+        with self._cond:
+            image = (self.replayer.step, copy_state(self.replayer.params))
+            self.last_snapshot_step = self.replayer.step
+        self._send(image)
+        return image[0]
+
+    def set_interval(self, every_steps: int) -> None:
+        """Follow a new snapshot interval (the controller's cost-model plan), in steps."""
+        with self._cond:
+            self.policy = FixedInterval(every_steps=every_steps)
 
     def status(self) -> dict:
         """Step, log end, lag (steps), replay seconds per step, base of this incarnation, error if any."""
@@ -180,6 +196,7 @@ class ShadowActor:
                 "replay_seconds_per_step": r.replay_seconds / r.replayed if r.replayed else None,
                 "base": self.base,
                 "snapshots_sent": self.snapshots_sent,
+                "snapshot_every_steps": self.policy.every_steps,
                 "started_unix_s": self.started_unix_s,
                 "error": self.error,
             }

@@ -12,7 +12,8 @@ from typing import Annotated
 import typer
 
 from orchestrator.config import FailureSpec, JobConfig
-from orchestrator.policy_cli import policy
+from orchestrator.policy_cli import parse_duration, policy
+from orchestrator.storage_cli import inspect, verify
 from training.model import MODEL_NAMES, default_cache_dir
 
 app = typer.Typer(
@@ -27,12 +28,11 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log deb
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-def _storage_path(uri: str) -> str:
-    if uri.startswith("file://"):
-        return uri.removeprefix("file://")
-    if "://" in uri:
-        raise typer.BadParameter(f"{uri!r}: only local paths or file:// URIs are supported so far")
-    return uri
+def _storage_uri(uri: str) -> str:
+    """A local path made absolute; URIs as given."""
+    if not uri or ("://" in uri and not uri.startswith("file://")):
+        return uri
+    return str(pathlib.Path(uri.removeprefix("file://")).resolve())
 
 
 @app.command()
@@ -51,9 +51,12 @@ def run(
         list[str],
         typer.Option(help="Inject a failure: STEP[:TARGET[:HOW]], TARGET worker|shadow|both, HOW exit|raise|sigkill. Repeatable."),
     ] = [],
-    snapshot_every: Annotated[int, typer.Option(min=0, help="Shadow snapshot interval in steps (0: log only).")] = 10,
+    snapshot_every: Annotated[int, typer.Option(min=0, help="Fixed shadow snapshot interval in steps (0: log only).")] = 10,
+    snapshot_policy: Annotated[str, typer.Option(help="fixed (--snapshot-every) or adaptive (cost model, re-planned from measured costs).")] = "fixed",
+    mtbf: Annotated[str, typer.Option(help="Assumed job MTBF for the adaptive policy, e.g. 30min, 3h.")] = "1h",
     keep_snapshots: Annotated[int, typer.Option(min=1, help="Complete snapshots to keep.")] = 3,
-    storage: Annotated[str, typer.Option(help="Snapshot storage: a local path or file:// URI. Default: <out>/snapshots.")] = "",
+    storage: Annotated[str, typer.Option(help="Snapshot storage: a path, file://PATH or s3://BUCKET/PREFIX. Default: <out>/snapshots.")] = "",
+    s3_endpoint: Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL; keys from $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY).")] = "",
     out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
@@ -70,7 +73,9 @@ def run(
             out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=model, steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
             workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
-            keep_snapshots=keep_snapshots, snapshot_dir=str(pathlib.Path(_storage_path(storage)).resolve()) if storage else "",
+            snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
+            keep_snapshots=keep_snapshots, storage=_storage_uri(storage),
+            storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
             eval_samples=eval_samples, hash_every=hash_every, run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:
@@ -94,9 +99,19 @@ def run(
     if summary["lost_steps"] or not summary["shadow_equal"] or summary["bitwise_equal"] is False:
         typer.echo("error: recovery was not exact (see summary.json)", err=True)
         raise typer.Exit(3)
+    snaps = summary["snapshots"]
+    if snaps["last_durable_step"] != snaps["last_submitted_step"]:
+        typer.echo(
+            f"error: the last snapshot (step {snaps['last_submitted_step']}) was not persisted ({snaps['last_error']}); "
+            f"the last durable snapshot is step {snaps['last_durable_step']}, and the step log holds every step",
+            err=True,
+        )
+        raise typer.Exit(4)
 
 
 app.command()(policy)
+app.command()(inspect)
+app.command()(verify)
 
 if __name__ == "__main__":
     app()

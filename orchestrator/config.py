@@ -9,11 +9,13 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from storage.backend import Storage
+from storage.snapshots import SnapshotStore
 from training.model import MODEL_NAMES
 
-FailureTarget = Literal["worker", "shadow", "both"]
+FailureTarget = Literal["worker", "shadow", "both", "corrupt"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
-TARGETS = ("worker", "shadow", "both")
+TARGETS = ("worker", "shadow", "both", "corrupt")
 HOWS = ("exit", "raise", "sigkill", "torn")
 
 
@@ -24,7 +26,8 @@ class FailureSpec:
     Attributes:
         step: 0-based step during which the failure happens.
         target: ``worker`` (a train worker dies), ``shadow`` (the shadow replayer is killed), or
-            ``both`` (the shadow is killed, then a worker dies: recovery must use storage + log tail).
+            ``both`` (the shadow is killed, then a worker dies: recovery must use storage + log tail),
+            or ``corrupt`` (one byte of the newest committed snapshot is flipped; nothing dies).
         how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (an exception), ``sigkill``, or
             ``torn`` (rank 0 dies half-way through writing a step log record: a torn tail).
     """
@@ -70,10 +73,19 @@ class JobConfig:
     torch_threads: int = 1
     """Torch threads per worker, fixed so forward passes are reproducible across restarts."""
     snapshot_every: int = 10
-    """Shadow snapshot interval in steps (0: log-only)."""
+    """Fixed shadow snapshot interval in steps (0: log-only); ignored when ``snapshot_policy`` is adaptive."""
+    snapshot_policy: str = "fixed"
+    """``fixed`` (every ``snapshot_every`` steps) or ``adaptive`` (the cost model's optimum for the
+    costs measured while the job runs, re-planned as they change: ``policies.replan``)."""
+    mtbf_s: float = 3600.0
+    """Assumed mean time between failures of the job, seconds, for the adaptive policy (refined by
+    the failures it sees)."""
     keep_snapshots: int = 3
-    snapshot_dir: str = ""
-    """Snapshot folder; empty means ``<out_dir>/snapshots``."""
+    storage: str = ""
+    """Snapshot storage URI (a path, ``file://``, ``s3://bucket/prefix``); empty: ``<out_dir>/snapshots``."""
+    storage_options: dict = field(default_factory=dict)
+    """Backend options, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``; credentials come from the
+    standard AWS environment variables."""
     failures: tuple[FailureSpec, ...] = ()
     eval_samples: int = 200
     """Held-out snippets scored before and after training (0 skips evaluation)."""
@@ -92,13 +104,17 @@ class JobConfig:
         for name in ("steps", "batch_size", "seq_len", "workers", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"snapshot_policy {self.snapshot_policy!r}: choose fixed or adaptive")
+        if not self.mtbf_s > 0:
+            raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         if self.batch_size % self.workers:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers})")
         for f in self.failures:
             if f.step >= self.steps:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
-        if not self.snapshot_dir:
-            object.__setattr__(self, "snapshot_dir", str(pathlib.Path(self.out_dir) / "snapshots"))
+        if not self.storage:
+            object.__setattr__(self, "storage", str(pathlib.Path(self.out_dir) / "snapshots"))
 
     def trajectory_sha256(self) -> str:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs."""
@@ -116,6 +132,15 @@ class JobConfig:
 
     def replace(self, **changes) -> "JobConfig":
         return dataclasses.replace(self, **changes)
+
+    def snapshot_store(self) -> SnapshotStore:
+        """The run's snapshot store (built fresh: safe to call in any process)."""
+        return SnapshotStore(Storage(self.storage, **self.storage_options), keep_last=self.keep_snapshots)
+
+    @property
+    def remote_storage(self) -> bool:
+        """True when snapshots leave this machine (the step log is then mirrored there too)."""
+        return "://" in self.storage and not self.storage.startswith("file://")
 
     @property
     def shadow_name(self) -> str:

@@ -28,6 +28,7 @@ from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
 from orchestrator.cluster import connect
 from orchestrator.config import JobConfig
+from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowKeeper
 from orchestrator.summary import recoveries, write_metrics, write_summary
@@ -95,19 +96,21 @@ class Controller:
         self.phase = Phase.STARTING
         self.shadow_lag: dict[int, int] = {}
         self.shadow: ShadowKeeper | None = None
+        self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" else None
+        self.snapshot_interval: dict[int, int] = {}
         self._printed_steps = 0
         self._seen_events = 0
 
     def _start_persister(self):
         return ray.remote(PersisterActor).options(
             name=self.cfg.persister_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4
-        ).remote(self.cfg.snapshot_dir, self.cfg.keep_snapshots)
+        ).remote(self.cfg.snapshot_store(), str(self.run_dir.step_log) if self.cfg.remote_storage else None)
 
     def _shadow_spec(self) -> ShadowSpec:
         return ShadowSpec(
             model=self.cfg.model, cache_dir=self.cfg.cache_dir, log_path=str(self.run_dir.step_log),
-            snapshot_dir=self.cfg.snapshot_dir, persister_name=self.cfg.persister_name,
-            snapshot_every_steps=self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
+            store=self.cfg.snapshot_store(), persister_name=self.cfg.persister_name,
+            snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
         )
 
     # -- monitoring ---------------------------------------------------------------------------
@@ -115,7 +118,7 @@ class Controller:
         """Print new events and steps; returns (worker failures, recoveries) so far."""
         events = self.run_dir.read(self.run_dir.events)
         for e in events[self._seen_events:]:
-            fields = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "unix_s", "worker_start_unix_s"))
+            fields = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "unix_s", "worker_start_unix_s", "inputs"))
             self.echo(f"[raycheck] {e['kind']}: {fields}")
         self._seen_events = len(events)
         rows = self.run_dir.read(self.run_dir.metrics)
@@ -123,12 +126,27 @@ class Controller:
         for r in rows[self._printed_steps:]:
             lag = max(0, r["step"] + 1 - shadow_step)
             self.shadow_lag.setdefault(r["step"], lag)
+            self._plan(r, events)
             self.echo(
                 f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
                 f"log append {r['log_append_seconds'] * 1e3:.2f} ms  shadow lag {lag} steps"
             )
         self._printed_steps = len(rows)
         return worker_failures_and_recoveries(events)
+
+    def _plan(self, row: dict, events: list[dict]) -> None:
+        """Feed the cost-model policy with this step's measurements; apply and record a re-plan."""
+        if self.planner is None:
+            self.snapshot_interval[row["step"]] = self.cfg.snapshot_every
+            return
+        persister = ray.get(self.persister.status.remote(), timeout=30)
+        failures, _ = worker_failures_and_recoveries(events)
+        record = self.planner.observe(row["step"], row, self.shadow.status, persister, recoveries(events), failures,
+                                      elapsed_s=row["unix_s"] - self.t_start)
+        if record is not None:
+            self.shadow.set_interval(record.interval_steps)
+            self.run_dir.event("replan", **record.to_dict())
+        self.snapshot_interval[row["step"]] = self.planner.every_steps
 
     def _recovery_pending(self) -> bool:
         """True while a worker failure has no recovery yet (read fresh from the event stream)."""
@@ -150,12 +168,12 @@ class Controller:
 
     def run(self) -> dict:
         cfg, run = self.cfg, self.run_dir
-        t_start = time.time()
+        self.t_start = t_start = time.time()
         run.root.mkdir(parents=True, exist_ok=True)
         self.echo(f"[raycheck] preparing {cfg.model} (first use converts it once) in {run.root}")
         prepare(cfg, run)
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
-        persister = self._start_persister()
+        self.persister = persister = self._start_persister()
         self.shadow = ShadowKeeper(cfg, run, self._shadow_spec())
         self.shadow.start()
         self.shadow.wait_ready(timeout_s=300)
@@ -193,9 +211,12 @@ class Controller:
         if outcome.get("ok"):
             shadow_sha = self.shadow.call("state_sha256", cfg.steps, cfg.recovery_timeout_s, timeout_s=cfg.recovery_timeout_s + 30)
             self.shadow.status = self.shadow.call("status", timeout_s=60)
+            if cfg.snapshot_every and self.shadow.status["step"] > (ray.get(persister.status.remote())["last_submitted_step"] or 0):
+                self.shadow.call("snapshot_now", timeout_s=600)  # the final state, so storage ends complete
         persisted = ray.get(persister.flush.remote(600))
         shadow_hashes = self.shadow.call("hashes", timeout_s=60)
-        rows = write_metrics(run, self.shadow_lag, run.root / "metrics.parquet")
+        rows = write_metrics(run, {"shadow_lag_steps": self.shadow_lag, "snapshot_interval_steps": self.snapshot_interval},
+                             run.root / "metrics.parquet")
         recs = recoveries(events)
         step_s = [r["step_seconds"] for r in rows]
         summary = {
@@ -221,6 +242,8 @@ class Controller:
             "shadow_hashes": {str(k): v for k, v in sorted(shadow_hashes.items())},
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
             "snapshots": persisted,
+            "snapshot_policy": cfg.snapshot_policy,
+            "replans": [e for e in events if e["kind"] == "replan"],
             "wall_seconds": time.time() - t_start,
             "trajectory_sha256": cfg.trajectory_sha256(),
             "config": cfg.to_dict(),
@@ -255,6 +278,6 @@ def reference(cfg: JobConfig, echo: Callable[[str], None] = print) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     echo(f"[raycheck] running the failure-free reference in {out}")
     ref_cfg = cfg.replace(
-        out_dir=str(out), snapshot_dir="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref"
+        out_dir=str(out), storage="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref"
     )
     return Controller(ref_cfg, echo).run()

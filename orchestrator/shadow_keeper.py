@@ -9,6 +9,7 @@ was at the failure, and a new incarnation starts from the newest snapshot plus t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -71,6 +72,11 @@ class ShadowKeeper:
             self.restarts.append(restart)
             self.run.event("shadow_restart", **restart)
             self._dead_since = None
+
+    def set_interval(self, every_steps: int) -> None:
+        """Apply a new snapshot interval now and to every later incarnation."""
+        self.spec = dataclasses.replace(self.spec, snapshot_every_steps=every_steps)
+        self.actor.set_interval.remote(every_steps)
 
     def call(self, method: str, *args, timeout_s: float):
         """Call ``method`` on the current incarnation and wait for the result."""

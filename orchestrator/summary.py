@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from orchestrator.run_dir import RunDir
 
-METRIC_COLUMNS = ("step", "loss", "step_seconds", "log_append_seconds", "shadow_lag_steps")
+METRIC_COLUMNS = ("step", "loss", "step_seconds", "log_append_seconds", "shadow_lag_steps", "snapshot_interval_steps")
 
 
 def recoveries(events: list[dict]) -> list[dict]:
@@ -21,6 +21,8 @@ def recoveries(events: list[dict]) -> list[dict]:
             last_failure = e
         elif e["kind"] == "recovery":
             row = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
+            if e.get("skipped"):
+                row["skipped"] = e["skipped"]
             row["load_seconds"] = e["seconds"]
             if last_failure is not None:
                 row["seconds"] = e["unix_s"] - last_failure["unix_s"]
@@ -30,11 +32,12 @@ def recoveries(events: list[dict]) -> list[dict]:
     return out
 
 
-def write_metrics(run: RunDir, shadow_lag: dict[int, int], path: pathlib.Path) -> list[dict]:
-    """One row per executed step (the last execution if a step ran twice) as Parquet; returns the rows."""
+def write_metrics(run: RunDir, per_step: dict[str, dict[int, int]], path: pathlib.Path) -> list[dict]:
+    """One row per executed step (the last execution if a step ran twice) as Parquet, with the
+    controller's per-step columns ``per_step`` (column -> step -> value) added; returns the rows."""
     rows: dict[int, dict] = {}
     for r in run.read(run.metrics):
-        rows[r["step"]] = {**r, "shadow_lag_steps": shadow_lag.get(r["step"])}
+        rows[r["step"]] = {**r, **{col: values.get(r["step"]) for col, values in per_step.items()}}
     ordered = [rows[k] for k in sorted(rows)]
     columns = list(METRIC_COLUMNS) + sorted({k for r in ordered for k in r} - set(METRIC_COLUMNS))
     table = pa.table({c: [r.get(c) for r in ordered] for c in columns})

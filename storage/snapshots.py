@@ -1,47 +1,55 @@
-"""Snapshots on local disk: safetensors shard + manifest written last, verified before trust.
+"""Snapshots: safetensors shards by unit, a manifest written last, an index updated before deletion.
 
-Layout under ``root``::
+Layout under a ``Storage`` root::
 
+    index.json                         committed snapshots, newest last (the commit point)
     step-0000000040-1f2e3d4c/          one folder per attempt (attempt-unique suffix)
-        model.safetensors              the parameter state, tensors in canonical order
-        manifest.json                  written last: the snapshot counts only once this exists
+        embed.safetensors              one shard per unit: embeddings, each transformer layer,
+        layer.000.safetensors          the final norm and the LM head (``storage.units.unit_of``)
+        ...
+        manifest.json                  written after every shard
 
-Commit protocol (what peers converged on; ``shared/notes/domain.md``): shards are written under a
-folder unique to the attempt and fsynced; the manifest (sizes, sha256 of every file, step, layout)
-is written to a temporary name, fsynced and renamed, then the folder is fsynced. A crash at any
-point leaves either a complete snapshot or a folder without manifest, which is never listed.
-Retention removes a snapshot's manifest before its data, so a half-deleted snapshot is never listed,
-and never removes the newest complete snapshot (the current restore point).
+Manifest (format 2): ``step`` (the state's step), ``names`` (canonical tensor order), ``config`` (run config hash, layout hash), and ``units``: for each unit its shard's
+``path`` (relative to the root, so a composite snapshot may reference shards of older snapshots),
+``bytes``, ``sha256``, the ``step`` that unit's tensors belong to, and each tensor's dtype and shape.
+
+Commit protocol (``shared/notes/domain.md``, "Storage commit rules"): shards are written under a
+folder unique to the attempt; the manifest is written after every shard; then the index is
+rewritten to include the snapshot: that is the commit point. Retention writes the new index
+first and only then deletes snapshots that left it, never the newest one and never a shard that a
+kept manifest references. A crash at any point leaves the previous index valid, and everything it
+lists intact. Readers trust nothing they have not verified: ``load`` checks sizes and sha256 of
+every shard before parsing it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
-import os
-import pathlib
-import shutil
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from training.state import state_sha256
+from storage.backend import Storage
+from storage.units import group_by_unit
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-SHARD = "model.safetensors"
+INDEX = "index.json"
 
 
 class SnapshotCorruptError(Exception):
-    """A snapshot's files do not match its manifest (missing, truncated, or altered)."""
+    """A snapshot's shards do not match its manifest (missing, truncated, or altered)."""
 
 
 class NoSnapshotError(Exception):
@@ -50,104 +58,166 @@ class NoSnapshotError(Exception):
 
 @dataclass(frozen=True)
 class SnapshotInfo:
-    """A complete snapshot: ``step`` (state after that many steps), its folder and parsed manifest."""
+    """A committed snapshot: ``step`` (state after that many steps), its ``folder`` and manifest."""
 
     step: int
-    path: pathlib.Path
+    folder: str
     manifest: dict
 
-
-def _write_durable(path: pathlib.Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    @property
+    def bytes(self) -> int:
+        return sum(u["bytes"] for u in self.manifest["units"].values())
 
 
 class SnapshotStore:
-    """Snapshots of one run in a local folder.
+    """The snapshots of one run in a ``Storage`` (local disk, S3 or memory).
 
     Args:
-        root: the folder (created if missing).
-        keep_last: complete snapshots to keep (>= 1); older ones are deleted after each write.
+        storage: a ``Storage`` or a URI for one.
+        keep_last: committed snapshots to keep (>= 1).
+        parallel_puts: shards uploaded concurrently (bounds the serialised bytes held in memory).
     """
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
+    def __init__(self, storage: Storage | str, keep_last: int = 3, parallel_puts: int = 4) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        self.root = pathlib.Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if parallel_puts < 1:
+            raise ValueError(f"parallel_puts must be >= 1, got {parallel_puts}")
+        self.storage = storage if isinstance(storage, Storage) else Storage(storage)
         self.keep_last = keep_last
+        self.parallel_puts = parallel_puts
 
-    def write(self, step: int, state: Mapping[str, np.ndarray], meta: Mapping | None = None) -> SnapshotInfo:
-        """Persist ``state`` (ordered name -> array) as the snapshot of ``step``; returns once durable.
+    # -- writing ------------------------------------------------------------------------------
+    def write(
+        self,
+        step: int,
+        state: Mapping[str, np.ndarray],
+        config: Mapping | None = None,
+        unit_steps: Mapping[str, int] | None = None,
+    ) -> SnapshotInfo:
+        """Persist ``state`` (ordered name -> array) as the snapshot of ``step`` and commit it.
 
-        Cost: one serialisation copy in memory plus the write and two sha256 passes (about 2 s for
-        SmolLM2-135M's 538 MB here). Raises ``OSError`` from the filesystem; nothing partial is listed.
+        ``unit_steps`` gives the step of units whose tensors are older than ``step`` (a composite
+        state); by default every unit belongs to ``step``. Returns once committed.
+        Raises ``storage.backend.StorageError`` (nothing partial is ever listed).
         """
-        folder = self.root / f"step-{step:010d}-{uuid.uuid4().hex[:8]}"
-        folder.mkdir()
-        blob = st_save(dict(state))
-        _write_durable(folder / SHARD, blob)
+        previous = self.list()
+        folder = f"step-{step:010d}-{uuid.uuid4().hex[:8]}"
+        units, in_flight = {}, []
+        with concurrent.futures.ThreadPoolExecutor(self.parallel_puts, thread_name_prefix="snapshot-put") as pool:
+            for unit, names in group_by_unit(list(state)).items():
+                blob = st_save({n: np.ascontiguousarray(state[n]) for n in names})
+                path = f"{folder}/{unit}.safetensors"
+                in_flight.append(pool.submit(self.storage.put, path, blob))  # hashing below overlaps the upload
+                units[unit] = {
+                    "path": path,
+                    "bytes": len(blob),
+                    "sha256": hashlib.sha256(blob).hexdigest(),
+                    "step": (unit_steps or {}).get(unit, step),
+                    "tensors": {n: {"dtype": state[n].dtype.str, "shape": list(state[n].shape)} for n in names},
+                }
+                del blob
+                if len(in_flight) >= self.parallel_puts:  # bounded memory: at most parallel_puts shards in flight
+                    in_flight.pop(0).result()
+            for future in in_flight:
+                future.result()
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
             "created_unix_s": time.time(),
             "names": list(state),
-            "state_sha256": state_sha256(state),
-            "files": {SHARD: {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}},
-            "meta": dict(meta or {}),
+            "config": dict(config or {}),
+            "units": units,
         }
-        tmp = folder / (MANIFEST + ".tmp")
-        _write_durable(tmp, json.dumps(manifest, indent=1).encode())
-        os.replace(tmp, folder / MANIFEST)
-        _fsync_dir(folder)
+        self.storage.put(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         info = SnapshotInfo(step, folder, manifest)
-        self._retain()
+        committed = previous + [info]
+        self._write_index(committed)
+        self._retain(committed)
         return info
 
+    def _write_index(self, infos: list[SnapshotInfo]) -> None:
+        body = {"format_version": FORMAT_VERSION, "snapshots": [i.folder for i in sorted(infos, key=_order)]}
+        self.storage.put(INDEX, json.dumps(body, indent=1).encode())
+
+    def _retain(self, committed: list[SnapshotInfo]) -> None:
+        ordered = sorted(committed, key=_order)
+        keep, drop = ordered[-self.keep_last:], ordered[: -self.keep_last]
+        live = {u["path"].split("/")[0] for i in keep for u in i.manifest["units"].values()} | {i.folder for i in keep}
+        if drop:
+            self._write_index(keep)  # the index moves first: a crash now leaves only unlisted folders
+        newest = ordered[-1].step
+        for path in self.storage.list():
+            folder = path.split("/")[0]
+            if folder in live or not folder.startswith("step-"):
+                continue
+            if any(d.folder == folder for d in drop) or int(folder.split("-")[1]) < newest:
+                try:
+                    self.storage.delete(path)
+                except OSError as exc:
+                    log.warning("retention could not delete %s: %s", path, exc)
+
+    # -- reading ------------------------------------------------------------------------------
     def list(self) -> list[SnapshotInfo]:
-        """Complete snapshots (manifest present and parseable), oldest step first."""
-        found = []
-        for folder in sorted(self.root.glob("step-*")):
+        """Committed snapshots, oldest first. Uses the index; without a readable index, scans for
+        manifests. Entries whose manifest is missing or unreadable are skipped with a warning."""
+        try:
+            folders = json.loads(self.storage.get(INDEX))["snapshots"]
+        except FileNotFoundError:
+            folders = sorted({p.split("/")[0] for p in self.storage.list() if p.endswith("/" + MANIFEST)})
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
+            log.warning("%s: unreadable index (%s); scanning for manifests", self.storage.url(INDEX), exc)
+            folders = sorted({p.split("/")[0] for p in self.storage.list() if p.endswith("/" + MANIFEST)})
+        infos = []
+        for folder in folders:
             try:
-                manifest = json.loads((folder / MANIFEST).read_text())
-            except (FileNotFoundError, NotADirectoryError):
+                manifest = json.loads(self.storage.get(f"{folder}/{MANIFEST}"))
+            except FileNotFoundError:
+                log.warning("snapshot %s: manifest missing; skipped", folder)
                 continue
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                log.warning("snapshot %s: unreadable manifest (%s); skipped", folder.name, exc)
+                log.warning("snapshot %s: unreadable manifest (%s); skipped", folder, exc)
                 continue
-            found.append(SnapshotInfo(int(manifest["step"]), folder, manifest))
-        return sorted(found, key=lambda i: (i.step, i.manifest["created_unix_s"]))
+            if manifest.get("format_version") != FORMAT_VERSION:
+                log.warning("snapshot %s: format %s, expected %s; skipped", folder, manifest.get("format_version"), FORMAT_VERSION)
+                continue
+            infos.append(SnapshotInfo(int(manifest["step"]), folder, manifest))
+        return sorted(infos, key=_order)
+
+    def verify(self, info: SnapshotInfo) -> list[str]:
+        """Problems with ``info``'s shards (empty when every size and sha256 matches)."""
+        return [problem for _, problem in self._read_units(info) if problem]
+
+    def _read_units(self, info: SnapshotInfo):
+        for unit, spec in info.manifest["units"].items():
+            try:
+                blob = self.storage.get(spec["path"])
+            except FileNotFoundError:
+                yield None, f"{spec['path']}: missing"
+                continue
+            if len(blob) != spec["bytes"]:
+                yield None, f"{spec['path']}: {len(blob)} bytes, manifest says {spec['bytes']} (truncated?)"
+            elif hashlib.sha256(blob).hexdigest() != spec["sha256"]:
+                yield None, f"{spec['path']}: sha256 differs from the manifest (corrupt)"
+            else:
+                yield blob, None
 
     def load(self, info: SnapshotInfo) -> dict[str, np.ndarray]:
-        """The verified state of ``info`` (ordered as saved).
+        """The verified state of ``info`` in canonical order.
 
         Raises:
-            SnapshotCorruptError: a file is missing, has the wrong size, or its sha256 differs.
+            SnapshotCorruptError: a shard is missing, truncated or altered (the message names it).
         """
-        spec = info.manifest["files"][SHARD]
-        try:
-            blob = (info.path / SHARD).read_bytes()
-        except FileNotFoundError as exc:
-            raise SnapshotCorruptError(f"{info.path.name}/{SHARD}: missing") from exc
-        if len(blob) != spec["bytes"]:
-            raise SnapshotCorruptError(f"{info.path.name}/{SHARD}: {len(blob)} bytes, manifest says {spec['bytes']}")
-        if hashlib.sha256(blob).hexdigest() != spec["sha256"]:
-            raise SnapshotCorruptError(f"{info.path.name}/{SHARD}: sha256 differs from the manifest")
-        tensors = st_load(blob)
+        tensors: dict[str, np.ndarray] = {}
+        for blob, problem in self._read_units(info):
+            if problem:
+                raise SnapshotCorruptError(f"snapshot {info.folder}: {problem}")
+            tensors.update(st_load(blob))
         return {n: tensors[n] for n in info.manifest["names"]}
 
-    def load_latest(self, max_step: int | None = None) -> tuple[SnapshotInfo, dict[str, np.ndarray]]:
-        """The newest snapshot (at most ``max_step``) that verifies; corrupt ones are skipped and logged.
+    def load_latest(self, max_step: int | None = None) -> Loaded:
+        """The newest snapshot (at most ``max_step``) that verifies; corrupt ones are skipped, logged
+        and listed in ``Loaded.skipped``.
 
         Raises:
             NoSnapshotError: none loads; the message names each snapshot tried and why it failed.
@@ -157,25 +227,20 @@ class SnapshotStore:
             if max_step is not None and info.step > max_step:
                 continue
             try:
-                return info, self.load(info)
+                return Loaded(info, self.load(info), tried)
             except SnapshotCorruptError as exc:
-                log.warning("skipping snapshot: %s", exc)
+                log.warning("skipping %s", exc)
                 tried.append(str(exc))
-        raise NoSnapshotError(f"no loadable snapshot under {self.root}; tried: {tried or 'none found'}")
+        raise NoSnapshotError(f"no loadable snapshot in {self.storage.url()}; tried: {tried or 'none found'}")
 
-    def _retain(self) -> None:
-        complete = self.list()
-        for info in complete[: -self.keep_last]:
-            self._delete(info.path)
-        newest = complete[-1].step if complete else -1
-        for folder in self.root.glob("step-*"):
-            if not (folder / MANIFEST).exists() and int(folder.name.split("-")[1]) < newest:
-                self._delete(folder)  # leftovers of an attempt that never committed
 
-    @staticmethod
-    def _delete(folder: pathlib.Path) -> None:
-        try:
-            (folder / MANIFEST).unlink(missing_ok=True)
-            shutil.rmtree(folder)
-        except OSError as exc:
-            log.warning("retention could not delete %s: %s", folder, exc)
+class Loaded(NamedTuple):
+    """A loaded snapshot, and the newer ones that were skipped (with the reason)."""
+
+    info: SnapshotInfo
+    state: dict[str, np.ndarray]
+    skipped: list[str]
+
+
+def _order(info: SnapshotInfo) -> tuple:
+    return (info.step, info.manifest["created_unix_s"])

@@ -10,6 +10,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")  # for the moto S3 server; set before Ray starts
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")  # so that actors and workers inherit them
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +34,46 @@ def tiny_model():
     from training.model import load_model
 
     return load_model("tiny")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3-compatible server (moto) on 127.0.0.1 for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+def make_bucket(endpoint: str, name: str) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(name)
+
+
+@pytest.fixture(params=["file", "s3", "memory"])
+def storage(request, tmp_path):
+    """A fresh, empty ``Storage`` of each backend."""
+    import uuid
+
+    from storage.backend import Storage
+
+    if request.param == "file":
+        return Storage(str(tmp_path / "store"))
+    if request.param == "memory":
+        return Storage(f"memory://raycheck-{uuid.uuid4().hex}")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = f"rc-{uuid.uuid4().hex[:12]}"
+    make_bucket(endpoint, bucket)
+    return Storage(f"s3://{bucket}/run", endpoint_url=endpoint)

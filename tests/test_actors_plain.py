@@ -74,7 +74,7 @@ def test_shadow_stops_at_a_gap(tmp_path, tiny_model):
 
 class SlowStore(SnapshotStore):
     def __init__(self, root, gate: threading.Event):
-        super().__init__(root)
+        super().__init__(str(root))
         self.gate = gate
 
     def write(self, step, state, meta=None):
@@ -95,15 +95,15 @@ def test_persister_is_bounded_and_keeps_the_newest(tmp_path):
     assert status["busy"] is False
     assert status["last_durable_step"] == 4
     assert status["written"] + status["superseded"] == 4 and status["superseded"] >= 2
-    assert [i.step for i in SnapshotStore(tmp_path).list()][-1] == 4
+    assert [i.step for i in SnapshotStore(str(tmp_path)).list()][-1] == 4
 
 
 def test_persister_counts_and_surfaces_a_failed_write(tmp_path):
-    store = SnapshotStore(tmp_path / "snaps")
+    store = SnapshotStore(str(tmp_path / "snaps"))
     (tmp_path / "snaps").rmdir()
     (tmp_path / "snaps").write_text("a file where the snapshot folder should be")  # every write now fails
     p = SnapshotPersister(store)
     p.submit(7, {"w": np.zeros(3, dtype=np.float32)})
     status = p.flush(10)
     assert (status["failed"], status["written"], status["last_durable_step"]) == (1, 0, None)
-    assert status["last_error"].startswith("step 7: NotADirectoryError")
+    assert status["last_error"].startswith("step 7: ") and "NotADirectoryError" in status["last_error"]

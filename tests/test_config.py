@@ -17,7 +17,7 @@ def test_failure_spec_parsing():
 
 def test_job_config_validation_names_the_field():
     base = dict(out_dir="/tmp/x", cache_dir="/tmp/c")
-    assert JobConfig(**base).snapshot_dir == "/tmp/x/snapshots"
+    assert JobConfig(**base).storage == "/tmp/x/snapshots"
     with pytest.raises(ValueError, match="model 'gpt5'"):
         JobConfig(**base, model="gpt5")
     with pytest.raises(ValueError, match="divisible by workers"):

@@ -5,9 +5,14 @@ Every claim of exactness is a sha256 over every tensor, compared with a failure-
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import ray
+from typer.testing import CliRunner
 
+from conftest import make_bucket
+from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from training.model import default_cache_dir
@@ -75,3 +80,21 @@ def test_two_workers_recover_exactly(cluster, tmp_path_factory):
     s = job(tmp_path_factory, "two", "6:worker:exit", workers=2, hash_every=0)
     assert s["state_sha256"] == ref["state_sha256"] and s["shadow_equal"]
     assert [r["source"] for r in s["recoveries"]] == ["object_store"]
+
+
+def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_factory, s3_endpoint):
+    bucket = f"rc-{uuid.uuid4().hex[:12]}"
+    make_bucket(s3_endpoint, bucket)
+    uri = f"s3://{bucket}/run"
+    s = job(tmp_path_factory, "s3", "7:corrupt 7:both", storage=uri, storage_options={"endpoint_url": s3_endpoint})
+    assert_exact(s, reference)
+    assert {"step": 7, "target": "corrupt", "how": "flip-byte"} in s["failures"]
+    recovery = next(r for r in s["recoveries"] if r["at_step"] == 7)
+    assert recovery["source"] == "storage" and recovery["base_step"] == 3 and recovery["replayed_steps"] == 4
+    assert len(recovery["skipped"]) == 1 and "step-0000000006" in recovery["skipped"][0]
+    assert s["snapshots"]["last_durable_step"] == 12 and s["snapshots"]["log_mirrored_steps"] == 12
+
+    result = CliRunner().invoke(app, ["verify", uri, "--s3-endpoint", s3_endpoint])
+    assert result.exit_code == 1, result.output
+    assert "BAD  step        6" in result.output and "sha256 differs" in result.output
+    assert "ok   step log segments: steps 0..11" in result.output

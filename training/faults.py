@@ -65,6 +65,16 @@ class FaultInjector:
             ray.kill(shadow, no_restart=True)
         self._claim(index, "shadow-killed")
 
+    def _corrupt_newest_snapshot(self, step: int) -> None:
+        store = self.cfg.snapshot_store()
+        infos = store.list()
+        shard = infos[-1].manifest["units"][next(iter(infos[-1].manifest["units"]))]["path"] if infos else None
+        if shard is not None:
+            blob = bytearray(store.storage.get(shard))
+            blob[len(blob) // 2] ^= 0x01
+            store.storage.put(shard, bytes(blob))
+        self.run.event("failure", step=step, target="corrupt", how="flip-byte", shard=shard)
+
     def _wait_for_marker(self, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not (self.run.markers / name).exists() and time.monotonic() < deadline:
@@ -79,6 +89,8 @@ class FaultInjector:
         for i, f in enumerate(self.cfg.failures):
             if f.step != step:
                 continue
+            if f.target == "corrupt" and self.rank == 0 and self._claim(i, "corrupt"):
+                self._corrupt_newest_snapshot(step)
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):
                 self._kill_shadow(i, step, f.how if f.target == "both" else None)
             if f.target in ("worker", "both") and self.rank == self.world - 1 and self._claim(i, "worker"):

@@ -20,7 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import find_shadow
-from storage.snapshots import NoSnapshotError, SnapshotStore
+from storage.snapshots import NoSnapshotError
 from storage.steplog import read_records
 from training.state import load_into
 from training.zo import replay_step_
@@ -50,16 +50,16 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_p
     """Load the newest verified snapshot at or before ``log_end`` (else keep the initial weights in
     ``params``) and replay the logged steps after it."""
     try:
-        info, state = SnapshotStore(cfg.snapshot_dir, keep_last=cfg.keep_snapshots).load_latest(max_step=log_end)
+        info, state, skipped = cfg.snapshot_store().load_latest(max_step=log_end)
         load_into(params, state)
         base = info.step
     except NoSnapshotError as exc:
         log.warning("%s; replaying the whole log from the initial weights", exc)
-        base = 0
+        base, skipped = 0, [str(exc)]
     records = read_records(log_path)[base:log_end]
     for rec in records:
         replay_step_(params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay)
-    return {"source": "storage", "base_step": base, "replayed_steps": len(records)}
+    return {"source": "storage", "base_step": base, "replayed_steps": len(records), "skipped": skipped}
 
 
 def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int) -> dict:
