@@ -1,7 +1,7 @@
 # raycheck: `make run` runs the main job on the embedded default; `make test` runs the tests.
 VENV := .venv
 STAMP := $(VENV)/.installed
-RUN_ARGS ?= --model smollm2-135m --steps 50 --fail 20:worker --fail 30:shadow --fail 40:both --verify --overwrite --out runs/default
+RUN_ARGS ?= --model smollm2-135m --steps 50 --fail 20:worker --fail 30:shadow --fail 40:both --snapshot-policy adaptive --mtbf 10min --verify --overwrite --out runs/default
 
 .PHONY: setup run test test-all bench
 
@@ -19,3 +19,4 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m experiments.log_cost
+	$(VENV)/bin/python -m experiments.persist_throughput

@@ -16,7 +16,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import ray
 import torch
 

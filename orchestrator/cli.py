@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.config import FailureSpec, JobConfig
+from orchestrator.merge_cli import merge
 from orchestrator.policy_cli import parse_duration, policy
 from orchestrator.storage_cli import inspect, verify
 from training.model import MODEL_NAMES, default_cache_dir
@@ -112,6 +113,7 @@ def run(
 app.command()(policy)
 app.command()(inspect)
 app.command()(verify)
+app.command()(merge)
 
 if __name__ == "__main__":
     app()

@@ -209,6 +209,7 @@ class Controller:
         final = next((e for e in reversed(events) if e["kind"] == "final"), {})
         shadow_sha = None
         if outcome.get("ok"):
+            self.shadow.ensure_alive(timeout_s=600)
             shadow_sha = self.shadow.call("state_sha256", cfg.steps, cfg.recovery_timeout_s, timeout_s=cfg.recovery_timeout_s + 30)
             self.shadow.status = self.shadow.call("status", timeout_s=60)
             if cfg.snapshot_every and self.shadow.status["step"] > (ray.get(persister.status.remote())["last_submitted_step"] or 0):
@@ -238,6 +239,7 @@ class Controller:
             "mean_step_seconds": sum(step_s) / len(step_s) if step_s else None,
             "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
             "shadow_replay_seconds_per_step": self.shadow.status.get("replay_seconds_per_step"),
+            "shadow_replay_over_step": (self.shadow.status.get("replay_seconds_per_step") or 0) / (sum(step_s) / len(step_s)) if step_s else None,
             "shadow_max_lag_steps": max(self.shadow_lag.values(), default=None),
             "shadow_hashes": {str(k): v for k, v in sorted(shadow_hashes.items())},
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},

@@ -32,6 +32,7 @@ class ShadowKeeper:
         self.restarts: list[dict] = []
         self._status_ref = None
         self._dead_since: float | None = None
+        self.alive = False
 
     def start(self) -> None:
         """Start the next incarnation and publish its name (returns before it is ready)."""
@@ -62,7 +63,9 @@ class ShadowKeeper:
         ref, self._status_ref = self._status_ref, None
         try:
             self.status = ray.get(ref)
+            self.alive = True
         except RayActorError:
+            self.alive = False
             self._dead_since = self._dead_since or time.time()
             if may_restart():
                 self.start()
@@ -72,6 +75,20 @@ class ShadowKeeper:
             self.restarts.append(restart)
             self.run.event("shadow_restart", **restart)
             self._dead_since = None
+
+    def ensure_alive(self, timeout_s: float) -> None:
+        """Block until a shadow answers, restarting a dead one (e.g. killed in the last step).
+
+        Raises:
+            TimeoutError: no incarnation answered within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        self.alive = False
+        while not self.alive:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no shadow answered within {timeout_s:g} s")
+            self.poll(may_restart=lambda: True)
+            time.sleep(0.1)
 
     def set_interval(self, every_steps: int) -> None:
         """Apply a new snapshot interval now and to every later incarnation."""

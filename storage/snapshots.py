@@ -188,8 +188,9 @@ class SnapshotStore:
         """Problems with ``info``'s shards (empty when every size and sha256 matches)."""
         return [problem for _, problem in self._read_units(info) if problem]
 
-    def _read_units(self, info: SnapshotInfo):
-        for unit, spec in info.manifest["units"].items():
+    def _read_units(self, info: SnapshotInfo, units: list[str] | None = None):
+        for unit in info.manifest["units"] if units is None else units:
+            spec = info.manifest["units"][unit]
             try:
                 blob = self.storage.get(spec["path"])
             except FileNotFoundError:
@@ -202,17 +203,30 @@ class SnapshotStore:
             else:
                 yield blob, None
 
+    def load_units(self, info: SnapshotInfo, units: list[str]) -> dict[str, np.ndarray]:
+        """The verified tensors of ``units`` of ``info`` (name -> array).
+
+        Raises:
+            SnapshotCorruptError: a shard is missing, truncated or altered, or holds other tensors
+                than its manifest lists (the message names it).
+        """
+        tensors: dict[str, np.ndarray] = {}
+        for unit, (blob, problem) in zip(units, self._read_units(info, units)):
+            if problem:
+                raise SnapshotCorruptError(f"snapshot {info.folder} in {self.storage.url()}: unit {unit}, {problem}")
+            loaded = st_load(blob)
+            if set(loaded) != set(info.manifest["units"][unit]["tensors"]):
+                raise SnapshotCorruptError(f"snapshot {info.folder}: unit {unit} holds other tensors than its manifest lists")
+            tensors.update(loaded)
+        return tensors
+
     def load(self, info: SnapshotInfo) -> dict[str, np.ndarray]:
         """The verified state of ``info`` in canonical order.
 
         Raises:
             SnapshotCorruptError: a shard is missing, truncated or altered (the message names it).
         """
-        tensors: dict[str, np.ndarray] = {}
-        for blob, problem in self._read_units(info):
-            if problem:
-                raise SnapshotCorruptError(f"snapshot {info.folder}: {problem}")
-            tensors.update(st_load(blob))
+        tensors = self.load_units(info, list(info.manifest["units"]))
         return {n: tensors[n] for n in info.manifest["names"]}
 
     def load_latest(self, max_step: int | None = None) -> Loaded:

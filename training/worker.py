@@ -11,7 +11,6 @@ from __future__ import annotations
 import pathlib
 import time
 
-import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist

@@ -1,0 +1,349 @@
+"""Composite snapshots: assemble units of several snapshots into one, and export it for Hugging Face.
+
+A merge (LLMTailor, PDSW'25) takes each unit (``storage.units.unit_of``: embeddings, one
+transformer layer, final norm, LM head) from a chosen snapshot, with the unit's optimizer state
+(``optim.<slot>.<parameter>`` tensors travel with their parameter's unit), and writes the result
+through ``SnapshotStore.write``: a new committed snapshot whose manifest records, per unit, the step
+that unit's tensors belong to, and whose ``config["merge"]`` records where each unit came from.
+
+Rules, checked before anything is read or written (``MergeError`` lists every problem, naming the
+units and sources): the reference layout is the first source's manifest; every unit of it is taken
+exactly once; every take names a known source and a unit of the reference; every source step exists;
+the chosen unit's tensors (names, dtypes, shapes) equal the reference's. Shards are verified (size
+and sha256) before they are parsed. The output store must hold no committed snapshot yet.
+
+``export_hf`` writes a snapshot's parameters (no optimizer state) as a Hugging Face model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file as st_save_file
+
+from storage.backend import Storage
+from storage.snapshots import NoSnapshotError, SnapshotInfo, SnapshotStore
+from storage.units import parameter_of
+
+_LAYER_UNIT = re.compile(r"^layer\.(\d+)$")
+
+
+class MergeError(ValueError):
+    """A merge cannot be done as asked; the message lists every problem with the units and sources."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A snapshot to take units from: ``name`` (used by takes), its store, and ``step`` (None: newest)."""
+
+    name: str
+    store: SnapshotStore
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Take:
+    """Units to take from source ``source``; ``spec`` is the text it was parsed from (for messages)."""
+
+    units: tuple[str, ...]
+    source: str
+    spec: str
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """The committed composite snapshot, and per unit the source name and step it came from."""
+
+    info: SnapshotInfo
+    unit_sources: dict[str, str]
+    unit_steps: dict[str, int]
+
+
+def layer_unit(index: int) -> str:
+    """The unit name of transformer layer ``index`` (``layer.007``)."""
+    return f"layer.{index:03d}"
+
+
+def parse_source(text: str) -> tuple[str, str, int | None]:
+    """``NAME=URI[@STEP]`` -> (name, uri, step or None for the newest committed snapshot).
+
+    Raises:
+        MergeError: malformed text.
+    """
+    name, sep, rest = text.partition("=")
+    name = name.strip()
+    if not sep or not name or not rest or any(c in name for c in ":,@="):
+        raise MergeError(f"--source {text!r}: expected NAME=URI_OR_RUNDIR[@STEP], NAME without ':,@='")
+    uri, at, step = rest.rpartition("@")
+    if at and step.isdigit():
+        return name, uri, int(step)
+    return name, rest, None
+
+
+def parse_take(text: str) -> Take:
+    """``UNITS:NAME`` -> ``Take``. UNITS is a comma list of layer ranges (``0-14``), layer numbers
+    (``7``) and unit names taken verbatim (``embed``, ``norm``, ``lm_head``, ``layer.007``).
+
+    Raises:
+        MergeError: malformed text or a reversed range.
+    """
+    units_text, sep, source = text.rpartition(":")
+    source = source.strip()
+    if not sep or not units_text.strip() or not source:
+        raise MergeError(f"--take {text!r}: expected UNITS:SOURCE, e.g. 0-14:A or embed,norm:A")
+    units: list[str] = []
+    for item in (i.strip() for i in units_text.split(",")):
+        if not item:
+            raise MergeError(f"--take {text!r}: empty unit in the list")
+        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", item)
+        if m:
+            first, last = int(m.group(1)), int(m.group(2))
+            if last < first:
+                raise MergeError(f"--take {text!r}: layer range {item} runs backwards")
+            units += [layer_unit(i) for i in range(first, last + 1)]
+        elif item.isdigit():
+            units.append(layer_unit(int(item)))
+        else:
+            units.append(item)
+    return Take(tuple(units), source, text)
+
+
+def describe_units(units: Sequence[str]) -> str:
+    """Unit names for messages, with runs of consecutive layers collapsed (``layer.000-014``)."""
+    out: list[str] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            out.append(layer_unit(run[0]) + (f"-{run[-1]:03d}" if len(run) > 1 else ""))
+            run.clear()
+
+    for u in sorted(units, key=_unit_order):
+        m = _LAYER_UNIT.match(u)
+        if m and run and int(m.group(1)) == run[-1] + 1:
+            run.append(int(m.group(1)))
+        else:
+            flush()
+            if m:
+                run.append(int(m.group(1)))
+            else:
+                out.append(u)
+    flush()
+    return ", ".join(out)
+
+
+def _unit_order(unit: str) -> tuple:
+    m = _LAYER_UNIT.match(unit)
+    return (1, int(m.group(1)), "") if m else ({"embed": 0, "norm": 2, "lm_head": 3}.get(unit, 4), 0, unit)
+
+
+def resolve(source: Source) -> SnapshotInfo:
+    """The committed snapshot ``source`` designates (its ``step``, else the newest one).
+
+    Raises:
+        MergeError: no committed snapshot at all, or none at that step (the message lists the steps).
+    """
+    infos = source.store.list()
+    where = f"source {source.name} ({source.store.storage.url()})"
+    if not infos:
+        raise MergeError(f"{where}: no committed snapshot")
+    if source.step is None:
+        return infos[-1]
+    at_step = [i for i in infos if i.step == source.step]
+    if not at_step:
+        raise MergeError(f"{where}: no committed snapshot at step {source.step}; "
+                         f"committed steps: {sorted({i.step for i in infos})}")
+    return at_step[-1]
+
+
+def _label(name: str, info: SnapshotInfo) -> str:
+    return f"source {name} (step {info.step})"
+
+
+def plan_merge(resolved: Mapping[str, SnapshotInfo], takes: Sequence[Take]) -> dict[str, str]:
+    """Unit -> source name, checked against the reference layout (the first of ``resolved``).
+
+    Raises:
+        MergeError: every problem found (unknown source, unknown unit, unit taken twice or not at
+            all, a source lacking the unit, tensors that differ from the reference), one per line.
+    """
+    if not resolved:
+        raise MergeError("no sources given")
+    ref_name, ref = next(iter(resolved.items()))
+    ref_units = ref.manifest["units"]
+    problems: list[str] = []
+    chosen: dict[str, tuple[str, str]] = {}  # unit -> (source, take spec)
+    for take in takes:
+        if take.source not in resolved:
+            problems.append(f"--take {take.spec!r}: unknown source {take.source!r} (sources: {', '.join(resolved)})")
+            continue
+        for unit in take.units:
+            if unit not in ref_units:
+                problems.append(f"unit {unit} (--take {take.spec!r}) is not a unit of the reference layout, "
+                                f"{_label(ref_name, ref)}; its units: {describe_units(list(ref_units))}")
+            elif unit in chosen:
+                first_source, first_spec = chosen[unit]
+                problems.append(f"unit {unit} is taken twice: from source {first_source} (--take {first_spec!r}) "
+                                f"and from source {take.source} (--take {take.spec!r})")
+            else:
+                chosen[unit] = (take.source, take.spec)
+    missing = [u for u in ref_units if u not in chosen]
+    if missing:
+        problems.append(f"unit(s) {describe_units(missing)} of the reference layout ({_label(ref_name, ref)}) "
+                        f"are not taken from any source; add a --take for them")
+    for unit, (name, _) in chosen.items():
+        info = resolved[name]
+        spec = info.manifest["units"].get(unit)
+        if spec is None:
+            problems.append(f"unit {unit}: {_label(name, info)} has no such unit")
+            continue
+        difference = _layout_difference(spec["tensors"], ref_units[unit]["tensors"])
+        if difference:
+            problems.append(f"unit {unit}: {_label(name, info)} does not match the reference layout of "
+                            f"{_label(ref_name, ref)}: {difference}")
+    if problems:
+        raise MergeError("cannot merge:\n  " + "\n  ".join(problems))
+    return {u: chosen[u][0] for u in ref_units}
+
+
+def _layout_difference(tensors: Mapping[str, dict], reference: Mapping[str, dict]) -> str:
+    missing = [n for n in reference if n not in tensors]
+    extra = [n for n in tensors if n not in reference]
+    if missing or extra:
+        return f"missing tensors {missing[:3]}, unexpected tensors {extra[:3]}"
+    for name, ref in reference.items():
+        got = tensors[name]
+        if got["dtype"] != ref["dtype"] or list(got["shape"]) != list(ref["shape"]):
+            return f"{name} is {got['dtype']} {list(got['shape'])}, the reference has {ref['dtype']} {list(ref['shape'])}"
+    return ""
+
+
+def merge_snapshots(sources: Sequence[Source], takes: Sequence[Take], out: SnapshotStore) -> MergeResult:
+    """Assemble the units chosen by ``takes`` from ``sources`` and commit them as one snapshot in ``out``.
+
+    The snapshot's step is the newest unit step; each unit keeps the step recorded for it in its
+    source's manifest (``unit_steps``), and tensors keep the reference's canonical order.
+
+    Raises:
+        MergeError: a source or take is invalid (see the module docstring), or ``out`` already
+            holds committed snapshots.
+        SnapshotCorruptError: a chosen shard fails verification.
+        storage.backend.StorageError: reading or writing failed after retries.
+    """
+    names = [s.name for s in sources]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        raise MergeError(f"source name(s) {', '.join(duplicated)} given more than once")
+    problems, resolved = [], {}
+    for source in sources:
+        try:
+            resolved[source.name] = resolve(source)
+        except MergeError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise MergeError("cannot merge:\n  " + "\n  ".join(problems))
+    plan = plan_merge(resolved, takes)
+    existing = out.list()
+    if existing:
+        raise MergeError(f"output {out.storage.url()} already holds {len(existing)} committed snapshot(s) "
+                         f"(steps {[i.step for i in existing]}); choose an empty location")
+    by_name = {s.name: s for s in sources}
+    tensors: dict[str, np.ndarray] = {}
+    unit_steps: dict[str, int] = {}
+    for unit, name in plan.items():
+        info = resolved[name]
+        tensors.update(by_name[name].store.load_units(info, [unit]))
+        unit_steps[unit] = int(info.manifest["units"][unit]["step"])
+    reference = next(iter(resolved.values()))
+    state = {n: tensors[n] for n in reference.manifest["names"]}
+    config = {"merge": {
+        "reference": sources[0].name,
+        "sources": {n: {"uri": by_name[n].store.storage.url(), "folder": i.folder, "step": i.step}
+                    for n, i in resolved.items()},
+        "units": plan,
+    }}
+    info = out.write(max(unit_steps.values()), state, config=config, unit_steps=unit_steps)
+    return MergeResult(info, plan, unit_steps)
+
+
+# -- Hugging Face export ---------------------------------------------------------------------------
+def _reference_tensors(folder: pathlib.Path) -> dict[str, tuple[str, list[int]]]:
+    """name -> (safetensors dtype, shape) of the weights in a Hugging Face folder."""
+    layout: dict[str, tuple[str, list[int]]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                layout[name] = (s.get_dtype(), list(s.get_shape()))
+    if not layout:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights to take the layout from")
+    return layout
+
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def export_hf(
+    store_uri: SnapshotStore | Storage | str,
+    out_dir: str | pathlib.Path,
+    model_name: str,
+    *,
+    step: int | None = None,
+    cache_dir: pathlib.Path | None = None,
+) -> pathlib.Path:
+    """Write a snapshot's parameters as a Hugging Face folder that ``from_pretrained`` loads.
+
+    ``config.json`` (and ``generation_config.json`` when present) come from
+    ``training.model.model_dir(model_name)``; the weights go to ``model.safetensors``, parameters
+    only (optimizer state dropped), in the model's own tensor names. With tied embeddings the LM
+    head is not stored (a snapshot's ``lm_head.weight``, if any, must equal the embedding).
+    ``step`` picks a snapshot (default: the newest that verifies).
+
+    Raises:
+        ValueError: the snapshot's parameters do not match the model's (names, shapes, dtypes).
+        NoSnapshotError: no snapshot (at ``step``) verifies.
+    """
+    from training.model import model_dir  # imports torch: only when exporting
+
+    store = store_uri if isinstance(store_uri, SnapshotStore) else SnapshotStore(store_uri)
+    if step is None:
+        state = store.load_latest().state
+    else:
+        infos = [i for i in store.list() if i.step == step]
+        if not infos:
+            raise NoSnapshotError(f"no committed snapshot at step {step} in {store.storage.url()}")
+        state = store.load(infos[-1])
+    source = model_dir(model_name, cache_dir)
+    config = json.loads((source / "config.json").read_text())
+    expected = _reference_tensors(source)
+    params = {n: a for n, a in state.items() if parameter_of(n) is None}
+    if config.get("tie_word_embeddings") and "lm_head.weight" in params and "lm_head.weight" not in expected:
+        head = params.pop("lm_head.weight")
+        embed = params.get("model.embed_tokens.weight")
+        if embed is None or not np.array_equal(head, embed):
+            raise ValueError(f"{model_name} ties the LM head to the embedding, but the snapshot's "
+                             "lm_head.weight differs from model.embed_tokens.weight")
+    missing = [n for n in expected if n not in params]
+    extra = [n for n in params if n not in expected]
+    if missing or extra:
+        raise ValueError(f"snapshot does not match model {model_name}: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, (dtype, shape) in expected.items():
+        a = params[name]
+        if list(a.shape) != shape or a.dtype != _ST_DTYPES.get(dtype):
+            raise ValueError(f"{name}: snapshot has {a.dtype} {list(a.shape)}, model {model_name} expects {dtype} {shape}")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copyfile(source / name, out / name)
+    st_save_file({n: np.ascontiguousarray(params[n]) for n in expected}, str(out / "model.safetensors"),
+                 metadata={"format": "pt"})
+    return out
