@@ -5,8 +5,10 @@ Every claim of exactness is a sha256 over every tensor, compared with a failure-
 
 from __future__ import annotations
 
+import pathlib
 import uuid
 
+import pyarrow.parquet as pq
 import pytest
 import ray
 from typer.testing import CliRunner
@@ -77,9 +79,13 @@ def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_pat
 
 def test_two_workers_recover_exactly(cluster, tmp_path_factory):
     ref = job(tmp_path_factory, "ref2", workers=2, hash_every=0)
-    s = job(tmp_path_factory, "two", "6:worker:exit", workers=2, hash_every=0)
+    s = job(tmp_path_factory, "two", "6:worker:exit", workers=2, hash_every=0, snapshot_policy="adaptive", mtbf_s=60.0)
     assert s["state_sha256"] == ref["state_sha256"] and s["shadow_equal"]
     assert [r["source"] for r in s["recoveries"]] == ["object_store"]
+    intervals = pq.read_table(pathlib.Path(s["config"]["out_dir"]) / "metrics.parquet").column("snapshot_interval_steps")
+    assert s["snapshot_policy"] == "adaptive" and all(k >= 1 for k in intervals.to_pylist())
+    first = s["replans"][0]["previous_interval_steps"] if s["replans"] else intervals[0].as_py()
+    assert intervals[0].as_py() == first
 
 
 def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_factory, s3_endpoint):

@@ -1,0 +1,40 @@
+"""The controller's feed of measured costs into the cost-model policy."""
+
+from orchestrator.planning import INITIAL_COSTS, SnapshotPlanner
+from policies.costs import MeasuredCosts
+from policies.models import Strategy, optimal_interval_steps
+
+
+def row(step_s: float) -> dict:
+    return {"step_seconds": step_s + 0.001, "log_append_seconds": 0.001}
+
+
+def test_planner_starts_at_the_model_optimum_and_replans_from_measurements():
+    planner = SnapshotPlanner(mtbf_s=600.0)
+    first = planner.every_steps
+    assert first == optimal_interval_steps(Strategy.SHADOW, MeasuredCosts(mtbf_s=600.0, **INITIAL_COSTS))
+    shadow = {"replay_seconds_per_step": 0.1}
+    persister = {"written": 2, "failed": 0, "write_seconds": 1.0}
+    records = []
+    for step in range(20):  # the job measures other costs than assumed: the plan must follow them
+        rec = planner.observe(step, row(0.5), shadow, persister, [], failures=0, elapsed_s=0.5 * (step + 1))
+        records.append(rec)
+    changes = [r for r in records if r is not None]
+    assert changes and changes[0].previous_interval_steps == first
+    assert changes[0].inputs["step_s"] == 0.5 and changes[0].inputs["snapshot_s"] == 0.5
+    last = changes[-1]
+    assert planner.every_steps == last.interval_steps != first
+    assert last.interval_steps == optimal_interval_steps(Strategy.SHADOW, MeasuredCosts(**last.inputs))
+
+
+def test_each_recovery_is_one_sample_and_failures_shrink_the_interval():
+    planner = SnapshotPlanner(mtbf_s=3600.0, cooldown_steps=0)
+    shadow, persister = {"replay_seconds_per_step": 1.0}, {"written": 1, "failed": 0, "write_seconds": 5.0}
+    for step in range(5):
+        planner.observe(step, row(5.0), shadow, persister, [], failures=0, elapsed_s=5.0 * (step + 1))
+    calm = planner.every_steps
+    recs = [{"load_seconds": 2.0, "restart_seconds": 20.0}]
+    for step in range(5, 10):  # three failures within a minute: the MTBF estimate collapses
+        planner.observe(step, row(5.0), shadow, persister, recs, failures=3, elapsed_s=60.0)
+    assert planner.every_steps < calm
+    assert planner.policy.replanner.estimates["restart_s"].count == 1
