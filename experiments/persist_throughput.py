@@ -12,6 +12,7 @@ manifest and the index). Prints MB/s for both and the ratio ours / raw (the targ
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import tempfile
@@ -61,6 +62,7 @@ def measure(name: str, storage: Storage, state: dict, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the in-process S3 server logs every request
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=2)
