@@ -102,9 +102,11 @@ def run(
         raise typer.Exit(3)
     snaps = summary["snapshots"]
     if snaps["last_durable_step"] != snaps["last_submitted_step"]:
+        durable = "none" if snaps["last_durable_step"] is None else f"step {snaps['last_durable_step']}"
         typer.echo(
-            f"error: the last snapshot (step {snaps['last_submitted_step']}) was not persisted ({snaps['last_error']}); "
-            f"the last durable snapshot is step {snaps['last_durable_step']}, and the step log holds every step",
+            f"error: {snaps['failed']} snapshot write(s) failed, the last (step {snaps['last_submitted_step']}) "
+            f"included: {snaps['last_error']}. Last durable snapshot: {durable}; the step log "
+            f"({out / 'steplog.bin'}) holds all {summary['final_step']} steps, so the state is still recoverable",
             err=True,
         )
         raise typer.Exit(4)

@@ -6,5 +6,9 @@
 - ``simulate``: seeded discrete-event Monte Carlo of long runs with failures.
 - ``compare``: every strategy at classical and optimal intervals, and the recommendation.
 - ``replan``: robust online estimates and a re-planner with hysteresis.
-- ``interval``: ``FixedInterval`` and ``AdaptiveInterval``, which the shadow asks ``due(...)``.
+- ``interval``: ``FixedInterval`` (what the shadow asks ``due(...)``) and ``AdaptiveInterval`` (what
+  the controller's planner, ``orchestrator.planning``, feeds with measurements; it pushes each
+  re-planned interval to the shadow).
+- ``layerwise``: LayerCheck's choice of which units to persist (change threshold, staleness bound,
+  byte budget per step).
 """

@@ -106,3 +106,14 @@ def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_fa
     assert result.output.count("BAD") == 1 and "BAD  step        6" in result.output and "sha256 differs" in result.output
     assert result.output.count("ok   step        6") == 1  # the restarted shadow wrote step 6 again, intact
     assert "ok   step log segments: steps 0..11" in result.output
+
+
+def test_failed_final_persist_exits_non_zero_and_names_the_last_durable_step(cluster, tmp_path, s3_endpoint):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "run", "--model", "tiny", "--steps", "4", "--snapshot-every", "2", "--eval-samples", "0", "--out", str(out),
+        "--storage", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", "--s3-endpoint", s3_endpoint,
+    ])
+    assert result.exit_code == 4, result.output
+    assert "Last durable snapshot: none" in result.output and "holds all 4 steps" in result.output
+    assert "bucket" in result.output.lower()
