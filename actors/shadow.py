@@ -131,7 +131,8 @@ class ShadowActor:
             info, state, _ = spec.store.load_latest()
             load_into(params, state)
             self.base = {"source": "snapshot", "step": info.step}
-        except NoSnapshotError:
+        except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; replay the whole log
+            log.warning("shadow starts from the initial weights: %s", exc)
             self.base = {"source": "initial", "step": 0}
         self.replayer = ShadowReplayer(params, spec.log_path, self.base["step"], spec.hash_every)
         self.policy = FixedInterval(every_steps=spec.snapshot_every_steps)

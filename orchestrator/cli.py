@@ -88,6 +88,11 @@ def run(
         for p in out.iterdir():
             if p.name != "reference":
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
+    try:
+        cfg.snapshot_store().storage.probe()  # fail fast on a wrong endpoint, bucket or credentials
+    except OSError as exc:
+        typer.echo(f"error: snapshot storage {cfg.storage} is not usable: {exc}", err=True)
+        raise typer.Exit(2) from exc
     summary = run_job(cfg, verify=verify, echo=typer.echo)
     keys = ("ok", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
             "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "shadow_replay_seconds_per_step",

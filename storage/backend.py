@@ -209,6 +209,22 @@ class Storage:
 
         return [p for p in self._call(f"list {self.url(prefix)}", find) if ".tmp-" not in p]
 
+    def probe(self) -> None:
+        """Check that the store is usable (write, read back, delete a small object).
+
+        Raises:
+            StorageError: unreachable or failing; FileNotFoundError: e.g. a missing bucket;
+            PermissionError: e.g. a 403. Each message names the store.
+        """
+        name = f".raycheck-probe-{uuid.uuid4().hex[:8]}"
+        try:
+            self.put(name, b"ok")
+            if self.get(name) != b"ok":
+                raise StorageError(f"{self.url(name)}: read back other bytes than written")
+            self.delete(name)
+        except (FileNotFoundError, PermissionError) as exc:
+            raise type(exc)(f"{self.url()} is not usable: {exc}") from exc
+
     def delete(self, rel: str) -> None:
         """Remove object ``rel`` (no error if it is already gone)."""
 

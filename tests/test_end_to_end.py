@@ -5,17 +5,22 @@ Every claim of exactness is a sha256 over every tensor, compared with a failure-
 
 from __future__ import annotations
 
+import json
 import pathlib
+import threading
+import time
 import uuid
 
 import pyarrow.parquet as pq
 import pytest
 import ray
+from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
 from conftest import make_bucket
 from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
+from orchestrator.run_dir import RunDir
 from orchestrator.controller import Controller
 from training.model import default_cache_dir
 
@@ -108,12 +113,34 @@ def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_fa
     assert "ok   step log segments: steps 0..11" in result.output
 
 
-def test_failed_final_persist_exits_non_zero_and_names_the_last_durable_step(cluster, tmp_path, s3_endpoint):
-    out = tmp_path / "run"
+def test_unusable_storage_is_refused_before_training(tmp_path, s3_endpoint):
     result = CliRunner().invoke(app, [
-        "run", "--model", "tiny", "--steps", "4", "--snapshot-every", "2", "--eval-samples", "0", "--out", str(out),
+        "run", "--model", "tiny", "--steps", "4", "--out", str(tmp_path / "run"),
         "--storage", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", "--s3-endpoint", s3_endpoint,
     ])
+    assert result.exit_code == 2, result.output
+    assert "is not usable" in result.output and "bucket" in result.output.lower()
+    assert not (tmp_path / "run" / "steplog.bin").exists()
+
+
+def test_storage_outage_fails_the_final_persist_and_exits_4(cluster, tmp_path):
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+    make_bucket(endpoint, "outage")
+    out = tmp_path / "run"
+
+    def stop_after_two_steps() -> None:  # the storage goes away while training goes on
+        while len(RunDir.read(out / "metrics.jsonl")) < 2:
+            time.sleep(0.1)
+        server.stop()
+
+    threading.Thread(target=stop_after_two_steps, daemon=True).start()
+    result = CliRunner().invoke(app, [
+        "run", "--model", "tiny", "--steps", "8", "--snapshot-every", "4", "--eval-samples", "0", "--out", str(out),
+        "--storage", "s3://outage/run", "--s3-endpoint", endpoint,
+    ])
     assert result.exit_code == 4, result.output
-    assert "Last durable snapshot: none" in result.output and "holds all 4 steps" in result.output
-    assert "bucket" in result.output.lower()
+    assert "Last durable snapshot: none" in result.output and "holds all 8 steps" in result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and summary["shadow_equal"] and summary["snapshots"]["failed"] >= 1

@@ -53,7 +53,7 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_p
         info, state, skipped = cfg.snapshot_store().load_latest(max_step=log_end)
         load_into(params, state)
         base = info.step
-    except NoSnapshotError as exc:
+    except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; the local log still has every step
         log.warning("%s; replaying the whole log from the initial weights", exc)
         base, skipped = 0, [str(exc)]
     records = read_records(log_path)[base:log_end]
