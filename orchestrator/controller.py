@@ -28,6 +28,7 @@ from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
 from orchestrator.cluster import connect
 from orchestrator.config import JobConfig
+from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowKeeper
@@ -98,6 +99,8 @@ class Controller:
         self.shadow: ShadowKeeper | None = None
         self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" else None
         self.snapshot_interval: dict[int, int] = {}
+        self.metrics = RunMetrics(cfg.run_id)
+        self.persister_status: dict = {}
         self._printed_steps = 0
         self._seen_events = 0
 
@@ -117,9 +120,12 @@ class Controller:
     def _follow(self) -> tuple[int, int]:
         """Print new events and steps; returns (worker failures, recoveries) so far."""
         events = self.run_dir.read(self.run_dir.events)
-        for e in events[self._seen_events:]:
+        recovery_seconds = [r.get("seconds") for r in recoveries(events)]
+        for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
             fields = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "unix_s", "worker_start_unix_s", "inputs"))
             self.echo(f"[raycheck] {e['kind']}: {fields}")
+            n_recovery = sum(1 for x in events[:i] if x["kind"] == "recovery")
+            self.metrics.event(e, recovery_seconds[n_recovery] if e["kind"] == "recovery" else None)
         self._seen_events = len(events)
         rows = self.run_dir.read(self.run_dir.metrics)
         shadow_step = self.shadow.status.get("step", 0)
@@ -127,6 +133,7 @@ class Controller:
             lag = max(0, r["step"] + 1 - shadow_step)
             self.shadow_lag.setdefault(r["step"], lag)
             self._plan(r, events)
+            self.metrics.step(r, lag, self.snapshot_interval[r["step"]])
             self.echo(
                 f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
                 f"log append {r['log_append_seconds'] * 1e3:.2f} ms  shadow lag {lag} steps"
@@ -139,9 +146,8 @@ class Controller:
         if self.planner is None:
             self.snapshot_interval[row["step"]] = self.cfg.snapshot_every
             return
-        persister = ray.get(self.persister.status.remote(), timeout=30)
         failures, _ = worker_failures_and_recoveries(events)
-        record = self.planner.observe(row["step"], row, self.shadow.status, persister, recoveries(events), failures,
+        record = self.planner.observe(row["step"], row, self.shadow.status, self.persister_status, recoveries(events), failures,
                                       elapsed_s=row["unix_s"] - self.t_start)
         if record is not None:
             self.shadow.set_interval(record.interval_steps)
@@ -197,6 +203,8 @@ class Controller:
             failures, recovered = self._follow()
             self.phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
             self.shadow.poll(may_restart=lambda: not self._recovery_pending())
+            self.persister_status = ray.get(self.persister.status.remote(), timeout=30)
+            self.metrics.storage(self.persister_status, self.shadow.status.get("log_end", 0))
             if done:
                 break
             time.sleep(0.5)

@@ -9,6 +9,7 @@ import json
 import pathlib
 import threading
 import time
+import urllib.request
 import uuid
 
 import pyarrow.parquet as pq
@@ -17,7 +18,7 @@ import ray
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
-from conftest import make_bucket
+from conftest import free_port, make_bucket
 from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.run_dir import RunDir
@@ -29,8 +30,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="raycheck")
-    yield
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="raycheck", _metrics_export_port=port)
+    yield port
     ray.shutdown()
 
 
@@ -61,6 +63,22 @@ def test_reference_shadow_matches_worker_every_k_steps(reference):
     assert reference["shadow_hashes"] == reference["worker_hashes"]
     assert reference["recoveries"] == [] and reference["failures"] == []
     assert reference["snapshots"]["written"] >= 1 and reference["snapshots"]["failed"] == 0
+
+
+def test_metrics_reach_the_prometheus_endpoint(cluster, reference):
+    """The controller's series are scraped from the node's metrics export port (what dashboards read)."""
+    wanted = {"ray_raycheck_steps_total": 12.0, "ray_raycheck_snapshot_interval_steps": 3.0}
+    deadline, found = time.monotonic() + 90, {}
+    while time.monotonic() < deadline and found != wanted:  # exports lag the run by up to ~10 s
+        body = urllib.request.urlopen(f"http://127.0.0.1:{cluster}/metrics", timeout=10).read().decode()
+        for line in body.splitlines():
+            name = line.split("{")[0]
+            if name in wanted and 'run="ref"' in line and 'strategy="shadow"' in line:
+                found[name] = float(line.rsplit(" ", 1)[1])
+        time.sleep(2)
+    assert found == wanted
+    for name in ("ray_raycheck_shadow_lag_steps", "ray_raycheck_snapshot_age_steps", "ray_raycheck_checkpoint_stall_seconds_total"):
+        assert name in body
 
 
 def test_worker_failures_first_mid_back_to_back_and_last_step_are_exact(reference, tmp_path_factory):
