@@ -14,6 +14,7 @@ import typer
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.merge_cli import merge
 from orchestrator.policy_cli import parse_duration, policy
+from orchestrator.schedule import parse_schedule
 from orchestrator.storage_cli import inspect, verify
 from training.model import MODEL_NAMES, default_cache_dir
 
@@ -52,6 +53,10 @@ def run(
         list[str],
         typer.Option(help="Inject a failure: STEP[:TARGET[:HOW]], TARGET worker|shadow|both, HOW exit|raise|sigkill. Repeatable."),
     ] = [],
+    fail_schedule: Annotated[
+        str, typer.Option(help="Random failures: poisson:MTBF_STEPS[:TARGET] or weibull:MTBF_STEPS:SHAPE[:TARGET], seeded by --fail-seed.")
+    ] = "",
+    fail_seed: Annotated[int, typer.Option(help="Seed of --fail-schedule.")] = 0,
     snapshot_every: Annotated[int, typer.Option(min=0, help="Fixed shadow snapshot interval in steps (0: log only).")] = 10,
     snapshot_policy: Annotated[str, typer.Option(help="fixed (--snapshot-every) or adaptive (cost model, re-planned from measured costs).")] = "fixed",
     mtbf: Annotated[str, typer.Option(help="Assumed job MTBF for the adaptive policy, e.g. 30min, 3h.")] = "1h",
@@ -70,6 +75,8 @@ def run(
 
     try:
         failures = tuple(FailureSpec.parse(f) for f in fail)
+        if fail_schedule:
+            failures += parse_schedule(fail_schedule, steps, fail_seed)
         cfg = JobConfig(
             out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=model, steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
@@ -106,11 +113,11 @@ def run(
         typer.echo("error: recovery was not exact (see summary.json)", err=True)
         raise typer.Exit(3)
     snaps = summary["snapshots"]
-    if snaps["last_durable_step"] != snaps["last_submitted_step"]:
-        durable = "none" if snaps["last_durable_step"] is None else f"step {snaps['last_durable_step']}"
+    if snaps.get("unavailable") or snaps.get("last_durable_step") != snaps.get("last_submitted_step"):
+        durable = "none" if snaps.get("last_durable_step") is None else f"step {snaps['last_durable_step']}"
         typer.echo(
-            f"error: {snaps['failed']} snapshot write(s) failed, the last (step {snaps['last_submitted_step']}) "
-            f"included: {snaps['last_error']}. Last durable snapshot: {durable}; the step log "
+            f"error: the last snapshot (step {snaps.get('last_submitted_step')}) is not durable: "
+            f"{snaps.get('unavailable') or snaps.get('last_error')}. Last durable snapshot: {durable}; the step log "
             f"({out / 'steplog.bin'}) holds all {summary['final_step']} steps, so the state is still recoverable",
             err=True,
         )

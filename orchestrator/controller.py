@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
@@ -154,6 +155,18 @@ class Controller:
             self.run_dir.event("replan", **record.to_dict())
         self.snapshot_interval[row["step"]] = self.planner.every_steps
 
+    def _poll_persister(self, method: str = "status", *args, timeout_s: float = 30) -> dict:
+        """Refresh ``persister_status`` (``status`` or ``flush``). A persister that does not answer
+        is reported in the status, never fatal: snapshots are an optimisation over the step log."""
+        try:
+            self.persister_status = ray.get(getattr(self.persister, method).remote(*args), timeout=timeout_s)
+        except (RayActorError, GetTimeoutError) as exc:
+            log.warning("snapshot persister did not answer %s: %s", method, exc)
+            self.persister_status = {**self.persister_status, "unavailable": f"{type(exc).__name__}: {exc}"[:300]}
+            return self.persister_status
+        self.metrics.storage(self.persister_status, self.shadow.status.get("log_end", 0))
+        return self.persister_status
+
     def _recovery_pending(self) -> bool:
         """True while a worker failure has no recovery yet (read fresh from the event stream)."""
         failures, recovered = worker_failures_and_recoveries(self.run_dir.read(self.run_dir.events))
@@ -203,8 +216,7 @@ class Controller:
             failures, recovered = self._follow()
             self.phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
             self.shadow.poll(may_restart=lambda: not self._recovery_pending())
-            self.persister_status = ray.get(self.persister.status.remote(), timeout=30)
-            self.metrics.storage(self.persister_status, self.shadow.status.get("log_end", 0))
+            self._poll_persister()
             if done:
                 break
             time.sleep(0.5)
@@ -220,9 +232,9 @@ class Controller:
             self.shadow.ensure_alive(timeout_s=600)
             shadow_sha = self.shadow.call("state_sha256", cfg.steps, cfg.recovery_timeout_s, timeout_s=cfg.recovery_timeout_s + 30)
             self.shadow.status = self.shadow.call("status", timeout_s=60)
-            if cfg.snapshot_every and self.shadow.status["step"] > (ray.get(persister.status.remote())["last_submitted_step"] or 0):
+            if cfg.snapshot_every and self.shadow.status["step"] > (self._poll_persister().get("last_submitted_step") or 0):
                 self.shadow.call("snapshot_now", timeout_s=600)  # the final state, so storage ends complete
-        persisted = ray.get(persister.flush.remote(600))
+        persisted = self._poll_persister("flush", 600, timeout_s=660)
         shadow_hashes = self.shadow.call("hashes", timeout_s=60)
         rows = write_metrics(run, {"shadow_lag_steps": self.shadow_lag, "snapshot_interval_steps": self.snapshot_interval},
                              run.root / "metrics.parquet")

@@ -22,10 +22,12 @@ from conftest import free_port, make_bucket
 from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.run_dir import RunDir
+from orchestrator.schedule import failure_schedule
 from orchestrator.controller import Controller
 from training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
+SEED = 0  # poisson:2 over 12 steps with this seed fails at 6 distinct steps
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,13 @@ def test_worker_failures_first_mid_back_to_back_and_last_step_are_exact(referenc
     assert {r["source"] for r in s["recoveries"]} == {"object_store"}
     assert all(r["seconds"] > 0 for r in s["recoveries"])
     assert s["shadow_hashes"] == s["worker_hashes"]
+
+
+def test_poisson_schedule_of_failures_is_exact(reference, tmp_path_factory):
+    schedule = " ".join(f"{f.step}:{f.target}" for f in failure_schedule("poisson", 2.0, 12, seed=SEED))
+    s = job(tmp_path_factory, "poisson", schedule)
+    assert len(s["recoveries"]) >= 5
+    assert_exact(s, reference)
 
 
 def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_path_factory):

@@ -40,8 +40,19 @@ def head_node():
     try:
         yield env, f"http://127.0.0.1:{dash}", pathlib.Path(tmp)
     finally:
-        subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stop_cluster(tmp: str) -> None:
+    """Kill the processes of the cluster whose temp dir is ``tmp`` and no other (``ray stop`` would
+    stop every Ray cluster on the machine, e.g. a concurrent test session's)."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"]) if tmp in " ".join(p.info["cmdline"] or ())]
+    for p in procs:
+        p.kill()
+    psutil.wait_procs(procs, timeout=30)
 
 
 def test_ray_job_submit_runs_the_job_with_a_failure(head_node):
