@@ -51,7 +51,8 @@ def run(
     torch_threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker (fixed for reproducibility).")] = 1,
     fail: Annotated[
         list[str],
-        typer.Option(help="Inject a failure: STEP[:TARGET[:HOW]], TARGET worker|shadow|both, HOW exit|raise|sigkill. Repeatable."),
+        typer.Option(help="Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], "
+                          "TARGET worker|shadow|both|corrupt, HOW exit|raise|sigkill|torn (worker only). Repeatable."),
     ] = [],
     fail_schedule: Annotated[
         str, typer.Option(help="Random failures: poisson:MTBF_STEPS[:TARGET] or weibull:MTBF_STEPS:SHAPE[:TARGET], seeded by --fail-seed.")

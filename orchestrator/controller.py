@@ -122,9 +122,10 @@ class Controller:
         """Print new events and steps; returns (worker failures, recoveries) so far."""
         events = self.run_dir.read(self.run_dir.events)
         recovery_seconds = [r.get("seconds") for r in recoveries(events)]
+        lines: list[tuple[float, str]] = []  # printed in time order across both streams
         for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
             fields = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "unix_s", "worker_start_unix_s", "inputs"))
-            self.echo(f"[raycheck] {e['kind']}: {fields}")
+            lines.append((e["unix_s"], f"[raycheck] {e['kind']}: {fields}"))
             n_recovery = sum(1 for x in events[:i] if x["kind"] == "recovery")
             self.metrics.event(e, recovery_seconds[n_recovery] if e["kind"] == "recovery" else None)
         self._seen_events = len(events)
@@ -135,10 +136,10 @@ class Controller:
             self.shadow_lag.setdefault(r["step"], lag)
             self._plan(r, events)
             self.metrics.step(r, lag, self.snapshot_interval[r["step"]])
-            self.echo(
-                f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
-                f"log append {r['log_append_seconds'] * 1e3:.2f} ms  shadow lag {lag} steps"
-            )
+            lines.append((r["unix_s"], f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
+                                       f"log append {r['log_append_seconds'] * 1e3:.2f} ms  shadow lag {lag} steps"))
+        for _, line in sorted(lines, key=lambda x: x[0]):
+            self.echo(line)
         self._printed_steps = len(rows)
         return worker_failures_and_recoveries(events)
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.storage_cli import EndpointOpt, _store
+from orchestrator.storage_cli import EndpointOpt, open_store
 from storage.backend import StorageError
 from storage.merge import MergeError, Source, export_hf, merge_snapshots, parse_source, parse_take
 from storage.snapshots import NoSnapshotError, SnapshotCorruptError
@@ -36,8 +36,8 @@ def merge(
         takes = [parse_take(t) for t in take]
     except MergeError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    sources = [Source(name, _store(uri, s3_endpoint), step) for name, uri, step in parsed]
-    out_store = _store(out, s3_endpoint)
+    sources = [Source(name, open_store(uri, s3_endpoint), step) for name, uri, step in parsed]
+    out_store = open_store(out, s3_endpoint, create=True)
     try:
         result = merge_snapshots(sources, takes, out_store)
         for unit, name in result.unit_sources.items():

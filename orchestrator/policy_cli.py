@@ -29,7 +29,13 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"{text!r} is not a duration: write a number and a unit, e.g. 1.2s, 250ms, 5min, 3h, 2d "
                          f"(units: {', '.join(UNITS_S)})")
     number, exponent, unit = match.groups()
-    return float(number) * 10 ** int(exponent or 0) * UNITS_S[unit]
+    try:
+        seconds = float(number) * 10.0 ** int(exponent or 0) * UNITS_S[unit]
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is too large a duration")
+    return seconds
 
 
 def format_duration(seconds: float) -> str:

@@ -11,16 +11,47 @@ import typer
 from storage.backend import Storage
 from storage.log_segments import read_segments
 from storage.snapshots import SnapshotStore
-from storage.steplog import StepLogError
+from storage.steplog import StepLogError, read_log
 
 UriArg = Annotated[str, typer.Argument(help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
 EndpointOpt = Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL).")]
 
 
-def _store(uri: str, s3_endpoint: str) -> SnapshotStore:
+def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStore:
+    """The store at ``uri`` (a run directory means its ``snapshots/``); exits 2 with a clear error
+    when it cannot be read (or, unless ``create``, does not exist)."""
     if "://" not in uri and (pathlib.Path(uri) / "snapshots").is_dir():
         uri = str(pathlib.Path(uri) / "snapshots")  # a run directory
-    return SnapshotStore(Storage(uri, **({"endpoint_url": s3_endpoint} if s3_endpoint else {})))
+    try:
+        store = SnapshotStore(Storage(uri, create=create, **({"endpoint_url": s3_endpoint} if s3_endpoint else {})))
+        store.list()
+        return store
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: cannot read snapshot store {uri}: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
+    """Lines describing the run directory's local step log and the mirrored segments (read only),
+    and the number of problems found."""
+    lines, bad = [], 0
+    local = pathlib.Path(uri) / "steplog.bin"
+    if "://" not in uri and local.is_file():
+        try:
+            _, records, torn = read_log(local)
+            note = f", and a torn tail of {torn} bytes (cut when the run resumes)" if torn else ""
+            lines.append(f"ok   step log {local}: steps 0..{len(records) - 1}{note}")
+        except StepLogError as exc:
+            lines.append(f"BAD  step log {local}: {exc}")
+            bad += 1
+    try:
+        header, records = read_segments(storage)
+        if header is not None:
+            lines.append(f"ok   step log segments in {storage.url('log')}: steps 0..{len(records) - 1}")
+    except (StepLogError, OSError) as exc:
+        lines.append(f"BAD  step log segments: {exc}")
+        bad += 1
+    return lines, bad
 
 
 def _units_by_step(manifest: dict) -> str:
@@ -32,25 +63,22 @@ def _units_by_step(manifest: dict) -> str:
 
 def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """List committed snapshots: step, size, units and the step each unit belongs to, and the step log."""
-    store = _store(uri, s3_endpoint)
+    store = open_store(uri, s3_endpoint)
     infos = store.list()
     typer.echo(f"{store.storage.url()}: {len(infos)} committed snapshot(s)")
     for info in infos:
         created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
         typer.echo(f"  step {info.step:>8}  {info.bytes / 1e6:10.1f} MB  {len(info.manifest['units']):>4} units "
                    f"({_units_by_step(info.manifest)})  {created}  {info.folder}")
-    try:
-        header, records = read_segments(store.storage)
-    except (StepLogError, OSError) as exc:
-        typer.echo(f"step log segments: unreadable: {exc}")
-        return
-    if header is not None:
-        typer.echo(f"step log segments: steps 0..{len(records) - 1} (model {header.get('model')})")
+    for problem in store.skipped:
+        typer.echo(f"  skipped: {problem}")
+    for line in _log_lines(uri, store.storage)[0]:
+        typer.echo(line)
 
 
 def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """Re-hash every shard of every committed snapshot (and the mirrored step log); exit 1 naming each bad one."""
-    store = _store(uri, s3_endpoint)
+    store = open_store(uri, s3_endpoint)
     bad = []
     infos = store.list()
     for info in infos:
@@ -59,17 +87,16 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
         for p in problems:
             typer.echo(f"       {p}")
         bad += problems
-    try:
-        header, records = read_segments(store.storage)
-        if header is not None:
-            typer.echo(f"ok   step log segments: steps 0..{len(records) - 1}")
-    except (StepLogError, OSError) as exc:
-        typer.echo(f"BAD  step log segments: {exc}")
-        bad.append(str(exc))
-    if not infos:
+    for problem in store.skipped:
+        typer.echo(f"BAD  {problem}")
+        bad.append(problem)
+    lines, log_problems = _log_lines(uri, store.storage)
+    for line in lines:
+        typer.echo(line)
+    if not infos and not store.skipped:
         typer.echo(f"no committed snapshots in {store.storage.url()}", err=True)
         raise typer.Exit(2)
-    if bad:
-        typer.echo(f"{len(bad)} problem(s) found", err=True)
+    if bad or log_problems:
+        typer.echo(f"{len(bad) + log_problems} problem(s) found", err=True)
         raise typer.Exit(1)
     typer.echo(f"all {len(infos)} snapshot(s) verified")

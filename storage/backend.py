@@ -92,15 +92,17 @@ class Storage:
     Args:
         uri: ``/abs/path``, ``file:///abs/path``, ``s3://bucket/prefix`` or ``memory://name``.
         retry: timeouts, retries and the consecutive-failure bound.
+        create: create a missing local folder (False for read-only tools: it must exist).
         **options: backend options (S3: ``endpoint_url``, ``key``, ``secret``).
 
     Raises:
-        ValueError: an unsupported URI scheme.
+        ValueError: an unsupported URI scheme. FileNotFoundError: ``create`` is False and the local
+            folder does not exist.
     """
 
     SCHEMES = ("file", "s3", "memory")
 
-    def __init__(self, uri: str, *, retry: RetryPolicy = RetryPolicy(), **options) -> None:
+    def __init__(self, uri: str, *, retry: RetryPolicy = RetryPolicy(), create: bool = True, **options) -> None:
         protocol, _, rest = uri.partition("://") if "://" in uri else ("file", "", uri)
         if protocol not in self.SCHEMES:
             raise ValueError(f"{uri!r}: unsupported storage scheme {protocol!r}; use one of {', '.join(self.SCHEMES)}")
@@ -110,8 +112,10 @@ class Storage:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage")
         self._lock = threading.Lock()
         self.consecutive_failures = 0
-        if protocol == "file":
+        if protocol == "file" and create:
             os.makedirs(self.root, exist_ok=True)
+        elif protocol == "file" and not os.path.isdir(self.root):
+            raise FileNotFoundError(f"{self.root}: no such folder")
 
     def __reduce__(self):  # rebuild in the receiving process (thread pools and clients do not pickle)
         return (_rebuild, (self.uri, self.retry, self.options))

@@ -86,6 +86,8 @@ class SnapshotStore:
         self.storage = storage if isinstance(storage, Storage) else Storage(storage)
         self.keep_last = keep_last
         self.parallel_puts = parallel_puts
+        self.skipped: list[str] = []
+        """Snapshots the last ``list()`` skipped, with the reason (e.g. an indexed one whose manifest is gone)."""
 
     # -- writing ------------------------------------------------------------------------------
     def write(
@@ -168,20 +170,19 @@ class SnapshotStore:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
             log.warning("%s: unreadable index (%s); scanning for manifests", self.storage.url(INDEX), exc)
             folders = sorted({p.split("/")[0] for p in self.storage.list() if p.endswith("/" + MANIFEST)})
-        infos = []
+        infos, self.skipped = [], []
         for folder in folders:
             try:
                 manifest = json.loads(self.storage.get(f"{folder}/{MANIFEST}"))
+                if manifest.get("format_version") != FORMAT_VERSION:
+                    raise ValueError(f"format {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+                infos.append(SnapshotInfo(int(manifest["step"]), folder, manifest))
             except FileNotFoundError:
-                log.warning("snapshot %s: manifest missing; skipped", folder)
-                continue
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                log.warning("snapshot %s: unreadable manifest (%s); skipped", folder, exc)
-                continue
-            if manifest.get("format_version") != FORMAT_VERSION:
-                log.warning("snapshot %s: format %s, expected %s; skipped", folder, manifest.get("format_version"), FORMAT_VERSION)
-                continue
-            infos.append(SnapshotInfo(int(manifest["step"]), folder, manifest))
+                self.skipped.append(f"{folder}/{MANIFEST}: missing")
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+                self.skipped.append(f"{folder}/{MANIFEST}: unreadable ({exc})")
+        for problem in self.skipped:
+            log.warning("snapshot skipped: %s", problem)
         return sorted(infos, key=_order)
 
     def verify(self, info: SnapshotInfo) -> list[str]:

@@ -130,16 +130,22 @@ def read_header(path: str | os.PathLike) -> dict:
     return _decode_header(path.read_bytes(), path)[0]
 
 
-def read_records(path: str | os.PathLike) -> list[StepRecord]:
-    """All complete, checksummed records of the log (a torn tail is ignored, not cut).
+def read_log(path: str | os.PathLike) -> tuple[dict, list[StepRecord], int]:
+    """(header, complete checksummed records, bytes of a torn tail) of the log, read only.
 
     Raises:
         StepLogCorruptError, StepLogGapError: see the module docstring.
     """
     path = pathlib.Path(path)
     data = path.read_bytes()
-    _, start = _decode_header(data, path)
-    return _scan(data, start, path, 0)[0]
+    header, start = _decode_header(data, path)
+    records, end = _scan(data, start, path, 0)
+    return header, records, len(data) - end
+
+
+def read_records(path: str | os.PathLike) -> list[StepRecord]:
+    """All complete, checksummed records of the log (a torn tail is ignored, not cut)."""
+    return read_log(path)[1]
 
 
 class StepLogReader:

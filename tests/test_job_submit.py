@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -66,7 +67,11 @@ def test_ray_job_submit_runs_the_job_with_a_failure(head_node):
     cmd = [BIN / "ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
            "python", "-m", "orchestrator.cli", "run", "--model", "tiny", "--steps", "6", "--eval-samples", "0",
            "--fail", "3:worker", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    for _ in range(12):  # right after `ray start` the job agent may not be up yet ("No available agent")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if "No available agent" not in proc.stdout + proc.stderr:
+            break
+        time.sleep(5)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "succeeded" in proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
