@@ -137,7 +137,7 @@ def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_fa
     assert result.exit_code == 1, result.output
     assert result.output.count("BAD") == 1 and "BAD  step        6" in result.output and "sha256 differs" in result.output
     assert result.output.count("ok   step        6") == 1  # the restarted shadow wrote step 6 again, intact
-    assert "ok   step log segments: steps 0..11" in result.output
+    assert f"ok   step log segments in {uri}/log: steps 0..11" in result.output
 
 
 def test_unusable_storage_is_refused_before_training(tmp_path, s3_endpoint):
@@ -154,7 +154,8 @@ def test_storage_outage_fails_the_final_persist_and_exits_4(cluster, tmp_path):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
-    make_bucket(endpoint, "outage")
+    bucket = f"outage-{uuid.uuid4().hex[:8]}"  # moto keeps buckets across server instances in one process
+    make_bucket(endpoint, bucket)
     out = tmp_path / "run"
 
     def stop_after_two_steps() -> None:  # the storage goes away while training goes on
@@ -165,7 +166,7 @@ def test_storage_outage_fails_the_final_persist_and_exits_4(cluster, tmp_path):
     threading.Thread(target=stop_after_two_steps, daemon=True).start()
     result = CliRunner().invoke(app, [
         "run", "--model", "tiny", "--steps", "8", "--snapshot-every", "4", "--eval-samples", "0", "--out", str(out),
-        "--storage", "s3://outage/run", "--s3-endpoint", endpoint,
+        "--storage", f"s3://{bucket}/run", "--s3-endpoint", endpoint,
     ])
     assert result.exit_code == 4, result.output
     assert "Last durable snapshot: none" in result.output and "holds all 8 steps" in result.output

@@ -92,8 +92,9 @@ def test_s3_outage_during_persists_is_counted_and_the_restore_point_survives():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    make_bucket(endpoint, "outage")
-    store = SnapshotStore(Storage("s3://outage/run", retry=FAST, endpoint_url=endpoint), keep_last=1)
+    bucket = f"outage-{uuid.uuid4().hex[:8]}"  # moto keeps buckets across server instances in one process
+    make_bucket(endpoint, bucket)
+    store = SnapshotStore(Storage(f"s3://{bucket}/run", retry=FAST, endpoint_url=endpoint), keep_last=1)
     persister = SnapshotPersister(store)
     persister.submit(1, small_state(1))
     assert persister.flush(30)["last_durable_step"] == 1
@@ -105,7 +106,7 @@ def test_s3_outage_during_persists_is_counted_and_the_restore_point_survives():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()  # storage is back: the restore point written before the outage still loads
     try:
-        fresh = SnapshotStore(Storage("s3://outage/run", retry=FAST, endpoint_url=endpoint))
+        fresh = SnapshotStore(Storage(f"s3://{bucket}/run", retry=FAST, endpoint_url=endpoint))
         assert [i.step for i in fresh.list()] == [1]
         assert state_sha256(fresh.load_latest().state) == state_sha256(small_state(1))
     finally:
