@@ -33,7 +33,7 @@ from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowKeeper
-from orchestrator.summary import recoveries, write_metrics, write_summary
+from orchestrator.summary import recoveries, write_metrics
 from storage.steplog import StepLogWriter
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from training.worker import train_loop_per_worker
@@ -273,7 +273,7 @@ class Controller:
         }
         for actor in (self.shadow.actor, persister):
             ray.kill(actor)
-        write_summary(run.root / "summary.json", summary)
+        run.write_json(run.root / "summary.json", summary)
         return summary
 
 
@@ -285,7 +285,7 @@ def run_job(cfg: JobConfig, verify: bool = False, echo: Callable[[str], None] = 
         ref = reference(cfg, echo)
         summary["reference_state_sha256"] = ref["state_sha256"]
         summary["bitwise_equal"] = ref["state_sha256"] == summary["state_sha256"]
-        write_summary(pathlib.Path(cfg.out_dir) / "summary.json", summary)
+        RunDir.write_json(pathlib.Path(cfg.out_dir) / "summary.json", summary)
     return summary
 
 

@@ -42,7 +42,7 @@ class RunDir:
         """Replace ``path`` atomically (temp file, fsync, rename): readers see the old or the new value."""
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as fh:
-            json.dump(value, fh)
+            json.dump(value, fh, indent=2, default=str)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

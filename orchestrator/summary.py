@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import pyarrow as pa
@@ -44,8 +43,3 @@ def write_metrics(run: RunDir, per_step: dict[str, dict[int, int]], path: pathli
     pq.write_table(table, path)
     return ordered
 
-
-def write_summary(path: pathlib.Path, summary: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    tmp.replace(path)

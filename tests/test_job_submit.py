@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,16 +13,12 @@ import time
 
 import pytest
 
+from conftest import free_port
+
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
