@@ -16,6 +16,17 @@ from training.model import MODEL_NAMES
 FailureTarget = Literal["worker", "shadow", "both", "corrupt"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
 TARGETS = ("worker", "shadow", "both", "corrupt")
+ALGOS = ("zo", "fo")
+STRATEGIES = {
+    "zo": ("shadow", "full-sync", "full-async", "log-only"),
+    "fo": ("full-sync", "full-async", "layerwise", "differential"),
+}
+"""Checkpointing strategies by algorithm. ``shadow``: step log + CPU shadow + snapshots (ours);
+``full-sync``: the worker blocks on a full-state save every ``snapshot_every`` steps;
+``full-async``: the worker blocks on a staging copy, a background thread writes it (torch DCP
+``async_save``, CheckFreq); ``log-only``: step log only, recovery replays it from the initial
+weights; ``layerwise`` and ``differential``: first-order strategies (LayerCheck, LowDiff)."""
+DEFAULT_STRATEGY = {"zo": "shadow", "fo": "layerwise"}
 HOWS = ("exit", "raise", "sigkill", "torn")
 
 
@@ -62,6 +73,11 @@ class JobConfig:
     cache_dir: str
     """Where converted models live (see ``training.model.default_cache_dir``)."""
     model: str = "smollm2-135m"
+    algo: str = "zo"
+    """``zo`` (MeZO, zeroth-order, the step log) or ``fo`` (AdamW, first-order)."""
+    strategy: str = ""
+    """How progress is made durable: one of ``STRATEGIES[algo]``; empty: ``shadow`` for ``zo``,
+    ``layerwise`` for ``fo``."""
     steps: int = 50
     batch_size: int = 8
     seq_len: int = 32
@@ -96,7 +112,7 @@ class JobConfig:
     recovery_timeout_s: float = 600.0
     extra: dict = field(default_factory=dict)
 
-    TRAJECTORY = ("model", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads")
+    TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads")
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_NAMES:
@@ -104,6 +120,12 @@ class JobConfig:
         for name in ("steps", "batch_size", "seq_len", "workers", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.algo not in ALGOS:
+            raise ValueError(f"algo {self.algo!r}: choose one of {', '.join(ALGOS)}")
+        if not self.strategy:
+            object.__setattr__(self, "strategy", DEFAULT_STRATEGY[self.algo])
+        if self.strategy not in STRATEGIES[self.algo]:
+            raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
         if self.snapshot_policy not in ("fixed", "adaptive"):
             raise ValueError(f"snapshot_policy {self.snapshot_policy!r}: choose fixed or adaptive")
         if not self.mtbf_s > 0:
