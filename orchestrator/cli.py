@@ -37,9 +37,22 @@ def _storage_uri(uri: str) -> str:
     return str(pathlib.Path(uri.removeprefix("file://")).resolve())
 
 
+def _resumed_config(out: pathlib.Path) -> JobConfig:
+    """The configuration of the run in ``out``, to resume it (exit 2 when there is none)."""
+    saved = out / "config.json"
+    if not saved.is_file():
+        typer.echo(f"error: {out} holds no run to resume (no config.json)", err=True)
+        raise typer.Exit(2)
+    return JobConfig.from_dict(json.loads(saved.read_text()))
+
+
 @app.command()
 def run(
     model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}.")] = "smollm2-135m",
+    algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
+    strategy: Annotated[str, typer.Option(help=(
+        "Checkpointing strategy. zo: shadow (step log + CPU shadow + snapshots, default), full-sync, full-async, "
+        "log-only; fo: layerwise (default), differential, full-sync, full-async. full-* checkpoint every --snapshot-every steps."))] = "",
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 50,
     batch_size: Annotated[int, typer.Option(min=1, help="Samples per step (split across workers).")] = 8,
     seq_len: Annotated[int, typer.Option(min=8, help="Maximum prompt length in tokens.")] = 32,
@@ -58,7 +71,7 @@ def run(
         str, typer.Option(help="Random failures: poisson:MTBF_STEPS[:TARGET] or weibull:MTBF_STEPS:SHAPE[:TARGET], seeded by --fail-seed.")
     ] = "",
     fail_seed: Annotated[int, typer.Option(help="Seed of --fail-schedule.")] = 0,
-    snapshot_every: Annotated[int, typer.Option(min=0, help="Fixed shadow snapshot interval in steps (0: log only).")] = 10,
+    snapshot_every: Annotated[int, typer.Option(min=0, help="Fixed snapshot/checkpoint interval in steps (0: log only).")] = 10,
     snapshot_policy: Annotated[str, typer.Option(help="fixed (--snapshot-every) or adaptive (cost model, re-planned from measured costs).")] = "fixed",
     mtbf: Annotated[str, typer.Option(help="Assumed job MTBF for the adaptive policy, e.g. 30min, 3h.")] = "1h",
     keep_snapshots: Annotated[int, typer.Option(min=1, help="Complete snapshots to keep.")] = 3,
@@ -66,6 +79,8 @@ def run(
     s3_endpoint: Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL; keys from $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY).")] = "",
     out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --out (after the driver died): same run id and settings "
+                                               "(from its config.json; other options are ignored), restored from storage and the step log.")] = False,
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
@@ -79,7 +94,7 @@ def run(
         if fail_schedule:
             failures += parse_schedule(fail_schedule, steps, fail_seed)
         cfg = JobConfig(
-            out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=model, steps=steps,
+            out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=model, algo=algo, strategy=strategy, steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
             workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
@@ -89,7 +104,9 @@ def run(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    if out.exists() and any(p.name != "reference" for p in out.iterdir()):
+    if resume:
+        cfg = _resumed_config(out)
+    elif out.exists() and any(p.name != "reference" for p in out.iterdir()):
         if not overwrite:
             typer.echo(f"error: {out} already holds a run; pass --overwrite or choose another --out", err=True)
             raise typer.Exit(2)
@@ -102,19 +119,19 @@ def run(
         typer.echo(f"error: snapshot storage {cfg.storage} is not usable: {exc}", err=True)
         raise typer.Exit(2) from exc
     summary = run_job(cfg, verify=verify, echo=typer.echo)
-    keys = ("ok", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
-            "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "shadow_replay_seconds_per_step",
-            "shadow_max_lag_steps", "wall_seconds")
-    typer.echo(json.dumps({k: summary[k] for k in keys}, indent=2))
+    keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
+            "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",
+            "shadow_replay_seconds_per_step", "shadow_max_lag_steps", "wall_seconds")
+    typer.echo(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
     typer.echo(f"summary: {out / 'summary.json'}   metrics: {out / 'metrics.parquet'}")
     if not summary["ok"]:
         typer.echo(f"error: training failed: {summary['error']}", err=True)
         raise typer.Exit(1)
-    if summary["lost_steps"] or not summary["shadow_equal"] or summary["bitwise_equal"] is False:
+    if summary["lost_steps"] or summary["shadow_equal"] is False or summary["bitwise_equal"] is False:
         typer.echo("error: recovery was not exact (see summary.json)", err=True)
         raise typer.Exit(3)
     snaps = summary["snapshots"]
-    if snaps.get("unavailable") or snaps.get("last_durable_step") != snaps.get("last_submitted_step"):
+    if cfg.uses_shadow and snaps.get("unavailable") or snaps.get("last_durable_step") != snaps.get("last_submitted_step"):
         durable = "none" if snaps.get("last_durable_step") is None else f"step {snaps['last_durable_step']}"
         typer.echo(
             f"error: the last snapshot (step {snaps.get('last_submitted_step')}) is not durable: "

@@ -165,6 +165,16 @@ class JobConfig:
         return "://" in self.storage and not self.storage.startswith("file://")
 
     @property
+    def uses_shadow(self) -> bool:
+        """True when a CPU shadow replays the step log (strategy ``shadow``)."""
+        return self.strategy == "shadow"
+
+    @property
+    def uses_step_log(self) -> bool:
+        """True when every step is appended to the durable step log (``shadow``, ``log-only``)."""
+        return self.algo == "zo" and self.strategy in ("shadow", "log-only")
+
+    @property
     def shadow_name(self) -> str:
         return f"raycheck-shadow-{self.run_id}"
 

@@ -34,9 +34,8 @@ from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowKeeper
 from orchestrator.summary import recoveries, write_metrics
-from storage.steplog import StepLogWriter
+from storage.steplog import StepLogWriter, read_header
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
-from training.worker import train_loop_per_worker
 from training.zo import GENERATOR
 
 log = logging.getLogger(__name__)
@@ -65,10 +64,22 @@ def worker_failures_and_recoveries(events: list[dict]) -> tuple[int, int]:
     return failures, sum(1 for e in events if e["kind"] == "recovery")
 
 
+class ResumeMismatchError(ValueError):
+    """The run directory holds a step log of another trajectory than the configuration's."""
+
+
 def prepare(cfg: JobConfig, run: RunDir) -> None:
-    """Convert the model once and create the step log with everything replay needs in its header."""
+    """Convert the model once, save the configuration (``config.json``, for ``--resume``) and create
+    the step log with everything replay needs in its header. An existing step log is kept when its
+    trajectory matches (a resumed run), else ``ResumeMismatchError``."""
     tokenizer_dir(cfg.cache_dir)
     model_dir(cfg.model, cfg.cache_dir)
+    if run.step_log.exists():
+        found = read_header(run.step_log).get("trajectory_sha256")
+        if found != cfg.trajectory_sha256():
+            raise ResumeMismatchError(f"{run.step_log} belongs to another trajectory ({found}); use a new --out")
+        return
+    run.write_json(run.root / "config.json", cfg.to_dict())
     layout = parameter_layout(trainable_parameters(load_model(cfg.model, cfg.cache_dir)))
     header = {
         "run_id": cfg.run_id,
@@ -98,9 +109,9 @@ class Controller:
         self.phase = Phase.STARTING
         self.shadow_lag: dict[int, int] = {}
         self.shadow: ShadowKeeper | None = None
-        self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" else None
+        self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" and cfg.uses_shadow else None
         self.snapshot_interval: dict[int, int] = {}
-        self.metrics = RunMetrics(cfg.run_id)
+        self.metrics = RunMetrics(cfg.run_id, cfg.strategy)
         self.persister_status: dict = {}
         self._printed_steps = 0
         self._seen_events = 0
@@ -130,14 +141,18 @@ class Controller:
             self.metrics.event(e, recovery_seconds[n_recovery] if e["kind"] == "recovery" else None)
         self._seen_events = len(events)
         rows = self.run_dir.read(self.run_dir.metrics)
-        shadow_step = self.shadow.status.get("step", 0)
+        shadow_step = self.shadow.status.get("step", 0) if self.shadow else None
         for r in rows[self._printed_steps:]:
-            lag = max(0, r["step"] + 1 - shadow_step)
-            self.shadow_lag.setdefault(r["step"], lag)
+            line = (f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
+                    f"checkpoint block {r['checkpoint_block_seconds'] * 1e3:.2f} ms")
+            lag = 0
+            if shadow_step is not None:
+                lag = max(0, r["step"] + 1 - shadow_step)
+                self.shadow_lag.setdefault(r["step"], lag)
+                line += f"  shadow lag {lag} steps"
             self._plan(r, events)
             self.metrics.step(r, lag, self.snapshot_interval[r["step"]])
-            lines.append((r["unix_s"], f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
-                                       f"log append {r['log_append_seconds'] * 1e3:.2f} ms  shadow lag {lag} steps"))
+            lines.append((r["unix_s"], line))
         for _, line in sorted(lines, key=lambda x: x[0]):
             self.echo(line)
         self._printed_steps = len(rows)
@@ -165,7 +180,7 @@ class Controller:
             log.warning("snapshot persister did not answer %s: %s", method, exc)
             self.persister_status = {**self.persister_status, "unavailable": f"{type(exc).__name__}: {exc}"[:300]}
             return self.persister_status
-        self.metrics.storage(self.persister_status, self.shadow.status.get("log_end", 0))
+        self.metrics.storage(self.persister_status, self._printed_steps)
         return self.persister_status
 
     def _recovery_pending(self) -> bool:
@@ -174,6 +189,10 @@ class Controller:
         return failures > recovered
 
     def _trainer(self) -> TorchTrainer:
+        if self.cfg.algo == "fo":
+            from training.fo_worker import train_loop_per_worker
+        else:
+            from training.worker import train_loop_per_worker
         worker_failures = sum(1 for f in self.cfg.failures if f.target in ("worker", "both"))
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
@@ -194,10 +213,12 @@ class Controller:
         prepare(cfg, run)
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.persister = persister = self._start_persister()
-        self.shadow = ShadowKeeper(cfg, run, self._shadow_spec())
-        self.shadow.start()
-        self.shadow.wait_ready(timeout_s=300)
-        self.echo(f"[raycheck] shadow ready at step {self.shadow.status['step']}; training {cfg.steps} steps")
+        if cfg.uses_shadow:
+            self.shadow = ShadowKeeper(cfg, run, self._shadow_spec())
+            self.shadow.start()
+            self.shadow.wait_ready(timeout_s=300)
+            self.echo(f"[raycheck] shadow ready at step {self.shadow.status['step']}")
+        self.echo(f"[raycheck] training {cfg.steps} steps ({cfg.algo}, strategy {cfg.strategy})")
 
         outcome: dict = {}
 
@@ -216,7 +237,8 @@ class Controller:
             done = not thread.is_alive()
             failures, recovered = self._follow()
             self.phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
-            self.shadow.poll(may_restart=lambda: not self._recovery_pending())
+            if self.shadow:
+                self.shadow.poll(may_restart=lambda: not self._recovery_pending())
             self._poll_persister()
             if done:
                 break
@@ -224,45 +246,61 @@ class Controller:
         self._follow()
         return self._finish(persister, outcome, t_start)
 
+    def _finish_shadow(self, ok: bool, mean_step_s: float | None) -> dict:
+        """The shadow's final state hash (after a last snapshot of the final state) and its figures."""
+        cfg, shadow = self.cfg, self.shadow
+        sha = None
+        if ok:
+            shadow.ensure_alive(timeout_s=600)
+            sha = shadow.call("state_sha256", cfg.steps, cfg.recovery_timeout_s, timeout_s=cfg.recovery_timeout_s + 30)
+            shadow.status = shadow.call("status", timeout_s=60)
+            if cfg.snapshot_every and shadow.status["step"] > (self._poll_persister().get("last_submitted_step") or 0):
+                shadow.call("snapshot_now", timeout_s=600)  # the final state, so storage ends complete
+        replay_s = shadow.status.get("replay_seconds_per_step")
+        return {
+            "shadow_state_sha256": sha,
+            "shadow_restarts": shadow.restarts,
+            "shadow_replay_seconds_per_step": replay_s,
+            "shadow_replay_over_step": (replay_s or 0) / mean_step_s if mean_step_s else None,
+            "shadow_max_lag_steps": max(self.shadow_lag.values(), default=None),
+            "shadow_hashes": {str(k): v for k, v in sorted(shadow.call("hashes", timeout_s=60).items())},
+        }
+
     def _finish(self, persister, outcome: dict, t_start: float) -> dict:
         cfg, run = self.cfg, self.run_dir
         events = run.read(run.events)
         final = next((e for e in reversed(events) if e["kind"] == "final"), {})
-        shadow_sha = None
-        if outcome.get("ok"):
-            self.shadow.ensure_alive(timeout_s=600)
-            shadow_sha = self.shadow.call("state_sha256", cfg.steps, cfg.recovery_timeout_s, timeout_s=cfg.recovery_timeout_s + 30)
-            self.shadow.status = self.shadow.call("status", timeout_s=60)
-            if cfg.snapshot_every and self.shadow.status["step"] > (self._poll_persister().get("last_submitted_step") or 0):
-                self.shadow.call("snapshot_now", timeout_s=600)  # the final state, so storage ends complete
-        persisted = self._poll_persister("flush", 600, timeout_s=660)
-        shadow_hashes = self.shadow.call("hashes", timeout_s=60)
         rows = write_metrics(run, {"shadow_lag_steps": self.shadow_lag, "snapshot_interval_steps": self.snapshot_interval},
                              run.root / "metrics.parquet")
-        recs = recoveries(events)
         step_s = [r["step_seconds"] for r in rows]
+        block_s = [r["checkpoint_block_seconds"] for r in rows]
+        mean_step_s = sum(step_s) / len(step_s) if step_s else None
+        shadow = self._finish_shadow(outcome.get("ok", False), mean_step_s) if self.shadow else {}
+        persisted = self._poll_persister("flush", 600, timeout_s=660)
+        recs = recoveries(events)
         summary = {
             "ok": outcome.get("ok", False),
             "error": outcome.get("error"),
+            "algo": cfg.algo,
+            "strategy": cfg.strategy,
             "final_step": final.get("step"),
             "state_sha256": final.get("state_sha256"),
-            "shadow_state_sha256": shadow_sha,
-            "shadow_equal": shadow_sha is not None and shadow_sha == final.get("state_sha256"),
+            "shadow_state_sha256": None,
+            "shadow_equal": shadow["shadow_state_sha256"] is not None and shadow["shadow_state_sha256"] == final.get("state_sha256") if shadow else None,
             "reference_state_sha256": None,
             "bitwise_equal": None,
             "failures": [{k: e[k] for k in ("step", "target", "how")} for e in events if e["kind"] == "failure"],
             "recoveries": recs,
-            "shadow_restarts": self.shadow.restarts,
             "lost_steps": sum(r.get("lost_steps", 0) for r in recs),
             "torn_tails_cut": [e for e in events if e["kind"] == "torn_tail_cut"],
             "accuracy_before": next((e["value"] for e in events if e["kind"] == "accuracy"), None),
             "accuracy_after": final.get("accuracy_after"),
-            "mean_step_seconds": sum(step_s) / len(step_s) if step_s else None,
+            "mean_step_seconds": mean_step_s,
             "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
-            "shadow_replay_seconds_per_step": self.shadow.status.get("replay_seconds_per_step"),
-            "shadow_replay_over_step": (self.shadow.status.get("replay_seconds_per_step") or 0) / (sum(step_s) / len(step_s)) if step_s else None,
-            "shadow_max_lag_steps": max(self.shadow_lag.values(), default=None),
-            "shadow_hashes": {str(k): v for k, v in sorted(shadow_hashes.items())},
+            "checkpoint_block_seconds_total": sum(block_s),
+            "mean_checkpoint_block_seconds": sum(block_s) / len(block_s) if block_s else None,
+            "worker_checkpoints": final.get("checkpoints"),
+            **shadow,
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
             "snapshots": persisted,
             "snapshot_policy": cfg.snapshot_policy,
@@ -271,7 +309,7 @@ class Controller:
             "trajectory_sha256": cfg.trajectory_sha256(),
             "config": cfg.to_dict(),
         }
-        for actor in (self.shadow.actor, persister):
+        for actor in ([self.shadow.actor] if self.shadow else []) + [persister]:
             ray.kill(actor)
         run.write_json(run.root / "summary.json", summary)
         return summary

@@ -17,12 +17,12 @@ class RunMetrics:
     """The series of one run. Call ``step`` per completed step, ``event`` per run event, and
     ``storage`` with the persister's status."""
 
-    def __init__(self, run_id: str, strategy: str = "shadow") -> None:
+    def __init__(self, run_id: str, strategy: str) -> None:
         self.tags = {"run": run_id, "strategy": strategy}
         self.steps = Counter("raycheck_steps", "Training steps completed.", tag_keys=TAGS)
         self.stall_s = Counter(
             "raycheck_checkpoint_stall_seconds",
-            "Seconds the training loop was blocked by checkpointing (the durable step-log appends).",
+            "Seconds the training loop was blocked by checkpointing (step-log appends, or full-state saves and staging copies).",
             tag_keys=TAGS,
         )
         self.failures = Counter("raycheck_failures_injected", "Failures injected, by target.", tag_keys=TAGS + ("target",))
@@ -36,7 +36,8 @@ class RunMetrics:
 
     def step(self, row: dict, shadow_lag: int, interval: int) -> None:
         self.steps.inc(1.0, tags=self.tags)
-        self.stall_s.inc(row["log_append_seconds"], tags=self.tags)
+        if row["checkpoint_block_seconds"] > 0:  # a Counter takes positive increments only
+            self.stall_s.inc(row["checkpoint_block_seconds"], tags=self.tags)
         self.shadow_lag.set(shadow_lag, tags=self.tags)
         self.interval.set(interval, tags=self.tags)
 

@@ -39,7 +39,7 @@ class SnapshotPlanner:
                 failures: int, elapsed_s: float) -> ReplanRecord | None:
         """One executed step's measurements; returns a re-plan when the interval changes."""
         measured = {
-            "step_s": metric["step_seconds"] - metric["log_append_seconds"],
+            "step_s": metric["step_seconds"],
             "log_append_s": metric["log_append_seconds"],
         }
         if shadow.get("replay_seconds_per_step"):

@@ -9,11 +9,19 @@ import pyarrow.parquet as pq
 
 from orchestrator.run_dir import RunDir
 
-METRIC_COLUMNS = ("step", "loss", "step_seconds", "log_append_seconds", "shadow_lag_steps", "snapshot_interval_steps")
+METRIC_COLUMNS = ("step", "loss", "step_seconds", "checkpoint_block_seconds", "log_append_seconds", "shadow_lag_steps",
+                  "snapshot_interval_steps")
 
 
 def recoveries(events: list[dict]) -> list[dict]:
-    """Each worker recovery with its latency from the failure it answers (seconds, restart, load)."""
+    """Each worker recovery with its timings (seconds) and the failure it answers.
+
+    ``seconds``: failure to restored state; ``restart_seconds``: failure to the new worker starting;
+    ``load_seconds``/``replay_seconds``: loading the base state and replaying the logged tail;
+    ``lost_steps``: durable steps not restored (0 unless something durable was lost);
+    ``recompute_steps``: steps that ran before the failure and must run again (the work lost after
+    the last durable point; 0 with a step log).
+    """
     out, last_failure = [], None
     for e in events:
         if e["kind"] == "failure" and e["target"] == "worker":
@@ -22,11 +30,15 @@ def recoveries(events: list[dict]) -> list[dict]:
             row = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
             if e.get("skipped"):
                 row["skipped"] = e["skipped"]
-            row["load_seconds"] = e["seconds"]
+            row["restore_seconds"] = e["seconds"]
+            row["load_seconds"] = e["load_seconds"]
+            row["replay_seconds"] = e["replay_seconds"]
             if last_failure is not None:
+                row["failure_step"] = last_failure["step"]
                 row["seconds"] = e["unix_s"] - last_failure["unix_s"]
                 row["restart_seconds"] = e["worker_start_unix_s"] - last_failure["unix_s"]
                 row["lost_steps"] = max(0, last_failure["durable_steps"] - e["restored_step"])
+                row["recompute_steps"] = max(0, last_failure["step"] - e["restored_step"])
             out.append(row)
     return out
 

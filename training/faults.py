@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -23,11 +24,14 @@ class FaultInjector:
     """Fires the failures of ``cfg`` that are due at a step, for worker ``rank`` of ``world``.
 
     The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank
-    (``torn`` needs rank 0's log writer, so use it with one worker).
+    (``torn`` needs rank 0's log writer, so use it with one worker). ``durable_steps`` returns how
+    many steps are durable when a worker failure hits (default: the step log's complete records;
+    strategies without a step log pass their newest committed checkpoint's step).
     """
 
-    def __init__(self, cfg: JobConfig, run: RunDir, rank: int, world: int) -> None:
+    def __init__(self, cfg: JobConfig, run: RunDir, rank: int, world: int, durable_steps: Callable[[], int] | None = None) -> None:
         self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
+        self.durable_steps = durable_steps or (lambda: len(read_records(run.step_log)))
         run.markers.mkdir(exist_ok=True)
 
     def _claim(self, index: int, part: str) -> bool:
@@ -81,8 +85,7 @@ class FaultInjector:
             time.sleep(0.1)
 
     def _announce_worker_failure(self, step: int, how: str, rank: int) -> None:
-        durable = len(read_records(self.run.step_log))
-        self.run.event("failure", step=step, target="worker", how=how, rank=rank, durable_steps=durable)
+        self.run.event("failure", step=step, target="worker", how=how, rank=rank, durable_steps=self.durable_steps())
 
     def maybe_fail(self, step: int, writer: StepLogWriter | None = None) -> None:
         """Inject the failures due at ``step`` (may not return). ``writer``: rank 0's step log writer."""

@@ -34,6 +34,7 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
     if shadow is None:
         log.warning("no live shadow; falling back to storage")
         return None
+    t0 = time.perf_counter()  # load: the shadow's catch-up to log_end (if any) and the object-store transfer
     try:
         image = ray.get(shadow.image.remote(log_end, cfg.recovery_timeout_s), timeout=cfg.recovery_timeout_s + 30)
     except (RayActorError, RayTaskError, GetTimeoutError) as exc:
@@ -43,31 +44,45 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
         log.warning("shadow served step %d, the log ends at %d; falling back to storage", image["step"], log_end)
         return None
     load_into(params, image["state"])
-    return {"source": "object_store", "base_step": log_end, "replayed_steps": 0}
+    return {"source": "object_store", "base_step": log_end, "replayed_steps": 0,
+            "load_seconds": time.perf_counter() - t0, "replay_seconds": 0.0}
 
 
-def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int) -> dict:
-    """Load the newest verified snapshot at or before ``log_end`` (else keep the initial weights in
-    ``params``) and replay the logged steps after it."""
+def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int | None) -> dict:
+    """Load the newest verified snapshot (at or before ``log_end`` when given; else keep the initial
+    weights in ``params``), then replay the logged steps after it up to ``log_end``.
+
+    ``log_end=None`` (strategies without a step log): no replay; training resumes at the snapshot's
+    step and the steps after it are recomputed.
+    """
+    t0 = time.perf_counter()
     try:
         info, state, skipped = cfg.snapshot_store().load_latest(max_step=log_end)
         load_into(params, state)
-        base = info.step
+        base, source = info.step, "storage"
     except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; the local log still has every step
-        log.warning("%s; replaying the whole log from the initial weights", exc)
-        base, skipped = 0, [str(exc)]
-    records = read_records(log_path)[base:log_end]
+        log.warning("%s; restarting from the initial weights", exc)
+        base, source, skipped = 0, "initial", [str(exc)]
+    t1 = time.perf_counter()
+    records = read_records(log_path)[base:log_end] if log_end is not None else []
     for rec in records:
         replay_step_(params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay)
-    return {"source": "storage", "base_step": base, "replayed_steps": len(records), "skipped": skipped}
+    return {"source": source, "base_step": base, "replayed_steps": len(records), "skipped": skipped,
+            "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 
 
-def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int) -> dict:
-    """Restore ``params`` (holding the initial weights) to the state after ``log_end`` steps.
+def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int | None) -> dict:
+    """Restore ``params`` (holding the initial weights) to the freshest complete state.
 
-    Returns ``{"source": "object_store" | "storage", "base_step", "replayed_steps", "seconds"}``.
+    With a step log (``log_end`` = its complete records) that is the state after ``log_end`` steps:
+    the live shadow's image when the strategy has one, else storage plus the log tail. Without a
+    step log (``log_end=None``) it is the newest committed checkpoint.
+
+    Returns ``{"source": "object_store" | "storage" | "initial", "base_step", "replayed_steps",
+    "load_seconds", "replay_seconds", "seconds"}``; the restored state belongs to step
+    ``base_step + replayed_steps``.
     """
     t0 = time.perf_counter()
-    result = from_shadow(params, cfg, log_end) or from_storage(params, cfg, log_path, log_end)
+    result = (from_shadow(params, cfg, log_end) if cfg.uses_shadow else None) or from_storage(params, cfg, log_path, log_end)
     result["seconds"] = time.perf_counter() - t0
     return result

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
 from storage.steplog import StepLogWriter, StepRecord, read_records
+from training.checkpointing import FullCheckpointer
 from training.data import PromptEncoder, accuracy, batch_id, batch_indices, classification_loss, load_rotten_tomatoes
 from training.faults import FaultInjector
 from training.model import load_model, load_tokenizer, trainable_parameters
@@ -53,22 +54,32 @@ def train_loop_per_worker(config: dict) -> None:
     encoder = PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len)
     train, held_out = load_rotten_tomatoes()
     hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    faults = FaultInjector(cfg, run, rank, world)
+    if cfg.uses_step_log:
+        faults = FaultInjector(cfg, run, rank, world)
+        writer = StepLogWriter.open(run.step_log) if rank == 0 else None  # cuts a torn tail
+        if writer is not None and writer.cut_bytes:
+            run.event("torn_tail_cut", bytes=writer.cut_bytes, step=writer.next_step)
+        _barrier(world)
+        log_end = len(read_records(run.step_log))
+        checkpointer = None
+        resuming = faults.fired() or log_end > 0
+    else:  # full-state baselines: progress is durable at the newest committed checkpoint only
+        writer, log_end = None, None
+        checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot_every, cfg.strategy == "full-async",
+                                        {"trajectory_sha256": cfg.trajectory_sha256()}) if rank == 0 else None
+        faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0))
+        resuming = faults.fired() or faults.durable_steps() > 0
 
-    writer = StepLogWriter.open(run.step_log) if rank == 0 else None  # cuts a torn tail
-    if writer is not None and writer.cut_bytes:
-        run.event("torn_tail_cut", bytes=writer.cut_bytes, step=writer.next_step)
-    _barrier(world)
-    log_end = len(read_records(run.step_log))
-
-    if faults.fired() or log_end > 0:
+    start = 0
+    if resuming:
         result = restore(params, cfg, run.step_log, log_end)
+        start = result["base_step"] + result["replayed_steps"]
         if rank == 0:
-            run.event("recovery", at_step=log_end, restored_step=log_end, worker_start_unix_s=started, **result)
+            run.event("recovery", at_step=start, restored_step=start, worker_start_unix_s=started, **result)
     elif rank == 0 and cfg.eval_samples:
         run.event("accuracy", when="before", value=accuracy(model, encoder, held_out, cfg.eval_samples))
 
-    for step in range(log_end, cfg.steps):
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         seed = step_seed(cfg.seed, step)
         idx = batch_indices(cfg.seed, step, cfg.batch_size, len(train))
@@ -93,9 +104,12 @@ def train_loop_per_worker(config: dict) -> None:
             append_s = time.perf_counter() - t_append
         update_all_(params, zs, grad, hyper)
         del zs
-        if writer is not None:
+        step_s = time.perf_counter() - t0 - append_s
+        block_s = checkpointer.after_step(step + 1, lambda: params) if checkpointer is not None else append_s
+        if rank == 0:
             row = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
-                       projected_grad=grad, step_seconds=time.perf_counter() - t0, log_append_seconds=append_s)
+                       projected_grad=grad, step_seconds=step_s, log_append_seconds=append_s,
+                       checkpoint_block_seconds=block_s)
             if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
                 row["state_sha256"] = state_sha256(params)  # the state after step + 1 steps
             run.append(run.metrics, **row)
@@ -104,5 +118,8 @@ def train_loop_per_worker(config: dict) -> None:
         final = {"step": cfg.steps, "state_sha256": state_sha256(params)}
         if cfg.eval_samples:
             final["accuracy_after"] = accuracy(model, encoder, held_out, cfg.eval_samples)
+        if checkpointer is not None:
+            final["checkpoints"] = checkpointer.close()
         run.event("final", **final)
-        writer.close()
+        if writer is not None:
+            writer.close()

@@ -1,0 +1,260 @@
+"""The experiment report: tables, ratios, explanations and files from synthetic raw results (pure logic, no Ray)."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from experiments import report as rp
+from experiments import report_tables as rt
+from policies.models import Strategy
+
+NAN = math.nan
+STEP_S, APPEND_S, STALL_S, SYNC_S, PERSIST_S, REPLAY_S = 5.6, 80e-6, 0.06, 0.93, 2.0, 1.0
+GRID = [60.0, 600.0, 6000.0]
+
+
+def run(strategy: str, **changes) -> dict:
+    """One row of runs.parquet, SmolLM2-135M-like costs (seconds, bytes): 100 steps, a checkpoint every 20."""
+    base = {
+        "strategy": strategy, "model": "smollm2-135m", "steps": 100, "interval_steps": 20, "failures": 3,
+        "bitwise_equal": True, "wall_s": 640.0, "mean_step_s": STEP_S, "block_s_total": 0.0, "block_s_per_step": 0.0,
+        "checkpoints": 5, "snapshots": 0, "block_s_per_checkpoint": 0.0, "bytes_written": 5 * 538_000_000,
+        "snapshot_s": PERSIST_S, "stall_s": 0.0, "replay_step_s": NAN, "log_append_s": 0.0,
+    }
+    per_strategy = {
+        "shadow": {"checkpoints": 100, "snapshots": 5, "block_s_per_checkpoint": APPEND_S, "block_s_per_step": APPEND_S,
+                   "block_s_total": 100 * APPEND_S, "replay_step_s": REPLAY_S, "log_append_s": APPEND_S},
+        "full-sync": {"block_s_per_checkpoint": SYNC_S, "block_s_per_step": SYNC_S / 20, "block_s_total": 5 * SYNC_S,
+                      "snapshot_s": SYNC_S},
+        "full-async": {"block_s_per_checkpoint": STALL_S, "block_s_per_step": STALL_S / 20, "block_s_total": 5 * STALL_S,
+                       "stall_s": STALL_S},
+        "log-only": {"interval_steps": 0, "checkpoints": 100, "block_s_per_checkpoint": APPEND_S, "block_s_per_step": APPEND_S,
+                     "block_s_total": 100 * APPEND_S, "snapshot_s": NAN, "replay_step_s": REPLAY_S, "log_append_s": APPEND_S,
+                     "bytes_written": 7600},
+    }
+    return {**base, **per_strategy[strategy], **changes}
+
+
+def recoveries(strategy: str, latencies, restart, load, replay=(0, 0, 0), recompute=(0, 0, 0)) -> list[dict]:
+    """Rows of recoveries.parquet, one per latency."""
+    return [{"strategy": strategy, "at_step": 30 * (i + 1), "restored_step": 20 * (i + 1), "source": "storage",
+             "latency_s": lat, "restart_s": rs, "load_s": ld, "replay_s": rp_, "replayed_steps": round(rp_ / REPLAY_S),
+             "recompute_s": rc, "recompute_steps": round(rc / STEP_S)}
+            for i, (lat, rs, ld, rp_, rc) in enumerate(zip(latencies, restart, load, replay, recompute))]
+
+
+def standard_recoveries(shadow_latency=(12.0, 13.0, 14.0), shadow_restart=(9.0, 9.5, 10.0)) -> list[dict]:
+    return (recoveries("shadow", shadow_latency, shadow_restart, (1, 1, 1), replay=(1.5, 2.0, 2.5))
+            + recoveries("full-sync", (25.0, 27.0, 29.0), (9.5,) * 3, (1.5,) * 3, recompute=(12, 14, 16))
+            + recoveries("full-async", (20.0, 22.0, 24.0), (9.5,) * 3, (1.5,) * 3, recompute=(8, 10, 12))
+            + recoveries("log-only", (70.0, 80.0, 90.0), (9.5,) * 3, (1.0,) * 3, replay=(59.5, 69.5, 79.5)))
+
+
+def write(tmp_path, runs: list[dict], recs: list[dict]):
+    pq.write_table(pa.Table.from_pylist(runs), tmp_path / "runs.parquet")
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "recoveries.parquet")
+    return tmp_path
+
+
+def all_runs(**shadow_changes) -> list[dict]:
+    return [run("shadow", **shadow_changes), run("full-sync"), run("full-async"), run("log-only")]
+
+
+def test_overhead_ratios_at_equal_durability_and_as_run():
+    rows = {r["strategy"]: r for r in rt.overhead_table(all_runs())}
+    # Equal durability: the baseline's blocked seconds per checkpoint x one checkpoint per step, over ours per step.
+    assert rows["full-async"]["eq_block_s_per_step"] == STALL_S
+    assert rows["full-async"]["eq_block_s_total"] == pytest.approx(100 * STALL_S)
+    assert rows["full-async"]["ratio_equal_durability"] == pytest.approx(STALL_S / APPEND_S)  # 750x
+    assert rows["full-sync"]["ratio_equal_durability"] == pytest.approx(SYNC_S / APPEND_S)
+    assert rows["full-async"]["ratio_as_run"] == pytest.approx(STALL_S / 20 / APPEND_S)  # 37.5x at its own interval
+    assert rows["log-only"]["ratio_equal_durability"] == pytest.approx(1.0)
+    assert rows["shadow"]["ratio_equal_durability"] == 1.0
+    assert rows["full-async"]["bytes_per_point"] == 538_000_000
+    # One async checkpoint per step would also wait for the previous write when it outlasts a step.
+    assert rows["full-async"]["eq_write_wait_s_per_step"] == 0.0  # 2.0 s persist < 5.6 s step
+    slow = {r["strategy"]: r for r in rt.overhead_table([run("shadow"), run("full-async", snapshot_s=8.0)])}
+    assert slow["full-async"]["eq_write_wait_s_per_step"] == pytest.approx(8.0 - STEP_S)
+
+
+def test_overhead_means_over_several_runs_and_missed_target_sentence():
+    rows = {r["strategy"]: r for r in rt.overhead_table(
+        [run("shadow"), run("shadow", block_s_per_checkpoint=3 * APPEND_S, block_s_per_step=3 * APPEND_S),
+         run("full-async", block_s_per_checkpoint=0.012, bytes_written=5 * 12_000_000)])}
+    assert rows["shadow"]["runs"] == 2 and rows["shadow"]["block_s_per_point"] == pytest.approx(2 * APPEND_S)
+    assert rows["full-async"]["ratio_equal_durability"] == pytest.approx(0.012 / (2 * APPEND_S))  # 75x < 100x
+    why = rt.why_overhead(rows["shadow"], rows["full-async"], 100.0)
+    assert "75x < 100x" in why and "12 MB per checkpoint" in why and "1.33x larger" in why
+    assert rt.why_overhead(rows["shadow"], {**rows["full-async"], "ratio_equal_durability": 150.0}, 100.0) is None
+
+
+def test_recovery_means_breakdown_interval_and_ratio():
+    rows = {r["strategy"]: r for r in rt.recovery_table(standard_recoveries())}
+    ours = rows["shadow"]
+    assert ours["n"] == 3 and ours["latency_s"] == pytest.approx(13.0)
+    assert (ours["restart_s"], ours["load_s"], ours["replay_s"], ours["recompute_s"]) == pytest.approx((9.5, 1.0, 2.0, 0.0))
+    assert ours["other_s"] == pytest.approx(0.5) and ours["fixed_s"] == pytest.approx(10.0)
+    half = rt.t975(2) * 1.0 / math.sqrt(3)  # sample std of 12, 13, 14 is 1
+    assert (ours["latency_lo_s"], ours["latency_hi_s"]) == pytest.approx((13 - half, 13 + half))
+    assert ours["latency_lo_s"] < ours["latency_s"] < ours["latency_hi_s"]
+    assert rows["full-async"]["ratio"] == pytest.approx(22 / 13)
+    assert rows["full-async"]["recompute_s"] == pytest.approx(10.0) and rows["full-async"]["replay_s"] == 0
+    assert rows["log-only"]["ratio"] == pytest.approx(80 / 13)
+    assert ours["sources"] == "storage: 3"
+    single = rt.recovery_table(recoveries("shadow", (5.0,), (4.0,), (1.0,)))[0]
+    assert single["n"] == 1 and single["latency_lo_s"] is None
+
+
+def test_missed_recovery_target_says_restart_bounds_the_ratio():
+    recs = (recoveries("shadow", (11.0, 12.0, 13.0), (9.0, 9.3, 9.6), (1, 1, 1), replay=(1.0, 1.5, 2.0))
+            + recoveries("full-async", (12.0, 13.0, 14.0), (9.3,) * 3, (1.5,) * 3, recompute=(1.0, 2.0, 3.0)))
+    rows = {r["strategy"]: r for r in rt.recovery_table(recs)}
+    why = rt.why_recovery(rows["shadow"], rows["full-async"], 1.5)
+    assert why.startswith("restart is 9.3 s of our 12 s latency (77%)")
+    assert "bounds the ratio at 13 / 9.3 = 1.4x" in why and "< 1.5x" in why
+    assert rt.why_recovery(rows["shadow"], {**rows["full-async"], "ratio": 1.6}, 1.5) is None
+
+
+def test_t_quantiles():
+    assert rt.t975(1) == 12.706 and rt.t975(30) == 2.042
+    assert rt.t975(31) == pytest.approx(2.0395, abs=2e-4) and rt.t975(120) == pytest.approx(1.9799, abs=2e-4)
+    with pytest.raises(ValueError):
+        rt.t975(0)
+
+
+def test_measured_costs_from_a_run_and_its_recoveries():
+    summary = {r["strategy"]: r for r in rt.recovery_table(standard_recoveries())}
+    c = rt.measured_costs(run("shadow"), summary["shadow"], mtbf_s=600.0)
+    assert (c.step_s, c.replay_step_s, c.snapshot_s, c.log_append_s, c.stall_s) == (STEP_S, REPLAY_S, PERSIST_S, APPEND_S, 0.0)
+    assert (c.restart_s, c.load_s, c.mtbf_s, c.background_weight) == pytest.approx((10.0, 1.0, 600.0, 0.0))
+    a = rt.measured_costs(run("full-async"), summary["full-async"], mtbf_s=600.0)
+    assert a.stall_s == STALL_S and a.replay_step_s == STEP_S and a.restart_s == pytest.approx(22 - 1.5 - 10)
+    assert rt.measured_costs(run("log-only"), summary["log-only"], mtbf_s=60.0).snapshot_s == 0.0
+    with pytest.raises(ValueError, match="no recoveries of full-sync"):
+        rt.measured_costs(run("full-sync"), None, mtbf_s=60.0)
+
+
+def test_wasted_grid_has_enough_failures_per_seed_and_intervals_contain_the_mean():
+    rows = rt.wasted_table(all_runs(), standard_recoveries(), GRID, seeds=3, min_failures=10)
+    assert len(rows) == len(GRID) * 4
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["samples"] == 3 and r["min_failures_per_seed"] >= 10
+        assert r["waste_lo"] <= r["waste_ratio"] <= r["waste_hi"]
+        assert r["effective_ratio"] == pytest.approx(1 / (1 + r["waste_ratio"]))
+        assert r["mtbf_steps"] == pytest.approx(r["mtbf_s"] / STEP_S)
+        assert r["highest_rate"] == (r["mtbf_s"] == 60.0)
+    cell = {r["strategy"]: r for r in rows if r["highest_rate"]}
+    assert cell["shadow"]["ratio"] == 1.0
+    assert cell["full-async"]["ratio"] == pytest.approx(cell["full-async"]["waste_ratio"] / cell["shadow"]["waste_ratio"])
+    # More failures, more waste; the simulation agrees with the closed form (policies.models) within a loose margin.
+    ours = [r for r in rows if r["strategy"] == "shadow"]
+    assert ours[0]["waste_ratio"] > ours[1]["waste_ratio"] > ours[2]["waste_ratio"]
+    for r in rows:
+        assert r["waste_ratio"] == pytest.approx(r["analytic_waste_ratio"], rel=0.5, abs=2e-3)
+
+
+def test_measured_waste_of_the_real_runs_beside_the_monte_carlo():
+    rows = {r["strategy"]: r for r in rt.measured_waste_table(all_runs(), standard_recoveries())}
+    ours = rows["shadow"]
+    assert (ours["productive_s"], ours["wasted_s"]) == pytest.approx((560.0, 80.0))
+    assert ours["waste_ratio"] == pytest.approx(80 / 560) and ours["observed_mtbf_s"] == pytest.approx(640 / 3)
+    assert 0 < ours["simulated_waste_ratio"] < rows["full-async"]["simulated_waste_ratio"]
+    assert math.isnan(rt.measured_waste_table([run("shadow", failures=0)], standard_recoveries())[0]["simulated_waste_ratio"])
+
+
+def test_infeasible_and_unmeasured_cells_are_reported_not_raised():
+    runs = [run("shadow", replay_step_s=2 * STEP_S), run("full-async", snapshot_s=200.0), run("full-sync")]
+    recs = [r for r in standard_recoveries() if r["strategy"] != "full-sync"]
+    rows = {r["strategy"]: r for r in rt.wasted_table(runs, recs, [600.0], seeds=3, min_failures=10)}
+    assert rows["shadow"]["status"] == "infeasible" and "lag grows without bound" in rows["shadow"]["reason"]
+    assert rows["full-async"]["status"] == "infeasible" and "would not finish before the next" in rows["full-async"]["reason"]
+    assert rows["full-sync"]["status"] == "unmeasured" and "no recoveries of full-sync" in rows["full-sync"]["reason"]
+    assert all(math.isnan(r["waste_ratio"]) and math.isnan(r["ratio"]) for r in rows.values())
+
+
+def test_a_job_that_cannot_progress_is_reported_as_such():
+    row = rt.simulate_cell(Strategy.LOG_ONLY, [run("log-only", steps=5000)],
+                           rt.recovery_table(standard_recoveries())[-1], 60.0, seeds=3, min_failures=10)
+    assert row["status"] == "no-progress" and row["analytic_waste_ratio"] > rt.MAX_WASTE_RATIO
+
+
+def test_missed_wasted_target_names_our_largest_term():
+    rows = rt.wasted_table(all_runs(), standard_recoveries(), GRID, seeds=3, min_failures=10)
+    cell = {r["strategy"]: r for r in rows if r["highest_rate"]}
+    summary = {r["strategy"]: r for r in rt.recovery_table(standard_recoveries())}
+    costs = rt.measured_costs(run("shadow"), summary["shadow"], mtbf_s=60.0)
+    why = rt.why_wasted(cell["shadow"], cell["full-async"], costs, run("shadow"), 1e6)
+    terms = rt.waste_terms(Strategy.SHADOW, costs, 20, 100)
+    assert terms["restart + load"][0] == pytest.approx(11.0 / 60.0)  # fixed 10 s + load 1 s per failure, every 60 s
+    assert terms["replay"][0] == pytest.approx(10 * REPLAY_S / 60.0)
+    assert ("Our terms, to first order: restart + load ~0.183 (11 s per failure), "
+            "replay ~0.167 (20/2 steps x 1 s per failure)") in why
+    assert f"restart + load alone bounds the ratio at {cell['full-async']['waste_ratio']:.3g} / 0.183" in why
+    assert rt.why_wasted(cell["shadow"], {**cell["full-async"], "ratio": 2e6}, costs, run("shadow"), 1e6) is None
+
+
+def test_write_report_files_parse_and_headlines(tmp_path):
+    write(tmp_path, all_runs(), standard_recoveries())
+    report = rp.write_report(tmp_path, grid_mtbf_s=GRID, seeds=3, min_failures=10)
+    for name in ("overhead", "recovery", "wasted", "measured_waste", "exactness"):
+        table = pq.read_table(report.files[name])
+        assert table.num_rows > 0 and "strategy" in table.column_names
+    assert pq.read_table(report.files["wasted"]).num_rows == 12
+    for name in ("overhead_png", "recovery_png", "wasted_png"):
+        assert report.files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = report.files["report"].read_text()
+    for heading in ("## (a) Checkpoint overhead", "## (b) Recovery latency", "## (c) End-to-end wasted time", "## (d) Exactness"):
+        assert heading in md
+    assert "Monte Carlo over the costs measured in the real runs" in md and "219.7x" in md and "1.55x" in md and "21.3x" in md
+    overhead = report.headline("overhead")
+    assert overhead.ratio == pytest.approx(750.0) and overhead.met and overhead.paper == 219.7 and overhead.why is None
+    assert report.headline("recovery").ratio == pytest.approx(22 / 13) and report.headline("recovery").met
+    assert report.headline("recovery", "log-only").target is None
+    wasted = report.headline("wasted")
+    assert report.highest_rate_mtbf_s == 60.0 and wasted.target == 10.0
+    assert (wasted.why is None) == wasted.met
+    assert "overhead vs full-async" in report.summary()
+    exact = pq.read_table(report.files["exactness"]).to_pylist()
+    assert all(r["bitwise_equal"] for r in exact)
+
+
+def test_report_explains_missed_targets_and_infeasible_shadow(tmp_path):
+    runs = all_runs(replay_step_s=2 * STEP_S, block_s_per_checkpoint=0.001, block_s_per_step=0.001, bitwise_equal=False)
+    recs = standard_recoveries(shadow_latency=(14.0, 15.0, 16.0), shadow_restart=(11.0, 11.5, 12.0))
+    report = rp.write_report(write(tmp_path, runs, recs), grid_mtbf_s=[600.0, 6000.0], seeds=3, min_failures=10)
+    md = report.files["report"].read_text()
+    assert report.headline("overhead").ratio == pytest.approx(60.0) and "60x < 100x" in report.headline("overhead").why
+    assert not report.headline("recovery").met and "restart is 11.5 s of our 15 s latency" in report.headline("recovery").why
+    wasted = report.headline("wasted")
+    assert wasted.ratio is None and not wasted.met and "infeasible" in wasted.why
+    assert "**infeasible**" in md and "**no**" in md and "60x < 100x" in md
+
+
+def test_default_grid_spans_two_decades_from_the_highest_rate():
+    grid = rt.default_grid_mtbf_s(all_runs(), standard_recoveries())
+    # Slowest restart + load: full-sync, fixed 27 - 1.5 - 14 = 11.5 s + 1.5 s load = 13 s; 5 x 13 s > 10 steps of 5.6 s.
+    assert grid[0] == pytest.approx(5 * 13.0) and 5 * 13.0 > 10 * STEP_S
+    assert len(grid) == 5 and grid[-1] == pytest.approx(100 * grid[0])
+
+
+def test_missing_and_empty_inputs_fail_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="runs.parquet not found"):
+        rp.write_report(tmp_path)
+    write(tmp_path, all_runs(), [])
+    pq.write_table(pa.table({c: pa.array([], pa.float64()) for c in rt.RECOVERY_COLUMNS}), tmp_path / "recoveries.parquet")
+    with pytest.raises(ValueError, match="recoveries.parquet has no rows"):
+        rt.load_results(tmp_path)
+    pq.write_table(pa.Table.from_pylist([{"strategy": "shadow"}]), tmp_path / "runs.parquet")
+    with pytest.raises(ValueError, match="lacks columns"):
+        rt.load_results(tmp_path)
+    write(tmp_path, [run("full-async")], standard_recoveries())
+    with pytest.raises(ValueError, match="no shadow run"):
+        rt.load_results(tmp_path)
+    write(tmp_path, [{**run("shadow"), "strategy": "bogus"}], standard_recoveries())
+    with pytest.raises(ValueError, match="unknown strategy 'bogus'"):
+        rt.load_results(tmp_path)

@@ -1,0 +1,102 @@
+"""Differential checkpoints of a first-order run (LowDiff, SC'25): the training-loop side.
+
+After every step the loop's only stall is a copy of the gradients AdamW consumed (and, every
+``full_every`` steps, a copy of the whole state). A background thread (``storage.background``)
+encodes and writes a batch of records every ``batch_steps`` steps (``storage.diffs.DiffStore``) and,
+every ``full_every`` steps, commits a full checkpoint to the run's ``SnapshotStore`` and then deletes
+the records it supersedes. Records still pending at a full checkpoint are dropped: the full state
+supersedes them. Recovery: the newest full checkpoint, then ``DiffStore.replay`` of the records after
+it through ``training.fo.FOTrainer.replay_gradients`` (bitwise exact with exact records).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from storage.background import BackgroundWriter
+from storage.diffs import DiffStore
+from storage.snapshots import SnapshotStore
+from training.state import copy_state
+
+
+class DiffCheckpointer:
+    """Differential checkpoints (the module docstring; same interface as
+    ``training.checkpointing.FullCheckpointer``).
+
+    Args:
+        snapshots: the run's snapshot store (full checkpoints).
+        diffs: where the records go.
+        gradients: returns the gradients the last step applied (``FOTrainer.applied_gradients``).
+        full_every: steps between full checkpoints (>= 1).
+        batch_steps: records per batch object (>= 1).
+        topk_ratio: 0 for exact records, else the fraction of elements kept per tensor.
+        config: recorded in the full checkpoints' manifests.
+        max_pending: writes that may wait behind the running one (bounded staging memory).
+    """
+
+    def __init__(self, snapshots: SnapshotStore, diffs: DiffStore, gradients: Callable[[], Mapping[str, torch.Tensor]],
+                 full_every: int, batch_steps: int, topk_ratio: float = 0.0, config: Mapping | None = None,
+                 max_pending: int = 2) -> None:
+        for name, value in (("full_every", full_every), ("batch_steps", batch_steps)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= topk_ratio <= 1:
+            raise ValueError(f"topk_ratio must be in [0, 1] (0: exact), got {topk_ratio}")
+        self.snapshots, self.diffs, self.gradients = snapshots, diffs, gradients
+        self.full_every, self.batch_steps, self.topk_ratio = full_every, batch_steps, topk_ratio
+        self.config = dict(config or {})
+        self._pending: list[tuple[int, dict[str, np.ndarray]]] = []
+        self._writer = BackgroundWriter("differential-checkpoint", max_pending)
+        self.stats = {"checkpoints": 0, "bytes": 0, "full_bytes": 0, "diff_bytes": 0, "batches": 0, "last_step": None,
+                      "last_full_step": None, "write_seconds": [], "deleted_objects": 0}
+
+    def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
+        """Record the gradients of step ``steps_done - 1``; write a batch or a full checkpoint when
+        due. Returns the seconds the training loop was blocked."""
+        t0 = time.perf_counter()
+        if steps_done % self.full_every == 0:
+            self._pending.clear()
+            staged = copy_state(state())
+            self._writer.submit(lambda: self._write_full(steps_done, staged), f"full checkpoint at step {steps_done}")
+            return time.perf_counter() - t0
+        self._pending.append((steps_done - 1, copy_state(self.gradients())))
+        if len(self._pending) >= self.batch_steps:
+            records, self._pending = self._pending, []
+            self._writer.submit(lambda: self._write_batch(records),
+                                f"diff batch of steps {records[0][0]}-{records[-1][0]}")
+        return time.perf_counter() - t0
+
+    def _write_full(self, step: int, staged: Mapping[str, np.ndarray]) -> None:
+        t0 = time.perf_counter()
+        info = self.snapshots.write(step, staged, config=self.config)
+        self.stats["write_seconds"].append(time.perf_counter() - t0)
+        self.stats["checkpoints"] += 1
+        self.stats["bytes"] += info.bytes
+        self.stats["full_bytes"] += info.bytes
+        self.stats["last_step"] = self.stats["last_full_step"] = step
+        self.stats["deleted_objects"] += self.diffs.collect_garbage(step)
+
+    def _write_batch(self, records: list[tuple[int, dict[str, np.ndarray]]]) -> None:
+        t0 = time.perf_counter()
+        batch = self.diffs.write_batch(records, self.topk_ratio)
+        self.stats["write_seconds"].append(time.perf_counter() - t0)
+        self.stats["batches"] += 1
+        self.stats["bytes"] += batch.bytes
+        self.stats["diff_bytes"] += batch.bytes
+        self.stats["last_step"] = max(self.stats["last_step"] or 0, batch.last_step + 1)
+
+    def close(self, timeout_s: float = 600.0) -> dict:
+        """Write the pending records as a last batch, wait for every write (at most ``timeout_s``);
+        returns the stats: ``checkpoints`` (full), ``batches``, ``bytes`` (``full_bytes`` +
+        ``diff_bytes``), ``last_step`` (state step the committed data reach), ``last_full_step``,
+        ``write_seconds``, ``deleted_objects``, ``errors`` and ``finished``."""
+        if self._pending:
+            records, self._pending = self._pending, []
+            self._writer.submit(lambda: self._write_batch(records), f"diff batch of steps {records[0][0]}-{records[-1][0]}")
+        finished = self._writer.close(timeout_s)
+        return {**self.stats, "write_seconds": list(self.stats["write_seconds"]), "errors": list(self._writer.errors),
+                "finished": finished}
