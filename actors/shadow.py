@@ -139,7 +139,7 @@ class ShadowActor:
         self.last_snapshot_step = self.base["step"]
         self.snapshots_sent = 0
         self.error: str | None = None
-        self.persister = ray.get_actor(spec.persister_name) if spec.persister_name else None
+        self.snapshots_skipped = 0
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="shadow-replay", daemon=True)
@@ -167,9 +167,19 @@ class ShadowActor:
                 self._cond.notify_all()
 
     def _send(self, image: tuple) -> None:
-        if self.persister is not None:
-            self.persister.submit.remote(*image)
-            self.snapshots_sent += 1
+        """Hand ``image`` to the persister, looked up by name each time so that a restarted persister
+        is found; while none is registered (it died and is being restarted) the image is skipped
+        and counted: the step log still holds every step, and the next snapshot is due soon."""
+        if not self.spec.persister_name:
+            return
+        try:
+            persister = ray.get_actor(self.spec.persister_name)
+        except ValueError:
+            log.warning("no snapshot persister registered; skipping the snapshot of step %d", image[0])
+            self.snapshots_skipped += 1
+            return
+        persister.submit.remote(*image)
+        self.snapshots_sent += 1
 
     def snapshot_now(self) -> int:
         """Hand the current state to the persister now (e.g. the final state); returns its step."""
@@ -196,6 +206,7 @@ class ShadowActor:
                 "replay_seconds_per_step": r.replay_seconds / r.replayed if r.replayed else None,
                 "base": self.base,
                 "snapshots_sent": self.snapshots_sent,
+                "snapshots_skipped": self.snapshots_skipped,
                 "snapshot_every_steps": self.policy.every_steps,
                 "started_unix_s": self.started_unix_s,
                 "error": self.error,

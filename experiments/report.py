@@ -370,6 +370,7 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
 
 
 def main(argv: list[str] | None = None) -> Report:
+    """``python -m experiments.report RESULTS_DIR ...``: write the report and print its summary."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results_dir", type=pathlib.Path)
     ap.add_argument("--mtbf-s", type=float, nargs="+", default=None,

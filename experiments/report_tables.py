@@ -569,7 +569,8 @@ def headlines(overhead: list[dict], recovery: list[dict], wasted: list[dict], ru
             value = row.get(key, math.nan)
             why = _why(metric, ours_row(rows), row, target, runs, recoveries, background_weight) if paper else None
             if why is None and math.isnan(value):
-                why = row.get("reason") or ours_row(rows).get("reason") or "not measured"
+                failed = next((r for r in (row, ours_row(rows)) if r.get("reason")), None)
+                why = f"{failed['strategy']}: {failed['reason']}" if failed else "not measured"
             out.append(Headline(metric=metric, baseline=str(base), ratio=None if math.isnan(value) else value,
                                 paper=PAPER_RATIO[metric] if paper else None, target=target, why=why))
     return tuple(out)

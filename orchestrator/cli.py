@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.config import FailureSpec, JobConfig
+from orchestrator.experiment_cli import experiment
 from orchestrator.merge_cli import merge
 from orchestrator.policy_cli import parse_duration, policy
 from orchestrator.schedule import parse_schedule
@@ -53,6 +54,16 @@ def run(
     strategy: Annotated[str, typer.Option(help=(
         "Checkpointing strategy. zo: shadow (step log + CPU shadow + snapshots, default), full-sync, full-async, "
         "log-only; fo: layerwise (default), differential, full-sync, full-async. full-* checkpoint every --snapshot-every steps."))] = "",
+    fo_lr: Annotated[float, typer.Option(help="fo: AdamW learning rate (constant).")] = 1e-5,
+    fo_max_grad_norm: Annotated[float, typer.Option(min=0, help="fo: clip the gradients' global L2 norm to this (0: off).")] = 1.0,
+    layer_threshold: Annotated[float, typer.Option(min=0, help=(
+        "fo layerwise: rewrite a unit at a check (every --snapshot-every steps) when its weights' relative change "
+        "since its persisted version exceeds this."))] = 1e-3,
+    layer_staleness_steps: Annotated[int, typer.Option(min=1, help="fo layerwise: rewrite a unit whose persisted version is this many steps old.")] = 100,
+    layer_max_bytes_per_check: Annotated[int, typer.Option(min=0, help="fo layerwise: bytes written per check, forced units included (0: no limit).")] = 0,
+    diff_full_every: Annotated[int, typer.Option(min=1, help="fo differential: steps between full checkpoints.")] = 50,
+    diff_batch_steps: Annotated[int, typer.Option(min=1, help="fo differential: per-step gradient records per object.")] = 5,
+    diff_topk: Annotated[float, typer.Option(min=0, max=1, help="fo differential: 0 exact records; else the fraction of elements kept (top-k, approximate).")] = 0.0,
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 50,
     batch_size: Annotated[int, typer.Option(min=1, help="Samples per step (split across workers).")] = 8,
     seq_len: Annotated[int, typer.Option(min=8, help="Maximum prompt length in tokens.")] = 32,
@@ -94,7 +105,10 @@ def run(
         if fail_schedule:
             failures += parse_schedule(fail_schedule, steps, fail_seed)
         cfg = JobConfig(
-            out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=model, algo=algo, strategy=strategy, steps=steps,
+            out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=model, algo=algo, strategy=strategy, fo_lr=fo_lr,
+            fo_max_grad_norm=fo_max_grad_norm, layer_threshold=layer_threshold, layer_staleness_steps=layer_staleness_steps,
+            layer_max_bytes_per_check=layer_max_bytes_per_check, diff_full_every=diff_full_every, diff_batch_steps=diff_batch_steps,
+            diff_topk=diff_topk, steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
             workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
@@ -146,6 +160,7 @@ app.command()(policy)
 app.command()(inspect)
 app.command()(verify)
 app.command()(merge)
+app.command()(experiment)
 
 if __name__ == "__main__":
     app()

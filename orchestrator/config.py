@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import pathlib
 from dataclasses import dataclass, field
 from typing import Literal
@@ -13,9 +14,9 @@ from storage.backend import Storage
 from storage.snapshots import SnapshotStore
 from training.model import MODEL_NAMES
 
-FailureTarget = Literal["worker", "shadow", "both", "corrupt"]
+FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
-TARGETS = ("worker", "shadow", "both", "corrupt")
+TARGETS = ("worker", "shadow", "both", "corrupt", "persister", "storage")
 ALGOS = ("zo", "fo")
 STRATEGIES = {
     "zo": ("shadow", "full-sync", "full-async", "log-only"),
@@ -38,21 +39,28 @@ class FailureSpec:
         step: 0-based step during which the failure happens.
         target: ``worker`` (a train worker dies), ``shadow`` (the shadow replayer is killed), or
             ``both`` (the shadow is killed, then a worker dies: recovery must use storage + log tail),
-            or ``corrupt`` (one byte of the newest committed snapshot is flipped; nothing dies).
+            or ``corrupt`` (one byte of the newest committed snapshot is flipped; nothing dies), or
+            ``persister`` (the snapshot persister actor is killed; the controller restarts it), or
+            ``storage`` (the snapshot storage server is down for ``how`` seconds; needs a server the
+            controller can stop, see ``Controller(storage_outage=...)``).
         how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (an exception), ``sigkill``, or
-            ``torn`` (rank 0 dies half-way through writing a step log record: a torn tail).
+            ``torn`` (rank 0 dies half-way through writing a step log record: a torn tail); for
+            ``storage``, the outage in seconds (e.g. ``20``).
     """
 
     step: int
     target: FailureTarget = "worker"
-    how: FailureHow = "exit"
+    how: FailureHow | str = "exit"
 
     def __post_init__(self) -> None:
         if self.step < 0:
             raise ValueError(f"failure step must be >= 0, got {self.step}")
         if self.target not in TARGETS:
             raise ValueError(f"failure target {self.target!r}: choose one of {', '.join(TARGETS)}")
-        if self.how not in HOWS:
+        if self.target == "storage":
+            if not self.how.replace(".", "", 1).isdigit() or not float(self.how) > 0:
+                raise ValueError(f"a storage failure takes its outage in seconds (e.g. 12:storage:20), got {self.how!r}")
+        elif self.how not in HOWS:
             raise ValueError(f"failure how {self.how!r}: choose one of {', '.join(HOWS)}")
 
     @classmethod
@@ -78,6 +86,28 @@ class JobConfig:
     strategy: str = ""
     """How progress is made durable: one of ``STRATEGIES[algo]``; empty: ``shadow`` for ``zo``,
     ``layerwise`` for ``fo``."""
+    # -- first-order (algo "fo"): AdamW and the layer-wise / differential strategies ------------------
+    fo_lr: float = 1e-5
+    """AdamW learning rate, constant (``lr`` is MeZO's)."""
+    fo_max_grad_norm: float = 1.0
+    """Clip the global L2 norm of the gradients to this before each AdamW step (0: no clipping)."""
+    layer_threshold: float = 1e-3
+    """Strategy ``layerwise``: a unit is rewritten at a check (every ``snapshot_every`` steps) when its
+    weights' relative change since its persisted version, ||w - w_p|| / ||w_p||, exceeds this
+    (dimensionless). Default from a measurement: see docs/first-order.md."""
+    layer_staleness_steps: int = 100
+    """Strategy ``layerwise``: a unit whose persisted version is this many steps old is rewritten
+    whatever its change (bounds how old a restored unit can be)."""
+    layer_max_bytes_per_check: int = 0
+    """Strategy ``layerwise``: bytes of units written per check, forced units included (they are written
+    even over it); units over the threshold that do not fit wait for a later check (0: no limit)."""
+    diff_full_every: int = 50
+    """Strategy ``differential``: steps between full checkpoints (LowDiff's F)."""
+    diff_batch_steps: int = 5
+    """Strategy ``differential``: per-step gradient records written together as one object."""
+    diff_topk: float = 0.0
+    """Strategy ``differential``: 0 for exact records (bitwise recovery); in (0, 1] the fraction of
+    each gradient's elements kept (top-k by magnitude; approximate recovery)."""
     steps: int = 50
     batch_size: int = 8
     seq_len: int = 32
@@ -137,6 +167,25 @@ class JobConfig:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
         if not self.storage:
             object.__setattr__(self, "storage", str(pathlib.Path(self.out_dir) / "snapshots"))
+        self._check_fo()
+
+    def _check_fo(self) -> None:
+        """Validate the first-order fields (``fo_*``, ``layer_*``, ``diff_*``)."""
+        if not (math.isfinite(self.fo_lr) and self.fo_lr > 0):
+            raise ValueError(f"fo_lr must be a finite number > 0, got {self.fo_lr}")
+        if not (math.isfinite(self.fo_max_grad_norm) and self.fo_max_grad_norm >= 0):
+            raise ValueError(f"fo_max_grad_norm must be >= 0 (0: no clipping), got {self.fo_max_grad_norm}")
+        if not (math.isfinite(self.layer_threshold) and self.layer_threshold >= 0):
+            raise ValueError(f"layer_threshold must be a finite relative change >= 0, got {self.layer_threshold}")
+        for name in ("layer_staleness_steps", "diff_full_every", "diff_batch_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.layer_max_bytes_per_check < 0:
+            raise ValueError(f"layer_max_bytes_per_check must be >= 0 (0: no limit), got {self.layer_max_bytes_per_check}")
+        if not 0 <= self.diff_topk <= 1:
+            raise ValueError(f"diff_topk must be in [0, 1] (0: exact records), got {self.diff_topk}")
+        if self.algo == "fo" and self.strategy in ("full-sync", "full-async", "layerwise") and self.snapshot_every < 1:
+            raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
 
     def trajectory_sha256(self) -> str:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs."""

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
@@ -34,7 +34,7 @@ from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowKeeper
 from orchestrator.summary import recoveries, write_metrics
-from storage.steplog import StepLogWriter, read_header
+from storage.steplog import StepLogWriter, read_header, read_records
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from training.zo import GENERATOR
 
@@ -100,9 +100,19 @@ class Controller:
     Args:
         cfg: the job configuration.
         echo: where progress lines go (default ``print``).
+        storage_outage: takes the snapshot storage down for the given seconds and returns at once
+            (e.g. ``storage.s3_server.LocalS3Server.outage``); required by ``storage`` failures.
+
+    Raises:
+        ValueError: ``cfg`` has a storage failure and no ``storage_outage`` is given.
     """
 
-    def __init__(self, cfg: JobConfig, echo: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: JobConfig, echo: Callable[[str], None] = print,
+                 storage_outage: Callable[[float], None] | None = None) -> None:
+        if storage_outage is None and any(f.target == "storage" for f in cfg.failures):
+            raise ValueError("storage failures need a storage server that raycheck controls (raycheck experiment "
+                             "--storage-outage and the tests start one); use another target")
+        self.storage_outage = storage_outage
         self.cfg = cfg
         self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
         self.echo = echo
@@ -113,6 +123,8 @@ class Controller:
         self.snapshot_interval: dict[int, int] = {}
         self.metrics = RunMetrics(cfg.run_id, cfg.strategy)
         self.persister_status: dict = {}
+        self.persister_restarts = 0
+        self._calibration_requested = False
         self._printed_steps = 0
         self._seen_events = 0
 
@@ -139,6 +151,8 @@ class Controller:
             lines.append((e["unix_s"], f"[raycheck] {e['kind']}: {fields}"))
             n_recovery = sum(1 for x in events[:i] if x["kind"] == "recovery")
             self.metrics.event(e, recovery_seconds[n_recovery] if e["kind"] == "recovery" else None)
+            if e["kind"] == "failure" and e["target"] == "storage":
+                self.storage_outage(e["seconds"])
         self._seen_events = len(events)
         rows = self.run_dir.read(self.run_dir.metrics)
         shadow_step = self.shadow.status.get("step", 0) if self.shadow else None
@@ -169,6 +183,11 @@ class Controller:
         if record is not None:
             self.shadow.set_interval(record.interval_steps)
             self.run_dir.event("replan", **record.to_dict())
+        if not self._calibration_requested and not self.persister_status.get("written"):
+            # the policy needs a measured snapshot cost, not the assumed one: snapshot once early
+            self._calibration_requested = True
+            self.shadow.actor.snapshot_now.remote()
+            self.run_dir.event("calibration_snapshot", step=row["step"] + 1)
         self.snapshot_interval[row["step"]] = self.planner.every_steps
 
     def _poll_persister(self, method: str = "status", *args, timeout_s: float = 30) -> dict:
@@ -176,12 +195,33 @@ class Controller:
         is reported in the status, never fatal: snapshots are an optimisation over the step log."""
         try:
             self.persister_status = ray.get(getattr(self.persister, method).remote(*args), timeout=timeout_s)
+        except ActorDiedError as exc:
+            self._restart_persister(exc)
+            return self.persister_status
         except (RayActorError, GetTimeoutError) as exc:
             log.warning("snapshot persister did not answer %s: %s", method, exc)
             self.persister_status = {**self.persister_status, "unavailable": f"{type(exc).__name__}: {exc}"[:300]}
             return self.persister_status
         self.metrics.storage(self.persister_status, self._printed_steps)
         return self.persister_status
+
+    def _restart_persister(self, exc: Exception) -> None:
+        """Start a new persister (same name) after one died; the shadow then snapshots at once, so
+        durability in storage resumes without waiting for the next interval."""
+        t0 = time.time()
+        try:
+            self.persister = self._start_persister()
+            ray.get(self.persister.status.remote(), timeout=120)
+        except (ValueError, RayActorError, GetTimeoutError) as err:  # the old name not yet released: next poll
+            log.warning("snapshot persister restart failed (%s); retrying", err)
+            return
+        self.run_dir.event("persister_restart", reason=f"{type(exc).__name__}"[:100], seconds=time.time() - t0)
+        self.persister_restarts += 1
+        if self.shadow is not None:
+            try:
+                self.shadow.call("snapshot_now", timeout_s=600)
+            except (RayActorError, GetTimeoutError) as err:  # a dead shadow is restarted by its keeper
+                log.warning("shadow did not snapshot after the persister restart: %s", err)
 
     def _recovery_pending(self) -> bool:
         """True while a worker failure has no recovery yet (read fresh from the event stream)."""
@@ -211,6 +251,10 @@ class Controller:
         run.root.mkdir(parents=True, exist_ok=True)
         self.echo(f"[raycheck] preparing {cfg.model} (first use converts it once) in {run.root}")
         prepare(cfg, run)
+        durable = len(read_records(run.step_log))
+        if durable or run.markers.exists():  # a driver re-run of the same run id: the workers restore
+            rows = run.read(run.metrics)
+            run.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.persister = persister = self._start_persister()
         if cfg.uses_shadow:
@@ -303,6 +347,7 @@ class Controller:
             **shadow,
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
             "snapshots": persisted,
+            "persister_restarts": self.persister_restarts,
             "snapshot_policy": cfg.snapshot_policy,
             "replans": [e for e in events if e["kind"] == "replan"],
             "wall_seconds": time.time() - t_start,

@@ -16,7 +16,8 @@ METRIC_COLUMNS = ("step", "loss", "step_seconds", "checkpoint_block_seconds", "l
 def recoveries(events: list[dict]) -> list[dict]:
     """Each worker recovery with its timings (seconds) and the failure it answers.
 
-    ``seconds``: failure to restored state; ``restart_seconds``: failure to the new worker starting;
+    ``seconds``: failure to restored state; ``restart_seconds``: failure to the restore beginning
+    (detection, process restart, model and data loading in the new worker);
     ``load_seconds``/``replay_seconds``: loading the base state and replaying the logged tail;
     ``lost_steps``: durable steps not restored (0 unless something durable was lost);
     ``recompute_steps``: steps that ran before the failure and must run again (the work lost after
@@ -36,7 +37,7 @@ def recoveries(events: list[dict]) -> list[dict]:
             if last_failure is not None:
                 row["failure_step"] = last_failure["step"]
                 row["seconds"] = e["unix_s"] - last_failure["unix_s"]
-                row["restart_seconds"] = e["worker_start_unix_s"] - last_failure["unix_s"]
+                row["restart_seconds"] = e["unix_s"] - e["seconds"] - last_failure["unix_s"]  # until the restore began
                 row["lost_steps"] = max(0, last_failure["durable_steps"] - e["restored_step"])
                 row["recompute_steps"] = max(0, last_failure["step"] - e["restored_step"])
             out.append(row)

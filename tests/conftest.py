@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from experiments.s3_server import free_port  # noqa: F401  (re-exported for the tests)
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,23 +38,13 @@ def tiny_model():
     return load_model("tiny")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible server (moto) on 127.0.0.1 for the whole session."""
-    from moto.server import ThreadedMotoServer
+    from experiments.s3_server import LocalS3Server
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
+    server = LocalS3Server().start()
+    yield server.endpoint
     server.stop()
 
 

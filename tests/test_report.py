@@ -235,6 +235,14 @@ def test_report_explains_missed_targets_and_infeasible_shadow(tmp_path):
     assert "**infeasible**" in md and "**no**" in md and "60x < 100x" in md
 
 
+def test_command_line_prints_the_summary(tmp_path, capsys):
+    write(tmp_path, all_runs(), standard_recoveries())
+    report = rp.main([str(tmp_path), "--mtbf-s", "600", "--seeds", "3", "--intervals", "optimal"])
+    out = capsys.readouterr().out
+    assert "overhead vs full-async 750x  (paper 219.7x, target >= 100x: met)" in out
+    assert report.highest_rate_mtbf_s == 600.0 and "that minimises the closed-form waste" in report.files["report"].read_text()
+
+
 def test_default_grid_spans_two_decades_from_the_highest_rate():
     grid = rt.default_grid_mtbf_s(all_runs(), standard_recoveries())
     # Slowest restart + load: full-sync, fixed 27 - 1.5 - 14 = 11.5 s + 1.5 s load = 13 s; 5 x 13 s > 10 steps of 5.6 s.

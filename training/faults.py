@@ -79,6 +79,15 @@ class FaultInjector:
             store.storage.put(shard, bytes(blob))
         self.run.event("failure", step=step, target="corrupt", how="flip-byte", shard=shard)
 
+    def _kill_persister(self, step: int) -> None:
+        try:
+            persister = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
+        except ValueError:
+            persister = None
+        self.run.event("failure", step=step, target="persister", how="ray.kill", found=persister is not None)
+        if persister is not None:
+            ray.kill(persister, no_restart=True)
+
     def _wait_for_marker(self, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not (self.run.markers / name).exists() and time.monotonic() < deadline:
@@ -92,6 +101,10 @@ class FaultInjector:
         for i, f in enumerate(self.cfg.failures):
             if f.step != step:
                 continue
+            if f.target == "persister" and self.rank == 0 and self._claim(i, "persister"):
+                self._kill_persister(step)
+            if f.target == "storage" and self.rank == 0 and self._claim(i, "storage"):
+                self.run.event("failure", step=step, target="storage", how="outage", seconds=float(f.how))  # the controller acts
             if f.target == "corrupt" and self.rank == 0 and self._claim(i, "corrupt"):
                 self._corrupt_newest_snapshot(step)
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):

@@ -1,0 +1,101 @@
+"""``raycheck experiment``: every checkpointing strategy, side by side, on the same failures.
+
+Each strategy (ours: ``shadow``; baselines: ``full-sync``, ``full-async``, ``log-only``) runs the
+same trajectory (model, data, seeds) through the same controller, storage layer, failure injector
+and restart path, with the same worker failures; one failure-free run is the reference for
+exactness. The raw results go to ``runs.parquet`` and ``recoveries.parquet`` (``experiments.results``)
+and ``experiments.report`` turns them into ``report.md``, tables and plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from orchestrator.config import STRATEGIES, FailureSpec, JobConfig
+from orchestrator.run_dir import RunDir
+from experiments.results import recovery_rows, run_row
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """One experiment: the trajectory, the checkpoint interval shared by every strategy (steps) and
+    the worker failures (0-based steps) every strategy suffers."""
+
+    name: str
+    model: str
+    steps: int
+    interval_steps: int
+    failure_steps: tuple[int, ...]
+    batch_size: int = 8
+    mtbf_s: float = 600.0
+    """Assumed MTBF for our adaptive snapshot policy until it has measured failures (seconds)."""
+
+
+PRESETS = {
+    "quick": Preset(name="quick", model="tiny", steps=40, interval_steps=8, failure_steps=(11, 22, 33), mtbf_s=30.0),
+    "full": Preset(name="full", model="smollm2-135m", steps=30, interval_steps=10, failure_steps=(12, 24), mtbf_s=120.0),
+}
+
+
+def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str, failures: bool = True) -> JobConfig:
+    """The configuration of ``strategy`` in ``preset`` (``failures=False``: the reference run)."""
+    return JobConfig(
+        out_dir=str(out), cache_dir=cache_dir, model=preset.model, steps=preset.steps, batch_size=preset.batch_size,
+        strategy=strategy, snapshot_every=preset.interval_steps,
+        snapshot_policy="adaptive" if strategy == "shadow" else "fixed", mtbf_s=preset.mtbf_s,
+        failures=tuple(FailureSpec(step=s) for s in preset.failure_steps) if failures else (),
+        eval_samples=0, run_id=f"{strategy}-{uuid.uuid4().hex[:6]}",
+    )
+
+
+def _write_table(rows: list[dict], path: pathlib.Path) -> None:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    pq.write_table(pa.table({c: [r.get(c) for r in rows] for c in columns}), path)
+
+
+def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies: tuple[str, ...] = STRATEGIES["zo"],
+                   echo: Callable[[str], None] = print) -> pathlib.Path:
+    """Run the reference and every strategy of ``preset`` into ``out``; returns ``out``.
+
+    Writes ``out/runs/<strategy>/`` (each run's own files), ``runs.parquet`` and ``recoveries.parquet``.
+    """
+    from orchestrator.controller import Controller
+
+    out.mkdir(parents=True, exist_ok=True)
+
+    def quiet(line: str) -> None:  # a run's events, not its step lines
+        if line.startswith("[raycheck]"):
+            echo(f"    {line}")
+
+    echo(f"[experiment] {preset.name}: {preset.model}, {preset.steps} steps, interval {preset.interval_steps}, "
+         f"worker failures at steps {list(preset.failure_steps)}; {len(strategies)} strategies + 1 failure-free reference")
+    shutil.rmtree(out / "runs", ignore_errors=True)
+    reference = Controller(job_config(preset, "shadow", out / "runs" / "reference", cache_dir, failures=False), quiet).run()
+    echo(f"[experiment] reference done in {reference['wall_seconds']:.0f} s")
+    runs, recoveries = [], []
+    for strategy in strategies:
+        echo(f"[experiment] {strategy} ...")
+        cfg = job_config(preset, strategy, out / "runs" / strategy, cache_dir)
+        summary = Controller(cfg, quiet).run()
+        summary["reference_state_sha256"] = reference["state_sha256"]
+        summary["bitwise_equal"] = summary["ok"] and summary["state_sha256"] == reference["state_sha256"]
+        run = RunDir(pathlib.Path(cfg.out_dir))
+        run.write_json(run.root / "summary.json", summary)
+        executions, events = run.read(run.metrics), run.read(run.events)
+        runs.append(run_row(summary, executions))
+        recoveries.extend(recovery_rows(summary, events, executions))
+        echo(f"[experiment] {strategy}: ok={summary['ok']} bitwise_equal={summary['bitwise_equal']} "
+             f"blocked {runs[-1]['block_s_total']:.3f} s, {len(summary['recoveries'])} recoveries, {summary['wall_seconds']:.0f} s")
+    _write_table(runs, out / "runs.parquet")
+    _write_table(recoveries, out / "recoveries.parquet")
+    (out / "preset.json").write_text(json.dumps(dataclasses.asdict(preset), indent=2))
+    return out

@@ -1,0 +1,111 @@
+"""Raw experiment results from one run directory: a row for ``runs.parquet`` and rows for
+``recoveries.parquet`` (the schema ``experiments.report`` reads).
+
+Pure functions over a run's ``summary.json``, ``events.jsonl`` and ``metrics.jsonl`` (every
+execution of every step, re-executions after a restart included), so they are tested without Ray.
+All durations are seconds, sizes bytes, positions steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from storage.steplog import RECORD_BYTES
+
+LOG_STRATEGIES = ("shadow", "log-only")
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
+def _step_start(row: dict) -> float:
+    """Wall-clock start of the step a metric row describes (the row is written after the step)."""
+    return row["unix_s"] - row["step_seconds"] - row["checkpoint_block_seconds"]
+
+
+def run_row(summary: dict, executions: list[dict]) -> dict:
+    """The ``runs.parquet`` row of one strategy run.
+
+    ``executions``: every metric row of the run in time order (``metrics.jsonl``), so the checkpoint
+    stalls of re-executed steps are counted too.
+    """
+    strategy = summary["strategy"]
+    logged = strategy in LOG_STRATEGIES
+    block = [r["checkpoint_block_seconds"] for r in executions]
+    due = [r["checkpoint_block_seconds"] for r in executions if r.get("checkpoint_due")]
+    worker = summary.get("worker_checkpoints") or {}
+    persisted = summary.get("snapshots") or {}
+    log_bytes = RECORD_BYTES * len(executions) if logged else 0
+    if logged:
+        snapshots = persisted.get("written", 0)
+        snapshot_s = persisted["write_seconds"] / snapshots if snapshots else math.nan
+        bytes_written = persisted.get("bytes_written", 0) + log_bytes
+        per_checkpoint = _mean([r["log_append_seconds"] for r in executions])
+        checkpoints = len(executions)
+    else:
+        snapshots = len(due)
+        per_checkpoint = _mean(due)
+        bytes_per = worker["bytes"] / worker["checkpoints"] if worker.get("checkpoints") else math.nan
+        bytes_written = round(bytes_per * snapshots) if snapshots else 0
+        snapshot_s = per_checkpoint if strategy == "full-sync" else _mean(worker.get("write_seconds", []))
+        checkpoints = snapshots
+    recs = summary.get("recoveries", [])
+    replayed = sum(r["replayed_steps"] for r in recs if r["source"] != "object_store")
+    replay_step_s = summary.get("shadow_replay_seconds_per_step") if strategy == "shadow" else (
+        sum(r["replay_seconds"] for r in recs) / replayed if strategy == "log-only" and replayed else math.nan)
+    interval = summary["config"]["snapshot_every"]
+    if strategy == "shadow" and summary.get("replans"):
+        interval = summary["replans"][-1]["interval_steps"]
+    return {
+        "run_id": summary["config"]["run_id"],
+        "strategy": strategy,
+        "model": summary["config"]["model"],
+        "steps": summary["config"]["steps"],
+        "interval_steps": 0 if strategy == "log-only" else interval,
+        "failures": sum(1 for f in summary["failures"] if f["target"] in ("worker", "both")),
+        "bitwise_equal": bool(summary.get("bitwise_equal")),
+        "wall_s": summary["wall_seconds"],
+        "mean_step_s": summary["mean_step_seconds"],
+        "block_s_total": sum(block),
+        "block_s_per_step": _mean(block),
+        "checkpoints": checkpoints,
+        "snapshots": snapshots,
+        "block_s_per_checkpoint": per_checkpoint,
+        "bytes_written": int(bytes_written),
+        "snapshot_s": snapshot_s,
+        "stall_s": _mean(worker.get("stage_seconds", [])) if strategy == "full-async" else 0.0,
+        "replay_step_s": replay_step_s if replay_step_s is not None else math.nan,
+        "log_append_s": _mean([r["log_append_seconds"] for r in executions]) if logged else 0.0,
+    }
+
+
+def recovery_rows(summary: dict, events: list[dict], executions: list[dict]) -> list[dict]:
+    """The ``recoveries.parquet`` rows of one run: for each worker recovery, the measured latency from
+    the failure to the start of the first step that had not run before it (``latency_s``), and its
+    parts: ``restart_s``, ``load_s``, ``replay_s`` (logged steps replayed) and ``recompute_s``
+    (steps re-executed since the last checkpoint, up to the first new step)."""
+    failures = [e for e in events if e["kind"] == "failure" and e["target"] == "worker"]
+    recovered = [e for e in events if e["kind"] == "recovery"]
+    out = []
+    for failure, rec in zip(failures, recovered):
+        first_new = next((r for r in executions if r["step"] == failure["step"] and r["unix_s"] > rec["unix_s"]), None)
+        if first_new is None:
+            continue
+        first_new_start = _step_start(first_new)
+        out.append({
+            "run_id": summary["config"]["run_id"],
+            "strategy": summary["strategy"],
+            "at_step": failure["step"],
+            "restored_step": rec["restored_step"],
+            "source": rec["source"],
+            "latency_s": first_new_start - failure["unix_s"],
+            "restart_s": rec["unix_s"] - rec["seconds"] - failure["unix_s"],  # detection, restart, model and data load
+            "load_s": rec["load_seconds"],
+            "replay_s": rec["replay_seconds"],
+            "replayed_steps": rec["replayed_steps"],
+            "recompute_s": max(0.0, first_new_start - rec["unix_s"]) if failure["step"] > rec["restored_step"] else 0.0,
+            "recompute_steps": max(0, failure["step"] - rec["restored_step"]),
+        })
+    return out
