@@ -18,10 +18,12 @@ predecessor is a gap: both raise, because replay past them would not be exact.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
 import struct
+import time
 import zlib
 from dataclasses import astuple, dataclass
 
@@ -34,6 +36,10 @@ RECORD_BYTES = _FIELDS.size + _CRC.size
 
 class StepLogError(Exception):
     """Base class of step log errors."""
+
+
+class StepLogBusyError(StepLogError):
+    """Another live process holds the log's writer lock (e.g. a worker of a driver that died)."""
 
 
 class StepLogCorruptError(StepLogError):
@@ -203,17 +209,36 @@ class StepLogWriter:
         return cls.open(path)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "StepLogWriter":
+    def open(cls, path: str | os.PathLike, lock_timeout_s: float = 120.0) -> "StepLogWriter":
         """Open an existing log for appending, cutting a torn tail (made durable before returning).
 
+        The writer holds an exclusive ``flock`` on the log until it closes or its process dies, so a
+        log has one appender even when a stray worker outlives its driver: ``open`` waits up to
+        ``lock_timeout_s`` seconds for the lock, and reads the log only once it holds it.
+
         Raises:
+            StepLogBusyError: another process still holds the lock after ``lock_timeout_s``.
             StepLogCorruptError, StepLogGapError: the log cannot be continued safely.
         """
         path = pathlib.Path(path)
-        data = path.read_bytes()
-        header, start = _decode_header(data, path)
-        records, end = _scan(data, start, path, 0)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        deadline = time.monotonic() + lock_timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise StepLogBusyError(f"{path}: another process is appending to this step log") from None
+                time.sleep(0.2)
+        data = path.read_bytes()
+        try:
+            header, start = _decode_header(data, path)
+            records, end = _scan(data, start, path, 0)
+        except StepLogError:
+            os.close(fd)
+            raise
         if end < len(data):
             os.ftruncate(fd, end)
             os.fsync(fd)

@@ -238,4 +238,8 @@ def test_driver_killed_mid_run_resumes_with_the_same_run_id(reference, tmp_path)
     s = json.loads((out / "summary.json").read_text())
     assert s["config"]["run_id"] == json.loads((out / "config.json").read_text())["run_id"]
     assert_exact(s, reference)
-    assert s["recoveries"][0]["at_step"] == durable
+    events = RunDir.read(out / "events.jsonl")
+    resume = next(e for e in events if e["kind"] == "resume")
+    # a stray worker of the dead driver may append a few more steps before it notices; the step log's
+    # writer lock keeps it the only appender, and the resumed run continues from wherever the log ends
+    assert durable <= resume["durable_steps"] <= s["recoveries"][0]["at_step"] < 12

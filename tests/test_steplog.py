@@ -4,6 +4,7 @@ import pytest
 
 from storage.steplog import (
     RECORD_BYTES,
+    StepLogBusyError,
     StepLogCorruptError,
     StepLogGapError,
     StepLogReader,
@@ -107,3 +108,15 @@ def test_create_refuses_to_overwrite(tmp_path):
     make_log(tmp_path / "log", 1).close()
     with pytest.raises(FileExistsError):
         StepLogWriter.create(tmp_path / "log", {})
+
+
+def test_one_appender_at_a_time(tmp_path):
+    """A second writer (e.g. a restarted worker while a stray one still runs) waits for the lock, then gives up clearly."""
+    path = tmp_path / "log.bin"
+    first = StepLogWriter.create(path, {"run_id": "x"})
+    with pytest.raises(StepLogBusyError, match="another process is appending"):
+        StepLogWriter.open(path, lock_timeout_s=0.3)
+    first.close()
+    second = StepLogWriter.open(path, lock_timeout_s=0.3)
+    assert second.next_step == 0
+    second.close()
