@@ -5,3 +5,46 @@ def test_log_cost_benchmark_runs_and_reports_ratios(capsys):
     assert r["append_over_step"] == r["append_median_s"] / r["step_median_s"] > 0
     assert r["state_bytes"] == 4 * 3_219_776
     assert "append / full torch.save" in capsys.readouterr().out
+
+
+def _summary(strategy: str, **kw) -> dict:
+    return {"strategy": strategy, "config": {"run_id": "r1", "model": "tiny", "steps": 6, "snapshot_every": 3},
+            "failures": [{"step": 4, "target": "worker", "how": "exit"}], "bitwise_equal": True, "wall_seconds": 30.0,
+            "mean_step_seconds": 0.5, "recoveries": [], "replans": [], **kw}
+
+
+def _row(step: int, t: float, block: float, due: bool = False, append: float = 0.0) -> dict:
+    return {"step": step, "unix_s": t, "step_seconds": 0.5, "checkpoint_block_seconds": block,
+            "log_append_seconds": append, "checkpoint_due": due}
+
+
+def test_full_sync_row_counts_every_execution_and_recovery_splits_latency():
+    """Steps 0-4 run, the worker dies in step 4, restarts from the checkpoint at 3 and re-runs step 3."""
+    from experiments.results import recovery_rows, run_row
+
+    executions = [_row(0, 1.0, 0), _row(1, 2.0, 0), _row(2, 3.0, 0.2, due=True), _row(3, 4.0, 0),
+                  _row(3, 20.0, 0), _row(4, 21.0, 0), _row(5, 22.0, 0.3, due=True)]
+    summary = _summary("full-sync", worker_checkpoints={"checkpoints": 1, "bytes": 1000, "write_seconds": [0.3]})
+    row = run_row(summary, executions)
+    assert (row["checkpoints"], row["bytes_written"], row["block_s_total"]) == (2, 2000, 0.5)
+    assert row["block_s_per_checkpoint"] == 0.25 and row["snapshot_s"] == 0.25 and row["log_append_s"] == 0.0
+    events = [{"kind": "failure", "target": "worker", "step": 4, "unix_s": 4.2},
+              {"kind": "recovery", "unix_s": 19.0, "seconds": 1.0, "restored_step": 3, "source": "storage",
+               "load_seconds": 0.9, "replay_seconds": 0.0, "replayed_steps": 0}]
+    [rec] = recovery_rows(summary, events, executions)
+    assert rec["latency_s"] == 21.0 - 0.5 - 4.2  # to the start of step 4's second execution
+    assert rec["restart_s"] == 18.0 - 4.2 and rec["load_s"] == 0.9
+    assert rec["recompute_steps"] == 1 and rec["recompute_s"] == 21.0 - 0.5 - 19.0
+
+
+def test_shadow_row_counts_log_appends_as_durable_points_and_the_log_bytes():
+    from experiments.results import run_row
+    from storage.steplog import RECORD_BYTES
+
+    executions = [_row(s, float(s), 0.001, append=0.001) for s in range(6)]
+    summary = _summary("shadow", snapshots={"written": 2, "write_seconds": 3.0, "bytes_written": 5000},
+                       shadow_replay_seconds_per_step=0.2, replans=[{"interval_steps": 40}])
+    row = run_row(summary, executions)
+    assert (row["checkpoints"], row["snapshots"], row["interval_steps"]) == (6, 2, 40)
+    assert row["bytes_written"] == 5000 + 6 * RECORD_BYTES and row["snapshot_s"] == 1.5
+    assert row["block_s_per_checkpoint"] == 0.001 and row["replay_step_s"] == 0.2
