@@ -142,7 +142,8 @@ class JobConfig:
     recovery_timeout_s: float = 600.0
     extra: dict = field(default_factory=dict)
 
-    TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads")
+    TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
+                  "fo_lr", "fo_max_grad_norm")
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_NAMES:

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -66,7 +66,13 @@ class SnapshotInfo:
 
     @property
     def bytes(self) -> int:
+        """Bytes of every shard the snapshot's state is made of (its own and referenced ones)."""
         return sum(u["bytes"] for u in self.manifest["units"].values())
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the shards this snapshot wrote itself (an incremental one references the rest)."""
+        return sum(u["bytes"] for u in self.manifest["units"].values() if u["path"].startswith(self.folder + "/"))
 
 
 class SnapshotStore:
@@ -104,18 +110,72 @@ class SnapshotStore:
         Raises ``storage.backend.StorageError`` (nothing partial is ever listed).
         """
         previous = self.list()
-        folder = f"step-{step:010d}-{uuid.uuid4().hex[:8]}"
-        units, in_flight = {}, []
+        folder = _attempt_folder(step)
+        units = self._put_units(folder, state, group_by_unit(list(state)), step, unit_steps or {})
+        return self._commit(previous, folder, step, list(state), config, units)
+
+    def write_units(
+        self,
+        step: int,
+        changed: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        config: Mapping | None = None,
+    ) -> SnapshotInfo:
+        """Commit the state of ``step`` incrementally: the units of ``changed`` get new shards, every
+        other unit of the layout ``names`` (canonical tensor order) references the newest committed
+        snapshot's shard (LayerCheck, arXiv 2026: persist only the units whose update passed a
+        threshold). The manifest lists every unit, so the newest snapshot is always a complete
+        composite state; ``manifest["units"][u]["step"]`` is the step unit ``u`` belongs to.
+
+        Args:
+            step: the state's step (>= the newest committed snapshot's).
+            changed: name -> array for whole units; may be empty (a new manifest over old shards).
+            names: every tensor name of the layout, in canonical order.
+            config: recorded in the manifest.
+
+        Raises:
+            ValueError: ``changed`` holds part of a unit or names outside ``names``; a unit not in
+                ``changed`` has no committed version, or the committed one holds other tensors;
+                ``step`` is older than the newest committed snapshot.
+            storage.backend.StorageError: a write failed after retries (nothing is committed).
+        """
+        layout = group_by_unit(names)
+        new_units = group_by_unit(changed)
+        problems = [f"unit {u}: got tensors {ns[:3]}..., the layout has {layout.get(u, [])[:3]}..."
+                    for u, ns in new_units.items() if ns != layout.get(u)]
+        previous = self.list()
+        base = previous[-1] if previous else None
+        if base is not None and base.step > step:
+            problems.append(f"step {step} is older than the newest committed snapshot (step {base.step})")
+        for unit, unit_names in layout.items():
+            spec = base.manifest["units"].get(unit) if base is not None else None
+            if unit in new_units:
+                continue
+            if spec is None:
+                problems.append(f"unit {unit} is not in the new tensors and has no committed version to reference")
+            elif list(spec["tensors"]) != unit_names:
+                problems.append(f"unit {unit}: the committed version ({base.folder}) holds other tensors than the layout")
+        if problems:
+            raise ValueError("cannot write the composite snapshot of step %d:\n  %s" % (step, "\n  ".join(problems)))
+        folder = _attempt_folder(step)
+        written = self._put_units(folder, changed, new_units, step, {})
+        units = {u: written[u] if u in written else base.manifest["units"][u] for u in layout}
+        return self._commit(previous, folder, step, list(names), config, units)
+
+    def _put_units(self, folder: str, state: Mapping[str, np.ndarray], units: Mapping[str, list[str]], step: int,
+                   unit_steps: Mapping[str, int]) -> dict[str, dict]:
+        """Write one safetensors shard per unit under ``folder``; returns the manifest entries."""
+        entries, in_flight = {}, []
         with concurrent.futures.ThreadPoolExecutor(self.parallel_puts, thread_name_prefix="snapshot-put") as pool:
-            for unit, names in group_by_unit(list(state)).items():
+            for unit, names in units.items():
                 blob = st_save({n: np.ascontiguousarray(state[n]) for n in names})
                 path = f"{folder}/{unit}.safetensors"
                 in_flight.append(pool.submit(self.storage.put, path, blob))  # hashing below overlaps the upload
-                units[unit] = {
+                entries[unit] = {
                     "path": path,
                     "bytes": len(blob),
                     "sha256": hashlib.sha256(blob).hexdigest(),
-                    "step": (unit_steps or {}).get(unit, step),
+                    "step": unit_steps.get(unit, step),
                     "tensors": {n: {"dtype": state[n].dtype.str, "shape": list(state[n].shape)} for n in names},
                 }
                 del blob
@@ -123,11 +183,16 @@ class SnapshotStore:
                     in_flight.pop(0).result()
             for future in in_flight:
                 future.result()
+        return entries
+
+    def _commit(self, previous: list[SnapshotInfo], folder: str, step: int, names: list[str], config: Mapping | None,
+                units: dict[str, dict]) -> SnapshotInfo:
+        """Write the manifest (after every shard), then the index (the commit point), then retain."""
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
             "created_unix_s": time.time(),
-            "names": list(state),
+            "names": names,
             "config": dict(config or {}),
             "units": units,
         }
@@ -255,6 +320,11 @@ class Loaded(NamedTuple):
     info: SnapshotInfo
     state: dict[str, np.ndarray]
     skipped: list[str]
+
+
+def _attempt_folder(step: int) -> str:
+    """A folder name unique to this write attempt (never reused after a failed one)."""
+    return f"step-{step:010d}-{uuid.uuid4().hex[:8]}"
 
 
 def _order(info: SnapshotInfo) -> tuple:

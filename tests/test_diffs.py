@@ -11,7 +11,7 @@ from storage.diffs import DiffCorruptError, DiffGapError, DiffStore, topk_decode
 from storage.snapshots import SnapshotStore
 from test_fo import make_trainer, train
 from training.differential import DiffCheckpointer
-from training.state import copy_state, state_sha256
+from training.state import state_sha256
 
 STEPS = 12
 
@@ -34,7 +34,7 @@ def run_with_diffs(encoder, data, tmp_path, steps: int, close: bool = True, **kw
     trainer = make_trainer(encoder)
     ckpt = DiffCheckpointer(snapshots, diffs, trainer.applied_gradients, **{"full_every": 5, "batch_steps": 2, **kw})
     train(trainer, data[0], 0, steps, after=lambda done: ckpt.after_step(done, trainer.state_view))
-    stats = ckpt.close(60) if close else ckpt._writer.drain(60)
+    stats = ckpt.close(60) if close else ckpt.flush(60)
     return snapshots, diffs, stats
 
 

@@ -65,9 +65,11 @@ class FullCheckpointer:
         self.bytes += info.bytes
         self.last_step = step
 
-    def _wait(self) -> None:
+    def _wait(self, timeout_s: float | None = None) -> None:
         if self._writer is not None:
-            self._writer.join()
+            self._writer.join(timeout_s)
+            if self._writer.is_alive():
+                raise TimeoutError(f"the background checkpoint write did not finish within {timeout_s} s")
             self._writer = None
         if self._error is not None:
             error, self._error = self._error, None
@@ -89,6 +91,11 @@ class FullCheckpointer:
         self._writer = threading.Thread(target=self._write, args=(steps_done, staged), name="async-checkpoint", daemon=True)
         self._writer.start()
         return time.perf_counter() - t0
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the background write (if any) has committed; raises its error if it failed, and
+        ``TimeoutError`` after ``timeout_s`` seconds (None: no limit)."""
+        self._wait(timeout_s)
 
     def close(self) -> dict:
         """Wait for a background write; returns ``checkpoints``, ``bytes``, ``last_step``,

@@ -54,6 +54,11 @@ class DiffCheckpointer:
         self.stats = {"checkpoints": 0, "bytes": 0, "full_bytes": 0, "diff_bytes": 0, "batches": 0, "last_step": None,
                       "last_full_step": None, "write_seconds": [], "deleted_objects": 0}
 
+    @property
+    def bytes(self) -> int:
+        """Bytes committed so far (full checkpoints and record batches)."""
+        return self.stats["bytes"]
+
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
         """Record the gradients of step ``steps_done - 1``; write a batch or a full checkpoint when
         due. Returns the seconds the training loop was blocked."""
@@ -88,6 +93,10 @@ class DiffCheckpointer:
         self.stats["bytes"] += batch.bytes
         self.stats["diff_bytes"] += batch.bytes
         self.stats["last_step"] = max(self.stats["last_step"] or 0, batch.last_step + 1)
+
+    def flush(self, timeout_s: float = 600.0) -> bool:
+        """Wait until every queued write has finished (committed or failed); False on timeout."""
+        return self._writer.drain(timeout_s)
 
     def close(self, timeout_s: float = 600.0) -> dict:
         """Write the pending records as a last batch, wait for every write (at most ``timeout_s``);

@@ -1,16 +1,20 @@
 """Layer-wise adaptive checkpoints of a first-order run (LayerCheck, arXiv 2026).
 
 Every ``every`` steps (a check), for each unit (embeddings, each transformer layer, final norm, LM
-head: ``storage.units.unit_of``) the checkpointer measures the relative change of the unit's
-weights since the version it last persisted (``policies.layerwise.relative_change``) and lets
+head: ``storage.units.unit_of``) the checkpointer measures the relative change of the unit's weights
+since the version it last persisted (``policies.layerwise.relative_change``, float64) and lets
 ``policies.layerwise.select_units`` decide: units never persisted and units whose persisted version
-is ``staleness_bound_steps`` old or older are forced; units whose change exceeds the threshold follow,
-by decreasing change, while they fit the per-check byte budget (the rest wait for a later check:
-writes are spread over checks). The selected units' weights, Adam moments and step counts are copied
-(the only stall of the training loop besides the measurement) and written by a background thread
-through ``storage.composite.write_units``: one committed composite snapshot per check, whose
-manifest references the older shards of the units not rewritten. Restore loads the newest committed
-snapshot like any other (``SnapshotStore.load_latest``); its units may come from different steps.
+is ``staleness_bound_steps`` old or older are forced; units whose change exceeds the threshold
+follow, by decreasing change, while they fit the per-check byte budget (the rest wait for a later
+check: writes are spread over checks).
+
+The training loop only stages a copy of the state (its one stall, as for an asynchronous full
+checkpoint; on this CPU-only setup a memory copy costs less than measuring the change in float64 in
+the loop). A background thread measures, selects and writes the selected units' weights, Adam
+moments and step counts through ``SnapshotStore.write_units``: one committed composite snapshot
+per check, whose manifest references the older shards of the units not rewritten. Restore loads the
+newest committed snapshot like any other (``SnapshotStore.load_latest``); its units may come from
+different steps.
 
 Recovery is approximate by design: a unit not rewritten at the last check resumes from an older
 version (within the threshold of the current one, and at most ``staleness_bound_steps`` old).
@@ -18,7 +22,6 @@ version (within the threshold of the current one, and at most ``staleness_bound_
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -27,22 +30,26 @@ import torch
 
 from policies.layerwise import LayerwiseConfig, UnitStatus, relative_change, select_units
 from storage.background import BackgroundWriter
-from storage.composite import write_units, written_bytes
 from storage.snapshots import SnapshotInfo, SnapshotStore
 from storage.units import group_by_unit, parameter_of
-from training.state import as_numpy
+from training.state import as_numpy, copy_state
 
 
 class LayerwiseCheckpointer:
     """Layer-wise adaptive checkpoints every ``every`` steps (same interface as
     ``training.checkpointing.FullCheckpointer``).
 
+    At a check the training loop only stages a copy of the state (as an asynchronous full checkpoint
+    does); the background thread measures each unit's change, selects units and commits the composite.
+    Checks are processed one at a time in step order, and a unit counts as persisted only once the
+    snapshot that wrote it is committed (a failed write leaves it to be selected again).
+
     Args:
         store: the run's snapshots.
         every: steps between checks (>= 1).
         policy: threshold, staleness bound (steps) and byte budget per check (``max_bytes_per_step``).
         config: recorded in each manifest.
-        max_pending: checks whose writes may wait behind the running one (bounded staging memory).
+        max_pending: staged checks that may wait behind the running one (bounds staging memory).
     """
 
     def __init__(self, store: SnapshotStore, every: int, policy: LayerwiseConfig, config: Mapping | None = None,
@@ -51,9 +58,7 @@ class LayerwiseCheckpointer:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
         self.store, self.every, self.policy = store, every, policy
         self.config = dict(config or {})
-        self._persisted: dict[str, tuple[int, dict[str, np.ndarray]]] = {}  # unit -> (step, weights as persisted)
-        self._failed: set[str] = set()  # units whose write failed: forced at the next check
-        self._lock = threading.Lock()
+        self._persisted: dict[str, tuple[int, dict[str, np.ndarray]]] = {}  # unit -> (step, weights as committed)
         self._writer = BackgroundWriter("layerwise-checkpoint", max_pending)
         self.checks = 0
         self.bytes = 0
@@ -64,61 +69,61 @@ class LayerwiseCheckpointer:
 
     def resume(self, info: SnapshotInfo, state: Mapping[str, torch.Tensor | np.ndarray]) -> None:
         """Start from a restored snapshot: each unit counts as persisted at its manifest step with the
-        weights of ``state`` (the state just loaded from ``info``), so no unit is rewritten needlessly."""
+        weights of ``state`` (the state just loaded from ``info``), so no unit is rewritten needlessly.
+        Call before the first ``after_step``."""
         for unit, names in group_by_unit(state).items():
             weights = {n: np.array(as_numpy(state[n]), copy=True) for n in names if parameter_of(n) is None}
             self._persisted[unit] = (int(info.manifest["units"][unit]["step"]), weights)
 
-    def _status(self, steps_done: int, unit: str, names: list[str], live: Mapping[str, torch.Tensor]) -> UnitStatus:
-        size = sum(as_numpy(live[n]).nbytes for n in names)
-        with self._lock:
-            failed = unit in self._failed
-        if unit not in self._persisted or failed:
-            return UnitStatus(unit=unit, relative_change=0.0, staleness_steps=None, bytes=size)
-        step, weights = self._persisted[unit]
-        change = relative_change({n: as_numpy(live[n]) for n in weights}, weights)
-        return UnitStatus(unit=unit, relative_change=change, staleness_steps=steps_done - step, bytes=size)
-
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
-        """At a check, select units, stage their copies and queue the composite write; returns the
-        seconds the training loop was blocked (0.0 between checks)."""
+        """At a check, stage a copy of the state and queue the check; returns the seconds the training
+        loop was blocked (0.0 between checks)."""
         if steps_done % self.every:
             return 0.0
         t0 = time.perf_counter()
-        live = state()
-        layout = group_by_unit(live)
-        decision = select_units(self.policy, [self._status(steps_done, u, ns, live) for u, ns in layout.items()])
-        staged = {n: np.array(as_numpy(live[n]), copy=True) for u in decision.units for n in layout[u]}
-        with self._lock:
-            self._failed -= set(decision.units)
-        for unit in decision.units:
-            self._persisted[unit] = (steps_done, {n: staged[n] for n in layout[unit] if parameter_of(n) is None})
-        for s in decision.selected:
-            self.reasons[s.reason.value] = self.reasons.get(s.reason.value, 0) + 1
-        names = list(live)
-        self._writer.submit(lambda: self._write(steps_done, staged, names, decision.units), f"layer-wise check at step {steps_done}")
+        staged = copy_state(state())
+        self._writer.submit(lambda: self._check(steps_done, staged), f"layer-wise check at step {steps_done}")
         return time.perf_counter() - t0
 
-    def _write(self, step: int, staged: dict[str, np.ndarray], names: list[str], units: tuple[str, ...]) -> None:
+    def _status(self, step: int, unit: str, names: list[str], staged: Mapping[str, np.ndarray]) -> UnitStatus:
+        size = sum(staged[n].nbytes for n in names)
+        if unit not in self._persisted:
+            return UnitStatus(unit=unit, relative_change=0.0, staleness_steps=None, bytes=size)
+        persisted_step, weights = self._persisted[unit]
+        change = relative_change({n: staged[n] for n in weights}, weights)
+        return UnitStatus(unit=unit, relative_change=change, staleness_steps=step - persisted_step, bytes=size)
+
+    def _check(self, step: int, staged: dict[str, np.ndarray]) -> None:
+        """On the writer thread: select the units (``policies.layerwise.select_units``), commit them."""
+        layout = group_by_unit(staged)
+        decision = select_units(self.policy, [self._status(step, u, ns, staged) for u, ns in layout.items()])
+        for s in decision.selected:
+            self.reasons[s.reason.value] = self.reasons.get(s.reason.value, 0) + 1
         t0 = time.perf_counter()
-        try:
-            info = write_units(self.store, step, staged, names, config=self.config)
-        except BaseException:
-            with self._lock:
-                self._failed |= set(units)
-            raise
+        changed = {n: staged[n] for u in decision.units for n in layout[u]}
+        info = self.store.write_units(step, changed, list(staged), config=self.config)
         self.write_seconds.append(time.perf_counter() - t0)
-        self.checks += 1
-        self.bytes += written_bytes(info)
-        self.last_step = step
-        for unit in units:
+        for unit in decision.units:
+            self._persisted[unit] = (step, {n: staged[n] for n in layout[unit] if parameter_of(n) is None})
             self.units_written[unit] = self.units_written.get(unit, 0) + 1
+        self.checks += 1
+        self.bytes += info.own_bytes
+        self.last_step = step
+
+    @property
+    def errors(self) -> list[str]:
+        """``"<what>: <error>"`` of every failed check so far."""
+        return list(self._writer.errors)
+
+    def flush(self, timeout_s: float = 600.0) -> bool:
+        """Wait until every queued check has finished (committed or failed); False on timeout."""
+        return self._writer.drain(timeout_s)
 
     def close(self, timeout_s: float = 600.0) -> dict:
-        """Wait for the queued writes (at most ``timeout_s``); returns ``checkpoints`` (committed
+        """Wait for the queued checks (at most ``timeout_s``); returns ``checkpoints`` (committed
         checks), ``bytes`` (shard bytes written), ``last_step``, ``write_seconds`` (per check),
-        ``units_written`` (unit -> times written), ``reasons`` (selection reason -> count),
-        ``errors`` (failed writes) and ``finished`` (False when the timeout cut the wait short)."""
+        ``units_written`` (unit -> times written), ``reasons`` (selection reason -> times selected),
+        ``errors`` (failed checks) and ``finished`` (False when the timeout cut the wait short)."""
         finished = self._writer.close(timeout_s)
         return {"checkpoints": self.checks, "bytes": self.bytes, "last_step": self.last_step,
                 "write_seconds": list(self.write_seconds), "units_written": dict(self.units_written),

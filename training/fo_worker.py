@@ -1,0 +1,139 @@
+"""What each Ray Train worker runs for ``algo == "fo"``: AdamW steps, checkpoints by strategy, restore.
+
+Per step t (rank r of W workers, DDP over gloo when W > 1; every worker holds the same state):
+  batch t's shard r  ->  forward + backward (gradients averaged by DDP)  ->  [injected failure]  ->
+  clip + AdamW  ->  average the loss over the workers (metrics)  ->  rank 0's checkpointer.
+
+Strategies (rank 0 persists; ``cfg.snapshot_store()`` holds every checkpoint):
+  ``full-sync`` / ``full-async``: ``training.checkpointing.FullCheckpointer`` every ``snapshot_every``.
+  ``layerwise``: ``training.layerwise.LayerwiseCheckpointer`` every ``snapshot_every`` (LayerCheck).
+  ``differential``: ``training.differential.DiffCheckpointer`` (LowDiff): gradient records every
+  step, a full checkpoint every ``diff_full_every``.
+
+Restore at start (after a failure, or when the storage already holds a checkpoint, e.g. a merged
+one): the newest committed checkpoint (``training.recovery.from_storage``; for ``differential``
+followed by the replay of the committed records after it). Steps after the durable point are
+recomputed with the same batches, so exact strategies rejoin the failure-free trajectory bit for bit.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import ray.train
+import torch
+import torch.distributed as dist
+
+from orchestrator.config import JobConfig
+from orchestrator.run_dir import RunDir
+from policies.layerwise import LayerwiseConfig
+from storage.diffs import DiffStore
+from storage.snapshots import SnapshotStore
+from training.checkpointing import FullCheckpointer
+from training.data import PromptEncoder, accuracy, batch_indices, load_rotten_tomatoes
+from training.differential import DiffCheckpointer
+from training.faults import FaultInjector
+from training.fo import FOHyper, FOTrainer
+from training.layerwise import LayerwiseCheckpointer
+from training.model import load_model, load_tokenizer
+from training.recovery import from_storage
+from training.state import state_sha256
+
+
+def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer):
+    """The strategy's checkpointer (``after_step(steps_done, state) -> seconds blocked``, ``close()``)."""
+    config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy}
+    if cfg.strategy in ("full-sync", "full-async"):
+        return FullCheckpointer(store, cfg.snapshot_every, cfg.strategy == "full-async", config)
+    if cfg.strategy == "layerwise":
+        policy = LayerwiseConfig(threshold=cfg.layer_threshold, staleness_bound_steps=cfg.layer_staleness_steps,
+                                 max_bytes_per_step=cfg.layer_max_bytes_per_check)
+        return LayerwiseCheckpointer(store, cfg.snapshot_every, policy, config)
+    return DiffCheckpointer(store, DiffStore(store.storage), trainer.applied_gradients, cfg.diff_full_every,
+                            cfg.diff_batch_steps, cfg.diff_topk, config)
+
+
+def durable_steps(cfg: JobConfig) -> int:
+    """Steps durable in storage now: the newest committed checkpoint's, extended by the committed
+    gradient records after it for ``differential``."""
+    store = cfg.snapshot_store()
+    base = max((i.step for i in store.list()), default=0)
+    return DiffStore(store.storage).durable_end(base) if cfg.strategy == "differential" else base
+
+
+def restore(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
+    """Load the newest durable state into ``trainer`` (see the module docstring); returns the
+    ``recovery`` event's fields: ``source``, ``base_step``, ``replayed_steps``, ``load_seconds``,
+    ``replay_seconds``, ``seconds``, ``skipped`` (and ``exact`` for ``differential``)."""
+    t0 = time.perf_counter()
+    result = from_storage(trainer.state_view(), cfg, None, None)
+    if cfg.strategy == "differential":
+        t1 = time.perf_counter()
+        replay = DiffStore(store.storage).replay(result["base_step"], trainer.replay_gradients)
+        result.update(replayed_steps=replay.replayed_steps, replay_seconds=time.perf_counter() - t1, exact=replay.exact)
+        if replay.stopped:
+            result["skipped"] = [*result["skipped"], replay.stopped]
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def _mean_over_workers(value: float, world: int) -> float:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t[0]) / world
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train entry point for ``algo == "fo"``; ``config`` is ``JobConfig.to_dict()``."""
+    cfg = JobConfig.from_dict(config)
+    torch.set_num_threads(cfg.torch_threads)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    run = RunDir(pathlib.Path(cfg.out_dir))
+    started = time.time()
+
+    model = load_model(cfg.model, cfg.cache_dir)
+    encoder = PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len)
+    train, held_out = load_rotten_tomatoes()
+    hyper = FOHyper(lr=cfg.fo_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo_max_grad_norm)
+    trainer = FOTrainer(model, hyper, encoder, distributed=world > 1)
+    store = cfg.snapshot_store()
+    faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: durable_steps(cfg))
+    ckpt = checkpointer(cfg, store, trainer) if rank == 0 else None
+
+    start = 0
+    if faults.fired() or durable_steps(cfg) > 0:
+        result = restore(trainer, cfg, store)
+        start = result["base_step"] + result["replayed_steps"]
+        if isinstance(ckpt, LayerwiseCheckpointer) and result["source"] == "storage":
+            ckpt.resume(next(i for i in reversed(store.list()) if i.step == result["base_step"]), trainer.state_view())
+        if rank == 0:
+            run.event("recovery", at_step=start, restored_step=start, worker_start_unix_s=started, **result)
+    elif rank == 0 and cfg.eval_samples:
+        run.event("accuracy", when="before", value=accuracy(model, encoder, held_out, cfg.eval_samples))
+
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        idx = batch_indices(cfg.seed, step, cfg.batch_size, len(train))
+        loss = trainer.compute_gradients(train, idx[rank::world])
+        faults.maybe_fail(step)
+        trainer.apply_gradients()
+        loss = _mean_over_workers(loss, world)
+        step_s = time.perf_counter() - t0
+        if rank == 0:
+            block_s = ckpt.after_step(step + 1, trainer.state_view)
+            row = dict(step=step, loss=loss, step_seconds=step_s, checkpoint_block_seconds=block_s, log_append_seconds=0.0,
+                       checkpoint_bytes=ckpt.bytes)  # committed so far
+            if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
+                row["state_sha256"] = state_sha256(trainer.state_view())  # weights + optimizer after step + 1 steps
+            run.append(run.metrics, **row)
+
+    if rank == 0:
+        final = {"step": cfg.steps, "state_sha256": state_sha256(trainer.state_view())}
+        if cfg.eval_samples:
+            final["accuracy_after"] = accuracy(model, encoder, held_out, cfg.eval_samples)
+        final["checkpoints"] = ckpt.close()
+        run.event("final", **final)
