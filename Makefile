@@ -3,7 +3,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 RUN_ARGS ?= --model smollm2-135m --steps 50 --fail 20:worker --fail 30:shadow --fail 40:both --snapshot-policy adaptive --mtbf 10min --verify --overwrite --out runs/default
 
-.PHONY: setup run test test-all bench
+.PHONY: setup run test bench experiment experiment-quick
 
 setup: $(STAMP)
 
@@ -20,3 +20,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m experiments.log_cost
 	$(VENV)/bin/python -m experiments.persist_throughput
+
+experiment: $(STAMP)
+	$(VENV)/bin/raycheck experiment --out runs/experiment
+
+experiment-quick: $(STAMP)
+	$(VENV)/bin/raycheck experiment --quick --out runs/experiment-quick

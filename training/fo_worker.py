@@ -18,27 +18,21 @@ recomputed with the same batches, so exact strategies rejoin the failure-free tr
 
 from __future__ import annotations
 
-import pathlib
 import time
 
-import ray.train
-import torch
-import torch.distributed as dist
-
 from orchestrator.config import JobConfig
-from orchestrator.run_dir import RunDir
 from policies.layerwise import LayerwiseConfig
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
 from training.checkpointing import FullCheckpointer
-from training.data import PromptEncoder, accuracy, batch_indices, load_rotten_tomatoes
+from training.data import accuracy, batch_indices
 from training.differential import DiffCheckpointer
 from training.faults import FaultInjector
 from training.fo import FOHyper, FOTrainer
 from training.layerwise import LayerwiseCheckpointer
-from training.model import load_model, load_tokenizer
 from training.recovery import from_storage
 from training.state import state_sha256
+from training.worker_env import mean_over_workers, worker_env
 
 
 def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer):
@@ -78,26 +72,11 @@ def restore(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
     return result
 
 
-def _mean_over_workers(value: float, world: int) -> float:
-    if world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t[0]) / world
-
-
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry point for ``algo == "fo"``; ``config`` is ``JobConfig.to_dict()``."""
-    cfg = JobConfig.from_dict(config)
-    torch.set_num_threads(cfg.torch_threads)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    run = RunDir(pathlib.Path(cfg.out_dir))
-    started = time.time()
-
-    model = load_model(cfg.model, cfg.cache_dir)
-    encoder = PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len)
-    train, held_out = load_rotten_tomatoes()
+    env = worker_env(config)
+    cfg, rank, world, run, started = env.cfg, env.rank, env.world, env.run, env.started_unix_s
+    model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     hyper = FOHyper(lr=cfg.fo_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo_max_grad_norm)
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1)
     store = cfg.snapshot_store()
@@ -121,7 +100,7 @@ def train_loop_per_worker(config: dict) -> None:
         loss = trainer.compute_gradients(train, idx[rank::world])
         faults.maybe_fail(step)
         trainer.apply_gradients()
-        loss = _mean_over_workers(loss, world)
+        [loss] = mean_over_workers([loss], world)
         step_s = time.perf_counter() - t0
         if rank == 0:
             block_s = ckpt.after_step(step + 1, trainer.state_view)

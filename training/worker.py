@@ -8,31 +8,19 @@ Per step t (rank r of W workers; every worker holds identical weights):
 
 from __future__ import annotations
 
-import pathlib
 import time
 
-import ray.train
-import torch
 import torch.distributed as dist
 
-from orchestrator.config import JobConfig
-from orchestrator.run_dir import RunDir
 from storage.steplog import StepLogWriter, StepRecord, read_records
 from training.checkpointing import FullCheckpointer
-from training.data import PromptEncoder, accuracy, batch_id, batch_indices, classification_loss, load_rotten_tomatoes
+from training.data import accuracy, batch_id, batch_indices, classification_loss
 from training.faults import FaultInjector
-from training.model import load_model, load_tokenizer, trainable_parameters
+from training.model import trainable_parameters
 from training.recovery import restore
 from training.state import state_sha256
+from training.worker_env import mean_over_workers, worker_env
 from training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
-
-
-def _mean_over_workers(values: list[float], world: int) -> list[float]:
-    if world == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return (t / world).tolist()
 
 
 def _barrier(world: int) -> None:
@@ -42,17 +30,10 @@ def _barrier(world: int) -> None:
 
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry point; ``config`` is ``JobConfig.to_dict()``."""
-    cfg = JobConfig.from_dict(config)
-    torch.set_num_threads(cfg.torch_threads)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    run = RunDir(pathlib.Path(cfg.out_dir))
-    started = time.time()
-
-    model = load_model(cfg.model, cfg.cache_dir)
+    env = worker_env(config)
+    cfg, rank, world, run, started = env.cfg, env.rank, env.world, env.run, env.started_unix_s
+    model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)
-    encoder = PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len)
-    train, held_out = load_rotten_tomatoes()
     hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.uses_step_log:
         faults = FaultInjector(cfg, run, rank, world)
@@ -91,7 +72,7 @@ def train_loop_per_worker(config: dict) -> None:
         perturb_all_(params, zs, -2 * cfg.eps)
         loss_minus = classification_loss(model, encoder, train, shard)
         perturb_all_(params, zs, cfg.eps)
-        loss_plus, loss_minus = _mean_over_workers([loss_plus, loss_minus], world)
+        loss_plus, loss_minus = mean_over_workers([loss_plus, loss_minus], world)
         grad = (loss_plus - loss_minus) / (2 * cfg.eps)
         record = StepRecord(
             step=step, seed=seed, projected_grad=grad, loss_plus=loss_plus, loss_minus=loss_minus,

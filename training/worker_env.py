@@ -1,0 +1,58 @@
+"""What every Ray Train worker sets up first, whatever the algorithm, and the averages across workers."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from dataclasses import dataclass
+
+import ray.train
+import torch
+import torch.distributed as dist
+
+from orchestrator.config import JobConfig
+from orchestrator.run_dir import RunDir
+from training.data import PromptEncoder, load_rotten_tomatoes
+from training.model import load_model, load_tokenizer
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """One worker's configuration, place in the job, run directory, model and data.
+
+    ``started_unix_s`` is when the worker process began its setup (recovery timings start there).
+    """
+
+    cfg: JobConfig
+    rank: int
+    world: int
+    run: RunDir
+    started_unix_s: float
+    model: torch.nn.Module
+    encoder: PromptEncoder
+    train: object
+    held_out: object
+
+
+def worker_env(config: dict) -> WorkerEnv:
+    """Parse ``config`` (``JobConfig.to_dict()``), fix the torch thread count (reproducible forward
+    passes across restarts), and load the model (initial weights), tokenizer and data."""
+    started = time.time()
+    cfg = JobConfig.from_dict(config)
+    torch.set_num_threads(cfg.torch_threads)
+    ctx = ray.train.get_context()
+    train, held_out = load_rotten_tomatoes()
+    return WorkerEnv(
+        cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunDir(pathlib.Path(cfg.out_dir)),
+        started_unix_s=started, model=load_model(cfg.model, cfg.cache_dir),
+        encoder=PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len), train=train, held_out=held_out,
+    )
+
+
+def mean_over_workers(values: list[float], world: int) -> list[float]:
+    """The mean of each value over the ``world`` workers (one float64 all-reduce; identity for one)."""
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return (t / world).tolist()
