@@ -1,6 +1,6 @@
 """The controller: starts the shadow and persister, runs Ray Train, watches, repairs, summarises.
 
-States (``Phase``): STARTING -> RUNNING <-> RECOVERING -> FINISHED | FAILED. The driver runs
+States (``Phase``): INITIALISING -> RUNNING <-> RECOVERING -> FINISHED | FAILED. The driver runs
 ``TorchTrainer.fit`` on a thread and, on its own thread, follows the run's event and metric streams:
 it prints progress, restarts a dead shadow (from the newest snapshot plus the log tail) once no
 worker recovery needs it, and at the end compares the shadow's state hash with the worker's.
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
-    STARTING = "starting"
+    INITIALISING = "initialising"
     RUNNING = "running"
     RECOVERING = "recovering"
     FINISHED = "finished"
@@ -116,7 +116,7 @@ class Controller:
         self.cfg = cfg
         self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
         self.echo = echo
-        self.phase = Phase.STARTING
+        self.phase = Phase.INITIALISING
         self.shadow_lag: dict[int, int] = {}
         self.shadow: ShadowKeeper | None = None
         self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" and cfg.uses_shadow else None
@@ -276,11 +276,13 @@ class Controller:
 
         thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
         thread.start()
-        self.phase = Phase.RUNNING
         while True:
             done = not thread.is_alive()
             failures, recovered = self._follow()
-            self.phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
+            phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
+            if phase is not self.phase:  # every transition is an event (and a progress line)
+                self.phase = phase
+                run.event("phase", phase=phase.value)
             if self.shadow:
                 self.shadow.poll(may_restart=lambda: not self._recovery_pending())
             self._poll_persister()
@@ -325,6 +327,7 @@ class Controller:
         summary = {
             "ok": outcome.get("ok", False),
             "error": outcome.get("error"),
+            "phase": self.phase.value,
             "algo": cfg.algo,
             "strategy": cfg.strategy,
             "final_step": final.get("step"),

@@ -31,7 +31,7 @@ def test_job_config_validation_names_the_field():
 
 
 def test_controller_transitions():
-    assert next_phase(Phase.STARTING, 0, 0, False, False) is Phase.RUNNING
+    assert next_phase(Phase.INITIALISING, 0, 0, False, False) is Phase.RUNNING
     assert next_phase(Phase.RUNNING, 1, 0, False, False) is Phase.RECOVERING
     assert next_phase(Phase.RECOVERING, 1, 1, False, False) is Phase.RUNNING
     assert next_phase(Phase.RUNNING, 1, 1, True, True) is Phase.FINISHED

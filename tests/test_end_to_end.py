@@ -191,6 +191,8 @@ def test_every_baseline_survives_worker_failures_and_resumes_exactly(reference, 
     assert_exact(s, reference)
     recs = s["recoveries"]
     assert [r["failure_step"] for r in recs] == [4, 10]
+    phases = [e["phase"] for e in RunDir.read(pathlib.Path(s["config"]["out_dir"]) / "events.jsonl") if e["kind"] == "phase"]
+    assert phases[0] == "running" and phases.count("recovering") == 2 and phases[-1] == s["phase"] == "finished"
     if strategy == "log-only":
         assert [(r["source"], r["base_step"], r["replayed_steps"], r["recompute_steps"]) for r in recs] == [
             ("initial", 0, 4, 0), ("initial", 0, 10, 0)]
