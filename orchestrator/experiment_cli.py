@@ -22,7 +22,7 @@ def experiment(
     same injected worker failures, then write runs.parquet, recoveries.parquet, report.md and plots.
 
     The default preset fine-tunes SmolLM2-135M (30 steps, failures at steps 12 and 24, checkpoint
-    interval 10; about 25 min on 2 cores); --quick uses the tiny model.
+    interval 10; about 21 min on 2 cores); --quick uses the tiny model.
     """
     from experiments.harness import PRESETS, run_experiment
     from experiments.report import write_report
