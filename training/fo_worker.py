@@ -32,7 +32,7 @@ from training.fo import FOHyper, FOTrainer
 from training.layerwise import LayerwiseCheckpointer
 from training.recovery import from_storage
 from training.state import state_sha256
-from training.worker_env import mean_over_workers, worker_env
+from training.worker_env import mean_over_workers, record_start, worker_env
 
 
 def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer):
@@ -75,7 +75,7 @@ def restore(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry point for ``algo == "fo"``; ``config`` is ``JobConfig.to_dict()``."""
     env = worker_env(config)
-    cfg, rank, world, run, started = env.cfg, env.rank, env.world, env.run, env.started_unix_s
+    cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     hyper = FOHyper(lr=cfg.fo_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo_max_grad_norm)
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1)
@@ -83,16 +83,12 @@ def train_loop_per_worker(config: dict) -> None:
     faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: durable_steps(cfg))
     ckpt = checkpointer(cfg, store, trainer) if rank == 0 else None
 
-    start = 0
+    result = None
     if faults.fired() or durable_steps(cfg) > 0:
         result = restore(trainer, cfg, store)
-        start = result["base_step"] + result["replayed_steps"]
         if isinstance(ckpt, LayerwiseCheckpointer) and result["source"] == "storage":
             ckpt.resume(next(i for i in reversed(store.list()) if i.step == result["base_step"]), trainer.state_view())
-        if rank == 0:
-            run.event("recovery", at_step=start, restored_step=start, worker_start_unix_s=started, **result)
-    elif rank == 0 and cfg.eval_samples:
-        run.event("accuracy", when="before", value=accuracy(model, encoder, held_out, cfg.eval_samples))
+    start = record_start(env, result)
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()

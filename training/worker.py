@@ -19,7 +19,7 @@ from training.faults import FaultInjector
 from training.model import trainable_parameters
 from training.recovery import restore
 from training.state import state_sha256
-from training.worker_env import mean_over_workers, worker_env
+from training.worker_env import mean_over_workers, record_start, worker_env
 from training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
 
 
@@ -31,7 +31,7 @@ def _barrier(world: int) -> None:
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry point; ``config`` is ``JobConfig.to_dict()``."""
     env = worker_env(config)
-    cfg, rank, world, run, started = env.cfg, env.rank, env.world, env.run, env.started_unix_s
+    cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)
     hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -51,14 +51,7 @@ def train_loop_per_worker(config: dict) -> None:
         faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0))
         resuming = faults.fired() or faults.durable_steps() > 0
 
-    start = 0
-    if resuming:
-        result = restore(params, cfg, run.step_log, log_end)
-        start = result["base_step"] + result["replayed_steps"]
-        if rank == 0:
-            run.event("recovery", at_step=start, restored_step=start, worker_start_unix_s=started, **result)
-    elif rank == 0 and cfg.eval_samples:
-        run.event("accuracy", when="before", value=accuracy(model, encoder, held_out, cfg.eval_samples))
+    start = record_start(env, restore(params, cfg, run.step_log, log_end) if resuming else None)
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()

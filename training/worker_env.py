@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
-from training.data import PromptEncoder, load_rotten_tomatoes
+from training.data import PromptEncoder, accuracy, load_rotten_tomatoes
 from training.model import load_model, load_tokenizer
 
 
@@ -32,6 +32,20 @@ class WorkerEnv:
     encoder: PromptEncoder
     train: object
     held_out: object
+
+
+def record_start(env: WorkerEnv, restored: dict | None) -> int:
+    """Record how this worker starts and return its first step: after a restore (``restored``, the
+    restore's result), a ``recovery`` event at the restored step; on a fresh start, the held-out
+    accuracy before training (when ``eval_samples``). Only rank 0 writes events."""
+    if restored is None:
+        if env.rank == 0 and env.cfg.eval_samples:
+            env.run.event("accuracy", when="before", value=accuracy(env.model, env.encoder, env.held_out, env.cfg.eval_samples))
+        return 0
+    start = restored["base_step"] + restored["replayed_steps"]
+    if env.rank == 0:
+        env.run.event("recovery", at_step=start, restored_step=start, worker_start_unix_s=env.started_unix_s, **restored)
+    return start
 
 
 def worker_env(config: dict) -> WorkerEnv:
