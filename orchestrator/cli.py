@@ -15,12 +15,14 @@ from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.experiment_cli import experiment
 from orchestrator.merge_cli import merge
 from orchestrator.policy_cli import parse_duration, policy
+from orchestrator.run_dir import RunDir
 from orchestrator.schedule import parse_schedule
 from orchestrator.storage_cli import inspect, verify
 from training.model import MODEL_NAMES, default_cache_dir
 
 app = typer.Typer(
-    help="raycheck: fault-tolerant MeZO training on Ray with a durable step log, a CPU shadow and exact recovery.",
+    help="raycheck: fault-tolerant fine-tuning on Ray: MeZO with a durable step log, a CPU shadow and exact recovery; "
+         "AdamW with layer-wise and differential checkpoints; failure-injection experiments.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -44,6 +46,10 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
     if not saved.is_file():
         typer.echo(f"error: {out} holds no run to resume (no config.json)", err=True)
         raise typer.Exit(2)
+    summary = RunDir.read_json(out / "summary.json")
+    if summary and summary.get("ok") and summary.get("final_step") == json.loads(saved.read_text())["steps"]:
+        typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
+        raise typer.Exit(0)
     return JobConfig.from_dict(json.loads(saved.read_text()))
 
 
@@ -76,7 +82,8 @@ def run(
     fail: Annotated[
         list[str],
         typer.Option(help="Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], "
-                          "TARGET worker|shadow|both|corrupt, HOW exit|raise|sigkill|torn (worker only). Repeatable."),
+                          "TARGET worker|shadow|both|corrupt|persister, HOW exit|raise|sigkill|torn (worker only); "
+                          "storage:SECONDS needs a server raycheck owns (tests, experiments/s3_server.py). Repeatable."),
     ] = [],
     fail_schedule: Annotated[
         str, typer.Option(help="Random failures: poisson:MTBF_STEPS[:TARGET] or weibull:MTBF_STEPS:SHAPE[:TARGET], seeded by --fail-seed.")
@@ -97,7 +104,7 @@ def run(
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:
-    """Fine-tune with MeZO under Ray Train, inject failures, recover exactly; writes summary.json and metrics.parquet."""
+    """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
     from orchestrator.controller import run_job
 
     try:
@@ -118,6 +125,10 @@ def run(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if any(f.target == "storage" for f in cfg.failures):
+        from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
+
+        raise typer.BadParameter(STORAGE_OUTAGE_NEEDS_SERVER, param_hint="--fail")
     if resume:
         cfg = _resumed_config(out)
     elif out.exists() and any(p.name != "reference" for p in out.iterdir()):

@@ -59,7 +59,8 @@ class FailureSpec:
             raise ValueError(f"failure target {self.target!r}: choose one of {', '.join(TARGETS)}")
         if self.target == "storage":
             if not self.how.replace(".", "", 1).isdigit() or not float(self.how) > 0:
-                raise ValueError(f"a storage failure takes its outage in seconds (e.g. 12:storage:20), got {self.how!r}")
+                got = "none" if self.how == "exit" else repr(self.how)  # "exit" is the default: nothing was given
+                raise ValueError(f"a storage failure needs its outage in seconds, e.g. {self.step}:storage:20 (got {got})")
         elif self.how not in HOWS:
             raise ValueError(f"failure how {self.how!r}: choose one of {', '.join(HOWS)}")
 
@@ -166,6 +167,10 @@ class JobConfig:
         for f in self.failures:
             if f.step >= self.steps:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
+            if f.target in ("shadow", "both") and not self.uses_shadow:
+                raise ValueError(f"failure {f.step}:{f.target} kills the shadow, which only strategy shadow has (this run: {self.strategy})")
+            if f.how == "torn" and not self.uses_step_log:
+                raise ValueError(f"failure {f.step}:worker:torn tears a step-log record; strategy {self.strategy} has no step log")
         if not self.storage:
             object.__setattr__(self, "storage", str(pathlib.Path(self.out_dir) / "snapshots"))
         self._check_fo()
@@ -185,7 +190,7 @@ class JobConfig:
             raise ValueError(f"layer_max_bytes_per_check must be >= 0 (0: no limit), got {self.layer_max_bytes_per_check}")
         if not 0 <= self.diff_topk <= 1:
             raise ValueError(f"diff_topk must be in [0, 1] (0: exact records), got {self.diff_topk}")
-        if self.algo == "fo" and self.strategy in ("full-sync", "full-async", "layerwise") and self.snapshot_every < 1:
+        if self.strategy in ("full-sync", "full-async", "layerwise") and self.snapshot_every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
 
     def trajectory_sha256(self) -> str:

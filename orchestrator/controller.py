@@ -64,6 +64,11 @@ def worker_failures_and_recoveries(events: list[dict]) -> tuple[int, int]:
     return failures, sum(1 for e in events if e["kind"] == "recovery")
 
 
+STORAGE_OUTAGE_NEEDS_SERVER = (
+    "storage failures stop the S3 server, so they need a server that raycheck owns: the tests, and programs that "
+    "pass Controller(storage_outage=LocalS3Server(...).outage) (experiments/s3_server.py); use another failure target")
+
+
 class ResumeMismatchError(ValueError):
     """The run directory holds a step log of another trajectory than the configuration's."""
 
@@ -110,8 +115,7 @@ class Controller:
     def __init__(self, cfg: JobConfig, echo: Callable[[str], None] = print,
                  storage_outage: Callable[[float], None] | None = None) -> None:
         if storage_outage is None and any(f.target == "storage" for f in cfg.failures):
-            raise ValueError("storage failures need a storage server that raycheck controls (raycheck experiment "
-                             "--storage-outage and the tests start one); use another target")
+            raise ValueError(STORAGE_OUTAGE_NEEDS_SERVER)
         self.storage_outage = storage_outage
         self.cfg = cfg
         self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
@@ -353,6 +357,7 @@ class Controller:
             "persister_restarts": self.persister_restarts,
             "snapshot_policy": cfg.snapshot_policy,
             "replans": [e for e in events if e["kind"] == "replan"],
+            "resumes": [e for e in events if e["kind"] == "resume"],
             "wall_seconds": time.time() - t_start,
             "trajectory_sha256": cfg.trajectory_sha256(),
             "config": cfg.to_dict(),
