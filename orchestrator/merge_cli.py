@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
 from typing import Annotated
 
 import typer
 
 from orchestrator.storage_cli import EndpointOpt, open_store
-from storage.backend import StorageError
-from storage.merge import MergeError, Source, export_hf, merge_snapshots, parse_source, parse_take
+from storage.merge import (
+    MergeError,
+    Source,
+    check_output,
+    commit_merge,
+    parse_source,
+    parse_take,
+    prepare_hf_export,
+    prepare_merge,
+    write_hf_export,
+)
 from storage.snapshots import NoSnapshotError, SnapshotCorruptError
 from training.model import MODEL_NAMES, default_cache_dir
 
@@ -21,14 +32,17 @@ def merge(
     take: Annotated[list[str], typer.Option(
         help="UNITS:NAME: layer ranges (0-14), layer numbers (7) or unit names (embed,norm,lm_head) "
              "to take from source NAME. Every unit exactly once. Repeatable.")],
-    out: Annotated[str, typer.Option(help="Empty store for the composite snapshot (path, file:// or s3://).")],
+    out: Annotated[str, typer.Option(help="Empty store for the composite snapshot (path, file:// or s3://; an S3 bucket must exist).")],
     export_hf_dir: Annotated[pathlib.Path | None, typer.Option(
-        "--export-hf", help="Also write the merged parameters as a Hugging Face folder here (needs --model).")] = None,
+        "--export-hf", help="Also write the merged parameters as a Hugging Face folder here: a new or empty folder (needs --model).")] = None,
     model: Annotated[str, typer.Option(help=f"Model for --export-hf (config and layout): {', '.join(MODEL_NAMES)}.")] = "",
     s3_endpoint: EndpointOpt = "",
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:
-    """Assemble units (weights and optimizer state) from several snapshots into one committed snapshot."""
+    """Assemble units (weights and optimizer state) from several snapshots into one committed snapshot.
+
+    Everything is checked before anything is committed (sources, takes, the output store, and with
+    --export-hf the model and its folder); a failed merge leaves no new folder or object behind."""
     if export_hf_dir is not None and not model:
         raise typer.BadParameter("--export-hf needs --model (the model whose config and layout to use)")
     try:
@@ -37,18 +51,46 @@ def merge(
     except MergeError as exc:
         raise typer.BadParameter(str(exc)) from exc
     sources = [Source(name, open_store(uri, s3_endpoint), step) for name, uri, step in parsed]
+    made = _new_local_folder(out)
     out_store = open_store(out, s3_endpoint, create=True)
+    committed = False
     try:
-        result = merge_snapshots(sources, takes, out_store)
+        check_output(out_store)
+        prepared = prepare_merge(sources, takes)
+        export = None if export_hf_dir is None else prepare_hf_export(prepared.state, export_hf_dir, model, cache_dir)
+        result = commit_merge(prepared, out_store)
+        committed = True
         for unit, name in result.unit_sources.items():
             typer.echo(f"  {unit:<12} <- {name} @ step {result.unit_steps[unit]}")
         typer.echo(f"committed step {result.info.step}: {out_store.storage.url(result.info.folder)}")
-        if export_hf_dir is not None:
-            folder = export_hf(out_store, export_hf_dir, model, step=result.info.step, cache_dir=cache_dir)
-            typer.echo(f"Hugging Face folder: {folder}")
-    except (MergeError, NoSnapshotError, SnapshotCorruptError, ValueError) as exc:
+        if export is not None:
+            typer.echo(f"Hugging Face folder: {write_hf_export(export)}")
+    except (MergeError, NoSnapshotError, SnapshotCorruptError, ValueError, FileExistsError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    except StorageError as exc:
+    except OSError as exc:  # StorageError included
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
+    finally:
+        if not committed and made is not None:
+            _remove_empty_folders(made)
+
+
+def _new_local_folder(uri: str) -> pathlib.Path | None:
+    """The outermost folder the merge creates for the local store ``uri`` (it or a missing parent);
+    None when ``uri`` exists or is not local."""
+    if "://" in uri and not uri.startswith("file://"):
+        return None
+    folder = pathlib.Path(uri.removeprefix("file://")).resolve()
+    if folder.exists():
+        return None
+    while not folder.parent.exists():
+        folder = folder.parent
+    return folder
+
+
+def _remove_empty_folders(root: pathlib.Path) -> None:
+    """Remove ``root`` and the folders under it, bottom up, as long as they hold no file."""
+    for folder, _, _ in sorted(os.walk(root), key=lambda entry: len(entry[0]), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: a file stays, and so does its folder
+            os.rmdir(folder)

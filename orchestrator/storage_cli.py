@@ -18,17 +18,31 @@ EndpointOpt = Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_E
 
 
 def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStore:
-    """The store at ``uri`` (a run directory means its ``snapshots/``); exits 2 with a clear error
-    when it cannot be read (or, unless ``create``, does not exist)."""
+    """The store at ``uri`` (a run directory means its ``snapshots/``); exits 2 with one clear error
+    when it cannot be used: a missing folder or bucket, an unreadable store, or, with ``create`` (a
+    store to write), one that fails a write probe (``Storage.probe``, which leaves nothing behind).
+    Only ``create`` makes a missing local folder."""
     if "://" not in uri and (pathlib.Path(uri) / "snapshots").is_dir():
         uri = str(pathlib.Path(uri) / "snapshots")  # a run directory
     try:
         store = SnapshotStore(Storage(uri, create=create, **({"endpoint_url": s3_endpoint} if s3_endpoint else {})))
+        _check_bucket(store.storage)
+        if create:
+            store.storage.probe()
         store.list()
         return store
     except (OSError, ValueError) as exc:
-        typer.echo(f"error: cannot read snapshot store {uri}: {exc}", err=True)
+        typer.echo(f"error: cannot {'write to' if create else 'read'} snapshot store {uri}: {exc}", err=True)
         raise typer.Exit(2) from exc
+
+
+def _check_bucket(storage: Storage) -> None:
+    """Raise ``FileNotFoundError`` when an S3 store's bucket does not exist (a listing of a missing
+    bucket would otherwise read as an empty store)."""
+    bucket = storage.root.split("/", 1)[0]
+    if storage.protocol == "s3" and not storage.fs.exists(bucket):
+        raise FileNotFoundError(f"bucket {bucket!r} does not exist; create it first, or check the bucket name "
+                                "and --s3-endpoint")
 
 
 def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:

@@ -9,18 +9,27 @@ that unit's tensors belong to, and whose ``config["merge"]`` records where each 
 Rules, checked before anything is read or written (``MergeError`` lists every problem, naming the
 units and sources): the reference layout is the first source's manifest; every unit of it is taken
 exactly once; every take names a known source and a unit of the reference; every source step exists;
-the chosen unit's tensors (names, dtypes, shapes) equal the reference's. Shards are verified (size
+the chosen unit's tensors (names, dtypes, shapes) equal the reference's; a layer range lies within
+the reference's layers (it is checked before it is expanded); unit and tensor names are plain names
+(``safe_name``: nothing that could leave the output root as a shard path). Shards are verified (size
 and sha256) before they are parsed. The output store must hold no committed snapshot yet.
 
-``export_hf`` writes a snapshot's parameters (no optimizer state) as a Hugging Face model folder.
+A merge is two steps so that a caller can check everything before anything is committed:
+``prepare_merge`` reads and checks (writes nothing), ``commit_merge`` writes; ``merge_snapshots`` does
+both. A failed commit removes what it wrote, so the retry finds the output as it was.
+
+``export_hf`` writes a snapshot's parameters (no optimizer state) as a Hugging Face model folder;
+``prepare_hf_export`` / ``write_hf_export`` split it the same way. The folder must be new or empty.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import re
 import shutil
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,9 +39,10 @@ from safetensors.numpy import save_file as st_save_file
 
 from storage.backend import Storage
 from storage.snapshots import NoSnapshotError, SnapshotInfo, SnapshotStore
-from storage.units import parameter_of
+from storage.units import parameter_of, unit_of
 
 _LAYER_UNIT = re.compile(r"^layer\.(\d+)$")
+log = logging.getLogger(__name__)
 
 
 class MergeError(ValueError):
@@ -50,9 +60,12 @@ class Source:
 
 @dataclass(frozen=True)
 class Take:
-    """Units to take from source ``source``; ``spec`` is the text it was parsed from (for messages)."""
+    """Units to take from source ``source``: unit ``names`` verbatim, and inclusive ``layers`` ranges
+    (first, last), kept unexpanded until they are checked against the reference layout (``plan_merge``);
+    ``spec`` is the text it was parsed from (for messages)."""
 
-    units: tuple[str, ...]
+    names: tuple[str, ...]
+    layers: tuple[tuple[int, int], ...]
     source: str
     spec: str
 
@@ -98,7 +111,8 @@ def parse_take(text: str) -> Take:
     source = source.strip()
     if not sep or not units_text.strip() or not source:
         raise MergeError(f"--take {text!r}: expected UNITS:SOURCE, e.g. 0-14:A or embed,norm:A")
-    units: list[str] = []
+    names: list[str] = []
+    layers: list[tuple[int, int]] = []
     for item in (i.strip() for i in units_text.split(",")):
         if not item:
             raise MergeError(f"--take {text!r}: empty unit in the list")
@@ -107,12 +121,60 @@ def parse_take(text: str) -> Take:
             first, last = int(m.group(1)), int(m.group(2))
             if last < first:
                 raise MergeError(f"--take {text!r}: layer range {item} runs backwards")
-            units += [layer_unit(i) for i in range(first, last + 1)]
+            layers.append((first, last))
         elif item.isdigit():
-            units.append(layer_unit(int(item)))
+            layers.append((int(item), int(item)))
         else:
-            units.append(item)
-    return Take(tuple(units), source, text)
+            names.append(item)
+    return Take(tuple(names), tuple(layers), source, text)
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+
+
+def safe_name(name: object) -> bool:
+    """Whether ``name`` (a unit or tensor name) is a plain name: letters, digits, ``_``, ``-`` and
+    ``.``, not starting with ``.`` or ``-``, without ``..``; so no absolute path, no ``/`` or ``\\``,
+    nothing that leaves a folder when used in a shard path."""
+    return isinstance(name, str) and _SAFE_NAME.fullmatch(name) is not None and ".." not in name
+
+
+def _name_problems(label: str, units: Mapping[str, dict]) -> list[str]:
+    """Unsafe unit or tensor names in a manifest's ``units``, and tensors listed under another unit
+    than their own (``storage.units.unit_of``): a merge would write them elsewhere."""
+    problems = []
+    for unit, spec in units.items():
+        if not safe_name(unit):
+            problems.append(f"{label}: unit name {unit!r} is not a plain name (letters, digits, '_', '-', '.'; "
+                            f"no '/', no '..'); refusing a manifest raycheck did not write")
+            continue
+        for name in spec["tensors"]:
+            if not safe_name(name):
+                problems.append(f"{label}: tensor name {name!r} of unit {unit} is not a plain name; refusing it")
+            elif unit_of(name) != unit:
+                problems.append(f"{label}: tensor {name} is listed under unit {unit} but belongs to unit {unit_of(name)}")
+    return problems
+
+
+def _layer_numbers(units: Sequence[str]) -> list[int]:
+    return sorted(int(m.group(1)) for u in units if (m := _LAYER_UNIT.match(u)))
+
+
+def _take_units(take: Take, layers: Sequence[int], label: str) -> tuple[list[str], list[str]]:
+    """(units, problems) of ``take``: its layer ranges, checked against the reference's layer
+    numbers ``layers`` before they are expanded (a range past them is one problem, and only its
+    part within them is expanded), then its unit names."""
+    units, problems = [], []
+    for first, last in take.layers:
+        layers_text = f"layer{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''}"
+        if not layers:
+            problems.append(f"--take {take.spec!r}: {layers_text}, but the reference layout ({label}) has no layers")
+            continue
+        if first < layers[0] or last > layers[-1]:
+            problems.append(f"--take {take.spec!r}: {layers_text} go{'' if last > first else 'es'} beyond the "
+                            f"reference layout ({label}), whose layers are {layers[0]}-{layers[-1]}")
+        units += [layer_unit(i) for i in range(max(first, layers[0]), min(last, layers[-1]) + 1)]
+    return units + list(take.names), problems
 
 
 def describe_units(units: Sequence[str]) -> str:
@@ -171,20 +233,29 @@ def plan_merge(resolved: Mapping[str, SnapshotInfo], takes: Sequence[Take]) -> d
     """Unit -> source name, checked against the reference layout (the first of ``resolved``).
 
     Raises:
-        MergeError: every problem found (unknown source, unknown unit, unit taken twice or not at
-            all, a source lacking the unit, tensors that differ from the reference), one per line.
+        MergeError: every problem found (unknown source, unknown unit, a layer range outside the
+            reference's layers, unit taken twice or not at all, a source lacking the unit, tensors
+            that differ from the reference), one per line; or, alone, unsafe unit or tensor names
+            in the reference's manifest.
     """
     if not resolved:
         raise MergeError("no sources given")
     ref_name, ref = next(iter(resolved.items()))
     ref_units = ref.manifest["units"]
-    problems: list[str] = []
+    problems = _name_problems(_label(ref_name, ref), ref_units)
+    if sorted(ref.manifest["names"]) != sorted(n for spec in ref_units.values() for n in spec["tensors"]):
+        problems.append(f"{_label(ref_name, ref)}: its manifest's tensor names differ from the tensors of its units")
+    if problems:
+        raise MergeError("cannot merge:\n  " + "\n  ".join(problems))
+    layers = _layer_numbers(list(ref_units))
     chosen: dict[str, tuple[str, str]] = {}  # unit -> (source, take spec)
     for take in takes:
         if take.source not in resolved:
             problems.append(f"--take {take.spec!r}: unknown source {take.source!r} (sources: {', '.join(resolved)})")
             continue
-        for unit in take.units:
+        units, range_problems = _take_units(take, layers, _label(ref_name, ref))
+        problems += range_problems
+        for unit in units:
             if unit not in ref_units:
                 problems.append(f"unit {unit} (--take {take.spec!r}) is not a unit of the reference layout, "
                                 f"{_label(ref_name, ref)}; its units: {describe_units(list(ref_units))}")
@@ -204,7 +275,7 @@ def plan_merge(resolved: Mapping[str, SnapshotInfo], takes: Sequence[Take]) -> d
         if spec is None:
             problems.append(f"unit {unit}: {_label(name, info)} has no such unit")
             continue
-        difference = _layout_difference(spec["tensors"], ref_units[unit]["tensors"])
+        difference = _layout_difference(spec["tensors"], ref_units[unit]["tensors"])  # so its names are the reference's
         if difference:
             problems.append(f"unit {unit}: {_label(name, info)} does not match the reference layout of "
                             f"{_label(ref_name, ref)}: {difference}")
@@ -225,17 +296,40 @@ def _layout_difference(tensors: Mapping[str, dict], reference: Mapping[str, dict
     return ""
 
 
-def merge_snapshots(sources: Sequence[Source], takes: Sequence[Take], out: SnapshotStore) -> MergeResult:
-    """Assemble the units chosen by ``takes`` from ``sources`` and commit them as one snapshot in ``out``.
+@dataclass(frozen=True)
+class PreparedMerge:
+    """A checked, loaded merge not yet written: ``state`` (canonical order, verified tensors), per
+    unit its source name and step, and the ``config`` recorded in the manifest."""
 
-    The snapshot's step is the newest unit step; each unit keeps the step recorded for it in its
-    source's manifest (``unit_steps``), and tensors keep the reference's canonical order.
+    state: dict[str, np.ndarray]
+    unit_sources: dict[str, str]
+    unit_steps: dict[str, int]
+    config: dict
+
+    @property
+    def step(self) -> int:
+        """The composite snapshot's step: the newest unit step."""
+        return max(self.unit_steps.values())
+
+
+def check_output(out: SnapshotStore) -> None:
+    """Raise ``MergeError`` when ``out`` already holds a committed snapshot (a merge needs an empty store)."""
+    existing = out.list()
+    if existing:
+        raise MergeError(f"output {out.storage.url()} already holds {len(existing)} committed snapshot(s) "
+                         f"(steps {[i.step for i in existing]}); choose an empty location")
+
+
+def prepare_merge(sources: Sequence[Source], takes: Sequence[Take]) -> PreparedMerge:
+    """Resolve ``sources``, plan the units chosen by ``takes`` and load them (verified); writes nothing.
+
+    Each unit keeps the step recorded for it in its source's manifest (``unit_steps``), and tensors
+    keep the reference's canonical order.
 
     Raises:
-        MergeError: a source or take is invalid (see the module docstring), or ``out`` already
-            holds committed snapshots.
+        MergeError: a source or take is invalid (see the module docstring).
         SnapshotCorruptError: a chosen shard fails verification.
-        storage.backend.StorageError: reading or writing failed after retries.
+        storage.backend.StorageError: reading failed after retries.
     """
     names = [s.name for s in sources]
     duplicated = sorted({n for n in names if names.count(n) > 1})
@@ -250,10 +344,6 @@ def merge_snapshots(sources: Sequence[Source], takes: Sequence[Take], out: Snaps
     if problems:
         raise MergeError("cannot merge:\n  " + "\n  ".join(problems))
     plan = plan_merge(resolved, takes)
-    existing = out.list()
-    if existing:
-        raise MergeError(f"output {out.storage.url()} already holds {len(existing)} committed snapshot(s) "
-                         f"(steps {[i.step for i in existing]}); choose an empty location")
     by_name = {s.name: s for s in sources}
     tensors: dict[str, np.ndarray] = {}
     unit_steps: dict[str, int] = {}
@@ -269,8 +359,48 @@ def merge_snapshots(sources: Sequence[Source], takes: Sequence[Take], out: Snaps
                     for n, i in resolved.items()},
         "units": plan,
     }}
-    info = out.write(max(unit_steps.values()), state, config=config, unit_steps=unit_steps)
-    return MergeResult(info, plan, unit_steps)
+    return PreparedMerge(state, plan, unit_steps, config)
+
+
+def commit_merge(prepared: PreparedMerge, out: SnapshotStore) -> MergeResult:
+    """Write ``prepared`` as one committed snapshot in the empty store ``out``. When the write fails,
+    the objects it put are deleted (best effort: a store that is down keeps them, unlisted), so a
+    retry finds ``out`` as it was.
+
+    Raises:
+        MergeError: ``out`` already holds committed snapshots.
+        storage.backend.StorageError: writing failed after retries (nothing is committed).
+    """
+    check_output(out)
+    before = set(out.storage.list())
+    try:
+        info = out.write(prepared.step, prepared.state, config=prepared.config, unit_steps=prepared.unit_steps)
+    except BaseException:
+        _delete_new(out, before)
+        raise
+    return MergeResult(info, prepared.unit_sources, prepared.unit_steps)
+
+
+def _delete_new(out: SnapshotStore, before: set[str]) -> None:
+    try:
+        for path in sorted(set(out.storage.list()) - before):
+            out.storage.delete(path)
+    except OSError as exc:
+        log.warning("could not remove the partial merge from %s: %s", out.storage.url(), exc)
+
+
+def merge_snapshots(sources: Sequence[Source], takes: Sequence[Take], out: SnapshotStore) -> MergeResult:
+    """Assemble the units chosen by ``takes`` from ``sources`` and commit them as one snapshot in
+    ``out`` (``prepare_merge`` then ``commit_merge``). The snapshot's step is the newest unit step.
+
+    Raises:
+        MergeError: a source or take is invalid (see the module docstring), or ``out`` already
+            holds committed snapshots.
+        SnapshotCorruptError: a chosen shard fails verification.
+        storage.backend.StorageError: reading or writing failed after retries.
+    """
+    check_output(out)
+    return commit_merge(prepare_merge(sources, takes), out)
 
 
 # -- Hugging Face export ---------------------------------------------------------------------------
@@ -291,36 +421,36 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np
               "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def export_hf(
-    store_uri: SnapshotStore | Storage | str,
-    out_dir: str | pathlib.Path,
-    model_name: str,
-    *,
-    step: int | None = None,
-    cache_dir: pathlib.Path | None = None,
-) -> pathlib.Path:
-    """Write a snapshot's parameters as a Hugging Face folder that ``from_pretrained`` loads.
+@dataclass(frozen=True)
+class HFExport:
+    """A checked Hugging Face export not yet written: the target ``folder``, the model folder
+    ``model_source`` (config files), and ``params`` (name -> array, the model's tensor order)."""
 
-    ``config.json`` (and ``generation_config.json`` when present) come from
-    ``training.model.model_dir(model_name)``; the weights go to ``model.safetensors``, parameters
-    only (optimizer state dropped), in the model's own tensor names. With tied embeddings the LM
-    head is not stored (a snapshot's ``lm_head.weight``, if any, must equal the embedding).
-    ``step`` picks a snapshot (default: the newest that verifies).
+    folder: pathlib.Path
+    model_source: pathlib.Path
+    params: dict[str, np.ndarray]
+
+
+def prepare_hf_export(state: Mapping[str, np.ndarray], out_dir: str | pathlib.Path, model_name: str,
+                      cache_dir: pathlib.Path | None = None) -> HFExport:
+    """Check that ``state``'s parameters fit model ``model_name`` and that ``out_dir`` is new or
+    empty; writes nothing.
+
+    With tied embeddings the LM head is not exported (a snapshot's ``lm_head.weight``, if any, must
+    equal the embedding). Optimizer state (``optim.*``) is dropped.
 
     Raises:
-        ValueError: the snapshot's parameters do not match the model's (names, shapes, dtypes).
-        NoSnapshotError: no snapshot (at ``step``) verifies.
+        ValueError: an unknown model, or the parameters do not match the model's (names, shapes, dtypes).
+        FileExistsError: ``out_dir`` is a file, or a folder that already holds files (say, another
+            checkpoint's index and shards, which would stay beside the new weights).
     """
     from training.model import model_dir  # imports torch: only when exporting
 
-    store = store_uri if isinstance(store_uri, SnapshotStore) else SnapshotStore(store_uri)
-    if step is None:
-        state = store.load_latest().state
-    else:
-        infos = [i for i in store.list() if i.step == step]
-        if not infos:
-            raise NoSnapshotError(f"no committed snapshot at step {step} in {store.storage.url()}")
-        state = store.load(infos[-1])
+    folder = pathlib.Path(out_dir)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        held = sorted(p.name for p in folder.iterdir())[:4] if folder.is_dir() else []
+        raise FileExistsError(f"{folder} is not an empty folder{f' (it holds {held}...)' if held else ''}: export into "
+                              "a new or empty folder, so that no other checkpoint's files stay beside this one")
     source = model_dir(model_name, cache_dir)
     config = json.loads((source / "config.json").read_text())
     expected = _reference_tensors(source)
@@ -339,11 +469,62 @@ def export_hf(
         a = params[name]
         if list(a.shape) != shape or a.dtype != _ST_DTYPES.get(dtype):
             raise ValueError(f"{name}: snapshot has {a.dtype} {list(a.shape)}, model {model_name} expects {dtype} {shape}")
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json"):
-        if (source / name).exists():
-            shutil.copyfile(source / name, out / name)
-    st_save_file({n: np.ascontiguousarray(params[n]) for n in expected}, str(out / "model.safetensors"),
-                 metadata={"format": "pt"})
-    return out
+    return HFExport(folder, source, {n: params[n] for n in expected})
+
+
+def write_hf_export(export: HFExport) -> pathlib.Path:
+    """Write ``export``: ``config.json`` (and ``generation_config.json`` when the model has one) and
+    ``model.safetensors``, into a temporary sibling folder renamed into place at the end, so the
+    target never holds a partial export. Returns the folder.
+
+    Raises:
+        OSError: writing failed (the temporary folder is removed; the target is untouched).
+    """
+    folder = export.folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        for name in ("config.json", "generation_config.json"):
+            if (export.model_source / name).exists():
+                shutil.copyfile(export.model_source / name, staging / name)
+        st_save_file({n: np.ascontiguousarray(a) for n, a in export.params.items()}, str(staging / "model.safetensors"),
+                     metadata={"format": "pt"})
+        if folder.exists():
+            folder.rmdir()  # empty (checked by prepare_hf_export); a file put there since makes this fail
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def export_hf(
+    store_uri: SnapshotStore | Storage | str,
+    out_dir: str | pathlib.Path,
+    model_name: str,
+    *,
+    step: int | None = None,
+    cache_dir: pathlib.Path | None = None,
+) -> pathlib.Path:
+    """Write a snapshot's parameters as a Hugging Face folder that ``from_pretrained`` loads.
+
+    ``config.json`` (and ``generation_config.json`` when present) come from
+    ``training.model.model_dir(model_name)``; the weights go to ``model.safetensors``, parameters
+    only (optimizer state dropped), in the model's own tensor names (``prepare_hf_export``,
+    ``write_hf_export``). ``step`` picks a snapshot (default: the newest that verifies).
+
+    Raises:
+        ValueError: the snapshot's parameters do not match the model's (names, shapes, dtypes).
+        FileExistsError: ``out_dir`` is not a new or empty folder.
+        NoSnapshotError: no snapshot (at ``step``) verifies.
+    """
+    store = store_uri if isinstance(store_uri, SnapshotStore) else SnapshotStore(store_uri)
+    if step is None:
+        state = store.load_latest().state
+    else:
+        infos = [i for i in store.list() if i.step == step]
+        if not infos:
+            raise NoSnapshotError(f"no committed snapshot at step {step} in {store.storage.url()}")
+        state = store.load(infos[-1])
+    return write_hf_export(prepare_hf_export(state, out_dir, model_name, cache_dir))

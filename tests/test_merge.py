@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from orchestrator.merge_cli import merge as merge_command
-from storage.backend import Storage
+from storage.backend import Storage, StorageError
 from storage.merge import (
     MergeError,
     Source,
@@ -22,8 +22,9 @@ from storage.merge import (
     merge_snapshots,
     parse_source,
     parse_take,
+    plan_merge,
 )
-from storage.snapshots import SnapshotCorruptError, SnapshotStore
+from storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from storage.units import group_by_unit, parameter_of, unit_of
 from training.state import state_sha256
 
@@ -185,7 +186,9 @@ def takes(*specs: str) -> list[Take]:
     (("0-3,embed:A", "norm:C"), r"unknown source 'C' \(sources: A, B\)"),
     (("0-3,embed,norm:A", "lm_head:B"), r"unit lm_head \(--take 'lm_head:B'\) is not a unit of the reference layout, "
                                         r"source A \(step 5\); its units: embed, layer.000-003, norm"),
-    (("0-4,embed,norm:A",), r"unit layer.004 .* not a unit of the reference"),
+    (("0-4,embed,norm:A",), r"cannot merge:\n  --take '0-4,embed,norm:A': layers 0-4 go beyond the reference layout "
+                            r"\(source A \(step 5\)\), whose layers are 0-3$"),
+    (("0-3,embed,norm:A", "9:B"), r"--take '9:B': layer 9 goes beyond the reference layout .* whose layers are 0-3$"),
 ])
 def test_plan_errors_name_the_unit_and_sources(small_sources, specs, expected):
     out = memory_store()
@@ -249,8 +252,8 @@ def test_parsing():
     assert parse_source("A=runs/x") == ("A", "runs/x", None)
     assert parse_source("B=s3://bucket/p@120") == ("B", "s3://bucket/p", 120)
     assert parse_source("C=/data/a@b") == ("C", "/data/a@b", None)
-    assert parse_take("0-2,7,embed,layer.009:B") == Take(
-        ("layer.000", "layer.001", "layer.002", "layer.007", "embed", "layer.009"), "B", "0-2,7,embed,layer.009:B")
+    assert parse_take("0-2,7,embed,layer.009:B") == Take(("embed", "layer.009"), ((0, 2), (7, 7)), "B", "0-2,7,embed,layer.009:B")
+    assert parse_take("0-3000000000:A").layers == ((0, 3_000_000_000),)  # kept as a range, not expanded
     for bad in ("A", "=x", "A:B=x"):
         with pytest.raises(MergeError, match="--source"):
             parse_source(bad)
@@ -269,16 +272,172 @@ def cli() -> typer.Typer:
 
 
 def test_merge_command_with_a_run_directory_a_step_and_export(tiny_stores, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     root, _, _, states = tiny_stores
     args = ["--source", f"A={root / 'A'}", "--source", f"B={root / 'B'}@20", "--take", "0:A", "--take", "1,embed,norm:B",
             "--out", str(tmp_path / "merged"), "--export-hf", str(tmp_path / "hf"), "--model", "tiny"]
     result = CliRunner().invoke(cli(), args)
     assert result.exit_code == 0, result.output
     assert "layer.001    <- B @ step 20" in result.output and "committed step 20" in result.output
-    info = SnapshotStore(str(tmp_path / "merged")).list()[-1]
+    store = SnapshotStore(str(tmp_path / "merged"))
+    info = store.list()[-1]
     assert {u: s["step"] for u, s in info.manifest["units"].items()} == {"embed": 20, "layer.000": 10, "layer.001": 20, "norm": 20}
-    weights = (tmp_path / "hf" / "model.safetensors").read_bytes()
-    assert hashlib.sha256(weights).hexdigest() and json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
+    merged = store.load(info)
+    for unit, key in {"embed": "B20", "layer.000": "A", "layer.001": "B20", "norm": "B20"}.items():
+        assert unit_sha256(merged, unit) == unit_sha256(states[key], unit), unit
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)  # offline: a local folder
+    assert model.config.num_hidden_layers == 2
+    loaded = {n: t.detach().numpy() for n, t in model.state_dict().items()}
+    params = {n: a for n, a in merged.items() if parameter_of(n) is None}
+    assert sorted(loaded) == sorted([*params, "lm_head.weight"])
+    for name, value in params.items():
+        assert tensor_sha256(loaded[name]) == tensor_sha256(value), name
+    assert tensor_sha256(loaded["lm_head.weight"]) == tensor_sha256(params["model.embed_tokens.weight"])  # tied
+    assert tensor_sha256(loaded["model.layers.0.mlp.up_proj.weight"]) != \
+        tensor_sha256(states["B20"]["model.layers.0.mlp.up_proj.weight"])  # layer 0 really from A
+
+
+def tensor_sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(array.dtype.str.encode() + str(array.shape).encode() + np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def snapshot_args(root, out) -> list[str]:
+    return ["--source", f"A={root / 'A'}", "--source", f"B={root / 'B'}@20", "--take", "0:A", "--take",
+            "1,embed,norm:B", "--out", str(out)]
+
+
+def files_under(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_merge_command_checks_the_model_and_the_export_folder_before_it_commits(tiny_stores, tmp_path):
+    root, _, _, _ = tiny_stores
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(cli(), [*snapshot_args(root, out), "--export-hf", str(tmp_path / "hf"), "--model", "nosuch"])
+    assert result.exit_code == 2 and "error: unknown model 'nosuch'; choose one of smollm2-135m, tiny" in result.output
+    assert "committed" not in result.output and not out.exists() and not (tmp_path / "hf").exists()
+
+    other = tmp_path / "other-checkpoint"  # another model's sharded export
+    other.mkdir()
+    (other / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (other / "model-00001-of-00002.safetensors").write_bytes(b"shard")
+    before = files_under(other)
+    result = CliRunner().invoke(cli(), [*snapshot_args(root, out), "--export-hf", str(other), "--model", "tiny"])
+    assert result.exit_code == 2, result.output
+    assert f"error: {other} is not an empty folder (it holds ['model-00001-of-00002.safetensors', " \
+           "'model.safetensors.index.json']...): export into a new or empty folder" in " ".join(result.output.split())
+    assert files_under(other) == before and not out.exists()
+
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(cli(), [*snapshot_args(root, out), "--export-hf", str(tmp_path / "empty"), "--model", "tiny"])
+    assert result.exit_code == 0, result.output  # the retry, into an empty folder, is not refused
+    assert sorted(files_under(tmp_path / "empty")) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+    with pytest.raises(FileExistsError, match="is not an empty folder"):
+        export_hf(str(out), tmp_path / "empty", "tiny")  # the API refuses the same way
+    assert sorted(files_under(tmp_path / "empty")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_a_huge_layer_range_is_one_line_and_never_expanded(tiny_stores, tmp_path):
+    import tracemalloc
+
+    root, _, _, _ = tiny_stores
+    args = ["--source", f"A={root / 'A'}", "--take", "0-3000000,embed,norm:A", "--out", str(tmp_path / "merged")]
+    tracemalloc.start()
+    result = CliRunner().invoke(cli(), args)
+    peak_bytes = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        "error: cannot merge:",
+        f"  --take '0-3000000,embed,norm:A': layers 0-3000000 go beyond the reference layout (source A (step 10)), "
+        f"whose layers are 0-1"]
+    assert peak_bytes < 50e6  # three million unit names would take hundreds of MB
+    assert not (tmp_path / "merged").exists()
+
+
+def test_merge_into_a_missing_bucket_is_one_error_and_creates_nothing(tiny_stores, s3_endpoint):
+    import s3fs
+
+    root, _, _, _ = tiny_stores
+    bucket = f"rc-missing-{uuid.uuid4().hex[:8]}"
+    result = CliRunner().invoke(cli(), [*snapshot_args(root, f"s3://{bucket}/merged"), "--s3-endpoint", s3_endpoint])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)  # no traceback
+    assert result.output.strip() == (f"error: cannot write to snapshot store s3://{bucket}/merged: bucket {bucket!r} "
+                                     "does not exist; create it first, or check the bucket name and --s3-endpoint")
+    assert not s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True).exists(bucket)
+
+
+class FailingManifestStorage(Storage):
+    """A real memory store whose manifest writes fail, as a store that goes down mid-commit would."""
+
+    def put(self, rel: str, data: bytes) -> None:
+        if rel.endswith("/manifest.json"):
+            raise StorageError(f"put {self.url(rel)} failed after 4 tries: injected")
+        super().put(rel, data)
+
+
+def test_a_failed_commit_leaves_nothing_and_the_retry_succeeds(small_sources):
+    uri = f"memory://raycheck-merge-{uuid.uuid4().hex}"
+    with pytest.raises(StorageError, match="injected"):
+        merge_snapshots(small_sources, takes("0-3,embed,norm:A"), SnapshotStore(FailingManifestStorage(uri)))
+    out = SnapshotStore(Storage(uri))
+    assert out.storage.list() == []  # the shards it had put are gone
+    result = merge_snapshots(small_sources, takes("0-3,embed,norm:A"), out)
+    assert [i.step for i in out.list()] == [5] == [result.info.step]
+
+
+def test_a_failed_merge_leaves_no_output_folder(tiny_stores, tmp_path):
+    root, _, _, _ = tiny_stores
+    nested = tmp_path / "new" / "merged"
+    for take_args in (["--take", "0-1,embed:A"], ["--take", "0-1,embed,norm:A", "--take", "norm:B"]):
+        args = ["--source", f"A={root / 'A'}", "--source", f"B={root / 'B'}", *take_args, "--out", str(nested)]
+        result = CliRunner().invoke(cli(), args)
+        assert result.exit_code == 2 and "cannot merge" in result.output
+        assert not (tmp_path / "new").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    result = CliRunner().invoke(cli(), ["--source", f"A={root / 'A'}", "--take", "0-1:A", "--out", str(existing)])
+    assert result.exit_code == 2 and existing.is_dir() and list(existing.iterdir()) == []  # kept: it was there before
+
+
+@pytest.mark.parametrize("unit, tensor, expected", [
+    ("../../x", "model.norm.weight", r"unit name '../../x' is not a plain name"),
+    ("/etc", "model.norm.weight", r"unit name '/etc' is not a plain name"),
+    ("norm", "/abs/model.norm.weight", r"tensor name '/abs/model.norm.weight' of unit norm is not a plain name"),
+    ("norm", "model.norm..weight", r"tensor name 'model.norm..weight' of unit norm is not a plain name"),
+    ("norm", "model.layers.0.w", r"tensor model.layers.0.w is listed under unit norm but belongs to unit layer.000"),
+])
+def test_unsafe_names_in_a_source_manifest_are_refused(unit, tensor, expected):
+    manifest = {"names": [tensor], "units": {unit: {"tensors": {tensor: {"dtype": "<f4", "shape": [4]}}, "step": 3,
+                                                    "path": f"step-3/{unit}.safetensors"}}}
+    with pytest.raises(MergeError, match=r"cannot merge:\n  source A \(step 3\): " + expected):
+        plan_merge({"A": SnapshotInfo(3, "step-3", manifest)}, takes(f"{unit}:A"))
+
+
+def test_a_unit_named_to_escape_the_output_root_writes_nothing_outside(tmp_path):
+    """A source whose manifest and shard carry a tensor ``../../../escaped.weight`` (unit ``../../../escaped``):
+    a merge that trusted it would write ``<out>/step-*/../../../escaped.safetensors``, outside the output root."""
+    from safetensors.numpy import save
+
+    source = SnapshotStore(str(tmp_path / "store" / "A"))
+    info = source.write(3, small_state(3, layers=1))
+    name, unit = "../../../escaped.weight", "../../../escaped"
+    blob = save({name: np.ones(4, dtype=np.float32)})
+    source.storage.put(f"{info.folder}/evil.safetensors", blob)
+    manifest = json.loads(source.storage.get(f"{info.folder}/manifest.json"))
+    manifest["names"].append(name)
+    manifest["units"][unit] = {"path": f"{info.folder}/evil.safetensors", "bytes": len(blob),
+                               "sha256": hashlib.sha256(blob).hexdigest(), "step": 3,
+                               "tensors": {name: {"dtype": "<f4", "shape": [4]}}}
+    source.storage.put(f"{info.folder}/manifest.json", json.dumps(manifest).encode())
+    before = files_under(tmp_path)
+    args = ["--source", f"A={tmp_path / 'store' / 'A'}", "--take", f"0,embed,norm,{unit}:A", "--out", str(tmp_path / "store" / "out")]
+    result = CliRunner().invoke(cli(), args)
+    assert result.exit_code == 2 and "error: " in result.output
+    assert files_under(tmp_path) == before and not (tmp_path / "store" / "out").exists()
 
 
 def test_merge_command_errors_exit_2_with_the_message(tiny_stores, tmp_path):
