@@ -76,13 +76,14 @@ def _units_by_step(manifest: dict) -> str:
 
 
 def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
-    """List committed snapshots: step, size, units and the step each unit belongs to, and the step log."""
+    """List committed snapshots: step, size (bytes of every shard its state is made of), units and the
+    step each unit belongs to, and the step log. A missing store (folder or bucket) exits 2."""
     store = open_store(uri, s3_endpoint)
     infos = store.list()
     typer.echo(f"{store.storage.url()}: {len(infos)} committed snapshot(s)")
     for info in infos:
         created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
-        typer.echo(f"  step {info.step:>8}  {info.bytes / 1e6:10.1f} MB  {len(info.manifest['units']):>4} units "
+        typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {len(info.manifest['units']):>4} units "
                    f"({_units_by_step(info.manifest)})  {created}  {info.folder}")
     for problem in store.skipped:
         typer.echo(f"  skipped: {problem}")

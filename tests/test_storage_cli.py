@@ -1,5 +1,7 @@
 """``raycheck inspect`` / ``raycheck verify`` on a run directory: read only, every problem named."""
 
+import re
+
 import numpy as np
 from typer.testing import CliRunner
 
@@ -43,3 +45,38 @@ def test_missing_paths_and_files_are_refused_and_never_created(tmp_path):
             result = CliRunner().invoke(app, [command, str(target)])
             assert result.exit_code == 2 and "cannot read snapshot store" in result.output
     assert not (tmp_path / "absent").exists()
+
+
+def test_inspect_prints_each_snapshots_step_size_units_and_unit_steps(tmp_path):
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    state = {"model.embed_tokens.weight": np.zeros((6, 4), np.float32), "model.layers.0.w": np.ones(8, np.float32),
+             "model.layers.1.w": np.ones(8, np.float32), "model.norm.weight": np.ones(4, np.float32)}
+    full = store.write(2, state)
+    composite = store.write(7, state, unit_steps={"layer.001": 2, "embed": 5})
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"{store.storage.url()}: 2 committed snapshot(s)"
+    for line, info, units in ((lines[1], full, "4 @ step 2"), (lines[2], composite, "1 @ step 2, 1 @ step 5, 2 @ step 7")):
+        on_disk = sum((tmp_path / "snapshots" / info.folder / f).stat().st_size
+                      for f in ("embed.safetensors", "layer.000.safetensors", "layer.001.safetensors", "norm.safetensors"))
+        printed = re.fullmatch(r"  step +(\d+) +([\d,]+) bytes +(\d+) units \((.*)\)  \S+  (\S+)", line)
+        assert printed is not None, line
+        assert printed.groups() == (str(info.step), f"{on_disk:,}", "4", units, info.folder)
+    assert lines[3:] == []  # no step log in this store
+
+
+def test_inspect_and_verify_of_a_missing_bucket_say_so_and_exit_2(s3_endpoint):
+    import uuid
+
+    from tests.conftest import make_bucket
+
+    bucket = f"rc-missing-{uuid.uuid4().hex[:8]}"
+    for command in ("inspect", "verify"):
+        result = CliRunner().invoke(app, [command, f"s3://{bucket}/run", "--s3-endpoint", s3_endpoint])
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert result.output.strip() == (f"error: cannot read snapshot store s3://{bucket}/run: bucket {bucket!r} does "
+                                         "not exist; create it first, or check the bucket name and --s3-endpoint")
+    make_bucket(s3_endpoint, bucket)  # an existing bucket with nothing under the prefix is an empty store
+    result = CliRunner().invoke(app, ["inspect", f"s3://{bucket}/run", "--s3-endpoint", s3_endpoint])
+    assert result.exit_code == 0 and result.output.splitlines() == [f"s3://{bucket}/run: 0 committed snapshot(s)"]
