@@ -86,8 +86,14 @@ def _explain(best: Option, options: list[Option]) -> str:
             + f"): expected overhead {best.overhead_pct:.2f}%, {best.wasted_h_per_day:.2f} h wasted per day")
     if classical:
         ref = min(classical, key=lambda o: o.waste_ratio)
-        line += f"; full-sync at {ref.rule.capitalize()}'s interval: {ref.overhead_pct:.2f}%"
+        line += f"; full-sync at {ref.rule.capitalize()}'s interval: {_fmt(ref.overhead_pct)}%"
     return line
+
+
+def _note(option: Option, best: Option | None) -> str:
+    if option is best:
+        return "recommended"
+    return "infeasible (below)" if option.error else "" if option.makes_progress else "no progress"
 
 
 def policy(
@@ -106,20 +112,34 @@ def policy(
     max_overhead: Annotated[float, typer.Option(min=0.01, max=99.0, help="CheckFreq overhead bound, percent.")] = 3.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """Expected wasted time of each snapshot strategy at classical and model-optimal intervals, and the pick."""
+    """Expected wasted time of each snapshot strategy at classical and model-optimal intervals, and the pick.
+
+    Exits 2 when no strategy is feasible or none makes progress (``policies.compare.MAX_WASTE_RATIO``),
+    after the table (or the JSON, with ``recommended`` null) that shows why."""
     costs = _costs(step_time, replay_time, snapshot_time, stall_time, log_time, restart_time, load_time,
                    mtbf, gpus, gpu_mtbf, background_weight)
     try:
         options = compare(costs, horizon_s=_seconds("--horizon", horizon), max_overhead=max_overhead / 100)
-        best = recommend(options)
-    except ValueError as exc:  # InfeasibleError included
+    except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2 if isinstance(exc, InfeasibleError) else 1) from exc
+        raise typer.Exit(1) from exc
+    try:
+        best, problem = recommend(options), None
+    except InfeasibleError as exc:  # NoProgressError included: the table still shows why
+        best, problem = None, str(exc)
     if as_json:
         rows = [{k: _finite(v) if isinstance(v, float) else v for k, v in o.to_dict().items()} for o in options]
-        typer.echo(json.dumps({"costs": costs.to_dict(), "options": rows, "recommended": rows[options.index(best)],
-                               "explanation": _explain(best, options)}, indent=2))
-        return
+        typer.echo(json.dumps({"costs": costs.to_dict(), "options": rows,
+                               "recommended": None if best is None else rows[options.index(best)],
+                               "explanation": problem or _explain(best, options)}, indent=2))
+    else:
+        _print_table(costs, options, best)
+    if problem:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(2)
+
+
+def _print_table(costs: MeasuredCosts, options: list[Option], best: Option | None) -> None:
     console = Console(width=120)
     console.print(f"job MTBF {format_duration(costs.mtbf_s)} (accelerators: {costs.accelerators}), step {format_duration(costs.step_s)}, "
                   f"replay {format_duration(costs.replay_step_s)}/step, snapshot {format_duration(costs.snapshot_s)}, "
@@ -127,13 +147,13 @@ def policy(
     table = Table("strategy", "interval rule", "steps", "interval", "overhead %", "wasted h/day", "")
     for o in options:
         interval = ("-", "-") if o.interval_steps is None else (str(o.interval_steps), format_duration(o.interval_s))
-        table.add_row(str(o.strategy), o.rule, *interval, _fmt(o.overhead_pct), _fmt(o.wasted_h_per_day),
-                      "recommended" if o is best else "infeasible (below)" if o.error else "")
+        table.add_row(str(o.strategy), o.rule, *interval, _fmt(o.overhead_pct), _fmt(o.wasted_h_per_day), _note(o, best))
     console.print(table)
     for error in dict.fromkeys(o.error for o in options if o.error):
         names = ", ".join(f"{o.strategy}/{o.rule}" for o in options if o.error == error)
         console.print(f"{names} infeasible: {error}", highlight=False)
-    console.print(_explain(best, options), highlight=False)
+    if best is not None:
+        console.print(_explain(best, options), highlight=False)
 
 
 app = typer.Typer(add_completion=False)

@@ -18,6 +18,14 @@ from policies.models import (
 )
 
 DAY_H = 24.0
+MAX_WASTE_RATIO = 100.0
+"""Above this expected waste ratio (the run would take more than 101 times as long as without
+failures and snapshots; overhead above 10,000 %) an option counts as making no progress: it is
+shown, never recommended."""
+
+
+class NoProgressError(InfeasibleError):
+    """No option makes progress (``MAX_WASTE_RATIO``) with these costs; the message names the best one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +40,11 @@ class Option:
     waste_ratio: float | None
     """Expected wasted seconds per productive second (``policies.models``)."""
     error: str | None = None
+
+    @property
+    def makes_progress(self) -> bool:
+        """Feasible, with a waste ratio of at most ``MAX_WASTE_RATIO``."""
+        return self.waste_ratio is not None and self.waste_ratio <= MAX_WASTE_RATIO
 
     @property
     def interval_s(self) -> float | None:
@@ -56,8 +69,18 @@ class Option:
 
 
 def _classical(rule: Callable[[float, float], float], costs: MeasuredCosts) -> int:
-    """A classical rule's interval (C = ``snapshot_s``) in steps; 1 step when snapshots are free."""
-    return steps_for(rule(costs.snapshot_s, costs.mtbf_s), costs.step_s) if costs.snapshot_s > 0 else 1
+    """A classical rule's interval (C = ``snapshot_s``) in steps; 1 step when snapshots are free.
+
+    Raises:
+        InfeasibleError: the interval is too long to represent (C M overflows).
+    """
+    if costs.snapshot_s == 0:
+        return 1
+    interval_s = rule(costs.snapshot_s, costs.mtbf_s)
+    if not math.isfinite(interval_s):
+        raise InfeasibleError(f"snapshot_s={costs.snapshot_s:g} s with mtbf_s={costs.mtbf_s:g} s: the interval "
+                              "overflows; a snapshot this slow never pays off")
+    return steps_for(interval_s, costs.step_s)
 
 
 def _option(strategy: Strategy, rule: str, costs: MeasuredCosts, choose: Callable[[], int | None], horizon_s: float) -> Option:
@@ -76,26 +99,37 @@ def compare(costs: MeasuredCosts, *, horizon_s: float, max_overhead: float = 0.0
     bound (``max_overhead``) and at its optimum; log-only over a run of ``horizon_s`` seconds of
     training; the shadow at Young's interval (C = ``snapshot_s``) and at its optimum.
     """
-    young = _classical(young_interval_s, costs)
+    def young() -> int:
+        return _classical(young_interval_s, costs)
+
     choices = [
-        (Strategy.FULL_SYNC, "young", lambda: young),
+        (Strategy.FULL_SYNC, "young", young),
         (Strategy.FULL_SYNC, "daly", lambda: _classical(daly_interval_s, costs)),
         (Strategy.FULL_ASYNC, "checkfreq", lambda: checkfreq_interval_steps(costs, max_overhead)),
         (Strategy.FULL_ASYNC, "optimal", lambda: optimal_interval_steps(Strategy.FULL_ASYNC, costs)),
         (Strategy.LOG_ONLY, "none", lambda: None),
-        (Strategy.SHADOW, "young", lambda: young),
+        (Strategy.SHADOW, "young", young),
         (Strategy.SHADOW, "optimal", lambda: optimal_interval_steps(Strategy.SHADOW, costs)),
     ]
     return [_option(strategy, rule, costs, choose, horizon_s) for strategy, rule, choose in choices]
 
 
 def recommend(options: list[Option]) -> Option:
-    """The feasible option with the least expected waste.
+    """The option with the least expected waste among those that make progress (``Option.makes_progress``).
 
     Raises:
+        NoProgressError: options are feasible but none makes progress (the message names the least
+            wasteful and the costs that cause it).
         InfeasibleError: no option is feasible (the errors of each are joined).
     """
     feasible = [o for o in options if o.waste_ratio is not None]
     if not feasible:
         raise InfeasibleError("; ".join(f"{o.strategy}/{o.rule}: {o.error}" for o in options))
-    return min(feasible, key=lambda o: o.waste_ratio)
+    best = min(feasible, key=lambda o: o.waste_ratio)
+    if not best.makes_progress:
+        raise NoProgressError(
+            f"no strategy makes progress with these costs: the least wasteful, {best.strategy}/{best.rule}, "
+            f"expects {best.waste_ratio:.3g} wasted seconds per productive second (at most {MAX_WASTE_RATIO:g} "
+            f"counts as progress): failures come before a recovery and the work after it can finish; make "
+            f"failures rarer (a longer MTBF), or restarts, loads and snapshots faster")
+    return best

@@ -273,7 +273,8 @@ def waste_shadow(costs: MeasuredCosts, interval_steps: int) -> float:
     q = lam * r
     delta = min(shadow_lag_s(costs), k * u)
     whole = math.floor(delta / u)
-    lag_integral = u * whole * _mean_exp(q, whole) + (delta - whole * u) * _exp(q * whole) if whole else delta
+    rest = delta - whole * u  # 0 when the lag is whole steps: then e^(q whole) may be inf, and 0 x inf is nan
+    lag_integral = u * whole * _mean_exp(q, whole) + (rest * _exp(q * whole) if rest > 0 else 0.0) if whole else delta
     mean_exp = _mean_exp(q, k) + _expm1(q * k) * lag_integral / (k * u)
     lost_write = _expm1(lam * u) * min(costs.snapshot_s, k * u) / (k * u)
     charge = costs.background_weight * costs.snapshot_s * (1 / k + lost_write)

@@ -147,6 +147,11 @@ def test_infeasible_inputs_raise_an_error_that_says_what_to_change():
         expected_waste(Strategy.SHADOW, c)
 
 
+def test_shadow_waste_is_infinite_not_nan_when_the_snapshot_lag_is_whole_steps_and_replay_overflows():
+    c = costs(snapshot_s=2e6, log_append_s=0.0, mtbf_s=600.0)  # lag = k steps exactly; e^(lambda r k) overflows
+    assert waste_shadow(c, 2_000_000) == math.inf
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("step_s", 0.0, "step_s must be > 0 seconds"),
     ("restart_s", -1.0, "restart_s must be a finite number >= 0"),

@@ -94,3 +94,44 @@ def test_scale_study_writes_the_table_and_the_plot(tmp_path, capsys):
     for r in table:
         assert float(r["simulated_pct"]) == pytest.approx(float(r["analytic_pct"]), rel=0.1)
     assert "shadow" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mtbf, daly_steps, young_steps, daly_min", [
+    ("24h", 7001, 7200, 117), ("6h", 3403, 3600, 57), ("15min", 548, 735, 9.1)])
+def test_the_daly_row_uses_dalys_formula(mtbf, daly_steps, young_steps, daly_min):
+    """Daly 2006 (FGCS 22), C = 5 min: T = sqrt(2CM) [1 + sqrt(C/2M)/3 + C/(18M)] - C, his worked examples
+    117, 57 and 9.1 min; Young's sqrt(2CM) is 120, 60 and 12.2 min. One-second steps give the seconds."""
+    args = ["--step-time", "1s", "--replay-time", "100ms", "--snapshot-time", "5min", "--restart-time", "1min"]
+    result = CliRunner().invoke(app, [*args, "--mtbf", mtbf, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {(o["strategy"], o["rule"]): o for o in json.loads(result.output)["options"]}
+    assert rows["full-sync", "daly"]["interval_steps"] == daly_steps
+    assert rows["full-sync", "young"]["interval_steps"] == young_steps
+    assert rows["full-sync", "daly"]["interval_s"] / 60 == pytest.approx(daly_min, abs=0.35)
+
+
+def test_policy_says_that_no_strategy_makes_progress_when_failures_outpace_recovery():
+    args = ["--step-time", "1s", "--replay-time", "100ms", "--snapshot-time", "10s", "--restart-time", "5min", "--mtbf", "1s"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert lines[-1].startswith("error: no strategy makes progress with these costs: the least wasteful, shadow/optimal, "
+                                "expects 1.48e+131 wasted seconds per productive second (at most 100 counts as progress)")
+    rows = [line for line in lines if line.startswith("│")]
+    assert len(rows) == 7 and all(row.rstrip(" │").endswith(("no progress", "infeasible (below)")) for row in rows)
+    assert "recommended" not in result.output and max(len(line) for line in lines[:-1]) <= 120  # no 130-digit percentages
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 2
+    out = json.loads(result.output[:result.output.rindex("}") + 1])
+    assert out["recommended"] is None and out["explanation"].startswith("no strategy makes progress")
+
+
+def test_policy_with_a_snapshot_too_slow_to_compute_still_answers():
+    args = ["--step-time", "1s", "--replay-time", "100ms", "--snapshot-time", "1e300d", "--restart-time", "5min", "--mtbf", "3h"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output  # was an OverflowError
+    out = json.loads(result.output)
+    rows = {(o["strategy"], o["rule"]): o for o in out["options"]}
+    assert "the interval overflows" in rows["full-sync", "young"]["error"]
+    assert all(o["waste_ratio"] is None for key, o in rows.items() if key != ("log-only", "none"))  # infinite or infeasible
+    assert (out["recommended"]["strategy"], out["recommended"]["rule"]) == ("log-only", "none")  # needs no snapshot
