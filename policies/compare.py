@@ -119,7 +119,7 @@ def recommend(options: list[Option]) -> Option:
 
     Raises:
         NoProgressError: options are feasible but none makes progress (the message names the least
-            wasteful and the costs that cause it).
+            wasteful one, its waste ratio, and what to change).
         InfeasibleError: no option is feasible (the errors of each are joined).
     """
     feasible = [o for o in options if o.waste_ratio is not None]
