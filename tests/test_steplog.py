@@ -74,6 +74,41 @@ def test_corruption_before_good_records_is_refused(tmp_path):
         StepLogWriter.open(tmp_path / "log")
 
 
+@pytest.mark.parametrize("torn_bytes", [0, RECORD_BYTES // 2])
+def test_a_zero_filled_tail_longer_than_a_record_is_torn_and_cut(tmp_path, torn_bytes):
+    """What some filesystems leave after a crash: the file extended with zeros, after a whole or a
+    half-written last record. Every record before it is intact, so the log continues."""
+    w = make_log(tmp_path / "log", 4)
+    os.write(w._fd, rec(4).encode()[:torn_bytes] + bytes(3 * RECORD_BYTES + 5))
+    w.close()
+    assert read_records(tmp_path / "log") == [rec(i) for i in range(4)]
+    w = StepLogWriter.open(tmp_path / "log")
+    assert (w.next_step, w.cut_bytes) == (4, torn_bytes + 3 * RECORD_BYTES + 5)
+    w.append(rec(4))
+    w.close()
+    assert read_records(tmp_path / "log") == [rec(i) for i in range(5)]
+
+
+@pytest.mark.parametrize("filler", [b"\0", b"\xaa"])
+def test_a_bad_region_before_good_records_is_refused_even_when_zero(tmp_path, filler):
+    make_log(tmp_path / "log", 4).close()
+    with open(tmp_path / "log", "r+b") as fh:
+        fh.seek(-3 * RECORD_BYTES, os.SEEK_END)  # steps 1 and 2 overwritten, step 3 intact after them
+        fh.write(filler * (2 * RECORD_BYTES))
+    with pytest.raises(StepLogCorruptError, match="record at byte .* fails its checksum and is followed by more data"):
+        StepLogWriter.open(tmp_path / "log")
+    with pytest.raises(StepLogCorruptError):
+        read_records(tmp_path / "log")
+
+
+def test_a_non_zero_garbage_tail_longer_than_a_record_is_refused(tmp_path):
+    w = make_log(tmp_path / "log", 2)
+    os.write(w._fd, b"\xaa" * (2 * RECORD_BYTES))
+    w.close()
+    with pytest.raises(StepLogCorruptError, match="followed by more data"):
+        StepLogWriter.open(tmp_path / "log")
+
+
 def test_gap_in_the_file_is_refused_with_the_missing_steps(tmp_path):
     w = make_log(tmp_path / "log", 2)
     os.write(w._fd, rec(5).encode())  # bypass the writer's own check, as a foreign writer could
