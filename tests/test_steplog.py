@@ -155,3 +155,45 @@ def test_one_appender_at_a_time(tmp_path):
     second = StepLogWriter.open(path, lock_timeout_s=0.3)
     assert second.next_step == 0
     second.close()
+
+
+class FsyncSpy:
+    """Wraps ``os.fsync``: for each fsync of a watched file or folder, what the test asks at that moment."""
+
+    def __init__(self, monkeypatch, watch: dict) -> None:
+        self.real, self.watch, self.seen = os.fsync, watch, []  # watch: inode -> (label, question)
+        monkeypatch.setattr(os, "fsync", self)
+
+    def __call__(self, fd: int) -> None:
+        self.real(fd)
+        label, question = self.watch.get(os.fstat(fd).st_ino, (None, None))
+        if label is not None:
+            self.seen.append((label, question()))
+
+
+def test_an_append_is_fsynced_after_the_whole_record_is_written_and_before_it_returns(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    w = make_log(path, 2)
+    spy = FsyncSpy(monkeypatch, {os.stat(path).st_ino: ("log", lambda: os.path.getsize(path))})
+    size = os.path.getsize(path)
+    w.append(rec(2))
+    assert spy.seen == [("log", size + RECORD_BYTES)]
+    w.close()
+
+
+def test_creating_a_log_fsyncs_it_and_then_its_folder_once_it_has_its_name(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    spy = FsyncSpy(monkeypatch, {os.stat(tmp_path).st_ino: ("folder", path.exists)})
+    StepLogWriter.create(path, {"model": "x"}).close()
+    assert spy.seen == [("folder", True)]  # the rename is durable: the log survives a crash of the node
+
+
+def test_cutting_a_torn_tail_is_fsynced_before_open_returns(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    w = make_log(path, 2)
+    clean_size = os.path.getsize(path)
+    w.write_torn(2)
+    w.close()
+    spy = FsyncSpy(monkeypatch, {os.stat(path).st_ino: ("log", lambda: os.path.getsize(path))})
+    StepLogWriter.open(path).close()
+    assert spy.seen == [("log", clean_size)]
