@@ -115,11 +115,19 @@ def test_s3_outage_during_persists_is_counted_and_the_restore_point_survives():
 
 
 WRITER = """
-import sys, time, numpy as np
+import sys, threading, numpy as np
 from storage.backend import Storage
 from storage.snapshots import SnapshotStore
-store = SnapshotStore(Storage(sys.argv[1], **({"endpoint_url": sys.argv[2]} if len(sys.argv) > 2 else {})))
-state = {f"model.layers.{i}.w": np.full(2_000_000, i, dtype=np.float32) for i in range(40)}
+
+class StopAfterAShardOfStep2(Storage):  # the kill point is forced: a shard of step 2 is stored, no manifest
+    def put(self, rel, data):
+        super().put(rel, data)
+        if rel.startswith("step-0000000002-") and rel.endswith(".safetensors"):
+            print("shard", rel, flush=True)
+            threading.Event().wait()  # every shard put of step 2 blocks here until the SIGKILL
+
+store = SnapshotStore(StopAfterAShardOfStep2(sys.argv[1], **({"endpoint_url": sys.argv[2]} if len(sys.argv) > 2 else {})))
+state = {f"model.layers.{i}.w": np.full(1000, i, dtype=np.float32) for i in range(8)}
 store.write(1, {k: v[:10] for k, v in state.items()})
 print("committed", flush=True)
 store.write(2, state)  # killed while writing these shards
@@ -137,13 +145,13 @@ def test_sigkill_mid_snapshot_never_exposes_it_and_a_retry_does_not_mix(backend,
         storage = Storage(uri, endpoint_url=s3_endpoint)
     proc = subprocess.Popen([sys.executable, "-c", WRITER, uri, *extra], stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.stdout.readline().strip() == "committed"
-    deadline = time.monotonic() + 60
-    while not any(p.startswith("step-0000000002") for p in storage.list()):
-        assert time.monotonic() < deadline, "the writer never started step 2"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    try:
+        assert proc.stdout.readline().strip() == "committed"
+        kind, shard = proc.stdout.readline().split()
+        assert kind == "shard" and shard in storage.list()  # step 2 is half written
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     store = SnapshotStore(storage)
     assert [i.step for i in store.list()] == [1]
     assert store.load_latest().info.step == 1
