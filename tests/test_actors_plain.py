@@ -7,7 +7,7 @@ import pytest
 
 from actors.persister import SnapshotPersister
 from actors.shadow import ShadowReplayer
-from storage.backend import Storage
+from storage.backend import RetryPolicy, Storage
 from storage.snapshots import SnapshotStore
 from storage.steplog import StepLogGapError, StepLogWriter, StepRecord
 from training.model import layout_sha256, parameter_layout, trainable_parameters
@@ -121,3 +121,17 @@ def test_persister_counts_and_surfaces_a_failed_write(tmp_path):
     status = p.flush(10)
     assert (status["failed"], status["written"], status["last_durable_step"]) == (1, 0, None)
     assert status["last_error"].startswith("step 7: ") and "NotADirectoryError" in status["last_error"]
+
+
+def test_persister_waits_for_the_breakers_probe_instead_of_losing_the_image(tmp_path):
+    """Storage that failed three times in a row (breaker open): a new image is written by the probe
+    once the back-off has passed, not refused."""
+    storage = Storage(str(tmp_path), retry=RetryPolicy(max_consecutive_failures=3, breaker_backoff_s=0.2))
+    for _ in range(3):
+        storage.breaker.record(ok=False, probe=False)
+    assert storage.breaker.state()["state"] == "open"
+    p = SnapshotPersister(SnapshotStore(storage))
+    p.submit(5, {"w": np.arange(3, dtype=np.float32)})
+    status = p.flush(30)
+    assert (status["written"], status["failed"], status["last_durable_step"]) == (1, 0, 5)
+    assert {k: status["storage"][k] for k in ("state", "opened", "probes")} == {"state": "closed", "opened": 1, "probes": 1}
