@@ -20,6 +20,14 @@ class Clock:
         return self.now_s
 
 
+def opened_breaker(max_failures: int = 1, max_backoff_s: float = 8.0) -> tuple[CircuitBreaker, Clock]:
+    """A breaker (first back-off 1 s) on a fake clock, after ``max_failures`` failed calls: open."""
+    clock = Clock()
+    breaker = CircuitBreaker(max_failures, backoff_s=1.0, max_backoff_s=max_backoff_s, clock=clock)
+    fail(breaker, max_failures)
+    return breaker, clock
+
+
 def fail(breaker: CircuitBreaker, times: int) -> None:
     for _ in range(times):
         assert breaker.admit() is Admission.CALL
@@ -27,8 +35,7 @@ def fail(breaker: CircuitBreaker, times: int) -> None:
 
 
 def test_opens_after_failures_in_a_row_and_a_success_resets_the_count():
-    clock = Clock()
-    breaker = CircuitBreaker(3, backoff_s=1.0, max_backoff_s=8.0, clock=clock)
+    breaker = CircuitBreaker(3, backoff_s=1.0, max_backoff_s=8.0, clock=Clock())
     fail(breaker, 2)
     breaker.record(ok=True, probe=False)
     fail(breaker, 2)
@@ -40,9 +47,7 @@ def test_opens_after_failures_in_a_row_and_a_success_resets_the_count():
 
 
 def test_half_opens_after_the_back_off_with_one_probe_and_closes_when_it_succeeds():
-    clock = Clock()
-    breaker = CircuitBreaker(1, backoff_s=1.0, max_backoff_s=8.0, clock=clock)
-    fail(breaker, 1)
+    breaker, clock = opened_breaker()
     clock.now_s += 0.999
     assert breaker.admit() is Admission.REFUSED
     clock.now_s += 0.001
@@ -56,9 +61,7 @@ def test_half_opens_after_the_back_off_with_one_probe_and_closes_when_it_succeed
 
 
 def test_failed_probes_double_the_back_off_up_to_its_bound():
-    clock = Clock()
-    breaker = CircuitBreaker(1, backoff_s=1.0, max_backoff_s=5.0, clock=clock)
-    fail(breaker, 1)
+    breaker, clock = opened_breaker(max_backoff_s=5.0)
     waits_s = []
     for _ in range(5):
         waits_s.append(breaker.state()["retry_in_s"])
@@ -75,12 +78,10 @@ def test_failed_probes_double_the_back_off_up_to_its_bound():
 
 
 def test_waiting_for_admission_returns_at_once_when_closed_or_due_and_times_out_while_open():
-    clock = Clock()
-    breaker = CircuitBreaker(1, backoff_s=30.0, max_backoff_s=30.0, clock=clock)
-    assert breaker.wait_until_admitted(0) is True
-    fail(breaker, 1)
+    assert CircuitBreaker(1, backoff_s=1.0, max_backoff_s=1.0, clock=Clock()).wait_until_admitted(0) is True
+    breaker, clock = opened_breaker()
     assert breaker.wait_until_admitted(0.01) is False
-    clock.now_s += 30.0
+    clock.now_s += 1.0
     assert breaker.wait_until_admitted(0) is True
 
 
