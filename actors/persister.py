@@ -62,6 +62,7 @@ class SnapshotPersister:
                     self._cond.wait()
                 step, state = self._waiting
                 self._waiting, self._writing = None, True
+            self.store.storage.wait_until_usable()  # an open breaker: wait for its probe (bounded), not a refusal
             t0 = time.perf_counter()
             try:
                 info = self.store.write(step, state)
@@ -93,6 +94,7 @@ class SnapshotPersister:
                 "bytes_written": self.bytes_written,
                 "write_seconds": self.write_seconds,
                 "busy": self._writing or self._waiting is not None,
+                "storage": self.store.storage.breaker.state(),
             }
 
     def flush(self, timeout_s: float) -> dict:
@@ -128,6 +130,8 @@ class PersisterActor(SnapshotPersister):
 
     def _sync_log(self, final: bool) -> None:
         try:
+            if final:
+                self.store.storage.wait_until_usable()
             self.mirror.sync(final=final)
             self.mirror_error = None
         except Exception as exc:  # surfaced through status(); retried on the next round

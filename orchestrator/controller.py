@@ -304,7 +304,8 @@ class Controller:
             shadow.ensure_alive(timeout_s=600)
             sha = shadow.call("state_sha256", cfg.steps, cfg.recovery_timeout_s, timeout_s=cfg.recovery_timeout_s + 30)
             shadow.status = shadow.call("status", timeout_s=60)
-            if cfg.snapshot_every and shadow.status["step"] > (self._poll_persister().get("last_submitted_step") or 0):
+            durable = self._poll_persister("flush", 600, timeout_s=660).get("last_durable_step")
+            if cfg.snapshot_every and shadow.status["step"] > (durable or 0):  # e.g. its write failed in an outage
                 shadow.call("snapshot_now", timeout_s=600)  # the final state, so storage ends complete
         replay_s = shadow.status.get("replay_seconds_per_step")
         return {

@@ -1,10 +1,15 @@
 """One narrow storage interface over fsspec URIs: ``file://`` (or a plain path), ``s3://``, ``memory://``.
 
 Every artefact of raycheck (snapshot shards, manifests, the index, step log segments) goes through
-``Storage``: whole-object ``put``/``get``, ``list``, ``delete``. Each operation runs with a timeout,
-is retried with exponential backoff on transient errors, and after ``max_consecutive_failures``
-operations that failed in a row the store refuses further work with ``StorageUnavailableError``
-(a bound, not an endless retry loop).
+``Storage``: whole-object ``put``/``get``, ``list``, ``delete``. Each operation runs with a timeout
+and is retried with exponential backoff on transient errors (a bound, not an endless retry loop).
+
+Circuit breaker (``CircuitBreaker``): after ``max_consecutive_failures`` operations that failed in a
+row the breaker opens and every call is refused at once with ``StorageUnavailableError`` (no waiting on
+a dead endpoint). After a back-off (``breaker_backoff_s``, doubled after each failed probe, at most
+``breaker_max_backoff_s``) it half-opens: the next call runs as the one probe (a single try); if
+storage answers the breaker closes and work resumes, else it opens again. So a store that comes back
+is used again within ``breaker_max_backoff_s`` of its return. ``Storage.breaker.state()`` reports it.
 
 Atomicity: ``put`` makes an object visible whole or not at all. Local files are written to a
 temporary name, fsynced, renamed, and the folder is fsynced; on S3 a PUT (or a completed multipart
@@ -17,12 +22,14 @@ S3 settings: ``endpoint_url``, ``key``, ``secret`` as keyword options, else the 
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import logging
 import os
 import pathlib
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import fsspec
@@ -39,7 +46,7 @@ class StorageTimeoutError(StorageError, TimeoutError):
 
 
 class StorageUnavailableError(StorageError):
-    """Too many operations failed in a row: the store is treated as down."""
+    """The circuit breaker is open (too many operations failed in a row): the call was refused untried."""
 
 
 NOT_RETRIED = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, ValueError)
@@ -54,7 +61,9 @@ class RetryPolicy:
         attempts: tries per operation (>= 1).
         base_delay_s: first backoff delay; doubles per retry up to ``max_delay_s``.
         timeout_s: limit on one try, seconds.
-        max_consecutive_failures: operations failing in a row before ``StorageUnavailableError``.
+        max_consecutive_failures: operations failing in a row before the breaker opens.
+        breaker_backoff_s: seconds the breaker stays open before its first probe.
+        breaker_max_backoff_s: bound on the open time, which doubles after each failed probe.
     """
 
     attempts: int = 4
@@ -62,13 +71,111 @@ class RetryPolicy:
     max_delay_s: float = 5.0
     timeout_s: float = 120.0
     max_consecutive_failures: int = 3
+    breaker_backoff_s: float = 1.0
+    breaker_max_backoff_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("attempts", "max_consecutive_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("timeout_s", "breaker_backoff_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.breaker_max_backoff_s < self.breaker_backoff_s:
+            raise ValueError(f"breaker_max_backoff_s ({self.breaker_max_backoff_s}) must be >= breaker_backoff_s "
+                             f"({self.breaker_backoff_s})")
+
+
+class Admission(enum.Enum):
+    """What the breaker lets a call do."""
+
+    CALL = "call"  # closed: run with the retry policy
+    PROBE = "probe"  # half-open: this call is the one probe (a single try)
+    REFUSED = "refused"  # open, or another call is probing
+
+
+class CircuitBreaker:
+    """Closed -> open -> half-open -> closed, over whole operations (after their retries). Thread-safe.
+
+    Closed: calls run; ``max_failures`` failed operations in a row open it. Open: calls are refused
+    until ``backoff_s`` seconds (``clock`` time) have passed; then the next call is the probe and
+    other calls are refused while it runs. A probe that succeeds closes the breaker and resets the
+    back-off; one that fails opens it again for twice the back-off, at most ``max_backoff_s``.
+
+    Args:
+        max_failures: failed operations in a row that open the breaker (>= 1).
+        backoff_s, max_backoff_s: the first and the largest open time, seconds.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, max_failures: int, backoff_s: float, max_backoff_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_failures, self.first_backoff_s, self.max_backoff_s = max_failures, backoff_s, max_backoff_s
+        self.clock = clock
+        self.consecutive_failures = 0
+        self.backoff_s = backoff_s
+        self.opened = 0
+        """Times the breaker opened (from closed) in this process."""
+        self.probes = 0
+        self._open_until: float | None = None  # None: closed
+        self._probing = False
+        self._changed = threading.Condition()
+
+    def _retry_in_s(self) -> float:
+        return 0.0 if self._open_until is None else max(0.0, self._open_until - self.clock())
+
+    def admit(self) -> Admission:
+        """Whether a call may run now (a ``PROBE`` must be followed by ``record``)."""
+        with self._changed:
+            if self._open_until is None:
+                return Admission.CALL
+            if self._probing or self._retry_in_s() > 0:
+                return Admission.REFUSED
+            self._probing = True
+            self.probes += 1
+            return Admission.PROBE
+
+    def record(self, ok: bool, probe: bool) -> None:
+        """The outcome of an admitted call: ``ok`` when storage answered (even with e.g. a 404)."""
+        with self._changed:
+            if probe:
+                self._probing = False
+            if ok:
+                if self._open_until is not None:
+                    log.info("storage answers again (probe %d succeeded): breaker closed", self.probes)
+                self.consecutive_failures, self.backoff_s, self._open_until = 0, self.first_backoff_s, None
+            elif probe:
+                self.backoff_s = min(self.backoff_s * 2, self.max_backoff_s)
+                self._open_until = self.clock() + self.backoff_s
+            else:
+                self.consecutive_failures += 1
+                if self._open_until is None and self.consecutive_failures >= self.max_failures:
+                    self.opened += 1
+                    self._open_until = self.clock() + self.backoff_s
+                    log.warning("%d storage operations failed in a row: breaker open, next probe in %g s",
+                                self.consecutive_failures, self.backoff_s)
+            self._changed.notify_all()
+
+    def wait_until_admitted(self, timeout_s: float) -> bool:
+        """Block until a call would be admitted (closed, or a probe is due and none runs), at most
+        ``timeout_s`` seconds (real time); returns whether it would be."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._open_until is not None and (self._probing or self._retry_in_s() > 0):
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    return False
+                self._changed.wait(min(left_s, self._retry_in_s() or left_s))
+            return True
+
+    def state(self) -> dict:
+        """``{"state": "closed" | "open" | "half_open", "consecutive_failures", "opened", "probes",
+        "backoff_s", "retry_in_s"}`` (half-open: a probe is due or running)."""
+        with self._changed:
+            retry_in_s = self._retry_in_s()
+            state = "closed" if self._open_until is None else "half_open" if self._probing or not retry_in_s else "open"
+            return {"state": state, "consecutive_failures": self.consecutive_failures, "opened": self.opened,
+                    "probes": self.probes, "backoff_s": self.backoff_s, "retry_in_s": retry_in_s}
 
 
 def _filesystem(protocol: str, options: dict, timeout_s: float):
@@ -110,8 +217,7 @@ class Storage:
         self.root = str(pathlib.Path(rest).resolve()) if protocol == "file" else rest.rstrip("/")
         self.fs = _filesystem(protocol, options, retry.timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage")
-        self._lock = threading.Lock()
-        self.consecutive_failures = 0
+        self.breaker = CircuitBreaker(retry.max_consecutive_failures, retry.breaker_backoff_s, retry.breaker_max_backoff_s)
         if protocol == "file" and create:
             os.makedirs(self.root, exist_ok=True)
         elif protocol == "file" and not os.path.isdir(self.root):
@@ -133,36 +239,47 @@ class Storage:
 
     # -- the bounded call ---------------------------------------------------------------------
     def _call(self, what: str, fn, *args):
-        with self._lock:
-            if self.consecutive_failures >= self.retry.max_consecutive_failures:
-                raise StorageUnavailableError(
-                    f"{self.url()}: {self.consecutive_failures} storage operations failed in a row; "
-                    f"refusing {what} (check the endpoint, credentials and bucket, then restart)"
-                )
+        admission = self.breaker.admit()
+        if admission is Admission.REFUSED:
+            state = self.breaker.state()
+            raise StorageUnavailableError(
+                f"{self.url()}: {state['consecutive_failures']} storage operations failed in a row; refusing {what} "
+                f"(circuit breaker {state['state']}, next probe in {state['retry_in_s']:.1f} s; check the endpoint, "
+                f"credentials and bucket)"
+            )
+        probe = admission is Admission.PROBE
+        attempts = 1 if probe else self.retry.attempts
         delay, last = self.retry.base_delay_s, None
-        for attempt in range(1, self.retry.attempts + 1):
+        for attempt in range(1, attempts + 1):
             future = self._pool.submit(fn, *args)
             try:
                 result = future.result(timeout=self.retry.timeout_s)
             except concurrent.futures.TimeoutError:
                 last = StorageTimeoutError(f"{what}: no answer within {self.retry.timeout_s:g} s")
             except NOT_RETRIED:
-                with self._lock:
-                    self.consecutive_failures = 0
+                self.breaker.record(ok=True, probe=probe)  # storage answered
                 raise
             except Exception as exc:  # transient until proven otherwise: retried, then raised
                 last = exc
             else:
-                with self._lock:
-                    self.consecutive_failures = 0
+                self.breaker.record(ok=True, probe=probe)
                 return result
-            log.warning("%s failed (try %d of %d): %s", what, attempt, self.retry.attempts, last)
-            if attempt < self.retry.attempts:
+            log.warning("%s failed (%s %d of %d): %s", what, "probe" if probe else "try", attempt, attempts, last)
+            if attempt < attempts:
                 time.sleep(delay)
                 delay = min(delay * 2, self.retry.max_delay_s)
-        with self._lock:
-            self.consecutive_failures += 1
-        raise StorageError(f"{what} failed after {self.retry.attempts} tries: {type(last).__name__}: {last}") from last
+        self.breaker.record(ok=False, probe=probe)
+        raise StorageError(f"{what} failed after {attempts} tr{'y' if attempts == 1 else 'ies'}: "
+                           f"{type(last).__name__}: {last}") from last
+
+    def wait_until_usable(self, timeout_s: float | None = None) -> bool:
+        """Block until the breaker would let a call through (at once when closed; while open, until
+        its probe is due and no other probe runs). For background writers that would rather wait for
+        the probe than have their write refused. ``timeout_s`` defaults to the longest that can take
+        (``breaker_max_backoff_s`` + ``timeout_s`` of the policy). Returns whether a call would run."""
+        if timeout_s is None:
+            timeout_s = self.retry.breaker_max_backoff_s + self.retry.timeout_s
+        return self.breaker.wait_until_admitted(timeout_s)
 
     # -- operations ---------------------------------------------------------------------------
     def put(self, rel: str, data: bytes) -> None:

@@ -10,10 +10,12 @@ Durability point: ``StepLogWriter.append`` returns only after ``os.write`` of th
 node's OS, or power loss where the disk honours flushes) before the worker applies that step's update
 and before the next step begins. The directory entry is fsynced once when the log is created.
 
-What a crash can leave: at most one torn (partial or unchecksummable) record at the tail. Opening the
-log for writing cuts it (``StepLogWriter.open``) and reports the bytes cut; a reader stops before it.
-A bad record followed by good ones is corruption, and a step number that does not follow its
-predecessor is a gap: both raise, because replay past them would not be exact.
+What a crash can leave: at most one torn (partial or unchecksummable) record at the tail, possibly
+followed by zero bytes (some filesystems extend a file with zero-filled blocks whose data never reached
+the disk). Opening the log for writing cuts that tail (``StepLogWriter.open``) and reports the bytes
+cut; a reader stops before it. A bad record followed by anything but zeros is corruption, and a step
+number that does not follow its predecessor is a gap: both raise, because replay past them would not
+be exact.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def _decode_header(data: bytes, path: pathlib.Path) -> tuple[dict, int]:
 def _scan(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tuple[list[StepRecord], int]:
     """Decode records from ``offset``; returns (records, end offset of the last good record).
 
-    Stops at a torn tail (partial record, or a bad checksum on the last complete record).
+    Stops at a torn tail: a partial record, or a record that fails its checksum and is followed only
+    by zero bytes (or nothing).
     """
     records: list[StepRecord] = []
     expect = first_step
@@ -112,12 +115,12 @@ def _scan(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tupl
         body = data[offset : offset + _FIELDS.size]
         (crc,) = _CRC.unpack_from(data, offset + _FIELDS.size)
         if crc != zlib.crc32(body):
-            if offset + RECORD_BYTES < len(data):
+            if data[offset + RECORD_BYTES :].strip(b"\0"):
                 raise StepLogCorruptError(
                     f"{path}: record at byte {offset} (after step {expect - 1}) fails its checksum and is "
                     f"followed by more data; the log is corrupt, not torn"
                 )
-            break
+            break  # torn: the last record, or the last before a zero-filled tail
         rec = StepRecord(**dict(zip(StepRecord.__dataclass_fields__, _FIELDS.unpack(body))))
         if rec.step != expect:
             raise StepLogGapError(

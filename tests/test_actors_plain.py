@@ -1,18 +1,18 @@
 """The plain classes inside the Ray actors, exercised without Ray."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from actors.persister import SnapshotPersister
 from actors.shadow import ShadowReplayer
+from storage.backend import RetryPolicy, Storage
 from storage.snapshots import SnapshotStore
 from storage.steplog import StepLogGapError, StepLogWriter, StepRecord
 from training.model import layout_sha256, parameter_layout, trainable_parameters
 from training.state import copy_state, load_into, state_sha256
-from training.zo import GENERATOR, replay_step_
+from training.zo import GENERATOR, ZOHyper, noise, perturb_all_, update_all_
 
 
 def header(params):
@@ -25,6 +25,15 @@ def record(step: int) -> StepRecord:
                       lr=1e-3, eps=1e-3, weight_decay=0.01, batch_id=step)
 
 
+def worker_step_(params, r: StepRecord) -> None:
+    """Step ``r`` as the worker executes it (training/worker.py): z generated once per parameter,
+    +eps, -2 eps and +eps over all parameters phase by phase, then the update."""
+    zs = [noise(r.seed, i, p) for i, p in enumerate(params.values())]
+    for scale in (r.eps, -2 * r.eps, r.eps):
+        perturb_all_(params, zs, scale)
+    update_all_(params, zs, r.projected_grad, ZOHyper(lr=r.lr, eps=r.eps, weight_decay=r.weight_decay))
+
+
 def test_shadow_follows_the_log_bitwise_and_restores_its_state_dict(tmp_path, tiny_model):
     params = trainable_parameters(tiny_model)
     initial = copy_state(params)
@@ -34,13 +43,11 @@ def test_shadow_follows_the_log_bitwise_and_restores_its_state_dict(tmp_path, ti
         writer.append(record(step))
     assert shadow.catch_up() == 3 and shadow.step == 3
 
-    expected = {k: v.copy() for k, v in initial.items()}
     ref = trainable_parameters(tiny_model.__class__(tiny_model.config))
-    load_into(ref, expected)
+    load_into(ref, initial)
     hashes = {}
-    for step in range(3):
-        r = record(step)
-        replay_step_(ref, r.seed, r.projected_grad, r.lr, r.eps, r.weight_decay)
+    for step in range(3):  # the reference comes from the worker's step code, not from the replay under test
+        worker_step_(ref, record(step))
         hashes[step + 1] = state_sha256(ref)
     assert state_sha256(params) == hashes[3]
     assert shadow.hashes == {2: hashes[2]}
@@ -72,30 +79,37 @@ def test_shadow_stops_at_a_gap(tmp_path, tiny_model):
         shadow.catch_up()
 
 
-class SlowStore(SnapshotStore):
-    def __init__(self, root, gate: threading.Event):
-        super().__init__(str(root))
-        self.gate = gate
+class GatedStorage(Storage):
+    """A real local ``Storage`` whose ``put`` announces itself (``entered``) and blocks until ``release``
+    is set: the persister runs the real ``SnapshotStore.write`` against it, so the fake cannot drift."""
 
-    def write(self, step, state, meta=None):
-        self.gate.wait(10)
-        return super().write(step, state, meta)
+    def __init__(self, root) -> None:
+        super().__init__(str(root))
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def put(self, rel: str, data: bytes) -> None:
+        self.entered.set()
+        if not self.release.wait(60):
+            raise TimeoutError("the test never released the storage gate")
+        super().put(rel, data)
 
 
 def test_persister_is_bounded_and_keeps_the_newest(tmp_path):
-    gate = threading.Event()
-    p = SnapshotPersister(SlowStore(tmp_path, gate))
-    arrays = {"w": np.arange(6, dtype=np.float32)}
-    t0 = time.perf_counter()
-    for step in (1, 2, 3, 4):
-        p.submit(step, arrays)
-    assert time.perf_counter() - t0 < 0.5  # submit never waits for storage
-    gate.set()
-    status = p.flush(10)
-    assert status["busy"] is False
-    assert status["last_durable_step"] == 4
-    assert status["written"] + status["superseded"] == 4 and status["superseded"] >= 2
-    assert [i.step for i in SnapshotStore(str(tmp_path)).list()][-1] == 4
+    storage = GatedStorage(tmp_path)
+    p = SnapshotPersister(SnapshotStore(storage))
+    arrays = {f"model.layers.{i}.w": np.arange(6, dtype=np.float32) + i for i in range(2)}
+    p.submit(1, arrays)
+    assert storage.entered.wait(60)  # step 1 is being written, blocked in storage
+    for step in (2, 3, 4):
+        p.submit(step, {k: v + step for k, v in arrays.items()})  # returns while storage is blocked
+    status = p.status()
+    assert (status["busy"], status["written"], status["superseded"], status["last_submitted_step"]) == (True, 0, 2, 4)
+    storage.release.set()
+    status = p.flush(60)
+    assert (status["busy"], status["written"], status["superseded"], status["last_durable_step"]) == (False, 2, 2, 4)
+    store = SnapshotStore(str(tmp_path))
+    assert [i.step for i in store.list()] == [1, 4]
+    assert state_sha256(store.load_latest().state) == state_sha256({k: v + 4 for k, v in arrays.items()})
 
 
 def test_persister_counts_and_surfaces_a_failed_write(tmp_path):
@@ -107,3 +121,17 @@ def test_persister_counts_and_surfaces_a_failed_write(tmp_path):
     status = p.flush(10)
     assert (status["failed"], status["written"], status["last_durable_step"]) == (1, 0, None)
     assert status["last_error"].startswith("step 7: ") and "NotADirectoryError" in status["last_error"]
+
+
+def test_persister_waits_for_the_breakers_probe_instead_of_losing_the_image(tmp_path):
+    """Storage that failed three times in a row (breaker open): a new image is written by the probe
+    once the back-off has passed, not refused."""
+    storage = Storage(str(tmp_path), retry=RetryPolicy(max_consecutive_failures=3, breaker_backoff_s=0.2))
+    for _ in range(3):
+        storage.breaker.record(ok=False, probe=False)
+    assert storage.breaker.state()["state"] == "open"
+    p = SnapshotPersister(SnapshotStore(storage))
+    p.submit(5, {"w": np.arange(3, dtype=np.float32)})
+    status = p.flush(30)
+    assert (status["written"], status["failed"], status["last_durable_step"]) == (1, 0, 5)
+    assert {k: status["storage"][k] for k in ("state", "opened", "probes")} == {"state": "closed", "opened": 1, "probes": 1}

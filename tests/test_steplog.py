@@ -74,6 +74,41 @@ def test_corruption_before_good_records_is_refused(tmp_path):
         StepLogWriter.open(tmp_path / "log")
 
 
+@pytest.mark.parametrize("torn_bytes", [0, RECORD_BYTES // 2])
+def test_a_zero_filled_tail_longer_than_a_record_is_torn_and_cut(tmp_path, torn_bytes):
+    """What some filesystems leave after a crash: the file extended with zeros, after a whole or a
+    half-written last record. Every record before it is intact, so the log continues."""
+    w = make_log(tmp_path / "log", 4)
+    os.write(w._fd, rec(4).encode()[:torn_bytes] + bytes(3 * RECORD_BYTES + 5))
+    w.close()
+    assert read_records(tmp_path / "log") == [rec(i) for i in range(4)]
+    w = StepLogWriter.open(tmp_path / "log")
+    assert (w.next_step, w.cut_bytes) == (4, torn_bytes + 3 * RECORD_BYTES + 5)
+    w.append(rec(4))
+    w.close()
+    assert read_records(tmp_path / "log") == [rec(i) for i in range(5)]
+
+
+@pytest.mark.parametrize("filler", [b"\0", b"\xaa"])
+def test_a_bad_region_before_good_records_is_refused_even_when_zero(tmp_path, filler):
+    make_log(tmp_path / "log", 4).close()
+    with open(tmp_path / "log", "r+b") as fh:
+        fh.seek(-3 * RECORD_BYTES, os.SEEK_END)  # steps 1 and 2 overwritten, step 3 intact after them
+        fh.write(filler * (2 * RECORD_BYTES))
+    with pytest.raises(StepLogCorruptError, match="record at byte .* fails its checksum and is followed by more data"):
+        StepLogWriter.open(tmp_path / "log")
+    with pytest.raises(StepLogCorruptError):
+        read_records(tmp_path / "log")
+
+
+def test_a_non_zero_garbage_tail_longer_than_a_record_is_refused(tmp_path):
+    w = make_log(tmp_path / "log", 2)
+    os.write(w._fd, b"\xaa" * (2 * RECORD_BYTES))
+    w.close()
+    with pytest.raises(StepLogCorruptError, match="followed by more data"):
+        StepLogWriter.open(tmp_path / "log")
+
+
 def test_gap_in_the_file_is_refused_with_the_missing_steps(tmp_path):
     w = make_log(tmp_path / "log", 2)
     os.write(w._fd, rec(5).encode())  # bypass the writer's own check, as a foreign writer could
@@ -120,3 +155,45 @@ def test_one_appender_at_a_time(tmp_path):
     second = StepLogWriter.open(path, lock_timeout_s=0.3)
     assert second.next_step == 0
     second.close()
+
+
+class FsyncSpy:
+    """Wraps ``os.fsync``: for each fsync of a watched file or folder, what the test asks at that moment."""
+
+    def __init__(self, monkeypatch, watch: dict) -> None:
+        self.real, self.watch, self.seen = os.fsync, watch, []  # watch: inode -> (label, question)
+        monkeypatch.setattr(os, "fsync", self)
+
+    def __call__(self, fd: int) -> None:
+        self.real(fd)
+        label, question = self.watch.get(os.fstat(fd).st_ino, (None, None))
+        if label is not None:
+            self.seen.append((label, question()))
+
+
+def test_an_append_is_fsynced_after_the_whole_record_is_written_and_before_it_returns(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    w = make_log(path, 2)
+    spy = FsyncSpy(monkeypatch, {os.stat(path).st_ino: ("log", lambda: os.path.getsize(path))})
+    size = os.path.getsize(path)
+    w.append(rec(2))
+    assert spy.seen == [("log", size + RECORD_BYTES)]
+    w.close()
+
+
+def test_creating_a_log_fsyncs_it_and_then_its_folder_once_it_has_its_name(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    spy = FsyncSpy(monkeypatch, {os.stat(tmp_path).st_ino: ("folder", path.exists)})
+    StepLogWriter.create(path, {"model": "x"}).close()
+    assert spy.seen == [("folder", True)]  # the rename is durable: the log survives a crash of the node
+
+
+def test_cutting_a_torn_tail_is_fsynced_before_open_returns(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    w = make_log(path, 2)
+    clean_size = os.path.getsize(path)
+    w.write_torn(2)
+    w.close()
+    spy = FsyncSpy(monkeypatch, {os.stat(path).st_ino: ("log", lambda: os.path.getsize(path))})
+    StepLogWriter.open(path).close()
+    assert spy.seen == [("log", clean_size)]
