@@ -107,6 +107,7 @@ def run(
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
+    max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited).")] = 10,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
@@ -126,7 +127,7 @@ def run(
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
             keep_snapshots=keep_snapshots, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
-            eval_samples=eval_samples, hash_every=hash_every, run_id=uuid.uuid4().hex[:8],
+            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
         raise _refuse(str(exc)) from exc

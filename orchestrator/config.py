@@ -149,6 +149,8 @@ class JobConfig:
     run_id: str = "run"
     namespace: str = "raycheck"
     recovery_timeout_s: float = 600.0
+    max_shadow_restarts: int = 10
+    """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails (-1: unlimited)."""
     extra: dict = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
@@ -169,6 +171,8 @@ class JobConfig:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
         if self.snapshot_policy not in ("fixed", "adaptive"):
             raise ValueError(f"snapshot_policy {self.snapshot_policy!r}: choose fixed or adaptive")
+        if self.max_shadow_restarts < -1:
+            raise ValueError(f"max_shadow_restarts must be >= 0, or -1 for unlimited, got {self.max_shadow_restarts}")
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         if self.batch_size % self.workers:
