@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from policies.interval import FixedInterval
+from policies.interval import SnapshotSchedule
 from storage.snapshots import NoSnapshotError, SnapshotStore
 from storage.steplog import StepLogReader, StepRecord
 from training.model import layout_sha256, load_model, parameter_layout, trainable_parameters
@@ -135,8 +135,7 @@ class ShadowActor:
             log.warning("shadow starts from the initial weights: %s", exc)
             self.base = {"source": "initial", "step": 0}
         self.replayer = ShadowReplayer(params, spec.log_path, self.base["step"], spec.hash_every)
-        self.policy = FixedInterval(every_steps=spec.snapshot_every_steps)
-        self.last_snapshot_step = self.base["step"]
+        self.schedule = SnapshotSchedule(every_steps=spec.snapshot_every_steps, last_step=self.base["step"])
         self.snapshots_sent = 0
         self.error: str | None = None
         self.snapshots_skipped = 0
@@ -152,9 +151,8 @@ class ShadowActor:
                     self.replayer.poll()
                     progressed = self.replayer.replay_one()
                     image = None
-                    if progressed and self.policy.due(self.replayer.step, self.last_snapshot_step):
+                    if progressed and self.schedule.take_if_due(self.replayer.step):
                         image = (self.replayer.step, copy_state(self.replayer.params))
-                        self.last_snapshot_step = self.replayer.step
                     self._cond.notify_all()
                 if image:
                     self._send(image)
@@ -185,14 +183,15 @@ class ShadowActor:
         """Hand the current state to the persister now (e.g. the final state); returns its step."""
         with self._cond:
             image = (self.replayer.step, copy_state(self.replayer.params))
-            self.last_snapshot_step = self.replayer.step
+            self.schedule.taken(self.replayer.step)
         self._send(image)
         return image[0]
 
     def set_interval(self, every_steps: int) -> None:
-        """Follow a new snapshot interval (the controller's cost-model plan), in steps."""
+        """Follow a new snapshot interval (the controller's cost-model plan), in steps: a snapshot is
+        due once the steps since the last one reach it (``policies.interval.snapshot_due``)."""
         with self._cond:
-            self.policy = FixedInterval(every_steps=every_steps)
+            self.schedule.set_interval(every_steps)
 
     def status(self) -> dict:
         """Step, log end, lag (steps), replay seconds per step, base of this incarnation, error if any."""
@@ -207,7 +206,7 @@ class ShadowActor:
                 "base": self.base,
                 "snapshots_sent": self.snapshots_sent,
                 "snapshots_skipped": self.snapshots_skipped,
-                "snapshot_every_steps": self.policy.every_steps,
+                "snapshot_every_steps": self.schedule.every_steps,
                 "started_unix_s": self.started_unix_s,
                 "error": self.error,
             }

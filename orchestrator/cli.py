@@ -40,12 +40,17 @@ def _storage_uri(uri: str) -> str:
     return str(pathlib.Path(uri.removeprefix("file://")).resolve())
 
 
+def _refuse(message: str) -> typer.Exit:
+    """Print ``error: message`` (one line) to stderr; returns the exit (code 2) to raise."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
 def _resumed_config(out: pathlib.Path) -> JobConfig:
     """The configuration of the run in ``out``, to resume it (exit 2 when there is none)."""
     saved = out / "config.json"
     if not saved.is_file():
-        typer.echo(f"error: {out} holds no run to resume (no config.json)", err=True)
-        raise typer.Exit(2)
+        raise _refuse(f"{out} holds no run to resume (no config.json)")
     summary = RunDir.read_json(out / "summary.json")
     if summary and summary.get("ok") and summary.get("final_step") == json.loads(saved.read_text())["steps"]:
         typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
@@ -102,6 +107,7 @@ def run(
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
+    max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited).")] = 10,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
@@ -121,28 +127,26 @@ def run(
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
             keep_snapshots=keep_snapshots, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
-            eval_samples=eval_samples, hash_every=hash_every, run_id=uuid.uuid4().hex[:8],
+            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, run_id=uuid.uuid4().hex[:8],
         )
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+    except ValueError as exc:  # nonsense configuration: refused before anything is touched
+        raise _refuse(str(exc)) from exc
     if any(f.target == "storage" for f in cfg.failures):
         from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
-        raise typer.BadParameter(STORAGE_OUTAGE_NEEDS_SERVER, param_hint="--fail")
+        raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
     if resume:
         cfg = _resumed_config(out)
     elif out.exists() and any(p.name != "reference" for p in out.iterdir()):
         if not overwrite:
-            typer.echo(f"error: {out} already holds a run; pass --overwrite or choose another --out", err=True)
-            raise typer.Exit(2)
+            raise _refuse(f"{out} already holds a run; pass --overwrite or choose another --out")
         for p in out.iterdir():
             if p.name != "reference":
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
     try:
         cfg.snapshot_store().storage.probe()  # fail fast on a wrong endpoint, bucket or credentials
     except OSError as exc:
-        typer.echo(f"error: snapshot storage {cfg.storage} is not usable: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        raise _refuse(f"snapshot storage {cfg.storage} is not usable: {exc}") from exc
     summary = run_job(cfg, verify=verify, echo=typer.echo)
     keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
             "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",

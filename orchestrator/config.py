@@ -29,6 +29,14 @@ STRATEGIES = {
 weights; ``layerwise`` and ``differential``: first-order strategies (LayerCheck, LowDiff)."""
 DEFAULT_STRATEGY = {"zo": "shadow", "fo": "layerwise"}
 HOWS = ("exit", "raise", "sigkill", "torn")
+SEED_LIMIT = 2**64
+"""Run seeds are packed as unsigned 64-bit integers (``training.zo.derive_seed``, ``numpy`` generators)."""
+
+
+def _require_positive(name: str, value: float) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number > 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +149,8 @@ class JobConfig:
     run_id: str = "run"
     namespace: str = "raycheck"
     recovery_timeout_s: float = 600.0
+    max_shadow_restarts: int = 10
+    """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails (-1: unlimited)."""
     extra: dict = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
@@ -149,9 +159,10 @@ class JobConfig:
     def __post_init__(self) -> None:
         if self.model not in MODEL_NAMES:
             raise ValueError(f"model {self.model!r}: choose one of {', '.join(MODEL_NAMES)}")
-        for name in ("steps", "batch_size", "seq_len", "workers", "torch_threads"):
+        for name in ("steps", "batch_size", "seq_len", "workers", "torch_threads", "keep_snapshots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_zo()
         if self.algo not in ALGOS:
             raise ValueError(f"algo {self.algo!r}: choose one of {', '.join(ALGOS)}")
         if not self.strategy:
@@ -160,6 +171,8 @@ class JobConfig:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
         if self.snapshot_policy not in ("fixed", "adaptive"):
             raise ValueError(f"snapshot_policy {self.snapshot_policy!r}: choose fixed or adaptive")
+        if self.max_shadow_restarts < -1:
+            raise ValueError(f"max_shadow_restarts must be >= 0, or -1 for unlimited, got {self.max_shadow_restarts}")
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         if self.batch_size % self.workers:
@@ -171,14 +184,29 @@ class JobConfig:
                 raise ValueError(f"failure {f.step}:{f.target} kills the shadow, which only strategy shadow has (this run: {self.strategy})")
             if f.how == "torn" and not self.uses_step_log:
                 raise ValueError(f"failure {f.step}:worker:torn tears a step-log record; strategy {self.strategy} has no step log")
+            if f.how == "torn" and self.workers > 1:
+                raise ValueError(f"failure {f.step}:worker:torn tears rank 0's step-log append, but worker failures hit the last "
+                                 f"rank ({self.workers - 1}), which has no log writer: use workers=1 or another HOW")
         if not self.storage:
             object.__setattr__(self, "storage", str(pathlib.Path(self.out_dir) / "snapshots"))
         self._check_fo()
 
+    def _check_zo(self) -> None:
+        """Validate the run seed, MeZO's hyper-parameters and the counters no run can use below 0."""
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        _require_positive("lr", self.lr)
+        _require_positive("eps", self.eps)
+        _require_positive("recovery_timeout_s", self.recovery_timeout_s)
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        for name in ("snapshot_every", "eval_samples", "hash_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
+
     def _check_fo(self) -> None:
         """Validate the first-order fields (``fo_*``, ``layer_*``, ``diff_*``)."""
-        if not (math.isfinite(self.fo_lr) and self.fo_lr > 0):
-            raise ValueError(f"fo_lr must be a finite number > 0, got {self.fo_lr}")
+        _require_positive("fo_lr", self.fo_lr)
         if not (math.isfinite(self.fo_max_grad_norm) and self.fo_max_grad_norm >= 0):
             raise ValueError(f"fo_max_grad_norm must be >= 0 (0: no clipping), got {self.fo_max_grad_norm}")
         if not (math.isfinite(self.layer_threshold) and self.layer_threshold >= 0):

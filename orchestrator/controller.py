@@ -126,6 +126,7 @@ class Controller:
         self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" and cfg.uses_shadow else None
         self.snapshot_interval: dict[int, int] = {}
         self.metrics = RunMetrics(cfg.run_id, cfg.strategy)
+        self.persister = None
         self.persister_status: dict = {}
         self.persister_restarts = 0
         self._calibration_requested = False
@@ -250,17 +251,69 @@ class Controller:
         )
 
     def run(self) -> dict:
+        """Run the job; returns the summary, also written to ``summary.json``.
+
+        Once ``prepare`` has claimed the run directory, whatever fails inside the run (an exception,
+        a shadow past its restart budget, an interrupt) ends with a summary (``ok`` false, ``error``,
+        phase ``failed``) and with this run's shadow and persister killed; an interrupt is re-raised.
+
+        Raises:
+            ResumeMismatchError: the run directory holds another trajectory's step log (nothing written).
+        """
+        self.t_start = time.time()
+        self.run_dir.root.mkdir(parents=True, exist_ok=True)
+        self.echo(f"[raycheck] preparing {self.cfg.model} (first use converts it once) in {self.run_dir.root}")
+        prepare(self.cfg, self.run_dir)
+        summary = None
+        try:
+            summary = self._run()
+        except BaseException as exc:  # the run directory always gets a summary
+            log.error("the run failed", exc_info=exc)
+            summary = self._failure_summary(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._kill_actors()
+            if summary is not None:
+                self.run_dir.write_json(self.run_dir.root / "summary.json", summary)
+        return summary
+
+    def _kill_actors(self) -> None:
+        """Kill this run's shadow (current incarnation) and persister, whichever were started."""
+        for actor in (self.shadow.actor if self.shadow else None, self.persister):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+
+    def _summary_base(self) -> dict:
+        """The summary fields known whatever happened (``_finish`` and ``_failure_summary`` add the rest)."""
+        cfg = self.cfg
+        return {
+            "phase": self.phase.value,
+            "algo": cfg.algo,
+            "strategy": cfg.strategy,
+            "shadow_restarts": self.shadow.restarts if self.shadow else None,
+            "persister_restarts": self.persister_restarts,
+            "snapshot_policy": cfg.snapshot_policy,
+            "wall_seconds": time.time() - self.t_start,
+            "trajectory_sha256": cfg.trajectory_sha256(),
+            "config": cfg.to_dict(),
+        }
+
+    def _failure_summary(self, exc: BaseException) -> dict:
+        """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error."""
+        self.phase = Phase.FAILED
+        self.run_dir.event("phase", phase=self.phase.value, error=f"{type(exc).__name__}: {exc}"[:500])
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "final_step": None, "state_sha256": None,
+                "shadow_equal": None, "bitwise_equal": None, **self._summary_base()}
+
+    def _run(self) -> dict:
         cfg, run = self.cfg, self.run_dir
-        self.t_start = t_start = time.time()
-        run.root.mkdir(parents=True, exist_ok=True)
-        self.echo(f"[raycheck] preparing {cfg.model} (first use converts it once) in {run.root}")
-        prepare(cfg, run)
         durable = len(read_records(run.step_log))
         if durable or run.markers.exists():  # a driver re-run of the same run id: the workers restore
             rows = run.read(run.metrics)
             run.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
-        self.persister = persister = self._start_persister()
+        self.persister = self._start_persister()
         if cfg.uses_shadow:
             self.shadow = ShadowKeeper(cfg, run, self._shadow_spec())
             self.shadow.start()
@@ -294,7 +347,7 @@ class Controller:
                 break
             time.sleep(0.5)
         self._follow()
-        return self._finish(persister, outcome, t_start)
+        return self._finish(outcome)
 
     def _finish_shadow(self, ok: bool, mean_step_s: float | None) -> dict:
         """The shadow's final state hash (after a last snapshot of the final state) and its figures."""
@@ -310,14 +363,13 @@ class Controller:
         replay_s = shadow.status.get("replay_seconds_per_step")
         return {
             "shadow_state_sha256": sha,
-            "shadow_restarts": shadow.restarts,
             "shadow_replay_seconds_per_step": replay_s,
             "shadow_replay_over_step": (replay_s or 0) / mean_step_s if mean_step_s else None,
             "shadow_max_lag_steps": max(self.shadow_lag.values(), default=None),
             "shadow_hashes": {str(k): v for k, v in sorted(shadow.call("hashes", timeout_s=60).items())},
         }
 
-    def _finish(self, persister, outcome: dict, t_start: float) -> dict:
+    def _finish(self, outcome: dict) -> dict:
         cfg, run = self.cfg, self.run_dir
         events = run.read(run.events)
         final = next((e for e in reversed(events) if e["kind"] == "final"), {})
@@ -332,9 +384,6 @@ class Controller:
         summary = {
             "ok": outcome.get("ok", False),
             "error": outcome.get("error"),
-            "phase": self.phase.value,
-            "algo": cfg.algo,
-            "strategy": cfg.strategy,
             "final_step": final.get("step"),
             "state_sha256": final.get("state_sha256"),
             "shadow_state_sha256": None,
@@ -355,17 +404,10 @@ class Controller:
             **shadow,
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
             "snapshots": persisted,
-            "persister_restarts": self.persister_restarts,
-            "snapshot_policy": cfg.snapshot_policy,
             "replans": [e for e in events if e["kind"] == "replan"],
             "resumes": [e for e in events if e["kind"] == "resume"],
-            "wall_seconds": time.time() - t_start,
-            "trajectory_sha256": cfg.trajectory_sha256(),
-            "config": cfg.to_dict(),
+            **self._summary_base(),
         }
-        for actor in ([self.shadow.actor] if self.shadow else []) + [persister]:
-            ray.kill(actor)
-        run.write_json(run.root / "summary.json", summary)
         return summary
 
 

@@ -6,9 +6,10 @@
 - ``simulate``: seeded discrete-event Monte Carlo of long runs with failures.
 - ``compare``: every strategy at classical and optimal intervals, and the recommendation.
 - ``replan``: robust online estimates and a re-planner with hysteresis.
-- ``interval``: ``FixedInterval`` (what the shadow asks ``due(...)``) and ``AdaptiveInterval`` (what
-  the controller's planner, ``orchestrator.planning``, feeds with measurements; it pushes each
-  re-planned interval to the shadow).
+- ``interval``: ``snapshot_due``, the one rule for "is a snapshot due" (steps since the last snapshot
+  reach the interval in force), ``SnapshotSchedule`` (that rule for the shadow and the worker
+  checkpointers) and ``AdaptiveInterval`` (what the controller's planner, ``orchestrator.planning``,
+  feeds with measurements; it pushes each re-planned interval to the shadow).
 - ``layerwise``: LayerCheck's choice of which units to persist (change threshold, staleness bound,
   byte budget per step).
 """

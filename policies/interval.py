@@ -1,8 +1,9 @@
 """Snapshot interval policies: pure decisions over step counts.
 
-``FixedInterval`` applies a number of steps chosen by hand; ``AdaptiveInterval`` follows a
-``policies.replan.Replanner`` that keeps the interval at the cost model's optimum for the costs
-measured while the job runs. Both answer ``due(step, last_snapshot_step)`` after each replayed step.
+``snapshot_due`` is the one rule that decides whether a snapshot (or a worker checkpoint) is due;
+``SnapshotSchedule`` applies it to a state that advances one step at a time (the shadow, the worker
+checkpointers), and ``AdaptiveInterval`` follows a ``policies.replan.Replanner`` that keeps the
+interval at the cost model's optimum for the costs measured while the job runs.
 """
 
 from __future__ import annotations
@@ -15,24 +16,67 @@ from policies.replan import ReplanRecord, Replanner
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, kw_only=True)
-class FixedInterval:
-    """Snapshot every ``every_steps`` steps (0 disables snapshots: log-only recovery)."""
+def snapshot_due(steps_done: int, last_snapshot_step: int, interval_steps: int) -> bool:
+    """True when the state after ``steps_done`` steps should be snapshotted.
+
+    A snapshot is due when the steps since the last snapshot reach the interval in force now:
+    ``steps_done - last_snapshot_step >= interval_steps``. ``last_snapshot_step`` is the step of the
+    last snapshot taken, or the step the state was restored from (durable by construction).
+    Because the gap is measured against the current interval, a re-plan never lengthens the current
+    gap beyond the new interval: a shorter interval that the gap already reaches makes a snapshot due
+    at once, a longer one moves it to ``last_snapshot_step + interval_steps``. (A rule of multiples,
+    ``steps_done % interval_steps == 0``, would move the target past the current step at each re-plan.)
+
+    Args:
+        steps_done: steps applied to the state (>= 0).
+        last_snapshot_step: steps applied to the state when it was last snapshotted or restored.
+        interval_steps: the interval in steps; 0 disables snapshots (log-only recovery).
+    """
+    return interval_steps > 0 and steps_done - last_snapshot_step >= interval_steps
+
+
+@dataclass(kw_only=True)
+class SnapshotSchedule:
+    """``snapshot_due`` for one state that advances a step at a time, keeping its last snapshot step.
+
+    Attributes:
+        every_steps: the interval in force, steps (>= 0; 0: never); may change between steps (a re-plan).
+        last_step: the step of the last snapshot taken, or of the restore; None: the step before the
+            first one ``take_if_due`` sees (a loop that starts at step s starts from a state restored at s).
+
+    Raises:
+        ValueError: ``every_steps`` < 0 (also from ``set_interval``).
+    """
 
     every_steps: int
+    last_step: int | None = None
 
     def __post_init__(self) -> None:
-        if self.every_steps < 0:
-            raise ValueError(f"every_steps must be >= 0, got {self.every_steps}")
+        self.set_interval(self.every_steps)
 
-    def due(self, step: int, last_snapshot_step: int) -> bool:
-        """True when the state after ``step`` steps should be snapshotted."""
-        return self.every_steps > 0 and step > last_snapshot_step and step % self.every_steps == 0
+    def set_interval(self, every_steps: int) -> None:
+        """Follow a new interval (steps) from now on; the current gap counts against it."""
+        if every_steps < 0:
+            raise ValueError(f"every_steps must be >= 0, got {every_steps}")
+        self.every_steps = every_steps
+
+    def take_if_due(self, steps_done: int) -> bool:
+        """True (and the snapshot counts as taken at ``steps_done``) when one is due after ``steps_done`` steps."""
+        if self.last_step is None:
+            self.last_step = steps_done - 1
+        if not snapshot_due(steps_done, self.last_step, self.every_steps):
+            return False
+        self.last_step = steps_done
+        return True
+
+    def taken(self, step: int) -> None:
+        """A snapshot of the state after ``step`` steps was taken outside the schedule (e.g. on demand)."""
+        self.last_step = step
 
 
 class AdaptiveInterval:
-    """Snapshot once ``every_steps`` steps have passed since the last snapshot, where
-    ``every_steps`` is the re-planner's current plan.
+    """The interval in force (``every_steps``) is the re-planner's current plan; a ``SnapshotSchedule``
+    follows it (``set_interval``), so snapshots fall by ``snapshot_due`` at each step's plan.
 
     Feed it with ``observe``; ``records`` lists the initial plan and every re-plan with its inputs
     (``ReplanRecord.to_dict()`` for metrics), and each re-plan is logged at INFO.
@@ -47,10 +91,6 @@ class AdaptiveInterval:
     def every_steps(self) -> int:
         """The interval in force, in steps."""
         return self.replanner.interval_steps
-
-    def due(self, step: int, last_snapshot_step: int) -> bool:
-        """True when the state after ``step`` steps should be snapshotted."""
-        return step - last_snapshot_step >= self.every_steps
 
     def observe(self, step: int, *, failures: int | None = None, elapsed_s: float | None = None,
                 **measurements: float) -> ReplanRecord | None:

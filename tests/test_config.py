@@ -62,3 +62,66 @@ def test_a_storage_failure_is_refused_before_an_existing_run_is_touched(tmp_path
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "8", "--fail", "4:storage:5", "--overwrite", "--out", str(out)])
     assert result.exit_code == 2 and "server that raycheck owns" in result.output
     assert (out / "steplog.bin").read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seed", -1, "seed must be an integer in [0, 2**64), got -1"),
+    ("seed", 2**64, "seed must be an integer in [0, 2**64), got 18446744073709551616"),
+    ("lr", -1e-6, "lr must be a finite number > 0, got -1e-06"),
+    ("lr", 0.0, "lr must be a finite number > 0, got 0.0"),
+    ("lr", float("nan"), "lr must be a finite number > 0, got nan"),
+    ("eps", 0.0, "eps must be a finite number > 0, got 0.0"),
+    ("eps", float("inf"), "eps must be a finite number > 0, got inf"),
+    ("weight_decay", -0.1, "weight_decay must be a finite number >= 0, got -0.1"),
+    ("steps", 0, "steps must be >= 1, got 0"),
+    ("keep_snapshots", 0, "keep_snapshots must be >= 1, got 0"),
+    ("snapshot_every", -1, "snapshot_every must be >= 0 (0: off), got -1"),
+    ("eval_samples", -5, "eval_samples must be >= 0 (0: off), got -5"),
+    ("hash_every", -1, "hash_every must be >= 0 (0: off), got -1"),
+    ("recovery_timeout_s", 0.0, "recovery_timeout_s must be a finite number > 0, got 0.0"),
+    ("fo_lr", -1.0, "fo_lr must be a finite number > 0, got -1.0"),
+])
+def test_nonsense_values_are_refused_naming_the_field(field, value, message):
+    with pytest.raises(ValueError) as err:
+        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", **{field: value})
+    assert str(err.value) == message
+
+
+def test_a_torn_append_is_refused_where_the_failing_rank_has_no_log_writer():
+    base = dict(out_dir="/tmp/x", cache_dir="/tmp/c", steps=10, failures=(FailureSpec(step=3, how="torn"),))
+    with pytest.raises(ValueError, match=r"3:worker:torn tears rank 0's step-log append, but worker failures hit the last "
+                                         r"rank \(1\), which has no log writer: use workers=1"):
+        JobConfig(**base, workers=2)
+    assert JobConfig(**base, workers=1).failures[0].how == "torn"
+    assert JobConfig(**{**base, "failures": (FailureSpec(step=3, how="exit"),)}, workers=2).workers == 2
+
+
+NONSENSE = [
+    (["--seed", "-1"], "error: seed must be an integer in [0, 2**64), got -1"),
+    (["--lr", "-0.001"], "error: lr must be a finite number > 0, got -0.001"),
+    (["--eps", "0"], "error: eps must be a finite number > 0, got 0.0"),
+    (["--workers", "2", "--fail", "3:worker:torn"], "error: failure 3:worker:torn tears rank 0's step-log append"),
+    (["--fail", "99"], "error: failure at step 99 is past the last step (7)"),
+]
+
+
+@pytest.mark.parametrize("args, message", NONSENSE, ids=[a[0] for a, _ in NONSENSE])
+def test_the_cli_refuses_nonsense_with_one_line_and_exit_2_touching_nothing(tmp_path, args, message):
+    import ray
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "steplog.bin").write_bytes(b"keep me")
+    (existing / "summary.json").write_text('{"ok": true}')
+    before = {p.name: p.read_bytes() for p in existing.iterdir()}
+    missing = tmp_path / "missing"
+    for out, extra in ((existing, ["--overwrite"]), (missing, [])):
+        result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "8", *args, *extra, "--out", str(out)])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+        assert result.stdout == ""
+    assert {p.name: p.read_bytes() for p in existing.iterdir()} == before
+    assert not missing.exists() and not ray.is_initialized()

@@ -1,4 +1,5 @@
-"""Online re-planning: robust estimates, hysteresis, state round trips, and the adaptive interval."""
+"""Online re-planning: robust estimates, hysteresis, state round trips, the adaptive interval, and the one
+rule that decides when a snapshot is due (``policies.interval.snapshot_due``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import pytest
 
 from policies.costs import InfeasibleError, MeasuredCosts
-from policies.interval import AdaptiveInterval, FixedInterval
+from policies.interval import AdaptiveInterval, SnapshotSchedule, snapshot_due
 from policies.models import Strategy, optimal_interval_steps
 from policies.replan import Replanner, RobustEwma
 
@@ -99,20 +100,44 @@ def test_replanner_state_round_trips_through_json():
 def test_adaptive_interval_follows_the_replanner_and_keeps_records(caplog):
     policy = AdaptiveInterval(Replanner(INITIAL, threshold=0.2))
     k0 = policy.every_steps
-    assert not policy.due(k0 - 1, 0) and policy.due(k0, 0) and not policy.due(k0, 0 + 1)
     with caplog.at_level(logging.INFO, logger="policies.interval"):
         changes = [r for step in range(1, 20) if (r := policy.observe(step, replay_step_s=0.8)) is not None]
     assert len(changes) == 1 and policy.every_steps == changes[0].interval_steps < k0
     assert [r.interval_steps for r in policy.records] == [k0, policy.every_steps]
     assert "re-plan at step" in caplog.text and "replay_step_s" in caplog.text
-    assert policy.due(100 + policy.every_steps, 100)
 
     restored = AdaptiveInterval(Replanner(INITIAL, threshold=0.2))
     restored.load_state_dict(json.loads(json.dumps(policy.state_dict())))
     assert restored.every_steps == policy.every_steps and restored.records == policy.records
 
 
-def test_fixed_interval_is_unchanged():
-    policy = FixedInterval(every_steps=10)
-    assert [s for s in range(1, 31) if policy.due(s, 0)] == [10, 20, 30]
-    assert not FixedInterval(every_steps=0).due(10, 0)
+def test_a_snapshot_is_due_when_the_steps_since_the_last_one_reach_the_interval():
+    assert [s for s in range(1, 31) if snapshot_due(s, 0, 10)] == list(range(10, 31))
+    assert not snapshot_due(12, 3, 10) and snapshot_due(13, 3, 10)
+    assert not any(snapshot_due(s, 0, 0) for s in range(100))  # 0: never (log-only)
+    schedule = SnapshotSchedule(every_steps=10)
+    assert [s for s in range(1, 31) if schedule.take_if_due(s)] == [10, 20, 30]
+    with pytest.raises(ValueError, match="every_steps must be >= 0, got -1"):
+        schedule.set_interval(-1)
+
+
+def test_replans_never_postpone_a_snapshot_past_the_new_interval():
+    """``make run`` (issue 14): a calibration snapshot at step 1, then the interval went 16 -> 21 -> 26 -> 19
+    between steps 5 and 21; with snapshots at multiples of the interval none fell before step 38."""
+    replans = {5: 21, 12: 26, 21: 19, 50: 30, 75: 3}  # step -> the interval in force from that step on
+    schedule = SnapshotSchedule(every_steps=16, last_step=0)
+    schedule.taken(1)  # the calibration snapshot
+    taken = []
+    for step in range(2, 80):
+        if step in replans:
+            schedule.set_interval(replans[step])
+        if schedule.take_if_due(step):
+            taken.append(step)
+    # 21: the gap (20) already reaches the new 19; 40: 19 later; 70: the longer 30 counts from 40, not
+    # from a multiple; 75: the shorter 3 is due at once; then every 3 steps
+    assert taken == [21, 40, 70, 75, 78]
+
+
+def test_a_loop_that_starts_from_a_restore_counts_the_interval_from_it():
+    schedule = SnapshotSchedule(every_steps=4)  # no last step: the first step seen starts from a restore
+    assert [s for s in range(7, 20) if schedule.take_if_due(s)] == [10, 14, 18]

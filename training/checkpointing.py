@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from policies.interval import SnapshotSchedule
 from storage.snapshots import SnapshotStore
 from training.state import copy_state
 
@@ -43,7 +44,8 @@ class FullCheckpointer:
     def __init__(self, store: SnapshotStore, every: int, asynchronous: bool, config: Mapping | None = None) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
-        self.store, self.every, self.asynchronous = store, every, asynchronous
+        self.store, self.asynchronous = store, asynchronous
+        self.schedule = SnapshotSchedule(every_steps=every)  # counts from the step the loop starts at
         self.config = dict(config or {})
         self.checkpoints = 0
         self.bytes = 0
@@ -78,7 +80,7 @@ class FullCheckpointer:
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
         """Checkpoint the state after ``steps_done`` steps when it is due; returns the seconds the
         training loop was blocked (0.0 when no checkpoint is due)."""
-        if steps_done % self.every:
+        if not self.schedule.take_if_due(steps_done):
             return 0.0
         t0 = time.perf_counter()
         self._wait()

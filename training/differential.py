@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from policies.interval import SnapshotSchedule
 from storage.background import BackgroundWriter
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
@@ -48,6 +49,7 @@ class DiffCheckpointer:
             raise ValueError(f"topk_ratio must be in [0, 1] (0: exact), got {topk_ratio}")
         self.snapshots, self.diffs, self.gradients = snapshots, diffs, gradients
         self.full_every, self.batch_steps, self.topk_ratio = full_every, batch_steps, topk_ratio
+        self.full_schedule = SnapshotSchedule(every_steps=full_every)  # counts from the step the loop starts at
         self.config = dict(config or {})
         self._pending: list[tuple[int, dict[str, np.ndarray]]] = []
         self._writer = BackgroundWriter("differential-checkpoint", max_pending)
@@ -63,7 +65,7 @@ class DiffCheckpointer:
         """Record the gradients of step ``steps_done - 1``; write a batch or a full checkpoint when
         due. Returns the seconds the training loop was blocked."""
         t0 = time.perf_counter()
-        if steps_done % self.full_every == 0:
+        if self.full_schedule.take_if_due(steps_done):
             self._pending.clear()
             staged = copy_state(state())
             self._writer.submit(lambda: self._write_full(steps_done, staged), f"full checkpoint at step {steps_done}")

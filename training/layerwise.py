@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from policies.interval import SnapshotSchedule
 from policies.layerwise import LayerwiseConfig, UnitStatus, relative_change, select_units
 from storage.background import BackgroundWriter
 from storage.snapshots import SnapshotInfo, SnapshotStore
@@ -56,7 +57,8 @@ class LayerwiseCheckpointer:
                  max_pending: int = 2) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
-        self.store, self.every, self.policy = store, every, policy
+        self.store, self.policy = store, policy
+        self.schedule = SnapshotSchedule(every_steps=every)  # counts from the step the loop starts at
         self.config = dict(config or {})
         self._persisted: dict[str, tuple[int, dict[str, np.ndarray]]] = {}  # unit -> (step, weights as committed)
         self._writer = BackgroundWriter("layerwise-checkpoint", max_pending)
@@ -78,7 +80,7 @@ class LayerwiseCheckpointer:
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
         """At a check, stage a copy of the state and queue the check; returns the seconds the training
         loop was blocked (0.0 between checks)."""
-        if steps_done % self.every:
+        if not self.schedule.take_if_due(steps_done):
             return 0.0
         t0 = time.perf_counter()
         staged = copy_state(state())

@@ -83,7 +83,7 @@ def train_loop_per_worker(config: dict) -> None:
         if rank == 0:
             row = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
                        projected_grad=grad, step_seconds=step_s, log_append_seconds=append_s,
-                       checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and (step + 1) % cfg.snapshot_every == 0)
+                       checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and checkpointer.schedule.last_step == step + 1)
             if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
                 row["state_sha256"] = state_sha256(params)  # the state after step + 1 steps
             run.append(run.metrics, **row)
