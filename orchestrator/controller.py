@@ -255,6 +255,7 @@ class Controller:
         run.root.mkdir(parents=True, exist_ok=True)
         self.echo(f"[raycheck] preparing {cfg.model} (first use converts it once) in {run.root}")
         prepare(cfg, run)
+        self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
         durable = len(read_records(run.step_log))
         if durable or run.markers.exists():  # a driver re-run of the same run id: the workers restore
             rows = run.read(run.metrics)
