@@ -373,3 +373,18 @@ def test_a_failed_manifest_put_leaves_the_index_equal_to_the_listing(storage):
         SnapshotStore(spy(storage, fail_put=MANIFEST)).write(2, state(2))
     assert storage.get(INDEX) == before
     assert index_folders(storage) == [i.folder for i in store.list()] and [i.step for i in store.list()] == [1]
+
+
+def test_a_run_config_builds_a_store_of_its_identity_and_epoch_and_a_stale_persister_is_fenced(tmp_path):
+    from orchestrator.config import JobConfig
+
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), model="tiny", run_id="r1")
+    stale = cfg.snapshot_store()
+    assert (stale.identity, stale.epoch) == (RunIdentity("r1", cfg.trajectory_sha256()), 0)
+    resumed = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # what the controller does at each start
+    assert resumed.writer_epoch == 1 and resumed.snapshot_store().epoch == 1
+    persister = SnapshotPersister(stale)  # an actor left over from the dead driver
+    persister.submit(3, state(3))
+    status = persister.flush(timeout_s=60)
+    assert (status["failed"], status["last_durable_step"]) == (1, None) and "FencedError" in status["last_error"]
+    assert resumed.snapshot_store().list() == []
