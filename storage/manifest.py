@@ -22,8 +22,8 @@ from storage.units import group_by_unit
 FORMAT_VERSION = 3
 """Manifest and index format (3: run identity, layout hash, manifest sha256 and writer epochs in the index)."""
 
-FOLDER = re.compile(r"^step-(\d{10})-([0-9a-f]{8}|[0-9a-f]{8}-[0-9a-f]{8})$")
-"""A snapshot folder: ``step-<step, 10 digits>-[<run tag>-]<attempt id>`` (hex)."""
+FOLDER = re.compile(r"^step-(\d{10})-(?:([0-9a-f]{8})-(\d{1,9})-)?[0-9a-f]{8}$")
+"""A snapshot folder: ``step-<step, 10 digits>-[<run tag, 8 hex>-<writer epoch>-]<attempt id, 8 hex>``."""
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -72,6 +72,12 @@ def shard_path(folder: str, unit: str) -> str:
     if not FOLDER.match(folder):
         raise ValueError(f"snapshot folder {folder!r} is not a step-<10 digits>-<hex> folder name")
     return f"{folder}/{check_name(unit, 'unit name')}.safetensors"
+
+
+def folder_writer(folder: str) -> tuple[str, int] | None:
+    """The run tag and writer epoch in a snapshot folder's name (None: written without an identity)."""
+    m = FOLDER.match(folder)
+    return (m.group(2), int(m.group(3))) if m and m.group(2) else None
 
 
 def folder_step(folder: str) -> int:
@@ -169,7 +175,9 @@ def manifest_problems(manifest: object, folder: str) -> list[str]:
     run = manifest["run"]
     if run is not None:
         try:
-            RunIdentity(**run) if isinstance(run, dict) else RunIdentity(run, "")
+            if not isinstance(run, dict):
+                raise TypeError("not an object")
+            RunIdentity(**run)
         except (TypeError, RunIdentityError) as exc:
             problems.append(f"run {run!r} is not a run identity ({exc})")
     if not isinstance(names, list) or not names or not isinstance(units, dict) or not units:

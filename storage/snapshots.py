@@ -4,8 +4,8 @@ Layout under a ``Storage`` root::
 
     index.json                         the commit point: committed snapshots (folder and the sha256 of
                                        its manifest), the writer epoch of each run, a generation count
-    step-0000000040-1a2b3c4d-1f2e3d4c/ one folder per attempt: step, run tag (sha256 of the run id),
-        embed.safetensors              attempt id. One shard per unit: embeddings, each transformer
+    step-0000000040-1a2b3c4d-2-1f2e3d4c/  one folder per attempt: step, run tag (sha256 of the run id),
+        embed.safetensors              writer epoch, attempt id. One shard per unit: embeddings, each
         layer.000.safetensors          layer, the final norm and the LM head (``storage.units.unit_of``)
         ...
         manifest.json                  written after every shard
@@ -53,6 +53,7 @@ from storage.manifest import (
     RunIdentity,
     check_name,
     folder_step,
+    folder_writer,
     index_entries,
     layout_of,
     layout_sha256,
@@ -274,8 +275,8 @@ class SnapshotStore:
 
     def _attempt_folder(self, step: int) -> str:
         """A folder name unique to this write attempt (never reused after a failed one), tagged with the run."""
-        tag = f"{self.identity.tag}-" if self.identity is not None else ""
-        return f"step-{step:010d}-{tag}{uuid.uuid4().hex[:8]}"
+        writer = f"{self.identity.tag}-{self.epoch}-" if self.identity is not None else ""
+        return f"step-{step:010d}-{writer}{uuid.uuid4().hex[:8]}"
 
     def _put_units(self, folder: str, state: Mapping[str, np.ndarray], units: Mapping[str, list[str]], step: int,
                    unit_steps: Mapping[str, int]) -> dict[str, dict]:
@@ -378,7 +379,8 @@ class SnapshotStore:
         """True for this run's snapshot folders (store-wide: every folder)."""
         if self.identity is None:
             return True
-        return folder.split("-")[2] == self.identity.tag if folder.count("-") == 3 else False
+        writer = folder_writer(folder)
+        return writer is not None and writer[0] == self.identity.tag
 
     def _retain(self, committed: SnapshotInfo) -> None:
         """Drop this run's snapshots beyond ``keep_last``, except ``committed`` (trusted: its shards'
@@ -402,8 +404,9 @@ class SnapshotStore:
         emptied = set()
         for path in self.storage.list():
             folder = path.split("/")[0]
-            if folder in indexed or not FOLDER.match(folder) or not self._owned(folder):
-                continue
+            writer = folder_writer(folder) if FOLDER.match(folder) else None
+            if folder in indexed or not FOLDER.match(folder) or not self._owned(folder) or (writer and writer[1] > self.epoch):
+                continue  # not a snapshot, still listed, another run's, or a newer incarnation's attempt
             if folder in drop or folder_step(folder) < newest:  # dropped, or a failed attempt's leftovers
                 try:
                     self.storage.delete(path)

@@ -96,8 +96,12 @@ def test_a_writer_of_an_older_epoch_is_fenced_and_cannot_roll_the_index_back(sto
     with pytest.raises(FencedError, match="epoch 2, this writer has 1"):
         old.write(20, state(20))
     assert storage.get(INDEX) == before  # the stray writer changed nothing committed
-    new.write(15, state(15))
-    assert [i.step for i in new.list()] == [10, 15]
+    newer_attempt = f"step-0000000001-{RUN_A.tag}-3-aaaaaaaa/embed.safetensors"  # a later incarnation, mid-write
+    storage.put(newer_attempt, b"in flight")
+    new.write(25, state(25))
+    assert [i.step for i in new.list()] == [10, 25]
+    folders = {p.split("/")[0] for p in storage.list() if p.startswith("step-")}
+    assert folders == {i.folder for i in new.list()} | {newer_attempt.split("/")[0]}  # the fenced step 20 is cleaned
     assert json.loads(storage.get(INDEX))["epochs"] == {"run-a": 2}
     assert SnapshotStore(storage, identity=RUN_B).claim_epoch() == 1  # epochs are per run
 
@@ -190,8 +194,17 @@ MALFORMED = {
                           "bytes '12' is not a count"),
     "names a string": (lambda m: {**m, "names": "model.norm.weight"}, "names must be a non-empty list"),
     "a list": (lambda m: [m], "the manifest is a list"),
+    "run a string": (lambda m: {**m, "run": "run-a"}, "run 'run-a' is not a run identity"),
+    "unit named ../../x": (lambda m: _escaping_unit(m), "unit '../../x': path"),
     "shape changed": (lambda m: _reshape(m), "layout_sha256 does not match"),
 }
+
+
+def _escaping_unit(m):
+    units = json.loads(json.dumps(m["units"]))
+    spec = units.pop("norm")
+    units["../../x"] = {**spec, "path": spec["path"].rsplit("/", 1)[0] + "/../../x.safetensors"}
+    return {**m, "units": units}
 
 
 def _reshape(m):
