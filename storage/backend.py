@@ -274,7 +274,8 @@ class Storage:
                 self.fs.pipe_file(self.path(rel), data, **cond)
             except OSError as exc:
                 cause = getattr(exc.__cause__, "response", None) or {}
-                if isinstance(exc, FileExistsError) or cause.get("Error", {}).get("Code") == "PreconditionFailed":
+                code = cause.get("Error", {}).get("Code")  # 409 ConditionalRequestConflict: a concurrent write; re-read
+                if isinstance(exc, FileExistsError) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
                     raise PreconditionFailedError(f"{self.url(rel)} changed since it was read") from exc
                 raise
             return
