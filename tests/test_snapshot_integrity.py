@@ -141,7 +141,7 @@ class GatedStorage(Storage):
 
 def test_an_index_write_that_completes_after_its_timeout_cannot_roll_the_index_back(storage):
     uri, options = storage.uri, storage.options
-    gated = GatedStorage(uri, retry=RetryPolicy(timeout_s=0.5, base_delay_s=0.01), **options)
+    gated = GatedStorage(uri, retry=RetryPolicy(timeout_s=2.0, base_delay_s=0.01), **options)
     slow, other = SnapshotStore(gated, identity=RUN_A), SnapshotStore(Storage(uri, **options), identity=RUN_B)
     slow.write(1, state(1))  # the first index write blocks, times out and is retried: committed
     other.write(2, state(2))  # another writer commits after it
