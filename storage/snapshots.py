@@ -385,6 +385,13 @@ class SnapshotStore:
     def _retain(self, committed: SnapshotInfo) -> None:
         """Drop this run's snapshots beyond ``keep_last``, except ``committed`` (trusted: its shards'
         hashes come from the bytes written) and the newest one that verifies; index first, then delete."""
+        drop, newest = self._to_drop(committed)
+        if drop:
+            self._update_index(lambda idx: [e for e in idx.entries if e["folder"] not in drop])  # index first
+        self._delete_unlisted(drop, newest)
+
+    def _to_drop(self, committed: SnapshotInfo) -> tuple[set[str], int]:
+        """The indexed folders of this run to retire, and the run's newest snapshot step."""
         own = [i for i in self.list() if self._owned(i.folder)]
         keep = {i.folder for i in own[-self.keep_last:]} | {committed.folder}
         for info in reversed(own):  # the newest that verifies, if newer than the one just committed
@@ -392,22 +399,22 @@ class SnapshotStore:
                 keep.add(info.folder)
                 break
         valid = {i.folder for i in own}
-        index, _ = self._read_index()
-        drop = {e["folder"] for e in index.entries if self._owned(e["folder"]) and e["folder"] not in keep
-                and (e["folder"] in valid or folder_step(e["folder"]) <= committed.step)}
-        if drop:
-            self._update_index(lambda idx: [e for e in idx.entries if e["folder"] not in drop])  # index first
-        remaining = self._list_all()
-        live = {u["path"].split("/")[0] for i in remaining for u in i.manifest["units"].values()}
+        drop = {e["folder"] for e in self._read_index()[0].entries if self._owned(e["folder"]) and e["folder"] not in keep
+                and (e["folder"] in valid or folder_step(e["folder"]) <= committed.step)}  # malformed: only older ones
+        return drop, max((i.step for i in own), default=committed.step)
+
+    def _delete_unlisted(self, drop: set[str], newest: int) -> None:
+        """Delete the objects of ``drop`` and the leftovers of this run's failed attempts older than
+        ``newest`` (of this writer's epoch or older), except shards a listed manifest references."""
+        live = {u["path"].split("/")[0] for i in self._list_all() for u in i.manifest["units"].values()}
         indexed = live | {e["folder"] for e in self._read_index()[0].entries}
-        newest = max((i.step for i in own), default=committed.step)
         emptied = set()
         for path in self.storage.list():
             folder = path.split("/")[0]
             writer = folder_writer(folder) if FOLDER.match(folder) else None
             if folder in indexed or not FOLDER.match(folder) or not self._owned(folder) or (writer and writer[1] > self.epoch):
                 continue  # not a snapshot, still listed, another run's, or a newer incarnation's attempt
-            if folder in drop or folder_step(folder) < newest:  # dropped, or a failed attempt's leftovers
+            if folder in drop or folder_step(folder) < newest:
                 try:
                     self.storage.delete(path)
                     emptied.add(folder)
