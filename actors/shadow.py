@@ -20,6 +20,7 @@ import ray
 import torch
 
 from policies.interval import SnapshotSchedule
+from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError, SnapshotStore
 from storage.steplog import StepLogReader, StepRecord
 from training.model import layout_sha256, load_model, parameter_layout, trainable_parameters
@@ -128,7 +129,7 @@ class ShadowActor:
         self.started_unix_s = time.time()
         params = trainable_parameters(load_model(spec.model, spec.cache_dir))
         try:
-            info, state, _ = spec.store.load_latest()
+            info, state, _ = spec.store.load_latest(layout=layout_of(params))
             load_into(params, state)
             self.base = {"source": "snapshot", "step": info.step}
         except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; replay the whole log

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from storage.backend import Storage
+from storage.manifest import RunIdentity
 from storage.snapshots import SnapshotStore
 from training.model import MODEL_NAMES
 
@@ -147,6 +148,9 @@ class JobConfig:
     hash_every: int = 0
     """Record the worker's and shadow's state sha256 every this many steps (0: only at the end)."""
     run_id: str = "run"
+    writer_epoch: int = 0
+    """This driver incarnation's writer epoch in the snapshot index (``SnapshotStore.claim_epoch``, set
+    by the controller at each start and ``--resume``); writers of an older one are fenced."""
     namespace: str = "raycheck"
     recovery_timeout_s: float = 600.0
     max_shadow_restarts: int = 10
@@ -239,8 +243,10 @@ class JobConfig:
         return dataclasses.replace(self, **changes)
 
     def snapshot_store(self) -> SnapshotStore:
-        """The run's snapshot store (built fresh: safe to call in any process)."""
-        return SnapshotStore(Storage(self.storage, **self.storage_options), keep_last=self.keep_snapshots)
+        """The run's snapshot store (built fresh: safe to call in any process): it writes and restores
+        only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``."""
+        return SnapshotStore(Storage(self.storage, **self.storage_options), keep_last=self.keep_snapshots,
+                             identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch)
 
     @property
     def remote_storage(self) -> bool:

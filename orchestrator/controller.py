@@ -308,6 +308,7 @@ class Controller:
 
     def _run(self) -> dict:
         cfg, run = self.cfg, self.run_dir
+        self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
         durable = len(read_records(run.step_log))
         if durable or run.markers.exists():  # a driver re-run of the same run id: the workers restore
             rows = run.read(run.metrics)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
+import fcntl
+import hashlib
 import logging
 import os
 import pathlib
@@ -47,6 +49,13 @@ class StorageTimeoutError(StorageError, TimeoutError):
 
 class StorageUnavailableError(StorageError):
     """The circuit breaker is open (too many operations failed in a row): the call was refused untried."""
+
+
+class PreconditionFailedError(FileExistsError):
+    """A conditional put found other bytes than expected (someone else wrote the object first)."""
+
+
+_MEMORY_LOCK = threading.Lock()  # memory:// objects live in this process: one lock makes compare-and-put atomic
 
 
 NOT_RETRIED = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, ValueError)
@@ -356,6 +365,68 @@ class Storage:
                 pass
 
         self._call(f"delete {self.url(rel)}", rm)
+
+
+    # -- conditional writes ----------------------------------------------------------------------
+    def put_if_match(self, rel: str, data: bytes, expected: bytes | None) -> None:
+        """Write ``data`` as object ``rel`` only if the object still holds ``expected`` (None: only if
+        it does not exist): a compare-and-swap, atomic against every other writer that uses it.
+
+        How: S3, a conditional PUT (``If-Match`` with the MD5 ETag of ``expected``, which holds for
+        single-part uploads without SSE-KMS; ``If-None-Match: *`` to create); local disk, compare and
+        rename under an exclusive ``flock`` of the folder (writers on one host, or an NFS that honours
+        flock); memory, a process-wide lock. A call that timed out here but completes later fails its
+        comparison instead of overwriting a newer object.
+
+        Raises:
+            PreconditionFailedError: the object holds other bytes (not retried).
+            StorageError: as ``put``.
+        """
+        self._call(f"conditional put {self.url(rel)}", self._put_if_match, rel, data, expected)
+
+    def _put_if_match(self, rel: str, data: bytes, expected: bytes | None) -> None:
+        if self.protocol == "s3":
+            cond = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": f'"{hashlib.md5(expected).hexdigest()}"'}
+            try:
+                self.fs.pipe_file(self.path(rel), data, **cond)
+            except OSError as exc:
+                cause = getattr(exc.__cause__, "response", None) or {}
+                code = cause.get("Error", {}).get("Code")  # 409 ConditionalRequestConflict: a concurrent write; re-read
+                if isinstance(exc, FileExistsError) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    raise PreconditionFailedError(f"{self.url(rel)} changed since it was read") from exc
+                raise
+            return
+        if self.protocol == "memory":
+            with _MEMORY_LOCK:
+                self._compare(rel, expected)
+                self.fs.pipe_file(self.path(rel), data)
+            return
+        folder = os.path.dirname(self.path(rel))
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._compare(rel, expected)
+            self._put(rel, data)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _compare(self, rel: str, expected: bytes | None) -> None:
+        try:
+            current = self.fs.cat_file(self.path(rel))
+        except FileNotFoundError:
+            current = None
+        if current != expected:
+            raise PreconditionFailedError(f"{self.url(rel)} changed since it was read")
+
+    def remove_empty_folder(self, rel: str) -> None:
+        """Remove the local folder ``rel`` if it is empty (object stores have no folders: no-op)."""
+        if self.protocol != "file":
+            return
+        try:
+            os.rmdir(self.path(rel))
+        except OSError:  # not empty (e.g. another writer's new object), or already gone
+            pass
 
 
 def _rebuild(uri: str, retry: RetryPolicy, options: dict) -> Storage:

@@ -20,8 +20,9 @@ Layout under a ``Storage`` (shared with the run's ``SnapshotStore``, which owns 
     diffs/0000000040-0000000043-1f2e3d4c.commit.json      written after the batch: its size, sha256,
                                                           steps, encoding and tensor shapes
 
-Commit rules: a batch counts only when its commit record exists, and it is trusted only after its
-size and sha256 match (``read``); names are unique per attempt, so a restarted run never writes into
+Commit rules: a batch counts only when its commit record exists and names its own batch object
+(``<same stem>.safetensors``: a record pointing anywhere else is skipped), and it is trusted only
+after its size and sha256 match (``read``); names are unique per attempt, so a restarted run never writes into
 what a failed attempt left. A gap or a corrupt batch never yields a wrong state: an explicit
 replay to a step raises ``DiffGapError`` / ``DiffCorruptError`` naming the steps; an open-ended
 replay (recovery) stops before the first missing or corrupt step and reports it, and the steps after
@@ -189,6 +190,9 @@ class DiffStore:
                 r = json.loads(self.storage.get(path))
                 if r.get("format") != FORMAT or r.get("encoding") not in ENCODINGS:
                     raise ValueError(f"format {r.get('format')!r}, encoding {r.get('encoding')!r}")
+                own = path.removesuffix(".commit.json") + ".safetensors"
+                if r.get("path") != own:  # never read an object elsewhere, inside the store or not
+                    raise ValueError(f"path {r.get('path')!r} is not its own batch ({own})")
                 batches.append(DiffBatch(int(r["first_step"]), int(r["last_step"]), r["path"], int(r["bytes"]), r["sha256"],
                                          r["encoding"], float(r["topk_ratio"]), dict(r["tensors"]), path))
             except FileNotFoundError:

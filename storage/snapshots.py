@@ -2,24 +2,32 @@
 
 Layout under a ``Storage`` root::
 
-    index.json                         committed snapshots, newest last (the commit point)
-    step-0000000040-1f2e3d4c/          one folder per attempt (attempt-unique suffix)
-        embed.safetensors              one shard per unit: embeddings, each transformer layer,
-        layer.000.safetensors          the final norm and the LM head (``storage.units.unit_of``)
+    index.json                         the commit point: committed snapshots (folder and the sha256 of
+                                       its manifest), the writer epoch of each run, a generation count
+    step-0000000040-1a2b3c4d-2-1f2e3d4c/  one folder per attempt: step, run tag (sha256 of the run id),
+        embed.safetensors              writer epoch, attempt id. One shard per unit: embeddings, each
+        layer.000.safetensors          layer, the final norm and the LM head (``storage.units.unit_of``)
         ...
         manifest.json                  written after every shard
 
-Manifest (format 2): ``step`` (the state's step), ``names`` (canonical tensor order), ``config`` (run config hash, layout hash), and ``units``: for each unit its shard's
-``path`` (relative to the root, so a composite snapshot may reference shards of older snapshots),
-``bytes``, ``sha256``, the ``step`` that unit's tensors belong to, and each tensor's dtype and shape.
+Manifest (format 3, ``storage.manifest``): ``step`` (the state's step, equal to the folder's),
+``run`` (run id and trajectory sha256; null for a merge result or a store-wide tool), ``layout_sha256``
+(names, dtypes, shapes), ``names`` (canonical tensor order), ``config``, and ``units``: for each unit
+its shard's ``path`` (``<snapshot folder>/<unit>.safetensors``; a composite references shards of older
+snapshots), ``bytes``, ``sha256``, the ``step`` that unit's tensors belong to (at most the snapshot's),
+and each tensor's dtype and shape.
 
 Commit protocol (``shared/notes/domain.md``, "Storage commit rules"): shards are written under a
 folder unique to the attempt; the manifest is written after every shard; then the index is
-rewritten to include the snapshot: that is the commit point. Retention writes the new index
-first and only then deletes snapshots that left it, never the newest one and never a shard that a
-kept manifest references. A crash at any point leaves the previous index valid, and everything it
-lists intact. Readers trust nothing they have not verified: ``load`` checks sizes and sha256 of
-every shard before parsing it.
+rewritten to include the snapshot and its manifest's sha256: that is the commit point. Index writes
+are compare-and-swap (``Storage.put_if_match``) and fenced: each run has a writer epoch in the index,
+raised by ``claim_epoch`` at each driver incarnation, and a writer whose epoch is older than the
+index's raises ``FencedError`` instead of writing. Retention writes the new index first and only then
+deletes snapshots that left it, only its own run's, never the one just committed, never the newest
+one that verifies, and never a shard that a kept manifest references. A crash at any point leaves the
+previous index valid, and everything it lists intact. Readers trust nothing they have not verified:
+``list`` checks each manifest's sha256 against the index and its schema; ``load`` checks sizes and
+sha256 of every shard before parsing it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,14 +46,29 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from storage.backend import Storage
+from storage.backend import PreconditionFailedError, Storage, StorageError
+from storage.manifest import (
+    FOLDER,
+    FORMAT_VERSION,
+    RunIdentity,
+    check_name,
+    folder_step,
+    folder_writer,
+    index_entries,
+    layout_of,
+    layout_sha256,
+    manifest_layout,
+    manifest_problems,
+    shard_path,
+)
 from storage.units import group_by_unit
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 INDEX = "index.json"
+INDEX_ATTEMPTS = 8
+"""Compare-and-swap rounds of one index update before giving up (each lost round means another writer won)."""
 
 
 class SnapshotCorruptError(Exception):
@@ -54,6 +77,11 @@ class SnapshotCorruptError(Exception):
 
 class NoSnapshotError(Exception):
     """No complete, verified snapshot could be loaded; the message lists what was tried."""
+
+
+class FencedError(Exception):
+    """This writer's epoch is older than its run's epoch in the index: a newer driver incarnation
+    owns the run's snapshots, so this writer (a stray one of a dead driver) must stop."""
 
 
 @dataclass(frozen=True)
@@ -75,16 +103,34 @@ class SnapshotInfo:
         return sum(u["bytes"] for u in self.manifest["units"].values() if u["path"].startswith(self.folder + "/"))
 
 
+class _Index(NamedTuple):
+    raw: bytes | None
+    """The index's bytes as read (None: no index yet): the expected value of the next conditional write."""
+    entries: list[dict]
+    epochs: dict[str, int]
+    generation: int
+
+
 class SnapshotStore:
-    """The snapshots of one run in a ``Storage`` (local disk, S3 or memory).
+    """The snapshots in a ``Storage`` (local disk, S3 or memory), seen by one run or store-wide.
 
     Args:
         storage: a ``Storage`` or a URI for one.
-        keep_last: committed snapshots to keep (>= 1).
+        keep_last: committed snapshots of this run to keep (>= 1).
         parallel_puts: shards uploaded concurrently (bounds the serialised bytes held in memory).
+        identity: the run this store writes and restores for. With it, manifests record it, ``list``
+            and restores take only this run's snapshots and merge results (the others are named in
+            ``skipped`` as foreign), and retention touches only this run's. None: a store-wide
+            tool (inspect, verify, merge, benchmarks) that sees every snapshot.
+        epoch: this writer's epoch (see ``claim_epoch``); index writes are refused with
+            ``FencedError`` once the index holds a newer one for the run.
+        layout: the run's parameter layout (``storage.manifest.layout_of``): every write must cover
+            it exactly, every restore must match it. None: with an identity, writes must match the
+            run's newest snapshot; without one, only empty states are refused.
     """
 
-    def __init__(self, storage: Storage | str, keep_last: int = 3, parallel_puts: int = 4) -> None:
+    def __init__(self, storage: Storage | str, keep_last: int = 3, parallel_puts: int = 4, *,
+                 identity: RunIdentity | None = None, epoch: int = 0, layout: list[list] | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if parallel_puts < 1:
@@ -92,10 +138,27 @@ class SnapshotStore:
         self.storage = storage if isinstance(storage, Storage) else Storage(storage)
         self.keep_last = keep_last
         self.parallel_puts = parallel_puts
+        self.identity, self.epoch, self.layout = identity, epoch, layout
         self.skipped: list[str] = []
-        """Snapshots the last ``list()`` skipped, with the reason (e.g. an indexed one whose manifest is gone)."""
+        """Snapshots the last ``list()`` skipped, with the reason (malformed, altered, foreign)."""
 
     # -- writing ------------------------------------------------------------------------------
+    def claim_epoch(self) -> int:
+        """Start a new writer epoch for this run (once per driver incarnation) and return it: from
+        now on, writers of the run with an older epoch are fenced. The new epoch is one more than the
+        newest the index holds for the run. Raises ``ValueError`` without an identity,
+        ``storage.backend.StorageError`` when the index cannot be written."""
+        if self.identity is None:
+            raise ValueError("claim_epoch needs a run identity")
+        start = self.epoch
+
+        def bump(index: _Index) -> list[dict]:
+            self.epoch = max(start, index.epochs.get(self.identity.run_id, 0)) + 1
+            return index.entries
+
+        self._update_index(bump)
+        return self.epoch
+
     def write(
         self,
         step: int,
@@ -107,12 +170,21 @@ class SnapshotStore:
 
         ``unit_steps`` gives the step of units whose tensors are older than ``step`` (a composite
         state); by default every unit belongs to ``step``. Returns once committed.
-        Raises ``storage.backend.StorageError`` (nothing partial is ever listed).
+
+        Raises:
+            ValueError: ``state`` is empty, does not cover the run's layout, has an unsafe name, or a
+                unit step is after ``step`` (nothing is written).
+            FencedError: a newer incarnation of the run owns the index (nothing is committed).
+            storage.backend.StorageError: a write failed (nothing partial is ever listed).
         """
-        previous = self.list()
-        folder = _attempt_folder(step)
-        units = self._put_units(folder, state, group_by_unit(list(state)), step, unit_steps or {})
-        return self._commit(previous, folder, step, list(state), config, units)
+        units = group_by_unit(list(state))
+        bad_steps = {u: s for u, s in (unit_steps or {}).items() if u not in units or not 0 <= s <= step}
+        if bad_steps:
+            raise ValueError(f"unit steps {bad_steps} name no unit of the state or are not in 0..{step}")
+        self._check_layout(step, layout_of(state))
+        folder = self._attempt_folder(step)
+        written = self._put_units(folder, state, units, step, unit_steps or {})
+        return self._commit(folder, step, list(state), config, written)
 
     def write_units(
         self,
@@ -120,6 +192,7 @@ class SnapshotStore:
         changed: Mapping[str, np.ndarray],
         names: Sequence[str],
         config: Mapping | None = None,
+        full_state: Mapping[str, np.ndarray] | None = None,
     ) -> SnapshotInfo:
         """Commit the state of ``step`` incrementally: the units of ``changed`` get new shards, every
         other unit of the layout ``names`` (canonical tensor order) references the newest committed
@@ -127,17 +200,23 @@ class SnapshotStore:
         threshold). The manifest lists every unit, so the newest snapshot is always a complete
         composite state; ``manifest["units"][u]["step"]`` is the step unit ``u`` belongs to.
 
+        A referenced shard is verified (size and sha256) first: one that fails is never referenced;
+        its unit is rewritten from ``full_state`` when given (then it belongs to ``step``).
+
         Args:
             step: the state's step (>= the newest committed snapshot's).
             changed: name -> array for whole units; may be empty (a new manifest over old shards).
             names: every tensor name of the layout, in canonical order.
             config: recorded in the manifest.
+            full_state: the whole state of ``step`` (name -> array), to rewrite units whose
+                committed shard fails verification.
 
         Raises:
             ValueError: ``changed`` holds part of a unit or names outside ``names``; a unit not in
-                ``changed`` has no committed version, or the committed one holds other tensors;
-                ``step`` is older than the newest committed snapshot.
-            storage.backend.StorageError: a write failed after retries (nothing is committed).
+                ``changed`` has no committed version, the committed one holds other tensors, or its
+                shard fails verification and ``full_state`` is not given; ``step`` is older than the
+                newest committed snapshot.
+            FencedError, storage.backend.StorageError: as ``write``.
         """
         layout = group_by_unit(names)
         new_units = group_by_unit(changed)
@@ -147,20 +226,57 @@ class SnapshotStore:
         base = previous[-1] if previous else None
         if base is not None and base.step > step:
             problems.append(f"step {step} is older than the newest committed snapshot (step {base.step})")
-        for unit, unit_names in layout.items():
+        referenced = [u for u in layout if u not in new_units]
+        for unit in referenced:
             spec = base.manifest["units"].get(unit) if base is not None else None
-            if unit in new_units:
-                continue
             if spec is None:
                 problems.append(f"unit {unit} is not in the new tensors and has no committed version to reference")
-            elif list(spec["tensors"]) != unit_names:
+            elif list(spec["tensors"]) != layout[unit]:
                 problems.append(f"unit {unit}: the committed version ({base.folder}) holds other tensors than the layout")
         if problems:
             raise ValueError("cannot write the composite snapshot of step %d:\n  %s" % (step, "\n  ".join(problems)))
-        folder = _attempt_folder(step)
-        written = self._put_units(folder, changed, new_units, step, {})
+        rewrite = self._failing_units(base, referenced) if base is not None else {}
+        if rewrite and full_state is None:
+            raise ValueError(f"cannot reference the committed shards of step {base.step}: " + "; ".join(rewrite.values()))
+        for unit, problem in rewrite.items():
+            log.warning("rewriting unit %s instead of referencing a shard that failed verification: %s", unit, problem)
+        state = {**changed, **{n: full_state[n] for u in rewrite for n in layout[u]}}
+        committed = {n: t for u in base.manifest["units"].values() for n, t in u["tensors"].items()} if base else {}
+        self._check_layout(step, [[n, state[n].dtype.str, list(state[n].shape)] if n in state
+                                  else [n, committed[n]["dtype"], committed[n]["shape"]] for n in names])
+        folder = self._attempt_folder(step)
+        written = self._put_units(folder, state, group_by_unit(state), step, {})
         units = {u: written[u] if u in written else base.manifest["units"][u] for u in layout}
-        return self._commit(previous, folder, step, list(names), config, units)
+        return self._commit(folder, step, list(names), config, units)
+
+    def _failing_units(self, base: SnapshotInfo, units: list[str]) -> dict[str, str]:
+        """unit -> problem, for the units of ``base`` whose shard fails verification."""
+        return {u: problem for u, (_, problem) in zip(units, self._read_units(base, units)) if problem}
+
+    def _check_layout(self, step: int, layout: list[list]) -> None:
+        """Refuse a state that is empty, has unsafe names, or does not cover the run's layout."""
+        if not layout:
+            raise ValueError(f"refusing to write an empty snapshot of step {step}: a snapshot must hold the whole state")
+        for name, _, _ in layout:
+            check_name(name, "tensor name")
+        for unit in group_by_unit(n for n, _, _ in layout):
+            check_name(unit, "unit name")
+        expected, source = self.layout, "the run's layout"
+        if expected is None and self.identity is not None:  # a run's layout does not change
+            own = [i for i in self.list() if self._owned(i.folder)]
+            expected, source = (manifest_layout(own[-1].manifest), f"the layout of snapshot {own[-1].folder}") if own else (None, "")
+        if expected is not None and layout != expected:
+            first = next(i for i in range(max(len(layout), len(expected)))
+                         if i >= len(layout) or i >= len(expected) or layout[i] != expected[i])
+            got, want = (x[first] if first < len(x) else "nothing" for x in (layout, expected))
+            raise ValueError(
+                f"refusing the snapshot of step {step}: it does not cover {source} ({len(layout)} tensors, "
+                f"{len(expected)} expected; tensor #{first} is {got}, expected {want}); write the whole state of the run's model")
+
+    def _attempt_folder(self, step: int) -> str:
+        """A folder name unique to this write attempt (never reused after a failed one), tagged with the run."""
+        writer = f"{self.identity.tag}-{self.epoch}-" if self.identity is not None else ""
+        return f"step-{step:010d}-{writer}{uuid.uuid4().hex[:8]}"
 
     def _put_units(self, folder: str, state: Mapping[str, np.ndarray], units: Mapping[str, list[str]], step: int,
                    unit_steps: Mapping[str, int]) -> dict[str, dict]:
@@ -169,7 +285,7 @@ class SnapshotStore:
         with concurrent.futures.ThreadPoolExecutor(self.parallel_puts, thread_name_prefix="snapshot-put") as pool:
             for unit, names in units.items():
                 blob = st_save({n: np.ascontiguousarray(state[n]) for n in names})
-                path = f"{folder}/{unit}.safetensors"
+                path = shard_path(folder, unit)
                 in_flight.append(pool.submit(self.storage.put, path, blob))  # hashing below overlaps the upload
                 entries[unit] = {
                     "path": path,
@@ -185,70 +301,179 @@ class SnapshotStore:
                 future.result()
         return entries
 
-    def _commit(self, previous: list[SnapshotInfo], folder: str, step: int, names: list[str], config: Mapping | None,
+    def _commit(self, folder: str, step: int, names: list[str], config: Mapping | None,
                 units: dict[str, dict]) -> SnapshotInfo:
         """Write the manifest (after every shard), then the index (the commit point), then retain."""
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
             "created_unix_s": time.time(),
+            "run": self.identity.as_dict() if self.identity is not None else None,
             "names": names,
             "config": dict(config or {}),
             "units": units,
         }
-        self.storage.put(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        manifest["layout_sha256"] = layout_sha256(manifest_layout(manifest))
+        blob = json.dumps(manifest, indent=1).encode()
+        self.storage.put(f"{folder}/{MANIFEST}", blob)
+        entry = {"folder": folder, "manifest_sha256": hashlib.sha256(blob).hexdigest()}
+        self._update_index(lambda index: [e for e in index.entries if e["folder"] != folder] + [entry])
         info = SnapshotInfo(step, folder, manifest)
-        committed = previous + [info]
-        self._write_index(committed)
-        self._retain(committed)
+        self._retain(info)
         return info
 
-    def _write_index(self, infos: list[SnapshotInfo]) -> None:
-        body = {"format_version": FORMAT_VERSION, "snapshots": [i.folder for i in sorted(infos, key=_order)]}
-        self.storage.put(INDEX, json.dumps(body, indent=1).encode())
+    # -- the index ----------------------------------------------------------------------------
+    def _read_index(self) -> tuple[_Index, str | None]:
+        """The index and the problem with it (None when it is well-formed). Without an index nothing
+        is committed; an unreadable or malformed one is replaced by a scan for manifests (their
+        sha256 then cannot be checked, and every writer epoch is forgotten)."""
+        try:
+            raw = self.storage.get(INDEX)
+        except FileNotFoundError:
+            return _Index(None, [], {}, 0), None
+        try:
+            body = json.loads(raw)
+            return _Index(raw, index_entries(body), body["epochs"], body["generation"]), None
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            problem = f"{INDEX}: malformed ({exc}); scanning for manifests"
+            folders = sorted({p.split("/")[0] for p in self.storage.list() if p.endswith("/" + MANIFEST)})
+            return _Index(raw, [{"folder": f, "manifest_sha256": None} for f in folders if FOLDER.match(f)], {}, 0), problem
 
-    def _retain(self, committed: list[SnapshotInfo]) -> None:
-        ordered = sorted(committed, key=_order)
-        keep, drop = ordered[-self.keep_last:], ordered[: -self.keep_last]
-        live = {u["path"].split("/")[0] for i in keep for u in i.manifest["units"].values()} | {i.folder for i in keep}
+    def _update_index(self, change: Callable[[_Index], list[dict]]) -> None:
+        """Rewrite the index with the entries ``change`` returns for the current one, by compare-and-swap
+        (re-read and redone when another writer won the race), fenced by this run's epoch.
+
+        Raises:
+            FencedError: the index holds a newer epoch for this run.
+            storage.backend.StorageError: the put failed, or the index kept changing.
+        """
+        for _ in range(INDEX_ATTEMPTS):
+            index, _ = self._read_index()
+            entries = change(index)
+            epochs = dict(index.epochs)
+            if self.identity is not None:
+                run = self.identity.run_id
+                if epochs.get(run, 0) > self.epoch:
+                    raise FencedError(
+                        f"{self.storage.url(INDEX)}: run {run} is at writer epoch {epochs[run]}, this writer has "
+                        f"{self.epoch}: a newer incarnation of the run owns its snapshots; this writer must stop")
+                epochs[run] = self.epoch
+            body = {"format_version": FORMAT_VERSION, "generation": index.generation + 1, "epochs": epochs,
+                    "snapshots": [{"folder": e["folder"], "manifest_sha256": e["manifest_sha256"] or self._manifest_sha(e["folder"])}
+                                  for e in entries]}
+            data = json.dumps(body, indent=1).encode()
+            try:
+                self.storage.put_if_match(INDEX, data, index.raw)
+                return
+            except PreconditionFailedError:
+                if self.storage.get(INDEX) == data:  # a timed-out try of ours that landed: done
+                    return
+                log.info("%s changed while it was rewritten; retrying", self.storage.url(INDEX))
+        raise StorageError(f"{self.storage.url(INDEX)} changed {INDEX_ATTEMPTS} times while being rewritten; giving up")
+
+    def _manifest_sha(self, folder: str) -> str:
+        return hashlib.sha256(self.storage.get(f"{folder}/{MANIFEST}")).hexdigest()
+
+    # -- retention ----------------------------------------------------------------------------
+    def _owned(self, folder: str) -> bool:
+        """True for this run's snapshot folders (store-wide: every folder)."""
+        if self.identity is None:
+            return True
+        writer = folder_writer(folder)
+        return writer is not None and writer[0] == self.identity.tag
+
+    def _retain(self, committed: SnapshotInfo) -> None:
+        """Drop this run's snapshots beyond ``keep_last``, except ``committed`` (trusted: its shards'
+        hashes come from the bytes written) and the newest one that verifies; index first, then delete."""
+        drop, newest = self._to_drop(committed)
         if drop:
-            self._write_index(keep)  # the index moves first: a crash now leaves only unlisted folders
-        newest = ordered[-1].step
+            self._update_index(lambda idx: [e for e in idx.entries if e["folder"] not in drop])  # index first
+        self._delete_unlisted(drop, newest)
+
+    def _to_drop(self, committed: SnapshotInfo) -> tuple[set[str], int]:
+        """The indexed folders of this run to retire, and the run's newest snapshot step."""
+        own = [i for i in self.list() if self._owned(i.folder)]
+        keep = {i.folder for i in own[-self.keep_last:]} | {committed.folder}
+        for info in reversed(own):  # the newest that verifies, if newer than the one just committed
+            if info.folder == committed.folder or not self.verify(info):
+                keep.add(info.folder)
+                break
+        valid = {i.folder for i in own}
+        drop = {e["folder"] for e in self._read_index()[0].entries if self._owned(e["folder"]) and e["folder"] not in keep
+                and (e["folder"] in valid or folder_step(e["folder"]) <= committed.step)}  # malformed: only older ones
+        return drop, max((i.step for i in own), default=committed.step)
+
+    def _delete_unlisted(self, drop: set[str], newest: int) -> None:
+        """Delete the objects of ``drop`` and the leftovers of this run's failed attempts older than
+        ``newest`` (of this writer's epoch or older), except shards a listed manifest references."""
+        live = {u["path"].split("/")[0] for i in self._list_all() for u in i.manifest["units"].values()}
+        indexed = live | {e["folder"] for e in self._read_index()[0].entries}
+        emptied = set()
         for path in self.storage.list():
             folder = path.split("/")[0]
-            if folder in live or not folder.startswith("step-"):
-                continue
-            if any(d.folder == folder for d in drop) or int(folder.split("-")[1]) < newest:
+            writer = folder_writer(folder) if FOLDER.match(folder) else None
+            if folder in indexed or not FOLDER.match(folder) or not self._owned(folder) or (writer and writer[1] > self.epoch):
+                continue  # not a snapshot, still listed, another run's, or a newer incarnation's attempt
+            if folder in drop or folder_step(folder) < newest:
                 try:
                     self.storage.delete(path)
+                    emptied.add(folder)
                 except OSError as exc:
                     log.warning("retention could not delete %s: %s", path, exc)
+        for folder in emptied:
+            self.storage.remove_empty_folder(folder)
 
     # -- reading ------------------------------------------------------------------------------
-    def list(self) -> list[SnapshotInfo]:
-        """Committed snapshots, oldest first. Uses the index; without a readable index, scans for
-        manifests. Entries whose manifest is missing or unreadable are skipped with a warning."""
-        try:
-            folders = json.loads(self.storage.get(INDEX))["snapshots"]
-        except FileNotFoundError:
-            folders = sorted({p.split("/")[0] for p in self.storage.list() if p.endswith("/" + MANIFEST)})
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
-            log.warning("%s: unreadable index (%s); scanning for manifests", self.storage.url(INDEX), exc)
-            folders = sorted({p.split("/")[0] for p in self.storage.list() if p.endswith("/" + MANIFEST)})
-        infos, self.skipped = [], []
-        for folder in folders:
+    def _list_all(self) -> list[SnapshotInfo]:
+        """Every committed snapshot whose manifest checks out, oldest first; sets ``skipped``."""
+        index, problem = self._read_index()
+        infos, self.skipped = [], [problem] if problem else []
+        for entry in index.entries:
+            folder = entry["folder"]
             try:
-                manifest = json.loads(self.storage.get(f"{folder}/{MANIFEST}"))
-                if manifest.get("format_version") != FORMAT_VERSION:
-                    raise ValueError(f"format {manifest.get('format_version')}, expected {FORMAT_VERSION}")
-                infos.append(SnapshotInfo(int(manifest["step"]), folder, manifest))
+                blob = self.storage.get(f"{folder}/{MANIFEST}")
             except FileNotFoundError:
                 self.skipped.append(f"{folder}/{MANIFEST}: missing")
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+                continue
+            if entry["manifest_sha256"] and hashlib.sha256(blob).hexdigest() != entry["manifest_sha256"]:
+                self.skipped.append(f"{folder}/{MANIFEST}: sha256 differs from the index (altered after its commit)")
+                continue
+            try:
+                manifest = json.loads(blob)
+            except (ValueError, UnicodeDecodeError) as exc:
                 self.skipped.append(f"{folder}/{MANIFEST}: unreadable ({exc})")
+                continue
+            problems = manifest_problems(manifest, folder)
+            if problems:
+                self.skipped.append(f"{folder}/{MANIFEST}: malformed: {'; '.join(problems[:3])}")
+                continue
+            infos.append(SnapshotInfo(manifest["step"], folder, manifest))
+        return sorted(infos, key=_order)
+
+    def list(self) -> list[SnapshotInfo]:
+        """Committed snapshots, oldest first: with an identity this run's and merge results, else
+        every one. A snapshot whose manifest is missing, altered since its commit (sha256 in the
+        index), malformed, or lies about its step, and (with an identity) another run's, is skipped;
+        ``skipped`` names each with the reason. Never raises for what the store holds (only
+        ``storage.backend.StorageError`` when storage fails)."""
+        infos, foreign = [], []
+        for info in self._list_all():
+            reason = self._foreign(info)
+            (foreign if reason else infos).append(reason or info)
         for problem in self.skipped:
             log.warning("snapshot skipped: %s", problem)
-        return sorted(infos, key=_order)
+        for reason in foreign:
+            log.info("snapshot skipped: %s", reason)
+        self.skipped += foreign
+        return infos
+
+    def _foreign(self, info: SnapshotInfo) -> str | None:
+        """Why ``info`` is not this run's to restore (None: it is, or a merge result, or no identity)."""
+        run = info.manifest["run"]
+        if self.identity is None or run == self.identity.as_dict() or (run is None and "merge" in info.manifest["config"]):
+            return None
+        who = f"foreign run {run['run_id']} (trajectory {run['trajectory_sha256'][:12]})" if run else "no run identity"
+        return f"{info.folder}: {who}, not run {self.identity.run_id} (trajectory {self.identity.trajectory_sha256[:12]})"
 
     def verify(self, info: SnapshotInfo) -> list[str]:
         """Problems with ``info``'s shards (empty when every size and sha256 matches)."""
@@ -295,16 +520,25 @@ class SnapshotStore:
         tensors = self.load_units(info, list(info.manifest["units"]))
         return {n: tensors[n] for n in info.manifest["names"]}
 
-    def load_latest(self, max_step: int | None = None) -> Loaded:
-        """The newest snapshot (at most ``max_step``) that verifies; corrupt ones are skipped, logged
-        and listed in ``Loaded.skipped``.
+    def load_latest(self, max_step: int | None = None, layout: list[list] | None = None) -> Loaded:
+        """The newest snapshot (at most ``max_step``) that verifies and has ``layout`` (default: the
+        store's; ``storage.manifest.layout_of`` of the model restored into). Snapshots that are
+        corrupt, malformed, foreign or of another layout are skipped, logged and listed in
+        ``Loaded.skipped``.
 
         Raises:
             NoSnapshotError: none loads; the message names each snapshot tried and why it failed.
         """
-        tried = []
-        for info in reversed(self.list()):
+        expected = layout if layout is not None else self.layout
+        infos = self.list()
+        tried = list(self.skipped)
+        for info in reversed(infos):
             if max_step is not None and info.step > max_step:
+                continue
+            if expected is not None and manifest_layout(info.manifest) != expected:
+                tried.append(f"snapshot {info.folder}: its layout ({len(info.manifest['names'])} tensors, "
+                             f"{info.manifest['layout_sha256'][:12]}) differs from the model's ({len(expected)} tensors, "
+                             f"{layout_sha256(expected)[:12]}): a snapshot of another model")
                 continue
             try:
                 return Loaded(info, self.load(info), tried)
@@ -320,11 +554,6 @@ class Loaded(NamedTuple):
     info: SnapshotInfo
     state: dict[str, np.ndarray]
     skipped: list[str]
-
-
-def _attempt_folder(step: int) -> str:
-    """A folder name unique to this write attempt (never reused after a failed one)."""
-    return f"step-{step:010d}-{uuid.uuid4().hex[:8]}"
 
 
 def _order(info: SnapshotInfo) -> tuple:

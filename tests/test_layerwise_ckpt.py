@@ -147,3 +147,30 @@ def test_write_units_refuses_an_incomplete_composite(tmp_path):
         store.write_units(1, {}, names)
     info = store.write_units(3, {"model.norm.weight": np.zeros(3, np.float32)}, names)
     assert unit_steps(info) == {"layer.000": 2, "norm": 3} and store.load(info)["model.norm.weight"].tolist() == [0, 0, 0]
+
+
+def test_a_unit_whose_committed_shard_fails_verification_is_rewritten_not_referenced(encoder, data, tmp_path):
+    store = SnapshotStore(str(tmp_path), keep_last=1)
+    trainer = make_trainer(encoder)
+    ckpt = LayerwiseCheckpointer(store, 2, LayerwiseConfig(threshold=1e9, staleness_bound_steps=1000))  # nothing passes
+    states = {}
+
+    def after(done: int) -> None:
+        ckpt.after_step(done, trainer.state_view)
+        states[done] = copy_state(trainer.state_view())
+        if done == 2:  # step 2's composite is committed; then its embedding shard rots
+            assert ckpt.flush(60)
+            shard = store.list()[-1].manifest["units"]["embed"]["path"]
+            blob = bytearray(store.storage.get(shard))
+            blob[len(blob) // 2] ^= 1
+            store.storage.put(shard, bytes(blob))
+
+    train(trainer, data[0], 0, 4, after=after)
+    stats = ckpt.close(60)
+    [info] = store.list()  # keep_last 1: step 2 is retired, and nothing references its rotten shard
+    assert info.step == 4 and unit_steps(info) == {"embed": 4, "layer.000": 2, "layer.001": 2, "norm": 2}
+    assert stats["errors"] == [] and stats["units_written"] == {"embed": 2, "layer.000": 1, "layer.001": 1, "norm": 1}
+    restored = store.load_latest().state
+    assert unit_sha(restored, "embed") == unit_sha(states[4], "embed")
+    for unit in ("layer.000", "layer.001", "norm"):
+        assert unit_sha(restored, unit) == unit_sha(states[2], unit)

@@ -12,7 +12,8 @@ The training loop only stages a copy of the state (its one stall, as for an asyn
 checkpoint; on this CPU-only setup a memory copy costs less than measuring the change in float64 in
 the loop). A background thread measures, selects and writes the selected units' weights, Adam
 moments and step counts through ``SnapshotStore.write_units``: one committed composite snapshot
-per check, whose manifest references the older shards of the units not rewritten. Restore loads the
+per check, whose manifest references the older shards of the units not rewritten (each verified
+first: a unit whose shard fails verification is rewritten from the staged copy). Restore loads the
 newest committed snapshot like any other (``SnapshotStore.load_latest``); its units may come from
 different steps.
 
@@ -103,9 +104,10 @@ class LayerwiseCheckpointer:
             self.reasons[s.reason.value] = self.reasons.get(s.reason.value, 0) + 1
         t0 = time.perf_counter()
         changed = {n: staged[n] for u in decision.units for n in layout[u]}
-        info = self.store.write_units(step, changed, list(staged), config=self.config)
+        info = self.store.write_units(step, changed, list(staged), config=self.config, full_state=staged)
         self.write_seconds.append(time.perf_counter() - t0)
-        for unit in decision.units:
+        written = [u for u, spec in info.manifest["units"].items() if spec["path"].startswith(info.folder + "/")]
+        for unit in written:  # the selected units, and any whose committed shard failed verification
             self._persisted[unit] = (step, {n: staged[n] for n in layout[unit] if parameter_of(n) is None})
             self.units_written[unit] = self.units_written.get(unit, 0) + 1
         self.checks += 1

@@ -20,6 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import find_shadow
+from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError
 from storage.steplog import read_records
 from training.state import load_into
@@ -49,15 +50,16 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
 
 
 def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int | None) -> dict:
-    """Load the newest verified snapshot (at or before ``log_end`` when given; else keep the initial
-    weights in ``params``), then replay the logged steps after it up to ``log_end``.
+    """Load the newest verified snapshot of this run (at or before ``log_end`` when given, with the
+    layout of ``params``; else keep the initial weights in ``params``), then replay the logged steps
+    after it up to ``log_end``. Snapshots of other runs or layouts are skipped and named in ``skipped``.
 
     ``log_end=None`` (strategies without a step log): no replay; training resumes at the snapshot's
     step and the steps after it are recomputed.
     """
     t0 = time.perf_counter()
     try:
-        info, state, skipped = cfg.snapshot_store().load_latest(max_step=log_end)
+        info, state, skipped = cfg.snapshot_store().load_latest(max_step=log_end, layout=layout_of(params))
         load_into(params, state)
         base, source = info.step, "storage"
     except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; the local log still has every step

@@ -1,0 +1,403 @@
+"""Snapshot integrity (issue 14): never restore a foreign, lying, malformed, partial or escaping state,
+never let retention drop the last good one, never let a stale writer roll the index back; and the
+commit ordering contracts (issue 17), checked by spying on the storage calls. No Ray."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from actors.persister import SnapshotPersister
+from orchestrator.cli import app
+from storage.backend import PreconditionFailedError, RetryPolicy, Storage, StorageError
+from storage.diffs import DiffStore
+from storage.manifest import RunIdentity, layout_of
+from storage.snapshots import INDEX, MANIFEST, FencedError, NoSnapshotError, SnapshotStore
+from tests.test_storage_contract import state
+from training.state import state_sha256
+
+RUN_A = RunIdentity("run-a", "a" * 64)
+RUN_B = RunIdentity("run-b", "b" * 64)
+
+
+def index_folders(storage: Storage) -> list[str]:
+    return [e["folder"] for e in json.loads(storage.get(INDEX))["snapshots"]]
+
+
+def rewrite_manifest(storage: Storage, folder: str, change, reindex: bool = True) -> None:
+    """Replace ``folder``'s manifest by ``change(manifest)``; ``reindex``: record its new sha256 in the
+    index too (a consistent lie, so that only the manifest's own checks can catch it)."""
+    manifest = change(json.loads(storage.get(f"{folder}/{MANIFEST}")))
+    blob = json.dumps(manifest).encode()
+    storage.put(f"{folder}/{MANIFEST}", blob)
+    if reindex:
+        index = json.loads(storage.get(INDEX))
+        for e in index["snapshots"]:
+            if e["folder"] == folder:
+                e["manifest_sha256"] = hashlib.sha256(blob).hexdigest()
+        storage.put(INDEX, json.dumps(index).encode())
+
+
+def flip_shard(storage: Storage, path: str) -> None:
+    blob = bytearray(storage.get(path))
+    blob[len(blob) // 2] ^= 1
+    storage.put(path, bytes(blob))
+
+
+# -- 1. run identity and fencing -------------------------------------------------------------------
+def test_a_run_restores_only_its_own_snapshots_and_names_the_foreign_ones(storage):
+    a, b = SnapshotStore(storage, identity=RUN_A), SnapshotStore(storage, identity=RUN_B)
+    a.write(10, state(10))
+    with pytest.raises(NoSnapshotError, match="foreign run run-a"):
+        b.load_latest()  # before the fix: run B restored run A's step 10
+    b.write(5, state(5))
+    info, loaded, skipped = b.load_latest()
+    assert (info.step, state_sha256(loaded)) == (5, state_sha256(state(5)))
+    assert info.manifest["run"] == {"run_id": "run-b", "trajectory_sha256": "b" * 64}
+    assert len(skipped) == 1 and "foreign run run-a" in skipped[0] and "not run run-b" in skipped[0]
+    other_trajectory = SnapshotStore(storage, identity=RunIdentity("run-a", "c" * 64))
+    assert other_trajectory.list() == [] and len(other_trajectory.skipped) == 2
+    assert [i.step for i in SnapshotStore(storage).list()] == [5, 10]  # store-wide tools see every run
+    for step in (11, 12):  # retention only ever touches the run's own snapshots
+        SnapshotStore(storage, keep_last=1, identity=RUN_A).write(step, state(step))
+    assert [(i.step, i.manifest["run"]["run_id"]) for i in SnapshotStore(storage).list()] == [(5, "run-b"), (12, "run-a")]
+
+
+def test_a_merge_result_is_restorable_a_snapshot_without_identity_is_not(storage):
+    anonymous = SnapshotStore(storage)
+    anonymous.write(3, state(3))
+    run = SnapshotStore(storage, identity=RUN_A)
+    with pytest.raises(NoSnapshotError, match="no run identity"):
+        run.load_latest()
+    merged = anonymous.write(4, state(4), config={"merge": {"reference": "A"}})
+    assert run.load_latest().info.folder == merged.folder
+
+
+def test_a_persisted_shadow_image_records_the_run_identity():
+    store = SnapshotStore(Storage("memory://integrity-persister"), identity=RUN_A)
+    persister = SnapshotPersister(store)
+    persister.submit(7, state(7))
+    assert persister.flush(timeout_s=60)["last_durable_step"] == 7
+    assert store.list()[-1].manifest["run"] == RUN_A.as_dict()
+
+
+def test_a_writer_of_an_older_epoch_is_fenced_and_cannot_roll_the_index_back(storage):
+    old = SnapshotStore(storage, identity=RUN_A)
+    assert old.claim_epoch() == 1
+    old.write(10, state(10))
+    new = SnapshotStore(storage, identity=RUN_A)
+    assert new.claim_epoch() == 2  # the resumed driver's incarnation
+    before = storage.get(INDEX)
+    with pytest.raises(FencedError, match="epoch 2, this writer has 1"):
+        old.write(20, state(20))
+    assert storage.get(INDEX) == before  # the stray writer changed nothing committed
+    newer_attempt = f"step-0000000001-{RUN_A.tag}-3-aaaaaaaa/embed.safetensors"  # a later incarnation, mid-write
+    storage.put(newer_attempt, b"in flight")
+    new.write(25, state(25))
+    assert [i.step for i in new.list()] == [10, 25]
+    folders = {p.split("/")[0] for p in storage.list() if p.startswith("step-")}
+    assert folders == {i.folder for i in new.list()} | {newer_attempt.split("/")[0]}  # the fenced step 20 is cleaned
+    assert json.loads(storage.get(INDEX))["epochs"] == {"run-a": 2}
+    assert SnapshotStore(storage, identity=RUN_B).claim_epoch() == 1  # epochs are per run
+
+
+def test_conditional_put_refuses_a_stale_expectation(storage):
+    storage.put_if_match("obj", b"v1", None)
+    with pytest.raises(PreconditionFailedError):
+        storage.put_if_match("obj", b"again", None)  # create-only: it exists
+    storage.put_if_match("obj", b"v2", b"v1")
+    with pytest.raises(PreconditionFailedError):
+        storage.put_if_match("obj", b"v1-late", b"v1")  # a late writer that read v1
+    assert storage.get("obj") == b"v2"
+
+
+class GatedStorage(Storage):
+    """A real ``Storage`` whose first conditional put blocks until ``release`` is set (the call times
+    out meanwhile, is retried, and completes afterwards); ``finished`` is set once it has."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.release, self.finished, self.outcome = threading.Event(), threading.Event(), []
+        self._gated = True
+
+    def _put_if_match(self, rel, data, expected):
+        if not self._gated:
+            return super()._put_if_match(rel, data, expected)
+        self._gated = False
+        self.release.wait()
+        try:
+            super()._put_if_match(rel, data, expected)
+            self.outcome.append("written")
+        except PreconditionFailedError:
+            self.outcome.append("refused")
+        finally:
+            self.finished.set()
+
+
+def test_an_index_write_that_completes_after_its_timeout_cannot_roll_the_index_back(storage):
+    uri, options = storage.uri, storage.options
+    gated = GatedStorage(uri, retry=RetryPolicy(timeout_s=2.0, base_delay_s=0.01), **options)
+    slow, other = SnapshotStore(gated, identity=RUN_A), SnapshotStore(Storage(uri, **options), identity=RUN_B)
+    slow.write(1, state(1))  # the first index write blocks, times out and is retried: committed
+    other.write(2, state(2))  # another writer commits after it
+    committed = storage.get(INDEX)
+    gated.release.set()
+    assert gated.finished.wait(60)
+    assert gated.outcome == ["refused"] and storage.get(INDEX) == committed
+    assert [i.step for i in SnapshotStore(storage).list()] == [1, 2]
+
+
+# -- 2. a manifest that lies -----------------------------------------------------------------------
+def test_a_manifest_that_lies_about_its_step_is_skipped_and_verify_reports_it(tmp_path):
+    store = SnapshotStore(str(tmp_path))
+    store.write(10, state(10))
+    info = store.write(20, state(20))
+    rewrite_manifest(store.storage, info.folder, lambda m: {**m, "step": 25}, reindex=False)
+    assert [i.step for i in store.list()] == [10]
+    assert store.skipped == [f"{info.folder}/{MANIFEST}: sha256 differs from the index (altered after its commit)"]
+    rewrite_manifest(store.storage, info.folder, lambda m: {**m, "step": 25})  # the index agrees: the name does not
+    assert store.load_latest().info.step == 10 and "step 25 differs from the folder's step 20" in store.skipped[0]
+    result = CliRunner().invoke(app, ["verify", str(tmp_path)])
+    assert result.exit_code == 1 and f"BAD  {info.folder}/{MANIFEST}: malformed: step 25 differs" in result.output
+    newer_unit = {**info.manifest, "units": {**info.manifest["units"], "norm": {**info.manifest["units"]["norm"], "step": 21}}}
+    rewrite_manifest(store.storage, info.folder, lambda m: newer_unit)
+    assert [i.step for i in store.list()] == [10] and "unit 'norm': step 21 is not a step at or before" in store.skipped[0]
+
+
+# -- 3. malformed manifests and indexes ------------------------------------------------------------
+def _misspell(m):
+    return {("unitz" if k == "units" else k): v for k, v in m.items()}
+
+
+def _rename_tensor(m):
+    units = json.loads(json.dumps(m["units"]))
+    units["norm"]["tensors"]["model.norm.weightX"] = units["norm"]["tensors"].pop("model.norm.weight")
+    return {**m, "units": units}
+
+
+def _tensor_in_two_units(m):
+    units = json.loads(json.dumps(m["units"]))
+    units["embed"]["tensors"]["model.norm.weight"] = units["norm"]["tensors"]["model.norm.weight"]
+    return {**m, "units": units}
+
+
+MALFORMED = {
+    "key misspelt": (_misspell, "key(s) units missing"),
+    "tensor renamed": (_rename_tensor, "do not hold exactly the listed tensors"),
+    "tensor in two units": (_tensor_in_two_units, "do not hold exactly the listed tensors"),
+    "bytes not a count": (lambda m: {**m, "units": {**m["units"], "embed": {**m["units"]["embed"], "bytes": "12"}}},
+                          "bytes '12' is not a count"),
+    "names a string": (lambda m: {**m, "names": "model.norm.weight"}, "names must be a non-empty list"),
+    "a list": (lambda m: [m], "the manifest is a list"),
+    "run a string": (lambda m: {**m, "run": "run-a"}, "run 'run-a' is not a run identity"),
+    "unit named ../../x": (lambda m: _escaping_unit(m), "unit '../../x': path"),
+    "shape changed": (lambda m: _reshape(m), "layout_sha256 does not match"),
+}
+
+
+def _escaping_unit(m):
+    units = json.loads(json.dumps(m["units"]))
+    spec = units.pop("norm")
+    units["../../x"] = {**spec, "path": spec["path"].rsplit("/", 1)[0] + "/../../x.safetensors"}
+    return {**m, "units": units}
+
+
+def _reshape(m):
+    units = json.loads(json.dumps(m["units"]))
+    units["norm"]["tensors"]["model.norm.weight"]["shape"] = [2, 2]
+    return {**m, "units": units}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_a_malformed_manifest_is_reported_and_the_previous_snapshot_loads(storage, kind):
+    change, reason = MALFORMED[kind]
+    store = SnapshotStore(storage)
+    store.write(10, state(10))
+    info = store.write(20, state(20))
+    rewrite_manifest(storage, info.folder, change)
+    got = store.load_latest()
+    assert (got.info.step, state_sha256(got.state)) == (10, state_sha256(state(10)))
+    assert len(got.skipped) == 1 and got.skipped[0].startswith(f"{info.folder}/{MANIFEST}: malformed") and reason in got.skipped[0]
+
+
+@pytest.mark.parametrize("body", [b"null", b"[]", b'"step-0000000010-aaaaaaaa"', b'{"format_version": 3, "snapshots": "x"}',
+                                  b'{"format_version": 3, "generation": 1, "epochs": {}, "snapshots": [{"folder": "../x"}]}'])
+def test_a_malformed_index_is_reported_and_never_raises(tmp_path, body):
+    store = SnapshotStore(str(tmp_path))
+    store.write(10, state(10))
+    store.storage.put(INDEX, body)
+    assert [i.step for i in store.list()] == [10]  # found by scanning for manifests
+    assert store.skipped[0].startswith(f"{INDEX}: malformed")
+    assert store.load_latest().info.step == 10
+    result = CliRunner().invoke(app, ["verify", str(tmp_path)])
+    assert result.exit_code == 1 and f"BAD  {INDEX}: malformed" in result.output
+    assert CliRunner().invoke(app, ["inspect", str(tmp_path)]).exit_code == 0
+    store.write(11, state(11))  # the next commit writes a well-formed index again
+    assert index_folders(store.storage) == [i.folder for i in store.list()] and store.skipped == []
+
+
+# -- 4. empty and partial states -------------------------------------------------------------------
+def test_empty_and_partial_states_are_refused_at_write_and_a_wrong_layout_at_restore(storage):
+    full = state(1)
+    store = SnapshotStore(storage, layout=layout_of(full))
+    with pytest.raises(ValueError, match="empty snapshot of step 1"):
+        store.write(1, {})
+    with pytest.raises(ValueError, match="does not cover the run's layout .1 tensors, 5 expected"):
+        store.write(1, {"model.norm.weight": full["model.norm.weight"]})  # 1 of 4 units
+    assert storage.list() == []  # nothing written
+    run = SnapshotStore(storage, identity=RUN_A)  # no layout given: the run's newest snapshot's
+    run.write(1, full)
+    with pytest.raises(ValueError, match=r"does not cover the layout of snapshot step-0000000001-.*4 tensors, 5 expected; "
+                                         r"tensor #3 is \['model.norm.weight'.*expected \['model.layers.1.mlp.up_proj.weight'"):
+        run.write(2, {n: a for n, a in state(2).items() if not n.startswith("model.layers.1.")})
+    other_model = layout_of({**full, "model.norm.weight": np.zeros(5, np.float32)})
+    with pytest.raises(NoSnapshotError, match="layout .5 tensors, [0-9a-f]{12}. differs from the model's"):
+        SnapshotStore(storage).load_latest(layout=other_model)
+    assert SnapshotStore(storage).load_latest(layout=layout_of(full)).info.step == 1
+
+
+# -- 5. retention ----------------------------------------------------------------------------------
+def test_retention_keeps_what_it_just_committed_and_the_newest_that_verifies(storage):
+    store = SnapshotStore(storage, keep_last=1)
+    store.write(10, state(10))
+    store.write(12, state(12))
+    newest = store.write(14, state(14))
+    flip_shard(storage, newest.manifest["units"]["embed"]["path"])
+    store.write(5, state(5))  # before the fix: deleted at once, the corrupt step 14 kept
+    assert [i.step for i in store.list()] == [5, 14]
+    got = store.load_latest()
+    assert (got.info.step, state_sha256(got.state)) == (5, state_sha256(state(5)))
+    store.write(13, state(13))  # step 14 still fails verification: 13 is kept with it, 5 goes
+    assert [i.step for i in store.list()] == [13, 14]
+    store.write(11, state(11))  # now 13 is the newest that verifies, newer than 11: kept
+    assert [i.step for i in store.list()] == [11, 13, 14] and store.load_latest().info.step == 13
+
+
+def test_a_composite_never_references_a_shard_that_fails_verification(storage):
+    store = SnapshotStore(storage, keep_last=1)
+    first = store.write(1, state(1))
+    flip_shard(storage, first.manifest["units"]["embed"]["path"])
+    s2 = state(2)
+    changed = {n: a for n, a in s2.items() if not n.startswith("model.embed_tokens.")}
+    with pytest.raises(ValueError, match=r"embed\.safetensors: sha256 differs"):
+        store.write_units(2, changed, list(s2))
+    info = store.write_units(2, changed, list(s2), full_state=s2)  # the failing unit is rewritten
+    assert info.manifest["units"]["embed"]["path"] == f"{info.folder}/embed.safetensors"
+    assert info.manifest["units"]["embed"]["step"] == 2
+    assert [i.step for i in store.list()] == [2]  # retention dropped step 1 and nothing references it
+    assert not [p for p in storage.list() if p.startswith(first.folder)]
+    assert state_sha256(store.load_latest().state) == state_sha256(s2)
+
+
+# -- 7. paths that escape the store ----------------------------------------------------------------
+@pytest.mark.parametrize("name", ["../../x", "/abs/x.weight", "model/../../x.weight", ".hidden.weight", "a\\b.weight"])
+def test_names_that_would_leave_the_store_are_refused_at_write(tmp_path, name):
+    store = SnapshotStore(str(tmp_path / "store"))
+    with pytest.raises(ValueError, match="not allowed"):
+        store.write(1, {**state(1), name: np.zeros(2, np.float32)})
+    assert store.storage.list() == [] and sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+
+
+@pytest.mark.parametrize("path", ["../outside/embed.safetensors", "/etc/embed.safetensors",
+                                  "step-0000000009-aaaaaaaa/../../x/embed.safetensors", "step-0000000009-aaaaaaaa/norm.safetensors"])
+def test_a_manifest_path_pointing_elsewhere_is_never_read(tmp_path, path):
+    store = SnapshotStore(str(tmp_path / "store"))
+    store.write(5, state(5))
+    info = store.write(9, state(9))
+    rewrite_manifest(store.storage, info.folder,
+                     lambda m: {**m, "units": {**m["units"], "embed": {**m["units"]["embed"], "path": path}}})
+    got = store.load_latest()
+    assert got.info.step == 5 and "unit 'embed': path" in got.skipped[0]
+
+
+def test_a_diff_commit_record_pointing_elsewhere_is_skipped(tmp_path):
+    diffs = DiffStore(str(tmp_path / "store"))
+    batch = diffs.write_batch([(0, {"w": np.ones(3, np.float32)})])
+    record = json.loads(diffs.storage.get(batch.commit))
+    diffs.storage.put(batch.commit, json.dumps({**record, "path": "../../elsewhere.safetensors"}).encode())
+    assert diffs.list() == [] and "is not its own batch" in diffs.skipped[0]
+
+
+# -- 17.2 ordering contracts -----------------------------------------------------------------------
+class SpyStorage(Storage):
+    """A real ``Storage`` that records every put, conditional put and delete, in order; ``fail_put``
+    makes a put of a path with that suffix fail."""
+
+    def __init__(self, *args, fail_put: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, str]] = []
+        self._calls_lock = threading.Lock()
+        self.fail_put = fail_put
+
+    def _record(self, op: str, rel: str) -> None:
+        with self._calls_lock:
+            self.calls.append((op, rel))
+
+    def put(self, rel, data):
+        if self.fail_put and rel.endswith(self.fail_put):
+            raise StorageError(f"put {rel}: injected failure")
+        super().put(rel, data)
+        self._record("put", rel)
+
+    def put_if_match(self, rel, data, expected):
+        super().put_if_match(rel, data, expected)
+        self._record("put", rel)
+
+    def delete(self, rel):
+        self._record("delete", rel)
+        super().delete(rel)
+
+
+def spy(storage: Storage, **kwargs) -> SpyStorage:
+    return SpyStorage(storage.uri, **storage.options, **kwargs)
+
+
+def test_shards_then_manifest_then_index(storage):
+    s = spy(storage)
+    info = SnapshotStore(s).write(3, state(3))
+    puts = [rel for op, rel in s.calls if op == "put"]
+    shards = {spec["path"] for spec in info.manifest["units"].values()}
+    assert set(puts[:4]) == shards and puts[4:] == [f"{info.folder}/{MANIFEST}", INDEX]
+
+
+def test_retention_rewrites_the_index_before_any_delete(storage):
+    s = spy(storage)
+    store = SnapshotStore(s, keep_last=1)
+    first = store.write(1, state(1))
+    s.calls.clear()
+    second = store.write(2, state(2))
+    ops = [(op, rel) for op, rel in s.calls if rel == INDEX or op == "delete"]
+    assert ops[0] == ("put", INDEX) and ops[1] == ("put", INDEX)  # the commit, then the index without step 1
+    assert {rel for op, rel in ops[2:]} == {f"{first.folder}/{u}.safetensors" for u in first.manifest["units"]} | {
+        f"{first.folder}/{MANIFEST}"} and all(op == "delete" for op, _ in ops[2:])
+    assert index_folders(storage) == [second.folder]
+
+
+def test_a_failed_manifest_put_leaves_the_index_equal_to_the_listing(storage):
+    store = SnapshotStore(storage)
+    store.write(1, state(1))
+    before = storage.get(INDEX)
+    with pytest.raises(StorageError, match="injected failure"):
+        SnapshotStore(spy(storage, fail_put=MANIFEST)).write(2, state(2))
+    assert storage.get(INDEX) == before
+    assert index_folders(storage) == [i.folder for i in store.list()] and [i.step for i in store.list()] == [1]
+
+
+def test_a_run_config_builds_a_store_of_its_identity_and_epoch_and_a_stale_persister_is_fenced(tmp_path):
+    from orchestrator.config import JobConfig
+
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), model="tiny", run_id="r1")
+    stale = cfg.snapshot_store()
+    assert (stale.identity, stale.epoch) == (RunIdentity("r1", cfg.trajectory_sha256()), 0)
+    resumed = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # what the controller does at each start
+    assert resumed.writer_epoch == 1 and resumed.snapshot_store().epoch == 1
+    persister = SnapshotPersister(stale)  # an actor left over from the dead driver
+    persister.submit(3, state(3))
+    status = persister.flush(timeout_s=60)
+    assert (status["failed"], status["last_durable_step"]) == (1, None) and "FencedError" in status["last_error"]
+    assert resumed.snapshot_store().list() == []
