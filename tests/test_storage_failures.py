@@ -119,11 +119,14 @@ import sys, threading, numpy as np
 from storage.backend import Storage
 from storage.snapshots import SnapshotStore
 
+FIRST = threading.Lock()  # shard puts run on several threads: exactly one of them reports
+
 class StopAfterAShardOfStep2(Storage):  # the kill point is forced: a shard of step 2 is stored, no manifest
     def put(self, rel, data):
         super().put(rel, data)
         if rel.startswith("step-0000000002-") and rel.endswith(".safetensors"):
-            print("shard", rel, flush=True)
+            if FIRST.acquire(blocking=False):
+                print("shard", rel, flush=True)
             threading.Event().wait()  # every shard put of step 2 blocks here until the SIGKILL
 
 store = SnapshotStore(StopAfterAShardOfStep2(sys.argv[1], **({"endpoint_url": sys.argv[2]} if len(sys.argv) > 2 else {})))
