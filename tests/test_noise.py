@@ -17,9 +17,11 @@ import torch
 
 from actors.shadow import ShadowReplayer
 from orchestrator.config import JobConfig
+from orchestrator.controller import prepare
+from orchestrator.run_dir import RunDir
 from storage.steplog import StepLogWriter, StepRecord
 from training import noise
-from training.model import layout_sha256, parameter_layout
+from training.model import default_cache_dir, layout_sha256, parameter_layout
 from training.recovery import from_storage
 from training.zo import GENERATOR, GeneratorMismatchError, check_generator, step_seed
 from training.zo import noise as zo_noise
@@ -221,3 +223,10 @@ def test_replayers_refuse_a_log_of_another_generator_or_none(tmp_path):
     shadow = ShadowReplayer(_params(), ok)
     assert shadow.catch_up() == 1 and torch.equal(shadow.params["w"], params["w"])
     check_generator({"generator": GENERATOR}, "here")  # the matching generator passes
+
+
+def test_resume_refuses_an_old_log_of_the_same_trajectory(tmp_path):
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny")
+    StepLogWriter.create(RunDir(tmp_path).step_log, {"trajectory_sha256": cfg.trajectory_sha256()}).close()
+    with pytest.raises(GeneratorMismatchError, match="names no generator"):
+        prepare(cfg, RunDir(tmp_path))

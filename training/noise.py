@@ -20,6 +20,7 @@ evaluated as fixed polynomials, one rounded operation after another:
 
 1. radius from word a:  x = (a + 1) * 2^-32 in (0, 1]                       exact
    (m, e) = frexp(x); if m < sqrt(1/2): m = 2m, e = e - 1                    exact
+            (frexp: a bit cast in the kernel, ``torch.frexp`` in the torch form)
    s = (m - 1) / (m + 1)          (m - 1 exact by Sterbenz; + and / rounded)  |s| <= 0.1716
    ln x = e * ln2 + 2s * P(s^2),  P = sum_k s^2k / (2k + 1), k = 0..5         (Horner, each op rounded)
    r = sqrt(-2 ln x)
@@ -43,11 +44,11 @@ from __future__ import annotations
 import math
 
 import numba
+import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
-import numpy as np
-import torch
 
 GENERATOR = "philox4x32-10:box-muller-poly:float64->float32:v1"
 """Names the generator and its version; recorded in the step log header (``zo.GENERATOR``)."""
