@@ -14,8 +14,10 @@ import numba
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from actors.shadow import ShadowReplayer
+from orchestrator.cli import app
 from orchestrator.config import JobConfig
 from orchestrator.controller import prepare
 from orchestrator.run_dir import RunDir
@@ -225,8 +227,13 @@ def test_replayers_refuse_a_log_of_another_generator_or_none(tmp_path):
     check_generator({"generator": GENERATOR}, "here")  # the matching generator passes
 
 
-def test_resume_refuses_an_old_log_of_the_same_trajectory(tmp_path):
+def test_resume_refuses_an_old_log_of_the_same_trajectory_with_one_error_line(tmp_path):
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny")
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     StepLogWriter.create(RunDir(tmp_path).step_log, {"trajectory_sha256": cfg.trajectory_sha256()}).close()
     with pytest.raises(GeneratorMismatchError, match="names no generator"):
         prepare(cfg, RunDir(tmp_path))
+    result = CliRunner().invoke(app, ["run", "--resume", "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "error: " in result.output and "names no generator (an old log" in result.output
+    assert "Traceback" not in result.output and RunDir(tmp_path).step_log.exists()
