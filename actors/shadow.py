@@ -25,7 +25,7 @@ from storage.snapshots import NoSnapshotError, SnapshotStore
 from storage.steplog import StepLogReader, StepRecord
 from training.model import layout_sha256, load_model, parameter_layout, trainable_parameters
 from training.state import copy_state, load_into, state_sha256
-from training.zo import GENERATOR, replay_step_
+from training.zo import check_generator, replay_step_
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ class ShadowReplayer:
         hash_every: record ``state_sha256`` whenever the step count is a multiple of this (0: never).
 
     Raises:
-        ValueError: the log was written for another parameter layout or noise generator.
+        ValueError: the log was written for another parameter layout, or (``GeneratorMismatchError``)
+            another noise generator.
     """
 
     def __init__(self, params: "OrderedDict[str, torch.Tensor]", log_path, start_step: int = 0, hash_every: int = 0):
@@ -49,8 +50,7 @@ class ShadowReplayer:
         header = self.reader.header
         if header["layout_sha256"] != layout_sha256(parameter_layout(params)):
             raise ValueError(f"{log_path}: log was written for another model layout ({header.get('model')})")
-        if header["generator"] != GENERATOR:
-            raise ValueError(f"{log_path}: log uses generator {header['generator']!r}, this replayer {GENERATOR!r}")
+        check_generator(header, str(log_path))
         self.step = start_step
         self.hash_every = hash_every
         self.hashes: dict[int, str] = {}

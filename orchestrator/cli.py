@@ -111,7 +111,8 @@ def run(
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
-    from orchestrator.controller import run_job
+    from orchestrator.controller import ResumeMismatchError, run_job
+    from training.zo import GeneratorMismatchError
 
     try:
         failures = tuple(FailureSpec.parse(f) for f in fail)
@@ -147,7 +148,10 @@ def run(
         cfg.snapshot_store().storage.probe()  # fail fast on a wrong endpoint, bucket or credentials
     except OSError as exc:
         raise _refuse(f"snapshot storage {cfg.storage} is not usable: {exc}") from exc
-    summary = run_job(cfg, verify=verify, echo=typer.echo)
+    try:
+        summary = run_job(cfg, verify=verify, echo=typer.echo)
+    except (ResumeMismatchError, GeneratorMismatchError) as exc:  # the step log in --out cannot be continued
+        raise _refuse(str(exc)) from exc
     keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
             "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",
             "shadow_replay_seconds_per_step", "shadow_max_lag_steps", "wall_seconds")

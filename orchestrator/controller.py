@@ -36,7 +36,7 @@ from orchestrator.shadow_keeper import ShadowKeeper
 from orchestrator.summary import recoveries, write_metrics
 from storage.steplog import StepLogWriter, read_header, read_records
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
-from training.zo import GENERATOR
+from training.zo import GENERATOR, check_generator
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +76,16 @@ class ResumeMismatchError(ValueError):
 def prepare(cfg: JobConfig, run: RunDir) -> None:
     """Convert the model once, save the configuration (``config.json``, for ``--resume``) and create
     the step log with everything replay needs in its header. An existing step log is kept when its
-    trajectory matches (a resumed run), else ``ResumeMismatchError``."""
+    trajectory matches (a resumed run), else ``ResumeMismatchError``; one written with another noise
+    generator raises ``GeneratorMismatchError``."""
     tokenizer_dir(cfg.cache_dir)
     model_dir(cfg.model, cfg.cache_dir)
     if run.step_log.exists():
-        found = read_header(run.step_log).get("trajectory_sha256")
+        header = read_header(run.step_log)
+        found = header.get("trajectory_sha256")
         if found != cfg.trajectory_sha256():
             raise ResumeMismatchError(f"{run.step_log} belongs to another trajectory ({found}); use a new --out")
+        check_generator(header, str(run.step_log))
         return
     run.write_json(run.root / "config.json", cfg.to_dict())
     layout = parameter_layout(trainable_parameters(load_model(cfg.model, cfg.cache_dir)))

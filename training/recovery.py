@@ -22,9 +22,9 @@ from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import find_shadow
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError
-from storage.steplog import read_records
+from storage.steplog import read_header, read_records
 from training.state import load_into
-from training.zo import replay_step_
+from training.zo import check_generator, replay_step_
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_p
 
     ``log_end=None`` (strategies without a step log): no replay; training resumes at the snapshot's
     step and the steps after it are recomputed.
+
+    Raises:
+        GeneratorMismatchError: the log's header names another noise generator (or none).
     """
     t0 = time.perf_counter()
     try:
@@ -66,6 +69,8 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_p
         log.warning("%s; restarting from the initial weights", exc)
         base, source, skipped = 0, "initial", [str(exc)]
     t1 = time.perf_counter()
+    if log_end is not None:
+        check_generator(read_header(log_path), str(log_path))
     records = read_records(log_path)[base:log_end] if log_end is not None else []
     for rec in records:
         replay_step_(params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay)

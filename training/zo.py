@@ -11,12 +11,22 @@ Algorithm 1 (MeZO). For step t with seed s_t and every trainable parameter p in 
 
 Exactness contract (checked bitwise by the tests): the worker and every replayer call the same
 primitives below, ``perturb_`` and ``update_``, with the same z, in the same order per element. Each
-primitive is a chain of single elementwise ops (mul by a scalar, then a plain add/sub), so no fused
-multiply-add or reduction can make the result depend on vectorisation or thread count. z_p is drawn
-from torch's CPU generator seeded per (step seed, parameter index), so each tensor's noise is
-independent of the others (a sharded shadow can replay any subset) and of the thread count.
-Generating each z once and applying steps 1, 2, 3 and 5 back to back (``replay_step_``) is bitwise
-identical to the worker's phase-by-phase order, because every element sees the same rounded ops.
+primitive is a chain of single elementwise torch ops, each a separate kernel whose result is rounded
+into a tensor (so no compiler can contract a multiply and an add into an FMA across them), and none
+is a reduction, so the result cannot depend on vectorisation, thread count or device. (torch's
+add/sub kernels compute ``self + alpha * other``, vectorised as one FMA; we never pass ``alpha``, and
+with alpha = 1 the product is exact, so that FMA rounds once, exactly as a plain add.)
+
+    perturb_:  t = z * scale      (rounded)        p = p + t        (rounded)
+    update_:   u = z * g          (rounded)        [v = p * wd (rounded);  u = u + v (rounded)]
+               t = u * lr         (rounded)        p = p - t        (rounded)
+
+z_p comes from ``training.noise``: Philox4x32-10 keyed by the step seed (from run seed and step),
+counted by (parameter index, element), mapped to N(0, 1) by correctly rounded ops only, so each
+tensor's noise is independent of the others (a sharded shadow can replay any subset) and the same on
+every CPU, thread count and CUDA. Generating each z once and applying steps 1, 2, 3 and 5 back to back
+(``replay_step_``) is bitwise identical to the worker's phase-by-phase order, because every element
+sees the same rounded ops.
 """
 
 from __future__ import annotations
@@ -28,10 +38,33 @@ from dataclasses import dataclass
 
 import torch
 
-GENERATOR = "torch-cpu-mt19937:randn:seed=blake2b64(step_seed,param_index)"
-"""Recorded in the step log header; a replayer refuses a log written with another generator."""
+from training import noise as noise_gen
+
+GENERATOR = noise_gen.GENERATOR
+"""Recorded in the step log header (key ``generator``); a replayer refuses a log written with another."""
 
 _SEED_MASK = (1 << 63) - 1
+
+
+class GeneratorMismatchError(ValueError):
+    """A step log was written with another perturbation generator than this replayer's."""
+
+
+def check_generator(header: dict, source: str) -> None:
+    """Refuse to replay a log whose header names another generator than ``GENERATOR``.
+
+    Raises:
+        GeneratorMismatchError: the header has no ``generator`` (a log written before the portable
+            generator, whose z came from torch's CPU generator) or names another one.
+    """
+    found = header.get("generator")
+    if found != GENERATOR:
+        what = "names no generator (an old log, whose noise came from torch.randn)" if found is None \
+            else f"was written with generator {found!r}"
+        raise GeneratorMismatchError(
+            f"{source}: the step log {what}; this replayer generates z with {GENERATOR!r} and cannot "
+            f"replay it exactly. Replay it with the raycheck version that wrote it, or start a new run (new --out)."
+        )
 
 
 def derive_seed(*parts: int) -> int:
@@ -46,10 +79,10 @@ def step_seed(run_seed: int, step: int) -> int:
 
 
 def noise(seed: int, index: int, like: torch.Tensor) -> torch.Tensor:
-    """z for parameter number ``index`` at step seed ``seed``: N(0, 1) with ``like``'s shape and dtype."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(derive_seed(seed, index))
-    return torch.randn(like.shape, generator=gen, dtype=like.dtype)
+    """z for parameter number ``index`` at step seed ``seed``: N(0, 1) with ``like``'s shape, dtype and
+    device (``training.noise.gaussian``, float32, converted once when ``like`` has another dtype)."""
+    z = noise_gen.gaussian(seed, index, like.numel(), like.device).view(like.shape)
+    return z if like.dtype == torch.float32 else z.to(like.dtype)
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
