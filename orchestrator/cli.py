@@ -105,7 +105,7 @@ def run(
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
-    from orchestrator.controller import run_job
+    from orchestrator.controller import ResumeMismatchError, run_job
 
     try:
         failures = tuple(FailureSpec.parse(f) for f in fail)
@@ -143,7 +143,11 @@ def run(
     except OSError as exc:
         typer.echo(f"error: snapshot storage {cfg.storage} is not usable: {exc}", err=True)
         raise typer.Exit(2) from exc
-    summary = run_job(cfg, verify=verify, echo=typer.echo)
+    try:
+        summary = run_job(cfg, verify=verify, echo=typer.echo)
+    except ResumeMismatchError as exc:  # raised before anything in the run directory is touched
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
             "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",
             "shadow_replay_seconds_per_step", "shadow_max_lag_steps", "wall_seconds")
