@@ -160,11 +160,13 @@ def run(
         typer.echo("error: recovery was not exact (see summary.json)", err=True)
         raise typer.Exit(3)
     snaps = summary["snapshots"]
-    if cfg.uses_shadow and snaps.get("unavailable") or snaps.get("last_durable_step") != snaps.get("last_submitted_step"):
+    silent = cfg.uses_shadow and not snaps  # the persister never answered (e.g. storage was gone when it started)
+    if silent or cfg.uses_shadow and snaps.get("unavailable") or snaps.get("last_durable_step") != snaps.get("last_submitted_step"):
         durable = "none" if snaps.get("last_durable_step") is None else f"step {snaps['last_durable_step']}"
+        why = "the snapshot persister never reported a status" if silent else snaps.get("unavailable") or snaps.get("last_error")
         typer.echo(
             f"error: the last snapshot (step {snaps.get('last_submitted_step')}) is not durable: "
-            f"{snaps.get('unavailable') or snaps.get('last_error')}. Last durable snapshot: {durable}; the step log "
+            f"{why}. Last durable snapshot: {durable}; the step log "
             f"({out / 'steplog.bin'}) holds all {summary['final_step']} steps, so the state is still recoverable",
             err=True,
         )

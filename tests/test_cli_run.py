@@ -85,3 +85,19 @@ def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
     assert "Traceback" not in result.output
     assert tree_sha256(out) == before
     assert json.loads((out / "config.json").read_text())["lr"] == other.lr
+
+
+def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
+    """The exit code's logic alone (the run itself is replaced): a shadow run whose persister never
+    reported a status (it could not start) has no durable snapshot, so the run exits 4, not 0."""
+    import orchestrator.controller
+
+    def finished(cfg, verify, echo) -> dict:
+        return {"ok": True, "error": None, "strategy": cfg.strategy, "final_step": cfg.steps, "lost_steps": 0,
+                "shadow_equal": True, "bitwise_equal": None, "snapshots": {}}
+
+    monkeypatch.setattr(orchestrator.controller, "run_job", finished)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "8", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 4, result.output
+    assert ("error: the last snapshot (step None) is not durable: the snapshot persister never reported a status. "
+            "Last durable snapshot: none;") in result.output and "holds all 8 steps" in result.output
