@@ -208,6 +208,7 @@ class ShadowActor:
                 "snapshots_sent": self.snapshots_sent,
                 "snapshots_skipped": self.snapshots_skipped,
                 "snapshot_every_steps": self.schedule.every_steps,
+                "last_snapshot_step": self.schedule.last_step,
                 "started_unix_s": self.started_unix_s,
                 "error": self.error,
             }

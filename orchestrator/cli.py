@@ -108,6 +108,9 @@ def run(
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
     max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited).")] = 10,
+    settle_failures: Annotated[bool, typer.Option(help="Before each injected failure, wait until the shadow has caught up and "
+                                                   "snapshots are committed, so the recovery source depends on the failure "
+                                                   "steps alone (reproducible experiments; real failures do not wait).")] = False,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
@@ -128,7 +131,8 @@ def run(
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
             keep_snapshots=keep_snapshots, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
-            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, run_id=uuid.uuid4().hex[:8],
+            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts,
+            settle_failures=settle_failures, run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
         raise _refuse(str(exc)) from exc
@@ -150,7 +154,7 @@ def run(
         raise _refuse(f"snapshot storage {cfg.storage} is not usable: {exc}") from exc
     try:
         summary = run_job(cfg, verify=verify, echo=typer.echo)
-    except (ResumeMismatchError, GeneratorMismatchError) as exc:  # the step log in --out cannot be continued
+    except (ResumeMismatchError, GeneratorMismatchError) as exc:  # raised before anything in the run directory is touched
         raise _refuse(str(exc)) from exc
     keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
             "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",
@@ -164,11 +168,13 @@ def run(
         typer.echo("error: recovery was not exact (see summary.json)", err=True)
         raise typer.Exit(3)
     snaps = summary["snapshots"]
-    if cfg.uses_shadow and snaps.get("unavailable") or snaps.get("last_durable_step") != snaps.get("last_submitted_step"):
+    silent = cfg.uses_shadow and not snaps  # the persister never answered (e.g. storage was gone when it started)
+    if silent or cfg.uses_shadow and snaps.get("unavailable") or snaps.get("last_durable_step") != snaps.get("last_submitted_step"):
         durable = "none" if snaps.get("last_durable_step") is None else f"step {snaps['last_durable_step']}"
+        why = "the snapshot persister never reported a status" if silent else snaps.get("unavailable") or snaps.get("last_error")
         typer.echo(
             f"error: the last snapshot (step {snaps.get('last_submitted_step')}) is not durable: "
-            f"{snaps.get('unavailable') or snaps.get('last_error')}. Last durable snapshot: {durable}; the step log "
+            f"{why}. Last durable snapshot: {durable}; the step log "
             f"({out / 'steplog.bin'}) holds all {summary['final_step']} steps, so the state is still recoverable",
             err=True,
         )

@@ -153,6 +153,11 @@ class JobConfig:
     by the controller at each start and ``--resume``); writers of an older one are fenced."""
     namespace: str = "raycheck"
     recovery_timeout_s: float = 600.0
+    settle_failures: bool = False
+    """Before each injected failure, wait until the shadow has replayed every durable step and every
+    snapshot and background checkpoint handed on is committed (``training.faults``), so that which
+    source serves a recovery depends on the failure steps alone, not on machine speed. For tests and
+    reproducible failure experiments; a real failure does not wait, so the default is off."""
     max_shadow_restarts: int = 10
     """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails (-1: unlimited)."""
     extra: dict = field(default_factory=dict)

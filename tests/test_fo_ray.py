@@ -1,5 +1,10 @@
 """First-order training end to end under Ray Train (tiny model, real snippets): DDP over gloo with
-differential checkpoints recovers bitwise; a merged checkpoint resumes and layer-wise recovery works."""
+differential checkpoints and with the full-state baselines recovers bitwise; a merged checkpoint
+resumes and layer-wise recovery works.
+
+Failures hit a settled run (training/faults.py): every rank waits until rank 0's background
+checkpoint writes are committed before the failing rank dies, so what each recovery restores
+follows from the failure step."""
 
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ def cluster():
 
 
 def fo_job(out: pathlib.Path, name: str, failures: str = "", **kw) -> dict:
-    settings = dict(model="tiny", algo="fo", steps=10, batch_size=8, seq_len=32, fo_lr=1e-3, eval_samples=16, hash_every=2,
+    settings = dict(model="tiny", algo="fo", settle_failures=True, steps=10, batch_size=8, seq_len=32, fo_lr=1e-3, eval_samples=16, hash_every=2,
                     run_id=name, failures=tuple(FailureSpec.parse(f) for f in failures.split()))
     cfg = JobConfig(out_dir=str(out), cache_dir=str(default_cache_dir()), **{**settings, **kw})
     summary = Controller(cfg, echo=lambda _: None).run()
@@ -36,17 +41,40 @@ def fo_job(out: pathlib.Path, name: str, failures: str = "", **kw) -> dict:
     return summary
 
 
-def test_two_ddp_workers_with_differential_checkpoints_recover_bitwise(cluster, tmp_path):
-    kw = dict(strategy="differential", workers=2, diff_full_every=4, diff_batch_steps=2)
-    reference = fo_job(tmp_path / "ref", "fo-ref", **kw)
-    failed = fo_job(tmp_path / "failed", "fo-diff", "7:worker", **kw)
+DDP = dict(workers=2, diff_full_every=4, diff_batch_steps=2)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(cluster, tmp_path_factory):
+    """The failure-free two-worker run (the checkpointing strategy does not change the trajectory)."""
+    reference = fo_job(tmp_path_factory.mktemp("ref"), "fo-ref", strategy="differential", **DDP)
+    assert reference["recoveries"] == [] and len(reference["worker_hashes"]) == 5
+    return reference
+
+
+def assert_bitwise(failed: dict, reference: dict) -> None:
     assert failed["final_step"] == reference["final_step"] == 10
     assert failed["state_sha256"] == reference["state_sha256"]  # weights and AdamW state, bitwise
-    assert failed["worker_hashes"] == reference["worker_hashes"] and len(reference["worker_hashes"]) == 5
-    (recovery,) = failed["recoveries"]
-    assert recovery["source"] == "storage" and recovery["failure_step"] == 7 and recovery["lost_steps"] == 0
-    assert recovery["base_step"] == 4 and recovery["restored_step"] == 4 + recovery["replayed_steps"] >= 6  # full at 4 + records
-    assert reference["recoveries"] == []
+    assert failed["worker_hashes"] == reference["worker_hashes"]  # every 2 steps
+
+
+def test_two_ddp_workers_with_differential_checkpoints_recover_bitwise(ddp_reference, tmp_path):
+    """Rank 1 dies during step 7: the full checkpoint of step 4 plus the committed gradient
+    records of steps 5 and 6 (one object per 2 steps) restore step 6; step 7 is recomputed."""
+    failed = fo_job(tmp_path, "fo-diff", "7:worker", strategy="differential", **DDP)
+    assert_bitwise(failed, ddp_reference)
+    assert [(r["source"], r["failure_step"], r["base_step"], r["replayed_steps"], r["restored_step"], r["lost_steps"],
+             r["recompute_steps"]) for r in failed["recoveries"]] == [("storage", 7, 4, 2, 6, 0, 1)]
+
+
+@pytest.mark.parametrize("strategy", ["full-sync", "full-async"])
+def test_two_ddp_workers_with_full_state_baselines_recover_bitwise(ddp_reference, tmp_path, strategy):
+    """Rank 1 dies during step 7; a full checkpoint every 3 steps: restored at 6, step 6 recomputed."""
+    failed = fo_job(tmp_path, f"fo-{strategy}", "7:worker", strategy=strategy, snapshot_every=3, **DDP)
+    assert_bitwise(failed, ddp_reference)
+    assert [(r["source"], r["failure_step"], r["restored_step"], r["lost_steps"], r["recompute_steps"])
+            for r in failed["recoveries"]] == [("storage", 7, 6, 0, 1)]
+    assert failed["worker_checkpoints"]["last_step"] == 9 and failed["checkpoint_block_seconds_total"] > 0
 
 
 def test_a_merged_checkpoint_resumes_and_layerwise_recovery_restores_the_composite(cluster, tmp_path, encoder, data):

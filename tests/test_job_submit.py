@@ -61,7 +61,7 @@ def test_ray_job_submit_runs_the_job_with_a_failure(head_node):
     out = tmp / "job-run"
     cmd = [BIN / "ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
            "python", "-m", "orchestrator.cli", "run", "--model", "tiny", "--steps", "6", "--eval-samples", "0",
-           "--fail", "3:worker", "--out", str(out)]
+           "--fail", "3:worker", "--settle-failures", "--out", str(out)]
     for _ in range(12):  # right after `ray start` the job agent may not be up yet ("No available agent")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if "No available agent" not in proc.stdout + proc.stderr:

@@ -2,17 +2,30 @@
 
 Each ``FailureSpec`` fires once per run: before acting, the acting rank writes a marker file (and an
 event), so a restarted worker that re-executes the same step does not fail again.
+
+With ``JobConfig.settle_failures`` a failure hits a settled run, so that what a scenario recovers from depends on its failure steps
+only, never on how fast a machine is: a shadow kill or a corrupted snapshot waits until the shadow
+has replayed every durable step and every snapshot it handed on (and every checkpoint a worker
+wrote in the background) is committed; a worker failure waits until the checkpointers' background
+writes are committed and, where the strategy has a shadow, until a shadow answers (e.g. one the
+controller restarted after an earlier kill).
+
+Test gate: with ``RAYCHECK_TEST_HOLD_AT_STEP=N`` in the environment of the Ray workers, rank 0
+records a ``held`` event during step N (after N durable steps) and blocks until its process is
+killed, so a test can kill the driver at a known step.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
@@ -26,12 +39,16 @@ class FaultInjector:
     The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank
     (``torn`` needs rank 0's log writer, so use it with one worker). ``durable_steps`` returns how
     many steps are durable when a worker failure hits (default: the step log's complete records;
-    strategies without a step log pass their newest committed checkpoint's step).
+    strategies without a step log pass their newest committed checkpoint's step). ``flush`` waits
+    until this rank's background checkpoint writes are committed (default: nothing to wait for).
     """
 
-    def __init__(self, cfg: JobConfig, run: RunDir, rank: int, world: int, durable_steps: Callable[[], int] | None = None) -> None:
+    def __init__(self, cfg: JobConfig, run: RunDir, rank: int, world: int, durable_steps: Callable[[], int] | None = None,
+                 flush: Callable[[], object] | None = None) -> None:
         self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
         self.durable_steps = durable_steps or (lambda: len(read_records(run.step_log)))
+        self.flush = flush or (lambda: None)
+        self.hold_step = int(os.environ.get("RAYCHECK_TEST_HOLD_AT_STEP", -1))
         run.markers.mkdir(exist_ok=True)
 
     def _claim(self, index: int, part: str) -> bool:
@@ -48,11 +65,9 @@ class FaultInjector:
         """True once any failure has fired in this run (a start is then a restart)."""
         return any(self.run.markers.iterdir())
 
-    def _kill_shadow(self, index: int, step: int, worker_how: str | None) -> None:
-        """Kill the live shadow. If a restarted incarnation is still starting, wait for it (bounded),
-        so the failure always hits a running shadow. With ``worker_how`` (target ``both``) the worker
-        failure is announced before the kill, so the controller does not restart the shadow until the
-        worker has recovered without it."""
+    def _live_shadow(self):
+        """The shadow that answers now; if a restarted incarnation is still starting, wait for it
+        (bounded: None after 180 s)."""
 
         def answers(handle) -> bool:
             try:
@@ -61,7 +76,52 @@ class FaultInjector:
             except (RayActorError, GetTimeoutError):
                 return False
 
-        shadow = find_shadow(self.run, self.cfg.namespace, timeout_s=180, alive=answers)
+        return find_shadow(self.run, self.cfg.namespace, timeout_s=180, alive=answers)
+
+    def _settle_snapshots(self):
+        """Wait until the shadow (returned; None without one) has replayed every durable step and
+        the persister, and this rank's checkpointer, have committed what they were handed. Without
+        ``settle_failures`` only wait for a live shadow (a restarted one may still be starting)."""
+        if not self.cfg.settle_failures:
+            return self._live_shadow() if self.cfg.uses_shadow else None
+        self.flush()
+        shadow = self._live_shadow() if self.cfg.uses_shadow else None
+        timeout_s = self.cfg.recovery_timeout_s
+        try:
+            handed = None  # the step of the newest image the shadow took for the persister
+            if shadow is not None:  # it takes each due image as it replays the step
+                ray.get(shadow.image.remote(self.durable_steps(), timeout_s), timeout=timeout_s + 30)
+                status = ray.get(shadow.status.remote(), timeout=60)
+                handed = status["last_snapshot_step"] if status["last_snapshot_step"] != status["base"]["step"] else None
+            persister = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
+            deadline = time.monotonic() + 60  # bounded: a hand-off to a dead persister is skipped
+            while True:
+                submitted = ray.get(persister.flush.remote(timeout_s), timeout=timeout_s + 30)["last_submitted_step"]
+                if handed is None or (submitted or 0) >= handed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)  # the shadow hands the image on after it let go of its lock
+        except (ValueError, RayActorError, RayTaskError, GetTimeoutError):
+            pass  # a dead shadow or persister settles nothing more: its restart starts from storage
+        return shadow
+
+    def _settle_for_worker_failure(self, index: int) -> None:
+        """Every rank, before failure ``index`` kills a worker: commit the background checkpoint
+        writes (rank 0's), find a live shadow (target ``worker``), then meet at a barrier so the
+        failing rank dies only after all that."""
+        if not self.cfg.settle_failures or (self.run.markers / f"{index}.worker").exists():  # off, or fired before
+            return
+        self.flush()
+        if self.cfg.failures[index].target == "worker" and self.cfg.uses_shadow and self.rank == 0:
+            self._live_shadow()
+        if self.world > 1:
+            dist.barrier()
+
+    def _kill_shadow(self, index: int, step: int, worker_how: str | None) -> None:
+        """Kill the live shadow once it is settled (``_settle_snapshots``), so the failure always
+        hits a running shadow whose snapshots are committed. With ``worker_how`` (target ``both``)
+        the worker failure is announced before the kill, so the controller does not restart the
+        shadow until the worker has recovered without it."""
+        shadow = self._settle_snapshots()
         if worker_how is not None:
             self._announce_worker_failure(step, worker_how, self.world - 1)
         self.run.event("failure", step=step, target="shadow", how="ray.kill", found=shadow is not None)
@@ -70,6 +130,7 @@ class FaultInjector:
         self._claim(index, "shadow-killed")
 
     def _corrupt_newest_snapshot(self, step: int) -> None:
+        self._settle_snapshots()
         store = self.cfg.snapshot_store()
         infos = store.list()
         shard = infos[-1].manifest["units"][next(iter(infos[-1].manifest["units"]))]["path"] if infos else None
@@ -88,6 +149,11 @@ class FaultInjector:
         if persister is not None:
             ray.kill(persister, no_restart=True)
 
+    def _hold(self, step: int) -> None:
+        """The test gate (module docstring): record ``held`` and block this process for good."""
+        self.run.event("held", step=step, durable_steps=self.durable_steps())
+        threading.Event().wait()
+
     def _wait_for_marker(self, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not (self.run.markers / name).exists() and time.monotonic() < deadline:
@@ -98,6 +164,8 @@ class FaultInjector:
 
     def maybe_fail(self, step: int, writer: StepLogWriter | None = None) -> None:
         """Inject the failures due at ``step`` (may not return). ``writer``: rank 0's step log writer."""
+        if step == self.hold_step and self.rank == 0:
+            self._hold(step)
         for i, f in enumerate(self.cfg.failures):
             if f.step != step:
                 continue
@@ -109,6 +177,8 @@ class FaultInjector:
                 self._corrupt_newest_snapshot(step)
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):
                 self._kill_shadow(i, step, f.how if f.target == "both" else None)
+            if f.target in ("worker", "both"):
+                self._settle_for_worker_failure(i)
             if f.target in ("worker", "both") and self.rank == self.world - 1 and self._claim(i, "worker"):
                 if f.target == "both":  # die only after rank 0 has killed the shadow
                     self._wait_for_marker(f"{i}.shadow-killed", timeout_s=300)

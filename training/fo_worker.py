@@ -80,8 +80,8 @@ def train_loop_per_worker(config: dict) -> None:
     hyper = FOHyper(lr=cfg.fo_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo_max_grad_norm)
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1)
     store = cfg.snapshot_store()
-    faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: durable_steps(cfg))
     ckpt = checkpointer(cfg, store, trainer) if rank == 0 else None
+    faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: durable_steps(cfg), flush=ckpt.flush if ckpt else None)
 
     result = None
     if faults.fired() or durable_steps(cfg) > 0:

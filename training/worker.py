@@ -48,7 +48,8 @@ def train_loop_per_worker(config: dict) -> None:
         writer, log_end = None, None
         checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot_every, cfg.strategy == "full-async",
                                         {"trajectory_sha256": cfg.trajectory_sha256()}) if rank == 0 else None
-        faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0))
+        faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0),
+                               flush=checkpointer.flush if checkpointer is not None else None)
         resuming = faults.fired() or faults.durable_steps() > 0
 
     start = record_start(env, restore(params, cfg, run.step_log, log_end) if resuming else None)

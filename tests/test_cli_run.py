@@ -1,0 +1,103 @@
+"""``raycheck run`` refusals that need no Ray: unusable storage and the ``--resume`` edge cases.
+
+Each case is decided before a cluster starts, exits with one clear line and leaves the run directory
+as it was (compared byte for byte).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import uuid
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.config import JobConfig
+from orchestrator.controller import prepare
+from orchestrator.run_dir import RunDir
+from training.model import default_cache_dir
+
+
+def tree_sha256(root: pathlib.Path) -> dict[str, str]:
+    """sha256 of every file under ``root``, by relative path."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def prepared_run(out: pathlib.Path, **kw) -> JobConfig:
+    """A run directory as ``raycheck run`` leaves it before training: ``config.json`` and the step log."""
+    cfg = JobConfig(out_dir=str(out), cache_dir=str(default_cache_dir()), model="tiny", steps=6, run_id="resume", **kw)
+    out.mkdir(parents=True)
+    prepare(cfg, RunDir(out))
+    return cfg
+
+
+def resume(out: pathlib.Path):
+    return CliRunner().invoke(app, ["run", "--resume", "--out", str(out)])
+
+
+def test_unusable_storage_is_refused_before_training(tmp_path, s3_endpoint):
+    result = CliRunner().invoke(app, [
+        "run", "--model", "tiny", "--steps", "4", "--out", str(tmp_path / "run"),
+        "--storage", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", "--s3-endpoint", s3_endpoint,
+    ])
+    assert result.exit_code == 2, result.output
+    assert "is not usable" in result.output and "bucket" in result.output.lower()
+    assert not (tmp_path / "run" / "steplog.bin").exists()
+
+
+def test_resume_without_a_saved_configuration_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "steplog.bin").write_bytes(b"not a run")
+    result = resume(out)
+    assert result.exit_code == 2, result.output
+    assert f"{out} holds no run to resume (no config.json)" in result.output
+    assert tree_sha256(out) == {"steplog.bin": hashlib.sha256(b"not a run").hexdigest()}
+
+
+def test_resume_of_a_finished_run_does_nothing(tmp_path):
+    out = tmp_path / "run"
+    cfg = prepared_run(out)
+    RunDir.write_json(out / "summary.json", {"ok": True, "final_step": cfg.steps})
+    before = tree_sha256(out)
+    result = resume(out)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"{out}: the run already finished (summary.json); nothing to resume"
+    assert tree_sha256(out) == before
+
+
+def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
+    """``config.json`` and the step log disagree (e.g. a config copied from another run): the log
+    belongs to another trajectory, so the resume is refused before any cluster starts. The summary
+    of a failed attempt does not count as finished."""
+    out = tmp_path / "run"
+    cfg = prepared_run(out)
+    RunDir.write_json(out / "summary.json", {"ok": False, "final_step": None})
+    other = cfg.replace(lr=cfg.lr * 2)
+    RunDir.write_json(out / "config.json", other.to_dict())
+    before = tree_sha256(out)
+    result = resume(out)
+    assert result.exit_code == 2, result.output
+    assert f"error: {out / 'steplog.bin'} belongs to another trajectory ({cfg.trajectory_sha256()}); use a new --out" in result.output
+    assert "Traceback" not in result.output
+    assert tree_sha256(out) == before
+    assert json.loads((out / "config.json").read_text())["lr"] == other.lr
+
+
+def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
+    """The exit code's logic alone (the run itself is replaced): a shadow run whose persister never
+    reported a status (it could not start) has no durable snapshot, so the run exits 4, not 0."""
+    import orchestrator.controller
+
+    def finished(cfg, verify, echo) -> dict:
+        return {"ok": True, "error": None, "strategy": cfg.strategy, "final_step": cfg.steps, "lost_steps": 0,
+                "shadow_equal": True, "bitwise_equal": None, "snapshots": {}}
+
+    monkeypatch.setattr(orchestrator.controller, "run_job", finished)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "8", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 4, result.output
+    assert ("error: the last snapshot (step None) is not durable: the snapshot persister never reported a status. "
+            "Last durable snapshot: none;") in result.output and "holds all 8 steps" in result.output
