@@ -82,5 +82,13 @@ def test_noise_is_independent_of_thread_count_and_stable():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    assert derive_seed(1, 2) == derive_seed(1, 2) != derive_seed(2, 1)
-    assert step_seed(0, 0) == 1041621211125469266  # pinned: old logs must replay
+
+
+def test_derive_seed_is_pinned_63_bit_and_depends_on_every_part_and_its_order():
+    # Pinned (blake2b-64 of the little-endian uint64 parts, top bit cleared): old logs must replay.
+    # (1, 2) hashes to 11868681386100499350 >= 2**63, so the mask is exercised.
+    pinned = {(1, 2): 2645309349245723542, (2, 1): 2978616508021363102, (1,): 9008652467591447603,
+              (): 3797230976420062948, (2**64 - 1, 0): 1267674560764357290}
+    assert {parts: derive_seed(*parts) for parts in pinned} == pinned
+    assert step_seed(0, 0) == derive_seed(0, 0) == 1041621211125469266
+    assert all(0 <= seed < 2**63 for seed in pinned.values())
