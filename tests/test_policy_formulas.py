@@ -15,11 +15,13 @@ import re
 
 import pytest
 
-from policies.costs import MeasuredCosts
+from policies.costs import InfeasibleError, MeasuredCosts
 from policies.interval import AdaptiveInterval, FixedInterval
 from policies.models import (
+    Strategy,
     checkfreq_interval_steps,
     daly_interval_s,
+    expected_waste,
     shadow_interval_steps,
     steps_for,
     waste_full_async,
@@ -149,3 +151,39 @@ def test_adaptive_interval_warns_once_per_infeasible_spell(caplog):
     assert warnings[0].startswith(f"keeping the {k0}-step interval: the shadow replays a step in replay_step_s=1.5 s")
     assert re.match(r"keeping the \d+-step interval: the shadow replays a step in replay_step_s=1\.\d+ s", warnings[1])
     assert all("its lag grows without bound" in w for w in warnings)
+
+
+def test_waste_shadow_exactly_at_a_high_failure_rate_by_hand():
+    """lambda = ln 2 per second makes every exponential a power of 2, so the exact formula is worked by hand.
+
+    r = 1 s, so q = lambda r = ln 2; u = step = 2 s, so e^(lambda u) - 1 = 3; D = 1 s, so e^(lambda D) = 2.
+    k = 3: the mean of e^(q j) over j = 0, 1, 2 is 7 / 3. A snapshot is durable delta = r + S = 5 s after its
+    step: the integral of e^(q floor(phi / u)) over [0, 5) is 2 (1 + 2) + 1 x 4 = 10, weighted by
+    (e^(q k) - 1) / (k u) = 7 / 6: E[e^(q j)] = 7 / 3 + 35 / 3 = 14. Seconds per step 3 x 2 x 14 / ln 2,
+    over a 2 s step: waste = 42 / ln 2 - 1. Charging the 4 s snapshot at w = 1 adds
+    w S (1 / k + 3 x min(S, k u) / (k u)) / t = 4 (1 / 3 + 2) / 2 = 14 / 3.
+    """
+    c = costs(replay_step_s=1.0, snapshot_s=4.0, restart_s=0.5, load_s=0.5, mtbf_s=1 / math.log(2))
+    assert waste_shadow(c, 3) == pytest.approx(42 / math.log(2) - 1, rel=1e-12)
+    assert waste_shadow(c.replace(background_weight=1.0), 3) == pytest.approx(42 / math.log(2) + 14 / 3 - 1, rel=1e-12)
+
+
+def test_feasibility_bounds_and_their_messages():
+    with pytest.raises(InfeasibleError, match="replay_step_s=2 s but training takes step_s=2 s"):
+        waste_shadow(costs(replay_step_s=2.0), 10)  # replay as slow as a step: the lag still grows
+    assert waste_full_async(costs(snapshot_s=5.0), 3) > 0  # 5 s fits in 3 steps of 2 s
+    with pytest.raises(InfeasibleError, match=r"one is due every 2 steps x step_s=2 s = 4 s: it would not finish"):
+        waste_full_async(costs(snapshot_s=5.0), 2)
+
+
+def test_expected_waste_dispatches_with_its_arguments():
+    c = costs()
+    assert expected_waste(Strategy.LOG_ONLY, c, horizon_s=20.0) == waste_log_only(c, 20.0)
+    assert expected_waste(Strategy.SHADOW, c, interval_steps=10) == waste_shadow(c, 10)
+    assert expected_waste(Strategy.FULL_SYNC, c, interval_steps=10) == waste_full_sync(c, 10)
+    assert expected_waste(Strategy.FULL_ASYNC, c, interval_steps=10) == waste_full_async(c, 10)
+    for strategy, message in [(Strategy.LOG_ONLY, "log-only waste grows with the run: pass horizon_s (seconds of training)"),
+                              (Strategy.SHADOW, "shadow waste depends on the interval: pass interval_steps")]:
+        with pytest.raises(ValueError) as err:
+            expected_waste(strategy, c)
+        assert str(err.value) == message
