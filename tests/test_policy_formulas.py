@@ -187,3 +187,11 @@ def test_expected_waste_dispatches_with_its_arguments():
         with pytest.raises(ValueError) as err:
             expected_waste(strategy, c)
         assert str(err.value) == message
+
+
+def test_adaptive_interval_warns_when_its_very_first_estimate_is_infeasible(caplog):
+    policy = AdaptiveInterval(Replanner(INITIAL, min_samples=1))
+    with caplog.at_level(logging.WARNING, logger="policies.interval"):
+        assert policy.observe(1, replay_step_s=1.5) is None
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"keeping the {policy.every_steps}-step interval: the shadow replays a step in replay_step_s=1.5 s")
