@@ -3,7 +3,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 RUN_ARGS ?= --model smollm2-135m --steps 50 --fail 20:worker --fail 30:shadow --fail 40:both --snapshot-policy adaptive --mtbf 10min --verify --overwrite --out runs/default
 
-.PHONY: setup run test bench experiment experiment-quick
+.PHONY: setup run test bench experiment experiment-quick mutate
 
 setup: $(STAMP)
 
@@ -16,6 +16,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# Mutation check of the core (not part of `make test`; about 30 min on 2 loaded cores, see docs/testing.md).
+# Settings in pyproject.toml [tool.mutmut]; MUTANTS='training.zo.*' limits it to matching mutants.
+MUTANTS ?=
+mutate: $(STAMP)
+	rm -rf mutants
+	env -u PYTHONPATH nice -n 10 $(VENV)/bin/mutmut run --max-children 2 $(MUTANTS)
+	env -u PYTHONPATH $(VENV)/bin/mutmut results --all true | $(VENV)/bin/python scripts/mutation_score.py
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m experiments.log_cost

@@ -1,11 +1,14 @@
 """Exactness of replay, checked bitwise on the tiny model with real snippets."""
 
+import pytest
 import torch
 
 from training.data import batch_indices, classification_loss
 from training.model import trainable_parameters
 from training.state import copy_state, load_into, state_sha256
-from training.zo import ZOHyper, decays, derive_seed, noise, perturb_all_, replay_step_, step_seed, update_, update_all_
+from training.zo import (
+    ZOHyper, decays, derive_seed, noise, perturb_, perturb_all_, replay_step_, step_seed, update_, update_all_,
+)
 
 HYPER = ZOHyper(lr=1e-3, eps=1e-3, weight_decay=0.01)  # a large lr so the updates are visible
 
@@ -82,5 +85,53 @@ def test_noise_is_independent_of_thread_count_and_stable():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    assert derive_seed(1, 2) == derive_seed(1, 2) != derive_seed(2, 1)
-    assert step_seed(0, 0) == 1041621211125469266  # pinned: old logs must replay
+
+
+def test_derive_seed_is_pinned_63_bit_and_depends_on_every_part_and_its_order():
+    # Pinned (blake2b-64 of the little-endian uint64 parts, top bit cleared): old logs must replay.
+    # (1, 2) hashes to 11868681386100499350 >= 2**63, so the mask is exercised.
+    pinned = {(1, 2): 2645309349245723542, (2, 1): 2978616508021363102, (1,): 9008652467591447603,
+              (): 3797230976420062948, (2**64 - 1, 0): 1267674560764357290}
+    assert {parts: derive_seed(*parts) for parts in pinned} == pinned
+    assert step_seed(0, 0) == derive_seed(0, 0) == 1041621211125469266
+    assert all(0 <= seed < 2**63 for seed in pinned.values())
+
+
+def test_hyper_parameters_accept_their_bounds_and_name_the_bad_field():
+    assert ZOHyper(lr=0.0, eps=1e-9, weight_decay=0.0) == ZOHyper(lr=0.0, eps=1e-9, weight_decay=0.0)
+    for field, value, message in [("eps", 0.0, "eps must be > 0, got 0.0"), ("eps", float("nan"), "eps must be > 0, got nan"),
+                                  ("lr", -1e-9, "lr must be >= 0, got -1e-09"),
+                                  ("weight_decay", -0.5, "weight_decay must be >= 0, got -0.5")]:
+        with pytest.raises(ValueError) as err:
+            ZOHyper(**{field: value})
+        assert str(err.value) == message
+
+
+def test_primitives_compute_the_documented_arithmetic_by_hand():
+    """Values exact in float32, worked by hand from the formulas in the module docstring."""
+    p = torch.tensor([1.0, 2.0])
+    perturb_(p, torch.tensor([2.0, -4.0]), 0.25)  # p + z * 0.25
+    assert p.tolist() == [1.5, 1.0]
+    update_(p, torch.tensor([0.5, -1.0]), 2.0, 0.25, 0.5)  # u = z * 2 + p * 0.5 = [1.75, -1.5]; p - u * 0.25
+    assert p.tolist() == [1.0625, 1.375]
+    update_(p, torch.tensor([0.5, -1.0]), 2.0, 0.25, 0.0)  # no decay: u = [1, -2]
+    assert p.tolist() == [0.8125, 1.875]
+
+
+def test_weight_decay_applies_to_matrices_only_in_the_update():
+    assert [decays("w", torch.empty(shape)) for shape in [(), (3,), (2, 3), (2, 3, 4)]] == [False, False, True, True]
+    params = {"w": torch.ones(1, 2), "b": torch.ones(2)}
+    zero = [torch.zeros(1, 2), torch.zeros(2)]  # z = 0: only the decay moves p, by lr * wd * p = 0.5 * 0.5
+    update_all_(params, zero, 1.0, ZOHyper(lr=0.5, eps=1e-3, weight_decay=0.5))
+    assert params["w"].tolist() == [[0.75, 0.75]] and params["b"].tolist() == [1.0, 1.0]
+    replay_step_(params, 5, 0.0, 0.5, 0.0, 0.5)  # g = 0 and eps = 0: the decay alone, again on w only
+    assert params["w"].tolist() == [[0.5625, 0.5625]] and params["b"].tolist() == [1.0, 1.0]
+
+
+def test_noise_and_step_seeds_are_pinned():
+    # Pinned: a change of generator, seed derivation or argument order would make old logs unreplayable.
+    assert noise(1, 2, torch.empty(3)).tolist() == [1.1663987636566162, 0.34326407313346863, -0.9435540437698364]
+    assert noise(2, 1, torch.empty(3)).tolist() == [-0.2257118672132492, -0.12945657968521118, 0.5578997135162354]
+    assert noise(1, 2, torch.empty(2, 1, dtype=torch.float64)).dtype == torch.float64
+    assert noise(1, 2, torch.empty(2, 1)).shape == (2, 1)
+    assert step_seed(1, 2) == 2645309349245723542 and step_seed(2, 1) == 2978616508021363102
