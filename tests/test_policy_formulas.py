@@ -16,7 +16,7 @@ import re
 import pytest
 
 from policies.costs import InfeasibleError, MeasuredCosts
-from policies.interval import AdaptiveInterval, FixedInterval
+from policies.interval import AdaptiveInterval, SnapshotSchedule
 from policies.models import (
     Strategy,
     checkfreq_interval_steps,
@@ -113,11 +113,13 @@ def test_waste_shadow_to_first_order_by_hand():
     assert charged - 0.125 == pytest.approx(18.5 * LAMBDA + 2.5 * LAMBDA * 2.0 * 5.0 / 20.0 / 2.0, rel=1e-3)
 
 
-def test_fixed_interval_bounds():
-    assert [s for s in range(1, 4) if FixedInterval(every_steps=1).due(s, 0)] == [1, 2, 3]
-    assert not FixedInterval(every_steps=10).due(10, 10)  # already snapshotted at that step
+def test_snapshot_schedule_bounds():
+    every = SnapshotSchedule(every_steps=1, last_step=0)
+    assert [s for s in range(1, 4) if every.take_if_due(s)] == [1, 2, 3]
+    assert not SnapshotSchedule(every_steps=10, last_step=10).take_if_due(10)  # already snapshotted at that step
+    assert not any(SnapshotSchedule(every_steps=0, last_step=0).take_if_due(s) for s in range(1, 50))  # 0: log-only
     with pytest.raises(ValueError) as err:
-        FixedInterval(every_steps=-1)
+        SnapshotSchedule(every_steps=-1)
     assert str(err.value) == "every_steps must be >= 0, got -1"
 
 
