@@ -29,7 +29,7 @@ from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from orchestrator.run_dir import RunDir
 from orchestrator.schedule import failure_schedule, parse_schedule
-from storage.backend import Storage
+from storage.snapshots import SnapshotStore
 from storage.steplog import read_records
 from test_job_submit import stop_cluster
 from training.model import default_cache_dir
@@ -199,16 +199,17 @@ def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_fa
 
 
 def test_storage_gone_after_the_check_fails_the_final_persist_and_exits_4(cluster, tmp_path, monkeypatch):
-    """The S3 server stops right after ``raycheck run`` checked it: training goes on (the step log
-    is local), no snapshot becomes durable (the persister cannot even start: it lists the store's
-    log segments first), and the run says so with exit code 4."""
-    probe = Storage.probe
+    """The S3 server stops right after the driver checked it and claimed its writer epoch in the
+    index: training goes on (the step log is local), no snapshot becomes durable (the persister
+    cannot even start: it lists the store's log segments first), and the run says so with exit code 4."""
+    claim = SnapshotStore.claim_epoch
     with LocalS3Server() as server:
-        def probe_then_stop(storage: Storage) -> None:  # in this process only: the CLI's check
-            probe(storage)
+        def claim_then_stop(store: SnapshotStore) -> int:  # in this process only: the driver's claim
+            epoch = claim(store)
             server.stop()
+            return epoch
 
-        monkeypatch.setattr(Storage, "probe", probe_then_stop)
+        monkeypatch.setattr(SnapshotStore, "claim_epoch", claim_then_stop)
         out = tmp_path / "run"
         result = CliRunner().invoke(app, [
             "run", "--model", "tiny", "--steps", "8", "--snapshot-every", "4", "--eval-samples", "0", "--out", str(out),
