@@ -51,11 +51,40 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
     saved = out / "config.json"
     if not saved.is_file():
         raise _refuse(f"{out} holds no run to resume (no config.json)")
+    try:
+        cfg = JobConfig.from_dict(json.loads(saved.read_text()))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+        raise _refuse(f"{saved} is damaged ({type(exc).__name__}: {exc}); this run cannot be resumed") from exc
     summary = RunDir.read_json(out / "summary.json")
-    if summary and summary.get("ok") and summary.get("final_step") == json.loads(saved.read_text())["steps"]:
+    if summary and summary.get("ok") and summary.get("final_step") == cfg.steps:
         typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
         raise typer.Exit(0)
-    return JobConfig.from_dict(json.loads(saved.read_text()))
+    return cfg
+
+
+def _probe_storage(cfg: JobConfig) -> None:
+    """Fail fast (exit 2) on a wrong endpoint, bucket or credentials, before training starts."""
+    try:
+        cfg.snapshot_store().storage.probe()
+    except OSError as exc:
+        raise _refuse(f"snapshot storage {cfg.storage} is not usable: {exc}") from exc
+
+
+def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path]:
+    """What ``--overwrite`` deletes in ``out`` (its ``reference/`` stays), once every check has passed.
+
+    Refuses (exit 2): ``out`` is a file; it holds something and ``overwrite`` is off; it holds something
+    but no ``config.json``, so it is not a raycheck run and is never emptied (``--out ~`` with
+    ``--overwrite`` must not wipe a home folder)."""
+    if out.exists() and not out.is_dir():
+        raise _refuse(f"--out {out} is a file, not a folder")
+    entries = [p for p in out.iterdir() if p.name != "reference"] if out.exists() else []
+    if entries and not overwrite:
+        raise _refuse(f"{out} already holds a run; pass --overwrite or choose another --out")
+    if entries and not (out / "config.json").is_file():
+        raise _refuse(f"{out} is not empty and holds no raycheck run (no config.json); --overwrite replaces only a "
+                      "run: choose a new or empty --out")
+    return entries
 
 
 @app.command()
@@ -140,18 +169,12 @@ def run(
         from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
+    replaced = [] if resume else _entries_to_replace(out, overwrite)
     if resume:
         cfg = _resumed_config(out)
-    elif out.exists() and any(p.name != "reference" for p in out.iterdir()):
-        if not overwrite:
-            raise _refuse(f"{out} already holds a run; pass --overwrite or choose another --out")
-        for p in out.iterdir():
-            if p.name != "reference":
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-    try:
-        cfg.snapshot_store().storage.probe()  # fail fast on a wrong endpoint, bucket or credentials
-    except OSError as exc:
-        raise _refuse(f"snapshot storage {cfg.storage} is not usable: {exc}") from exc
+    _probe_storage(cfg)
+    for p in replaced:  # every check has passed: only now is the old run deleted
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     try:
         summary = run_job(cfg, verify=verify, echo=typer.echo)
     except (ResumeMismatchError, GeneratorMismatchError) as exc:  # raised before anything in the run directory is touched

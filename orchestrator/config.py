@@ -79,6 +79,8 @@ class FailureSpec:
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or not parts[0].isdigit():
             raise ValueError(f"bad failure {text!r}: expected STEP[:TARGET[:HOW]], e.g. 20:worker:exit")
+        if len(parts) == 3 and parts[1] not in ("worker", "both", "storage"):
+            raise ValueError(f"bad failure {text!r}: HOW applies to worker, both and storage failures only")
         return cls(step=int(parts[0]), **dict(zip(("target", "how"), parts[1:])))
 
 

@@ -223,8 +223,11 @@ def _log_based_waste(costs: MeasuredCosts, mean_exp_replay: float, charge_per_st
 
 
 def _mean_exp(q: float, n: int) -> float:
-    """(1/n) sum_{i<n} e^(q i), the mean of e^(q j) for j uniform on 0..n-1."""
-    return _expm1(q * n) / (n * math.expm1(q)) if q > 0 else 1.0
+    """(1/n) sum_{i<n} e^(q i), the mean of e^(q j) for j uniform on 0..n-1; inf once e^(q n) would
+    overflow a float (the replay then outlasts any failure-free stretch: no progress)."""
+    if not q > 0:
+        return 1.0
+    return math.expm1(q * n) / (n * math.expm1(q)) if q * n < 700 else math.inf
 
 
 def waste_log_only(costs: MeasuredCosts, horizon_s: float) -> float:

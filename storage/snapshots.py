@@ -487,6 +487,9 @@ class SnapshotStore:
             except FileNotFoundError:
                 yield None, f"{spec['path']}: missing"
                 continue
+            except (IsADirectoryError, NotADirectoryError):
+                yield None, f"{spec['path']}: not a file"
+                continue
             if len(blob) != spec["bytes"]:
                 yield None, f"{spec['path']}: {len(blob)} bytes, manifest says {spec['bytes']} (truncated?)"
             elif hashlib.sha256(blob).hexdigest() != spec["sha256"]:

@@ -101,3 +101,50 @@ def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
     assert result.exit_code == 4, result.output
     assert ("error: the last snapshot (step None) is not durable: the snapshot persister never reported a status. "
             "Last durable snapshot: none;") in result.output and "holds all 8 steps" in result.output
+
+
+@pytest.mark.parametrize("damage", ["null", '{"steps": 5}', "{not json"])
+def test_resume_of_a_damaged_configuration_is_one_error_line(tmp_path, damage):
+    out = tmp_path / "run"
+    prepared_run(out)
+    (out / "config.json").write_text(damage)
+    before = tree_sha256(out)
+    result = resume(out)
+    assert result.exit_code == 2, result.output
+    assert f"{out / 'config.json'} is damaged (" in result.output and "this run cannot be resumed" in result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert tree_sha256(out) == before
+
+
+def run_into(out: pathlib.Path, *extra: str):
+    return CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--out", str(out), *extra])
+
+
+def test_overwrite_never_empties_a_folder_that_holds_no_run(tmp_path):
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = run_into(out, "--overwrite")
+    assert result.exit_code == 2, result.output
+    assert "holds no raycheck run (no config.json); --overwrite replaces only a run" in result.output
+    assert tree_sha256(out) == {"keep.txt": hashlib.sha256(b"precious").hexdigest()}
+
+
+def test_overwrite_with_unusable_storage_leaves_the_old_run_as_it_was(tmp_path, s3_endpoint):
+    out = tmp_path / "run"
+    prepared_run(out)
+    before = tree_sha256(out)
+    result = run_into(out, "--overwrite", "--storage", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run",
+                      "--s3-endpoint", s3_endpoint)
+    assert result.exit_code == 2, result.output
+    assert "is not usable" in result.output
+    assert tree_sha256(out) == before
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path):
+    out = tmp_path / "a.log"
+    out.write_text("log")
+    result = run_into(out)
+    assert result.exit_code == 2, result.output
+    assert f"--out {out} is a file, not a folder" in result.output
+    assert out.read_text() == "log"

@@ -13,6 +13,9 @@ def test_failure_spec_parsing():
         FailureSpec.parse("3:gpu")
     with pytest.raises(ValueError, match="how 'melt'"):
         FailureSpec.parse("3:worker:melt")
+    with pytest.raises(ValueError) as err:  # was accepted and recorded as ray.kill
+        FailureSpec.parse("2:shadow:exit")
+    assert str(err.value) == "bad failure '2:shadow:exit': HOW applies to worker, both and storage failures only"
 
 
 def test_job_config_validation_names_the_field():

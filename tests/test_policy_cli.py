@@ -135,3 +135,11 @@ def test_policy_with_a_snapshot_too_slow_to_compute_still_answers():
     assert "the interval overflows" in rows["full-sync", "young"]["error"]
     assert all(o["waste_ratio"] is None for key, o in rows.items() if key != ("log-only", "none"))  # infinite or infeasible
     assert (out["recommended"]["strategy"], out["recommended"]["rule"]) == ("log-only", "none")  # needs no snapshot
+
+
+@pytest.mark.parametrize("mtbf, replay", [("1us", "300ms"), ("1e-9s", "300ms"), ("5s", "1h")])
+def test_policy_whose_replay_dwarfs_the_mtbf_says_no_progress_instead_of_overflowing(mtbf, replay):
+    result = CliRunner().invoke(app, ["--step-time", "1.2s", "--replay-time", replay, "--snapshot-time", "30s",
+                                      "--restart-time", "5min", "--mtbf", mtbf])
+    assert result.exit_code == 2, result.output  # was an OverflowError from math.expm1 (exit 1)
+    assert result.output.splitlines()[-1].startswith("error: no strategy makes progress with these costs")

@@ -401,3 +401,16 @@ def test_a_run_config_builds_a_store_of_its_identity_and_epoch_and_a_stale_persi
     status = persister.flush(timeout_s=60)
     assert (status["failed"], status["last_durable_step"]) == (1, None) and "FencedError" in status["last_error"]
     assert resumed.snapshot_store().list() == []
+
+
+def test_a_shard_replaced_by_a_folder_is_a_bad_shard_not_a_traceback(tmp_path):
+    store = SnapshotStore(str(tmp_path))
+    store.write(10, state(10))
+    info = store.write(20, state(20))
+    shard = tmp_path / info.manifest["units"]["norm"]["path"]
+    shard.unlink()
+    shard.mkdir()
+    assert store.verify(info) == [f"{info.manifest['units']['norm']['path']}: not a file"]
+    assert store.load_latest().info.step == 10
+    result = CliRunner().invoke(app, ["verify", str(tmp_path)])
+    assert result.exit_code == 1 and "not a file" in result.output and "Traceback" not in result.output
