@@ -211,6 +211,7 @@ class ShadowActor:
                 "last_snapshot_step": self.schedule.last_step,
                 "started_unix_s": self.started_unix_s,
                 "error": self.error,
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # differs under ATEN_CPU_CAPABILITY
             }
 
     def hashes(self) -> dict[int, str]:

@@ -15,6 +15,7 @@ from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.experiment_cli import experiment
 from orchestrator.merge_cli import merge
 from orchestrator.policy_cli import parse_duration, policy
+from orchestrator.replay_cli import replay
 from orchestrator.run_dir import RunDir
 from orchestrator.schedule import parse_schedule
 from orchestrator.storage_cli import inspect, verify
@@ -60,6 +61,24 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
         typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
         raise typer.Exit(0)
     return cfg
+
+
+def parse_env(pairs: list[str], option: str) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict. Raises ``ValueError`` naming ``option`` for one without ``=``."""
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise ValueError(f"{option} {bad[0]!r}: expected KEY=VALUE, e.g. ATEN_CPU_CAPABILITY=default")
+    return dict(p.split("=", 1) for p in pairs)
+
+
+def _require_cuda() -> None:
+    """Refuse ``--device cuda`` (exit 2) on a machine where torch sees no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise _refuse(f"--device cuda: torch.cuda.is_available() is false on this machine (torch {torch.__version__}, "
+                      f"built for CUDA {torch.version.cuda or 'none: a CPU-only build'}); run on a node with a GPU and a "
+                      "CUDA build of torch, or use --device cpu")
 
 
 def _probe_storage(cfg: JobConfig) -> None:
@@ -140,6 +159,10 @@ def run(
     settle_failures: Annotated[bool, typer.Option(help="Before each injected failure, wait until the shadow has caught up and "
                                                    "snapshots are committed, so the recovery source depends on the failure "
                                                    "steps alone (reproducible experiments; real failures do not wait).")] = False,
+    device: Annotated[str, typer.Option(help="zo: where the workers compute, cpu or cuda (one GPU per worker; the step "
+                                               "log and the shadow stay on the CPU; see scripts/device-check).")] = "cpu",
+    shadow_env: Annotated[list[str], typer.Option(help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), "
+                                                       "e.g. ATEN_CPU_CAPABILITY=default. Repeatable.")] = [],
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
@@ -161,10 +184,13 @@ def run(
             keep_snapshots=keep_snapshots, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
             eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts,
-            settle_failures=settle_failures, run_id=uuid.uuid4().hex[:8],
+            settle_failures=settle_failures, device=device, shadow_env=parse_env(shadow_env, "--shadow-env"),
+            run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
         raise _refuse(str(exc)) from exc
+    if cfg.device == "cuda" and not resume:
+        _require_cuda()
     if any(f.target == "storage" for f in cfg.failures):
         from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
@@ -208,6 +234,7 @@ app.command()(policy)
 app.command()(inspect)
 app.command()(verify)
 app.command()(merge)
+app.command()(replay)
 app.command()(experiment)
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import pathlib
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,6 +31,9 @@ STRATEGIES = {
 weights; ``layerwise`` and ``differential``: first-order strategies (LayerCheck, LowDiff)."""
 DEFAULT_STRATEGY = {"zo": "shadow", "fo": "layerwise"}
 HOWS = ("exit", "raise", "sigkill", "torn")
+DEVICES = ("cpu", "cuda")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+"""An environment variable name (``shadow_env`` keys)."""
 SEED_LIMIT = 2**64
 """Run seeds are packed as unsigned 64-bit integers (``training.zo.derive_seed``, ``numpy`` generators)."""
 
@@ -162,6 +166,13 @@ class JobConfig:
     reproducible failure experiments; a real failure does not wait, so the default is off."""
     max_shadow_restarts: int = 10
     """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails (-1: unlimited)."""
+    device: str = "cpu"
+    """Where the ZO workers compute: ``cpu`` or ``cuda`` (one GPU per worker, Ray Train ``use_gpu``). The
+    step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
+    the device is part of the trajectory (``trajectory_sha256``) when it is not ``cpu``."""
+    shadow_env: dict = field(default_factory=dict)
+    """Environment variables of the shadow actor's process (Ray ``runtime_env`` ``env_vars``), e.g.
+    ``{"ATEN_CPU_CAPABILITY": "default"}`` or numba/torch settings of a node type; empty: inherit."""
     extra: dict = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
@@ -201,6 +212,18 @@ class JobConfig:
         if not self.storage:
             object.__setattr__(self, "storage", str(pathlib.Path(self.out_dir) / "snapshots"))
         self._check_fo()
+        self._check_runtime()
+
+    def _check_runtime(self) -> None:
+        """Validate ``device`` and ``shadow_env``."""
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r}: choose one of {', '.join(DEVICES)}")
+        if self.device != "cpu" and self.algo != "zo":
+            raise ValueError(f"device {self.device} runs the ZO worker only (algo zo), not algo {self.algo}")
+        for key, value in self.shadow_env.items():
+            if not (isinstance(key, str) and ENV_NAME.match(key) and isinstance(value, str)):
+                raise ValueError(f"shadow_env {key!r}={value!r}: expected NAME=VALUE, NAME letters, digits and _ "
+                                 "(not starting with a digit)")
 
     def _check_zo(self) -> None:
         """Validate the run seed, MeZO's hyper-parameters and the counters no run can use below 0."""
@@ -233,8 +256,11 @@ class JobConfig:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
 
     def trajectory_sha256(self) -> str:
-        """Hash of the fields that determine the trajectory: equal hashes, comparable runs."""
+        """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``
+        counts only when it is not ``cpu``, so the hashes of existing CPU runs stay as they were."""
         values = {k: getattr(self, k) for k in self.TRAJECTORY}
+        if self.device != "cpu":
+            values["device"] = self.device
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict:
@@ -269,6 +295,11 @@ class JobConfig:
     def uses_step_log(self) -> bool:
         """True when every step is appended to the durable step log (``shadow``, ``log-only``)."""
         return self.algo == "zo" and self.strategy in ("shadow", "log-only")
+
+    @property
+    def shadow_actor_options(self) -> dict:
+        """Extra ``.options(...)`` of a shadow actor: its ``runtime_env`` when ``shadow_env`` is set."""
+        return {"runtime_env": {"env_vars": dict(self.shadow_env)}} if self.shadow_env else {}
 
     @property
     def shadow_name(self) -> str:

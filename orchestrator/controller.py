@@ -245,7 +245,7 @@ class Controller:
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
             train_loop_config=self.cfg.to_dict(),
-            scaling_config=ScalingConfig(num_workers=self.cfg.workers, use_gpu=False),
+            scaling_config=ScalingConfig(num_workers=self.cfg.workers, use_gpu=self.cfg.device == "cuda"),
             run_config=RunConfig(
                 name=f"raycheck-{self.cfg.run_id}",
                 storage_path=str(pathlib.Path(self.cfg.out_dir).resolve() / "ray_train"),
@@ -371,6 +371,7 @@ class Controller:
             "shadow_replay_over_step": (replay_s or 0) / mean_step_s if mean_step_s else None,
             "shadow_max_lag_steps": max(self.shadow_lag.values(), default=None),
             "shadow_hashes": {str(k): v for k, v in sorted(shadow.call("hashes", timeout_s=60).items())},
+            "shadow_cpu_capability": shadow.status.get("cpu_capability"),
         }
 
     def _finish(self, outcome: dict) -> dict:
@@ -405,6 +406,7 @@ class Controller:
             "checkpoint_block_seconds_total": sum(block_s),
             "mean_checkpoint_block_seconds": sum(block_s) / len(block_s) if block_s else None,
             "worker_checkpoints": final.get("checkpoints"),
+            "worker_cpu_capability": final.get("cpu_capability"),
             **shadow,
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
             "snapshots": persisted,

@@ -89,7 +89,7 @@ class ShadowKeeper:
         self.incarnation += 1
         name = f"{self.cfg.shadow_name}-{self.incarnation}"
         self.actor = ray.remote(ShadowActor).options(
-            name=name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4
+            name=name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4, **self.cfg.shadow_actor_options
         ).remote(self.spec)
         self.run.write_json(self.run.shadow_pointer, {"name": name, "incarnation": self.incarnation})
         self._status_ref = None

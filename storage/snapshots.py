@@ -159,6 +159,14 @@ class SnapshotStore:
         self._update_index(bump)
         return self.epoch
 
+    def run_epoch(self) -> int:
+        """This run's writer epoch in the index (0: none yet), for a tool that writes beside the run at
+        its current epoch instead of claiming a new one (which would fence the run's driver).
+        Raises ``ValueError`` without an identity."""
+        if self.identity is None:
+            raise ValueError("run_epoch needs a run identity")
+        return self._read_index()[0].epochs.get(self.identity.run_id, 0)
+
     def write(
         self,
         step: int,

@@ -110,11 +110,12 @@ class PromptEncoder:
 def label_logits(model, ids: torch.Tensor, last: torch.Tensor, label_ids: list[int]) -> torch.Tensor:
     """Logits of the label words at each prompt's last token, [B, 2] float32.
 
-    Right padding is harmless: attention is causal, so the pads after a prompt never affect it.
+    Right padding is harmless: attention is causal, so the pads after a prompt never affect it. The
+    model may sit on any device (``ids`` go there); the logits come back on the CPU.
     """
     with torch.inference_mode():
-        logits = model(input_ids=ids).logits
-        return logits[torch.arange(ids.shape[0]), last][:, label_ids].float()
+        logits = model(input_ids=ids.to(model.device)).logits
+        return logits[torch.arange(ids.shape[0]), last][:, label_ids].float().cpu()
 
 
 def classification_loss(model, encoder: PromptEncoder, split: Split, indices: np.ndarray) -> float:

@@ -24,7 +24,7 @@ from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError
 from storage.steplog import read_header, read_records
 from training.state import load_into
-from training.zo import check_generator, replay_step_
+from training.zo import check_generator, replay_records_
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,8 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_p
     t1 = time.perf_counter()
     if log_end is not None:
         check_generator(read_header(log_path), str(log_path))
-    records = read_records(log_path)[base:log_end] if log_end is not None else []
-    for rec in records:
-        replay_step_(params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay)
-    return {"source": source, "base_step": base, "replayed_steps": len(records), "skipped": skipped,
+    replayed = replay_records_(params, read_records(log_path)[base:log_end]) if log_end is not None else 0
+    return {"source": source, "base_step": base, "replayed_steps": replayed, "skipped": skipped,
             "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 
 

@@ -4,12 +4,21 @@ Per step t (rank r of W workers; every worker holds identical weights):
   z for every parameter from s_t  ->  +eps z, loss+ on the rank's shard of batch t  ->  -2 eps z,
   loss-  ->  +eps z  ->  average loss+ and loss- over the workers (one all-reduce of two float64s)
   ->  g_t  ->  rank 0 appends the step record durably  ->  every worker applies the update.
+
+With ``device="cuda"`` the model, z (``training.noise.gaussian_torch``) and the perturbation and update
+arithmetic run on the worker's GPU; the step log, restores, hashes and checkpoints stay on the CPU, so
+the CPU shadow replays the same floats (``training.zo`` lists the ops; both devices round each one the
+same way).
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 
+import torch
 import torch.distributed as dist
 
 from storage.steplog import StepLogWriter, StepRecord, read_records
@@ -33,7 +42,7 @@ def train_loop_per_worker(config: dict) -> None:
     env = worker_env(config)
     cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
-    params = trainable_parameters(model)
+    params = trainable_parameters(model)  # on the CPU until the restore is done
     hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.uses_step_log:
         faults = FaultInjector(cfg, run, rank, world)
@@ -52,45 +61,29 @@ def train_loop_per_worker(config: dict) -> None:
                                flush=checkpointer.flush if checkpointer is not None else None)
         resuming = faults.fired() or faults.durable_steps() > 0
 
-    start = record_start(env, restore(params, cfg, run.step_log, log_end) if resuming else None)
+    restored = restore(params, cfg, run.step_log, log_end) if resuming else None
+    params = trainable_parameters(model.to(worker_device(cfg.device)))
+    start = record_start(env, restored)
 
+    commit = timed_append(writer)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        seed = step_seed(cfg.seed, step)
-        idx = batch_indices(cfg.seed, step, cfg.batch_size, len(train))
-        shard = idx[rank::world]
-        zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
-        perturb_all_(params, zs, cfg.eps)
-        loss_plus = classification_loss(model, encoder, train, shard)
-        faults.maybe_fail(step, writer)
-        perturb_all_(params, zs, -2 * cfg.eps)
-        loss_minus = classification_loss(model, encoder, train, shard)
-        perturb_all_(params, zs, cfg.eps)
-        loss_plus, loss_minus = mean_over_workers([loss_plus, loss_minus], world)
-        grad = (loss_plus - loss_minus) / (2 * cfg.eps)
-        record = StepRecord(
-            step=step, seed=seed, projected_grad=grad, loss_plus=loss_plus, loss_minus=loss_minus,
-            lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, batch_id=batch_id(idx),
-        )
-        append_s = 0.0
-        if writer is not None:
-            t_append = time.perf_counter()
-            writer.append(record)  # durable before the update and before the next step
-            append_s = time.perf_counter() - t_append
-        update_all_(params, zs, grad, hyper)
-        del zs
+        record, append_s = zo_step_(params, model, encoder, train, cfg, step, rank, world, hyper,
+                                    fail=lambda: faults.maybe_fail(step, writer), commit=commit)
         step_s = time.perf_counter() - t0 - append_s
-        block_s = checkpointer.after_step(step + 1, lambda: params) if checkpointer is not None else append_s
+        block_s = checkpointer.after_step(step + 1, lambda: on_cpu(params)) if checkpointer is not None else append_s
         if rank == 0:
+            loss_plus, loss_minus = record.loss_plus, record.loss_minus
             row = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
-                       projected_grad=grad, step_seconds=step_s, log_append_seconds=append_s,
+                       projected_grad=record.projected_grad, step_seconds=step_s, log_append_seconds=append_s,
                        checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and checkpointer.schedule.last_step == step + 1)
             if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
-                row["state_sha256"] = state_sha256(params)  # the state after step + 1 steps
+                row["state_sha256"] = state_sha256(on_cpu(params))  # the state after step + 1 steps
             run.append(run.metrics, **row)
 
     if rank == 0:
-        final = {"step": cfg.steps, "state_sha256": state_sha256(params)}
+        final = {"step": cfg.steps, "state_sha256": state_sha256(on_cpu(params)),
+                 "cpu_capability": torch.backends.cpu.get_cpu_capability()}
         if cfg.eval_samples:
             final["accuracy_after"] = accuracy(model, encoder, held_out, cfg.eval_samples)
         if checkpointer is not None:
@@ -98,3 +91,68 @@ def train_loop_per_worker(config: dict) -> None:
         run.event("final", **final)
         if writer is not None:
             writer.close()
+
+
+def worker_device(device: str) -> torch.device:
+    """The torch device of this worker for ``JobConfig.device`` (``cpu`` or ``cuda``: the GPU Ray Train
+    assigned). On CUDA, deterministic algorithms are required (cuBLAS with a fixed workspace), so a
+    step re-executed after a failure computes the same losses as the first time."""
+    if device == "cpu":
+        return torch.device("cpu")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, below
+    torch.use_deterministic_algorithms(True)
+    import ray.train.torch
+
+    return ray.train.torch.get_device()
+
+
+def timed_append(writer: StepLogWriter | None) -> Callable[[StepRecord], float]:
+    """A ``commit`` for ``zo_step_``: appends the record durably to ``writer`` (rank 0; None on the
+    other ranks: nothing) and returns the seconds the append blocked."""
+    def commit(record: StepRecord) -> float:
+        if writer is None:
+            return 0.0
+        t0 = time.perf_counter()
+        writer.append(record)
+        return time.perf_counter() - t0
+
+    return commit
+
+
+def on_cpu(params: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    """``params`` with every tensor on the CPU (CPU tensors as they are, no copy): for hashing and checkpoints."""
+    return OrderedDict((n, t.cpu()) for n, t in params.items())
+
+
+def zo_step_(
+    params: Mapping[str, torch.Tensor], model: torch.nn.Module, encoder, train, cfg, step: int, rank: int, world: int,
+    hyper: ZOHyper, fail: Callable[[], None], commit: Callable[[StepRecord], float],
+) -> tuple[StepRecord, float]:
+    """Execute MeZO step ``step`` on ``params`` (in place; the tensors of ``model``, on its device).
+
+    Perturbs every parameter by +eps z, scores this rank's shard of the step's batch (``train``, a
+    ``training.data.Split``; ``encoder`` a ``PromptEncoder``), calls ``fail()`` (failure injection),
+    perturbs by -2 eps z, scores again, restores by +eps z, averages both losses over ``world`` workers,
+    then calls ``commit(record)`` (the durability point: the step log append) before the update.
+    ``cfg`` is the ``JobConfig``. Returns the step's record and what ``commit`` returned (the seconds
+    it blocked).
+    """
+    seed = step_seed(cfg.seed, step)
+    idx = batch_indices(cfg.seed, step, cfg.batch_size, len(train))
+    shard = idx[rank::world]
+    zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
+    perturb_all_(params, zs, cfg.eps)
+    loss_plus = classification_loss(model, encoder, train, shard)
+    fail()
+    perturb_all_(params, zs, -2 * cfg.eps)
+    loss_minus = classification_loss(model, encoder, train, shard)
+    perturb_all_(params, zs, cfg.eps)
+    loss_plus, loss_minus = mean_over_workers([loss_plus, loss_minus], world)
+    grad = (loss_plus - loss_minus) / (2 * cfg.eps)
+    record = StepRecord(
+        step=step, seed=seed, projected_grad=grad, loss_plus=loss_plus, loss_minus=loss_minus,
+        lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, batch_id=batch_id(idx),
+    )
+    committed_s = commit(record)
+    update_all_(params, zs, grad, hyper)
+    return record, committed_s

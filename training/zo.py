@@ -10,16 +10,37 @@ Algorithm 1 (MeZO). For step t with seed s_t and every trainable parameter p in 
 5. p <- p - lr * (g_t * z_p + wd * p)        wd only for weight-decayed parameters (ndim >= 2)
 
 Exactness contract (checked bitwise by the tests): the worker and every replayer call the same
-primitives below, ``perturb_`` and ``update_``, with the same z, in the same order per element. Each
-primitive is a chain of single elementwise torch ops, each a separate kernel whose result is rounded
-into a tensor (so no compiler can contract a multiply and an add into an FMA across them), and none
-is a reduction, so the result cannot depend on vectorisation, thread count or device. (torch's
-add/sub kernels compute ``self + alpha * other``, vectorised as one FMA; we never pass ``alpha``, and
-with alpha = 1 the product is exact, so that FMA rounds once, exactly as a plain add.)
+primitives below, ``perturb_`` and ``update_``, with the same z, in the same order per element (the
+worker through ``perturb_all_`` / ``update_all_``, every replayer, the shadow, a recovery from storage
+and ``raycheck replay``, through ``replay_step_`` / ``replay_records_``). Each primitive is a chain of
+single elementwise torch ops, and none is a reduction, so the result cannot depend on vectorisation,
+thread count or device. The ops, each in float32 (the parameter's dtype), each rounded once to
+nearest-even and written to memory:
 
-    perturb_:  t = z * scale      (rounded)        p = p + t        (rounded)
-    update_:   u = z * g          (rounded)        [v = p * wd (rounded);  u = u + v (rounded)]
-               t = u * lr         (rounded)        p = p - t        (rounded)
+    perturb_(p, z, scale):               scale is +eps, -2 eps or +eps (exact in binary64; rounded once
+                                         to float32 where the op reads it, the same on every device)
+        t = z * scale                    1 rounding
+        p = p + t                        1 rounding (in place)
+    update_(p, z, g, lr, wd):
+        u = z * g                        1 rounding   (g: the logged float64 projected gradient)
+        v = p * wd                       1 rounding   } only for weight-decayed parameters
+        u = u + v                        1 rounding   }
+        t = u * lr                       1 rounding
+        p = p - t                        1 rounding (in place)
+
+Why no two of them may be fused: a fused multiply-add ``a * b + c`` rounds once where the pair
+rounds twice, so its result differs in the last bit for some inputs, and whether a compiler contracts
+a pair depends on the CPU (FMA units), the compiler and its flags: one device's worker and another's
+shadow would then drift apart bit by bit. Here every op is a separate eager torch kernel that writes
+its rounded result to a tensor in memory; no compiler sees two of them in one expression, so none can
+contract them (do not wrap these functions in ``torch.compile``: Inductor fuses elementwise chains
+and may then contract them). Inside one kernel: torch's add/sub compute ``self + alpha * other``,
+which CPU vectorisation and nvcc contract into one FMA; we never pass ``alpha``, and with alpha = 1
+the product is exact, so that FMA rounds once, exactly as a plain add. Scalar operands (eps, g, lr,
+wd) are Python floats, rounded once to float32 by every backend (their "opmath" type for float32 is
+float32). IEEE-754 requires +, -, * to be correctly rounded, so every CPU instruction set (scalar,
+SSE, AVX2, AVX-512, NEON) and CUDA give the same bits, provided subnormals are kept (torch's default:
+``torch.set_flush_denormal(False)``; CUDA builds do not use ``--use_fast_math``).
 
 z_p comes from ``training.noise``: Philox4x32-10 keyed by the step seed (from run seed and step),
 counted by (parameter index, element), mapped to N(0, 1) by correctly rounded ops only, so each
@@ -33,7 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,12 +112,16 @@ def decays(name: str, p: torch.Tensor) -> bool:
 
 
 def perturb_(p: torch.Tensor, z: torch.Tensor, scale: float) -> None:
-    """p <- p + (z * scale), two rounded ops."""
+    """p <- p + (z * scale) in place: two separately rounded float32 ops (the module docstring).
+
+    ``p`` and ``z`` have one shape, dtype and device; ``scale`` is +eps, -2 eps or +eps."""
     p.add_(z * scale)
 
 
 def update_(p: torch.Tensor, z: torch.Tensor, projected_grad: float, lr: float, weight_decay: float) -> None:
-    """p <- p - ((g * z + wd * p) * lr), each op rounded separately (MeZO Algorithm 1, line 'update')."""
+    """p <- p - ((g * z + wd * p) * lr) in place, each op a separate kernel rounded on its own (MeZO
+    Algorithm 1, line 'update'): z * g, [p * wd, +], * lr, p - (the module docstring). ``weight_decay``
+    0 skips the decay ops (so no ``+ 0 * p`` rounding is added)."""
     u = z * projected_grad
     if weight_decay:
         u.add_(p * weight_decay)
@@ -162,3 +187,17 @@ def replay_step_(
         perturb_(p, z, -2 * eps)
         perturb_(p, z, eps)
         update_(p, z, projected_grad, lr, weight_decay if decays(name, p) else 0.0)
+
+
+def replay_records_(params: Mapping[str, torch.Tensor], records: Iterable) -> int:
+    """Re-execute logged steps on ``params`` (in place), oldest first, with ``replay_step_``.
+
+    ``records``: ``storage.steplog.StepRecord`` values (their ``seed``, ``projected_grad``, ``lr``,
+    ``eps`` and ``weight_decay`` are used), consecutive and starting at the step ``params`` is at.
+    Returns the number of steps replayed.
+    """
+    n = 0
+    for rec in records:
+        replay_step_(params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay)
+        n += 1
+    return n

@@ -1,0 +1,266 @@
+"""``raycheck replay``: the state of a run at any logged step, rebuilt from the run's newest own snapshot
+at or before that step plus the step log (``training.zo.replay_records_``, the arithmetic every replayer
+shares), with its sha256; optionally committed as a snapshot or written as a transformers folder.
+
+Where the log comes from: a run directory's ``steplog.bin`` (its snapshots: the store its
+``config.json`` names, else ``<run>/snapshots``), or, for a store URI, the log segments the persister
+mirrored there (``storage.log_segments``). The run's identity (run id and trajectory hash) comes from
+the log's header: only snapshots that carry it are used as a base (not other runs', not merge results).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+
+from orchestrator.storage_cli import EndpointOpt, open_store
+from storage.backend import Storage
+from storage.log_segments import read_segments
+from storage.manifest import RunIdentity, layout_of
+from storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from storage.steplog import StepLogError, StepRecord, read_log
+from training.model import default_cache_dir
+
+EXIT_DAMAGED = 1
+EXIT_REFUSED = 2
+
+
+class ReplayError(ValueError):
+    """The request cannot be served as asked (exit code 2); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class LoggedRun:
+    """A run found at a path: its log ``header`` and ``records`` (read from ``log_url``), and the
+    ``storage`` holding its snapshots (None: the run has no snapshot folder)."""
+
+    header: dict
+    records: list[StepRecord]
+    log_url: str
+    storage: Storage | None
+
+    @property
+    def identity(self) -> RunIdentity:
+        return RunIdentity(self.header["run_id"], self.header["trajectory_sha256"])
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """The state after ``step`` steps (``params``, name -> CPU float32 tensor in the model's order),
+    rebuilt from ``base`` (a snapshot; None: the initial weights) plus ``replayed_steps`` logged steps;
+    ``skipped``: own snapshots at or before ``step`` that failed verification, with the reason."""
+
+    step: int
+    base: SnapshotInfo | None
+    replayed_steps: int
+    params: "OrderedDict"
+    skipped: list[str]
+
+    @property
+    def base_step(self) -> int:
+        return self.base.step if self.base is not None else 0
+
+
+def find_run(uri: str, s3_endpoint: str = "") -> LoggedRun:
+    """The run at ``uri``: a run directory (``steplog.bin``), else a store with mirrored log segments.
+
+    Raises:
+        ReplayError: neither a step log nor log segments are there, or the log names no run identity.
+        storage.steplog.StepLogError: the log is corrupt or has a gap.
+        OSError: storage cannot be read.
+    """
+    local = pathlib.Path(uri.removeprefix("file://")) if "://" not in uri or uri.startswith("file://") else None
+    if local is not None and (local / "steplog.bin").is_file():
+        header, records, _ = read_log(local / "steplog.bin")  # a torn tail is not a step
+        run = LoggedRun(header, records, str(local / "steplog.bin"), _run_storage(local, s3_endpoint))
+    else:
+        storage = open_store(uri, s3_endpoint).storage  # exits 2 naming a missing folder or bucket
+        header, records = read_segments(storage)
+        if header is None:
+            raise ReplayError(f"no run at {uri}: it holds no step log (steplog.bin) and no mirrored log segments "
+                              "(log/segment-*.bin); give a run directory or the store a run with remote storage wrote")
+        run = LoggedRun(header, records, storage.url("log"), storage)
+    if not isinstance(header.get("run_id"), str) or not isinstance(header.get("trajectory_sha256"), str):
+        raise ReplayError(f"{run.log_url}: the step log names no run (run_id, trajectory_sha256): not a raycheck run's log")
+    return run
+
+
+def _run_storage(run_dir: pathlib.Path, s3_endpoint: str) -> Storage | None:
+    """The snapshot storage of the run in ``run_dir``: the one its ``config.json`` names, else
+    ``<run_dir>/snapshots``; None when that local folder does not exist."""
+    uri, options = str(run_dir / "snapshots"), {}
+    saved = run_dir / "config.json"
+    if saved.is_file():
+        try:
+            config = json.loads(saved.read_text())
+            uri, options = config["storage"] or uri, dict(config.get("storage_options") or {})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ReplayError(f"{saved} is damaged ({type(exc).__name__}: {exc}); pass the snapshot store URI "
+                              "(it holds the mirrored log when storage was remote)") from exc
+    if s3_endpoint:
+        options["endpoint_url"] = s3_endpoint
+    try:
+        return Storage(uri, create=False, **options)
+    except FileNotFoundError:
+        return None  # no snapshot was ever written: replay from the initial weights
+
+
+def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotInfo]]:
+    """The store of ``run``'s snapshots and its own committed ones, oldest first.
+
+    Raises:
+        ReplayError: the store holds snapshots, but every one belongs to another run (or is a merge
+            result): the path is probably not this run's store.
+    """
+    if run.storage is None:
+        return None, []
+    store = SnapshotStore(run.storage)  # store-wide: it sees the other runs' snapshots to name them
+    everyone = store.list()
+    own = [i for i in everyone if i.manifest["run"] == run.identity.as_dict()]
+    if everyone and not own:
+        others = sorted({(i.manifest["run"] or {}).get("run_id", "a merge result") for i in everyone})
+        raise ReplayError(
+            f"{run.storage.url()} holds {len(everyone)} snapshot(s), all of other runs ({', '.join(others[:3])}), none "
+            f"of run {run.identity.run_id} whose log {run.log_url} is: pass this run's own store, or --from-initial to "
+            "replay every step from the initial weights")
+    return store, own
+
+
+def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":
+    """The initial weights of ``run``'s model (name -> CPU tensor), checked against the log.
+
+    Raises:
+        ReplayError: the log's model is unknown or its parameter layout differs from the model's.
+        training.zo.GeneratorMismatchError: the log was written with another noise generator.
+    """
+    from training.model import MODEL_NAMES, layout_sha256, load_model, parameter_layout, trainable_parameters
+    from training.zo import check_generator
+
+    check_generator(run.header, run.log_url)
+    if run.header.get("model") not in MODEL_NAMES:
+        raise ReplayError(f"{run.log_url}: model {run.header.get('model')!r} is not one of {', '.join(MODEL_NAMES)}")
+    params = trainable_parameters(load_model(run.header["model"], cache_dir))
+    if run.header.get("layout_sha256") != layout_sha256(parameter_layout(params)):
+        raise ReplayError(f"{run.log_url}: the log's parameter layout differs from model {run.header['model']}'s")
+    return params
+
+
+def check_step(run: LoggedRun, step: int) -> None:
+    """Raise ``ReplayError`` unless the log can rebuild the state after ``step`` steps (0..its length)."""
+    if not 0 <= step <= len(run.records):
+        raise ReplayError(f"step {step} is not in the log: {run.log_url} holds {len(run.records)} step(s), so --step "
+                          f"can be 0..{len(run.records)} (the state after that many steps)")
+
+
+def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: bool = False) -> Replayed:
+    """Turn ``params`` (the initial weights, ``initial_params``) in place into the state after ``step``
+    logged steps: the newest own snapshot at or before ``step`` that verifies (``from_initial``: none)
+    plus the logged steps after it (``training.zo.replay_records_``).
+
+    Raises:
+        ReplayError: ``step`` is not in the log, or only other runs' snapshots are in the store.
+    """
+    from training.state import load_into
+    from training.zo import replay_records_
+
+    check_step(run, step)
+    store, own = (None, []) if from_initial else own_snapshots(run)
+    base, skipped = None, []
+    for info in reversed([i for i in own if i.step <= step]):
+        try:
+            load_into(params, store.load(info))
+            base = info
+            break
+        except SnapshotCorruptError as exc:
+            skipped.append(str(exc))
+    replayed = replay_records_(params, run.records[base.step if base is not None else 0:step])
+    return Replayed(step, base, replayed, params, skipped)
+
+
+def write_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> SnapshotInfo:
+    """Commit ``replayed`` to ``target`` as a snapshot of ``run`` (its identity), at the run's current
+    writer epoch there (a new epoch would fence a live driver of the run) and deleting none of its
+    snapshots (no retention). Raises ``FencedError`` when the run's epoch changed meanwhile."""
+    from training.state import copy_state
+
+    out = SnapshotStore(target, keep_last=sys.maxsize, identity=run.identity, layout=layout_of(replayed.params))
+    out.epoch = out.run_epoch()
+    config = {"replay": {"log": run.log_url, "base_step": replayed.base_step, "replayed_steps": replayed.replayed_steps}}
+    return out.write(replayed.step, copy_state(replayed.params), config=config)
+
+
+def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
+    """What ``replay`` prints: the run, the base, the replayed steps, the hash (last line)."""
+    from training.state import state_sha256
+
+    base = (f"snapshot of step {replayed.base_step} ({run.storage.url(replayed.base.folder)})"
+            if replayed.base is not None else "the initial weights")
+    steps = (f"replayed steps {replayed.base_step}..{replayed.step - 1} ({replayed.replayed_steps})"
+             if replayed.replayed_steps else "nothing to replay")
+    return [*(f"skipped: {s}" for s in replayed.skipped),
+            f"run {run.identity.run_id}, model {run.header['model']}, log {run.log_url} ({len(run.records)} steps)",
+            f"step {replayed.step}: base {base}; {steps}",
+            f"state_sha256 {state_sha256(replayed.params)}"]
+
+
+def replay(
+    run_or_store: Annotated[str, typer.Argument(help=(
+        "A run directory (its steplog.bin; snapshots from the store its config.json names), or a snapshot store "
+        "(path, file://, s3://) holding the run's mirrored log segments."))],
+    step: Annotated[int, typer.Option(help="Rebuild the state after this many logged steps (0..steps in the log).")],
+    write_snapshot_: Annotated[bool, typer.Option("--write-snapshot", help=(
+        "Commit the state as a snapshot of the run (its identity and writer epoch; no retention) in its store, or in --to."))] = False,
+    to: Annotated[str, typer.Option(help="With --write-snapshot: commit into this store instead (path, file://, s3://; it "
+                                         "must be writable; implies --write-snapshot).")] = "",
+    export_hf_dir: Annotated[pathlib.Path | None, typer.Option(
+        "--export-hf", help="Also write the state as a transformers folder here (new or empty), as `merge --export-hf` does.")] = None,
+    from_initial: Annotated[bool, typer.Option(help="Ignore snapshots: replay every step from the initial weights "
+                                                    "(an independent check of the snapshots).")] = False,
+    s3_endpoint: EndpointOpt = "",
+    cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
+) -> None:
+    """Rebuild a run's state at --step from its newest own snapshot at or before it plus the step log, and
+    print the base, the replayed steps and the state's sha256 (training.state.state_sha256; the same
+    hash the run records with --hash-every and in summary.json).
+
+    Exit codes: 0 rebuilt; 1 the run's data is damaged or unreadable (a gap or a corrupt record in the
+    step log, storage errors, a fenced write); 2 refused, nothing written: no run at the path, --step
+    past the log's end, a log of another noise generator or model, only other runs' snapshots in the
+    store, an unusable --to or --export-hf target."""
+    from storage.merge import prepare_hf_export, write_hf_export
+    from training.state import as_numpy
+
+    try:
+        run = find_run(run_or_store, s3_endpoint)
+        check_step(run, step)
+        target = None
+        if write_snapshot_ or to:
+            target = open_store(to, s3_endpoint, create=True).storage if to else run.storage
+            if target is None:
+                raise ReplayError(f"the run has no snapshot store to write to ({run_or_store}/snapshots does not exist): "
+                                  "pass --to STORE")
+            target.probe()
+        params = initial_params(run, cache_dir)
+        export = None
+        if export_hf_dir is not None:  # checked before the replay; the views see the replayed values (in place)
+            export = prepare_hf_export({n: as_numpy(t) for n, t in params.items()}, export_hf_dir, run.header["model"], cache_dir)
+        replayed = rebuild_(params, run, step, from_initial)
+        for line in _describe(replayed, run):
+            typer.echo(line)
+        if target is not None:
+            info = write_snapshot(replayed, run, target)
+            typer.echo(f"committed snapshot of step {info.step}: {target.url(info.folder)}")
+        if export is not None:
+            typer.echo(f"transformers folder: {write_hf_export(export)}")
+    except (ValueError, FileExistsError) as exc:  # ReplayError, GeneratorMismatchError, a bad export target or state
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_REFUSED) from exc
+    except (StepLogError, SnapshotCorruptError, FencedError, OSError) as exc:  # StorageError included
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_DAMAGED) from exc

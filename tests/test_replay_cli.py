@@ -1,0 +1,185 @@
+"""``raycheck replay``: any logged step rebuilt bitwise, also under other CPU kernels; clear refusals.
+
+The run is made without Ray by the worker's own step (``training.worker.zo_step_``) on the tiny model,
+with the machine's best CPU kernels, its step log written by ``StepLogWriter`` and a snapshot of step 3
+committed with the run's identity, as the persister does. Its state sha256 after every step is what
+the replay must reproduce.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.config import JobConfig
+from orchestrator.controller import prepare
+from orchestrator.run_dir import RunDir
+from storage.backend import Storage
+from storage.log_segments import SegmentMirror
+from storage.manifest import RunIdentity
+from storage.snapshots import SnapshotStore
+from storage.steplog import RECORD_BYTES, StepLogWriter, read_log
+from training.model import default_cache_dir, load_model, trainable_parameters
+from training.state import copy_state, state_sha256
+from training.worker import timed_append, zo_step_
+from training.zo import ZOHyper
+
+STEPS, SNAPSHOT_STEP = 6, 3
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, encoder, data) -> tuple[pathlib.Path, dict[int, str]]:
+    """(run directory, state sha256 after each step 0..STEPS) of a run made by the worker's step."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = JobConfig(out_dir=str(out), cache_dir=str(default_cache_dir()), model="tiny", steps=STEPS, lr=1e-3,
+                    weight_decay=0.01, run_id="replayed")
+    prepare(cfg, RunDir(out))
+    model = load_model("tiny")
+    params = trainable_parameters(model)
+    hashes = {0: state_sha256(params)}
+    writer = StepLogWriter.open(RunDir(out).step_log)
+    for step in range(STEPS):
+        zo_step_(params, model, encoder, data[0], cfg, step, 0, 1, ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay),
+                 fail=lambda: None, commit=timed_append(writer))
+        hashes[step + 1] = state_sha256(params)
+        if step + 1 == SNAPSHOT_STEP:
+            cfg.snapshot_store().write(SNAPSHOT_STEP, copy_state(params))
+    writer.close()
+    assert len(set(hashes.values())) == STEPS + 1  # every step changed the state
+    return out, hashes
+
+
+def replay(*args: str):
+    return CliRunner().invoke(app, ["replay", *map(str, args)])
+
+
+def printed_sha256(output: str) -> str:
+    return output.strip().splitlines()[-1].removeprefix("state_sha256 ")
+
+
+def test_every_step_is_rebuilt_bitwise_from_the_newest_own_snapshot_at_or_before_it(made):
+    run, hashes = made
+    bases = {0: ("the initial weights", "nothing to replay"), 2: ("the initial weights", "replayed steps 0..1 (2)"),
+             3: ("snapshot of step 3", "nothing to replay"), 6: ("snapshot of step 3", "replayed steps 3..5 (3)")}
+    for step, (base, replayed) in bases.items():
+        result = replay(run, "--step", step)
+        assert result.exit_code == 0, result.output
+        assert f"step {step}: base {base}" in result.output and replayed in result.output
+        assert printed_sha256(result.output) == hashes[step]
+    result = replay(run, "--step", 5, "--from-initial")
+    assert result.exit_code == 0, result.output
+    assert "base the initial weights; replayed steps 0..4 (5)" in result.output
+    assert printed_sha256(result.output) == hashes[5]
+
+
+def test_replay_under_the_default_cpu_kernels_prints_the_worker_s_sha256(made):
+    """The run was made in this process with the best kernels; the replay runs with
+    ATEN_CPU_CAPABILITY=default and numba's generic CPU target, in its own process."""
+    run, hashes = made
+    probe = ("import sys, torch; print('capability', torch.backends.cpu.get_cpu_capability()); "
+             "from orchestrator.cli import app; sys.argv = ['raycheck', 'replay', *sys.argv[1:]]; app()")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "NUMBA_CPU_NAME": "generic",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", probe, str(run), "--step", "5"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("capability DEFAULT\n")
+    assert torch.backends.cpu.get_cpu_capability() != "DEFAULT"  # this machine's best (AVX2 here) made the run
+    assert printed_sha256(proc.stdout) == hashes[5]
+
+
+def test_a_store_with_mirrored_segments_write_snapshot_to_and_export_hf(made, tmp_path):
+    """The log from a store's segments (no run directory); the state committed as a snapshot of the
+    run (no retention, the older snapshot stays) and exported as a transformers folder."""
+    run, hashes = made
+    store_dir = tmp_path / "store"
+    shutil.copytree(run / "snapshots", store_dir)
+    SegmentMirror(Storage(str(store_dir)), run / "steplog.bin").sync(final=True)
+    export = tmp_path / "hf"
+    result = replay(f"file://{store_dir}", "--step", 5, "--write-snapshot", "--export-hf", export)
+    assert result.exit_code == 0, result.output
+    assert f"log {store_dir}/log (6 steps)" in result.output and printed_sha256(result.output.split("committed")[0]) == hashes[5]
+    identity = RunIdentity("replayed", JobConfig.from_dict(json.loads((run / "config.json").read_text())).trajectory_sha256())
+    own = SnapshotStore(str(store_dir), identity=identity)
+    assert [i.step for i in own.list()] == [SNAPSHOT_STEP, 5]
+    assert state_sha256(own.load(own.list()[-1])) == hashes[5]
+    exported = load_file(str(export / "model.safetensors"))
+    replayed = own.load(own.list()[-1])
+    assert set(exported) == set(replayed) and all(np.array_equal(exported[n], replayed[n]) for n in replayed)
+    assert (export / "config.json").is_file()
+
+    result = replay(f"file://{store_dir}", "--step", 6)  # the written snapshot is now the base
+    assert "base snapshot of step 5" in result.output and printed_sha256(result.output) == hashes[6]
+    result = replay(run, "--step", 4, "--to", tmp_path / "other")
+    assert result.exit_code == 0, result.output
+    other = SnapshotStore(str(tmp_path / "other"), identity=identity)
+    assert [(i.step, state_sha256(other.load(i))) for i in other.list()] == [(4, hashes[4])]
+
+
+def _copy_run(run: pathlib.Path, to: pathlib.Path, records: slice = slice(None), **header) -> pathlib.Path:
+    """A copy of ``run`` whose log keeps ``records`` and has ``header`` changes; its config points at
+    its own snapshots folder."""
+    shutil.copytree(run, to)
+    old_header, records_kept, _ = read_log(run / "steplog.bin")
+    (to / "steplog.bin").unlink()
+    writer = StepLogWriter.create(to / "steplog.bin", {**old_header, **header})
+    for rec in records_kept[records]:
+        writer.append(rec)
+    writer.close()
+    config = json.loads((to / "config.json").read_text())
+    RunDir.write_json(to / "config.json", {**config, "storage": str(to / "snapshots"), "out_dir": str(to)})
+    return to
+
+
+def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_path):
+    run, _ = made
+    before = sorted(p.name for p in (run / "snapshots").iterdir())
+    cases = []
+    cases.append((replay(run, "--step", STEPS + 1, "--write-snapshot"), 2,
+                  f"step {STEPS + 1} is not in the log: {run}/steplog.bin holds {STEPS} step(s), so --step can be 0..{STEPS}"))
+    (tmp_path / "empty").mkdir()
+    cases.append((replay(tmp_path / "empty", "--step", 1), 2, f"no run at {tmp_path / 'empty'}: it holds no step log"))
+    cases.append((replay(tmp_path / "missing", "--step", 1), 2, "no such folder"))
+    other = _copy_run(run, tmp_path / "generator", generator="torch-cpu-mt19937:randn")
+    cases.append((replay(other, "--step", 1), 2, "was written with generator 'torch-cpu-mt19937:randn'"))
+
+    gap = _copy_run(run, tmp_path / "gap")
+    data = (gap / "steplog.bin").read_bytes()
+    start = len(data) - STEPS * RECORD_BYTES
+    (gap / "steplog.bin").write_bytes(data[:start + 2 * RECORD_BYTES] + data[start + 3 * RECORD_BYTES:])  # step 2 gone
+    cases.append((replay(gap, "--step", 1), 1, "is step 3, expected step 2; steps 2..2 are missing"))
+
+    foreign = _copy_run(run, tmp_path / "foreign")
+    shutil.rmtree(foreign / "snapshots")
+    state = SnapshotStore(str(run / "snapshots")).load(SnapshotStore(str(run / "snapshots")).list()[0])
+    SnapshotStore(str(foreign / "snapshots"), identity=RunIdentity("someone-else", "0" * 64)).write(2, state)
+    cases.append((replay(foreign, "--step", 4), 2, "holds 1 snapshot(s), all of other runs (someone-else), none of run replayed"))
+
+    for result, code, message in cases:
+        assert result.exit_code == code, result.output
+        assert result.output.startswith("error: ") and result.output.count("\n") == 1 and message in result.output
+        assert "Traceback" not in result.output
+    assert sorted(p.name for p in (run / "snapshots").iterdir()) == before
+    result = replay(foreign, "--step", 4, "--from-initial")  # what the refusal offers works
+    assert result.exit_code == 0 and "base the initial weights" in result.output
+
+
+def test_an_export_folder_that_holds_files_is_refused_before_the_replay(made, tmp_path):
+    run, _ = made
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "other.safetensors").write_bytes(b"x")
+    result = replay(run, "--step", 2, "--export-hf", tmp_path / "hf")
+    assert result.exit_code == 2 and "is not an empty folder" in result.output and "state_sha256" not in result.output
+    assert hashlib.sha256((tmp_path / "hf" / "other.safetensors").read_bytes()).hexdigest() == hashlib.sha256(b"x").hexdigest()
