@@ -224,12 +224,14 @@ def test_storage_gone_after_the_check_fails_the_final_persist_and_exits_4(cluste
 def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(reference, tmp_path):
     """``--verify`` through the CLI, with a seeded Weibull failure schedule: the failure-free
     reference already in ``<out>/reference`` is reused, the states compare bitwise equal (exit 0);
-    with that reference's hash changed, the same comparison fails and the run exits 3."""
+    with that reference's hash changed, the same comparison fails and the run exits 3. The shadow runs
+    on other CPU kernels than the worker (``--shadow-env``), and both recoveries take its image."""
     out = tmp_path / "run"
     (out / "reference").mkdir(parents=True)
     shutil.copy(pathlib.Path(reference["config"]["out_dir"]) / "summary.json", out / "reference" / "summary.json")
     args = ["run", "--model", "tiny", "--steps", "12", "--lr", "1e-4", "--eval-samples", "16", "--hash-every", "2",
-            "--snapshot-every", "3", "--settle-failures", "--verify", "--out", str(out)]
+            "--snapshot-every", "3", "--settle-failures", "--verify", "--out", str(out),
+            "--shadow-env", "ATEN_CPU_CAPABILITY=default", "--shadow-env", "NUMBA_CPU_NAME=generic"]
     schedule = parse_schedule("weibull:4:0.7", 12, seed=1)
     assert [(f.step, f.target) for f in schedule] == [(3, "worker"), (4, "worker")]
 
@@ -240,6 +242,9 @@ def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(referenc
     assert [(f["step"], f["target"]) for f in s["failures"]] == [(3, "worker"), (4, "worker")]
     assert [(r["failure_step"], r["source"]) for r in s["recoveries"]] == [(3, "object_store"), (4, "object_store")]
     assert s["bitwise_equal"] is True and s["reference_state_sha256"] == s["state_sha256"] == reference["state_sha256"]
+    assert s["shadow_equal"] is True and s["shadow_cpu_capability"] == "DEFAULT" != s["worker_cpu_capability"]
+    replayed = CliRunner().invoke(app, ["replay", str(out), "--step", "6"])  # any logged step, from the run's own files
+    assert replayed.output.strip().endswith(f"state_sha256 {s['worker_hashes']['6']}"), replayed.output
 
     tampered = {**reference, "state_sha256": "0" * 64}
     RunDir.write_json(out / "reference" / "summary.json", tampered)

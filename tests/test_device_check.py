@@ -1,0 +1,52 @@
+"""The GPU path as far as a CPU-only machine can check it: ``--device``, ``--shadow-env``, and
+``scripts/device-check`` saying that there is no GPU. GPU exactness itself is checked by the script on
+a machine with one (README, "Exactness")."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.config import JobConfig
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "device-check"
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
+
+
+def test_device_check_says_there_is_no_gpu_and_exits_2():
+    proc = subprocess.run([str(SCRIPT)], env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA device visible" in proc.stderr and "nothing checked" in proc.stderr and proc.stdout == ""
+
+
+def test_device_cuda_is_refused_with_one_line_before_anything_is_touched(tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "2", "--device", "cuda", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: --device cuda: torch.cuda.is_available() is false on this machine")
+    assert result.output.count("\n") == 1 and not out.exists()
+
+
+def test_device_and_shadow_env_are_validated_and_only_a_gpu_device_changes_the_trajectory(tmp_path):
+    base = dict(out_dir=str(tmp_path), cache_dir=str(tmp_path))
+    cpu, cuda = JobConfig(**base), JobConfig(**base, device="cuda")
+    assert cpu.trajectory_sha256() == JobConfig(**base, shadow_env={"X": "1"}).trajectory_sha256()
+    assert cuda.trajectory_sha256() != cpu.trajectory_sha256()
+    assert JobConfig.from_dict(cuda.to_dict()) == cuda
+    assert cpu.shadow_actor_options == {}
+    assert JobConfig(**base, shadow_env={"ATEN_CPU_CAPABILITY": "default"}).shadow_actor_options == {
+        "runtime_env": {"env_vars": {"ATEN_CPU_CAPABILITY": "default"}}}
+    for bad, message in [(dict(device="tpu"), "device 'tpu': choose one of cpu, cuda"),
+                         (dict(device="cuda", algo="fo"), "device cuda runs the ZO worker only"),
+                         (dict(shadow_env={"A=B": "1"}), "shadow_env 'A=B'='1': expected NAME=VALUE")]:
+        with pytest.raises(ValueError, match=message):
+            JobConfig(**base, **bad)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--shadow-env", "NOVALUE", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "--shadow-env 'NOVALUE': expected KEY=VALUE" in result.output
