@@ -162,6 +162,8 @@ class JobConfig:
     reproducible failure experiments; a real failure does not wait, so the default is off."""
     max_shadow_restarts: int = 10
     """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails (-1: unlimited)."""
+    max_persister_restarts: int = 10
+    """Restarts of a dead snapshot persister before the run fails (-1: unlimited; ``orchestrator.controller``)."""
     extra: dict = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
@@ -182,8 +184,9 @@ class JobConfig:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
         if self.snapshot_policy not in ("fixed", "adaptive"):
             raise ValueError(f"snapshot_policy {self.snapshot_policy!r}: choose fixed or adaptive")
-        if self.max_shadow_restarts < -1:
-            raise ValueError(f"max_shadow_restarts must be >= 0, or -1 for unlimited, got {self.max_shadow_restarts}")
+        for name in ("max_shadow_restarts", "max_persister_restarts"):
+            if getattr(self, name) < -1:
+                raise ValueError(f"{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         if self.batch_size % self.workers:
