@@ -25,6 +25,8 @@ app = typer.Typer(
          "AdamW with layer-wise and differential checkpoints; failure-injection experiments.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # click's plain layout wraps at 80 columns; rich's option table truncates names there
+    context_settings={"max_content_width": 120},
 )
 
 
@@ -87,7 +89,7 @@ def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path
     return entries
 
 
-@app.command()
+@app.command(short_help="Fine-tune with injected failures and exact recovery.")
 def run(
     model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}.")] = "smollm2-135m",
     algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
@@ -137,6 +139,7 @@ def run(
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
     max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited).")] = 10,
+    max_persister_restarts: Annotated[int, typer.Option(help="Restarts of a dead snapshot persister before the run fails (-1: unlimited).")] = 10,
     settle_failures: Annotated[bool, typer.Option(help="Before each injected failure, wait until the shadow has caught up and "
                                                    "snapshots are committed, so the recovery source depends on the failure "
                                                    "steps alone (reproducible experiments; real failures do not wait).")] = False,
@@ -161,6 +164,7 @@ def run(
             keep_snapshots=keep_snapshots, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
             eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts,
+            max_persister_restarts=max_persister_restarts,
             settle_failures=settle_failures, run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
@@ -204,11 +208,11 @@ def run(
         raise typer.Exit(4)
 
 
-app.command()(policy)
-app.command()(inspect)
-app.command()(verify)
-app.command()(merge)
-app.command()(experiment)
+app.command(short_help="Expected waste of each snapshot strategy, and the pick.")(policy)
+app.command(short_help="List a store's snapshots, their runs, and the step log.")(inspect)
+app.command(short_help="Re-hash every snapshot shard; exit 1 naming each bad one.")(verify)
+app.command(short_help="Assemble one snapshot from units of several.")(merge)
+app.command(short_help="Every checkpointing strategy side by side, with a report.")(experiment)
 
 if __name__ == "__main__":
     app()
