@@ -7,6 +7,13 @@ worker recovery needs it, and at the end compares the shadow's state hash with t
 
 Durability never depends on Ray Train's checkpoint registration (a hard crash can drop the newest
 reported checkpoint): workers restore from the shadow or from storage + the step log themselves.
+
+Storage at start: the driver claims its writer epoch in the snapshot index before anything runs
+(``SnapshotStore.claim_epoch``, which fences writers of older incarnations), so a run whose storage
+is unreachable at start does not start (``raycheck run`` refuses it with exit 2 after its probe; if
+storage goes in between, the claim fails the run). Once claimed, an outage is ridden out: the
+persister, even one (re)started during it, reports it and retries; a dead persister is restarted at
+most ``JobConfig.max_persister_restarts`` times (``may_restart_persister``).
 """
 
 from __future__ import annotations
