@@ -89,7 +89,7 @@ def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path
     return entries
 
 
-@app.command(short_help="Fine-tune with injected failures and exact recovery.")
+@app.command()
 def run(
     model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}.")] = "smollm2-135m",
     algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
@@ -161,10 +161,9 @@ def run(
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
             workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
-            keep_snapshots=keep_snapshots, storage=_storage_uri(storage),
+            keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
             eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts,
-            max_persister_restarts=max_persister_restarts,
             settle_failures=settle_failures, run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
@@ -208,11 +207,24 @@ def run(
         raise typer.Exit(4)
 
 
-app.command(short_help="Expected waste of each snapshot strategy, and the pick.")(policy)
-app.command(short_help="List a store's snapshots, their runs, and the step log.")(inspect)
-app.command(short_help="Re-hash every snapshot shard; exit 1 naming each bad one.")(verify)
-app.command(short_help="Assemble one snapshot from units of several.")(merge)
-app.command(short_help="Every checkpointing strategy side by side, with a report.")(experiment)
+app.command()(policy)
+app.command()(inspect)
+app.command()(verify)
+app.command()(merge)
+app.command()(experiment)
+
+SHORT_HELP = {
+    "run": "Fine-tune with injected failures and exact recovery.",
+    "policy": "Expected waste of each snapshot strategy, and the pick.",
+    "inspect": "List a store's snapshots, their runs, and the step log.",
+    "verify": "Re-hash every snapshot shard; exit 1 naming each bad one.",
+    "merge": "Assemble one snapshot from units of several.",
+    "replay": "Rebuild and hash the state at any logged step.",
+    "experiment": "Every checkpointing strategy side by side, with a report.",
+}
+"""One line per command for ``raycheck --help`` (click cuts a longer first sentence with "...")."""
+for _command in app.registered_commands:
+    _command.short_help = _command.short_help or SHORT_HELP.get(_command.callback.__name__)
 
 if __name__ == "__main__":
     app()

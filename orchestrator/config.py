@@ -155,6 +155,8 @@ class JobConfig:
     by the controller at each start and ``--resume``); writers of an older one are fenced."""
     namespace: str = "raycheck"
     recovery_timeout_s: float = 600.0
+    max_persister_restarts: int = 10
+    """Restarts of a dead snapshot persister before the run fails (-1: unlimited; ``orchestrator.controller``)."""
     settle_failures: bool = False
     """Before each injected failure, wait until the shadow has replayed every durable step and every
     snapshot and background checkpoint handed on is committed (``training.faults``), so that which
@@ -162,8 +164,6 @@ class JobConfig:
     reproducible failure experiments; a real failure does not wait, so the default is off."""
     max_shadow_restarts: int = 10
     """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails (-1: unlimited)."""
-    max_persister_restarts: int = 10
-    """Restarts of a dead snapshot persister before the run fails (-1: unlimited; ``orchestrator.controller``)."""
     extra: dict = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
