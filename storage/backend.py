@@ -354,10 +354,12 @@ class Storage:
         if url is None:
             return
         parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise StorageUnreachableError(self._unreachable("not an http:// or https:// URL with a host"))
         timeout_s = min(self.retry.timeout_s, 10.0)
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
-            socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
+            socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
         except TimeoutError as exc:
             raise StorageUnreachableError(self._unreachable(f"no answer within {timeout_s:g} s")) from exc
         except (OSError, ValueError) as exc:  # ValueError: a port that is not a number

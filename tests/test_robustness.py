@@ -114,6 +114,9 @@ def test_an_unreachable_endpoint_is_named_wherever_storage_is_probed(tmp_path, m
     with pytest.raises(StorageUnreachableError) as raised:  # an operation that fails for that reason, after its retries
         storage.put("x", b"1")
     assert str(raised.value) == f"put {uri}/x failed after 2 tries: {unreachable}"
+    with pytest.raises(StorageUnreachableError, match=r"^storage endpoint 127\.0\.0\.1:9000 unreachable \(not an http:// or "
+                                                      r"https:// URL with a host\)"):
+        Storage(uri, endpoint_url="127.0.0.1:9000").check_reachable()  # no scheme: botocore would refuse it later
 
 
 # -- 3. a persister started during an outage starts, says so, and resumes --------------------------
