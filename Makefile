@@ -28,6 +28,7 @@ mutate: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m experiments.log_cost
 	$(VENV)/bin/python -m experiments.persist_throughput
+	$(VENV)/bin/python -m experiments.noise_bench
 
 experiment: $(STAMP)
 	$(VENV)/bin/raycheck experiment --out runs/experiment

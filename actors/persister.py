@@ -109,6 +109,10 @@ class SnapshotPersister:
 class PersisterActor(SnapshotPersister):
     """Ray shell: ``ray.remote(PersisterActor).options(num_cpus=0, max_concurrency=4, name=...)``.
 
+    The constructor never touches storage, so a persister (re)started while storage is unreachable
+    starts all the same: its status reports the outage (``log_mirror_error``, ``last_error``, the
+    breaker's ``storage`` state) and it keeps retrying through the breaker until storage answers.
+
     Args:
         store: where snapshots go.
         log_path: the local step log to mirror into ``store``'s storage as segments (None: do not
@@ -118,9 +122,11 @@ class PersisterActor(SnapshotPersister):
 
     def __init__(self, store: SnapshotStore, log_path: str | None = None, mirror_every_s: float = 2.0) -> None:
         super().__init__(store)
-        self.mirror = SegmentMirror(store.storage, log_path, max_age_s=mirror_every_s) if log_path else None
+        self.log_path, self.mirror_every_s = log_path, mirror_every_s
+        self.mirror: SegmentMirror | None = None  # built on the first sync that reaches storage (it lists the segments)
+        self._mirror_lock = threading.Lock()
         self.mirror_error: str | None = None
-        if self.mirror is not None:
+        if log_path:
             threading.Thread(target=self._mirror_loop, args=(mirror_every_s,), name="log-mirror", daemon=True).start()
 
     def _mirror_loop(self, every_s: float) -> None:
@@ -132,7 +138,10 @@ class PersisterActor(SnapshotPersister):
         try:
             if final:
                 self.store.storage.wait_until_usable()
-            self.mirror.sync(final=final)
+            with self._mirror_lock:
+                if self.mirror is None:
+                    self.mirror = SegmentMirror(self.store.storage, self.log_path, max_age_s=self.mirror_every_s)
+                self.mirror.sync(final=final)
             self.mirror_error = None
         except Exception as exc:  # surfaced through status(); retried on the next round
             log.warning("mirroring the step log failed: %s", exc)
@@ -140,11 +149,11 @@ class PersisterActor(SnapshotPersister):
 
     def status(self) -> dict:
         status = super().status()
-        if self.mirror is not None:
-            status.update(log_mirrored_steps=self.mirror.mirrored, log_mirror_error=self.mirror_error)
+        if self.log_path:  # steps known to be mirrored: none before storage first answered
+            status.update(log_mirrored_steps=self.mirror.mirrored if self.mirror else 0, log_mirror_error=self.mirror_error)
         return status
 
     def flush(self, timeout_s: float) -> dict:
-        if self.mirror is not None:
+        if self.log_path:
             self._sync_log(final=True)
         return super().flush(timeout_s)

@@ -26,6 +26,8 @@ app = typer.Typer(
          "AdamW with layer-wise and differential checkpoints; failure-injection experiments.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # click's plain layout wraps at 80 columns; rich's option table truncates names there
+    context_settings={"max_content_width": 120},
 )
 
 
@@ -156,6 +158,7 @@ def run(
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
     max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited).")] = 10,
+    max_persister_restarts: Annotated[int, typer.Option(help="Restarts of a dead snapshot persister before the run fails (-1: unlimited).")] = 10,
     settle_failures: Annotated[bool, typer.Option(help="Before each injected failure, wait until the shadow has caught up and "
                                                    "snapshots are committed, so the recovery source depends on the failure "
                                                    "steps alone (reproducible experiments; real failures do not wait).")] = False,
@@ -181,7 +184,7 @@ def run(
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
             workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
-            keep_snapshots=keep_snapshots, storage=_storage_uri(storage),
+            keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
             eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts,
             settle_failures=settle_failures, device=device, shadow_env=parse_env(shadow_env, "--shadow-env"),
@@ -236,6 +239,19 @@ app.command()(verify)
 app.command()(merge)
 app.command()(replay)
 app.command()(experiment)
+
+SHORT_HELP = {
+    "run": "Fine-tune with injected failures and exact recovery.",
+    "policy": "Expected waste of each snapshot strategy, and the pick.",
+    "inspect": "List a store's snapshots, their runs, and the step log.",
+    "verify": "Re-hash every snapshot shard; exit 1 naming each bad one.",
+    "merge": "Assemble one snapshot from units of several.",
+    "replay": "Rebuild and hash the state at any logged step.",
+    "experiment": "Every checkpointing strategy side by side, with a report.",
+}
+"""One line per command for ``raycheck --help`` (click cuts a longer first sentence with "...")."""
+for _command in app.registered_commands:
+    _command.short_help = _command.short_help or SHORT_HELP.get(_command.callback.__name__)
 
 if __name__ == "__main__":
     app()

@@ -159,6 +159,8 @@ class JobConfig:
     by the controller at each start and ``--resume``); writers of an older one are fenced."""
     namespace: str = "raycheck"
     recovery_timeout_s: float = 600.0
+    max_persister_restarts: int = 10
+    """Restarts of a dead snapshot persister before the run fails (-1: unlimited; ``orchestrator.controller``)."""
     settle_failures: bool = False
     """Before each injected failure, wait until the shadow has replayed every durable step and every
     snapshot and background checkpoint handed on is committed (``training.faults``), so that which
@@ -193,8 +195,9 @@ class JobConfig:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
         if self.snapshot_policy not in ("fixed", "adaptive"):
             raise ValueError(f"snapshot_policy {self.snapshot_policy!r}: choose fixed or adaptive")
-        if self.max_shadow_restarts < -1:
-            raise ValueError(f"max_shadow_restarts must be >= 0, or -1 for unlimited, got {self.max_shadow_restarts}")
+        for name in ("max_shadow_restarts", "max_persister_restarts"):
+            if getattr(self, name) < -1:
+                raise ValueError(f"{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         if self.batch_size % self.workers:

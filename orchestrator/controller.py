@@ -7,6 +7,13 @@ worker recovery needs it, and at the end compares the shadow's state hash with t
 
 Durability never depends on Ray Train's checkpoint registration (a hard crash can drop the newest
 reported checkpoint): workers restore from the shadow or from storage + the step log themselves.
+
+Storage at start: the driver claims its writer epoch in the snapshot index before anything runs
+(``SnapshotStore.claim_epoch``, which fences writers of older incarnations), so a run whose storage
+is unreachable at start does not start (``raycheck run`` refuses it with exit 2 after its probe; if
+storage goes in between, the claim fails the run). Once claimed, an outage is ridden out: the
+persister, even one (re)started during it, reports it and retries; a dead persister is restarted at
+most ``JobConfig.max_persister_restarts`` times (``may_restart_persister``).
 """
 
 from __future__ import annotations
@@ -56,6 +63,17 @@ def next_phase(phase: Phase, worker_failures: int, recoveries_seen: int, fit_don
     if worker_failures > recoveries_seen:
         return Phase.RECOVERING
     return Phase.RUNNING
+
+
+class PersisterFailedError(RuntimeError):
+    """The snapshot persister died more often than ``JobConfig.max_persister_restarts`` allows."""
+
+
+def may_restart_persister(restarts_used: int, max_restarts: int) -> bool:
+    """Whether a dead snapshot persister gets another incarnation (pure): ``restarts_used`` restarts
+    so far in this run (each started incarnation counts, whether or not it came up), against
+    ``max_restarts`` (-1: unlimited)."""
+    return max_restarts < 0 or restarts_used < max_restarts
 
 
 def worker_failures_and_recoveries(events: list[dict]) -> tuple[int, int]:
@@ -214,17 +232,32 @@ class Controller:
         return self.persister_status
 
     def _restart_persister(self, exc: Exception) -> None:
-        """Start a new persister (same name) after one died; the shadow then snapshots at once, so
-        durability in storage resumes without waiting for the next interval."""
+        """Start a new persister (same name) after one died, at most ``cfg.max_persister_restarts``
+        times (``may_restart_persister``); the shadow then snapshots at once, so durability in
+        storage resumes without waiting for the next interval. A new persister starts even while
+        storage is unreachable (it reports that in its status and retries).
+
+        Raises:
+            PersisterFailedError: the budget is spent (the run then fails with its summary).
+        """
+        if not may_restart_persister(self.persister_restarts, self.cfg.max_persister_restarts):
+            raise PersisterFailedError(
+                f"the snapshot persister died after {self.persister_restarts} restarts (max_persister_restarts "
+                f"{self.cfg.max_persister_restarts}): {type(exc).__name__}; the step log holds every step: "
+                "resume with --resume, with a larger --max-persister-restarts if the persister keeps dying")
         t0 = time.time()
         try:
             self.persister = self._start_persister()
-            ray.get(self.persister.status.remote(), timeout=120)
-        except (ValueError, RayActorError, GetTimeoutError) as err:  # the old name not yet released: next poll
+        except ValueError as err:  # the old name not yet released: next poll
             log.warning("snapshot persister restart failed (%s); retrying", err)
             return
-        self.run_dir.event("persister_restart", reason=f"{type(exc).__name__}"[:100], seconds=time.time() - t0)
         self.persister_restarts += 1
+        try:
+            ray.get(self.persister.status.remote(), timeout=120)
+        except (RayActorError, GetTimeoutError) as err:  # it died starting: the next poll sees it dead
+            log.warning("the restarted snapshot persister did not answer (%s)", err)
+            return
+        self.run_dir.event("persister_restart", reason=f"{type(exc).__name__}"[:100], seconds=time.time() - t0)
         if self.shadow is not None:
             try:
                 self.shadow.call("snapshot_now", timeout_s=600)

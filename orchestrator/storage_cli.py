@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import pathlib
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
 
 from storage.backend import Storage
 from storage.log_segments import read_segments
-from storage.snapshots import SnapshotStore
+from storage.snapshots import SnapshotInfo, SnapshotStore
 from storage.steplog import StepLogError, read_log
 
 UriArg = Annotated[str, typer.Argument(help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
@@ -29,7 +32,8 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
         _check_bucket(store.storage)
         if create:
             store.storage.probe()
-        store.list()
+        with _skips_not_logged():
+            store.list()
         return store
     except (OSError, ValueError) as exc:
         typer.echo(f"error: cannot {'write to' if create else 'read'} snapshot store {uri}: {exc}", err=True)
@@ -38,7 +42,9 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
 
 def _check_bucket(storage: Storage) -> None:
     """Raise ``FileNotFoundError`` when an S3 store's bucket does not exist (a listing of a missing
-    bucket would otherwise read as an empty store)."""
+    bucket would otherwise read as an empty store); ``StorageUnreachableError`` first when its
+    endpoint cannot be reached (the bucket check would read that as a missing bucket)."""
+    storage.check_reachable()
     bucket = storage.root.split("/", 1)[0]
     if storage.protocol == "s3" and not storage.fs.exists(bucket):
         raise FileNotFoundError(f"bucket {bucket!r} does not exist; create it first, or check the bucket name "
@@ -75,27 +81,67 @@ def _units_by_step(manifest: dict) -> str:
     return ", ".join(f"{n} @ step {s}" for s, n in sorted(steps.items()))
 
 
+def _run_of(info: SnapshotInfo) -> str:
+    """The run that wrote ``info``, short: ``run ID (trajectory SHA12)``, or ``run -`` (a merge
+    result or a store-wide writer)."""
+    run = info.manifest["run"]
+    return f"run {run['run_id']} (trajectory {run['trajectory_sha256'][:12]})" if run else "run -"
+
+
+@contextlib.contextmanager
+def _skips_not_logged() -> Iterator[None]:
+    """Drop ``SnapshotStore.list``'s log lines about the snapshots it skipped, for listings whose
+    skips are reported otherwise: inspect and verify print each one, and ``open_store``'s check
+    leaves them to the listing that follows it (else each would be printed once per listing)."""
+
+    def not_from_list(record: logging.LogRecord) -> bool:
+        return record.funcName != SnapshotStore.list.__name__
+
+    logger = logging.getLogger(SnapshotStore.__module__)
+    logger.addFilter(not_from_list)
+    try:
+        yield
+    finally:
+        logger.removeFilter(not_from_list)
+
+
+def _listing(store: SnapshotStore) -> tuple[list[SnapshotInfo], list[str]]:
+    """The committed snapshots (``store.skipped`` names the ones skipped) and the unindexed folders."""
+    with _skips_not_logged():
+        return store.list(), store.unindexed()
+
+
+def _unindexed_line(folders: list[str]) -> str:
+    n = len(folders)
+    return (f"{n} committed-looking snapshot folder{'s are' if n > 1 else ' is'} not in the index (restores never use "
+            f"{'them' if n > 1 else 'it'}): {', '.join(folders)}")
+
+
 def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """List committed snapshots: step, size (bytes of every shard its state is made of), units and the
-    step each unit belongs to, and the step log. A missing store (folder or bucket) exits 2."""
+    step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
+    that the index does not list ("not indexed"). A missing store (folder or bucket) exits 2."""
     store = open_store(uri, s3_endpoint)
-    infos = store.list()
+    infos, unindexed = _listing(store)
     typer.echo(f"{store.storage.url()}: {len(infos)} committed snapshot(s)")
     for info in infos:
         created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
         typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {len(info.manifest['units']):>4} units "
-                   f"({_units_by_step(info.manifest)})  {created}  {info.folder}")
+                   f"({_units_by_step(info.manifest)})  {_run_of(info)}  {created}  {info.folder}")
     for problem in store.skipped:
         typer.echo(f"  skipped: {problem}")
+    for folder in unindexed:
+        typer.echo(f"  not indexed: {folder}")
     for line in _log_lines(uri, store.storage)[0]:
         typer.echo(line)
 
 
 def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
-    """Re-hash every shard of every committed snapshot (and the mirrored step log); exit 1 naming each bad one."""
+    """Re-hash every shard of every committed snapshot (and the mirrored step log); exit 1 naming each
+    bad one, and the snapshot folders with a manifest that the index does not list."""
     store = open_store(uri, s3_endpoint)
     bad = []
-    infos = store.list()
+    infos, unindexed = _listing(store)
     for info in infos:
         problems = store.verify(info)
         typer.echo(f"{'BAD' if problems else 'ok '}  step {info.step:>8}  {info.folder}")
@@ -105,10 +151,13 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     for problem in store.skipped:
         typer.echo(f"BAD  {problem}")
         bad.append(problem)
+    if unindexed:
+        typer.echo(f"BAD  {_unindexed_line(unindexed)}")
+        bad += unindexed
     lines, log_problems = _log_lines(uri, store.storage)
     for line in lines:
         typer.echo(line)
-    if not infos and not store.skipped:
+    if not infos and not bad:
         typer.echo(f"no committed snapshots in {store.storage.url()}", err=True)
         raise typer.Exit(2)
     if bad or log_problems:

@@ -17,6 +17,12 @@ upload) is atomic by the protocol.
 
 S3 settings: ``endpoint_url``, ``key``, ``secret`` as keyword options, else the standard
 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` environment variables.
+
+An endpoint that cannot be reached (nothing listens, unknown host) is named as such:
+``StorageUnreachableError`` ("storage endpoint URL unreachable (connection refused)"), from an
+operation that failed for that reason after its retries, and from ``check_reachable``, which
+``probe`` and the read-only tools run first, so that a server that is down is never reported as a
+missing bucket or missing credentials.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ import hashlib
 import logging
 import os
 import pathlib
+import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +55,10 @@ class StorageTimeoutError(StorageError, TimeoutError):
     """A storage operation did not finish within its timeout."""
 
 
+class StorageUnreachableError(StorageError):
+    """The storage endpoint cannot be reached (nothing listens, unknown host, no answer to a connection)."""
+
+
 class StorageUnavailableError(StorageError):
     """The circuit breaker is open (too many operations failed in a row): the call was refused untried."""
 
@@ -60,6 +72,27 @@ _MEMORY_LOCK = threading.Lock()  # memory:// objects live in this process: one l
 
 NOT_RETRIED = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, ValueError)
 """Errors that another attempt cannot fix (a missing object or bucket, a 403, a bad path)."""
+
+
+def unreachable_reason(exc: BaseException) -> str | None:
+    """Why ``exc``, or an exception in its ``__cause__``/``__context__`` chain, means that the endpoint
+    was never reached: ``"connection refused"``, ``"host not found"``, ``"connect timed out"`` or
+    ``"cannot connect"``; None when it was reached (or the chain says nothing about connecting)."""
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+
+    reason, seen = None, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(exc, socket.gaierror):
+            return "host not found"
+        if isinstance(exc, ConnectTimeoutError):
+            reason = "connect timed out"
+        elif isinstance(exc, EndpointConnectionError):
+            reason = reason or "cannot connect"
+        exc = exc.__cause__ or exc.__context__
+    return reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,6 +260,8 @@ class Storage:
         self.fs = _filesystem(protocol, options, retry.timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage")
         self.breaker = CircuitBreaker(retry.max_consecutive_failures, retry.breaker_backoff_s, retry.breaker_max_backoff_s)
+        self.last_failure: str | None = None
+        """Why the last operation that failed after its retries failed (named in the breaker's refusals)."""
         if protocol == "file" and create:
             os.makedirs(self.root, exist_ok=True)
         elif protocol == "file" and not os.path.isdir(self.root):
@@ -253,8 +288,8 @@ class Storage:
             state = self.breaker.state()
             raise StorageUnavailableError(
                 f"{self.url()}: {state['consecutive_failures']} storage operations failed in a row; refusing {what} "
-                f"(circuit breaker {state['state']}, next probe in {state['retry_in_s']:.1f} s; check the endpoint, "
-                f"credentials and bucket)"
+                f"(circuit breaker {state['state']}, next probe in {state['retry_in_s']:.1f} s; last failure: "
+                f"{self.last_failure}; check the endpoint, credentials and bucket)"
             )
         probe = admission is Admission.PROBE
         attempts = 1 if probe else self.retry.attempts
@@ -278,8 +313,57 @@ class Storage:
                 time.sleep(delay)
                 delay = min(delay * 2, self.retry.max_delay_s)
         self.breaker.record(ok=False, probe=probe)
-        raise StorageError(f"{what} failed after {attempts} tr{'y' if attempts == 1 else 'ies'}: "
-                           f"{type(last).__name__}: {last}") from last
+        error, self.last_failure = self._diagnosis(last)
+        raise error(f"{what} failed after {attempts} tr{'y' if attempts == 1 else 'ies'}: {self.last_failure}") from last
+
+    def _diagnosis(self, last: BaseException) -> tuple[type[StorageError], str]:
+        """The error class and reason for an operation that failed after its retries with ``last``.
+        An S3 endpoint that cannot be reached is named as such, whatever botocore raised (it looks
+        for credentials before it connects), so a failure not yet explained checks the endpoint."""
+        if self.protocol == "s3":
+            reason = unreachable_reason(last)
+            if reason is not None:
+                return StorageUnreachableError, self._unreachable(reason)
+            try:
+                self.check_reachable()
+            except StorageUnreachableError as exc:
+                return StorageUnreachableError, str(exc)
+        return StorageError, f"{type(last).__name__}: {last}"
+
+    @property
+    def endpoint_url(self) -> str | None:
+        """The S3 endpoint URL in use (None: local or memory storage, or the default AWS endpoint)."""
+        if self.protocol != "s3":
+            return None
+        return self.options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+
+    def _unreachable(self, reason: str) -> str:
+        return (f"storage endpoint {self.endpoint_url or 'of AWS S3 (the default)'} unreachable ({reason}); check that "
+                "the server runs and the endpoint URL (--s3-endpoint or $AWS_ENDPOINT_URL)")
+
+    def check_reachable(self) -> None:
+        """Check that the S3 endpoint accepts a TCP connection (within ``min(timeout_s, 10)`` seconds);
+        a no-op for local and memory storage and for the default AWS endpoint. Run before anything
+        whose failure an unreachable endpoint would disguise (a bucket check, missing credentials).
+
+        Raises:
+            StorageUnreachableError: "storage endpoint URL unreachable (REASON)", REASON e.g.
+                ``connection refused``, ``host not found``, ``no answer within 10 s``.
+        """
+        url = self.endpoint_url
+        if url is None:
+            return
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise StorageUnreachableError(self._unreachable("not an http:// or https:// URL with a host"))
+        timeout_s = min(self.retry.timeout_s, 10.0)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+        except TimeoutError as exc:
+            raise StorageUnreachableError(self._unreachable(f"no answer within {timeout_s:g} s")) from exc
+        except (OSError, ValueError) as exc:  # ValueError: a port that is not a number
+            raise StorageUnreachableError(self._unreachable(unreachable_reason(exc) or str(exc))) from exc
 
     def wait_until_usable(self, timeout_s: float | None = None) -> bool:
         """Block until the breaker would let a call through (at once when closed; while open, until
@@ -343,9 +427,11 @@ class Storage:
         """Check that the store is usable (write, read back, delete a small object).
 
         Raises:
-            StorageError: unreachable or failing; FileNotFoundError: e.g. a missing bucket;
+            StorageUnreachableError: the endpoint cannot be reached (``check_reachable``, first).
+            StorageError: failing; FileNotFoundError: e.g. a missing bucket;
             PermissionError: e.g. a 403. Each message names the store.
         """
+        self.check_reachable()
         name = f".raycheck-probe-{uuid.uuid4().hex[:8]}"
         try:
             self.put(name, b"ok")

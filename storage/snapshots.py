@@ -344,8 +344,21 @@ class SnapshotStore:
             return _Index(raw, index_entries(body), body["epochs"], body["generation"]), None
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             problem = f"{INDEX}: malformed ({exc}); scanning for manifests"
-            folders = sorted({p.split("/")[0] for p in self.storage.list() if p.endswith("/" + MANIFEST)})
-            return _Index(raw, [{"folder": f, "manifest_sha256": None} for f in folders if FOLDER.match(f)], {}, 0), problem
+            return _Index(raw, [{"folder": f, "manifest_sha256": None} for f in self._manifest_folders()], {}, 0), problem
+
+    def _manifest_folders(self) -> list[str]:
+        """Every snapshot folder that holds a manifest, indexed or not, sorted by name."""
+        folders = {p.split("/")[0] for p in self.storage.list() if p.endswith("/" + MANIFEST)}
+        return sorted(f for f in folders if FOLDER.match(f))
+
+    def unindexed(self) -> list[str]:
+        """Snapshot folders that hold a manifest the index does not list, sorted: committed-looking,
+        yet never restored from, since the index is the commit point (left by a crash between a
+        manifest and its index update, or by a deleted index). Store-wide (every run's); for tools
+        that report them (``raycheck inspect``, ``raycheck verify``); ``storage.backend.StorageError``
+        when storage fails."""
+        listed = {e["folder"] for e in self._read_index()[0].entries}
+        return [f for f in self._manifest_folders() if f not in listed]
 
     def _update_index(self, change: Callable[[_Index], list[dict]]) -> None:
         """Rewrite the index with the entries ``change`` returns for the current one, by compare-and-swap

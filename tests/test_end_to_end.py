@@ -201,7 +201,7 @@ def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_fa
 def test_storage_gone_after_the_check_fails_the_final_persist_and_exits_4(cluster, tmp_path, monkeypatch):
     """The S3 server stops right after the driver checked it and claimed its writer epoch in the
     index: training goes on (the step log is local), no snapshot becomes durable (the persister
-    cannot even start: it lists the store's log segments first), and the run says so with exit code 4."""
+    starts all the same and reports the outage), and the run says so, naming it, with exit code 4."""
     claim = SnapshotStore.claim_epoch
     with LocalS3Server() as server:
         def claim_then_stop(store: SnapshotStore) -> int:  # in this process only: the driver's claim
@@ -217,6 +217,7 @@ def test_storage_gone_after_the_check_fails_the_final_persist_and_exits_4(cluste
         ])
     assert result.exit_code == 4, result.output
     assert "Last durable snapshot: none" in result.output and "holds all 8 steps" in result.output
+    assert f"storage endpoint {server.endpoint} unreachable (connection refused)" in result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["shadow_equal"] and summary["snapshots"].get("last_durable_step") is None
 
