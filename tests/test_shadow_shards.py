@@ -1,6 +1,8 @@
 """The sharded shadow (``--shadow-shards K``): the split, replay of a shard's own parameters, the
 assembly of the shards' images, the persister's commit rule for the shards' parts (plain, no Ray),
-and one end-to-end run with two shards on a local Ray cluster."""
+without Ray; the end-to-end run with two shards is
+``tests/test_end_to_end.py::test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact`` (it
+shares that module's failure-free reference run)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,12 @@ import random
 from collections import OrderedDict
 
 import pytest
-import ray
 import torch
 
 from actors.persister import ShardParts, SnapshotPersister
 from actors.shadow import AlignedSchedule, ShadowActor, ShadowReplayer, ShadowSpec
 from actors.shards import assemble, layout_elements, split_units
-from conftest import free_port
 from orchestrator.config import FailureSpec, JobConfig
-from orchestrator.controller import run_job
 from orchestrator.shadow_keeper import combined_status
 from storage.snapshots import SnapshotStore
 from storage.steplog import StepLogWriter, StepRecord
@@ -173,29 +172,25 @@ def test_shard_settings_are_validated():
         FailureSpec.parse("3:shadow:sigkill")
 
 
-@pytest.mark.ray
-@pytest.mark.raytrain
-def test_two_shards_serve_an_assembled_image_restart_alone_and_end_bitwise_equal(tmp_path):
-    """Step 4: a worker dies; it restores the two shards' images of step 4 through the object store.
-    Step 7: shard 1 alone is killed once the snapshot of step 6 (both parts, one manifest) is committed;
-    it restarts from its units of that snapshot, shard 0 keeps its actor. Step 10: a worker dies again
-    and restores from the restarted shard 1 and the original shard 0."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="raycheck", _metrics_export_port=free_port())
-    try:
-        cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=12, lr=1e-4,
-                        eval_samples=0, snapshot_every=3, settle_failures=True, shadow_shards=2, run_id="shards",
-                        failures=tuple(FailureSpec.parse(f) for f in ("4:worker", "7:shadow:1", "10:worker")))
-        s = run_job(cfg, verify=True, echo=lambda _: None)
-    finally:
-        ray.shutdown()
-    assert s["ok"], s["error"]
-    assert s["bitwise_equal"] and s["shadow_equal"] and s["lost_steps"] == 0
-    assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [
-        (4, "object_store", 4), (10, "object_store", 10)]
-    assert [(r["shard"], r["incarnation"], r["source"], r["step"]) for r in s["shadow_restarts"]] == [(1, 1, "snapshot", 6)]
-    first, second = s["shadow_shards"]
-    assert (first["units"], second["units"]) == ("embed", "layer.000..norm")
-    assert len(first["actor_ids"]) == 1 and first["restarts"] == 0  # shard 0 kept its actor through shard 1's restart
-    assert len(set(second["actor_ids"])) == 2 and second["actor_ids"][1] == s["shadow_restarts"][0]["actor_id"]
-    assert all(f["replay_over_step"] > 0 for f in s["shadow_shards"])
-    assert s["snapshots"]["last_durable_step"] == 12
+def test_the_experiment_reports_replay_over_step_per_shard_for_one_and_two_shards(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from experiments.report import write_report
+    from experiments.results import shard_rows
+    from test_report import GRID, all_runs, standard_recoveries, write
+
+    def summary(run_id: str, figures: list[tuple]) -> dict:
+        return {"config": {"run_id": run_id}, "shadow_equal": True, "shadow_shards": [
+            {"shard": i, "units": u, "elements": e, "replay_seconds_per_step": r, "replay_over_step": r / 0.5}
+            for i, (u, e, r) in enumerate(figures)]}
+
+    rows = shard_rows(summary("one", [("embed..norm", 3219776, 0.04)])) + shard_rows(
+        summary("two", [("embed", 3145728, 0.03), ("layer.000..norm", 74048, 0.01)]))
+    assert [(r["shards"], r["shard"], r["replay_over_step"]) for r in rows] == [(1, 0, 0.08), (2, 0, 0.06), (2, 1, 0.02)]
+    write(tmp_path, all_runs(), standard_recoveries())
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "shards.parquet")
+    md = write_report(tmp_path, grid_mtbf_s=GRID, seeds=3, min_failures=10).files["report"].read_text()
+    section = md.split("## (e) Shadow replay per shard")[1]
+    assert "| 2 | 1 | layer.000..norm | 74048 | 0.01 | 0.02 | yes |" in section
+    assert "| 1 | 0 | embed..norm | 3219776 | 0.04 | 0.08 | yes |" in section
