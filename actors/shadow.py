@@ -59,8 +59,11 @@ class ShadowReplayer:
         self.first_index = shard.first_index if shard else 0
         self.reader = StepLogReader(log_path, start_step)
         header = self.reader.header
-        if shard is None and header["layout_sha256"] != layout_sha256(parameter_layout(params)) or \
-                shard is not None and header.get("layout", [])[shard.first_index:shard.end_index] != parameter_layout(params):
+        if shard is None:
+            matches = header["layout_sha256"] == layout_sha256(parameter_layout(params))
+        else:  # a shard: its tensors must be that range of the logged layout
+            matches = header.get("layout", [])[shard.first_index:shard.end_index] == parameter_layout(params)
+        if not matches:
             raise ValueError(f"{log_path}: log was written for another model layout ({header.get('model')})")
         check_generator(header, str(log_path))
         self.step = start_step

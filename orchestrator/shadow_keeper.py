@@ -204,8 +204,11 @@ class ShadowKeeper:
                                    self._publish) for i in range(k)]
 
     def _publish(self) -> None:
-        """Write ``shadow.json``: every shard's current actor name and incarnation."""
-        shards = [{"shard": s.spec.shard, "name": s.name, "incarnation": s.incarnation} for s in self.shards if s.actor]
+        """Write ``shadow.json``: every shard's current actor name and incarnation (only once every shard
+        has been started, so a reader never finds part of the shadow)."""
+        if any(s.actor is None for s in self.shards):
+            return
+        shards = [{"shard": s.spec.shard, "name": s.name, "incarnation": s.incarnation} for s in self.shards]
         single = {"name": shards[0]["name"], "incarnation": shards[0]["incarnation"]} if len(self.shards) == 1 else {}
         self.run.write_json(self.run.shadow_pointer, {**single, "shards": shards})
 
