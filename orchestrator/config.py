@@ -83,8 +83,9 @@ class FailureSpec:
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or not parts[0].isdigit():
             raise ValueError(f"bad failure {text!r}: expected STEP[:TARGET[:HOW]], e.g. 20:worker:exit")
-        if len(parts) == 3 and parts[1] not in ("worker", "both", "storage", "shadow"):
-            raise ValueError(f"bad failure {text!r}: HOW applies to worker, both, storage and shadow (a shard number) failures only")
+        if len(parts) == 3 and parts[1] not in ("worker", "both", "storage") and not (parts[1] == "shadow" and parts[2].isdigit()):
+            raise ValueError(f"bad failure {text!r}: HOW applies to worker, both and storage failures only "
+                             f"(a shadow failure takes a shard number instead, e.g. {parts[0]}:shadow:1)")
         return cls(step=int(parts[0]), **dict(zip(("target", "how"), parts[1:])))
 
 

@@ -169,7 +169,7 @@ def test_shard_settings_are_validated():
     with pytest.raises(ValueError, match="names shard 2, but the shadow has 2 shard"):
         JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", shadow_shards=2, failures=(FailureSpec.parse("3:shadow:2"),))
     with pytest.raises(ValueError, match="selects a shard by its number"):
-        FailureSpec.parse("3:shadow:sigkill")
+        FailureSpec(step=3, target="shadow", how="sigkill")
 
 
 def test_the_experiment_reports_replay_over_step_per_shard_for_one_and_two_shards(tmp_path):
