@@ -82,14 +82,15 @@ def decide(status: dict | None, restarts_used: int, max_restarts: int, may_resta
 
 class ShardKeeper:
     """Owns one shard's actor (the whole shadow when K = 1). ``poll`` never blocks; ``status`` is the
-    last status seen; ``actor_ids`` lists the Ray actor id of every incarnation that answered."""
+    last status seen; ``actor_ids`` lists the Ray actor id of every incarnation that answered; each
+    restart is appended to ``restarts`` (shared by the shards: the run's restarts in time order)."""
 
-    def __init__(self, cfg: JobConfig, run: RunDir, spec: ShadowSpec, publish: Callable[[], None]) -> None:
+    def __init__(self, cfg: JobConfig, run: RunDir, spec: ShadowSpec, publish: Callable[[], None], restarts: list[dict]) -> None:
         self.cfg, self.run, self.spec, self._publish = cfg, run, spec, publish
         self.incarnation = -1
         self.actor = None
         self.status: dict = {}
-        self.restarts: list[dict] = []
+        self.restarts = restarts
         self.actor_ids: list[str] = []
         self._status_ref = None
         self._failed: tuple[float, str] | None = None  # (unix seconds, reason) of a failure not yet restarted
@@ -199,9 +200,11 @@ class ShadowKeeper:
 
     def __init__(self, cfg: JobConfig, run: RunDir, spec: ShadowSpec) -> None:
         self.cfg, self.run = cfg, run
+        self.restarts: list[dict] = []
+        """Every shard restart in the order recorded (``seconds``: failure until the new incarnation answered)."""
         k = cfg.shadow_shards
         self.shards = [ShardKeeper(cfg, run, dataclasses.replace(spec, shard=i, shards=k, hash_every=spec.hash_every if k == 1 else 0),
-                                   self._publish) for i in range(k)]
+                                   self._publish, self.restarts) for i in range(k)]
 
     def _publish(self) -> None:
         """Write ``shadow.json``: every shard's current actor name and incarnation (only once every shard
@@ -215,11 +218,6 @@ class ShadowKeeper:
     @property
     def status(self) -> dict:
         return combined_status([s.status for s in self.shards]) if all(s.status for s in self.shards) else {}
-
-    @property
-    def restarts(self) -> list[dict]:
-        """Every shard restart, in the order they were recorded (``seconds``: failure to answer)."""
-        return sorted((r for s in self.shards for r in s.restarts), key=lambda r: (r["incarnation"], r["shard"]))
 
     @property
     def alive(self) -> bool:
@@ -323,7 +321,7 @@ class ShadowKeeper:
             out.append({"shard": shard.spec.shard, "units": shard.status.get("units"), "elements": shard.status.get("elements"),
                         "replay_seconds_per_step": replay_s,
                         "replay_over_step": replay_s / mean_step_s if replay_s is not None and mean_step_s else None,
-                        "restarts": len(shard.restarts), "actor_ids": list(shard.actor_ids)})
+                        "restarts": shard.incarnation, "actor_ids": list(shard.actor_ids)})
         return out
 
     def kill(self) -> None:
