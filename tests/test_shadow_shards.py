@@ -194,3 +194,14 @@ def test_the_experiment_reports_replay_over_step_per_shard_for_one_and_two_shard
     section = md.split("## (e) Shadow replay per shard")[1]
     assert "| 2 | 1 | layer.000..norm | 74048 | 0.01 | 0.02 | yes |" in section
     assert "| 1 | 0 | embed..norm | 3219776 | 0.04 | 0.08 | yes |" in section
+
+
+def test_more_shards_than_units_is_refused_before_the_run_directory_is_touched(tmp_path):
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--shadow-shards", "5", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert "error: shadow_shards must be in 1..4 (the model's units: embed .. norm), got 5" in result.output
+    assert not (tmp_path / "run").exists()
