@@ -7,6 +7,15 @@ Backpressure: one image is written at a time and at most one waits; a newer imag
 one (counted in ``superseded``), so memory stays bounded however slow storage is. A failed write is
 counted and surfaced (``failed``, ``last_error``); the snapshot is simply not committed, so the
 previous one stays the restore point.
+
+Sharded shadow (K shards, ``submit_part``), the commit rule (``ShardParts``): the parts of one step
+are combined into ONE state, written as one snapshot under one manifest, only once all K parts of
+that step have arrived; a partial set is never written, so it can never become the latest snapshot.
+A complete step drops every older incomplete one (a shard that died or lagged will not deliver it,
+and the newer state is the better restore point), a part of a step older than the newest complete
+one is dropped on arrival, and at most ``ShardParts.max_pending_steps`` incomplete steps are held
+(the oldest dropped first), so memory stays bounded while a shard is down. Shards snapshot on a
+shared interval grid (``actors.shadow.AlignedSchedule``), so their parts meet at the same steps.
 """
 
 from __future__ import annotations
@@ -22,6 +31,40 @@ from storage.log_segments import SegmentMirror
 from storage.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
+
+
+class ShardParts:
+    """Collects the shards' parts of snapshots and yields a step's state once all its parts are in
+    (the commit rule of the module docstring). Pure logic; counts what it drops in ``dropped``.
+
+    Args:
+        max_pending_steps: incomplete steps held at most (>= 1).
+    """
+
+    def __init__(self, max_pending_steps: int = 2) -> None:
+        self.max_pending_steps = max_pending_steps
+        self.pending: dict[int, dict[int, Mapping[str, np.ndarray]]] = {}
+        self.complete_step: int | None = None
+        self.dropped = 0
+        """Parts dropped (their step was superseded or never completed)."""
+
+    def add(self, step: int, shard: int, shards: int, part: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """Take shard ``shard`` of ``shards``'s ``part`` (name -> array) of ``step``; returns the whole
+        state of ``step`` (the parts in shard order: the canonical order) once every part is in."""
+        if self.complete_step is not None and step < self.complete_step:
+            self.dropped += 1
+            return None
+        parts = self.pending.setdefault(step, {})
+        parts[shard] = part
+        if len(parts) < shards:
+            while len(self.pending) > self.max_pending_steps:
+                self.dropped += len(self.pending.pop(min(self.pending)))
+            return None
+        del self.pending[step]
+        for older in [s for s in self.pending if s < step]:
+            self.dropped += len(self.pending.pop(older))
+        self.complete_step = step
+        return {name: array for i in range(shards) for name, array in parts[i].items()}
 
 
 class SnapshotPersister:
@@ -44,6 +87,7 @@ class SnapshotPersister:
         self.last_error: str | None = None
         self.bytes_written = 0
         self.write_seconds = 0.0
+        self.parts = ShardParts()
         threading.Thread(target=self._run, name="snapshot-persister", daemon=True).start()
 
     def submit(self, step: int, state: Mapping[str, np.ndarray]) -> None:
@@ -54,6 +98,14 @@ class SnapshotPersister:
             self._waiting = (step, state)
             self.last_submitted_step = step
             self._cond.notify_all()
+
+    def submit_part(self, step: int, shard: int, shards: int, part: Mapping[str, np.ndarray]) -> None:
+        """Take a shadow shard's ``part`` of ``step``; the step is queued (``submit``) once all
+        ``shards`` parts are in (``ShardParts``)."""
+        with self._cond:
+            state = self.parts.add(step, shard, shards, part)
+        if state is not None:
+            self.submit(step, state)
 
     def _run(self) -> None:
         while True:
@@ -94,6 +146,8 @@ class SnapshotPersister:
                 "bytes_written": self.bytes_written,
                 "write_seconds": self.write_seconds,
                 "busy": self._writing or self._waiting is not None,
+                "parts_pending_steps": sorted(self.parts.pending),
+                "parts_dropped": self.parts.dropped,
                 "storage": self.store.storage.breaker.state(),
             }
 

@@ -6,6 +6,13 @@ materialises consistent recovery images, and hands them to the snapshot persiste
 
 ``ShadowReplayer`` is the plain logic (tested without Ray); ``ShadowActor`` is the thin Ray shell
 that runs it on a background thread and serves images through the object store.
+
+Sharded (``JobConfig.shadow_shards`` K > 1): K actors each hold and replay only the contiguous range
+of units ``actors.shards.split_units`` gives them (memory and replay work / K), start from their own
+units of the newest snapshot, snapshot on an interval grid shared by every shard
+(``AlignedSchedule``) and hand their parts to the persister, which commits a step only once every
+part of it has arrived (``actors.persister``); a recovery assembles the K images of one step
+(``actors.shards.assemble``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from actors.shards import ShardRange, split_units
 from policies.interval import SnapshotSchedule
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError, SnapshotStore
@@ -37,18 +45,25 @@ class ShadowReplayer:
         params: ordered parameter tensors holding the state after ``start_step`` steps.
         log_path: the step log to follow.
         start_step: steps already applied to ``params``.
-        hash_every: record ``state_sha256`` whenever the step count is a multiple of this (0: never).
+        hash_every: record ``state_sha256`` of ``params`` whenever the step count is a multiple of this (0: never).
+        shard: the range of the model ``params`` holds (a shadow shard); None: the whole model.
 
     Raises:
         ValueError: the log was written for another parameter layout, or (``GeneratorMismatchError``)
             another noise generator.
     """
 
-    def __init__(self, params: "OrderedDict[str, torch.Tensor]", log_path, start_step: int = 0, hash_every: int = 0):
+    def __init__(self, params: "OrderedDict[str, torch.Tensor]", log_path, start_step: int = 0, hash_every: int = 0,
+                 shard: ShardRange | None = None):
         self.params = params
+        self.first_index = shard.first_index if shard else 0
         self.reader = StepLogReader(log_path, start_step)
         header = self.reader.header
-        if header["layout_sha256"] != layout_sha256(parameter_layout(params)):
+        if shard is None:
+            matches = header["layout_sha256"] == layout_sha256(parameter_layout(params))
+        else:  # a shard: its tensors must be that range of the logged layout
+            matches = header.get("layout", [])[shard.first_index:shard.end_index] == parameter_layout(params)
+        if not matches:
             raise ValueError(f"{log_path}: log was written for another model layout ({header.get('model')})")
         check_generator(header, str(log_path))
         self.step = start_step
@@ -74,7 +89,7 @@ class ShadowReplayer:
             return False
         rec = self._pending.pop(0)
         t0 = time.perf_counter()
-        replay_step_(self.params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay)
+        replay_step_(self.params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay, first_index=self.first_index)
         self.replay_seconds += time.perf_counter() - t0
         self.replayed += 1
         self.step = rec.step + 1
@@ -102,9 +117,23 @@ class ShadowReplayer:
         self._pending.clear()
 
 
+class AlignedSchedule(SnapshotSchedule):
+    """The shards' schedule: a snapshot is due after ``steps_done`` steps when that is a multiple of
+    the interval, so every shard takes its part at the same steps whatever its own history (a
+    restarted shard, an interval change seen a step earlier by one shard than by another: at most
+    one grid step differs, and the persister drops that incomplete step)."""
+
+    def take_if_due(self, steps_done: int) -> bool:
+        if not self.every_steps or steps_done % self.every_steps or steps_done == self.last_step:
+            return False
+        self.last_step = steps_done
+        return True
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShadowSpec:
-    """What a shadow actor needs to start: the model, the log, where snapshots live and how often."""
+    """What a shadow actor needs to start: the model, the log, where snapshots live and how often;
+    ``shard`` of ``shards`` (``actors.shards.split_units``) when the shadow is sharded."""
 
     model: str
     cache_dir: str
@@ -114,6 +143,8 @@ class ShadowSpec:
     snapshot_every_steps: int
     hash_every: int = 0
     poll_interval_s: float = 0.05
+    shard: int = 0
+    shards: int = 1
 
 
 class ShadowActor:
@@ -127,16 +158,24 @@ class ShadowActor:
         torch.set_num_threads(1)
         self.spec = spec
         self.started_unix_s = time.time()
+        self.actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
         params = trainable_parameters(load_model(spec.model, spec.cache_dir))
+        layout = layout_of(params)
+        self.range = split_units({n: p.numel() for n, p in params.items()}, spec.shards)[spec.shard]
+        if spec.shards > 1:  # keep only this shard's tensors: the rest of the model is freed
+            params = OrderedDict((n, params[n]) for n in self.range.names(list(params)))
         try:
-            info, state, _ = spec.store.load_latest(layout=layout_of(params))
+            info, state, _ = spec.store.load_latest(layout=layout, units=list(self.range.units) if spec.shards > 1 else None)
             load_into(params, state)
             self.base = {"source": "snapshot", "step": info.step}
         except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; replay the whole log
             log.warning("shadow starts from the initial weights: %s", exc)
             self.base = {"source": "initial", "step": 0}
-        self.replayer = ShadowReplayer(params, spec.log_path, self.base["step"], spec.hash_every)
-        self.schedule = SnapshotSchedule(every_steps=spec.snapshot_every_steps, last_step=self.base["step"])
+        self.replayer = ShadowReplayer(params, spec.log_path, self.base["step"], spec.hash_every,
+                                       self.range if spec.shards > 1 else None)
+        schedule = AlignedSchedule if spec.shards > 1 else SnapshotSchedule
+        self.schedule = schedule(every_steps=spec.snapshot_every_steps, last_step=self.base["step"])
+        self._requested_step: int | None = None  # snapshot_at
         self.snapshots_sent = 0
         self.error: str | None = None
         self.snapshots_skipped = 0
@@ -152,7 +191,7 @@ class ShadowActor:
                     self.replayer.poll()
                     progressed = self.replayer.replay_one()
                     image = None
-                    if progressed and self.schedule.take_if_due(self.replayer.step):
+                    if progressed and self._due(self.replayer.step):
                         image = (self.replayer.step, copy_state(self.replayer.params))
                     self._cond.notify_all()
                 if image:
@@ -164,6 +203,14 @@ class ShadowActor:
             with self._cond:
                 self.error = f"{type(exc).__name__}: {exc}"
                 self._cond.notify_all()
+
+    def _due(self, step: int) -> bool:
+        """A snapshot is due after ``step`` steps: by the schedule, or requested (``snapshot_at``)."""
+        if step == self._requested_step:
+            self._requested_step = None
+            self.schedule.taken(step)
+            return True
+        return self.schedule.take_if_due(step)
 
     def _send(self, image: tuple) -> None:
         """Hand ``image`` to the persister, looked up by name each time so that a restarted persister
@@ -177,7 +224,10 @@ class ShadowActor:
             log.warning("no snapshot persister registered; skipping the snapshot of step %d", image[0])
             self.snapshots_skipped += 1
             return
-        persister.submit.remote(*image)
+        if self.spec.shards > 1:
+            persister.submit_part.remote(image[0], self.spec.shard, self.spec.shards, image[1])
+        else:
+            persister.submit.remote(*image)
         self.snapshots_sent += 1
 
     def snapshot_now(self) -> int:
@@ -188,6 +238,21 @@ class ShadowActor:
         self._send(image)
         return image[0]
 
+    def snapshot_at(self, step: int) -> bool:
+        """Hand the state after ``step`` steps to the persister: now if replayed exactly that far, else
+        once replay gets there (one request at a time: the newest wins). Every shard is asked for the
+        same step, so the parts complete one snapshot. False (nothing taken) when already past it."""
+        with self._cond:
+            if self.replayer.step > step:
+                return False
+            if self.replayer.step < step:
+                self._requested_step = step
+                return True
+            image = (step, copy_state(self.replayer.params))
+            self.schedule.taken(step)
+        self._send(image)
+        return True
+
     def set_interval(self, every_steps: int) -> None:
         """Follow a new snapshot interval (the controller's cost-model plan), in steps: a snapshot is
         due once the steps since the last one reach it (``policies.interval.snapshot_due``)."""
@@ -195,10 +260,15 @@ class ShadowActor:
             self.schedule.set_interval(every_steps)
 
     def status(self) -> dict:
-        """Step, log end, lag (steps), replay seconds per step, base of this incarnation, error if any."""
+        """Step, log end, lag (steps), replay seconds per step, base of this incarnation, error if any,
+        and what it holds: ``shard``, ``units``, ``elements``, its Ray ``actor_id``."""
         r = self.replayer
         with self._cond:
             return {
+                "shard": self.spec.shard,
+                "units": self.range.describe(),
+                "elements": self.range.elements,
+                "actor_id": self.actor_id,
                 "step": r.step,
                 "log_end": r.log_end,
                 "lag_steps": r.log_end - r.step,
@@ -220,7 +290,8 @@ class ShadowActor:
             return dict(self.replayer.hashes)
 
     def image(self, min_step: int, timeout_s: float) -> dict:
-        """A consistent copy of the state once at least ``min_step`` steps are replayed.
+        """A consistent copy of the state (a shard's: its tensors only) once at least ``min_step``
+        steps are replayed.
 
         Returns ``{"step": int, "state": ordered name -> numpy array}``; Ray puts it in the object
         store, so the caller reads it zero-copy (copy before writing).
@@ -241,7 +312,8 @@ class ShadowActor:
             return {"step": self.replayer.step, "state": copy_state(self.replayer.params)}
 
     def state_sha256(self, step: int, timeout_s: float) -> str:
-        """The hash of the state after exactly ``step`` steps (waits until replayed; not past it)."""
+        """The hash of the state (a shard's: of its tensors) after exactly ``step`` steps (waits until
+        replayed; not past it)."""
         image = self.image(step, timeout_s)
         if image["step"] != step:
             raise RuntimeError(f"shadow is at step {image['step']}, past {step}")

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from orchestrator.config import STRATEGIES, FailureSpec, JobConfig
 from orchestrator.run_dir import RunDir
-from experiments.results import recovery_rows, run_row
+from experiments.results import recovery_rows, run_row, shard_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +38,8 @@ class Preset:
     batch_size: int = 8
     mtbf_s: float = 600.0
     """Assumed MTBF for our adaptive snapshot policy until it has measured failures (seconds)."""
+    shard_run_steps: int = 10
+    """Steps of the extra failure-free run with a 2-shard shadow (replay over step time per shard)."""
 
 
 PRESETS = {
@@ -66,7 +68,9 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
                    echo: Callable[[str], None] = print) -> pathlib.Path:
     """Run the reference and every strategy of ``preset`` into ``out``; returns ``out``.
 
-    Writes ``out/runs/<strategy>/`` (each run's own files), ``runs.parquet`` and ``recoveries.parquet``.
+    Writes ``out/runs/<strategy>/`` (each run's own files), ``runs.parquet`` and ``recoveries.parquet``;
+    with ``shadow`` among the strategies also ``shards.parquet``: replay over step time per shard of
+    its 1-shard shadow and of one extra short failure-free run with 2 shards (``shard_run_steps``).
     """
     from orchestrator.controller import Controller
 
@@ -81,7 +85,7 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
     shutil.rmtree(out / "runs", ignore_errors=True)
     reference = Controller(job_config(preset, "shadow", out / "runs" / "reference", cache_dir, failures=False), quiet).run()
     echo(f"[experiment] reference done in {reference['wall_seconds']:.0f} s")
-    runs, recoveries = [], []
+    runs, recoveries, shards = [], [], []
     for strategy in strategies:
         echo(f"[experiment] {strategy} ...")
         cfg = job_config(preset, strategy, out / "runs" / strategy, cache_dir)
@@ -92,10 +96,30 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
         run.write_json(run.root / "summary.json", summary)
         executions, events = run.read(run.metrics), run.read(run.events)
         runs.append(run_row(summary, executions))
+        if strategy == "shadow":
+            shards = shard_rows(summary)
         recoveries.extend(recovery_rows(summary, events, executions))
         echo(f"[experiment] {strategy}: ok={summary['ok']} bitwise_equal={summary['bitwise_equal']} "
              f"blocked {runs[-1]['block_s_total']:.3f} s, {len(summary['recoveries'])} recoveries, {summary['wall_seconds']:.0f} s")
+    if "shadow" in strategies:
+        shards.extend(_sharded_run(preset, out, cache_dir, echo, quiet))
+        _write_table(shards, out / "shards.parquet")
     _write_table(runs, out / "runs.parquet")
     _write_table(recoveries, out / "recoveries.parquet")
     (out / "preset.json").write_text(json.dumps(dataclasses.asdict(preset), indent=2))
     return out
+
+
+def _sharded_run(preset: Preset, out: pathlib.Path, cache_dir: str, echo: Callable[[str], None],
+                 quiet: Callable[[str], None]) -> list[dict]:
+    """The extra failure-free ``shadow`` run with ``shadow_shards=2``; returns its ``shard_rows``."""
+    from orchestrator.controller import Controller
+
+    echo(f"[experiment] shadow with 2 shards, {preset.shard_run_steps} steps, no failures ...")
+    cfg = job_config(preset, "shadow", out / "runs" / "shadow-2shards", cache_dir, failures=False).replace(
+        shadow_shards=2, steps=min(preset.steps, preset.shard_run_steps))
+    summary = Controller(cfg, quiet).run()
+    rows = shard_rows(summary)
+    echo("[experiment] shadow with 2 shards: ok={} shadow_equal={} replay/step {}".format(
+        summary["ok"], summary["shadow_equal"], ", ".join(f"{r['units']} {r['replay_over_step'] or float('nan'):.3f}" for r in rows)))
+    return rows

@@ -296,6 +296,17 @@ def _exactness_md(rows: list[dict]) -> str:
                               ("bitwise_equal_runs", "bitwise-equal runs"), ("bitwise_equal", "bitwise equal")]))
 
 
+def _shards_md(rows: list[dict]) -> str:
+    view = [{**r, "shadow_equal": "yes" if r["shadow_equal"] else "**no**"} for r in rows]
+    return ("Seconds the shadow needs to replay one step, per shard, over the worker's mean step time: the shadow keeps "
+            "up while every shard stays below 1. The 1-shard row is the `shadow` run above; the 2-shard rows are one "
+            "extra short failure-free run (`--shadow-shards 2`), each shard holding a contiguous range of units balanced "
+            "by element count.\n\n"
+            + md_table(view, [("shards", "shards"), ("shard", "shard"), ("units", "units"), ("elements", "elements"),
+                              ("replay_step_s", "replay s/step"), ("replay_over_step", "replay / step time"),
+                              ("shadow_equal", "shadow equal to worker")]))
+
+
 def _why_md(hs: Sequence[Headline], metric: str) -> str:
     lines = [f"- vs {h.baseline}: {h.why}" for h in hs if h.metric == metric and h.why]
     return "\n\nShort of the target:\n\n" + "\n".join(lines) if lines else ""
@@ -303,8 +314,9 @@ def _why_md(hs: Sequence[Headline], metric: str) -> str:
 
 def render_markdown(runs: list[dict], overhead: list[dict], recovery: list[dict], wasted: list[dict], measured: list[dict],
                     exactness: list[dict], hs: Sequence[Headline], *, grid_note: str, seeds: int, min_failures: int,
-                    background_weight: float, intervals: str) -> str:
-    """The whole ``report.md``: inputs, headline ratios, then one section per (a)-(d)."""
+                    background_weight: float, intervals: str, shards: list[dict] | None = None) -> str:
+    """The whole ``report.md``: inputs, headline ratios, then one section per (a)-(d), and (e) replay
+    per shadow shard when ``shards`` (the ``shards.parquet`` rows) are given."""
     models = ", ".join(sorted({str(r["model"]) for r in runs}))
     return "\n\n".join([
         f"# raycheck experiment: {models}",
@@ -317,6 +329,7 @@ def render_markdown(runs: list[dict], overhead: list[dict], recovery: list[dict]
         "## (c) End-to-end wasted time\n\n"
         + _wasted_md(wasted, measured, hs, grid_note, seeds, min_failures, background_weight, intervals),
         "## (d) Exactness\n\n" + _exactness_md(exactness),
+        *(["## (e) Shadow replay per shard\n\n" + _shards_md(shards)] if shards else []),
     ]) + "\n"
 
 
@@ -354,6 +367,7 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
                           background_weight=background_weight, intervals=intervals)
     measured = measured_waste_table(runs, recoveries, seeds=seeds, min_failures=min_failures, background_weight=background_weight)
     exactness = exactness_table(runs)
+    shards = pq.read_table(results_dir / "shards.parquet").to_pylist() if (results_dir / "shards.parquet").is_file() else None
     hs = headlines(overhead, recovery, wasted, runs, recoveries, background_weight=background_weight)
     files = {name: results_dir / f"{name}.parquet" for name in ("overhead", "recovery", "wasted", "measured_waste", "exactness")}
     for name, rows in zip(files, (overhead, recovery, wasted, measured, exactness)):
@@ -365,7 +379,7 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
     files["report"] = results_dir / "report.md"
     files["report"].write_text(render_markdown(runs, overhead, recovery, wasted, measured, exactness, hs, grid_note=grid_note,
                                                seeds=seeds, min_failures=min_failures, background_weight=background_weight,
-                                               intervals=intervals))
+                                               intervals=intervals, shards=shards))
     return Report(results_dir=results_dir, files=files, headlines=hs, highest_rate_mtbf_s=min(grid_mtbf_s))
 
 

@@ -109,3 +109,12 @@ def recovery_rows(summary: dict, events: list[dict], executions: list[dict]) -> 
             "recompute_steps": max(0, failure["step"] - rec["restored_step"]),
         })
     return out
+
+
+def shard_rows(summary: dict) -> list[dict]:
+    """The ``shards.parquet`` rows of one shadow run: per shard of its ``shadow_shards`` K, the units
+    it holds, their elements, its replay seconds per step and that over the run's mean step time."""
+    shards = summary.get("shadow_shards") or []
+    return [{"run_id": summary["config"]["run_id"], "shards": len(shards), "shard": f["shard"], "units": f["units"],
+             "elements": f["elements"], "replay_step_s": f["replay_seconds_per_step"], "replay_over_step": f["replay_over_step"],
+             "shadow_equal": bool(summary.get("shadow_equal"))} for f in shards]

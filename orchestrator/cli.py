@@ -83,6 +83,16 @@ def _require_cuda() -> None:
                       "CUDA build of torch, or use --device cpu")
 
 
+def _check_shards(cfg: JobConfig) -> None:
+    """Refuse (``ValueError``) more shadow shards than the model has units."""
+    if cfg.shadow_shards > 1:
+        from actors.shards import split_units
+        from training.model import load_model, trainable_parameters
+
+        params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
+        split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
+
+
 def _probe_storage(cfg: JobConfig) -> None:
     """Fail fast (exit 2) on a wrong endpoint, bucket or credentials, before training starts."""
     try:
@@ -157,8 +167,12 @@ def run(
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
-    max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited).")] = 10,
+    max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited; per shard).")] = 10,
     max_persister_restarts: Annotated[int, typer.Option(help="Restarts of a dead snapshot persister before the run fails (-1: unlimited).")] = 10,
+    shadow_shards: Annotated[int, typer.Option(min=1, help="Split the shadow into K CPU actors, each replaying a contiguous range of "
+                                                "units (embeddings, layers, norm, head) balanced by size, spread across nodes: "
+                                                "replay work and memory per actor / K. 1..the model's unit count (tiny: 4, "
+                                                "smollm2-135m: 32); --fail STEP:shadow:N kills shard N only.")] = 1,
     settle_failures: Annotated[bool, typer.Option(help="Before each injected failure, wait until the shadow has caught up and "
                                                    "snapshots are committed, so the recovery source depends on the failure "
                                                    "steps alone (reproducible experiments; real failures do not wait).")] = False,
@@ -186,10 +200,11 @@ def run(
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
             keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
-            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts,
+            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, shadow_shards=shadow_shards,
             settle_failures=settle_failures, device=device, shadow_env=parse_env(shadow_env, "--shadow-env"),
             run_id=uuid.uuid4().hex[:8],
         )
+        _check_shards(cfg)
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
         raise _refuse(str(exc)) from exc
     if cfg.device == "cuda" and not resume:

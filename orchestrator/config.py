@@ -55,7 +55,8 @@ class FailureSpec:
             or ``corrupt`` (one byte of the newest committed snapshot is flipped; nothing dies), or
             ``persister`` (the snapshot persister actor is killed; the controller restarts it), or
             ``storage`` (the snapshot storage server is down for ``how`` seconds; needs a server the
-            controller can stop, see ``Controller(storage_outage=...)``).
+            controller can stop, see ``Controller(storage_outage=...)``). A ``shadow`` failure kills
+            every shard of a sharded shadow, or only shard ``how`` when it is a number (``12:shadow:1``).
         how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (an exception), ``sigkill``, or
             ``torn`` (rank 0 dies half-way through writing a step log record: a torn tail); for
             ``storage``, the outage in seconds (e.g. ``20``).
@@ -74,6 +75,9 @@ class FailureSpec:
             if not self.how.replace(".", "", 1).isdigit() or not float(self.how) > 0:
                 got = "none" if self.how == "exit" else repr(self.how)  # "exit" is the default: nothing was given
                 raise ValueError(f"a storage failure needs its outage in seconds, e.g. {self.step}:storage:20 (got {got})")
+        elif self.target == "shadow" and self.how != "exit":
+            if not self.how.isdigit():
+                raise ValueError(f"a shadow failure selects a shard by its number, e.g. {self.step}:shadow:1 (got {self.how!r})")
         elif self.how not in HOWS:
             raise ValueError(f"failure how {self.how!r}: choose one of {', '.join(HOWS)}")
 
@@ -83,8 +87,9 @@ class FailureSpec:
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or not parts[0].isdigit():
             raise ValueError(f"bad failure {text!r}: expected STEP[:TARGET[:HOW]], e.g. 20:worker:exit")
-        if len(parts) == 3 and parts[1] not in ("worker", "both", "storage"):
-            raise ValueError(f"bad failure {text!r}: HOW applies to worker, both and storage failures only")
+        if len(parts) == 3 and parts[1] not in ("worker", "both", "storage") and not (parts[1] == "shadow" and parts[2].isdigit()):
+            raise ValueError(f"bad failure {text!r}: HOW applies to worker, both and storage failures only "
+                             f"(a shadow failure takes a shard number instead, e.g. {parts[0]}:shadow:1)")
         return cls(step=int(parts[0]), **dict(zip(("target", "how"), parts[1:])))
 
 
@@ -167,7 +172,8 @@ class JobConfig:
     source serves a recovery depends on the failure steps alone, not on machine speed. For tests and
     reproducible failure experiments; a real failure does not wait, so the default is off."""
     max_shadow_restarts: int = 10
-    """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails (-1: unlimited)."""
+    """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails
+    (-1: unlimited); with several shards, each shard has this budget of its own."""
     device: str = "cpu"
     """Where the ZO workers compute: ``cpu`` or ``cuda`` (one GPU per worker, Ray Train ``use_gpu``). The
     step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
@@ -175,6 +181,9 @@ class JobConfig:
     shadow_env: dict = field(default_factory=dict)
     """Environment variables of the shadow actor's process (Ray ``runtime_env`` ``env_vars``), e.g.
     ``{"ATEN_CPU_CAPABILITY": "default"}`` or numba/torch settings of a node type; empty: inherit."""
+    shadow_shards: int = 1
+    """CPU actors the shadow is split into (``actors.shards``): each holds and replays a contiguous
+    range of units, 1..the model's unit count (checked against the model by ``actors.shards.split_units``)."""
     extra: dict = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
@@ -198,6 +207,9 @@ class JobConfig:
         for name in ("max_shadow_restarts", "max_persister_restarts"):
             if getattr(self, name) < -1:
                 raise ValueError(f"{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
+        if self.shadow_shards < 1 or self.shadow_shards > 1 and not self.uses_shadow:
+            raise ValueError(f"shadow_shards must be >= 1, and 1 unless strategy is shadow, got {self.shadow_shards} "
+                             f"(strategy {self.strategy})")
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         if self.batch_size % self.workers:
@@ -207,6 +219,9 @@ class JobConfig:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
             if f.target in ("shadow", "both") and not self.uses_shadow:
                 raise ValueError(f"failure {f.step}:{f.target} kills the shadow, which only strategy shadow has (this run: {self.strategy})")
+            if f.target == "shadow" and f.how.isdigit() and int(f.how) >= self.shadow_shards:
+                raise ValueError(f"failure {f.step}:shadow:{f.how} names shard {f.how}, but the shadow has "
+                                 f"{self.shadow_shards} shard(s) (0..{self.shadow_shards - 1}): set --shadow-shards")
             if f.how == "torn" and not self.uses_step_log:
                 raise ValueError(f"failure {f.step}:worker:torn tears a step-log record; strategy {self.strategy} has no step log")
             if f.how == "torn" and self.workers > 1:

@@ -212,7 +212,7 @@ class Controller:
         if not self._calibration_requested and not self.persister_status.get("written"):
             # the policy needs a measured snapshot cost, not the assumed one: snapshot once early
             self._calibration_requested = True
-            self.shadow.actor.snapshot_now.remote()
+            self.shadow.snapshot_now(timeout_s=None)
             self.run_dir.event("calibration_snapshot", step=row["step"] + 1)
         self.snapshot_interval[row["step"]] = self.planner.every_steps
 
@@ -260,7 +260,7 @@ class Controller:
         self.run_dir.event("persister_restart", reason=f"{type(exc).__name__}"[:100], seconds=time.time() - t0)
         if self.shadow is not None:
             try:
-                self.shadow.call("snapshot_now", timeout_s=600)
+                self.shadow.snapshot_now(timeout_s=600)
             except (RayActorError, GetTimeoutError) as err:  # a dead shadow is restarted by its keeper
                 log.warning("shadow did not snapshot after the persister restart: %s", err)
 
@@ -315,10 +315,11 @@ class Controller:
         return summary
 
     def _kill_actors(self) -> None:
-        """Kill this run's shadow (current incarnation) and persister, whichever were started."""
-        for actor in (self.shadow.actor if self.shadow else None, self.persister):
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
+        """Kill this run's shadow (every shard's current incarnation) and persister, whichever were started."""
+        if self.shadow is not None:
+            self.shadow.kill()
+        if self.persister is not None:
+            ray.kill(self.persister, no_restart=True)
 
     def _summary_base(self) -> dict:
         """The summary fields known whatever happened (``_finish`` and ``_failure_summary`` add the rest)."""
@@ -392,19 +393,20 @@ class Controller:
         sha = None
         if ok:
             shadow.ensure_alive(timeout_s=600)
-            sha = shadow.call("state_sha256", cfg.steps, cfg.recovery_timeout_s, timeout_s=cfg.recovery_timeout_s + 30)
-            shadow.status = shadow.call("status", timeout_s=60)
+            sha = shadow.state_sha256(cfg.steps, cfg.recovery_timeout_s)
+            shadow.refresh_status(timeout_s=60)
             durable = self._poll_persister("flush", 600, timeout_s=660).get("last_durable_step")
             if cfg.snapshot_every and shadow.status["step"] > (durable or 0):  # e.g. its write failed in an outage
-                shadow.call("snapshot_now", timeout_s=600)  # the final state, so storage ends complete
+                shadow.snapshot_now(timeout_s=600)  # the final state, so storage ends complete
         replay_s = shadow.status.get("replay_seconds_per_step")
         return {
             "shadow_state_sha256": sha,
             "shadow_replay_seconds_per_step": replay_s,
             "shadow_replay_over_step": (replay_s or 0) / mean_step_s if mean_step_s else None,
             "shadow_max_lag_steps": max(self.shadow_lag.values(), default=None),
-            "shadow_hashes": {str(k): v for k, v in sorted(shadow.call("hashes", timeout_s=60).items())},
+            "shadow_hashes": {str(k): v for k, v in sorted(shadow.hashes(timeout_s=60).items())},
             "shadow_cpu_capability": shadow.status.get("cpu_capability"),
+            "shadow_shards": shadow.shard_figures(mean_step_s),
         }
 
     def _finish(self, outcome: dict) -> dict:

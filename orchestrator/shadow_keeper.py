@@ -1,15 +1,23 @@
-"""Keeps one live shadow replayer: starts it, watches it without blocking, restarts it when it fails.
+"""Keeps the live shadow replayer (K shard actors with ``JobConfig.shadow_shards``): starts them,
+watches them without blocking, restarts one when it fails.
 
-A shadow has failed when its actor is dead or when its replay thread has stopped on an error (the
-actor still answers, with ``error`` in its status, but replays and snapshots nothing more): either
-way the keeper kills it and starts a new incarnation, at most ``JobConfig.max_shadow_restarts`` times
-(``decide``); past that budget ``poll`` raises ``ShadowFailedError``.
+A shard (the whole shadow when K = 1) has failed when its actor is dead or when its replay thread has
+stopped on an error (the actor still answers, with ``error`` in its status, but replays and snapshots
+nothing more): either way the keeper kills it and starts a new incarnation of that shard ALONE (the
+other shards keep their actors and state), from its own units of the newest snapshot plus the log
+tail. Each shard has its own incarnation counter and its own restart budget of
+``JobConfig.max_shadow_restarts`` (``decide``); past it ``poll`` raises ``ShadowFailedError``.
 
-Each incarnation gets its own actor name (``<shadow_name>-<n>``), published in the run directory's
-``shadow.json`` pointer (written atomically) where workers look it up; reusing one name would make a
-restart wait until Ray releases the dead incarnation's name. A dead shadow is restarted only while no
-worker recovery is pending (the controller says so): a recovering worker must see the shadow as it
-was at the failure, and a new incarnation starts from the newest snapshot plus the log tail anyway.
+Each incarnation gets its own actor name (``<shadow_name>-<n>``; sharded ``<shadow_name>-s<shard>-<n>``),
+published in the run directory's ``shadow.json`` pointer (written atomically: ``shards``, one
+``{shard, name, incarnation}`` per shard, and for K = 1 also ``name`` and ``incarnation``) where workers
+look them up (``find_shards``); reusing one name would make a restart wait until Ray releases the dead
+incarnation's name. A dead shard is restarted only while no worker recovery is pending (the
+controller says so): a recovering worker must see the shadow as it was at the failure, and a new
+incarnation starts from the newest snapshot plus the log tail anyway.
+
+Placement: shard actors ask for no CPU (``num_cpus=0``, like the single shadow) and are created with
+Ray's ``SPREAD`` scheduling strategy, so on a cluster with several nodes they land on different nodes.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.shadow import ShadowActor, ShadowSpec
+from actors.shards import assemble
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
+from training.state import state_sha256
 
 
 class ShadowAction(enum.Enum):
@@ -70,43 +80,57 @@ def decide(status: dict | None, restarts_used: int, max_restarts: int, may_resta
     return ShadowAction.RESTART if may_restart() else ShadowAction.WAIT
 
 
-class ShadowKeeper:
-    """Owns the shadow actor of a run. ``poll`` never blocks; ``status`` is the last status seen."""
+class ShardKeeper:
+    """Owns one shard's actor (the whole shadow when K = 1). ``poll`` never blocks; ``status`` is the
+    last status seen; ``actor_ids`` lists the Ray actor id of every incarnation that answered; each
+    restart is appended to ``restarts`` (shared by the shards: the run's restarts in time order)."""
 
-    def __init__(self, cfg: JobConfig, run: RunDir, spec: ShadowSpec) -> None:
-        self.cfg, self.run, self.spec = cfg, run, spec
+    def __init__(self, cfg: JobConfig, run: RunDir, spec: ShadowSpec, publish: Callable[[], None], restarts: list[dict]) -> None:
+        self.cfg, self.run, self.spec, self._publish = cfg, run, spec, publish
         self.incarnation = -1
         self.actor = None
         self.status: dict = {}
-        self.restarts: list[dict] = []
+        self.restarts = restarts
+        self.actor_ids: list[str] = []
         self._status_ref = None
         self._failed: tuple[float, str] | None = None  # (unix seconds, reason) of a failure not yet restarted
         self._restarted: tuple[float, str] | None = None  # the same, restarted, until the new incarnation answers
         self.alive = False
+        self.placement = {"scheduling_strategy": "SPREAD"} if spec.shards > 1 else {}
+
+    @property
+    def name(self) -> str:
+        """The current incarnation's actor name."""
+        prefix = self.cfg.shadow_name if self.spec.shards == 1 else f"{self.cfg.shadow_name}-s{self.spec.shard}"
+        return f"{prefix}-{self.incarnation}"
 
     def start(self) -> None:
         """Start the next incarnation and publish its name (returns before it is ready)."""
         self.incarnation += 1
-        name = f"{self.cfg.shadow_name}-{self.incarnation}"
         self.actor = ray.remote(ShadowActor).options(
-            name=name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4, **self.cfg.shadow_actor_options
+            name=self.name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4, **self.placement, **self.cfg.shadow_actor_options
         ).remote(self.spec)
-        self.run.write_json(self.run.shadow_pointer, {"name": name, "incarnation": self.incarnation})
+        self._publish()
         self._status_ref = None
+
+    def _seen(self, status: dict) -> None:
+        self.status = status
+        if status["actor_id"] not in self.actor_ids:
+            self.actor_ids.append(status["actor_id"])
 
     def wait_ready(self, timeout_s: float) -> dict:
         """Block until the current incarnation answers (first start only)."""
-        self.status = ray.get(self.actor.status.remote(), timeout=timeout_s)
+        self._seen(ray.get(self.actor.status.remote(), timeout=timeout_s))
         return self.status
 
     def poll(self, may_restart: Callable[[], bool]) -> None:
-        """Refresh ``status`` if an answer is in; restart a failed shadow (``decide``).
+        """Refresh ``status`` if an answer is in; restart a failed shard (``decide``).
 
         ``may_restart`` is asked only after the failure is seen: a failure injector announces a worker
         failure before it kills the shadow, so asking later cannot miss that announcement.
 
         Raises:
-            ShadowFailedError: the shadow failed and ``cfg.max_shadow_restarts`` restarts are spent.
+            ShadowFailedError: the shard failed and ``cfg.max_shadow_restarts`` restarts are spent.
         """
         if self._status_ref is None:
             self._status_ref = self.actor.status.remote()
@@ -119,7 +143,7 @@ class ShadowKeeper:
         except RayActorError:
             status = None
         if status is not None:
-            self.status = status
+            self._seen(status)
             if self._restarted is not None:  # a restarted incarnation has answered
                 self._record_restart(*self._restarted)
         action = decide(status, self.incarnation, self.cfg.max_shadow_restarts, may_restart)
@@ -131,27 +155,106 @@ class ShadowKeeper:
             return
         ray.kill(self.actor, no_restart=True)  # an actor whose replay thread died still holds memory and CPU
         if action is ShadowAction.GIVE_UP:
-            raise ShadowFailedError(f"the shadow failed after {self.incarnation} restarts (max_shadow_restarts "
+            what = "the shadow" if self.spec.shards == 1 else f"shadow shard {self.spec.shard}"
+            raise ShadowFailedError(f"{what} failed after {self.incarnation} restarts (max_shadow_restarts "
                                     f"{self.cfg.max_shadow_restarts}): {self._failed[1]}")
         self._restarted, self._failed = self._failed, None
         self.start()
 
     def _record_restart(self, failed_unix_s: float, reason: str) -> None:
-        restart = {"incarnation": self.incarnation, "seconds": time.time() - failed_unix_s, "reason": reason,
-                   **self.status["base"]}
+        restart = {"shard": self.spec.shard, "incarnation": self.incarnation, "seconds": time.time() - failed_unix_s,
+                   "reason": reason, "actor_id": self.status["actor_id"], **self.status["base"]}
         self.restarts.append(restart)
         self.run.event("shadow_restart", **restart)
         self._restarted = None
 
-    def ensure_alive(self, timeout_s: float) -> None:
-        """Block until a shadow answers, restarting a dead one (e.g. killed in the last step).
+
+def combined_status(statuses: list[dict]) -> dict:
+    """The shadow's status from its shards' (pure): one shard's as it is; for several, the figures of
+    the shard that bounds the whole: the lowest ``step``, ``replayed`` and ``last_snapshot_step``, the
+    highest ``log_end`` and ``replay_seconds_per_step`` (the slowest shard), the lowest base, the first
+    ``error``, the shards' CPU kernel levels (``cpu_capability``, comma-joined when they differ);
+    ``shards`` lists every shard's own status."""
+    if len(statuses) == 1:
+        return statuses[0]
+    per_step = [s["replay_seconds_per_step"] for s in statuses if s.get("replay_seconds_per_step") is not None]
+    step, log_end = min(s["step"] for s in statuses), max(s["log_end"] for s in statuses)
+    return {
+        "step": step,
+        "log_end": log_end,
+        "lag_steps": log_end - step,
+        "replayed": min(s["replayed"] for s in statuses),
+        "replay_seconds_per_step": max(per_step) if len(per_step) == len(statuses) else None,
+        "base": min((s["base"] for s in statuses), key=lambda b: b["step"]),
+        "snapshots_sent": min(s["snapshots_sent"] for s in statuses),
+        "snapshots_skipped": max(s["snapshots_skipped"] for s in statuses),
+        "snapshot_every_steps": statuses[0]["snapshot_every_steps"],
+        "last_snapshot_step": min(s["last_snapshot_step"] for s in statuses),
+        "error": next((s["error"] for s in statuses if s.get("error") is not None), None),
+        "cpu_capability": ",".join(sorted({str(s.get("cpu_capability")) for s in statuses})),
+        "shards": statuses,
+    }
+
+
+class ShadowKeeper:
+    """Owns the shadow of a run: ``cfg.shadow_shards`` shard actors (one ``ShardKeeper`` each).
+    ``poll`` never blocks; ``status`` combines the last statuses seen (``combined_status``)."""
+
+    def __init__(self, cfg: JobConfig, run: RunDir, spec: ShadowSpec) -> None:
+        self.cfg, self.run = cfg, run
+        self.restarts: list[dict] = []
+        """Every shard restart in the order recorded (``seconds``: failure until the new incarnation answered)."""
+        k = cfg.shadow_shards
+        self.shards = [ShardKeeper(cfg, run, dataclasses.replace(spec, shard=i, shards=k, hash_every=spec.hash_every if k == 1 else 0),
+                                   self._publish, self.restarts) for i in range(k)]
+
+    def _publish(self) -> None:
+        """Write ``shadow.json``: every shard's current actor name and incarnation (only once every shard
+        has been started, so a reader never finds part of the shadow)."""
+        if any(s.actor is None for s in self.shards):
+            return
+        shards = [{"shard": s.spec.shard, "name": s.name, "incarnation": s.incarnation} for s in self.shards]
+        single = {"name": shards[0]["name"], "incarnation": shards[0]["incarnation"]} if len(self.shards) == 1 else {}
+        self.run.write_json(self.run.shadow_pointer, {**single, "shards": shards})
+
+    @property
+    def status(self) -> dict:
+        return combined_status([s.status for s in self.shards]) if all(s.status for s in self.shards) else {}
+
+    @property
+    def alive(self) -> bool:
+        return all(s.alive for s in self.shards)
+
+    def start(self) -> None:
+        """Start every shard's first incarnation (returns before they are ready)."""
+        for shard in self.shards:
+            shard.start()
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        """Block until every shard answers (first start only); returns ``status``."""
+        for shard in self.shards:
+            shard.wait_ready(timeout_s)
+        return self.status
+
+    def poll(self, may_restart: Callable[[], bool]) -> None:
+        """``ShardKeeper.poll`` of every shard: a failed shard is restarted alone.
 
         Raises:
-            TimeoutError: no incarnation answered within ``timeout_s``.
-            ShadowFailedError: the restart budget is spent.
+            ShadowFailedError: a shard failed and its ``cfg.max_shadow_restarts`` restarts are spent.
+        """
+        for shard in self.shards:
+            shard.poll(may_restart)
+
+    def ensure_alive(self, timeout_s: float) -> None:
+        """Block until every shard answers, restarting a dead one (e.g. killed in the last step).
+
+        Raises:
+            TimeoutError: not every shard answered within ``timeout_s``.
+            ShadowFailedError: a shard's restart budget is spent.
         """
         deadline = time.monotonic() + timeout_s
-        self.alive = False
+        for shard in self.shards:
+            shard.alive = False
         while not self.alive:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no shadow answered within {timeout_s:g} s")
@@ -159,29 +262,102 @@ class ShadowKeeper:
             time.sleep(0.1)
 
     def set_interval(self, every_steps: int) -> None:
-        """Apply a new snapshot interval now and to every later incarnation."""
-        self.spec = dataclasses.replace(self.spec, snapshot_every_steps=every_steps)
-        self.actor.set_interval.remote(every_steps)
+        """Apply a new snapshot interval now and to every later incarnation of every shard."""
+        for shard in self.shards:
+            shard.spec = dataclasses.replace(shard.spec, snapshot_every_steps=every_steps)
+            shard.actor.set_interval.remote(every_steps)
 
-    def call(self, method: str, *args, timeout_s: float):
-        """Call ``method`` on the current incarnation and wait for the result."""
-        return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout_s)
+    def refresh_status(self, timeout_s: float) -> dict:
+        """Ask every shard for its status now (blocking); returns ``status``."""
+        for shard, status in zip(self.shards, ray.get([s.actor.status.remote() for s in self.shards], timeout=timeout_s)):
+            shard._seen(status)
+        return self.status
+
+    def snapshot_now(self, timeout_s: float | None) -> None:
+        """Hand the current state to the persister (e.g. the final state, or a calibration snapshot).
+        One shard: ``ShadowActor.snapshot_now``. Several: every shard snapshots one agreed step
+        (``ShadowActor.snapshot_at``), so the parts complete one snapshot: the furthest shard's step
+        (statuses refreshed first), or with ``timeout_s`` None (do not wait) the step after the
+        furthest last seen, which every shard still has to reach while training runs. A shard that
+        passed the agreed step declines, and the persister drops the incomplete step.
+
+        Raises:
+            ray.exceptions.RayActorError, GetTimeoutError: a shard did not answer within ``timeout_s``.
+        """
+        if len(self.shards) == 1:
+            refs = [self.shards[0].actor.snapshot_now.remote()]
+        else:
+            if timeout_s is not None:
+                self.refresh_status(timeout_s)
+            step = max(s.status["step"] for s in self.shards) + (1 if timeout_s is None else 0)
+            refs = [s.actor.snapshot_at.remote(step) for s in self.shards]
+        if timeout_s is not None:
+            ray.get(refs, timeout=timeout_s)
+
+    def state_sha256(self, step: int, timeout_s: float) -> str:
+        """``training.state.state_sha256`` of the shadow's state after exactly ``step`` steps (the
+        shards' images assembled when sharded; waits until replayed).
+
+        Raises:
+            RuntimeError: a shard is past ``step`` or its replay failed.
+        """
+        if len(self.shards) == 1:
+            return ray.get(self.shards[0].actor.state_sha256.remote(step, timeout_s), timeout=timeout_s + 30)
+        images = ray.get([s.actor.image.remote(step, timeout_s) for s in self.shards], timeout=timeout_s + 30)
+        state, problem = assemble(images, step)
+        if problem:
+            raise RuntimeError(problem)
+        return state_sha256(state)
+
+    def hashes(self, timeout_s: float) -> dict[int, str]:
+        """The state hashes recorded every ``hash_every`` steps (none when sharded: a shard sees only
+        its part of the state)."""
+        return ray.get(self.shards[0].actor.hashes.remote(), timeout=timeout_s) if len(self.shards) == 1 else {}
+
+    def shard_figures(self, mean_step_s: float | None) -> list[dict]:
+        """Per shard: ``shard``, ``units``, ``elements``, ``replay_seconds_per_step``,
+        ``replay_over_step`` (over ``mean_step_s``), ``restarts``, ``actor_ids`` (every incarnation's)."""
+        out = []
+        for shard in self.shards:
+            replay_s = shard.status.get("replay_seconds_per_step")
+            out.append({"shard": shard.spec.shard, "units": shard.status.get("units"), "elements": shard.status.get("elements"),
+                        "replay_seconds_per_step": replay_s,
+                        "replay_over_step": replay_s / mean_step_s if replay_s is not None and mean_step_s else None,
+                        "restarts": shard.incarnation, "actor_ids": list(shard.actor_ids)})
+        return out
+
+    def kill(self) -> None:
+        """Kill every shard's current incarnation."""
+        for shard in self.shards:
+            if shard.actor is not None:
+                ray.kill(shard.actor, no_restart=True)
 
 
-def find_shadow(run: RunDir, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None):
-    """The current incarnation's handle, or None if none answers within ``timeout_s``.
-
-    ``alive(handle)`` decides whether a found handle counts (default: it is registered).
-    """
+def find_shards(run: RunDir, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None) -> list | None:
+    """Every shard's current handle, in shard order, or None unless all of them answer within
+    ``timeout_s``. ``alive(handle)`` decides whether a found handle counts (default: it is registered)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        pointer = run.read_json(run.shadow_pointer)
-        try:
-            handle = ray.get_actor(pointer["name"], namespace=namespace) if pointer else None
-        except ValueError:
-            handle = None
-        if handle is not None and (alive is None or alive(handle)):
-            return handle
+        pointer = run.read_json(run.shadow_pointer) or {}
+        handles = []
+        for entry in pointer.get("shards") or ([pointer] if "name" in pointer else []):
+            try:
+                handle = ray.get_actor(entry["name"], namespace=namespace)
+            except ValueError:
+                break
+            if alive is not None and not alive(handle):
+                break
+            handles.append(handle)
+        else:
+            if handles:
+                return handles
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.5)
+
+
+def find_shadow(run: RunDir, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None):
+    """The current incarnation's handle of an unsharded shadow, or None if none answers within
+    ``timeout_s`` (or the shadow is sharded: use ``find_shards``)."""
+    handles = find_shards(run, namespace, timeout_s, alive)
+    return handles[0] if handles and len(handles) == 1 else None

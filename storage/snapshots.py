@@ -535,20 +535,22 @@ class SnapshotStore:
             tensors.update(loaded)
         return tensors
 
-    def load(self, info: SnapshotInfo) -> dict[str, np.ndarray]:
-        """The verified state of ``info`` in canonical order.
+    def load(self, info: SnapshotInfo, units: list[str] | None = None) -> dict[str, np.ndarray]:
+        """The verified state of ``info`` in canonical order (only the tensors of ``units`` when given,
+        e.g. a shadow shard's part; default every unit).
 
         Raises:
             SnapshotCorruptError: a shard is missing, truncated or altered (the message names it).
         """
-        tensors = self.load_units(info, list(info.manifest["units"]))
-        return {n: tensors[n] for n in info.manifest["names"]}
+        tensors = self.load_units(info, list(info.manifest["units"]) if units is None else units)
+        return {n: tensors[n] for n in info.manifest["names"] if n in tensors}
 
-    def load_latest(self, max_step: int | None = None, layout: list[list] | None = None) -> Loaded:
+    def load_latest(self, max_step: int | None = None, layout: list[list] | None = None,
+                    units: list[str] | None = None) -> Loaded:
         """The newest snapshot (at most ``max_step``) that verifies and has ``layout`` (default: the
         store's; ``storage.manifest.layout_of`` of the model restored into). Snapshots that are
         corrupt, malformed, foreign or of another layout are skipped, logged and listed in
-        ``Loaded.skipped``.
+        ``Loaded.skipped``. ``units``: load and verify only these units (a shadow shard's part).
 
         Raises:
             NoSnapshotError: none loads; the message names each snapshot tried and why it failed.
@@ -565,7 +567,7 @@ class SnapshotStore:
                              f"{layout_sha256(expected)[:12]}): a snapshot of another model")
                 continue
             try:
-                return Loaded(info, self.load(info), tried)
+                return Loaded(info, self.load(info, units), tried)
             except SnapshotCorruptError as exc:
                 log.warning("skipping %s", exc)
                 tried.append(str(exc))

@@ -334,3 +334,21 @@ def test_driver_killed_mid_run_resumes_with_the_same_run_id(reference, tmp_path)
     rows = RunDir.read(out / "metrics.jsonl")  # the resumed run executed steps 7..11 itself
     assert [r["step"] for r in rows] == list(range(12))
     assert all(r["unix_s"] > resume["unix_s"] for r in rows[7:]) and all(r["unix_s"] < resume["unix_s"] for r in rows[:7])
+
+
+def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(reference, tmp_path_factory):
+    """``--shadow-shards 2``. Step 4: a worker dies; it restores the two shards' images of step 4
+    through the object store. Step 7: shard 1 alone is killed once the snapshot of step 6 (both parts,
+    one manifest) is committed; it restarts from its units of that snapshot while shard 0 keeps its
+    actor. Step 10: a worker dies again and restores from the restarted shard 1 and the original shard 0."""
+    s = job(tmp_path_factory, "shards", "4:worker 7:shadow:1 10:worker", shadow_shards=2)
+    assert_exact(s, reference)
+    assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [
+        (4, "object_store", 4), (10, "object_store", 10)]
+    assert [(r["shard"], r["incarnation"], r["source"], r["step"]) for r in s["shadow_restarts"]] == [(1, 1, "snapshot", 6)]
+    first, second = s["shadow_shards"]
+    assert (first["units"], second["units"]) == ("embed", "layer.000..norm")
+    assert len(first["actor_ids"]) == 1 and first["restarts"] == 0  # shard 0 kept its actor through shard 1's restart
+    assert len(set(second["actor_ids"])) == 2 and second["actor_ids"][1] == s["shadow_restarts"][0]["actor_id"]
+    assert all(f["replay_over_step"] > 0 for f in s["shadow_shards"])
+    assert s["snapshots"]["last_durable_step"] == 12 and s["snapshots"]["parts_pending_steps"] == []

@@ -29,7 +29,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
-from orchestrator.shadow_keeper import find_shadow
+from orchestrator.shadow_keeper import find_shards
 from storage.steplog import StepLogWriter, read_records
 
 
@@ -65,9 +65,9 @@ class FaultInjector:
         """True once any failure has fired in this run (a start is then a restart)."""
         return any(self.run.markers.iterdir())
 
-    def _live_shadow(self):
-        """The shadow that answers now; if a restarted incarnation is still starting, wait for it
-        (bounded: None after 180 s)."""
+    def _live_shadow(self) -> list | None:
+        """The shadow's shards (one handle each) once all answer; if a restarted incarnation is still
+        starting, wait for it (bounded: None after 180 s)."""
 
         def answers(handle) -> bool:
             try:
@@ -76,11 +76,11 @@ class FaultInjector:
             except (RayActorError, GetTimeoutError):
                 return False
 
-        return find_shadow(self.run, self.cfg.namespace, timeout_s=180, alive=answers)
+        return find_shards(self.run, self.cfg.namespace, timeout_s=180, alive=answers)
 
     def _settle_snapshots(self):
-        """Wait until the shadow (returned; None without one) has replayed every durable step and
-        the persister, and this rank's checkpointer, have committed what they were handed. Without
+        """Wait until the shadow (its shards returned; None without one) has replayed every durable step
+        and the persister, and this rank's checkpointer, have committed what they were handed. Without
         ``settle_failures`` only wait for a live shadow (a restarted one may still be starting)."""
         if not self.cfg.settle_failures:
             return self._live_shadow() if self.cfg.uses_shadow else None
@@ -88,11 +88,12 @@ class FaultInjector:
         shadow = self._live_shadow() if self.cfg.uses_shadow else None
         timeout_s = self.cfg.recovery_timeout_s
         try:
-            handed = None  # the step of the newest image the shadow took for the persister
+            handed = None  # the step of the newest image every shard took for the persister
             if shadow is not None:  # it takes each due image as it replays the step
-                ray.get(shadow.image.remote(self.durable_steps(), timeout_s), timeout=timeout_s + 30)
-                status = ray.get(shadow.status.remote(), timeout=60)
-                handed = status["last_snapshot_step"] if status["last_snapshot_step"] != status["base"]["step"] else None
+                ray.get([s.image.remote(self.durable_steps(), timeout_s) for s in shadow], timeout=timeout_s + 30)
+                statuses = ray.get([s.status.remote() for s in shadow], timeout=60)
+                if all(st["last_snapshot_step"] != st["base"]["step"] for st in statuses):
+                    handed = min(st["last_snapshot_step"] for st in statuses)
             persister = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
             deadline = time.monotonic() + 60  # bounded: a hand-off to a dead persister is skipped
             while True:
@@ -116,17 +117,18 @@ class FaultInjector:
         if self.world > 1:
             dist.barrier()
 
-    def _kill_shadow(self, index: int, step: int, worker_how: str | None) -> None:
-        """Kill the live shadow once it is settled (``_settle_snapshots``), so the failure always
-        hits a running shadow whose snapshots are committed. With ``worker_how`` (target ``both``)
-        the worker failure is announced before the kill, so the controller does not restart the
-        shadow until the worker has recovered without it."""
+    def _kill_shadow(self, index: int, step: int, worker_how: str | None, shard: int | None = None) -> None:
+        """Kill the live shadow (every shard, or only ``shard``) once it is settled
+        (``_settle_snapshots``), so the failure always hits a running shadow whose snapshots are
+        committed. With ``worker_how`` (target ``both``) the worker failure is announced before the
+        kill, so the controller does not restart the shadow until the worker has recovered without it."""
         shadow = self._settle_snapshots()
         if worker_how is not None:
             self._announce_worker_failure(step, worker_how, self.world - 1)
-        self.run.event("failure", step=step, target="shadow", how="ray.kill", found=shadow is not None)
-        if shadow is not None:
-            ray.kill(shadow, no_restart=True)
+        self.run.event("failure", step=step, target="shadow", how="ray.kill", found=shadow is not None,
+                       **({"shard": shard} if shard is not None else {}))
+        for handle in (shadow or []) if shard is None else (shadow or [])[shard:shard + 1]:
+            ray.kill(handle, no_restart=True)
         self._claim(index, "shadow-killed")
 
     def _corrupt_newest_snapshot(self, step: int) -> None:
@@ -176,7 +178,8 @@ class FaultInjector:
             if f.target == "corrupt" and self.rank == 0 and self._claim(i, "corrupt"):
                 self._corrupt_newest_snapshot(step)
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):
-                self._kill_shadow(i, step, f.how if f.target == "both" else None)
+                self._kill_shadow(i, step, f.how if f.target == "both" else None,
+                                  int(f.how) if f.target == "shadow" and f.how.isdigit() else None)
             if f.target in ("worker", "both"):
                 self._settle_for_worker_failure(i)
             if f.target in ("worker", "both") and self.rank == self.world - 1 and self._claim(i, "worker"):

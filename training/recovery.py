@@ -1,7 +1,8 @@
 """Restoring a worker's state: the freshest complete state, then the durable log tail.
 
 Order of preference (ZOCheck's recovery rule): the live shadow's image through Ray's object store,
-when the shadow is alive, intact and catches up to the end of the durable log; else the newest
+when the shadow is alive, intact and catches up to the end of the durable log (a sharded shadow:
+every shard's image of that step, assembled by ``actors.shards.assemble``); else the newest
 verified snapshot in storage (or the initial weights when none exists) plus replay of the logged
 tail. Either way the restored state is the one after every durable step: nothing logged is lost.
 """
@@ -19,7 +20,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
-from orchestrator.shadow_keeper import find_shadow
+from actors.shards import assemble
+from orchestrator.shadow_keeper import find_shards
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError
 from storage.steplog import read_header, read_records
@@ -30,21 +32,23 @@ log = logging.getLogger(__name__)
 
 
 def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_end: int) -> dict | None:
-    """Load the shadow's image at ``log_end`` into ``params``; None when the shadow cannot serve it."""
-    shadow = find_shadow(RunDir(pathlib.Path(cfg.out_dir)), cfg.namespace, timeout_s=0)
-    if shadow is None:
-        log.warning("no live shadow; falling back to storage")
+    """Load the shadow's image at ``log_end`` into ``params`` (the images of every shard, assembled);
+    None, with the reason logged, when a shard is missing, fails, or cannot serve exactly that step."""
+    shards = find_shards(RunDir(pathlib.Path(cfg.out_dir)), cfg.namespace, timeout_s=0)
+    if shards is None:
+        log.warning("no live shadow (every shard of it); falling back to storage")
         return None
-    t0 = time.perf_counter()  # load: the shadow's catch-up to log_end (if any) and the object-store transfer
+    t0 = time.perf_counter()  # load: the shards' catch-up to log_end (if any) and the object-store transfers
     try:
-        image = ray.get(shadow.image.remote(log_end, cfg.recovery_timeout_s), timeout=cfg.recovery_timeout_s + 30)
+        images = ray.get([s.image.remote(log_end, cfg.recovery_timeout_s) for s in shards], timeout=cfg.recovery_timeout_s + 30)
     except (RayActorError, RayTaskError, GetTimeoutError) as exc:
         log.warning("shadow cannot serve step %d (%s); falling back to storage", log_end, type(exc).__name__)
         return None
-    if image["step"] != log_end:
-        log.warning("shadow served step %d, the log ends at %d; falling back to storage", image["step"], log_end)
+    state, problem = assemble(images, log_end)
+    if problem:
+        log.warning("%s; falling back to storage", problem)
         return None
-    load_into(params, image["state"])
+    load_into(params, state)
     return {"source": "object_store", "base_step": log_end, "replayed_steps": 0,
             "load_seconds": time.perf_counter() - t0, "replay_seconds": 0.0}
 
