@@ -378,6 +378,13 @@ def test_retention_rewrites_the_index_before_any_delete(storage):
     assert index_folders(storage) == [second.folder]
 
 
+def test_the_index_generation_counts_its_writes_from_the_first_commit(storage):
+    store = SnapshotStore(storage, keep_last=5)
+    for step in (1, 2):  # one index write per commit; nothing to retire
+        store.write(step, state(step))
+    assert json.loads(storage.get(INDEX))["generation"] == 2
+
+
 def test_a_failed_manifest_put_leaves_the_index_equal_to_the_listing(storage):
     store = SnapshotStore(storage)
     store.write(1, state(1))
