@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 
 import numpy as np
@@ -93,7 +94,8 @@ def test_a_writer_of_an_older_epoch_is_fenced_and_cannot_roll_the_index_back(sto
     new = SnapshotStore(storage, identity=RUN_A)
     assert new.claim_epoch() == 2  # the resumed driver's incarnation
     before = storage.get(INDEX)
-    with pytest.raises(FencedError, match="epoch 2, this writer has 1"):
+    with pytest.raises(FencedError, match=f"^{re.escape(storage.url(INDEX))}: run {RUN_A.run_id} is at writer epoch 2, "
+                                          "this writer has 1"):
         old.write(20, state(20))
     assert storage.get(INDEX) == before  # the stray writer changed nothing committed
     newer_attempt = f"step-0000000001-{RUN_A.tag}-3-aaaaaaaa/embed.safetensors"  # a later incarnation, mid-write
