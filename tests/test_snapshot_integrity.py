@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import threading
 
@@ -152,6 +153,33 @@ def test_an_index_write_that_completes_after_its_timeout_cannot_roll_the_index_b
     assert gated.finished.wait(60)
     assert gated.outcome == ["refused"] and storage.get(INDEX) == committed
     assert [i.step for i in SnapshotStore(storage).list()] == [1, 2]
+
+
+class RacedStorage(Storage):
+    """A real ``Storage`` whose first conditional put runs ``before`` first: another writer commits
+    between this writer's read of the index and its conditional write of it."""
+
+    def __init__(self, *args, before, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.before = before
+
+    def _put_if_match(self, rel, data, expected):
+        before, self.before = self.before, None
+        if before is not None:
+            before()
+        return super()._put_if_match(rel, data, expected)
+
+
+def test_a_writer_that_loses_the_index_race_rereads_it_and_commits_after_the_winner(storage, caplog):
+    caplog.set_level(logging.INFO, logger="storage.snapshots")
+    uri, options = storage.uri, storage.options
+    other = SnapshotStore(Storage(uri, **options), identity=RUN_B)
+    won = []
+    raced = SnapshotStore(RacedStorage(uri, before=lambda: won.append(other.write(2, state(2))), **options), identity=RUN_A)
+    lost = raced.write(1, state(1))
+    assert index_folders(storage) == [won[0].folder, lost.folder]  # the winner's entry kept, ours added after it
+    assert [i.step for i in SnapshotStore(storage).list()] == [1, 2]
+    assert f"{storage.url(INDEX)} changed while it was rewritten; retrying" in caplog.messages
 
 
 # -- 2. a manifest that lies -----------------------------------------------------------------------
