@@ -29,13 +29,16 @@ from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from orchestrator.run_dir import RunDir
 from orchestrator.schedule import failure_schedule, parse_schedule
+from storage.log_segments import read_segments
 from storage.snapshots import SnapshotStore
 from storage.steplog import read_records
 from test_job_submit import stop_cluster
 from training.model import default_cache_dir
+from training.state import state_sha256
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
-SEED = 0  # poisson:2 over 12 steps with this seed fails at 6 distinct steps
+OUTAGE_S = 20.0  # long enough for the breaker to open (three failed operations of about 4 s each)
+SEED, POISSON_MTBF_STEPS = 53, 4.0  # poisson:4 over 12 steps with this seed fails at steps 0 and 11
 
 # Failures hit a settled run (training/faults.py): a worker failure waits for a live shadow, a shadow
 # kill or a corrupted snapshot for the shadow to have replayed every durable step and for its
@@ -83,14 +86,23 @@ def test_reference_shadow_matches_worker_every_k_steps(reference):
     assert reference["snapshots"]["written"] >= 1 and reference["snapshots"]["failed"] == 0
 
 
+def poisson_schedule() -> tuple:
+    """The seeded Poisson schedule the ``workers`` run draws its first- and last-step failures from."""
+    return failure_schedule("poisson", POISSON_MTBF_STEPS, 12, seed=SEED)
+
+
 @pytest.fixture(scope="module")
 def workers(reference, tmp_path_factory):
-    return job(tmp_path_factory, "workers", "0:worker:exit 5:worker:sigkill 5:worker:raise 11:worker:exit")
+    """Worker failures at the first step, back to back in step 5 (SIGKILL, then an exception in the
+    restarted worker) and at the last step; those at 0 and 11 come from the seeded Poisson schedule."""
+    drawn = [f"{f.step}:{f.target}:{f.how}" for f in poisson_schedule()]
+    return job(tmp_path_factory, "workers", " ".join([drawn[0], "5:worker:sigkill 5:worker:raise", *drawn[1:]]))
 
 
 def test_worker_failures_first_mid_back_to_back_and_last_step_are_exact(workers, reference):
     s = workers
     assert_exact(s, reference)
+    assert [(f["step"], f["how"]) for f in s["failures"]] == [(0, "exit"), (5, "sigkill"), (5, "raise"), (11, "exit")]
     assert [(r["at_step"], r["source"]) for r in s["recoveries"]] == [(step, "object_store") for step in (0, 5, 5, 11)]
     assert all(r["seconds"] > 0 for r in s["recoveries"])
     assert s["shadow_hashes"] == s["worker_hashes"]
@@ -136,13 +148,16 @@ def test_metrics_reach_the_prometheus_endpoint(cluster, workers):
     assert found == pytest.approx(wanted, rel=1e-9)  # no other series, and each with its value
 
 
-def test_poisson_schedule_of_failures_is_exact(reference, tmp_path_factory):
-    schedule = failure_schedule("poisson", 2.0, 12, seed=SEED)
-    assert [(f.step, f.target, f.how) for f in schedule] == [(step, "worker", "exit") for step in (1, 3, 4, 7, 9, 10)]
-    s = job(tmp_path_factory, "poisson", " ".join(f"{f.step}:{f.target}" for f in schedule))
-    assert [(r["failure_step"], r["at_step"], r["source"]) for r in s["recoveries"]] == [
-        (step, step, "object_store") for step in (1, 3, 4, 7, 9, 10)]
-    assert_exact(s, reference)
+def test_poisson_schedule_of_failures_is_exact(workers, reference):
+    """The seeded Poisson schedule is an exact list, and the run it drives (the ``workers`` run, which
+    adds the back-to-back pair in step 5) recovers from each of its failures exactly."""
+    schedule = poisson_schedule()
+    assert [(f.step, f.target, f.how) for f in schedule] == [(0, "worker", "exit"), (11, "worker", "exit")]
+    injected = [(f["step"], f["target"], f["how"]) for f in workers["failures"]]
+    assert [f for f in injected if f[2] == "exit"] == [(f.step, f.target, f.how) for f in schedule]
+    assert [(r["failure_step"], r["at_step"], r["source"]) for r in workers["recoveries"] if r["failure_step"] in (0, 11)] == [
+        (0, 0, "object_store"), (11, 11, "object_store")]
+    assert_exact(workers, reference)
 
 
 def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_path_factory):
@@ -223,38 +238,36 @@ def test_storage_gone_after_the_check_fails_the_final_persist_and_exits_4(cluste
 
 
 def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(reference, tmp_path):
-    """``--verify`` through the CLI, with a seeded Weibull failure schedule: the failure-free
-    reference already in ``<out>/reference`` is reused, the states compare bitwise equal (exit 0);
-    with that reference's hash changed, the same comparison fails and the run exits 3. The shadow runs
-    on other CPU kernels than the worker (``--shadow-env``), and both recoveries take its image."""
+    """``--verify`` through the CLI, with a seeded Weibull failure schedule, against a failure-free
+    reference in ``<out>/reference`` whose state hash was changed: the reference is reused (not run
+    again), the recovered state is the true failure-free one, and the comparison with the changed hash
+    fails: exit 3. (A reused reference that compares equal, exit 0, is the resumed run of
+    ``test_driver_killed_mid_run_resumes_with_the_same_run_id``.) The shadow runs on other CPU kernels
+    than the worker (``--shadow-env``), both recoveries take its image, and ``raycheck replay`` of a
+    logged step gives the worker's hash of it."""
     out = tmp_path / "run"
     (out / "reference").mkdir(parents=True)
-    shutil.copy(pathlib.Path(reference["config"]["out_dir"]) / "summary.json", out / "reference" / "summary.json")
-    args = ["run", "--model", "tiny", "--steps", "12", "--lr", "1e-4", "--eval-samples", "16", "--hash-every", "2",
-            "--snapshot-every", "3", "--settle-failures", "--verify", "--out", str(out),
-            "--shadow-env", "ATEN_CPU_CAPABILITY=default", "--shadow-env", "NUMBA_CPU_NAME=generic"]
+    RunDir.write_json(out / "reference" / "summary.json", {**reference, "state_sha256": "0" * 64})
     schedule = parse_schedule("weibull:4:0.7", 12, seed=1)
     assert [(f.step, f.target) for f in schedule] == [(3, "worker"), (4, "worker")]
 
-    result = CliRunner().invoke(app, [*args, "--fail-schedule", "weibull:4:0.7", "--fail-seed", "1"])
-    assert result.exit_code == 0, result.output
-    assert f"reusing the failure-free reference in {out / 'reference'}" in result.output
-    s = json.loads((out / "summary.json").read_text())
-    assert [(f["step"], f["target"]) for f in s["failures"]] == [(3, "worker"), (4, "worker")]
-    assert [(r["failure_step"], r["source"]) for r in s["recoveries"]] == [(3, "object_store"), (4, "object_store")]
-    assert s["bitwise_equal"] is True and s["reference_state_sha256"] == s["state_sha256"] == reference["state_sha256"]
-    assert s["shadow_equal"] is True and s["shadow_cpu_capability"] == "DEFAULT" != s["worker_cpu_capability"]
-    replayed = CliRunner().invoke(app, ["replay", str(out), "--step", "6"])  # any logged step, from the run's own files
-    assert replayed.output.strip().endswith(f"state_sha256 {s['worker_hashes']['6']}"), replayed.output
-
-    tampered = {**reference, "state_sha256": "0" * 64}
-    RunDir.write_json(out / "reference" / "summary.json", tampered)
-    result = CliRunner().invoke(app, [*args, "--overwrite"])
+    result = CliRunner().invoke(app, [
+        "run", "--model", "tiny", "--steps", "12", "--lr", "1e-4", "--eval-samples", "16", "--hash-every", "2",
+        "--snapshot-every", "3", "--settle-failures", "--verify", "--out", str(out),
+        "--shadow-env", "ATEN_CPU_CAPABILITY=default", "--shadow-env", "NUMBA_CPU_NAME=generic",
+        "--fail-schedule", "weibull:4:0.7", "--fail-seed", "1"])
     assert result.exit_code == 3, result.output
     assert f"reusing the failure-free reference in {out / 'reference'}" in result.output
     assert "error: recovery was not exact (see summary.json)" in result.output
     s = json.loads((out / "summary.json").read_text())
-    assert s["bitwise_equal"] is False and s["state_sha256"] == reference["state_sha256"] and s["failures"] == []
+    assert [(f["step"], f["target"]) for f in s["failures"]] == [(3, "worker"), (4, "worker")]
+    assert [(r["failure_step"], r["source"]) for r in s["recoveries"]] == [(3, "object_store"), (4, "object_store")]
+    assert s["lost_steps"] == 0 and s["shadow_equal"] is True  # so exit 3 comes from the comparison alone
+    assert s["bitwise_equal"] is False and s["reference_state_sha256"] == "0" * 64
+    assert s["state_sha256"] == reference["state_sha256"]
+    assert s["shadow_cpu_capability"] == "DEFAULT" != s["worker_cpu_capability"]
+    replayed = CliRunner().invoke(app, ["replay", str(out), "--step", "6"])  # any logged step, from the run's own files
+    assert replayed.output.strip().endswith(f"state_sha256 {s['worker_hashes']['6']}"), replayed.output
 
 
 @pytest.mark.parametrize("strategy", ["full-sync", "full-async", "log-only"])
@@ -282,16 +295,36 @@ def test_every_baseline_survives_worker_failures_and_resumes_exactly(reference, 
     assert s["checkpoint_block_seconds_total"] > 0 and s["worker_checkpoints"]["last_step"] == 12
 
 
-def test_persister_kill_and_storage_outage_on_s3_are_exact(reference, tmp_path_factory):
-    """The persister dies (the controller restarts it) and the S3 server is down for 4 s mid-run."""
+def test_persister_kill_and_a_20s_s3_outage_are_exact_and_storage_resumes(reference, tmp_path_factory):
+    """The persister dies during step 3 (the controller restarts it); the S3 server stops during step 4
+    for 20 s; a worker dies during step 9. The outage callable returns when the server is back, so the
+    run's end (its last snapshot and log upload) comes after the outage whatever the speed of training:
+    the scenario forces storage calls after the breaker opened. Three failed operations in a row (about
+    4 s each with the default retries) open it well within the outage; a probe closes it again, and
+    snapshots and the log mirror resume, so the storage ends complete and the run bitwise exact."""
     with LocalS3Server() as server:
-        s = job(tmp_path_factory, "outage", "3:persister 6:storage:4 9:worker", outage=server.outage,
+
+        outages_s = []
+
+        def outage_until_back(seconds: float) -> None:
+            outages_s.append(seconds)
+            server.stop()
+            time.sleep(seconds)  # the outage itself
+            server.start()
+
+        s = job(tmp_path_factory, "outage", f"3:persister 4:storage:{OUTAGE_S:g} 9:worker", outage=outage_until_back,
                 storage=server.uri("run"), storage_options={"endpoint_url": server.endpoint})
         assert_exact(s, reference)
         assert [f["target"] for f in s["failures"]] == ["persister", "storage", "worker"]
-        assert s["persister_restarts"] == 1 and len(server.outages) == 1 and server.outages[0][1] == 4.0
-        assert s["snapshots"]["last_durable_step"] == 12 and s["snapshots"]["log_mirrored_steps"] == 12
-        assert cfg_store(s).load_latest().info.step == 12  # the bucket is complete after the outage
+        assert s["persister_restarts"] == 1 and outages_s == [OUTAGE_S]
+        snaps = s["snapshots"]
+        assert snaps["failed"] >= 1 and snaps["storage"]["opened"] >= 1  # the outage tripped the breaker
+        assert snaps["storage"]["state"] == "closed" and snaps["storage"]["probes"] >= 1  # and a probe closed it
+        assert snaps["last_durable_step"] == 12 and snaps["log_mirrored_steps"] == 12  # past the outage (step 4)
+        latest = cfg_store(s).load_latest()  # the bucket is complete after the outage
+        assert latest.info.step == 12 and state_sha256(latest.state) == s["state_sha256"]
+        local = read_records(pathlib.Path(s["config"]["out_dir"]) / "steplog.bin")
+        assert read_segments(cfg_store(s).storage)[1] == local and len(local) == 12
 
 
 def cfg_store(summary: dict):
@@ -300,8 +333,9 @@ def cfg_store(summary: dict):
 
 def test_driver_killed_mid_run_resumes_with_the_same_run_id(reference, tmp_path):
     """The driver (with its embedded Ray cluster) is SIGKILLed while its worker is held during step
-    7 (the test gate in training/faults.py); `raycheck run --resume` continues the same run from
-    storage and the step log, executes the 5 steps left, and ends bitwise equal."""
+    7 (the test gate in training/faults.py); `raycheck run --resume --verify` continues the same run
+    from storage and the step log, executes the 5 steps left, reuses the failure-free reference put
+    in ``<out>/reference`` and ends bitwise equal to it (exit 0)."""
     out = tmp_path / "run"
     args = ["--model", "tiny", "--steps", "12", "--lr", "1e-4", "--eval-samples", "16", "--hash-every", "2",
             "--snapshot-every", "3", "--out", str(out)]
@@ -322,9 +356,13 @@ def test_driver_killed_mid_run_resumes_with_the_same_run_id(reference, tmp_path)
     held = next(e for e in RunDir.read(out / "events.jsonl") if e["kind"] == "held")
     assert held["step"] == held["durable_steps"] == len(read_records(out / "steplog.bin")) == 7
 
-    result = CliRunner().invoke(app, ["run", "--resume", "--out", str(out)])
+    (out / "reference").mkdir()  # --verify on the resumed run: reused, and equal
+    shutil.copy(pathlib.Path(reference["config"]["out_dir"]) / "summary.json", out / "reference" / "summary.json")
+    result = CliRunner().invoke(app, ["run", "--resume", "--verify", "--out", str(out)])
     assert result.exit_code == 0, result.output
+    assert f"reusing the failure-free reference in {out / 'reference'}" in result.output
     s = json.loads((out / "summary.json").read_text())
+    assert s["bitwise_equal"] is True and s["reference_state_sha256"] == s["state_sha256"] == reference["state_sha256"]
     assert s["config"]["run_id"] == json.loads((out / "config.json").read_text())["run_id"]
     assert_exact(s, reference)
     events = RunDir.read(out / "events.jsonl")

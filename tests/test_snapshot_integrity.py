@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 import threading
 
 import numpy as np
@@ -93,7 +95,8 @@ def test_a_writer_of_an_older_epoch_is_fenced_and_cannot_roll_the_index_back(sto
     new = SnapshotStore(storage, identity=RUN_A)
     assert new.claim_epoch() == 2  # the resumed driver's incarnation
     before = storage.get(INDEX)
-    with pytest.raises(FencedError, match="epoch 2, this writer has 1"):
+    with pytest.raises(FencedError, match=f"^{re.escape(storage.url(INDEX))}: run {RUN_A.run_id} is at writer epoch 2, "
+                                          "this writer has 1"):
         old.write(20, state(20))
     assert storage.get(INDEX) == before  # the stray writer changed nothing committed
     newer_attempt = f"step-0000000001-{RUN_A.tag}-3-aaaaaaaa/embed.safetensors"  # a later incarnation, mid-write
@@ -150,6 +153,33 @@ def test_an_index_write_that_completes_after_its_timeout_cannot_roll_the_index_b
     assert gated.finished.wait(60)
     assert gated.outcome == ["refused"] and storage.get(INDEX) == committed
     assert [i.step for i in SnapshotStore(storage).list()] == [1, 2]
+
+
+class RacedStorage(Storage):
+    """A real ``Storage`` whose first conditional put runs ``before`` first: another writer commits
+    between this writer's read of the index and its conditional write of it."""
+
+    def __init__(self, *args, before, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.before = before
+
+    def _put_if_match(self, rel, data, expected):
+        before, self.before = self.before, None
+        if before is not None:
+            before()
+        return super()._put_if_match(rel, data, expected)
+
+
+def test_a_writer_that_loses_the_index_race_rereads_it_and_commits_after_the_winner(storage, caplog):
+    caplog.set_level(logging.INFO, logger="storage.snapshots")
+    uri, options = storage.uri, storage.options
+    other = SnapshotStore(Storage(uri, **options), identity=RUN_B)
+    won = []
+    raced = SnapshotStore(RacedStorage(uri, before=lambda: won.append(other.write(2, state(2))), **options), identity=RUN_A)
+    lost = raced.write(1, state(1))
+    assert index_folders(storage) == [won[0].folder, lost.folder]  # the winner's entry kept, ours added after it
+    assert [i.step for i in SnapshotStore(storage).list()] == [1, 2]
+    assert f"{storage.url(INDEX)} changed while it was rewritten; retrying" in caplog.messages
 
 
 # -- 2. a manifest that lies -----------------------------------------------------------------------
@@ -237,8 +267,9 @@ def test_a_malformed_index_is_reported_and_never_raises(tmp_path, body):
     result = CliRunner().invoke(app, ["verify", str(tmp_path)])
     assert result.exit_code == 1 and f"BAD  {INDEX}: malformed" in result.output
     assert CliRunner().invoke(app, ["inspect", str(tmp_path)]).exit_code == 0
-    store.write(11, state(11))  # the next commit writes a well-formed index again
+    store.write(11, state(11))  # the next commit writes a well-formed index again, a new count of writes
     assert index_folders(store.storage) == [i.folder for i in store.list()] and store.skipped == []
+    assert json.loads(store.storage.get(INDEX))["generation"] == 1
 
 
 # -- 4. empty and partial states -------------------------------------------------------------------
@@ -376,6 +407,13 @@ def test_retention_rewrites_the_index_before_any_delete(storage):
     assert {rel for op, rel in ops[2:]} == {f"{first.folder}/{u}.safetensors" for u in first.manifest["units"]} | {
         f"{first.folder}/{MANIFEST}"} and all(op == "delete" for op, _ in ops[2:])
     assert index_folders(storage) == [second.folder]
+
+
+def test_the_index_generation_counts_its_writes_from_the_first_commit(storage):
+    store = SnapshotStore(storage, keep_last=5)
+    for step in (1, 2):  # one index write per commit; nothing to retire
+        store.write(step, state(step))
+    assert json.loads(storage.get(INDEX))["generation"] == 2
 
 
 def test_a_failed_manifest_put_leaves_the_index_equal_to_the_listing(storage):

@@ -1,7 +1,13 @@
+import json
 import os
+import re
+import struct
+import zlib
+from types import SimpleNamespace
 
 import pytest
 
+from storage import steplog
 from storage.steplog import (
     RECORD_BYTES,
     StepLogBusyError,
@@ -11,6 +17,7 @@ from storage.steplog import (
     StepLogWriter,
     StepRecord,
     read_header,
+    read_log,
     read_records,
 )
 
@@ -36,7 +43,7 @@ def test_roundtrip_keeps_every_field_exactly(tmp_path):
 
 def test_append_refuses_a_gap_or_a_repeat(tmp_path):
     w = make_log(tmp_path / "log", 3)
-    with pytest.raises(StepLogGapError, match="appending step 5, but the next step is 3"):
+    with pytest.raises(StepLogGapError, match=f"^{re.escape(str(tmp_path / 'log'))}: appending step 5, but the next step is 3"):
         w.append(rec(5))
     with pytest.raises(StepLogGapError):
         w.append(rec(2))
@@ -70,7 +77,7 @@ def test_corruption_before_good_records_is_refused(tmp_path):
     with open(tmp_path / "log", "r+b") as fh:
         fh.seek(-RECORD_BYTES - 40, os.SEEK_END)  # inside step 1's projected gradient
         fh.write(b"\xaa")
-    with pytest.raises(StepLogCorruptError, match="followed by more data"):
+    with pytest.raises(StepLogCorruptError, match=r"record at byte \d+ \(after step 0\) fails its checksum and is followed by more data"):
         StepLogWriter.open(tmp_path / "log")
 
 
@@ -101,9 +108,11 @@ def test_a_bad_region_before_good_records_is_refused_even_when_zero(tmp_path, fi
         read_records(tmp_path / "log")
 
 
-def test_a_non_zero_garbage_tail_longer_than_a_record_is_refused(tmp_path):
+@pytest.mark.parametrize("garbage", [b"\xaa", b"X", b"\x01"])
+def test_a_non_zero_garbage_tail_longer_than_a_record_is_refused(tmp_path, garbage):
+    """Only zeros after a bad record make a torn tail; any other byte is corruption."""
     w = make_log(tmp_path / "log", 2)
-    os.write(w._fd, b"\xaa" * (2 * RECORD_BYTES))
+    os.write(w._fd, garbage * (2 * RECORD_BYTES))
     w.close()
     with pytest.raises(StepLogCorruptError, match="followed by more data"):
         StepLogWriter.open(tmp_path / "log")
@@ -113,7 +122,8 @@ def test_gap_in_the_file_is_refused_with_the_missing_steps(tmp_path):
     w = make_log(tmp_path / "log", 2)
     os.write(w._fd, rec(5).encode())  # bypass the writer's own check, as a foreign writer could
     w.close()
-    with pytest.raises(StepLogGapError, match=r"is step 5, expected step 2; steps 2..4 are missing"):
+    with pytest.raises(StepLogGapError, match=r"is step 5, expected step 2; steps 2\.\.4 are missing, so the log cannot be "
+                                              r"replayed past step 1$"):
         read_records(tmp_path / "log")
 
 
@@ -141,8 +151,44 @@ def test_reader_follows_appends_and_waits_on_a_partial_record(tmp_path):
 
 def test_create_refuses_to_overwrite(tmp_path):
     make_log(tmp_path / "log", 1).close()
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match=f"^{re.escape(str(tmp_path / 'log'))}: step log already exists"):
         StepLogWriter.create(tmp_path / "log", {})
+
+
+class FakeClock:
+    """``time`` as ``storage.steplog`` sees it, on a simulated clock: ``sleep`` advances it at once
+    and then runs ``on_sleep`` (what happens elsewhere while the writer waits)."""
+
+    def __init__(self, monkeypatch, on_sleep=lambda: None) -> None:
+        self.now_s, self.sleeps, self.on_sleep = 0.0, 0, on_sleep
+        monkeypatch.setattr(steplog, "time", SimpleNamespace(monotonic=lambda: self.now_s, sleep=self.sleep))
+
+    def sleep(self, seconds: float) -> None:
+        self.now_s += seconds
+        self.sleeps += 1
+        self.on_sleep()
+
+
+def test_a_busy_log_is_retried_every_0_2_s_until_more_than_the_timeout_has_passed(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    first = StepLogWriter.create(path, {})
+    for timeout_s, sleeps in ((None, 600), (0.4, 3)):  # None: the default, 120 s; 0.2 + 0.2 == 0.4 exactly
+        clock = FakeClock(monkeypatch)
+        with pytest.raises(StepLogBusyError, match=f"^{re.escape(str(path))}: another process is appending"):
+            StepLogWriter.open(path) if timeout_s is None else StepLogWriter.open(path, lock_timeout_s=timeout_s)
+        assert clock.sleeps == sleeps
+    first.close()
+
+
+def test_a_writer_waiting_for_the_lock_gets_it_once_the_stray_writer_exits(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    stray = make_log(path, 2)
+    clock = FakeClock(monkeypatch, on_sleep=stray.close)  # the stray writer exits during the first wait
+    w = StepLogWriter.open(path, lock_timeout_s=5.0)
+    assert clock.sleeps == 1 and (w.next_step, w.header, w.path) == (2, read_header(path), path)
+    w.append(rec(2))
+    w.close()
+    assert read_records(path) == [rec(i) for i in range(3)]
 
 
 def test_one_appender_at_a_time(tmp_path):
@@ -197,3 +243,99 @@ def test_cutting_a_torn_tail_is_fsynced_before_open_returns(tmp_path, monkeypatc
     spy = FsyncSpy(monkeypatch, {os.stat(path).st_ino: ("log", lambda: os.path.getsize(path))})
     StepLogWriter.open(path).close()
     assert spy.seen == [("log", clean_size)]
+    StepLogWriter.open(path).close()  # now clean: opening it writes nothing
+    assert spy.seen == [("log", clean_size)]
+
+
+def test_every_read_error_names_the_log(tmp_path):
+    """Each reader's error names the file it read: a bad header seen by each, a gap seen by ``read_log``,
+    by the writer opening the log and by a following ``StepLogReader``."""
+    path = tmp_path / "named.log"
+    path.write_bytes(b"not a step log at all")
+    for read in (read_header, read_log, StepLogReader, StepLogWriter.open):
+        with pytest.raises(StepLogCorruptError, match=f"^{re.escape(str(path))}: not a raycheck step log"):
+            read(path)
+    path.unlink()
+    w = make_log(path, 2)
+    gap_at = os.path.getsize(path)
+    reader = StepLogReader(path, start_step=2)
+    os.write(w._fd, rec(4).encode())
+    w.close()
+    with pytest.raises(StepLogGapError, match=f"^{re.escape(str(path))}: record at byte \\d+ is step 4, expected step 2"):
+        reader.poll()
+    for read in (read_log, StepLogWriter.open):
+        with pytest.raises(StepLogGapError, match=f"^{re.escape(str(path))}: record at byte {gap_at} is step 4, expected step 2"):
+            read(path)
+
+
+def test_read_log_reports_the_bytes_of_a_torn_tail(tmp_path):
+    w = make_log(tmp_path / "log", 3)
+    w.write_torn(3)
+    w.close()
+    header, records, torn_bytes = read_log(tmp_path / "log")
+    assert (header["model"], records, torn_bytes) == ("x", [rec(i) for i in range(3)], RECORD_BYTES // 2)
+
+
+def test_a_torn_append_is_the_first_half_of_a_zeroed_record_of_its_step(tmp_path):
+    """What ``write_torn`` (the ``torn`` failure) leaves: the step number, then zeros, cut mid-record."""
+    w = make_log(tmp_path / "log", 1)
+    size = os.path.getsize(tmp_path / "log")
+    w.write_torn(1)
+    w.close()
+    tail = (tmp_path / "log").read_bytes()[size:]
+    assert tail == (1).to_bytes(8, "little") + bytes(RECORD_BYTES // 2 - 8)
+
+
+def test_the_file_is_laid_out_as_documented(tmp_path):
+    """The bytes on disk, decoded by hand from the module docstring's layout (what an old log or
+    another reader relies on): magic, u32 header length, sorted JSON header, its crc32, then one
+    76-byte record per step: the fields little-endian, then the crc32 of those 72 bytes."""
+    make_log(tmp_path / "log", 2).close()
+    data = (tmp_path / "log").read_bytes()
+    assert data[:8] == b"RCSTEPLG"
+    n = int.from_bytes(data[8:12], "little")
+    body = data[12 : 12 + n]
+    assert body == json.dumps({"format_version": 1, "model": "x", "record_bytes": 76}, sort_keys=True).encode()
+    assert int.from_bytes(data[12 + n : 16 + n], "little") == zlib.crc32(body)
+    records = data[16 + n :]
+    assert len(records) == 2 * 76
+    for step in range(2):
+        fields, crc = records[76 * step : 76 * step + 72], records[76 * step + 72 : 76 * (step + 1)]
+        r = rec(step)
+        assert fields == struct.pack("<QQddddddQ", r.step, r.seed, r.projected_grad, r.loss_plus, r.loss_minus, r.lr, r.eps,
+                                     r.weight_decay, r.batch_id)
+        assert int.from_bytes(crc, "little") == zlib.crc32(fields)
+
+
+@pytest.mark.parametrize("cut, problem", [(10, "bad magic"), (12, "header is truncated (12 of"), (-5, "header is truncated")])
+def test_a_short_header_is_refused_with_what_is_missing(tmp_path, cut, problem):
+    make_log(tmp_path / "log", 0).close()
+    data = (tmp_path / "log").read_bytes()
+    (tmp_path / "log").write_bytes(data[:cut])
+    with pytest.raises(StepLogCorruptError, match=re.escape(problem)):
+        read_header(tmp_path / "log")
+
+
+def test_a_header_of_another_format_version_is_refused(tmp_path):
+    path = tmp_path / "log"
+    body = json.dumps({"format_version": 2}).encode()
+    path.write_bytes(b"RCSTEPLG" + len(body).to_bytes(4, "little") + body + zlib.crc32(body).to_bytes(4, "little"))
+    with pytest.raises(StepLogCorruptError, match="format version 2, expected 1"):
+        read_records(path)
+
+
+def test_a_short_write_raises_naming_the_step_and_its_torn_half_is_cut_on_reopen(tmp_path, monkeypatch):
+    """What a full disk does to ``os.write``: only part of the record lands. The append raises, the
+    writer does not count the step, and reopening the log cuts the partial record."""
+    path = tmp_path / "log"
+    w = make_log(path, 2)
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, data[:RECORD_BYTES // 2]))
+    with pytest.raises(OSError, match=f"^{re.escape(str(path))}: short write while appending step 2$"):
+        w.append(rec(2))
+    monkeypatch.undo()
+    assert w.next_step == 2
+    w.close()
+    w = StepLogWriter.open(path)
+    assert (w.next_step, w.cut_bytes) == (2, RECORD_BYTES // 2)
+    w.close()

@@ -45,6 +45,7 @@ def test_objects_roundtrip(storage):
 def test_snapshot_roundtrip_shards_by_unit(storage):
     store = SnapshotStore(storage)
     info = store.write(7, state(7), config={"run": "t"})
+    assert (info.step, info.folder, info.manifest) == (7, store.list()[-1].folder, store.list()[-1].manifest)
     assert sorted(info.manifest["units"]) == ["embed", "layer.000", "layer.001", "norm"]
     assert {u["step"] for u in info.manifest["units"].values()} == {7}
     loaded = store.load(store.list()[-1])
