@@ -166,7 +166,8 @@ def run(
                                                "(from its config.json; other options are ignored), restored from storage and the step log.")] = False,
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
-    hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps.")] = 0,
+    hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps (a sharded "
+                                                  "shadow records none: a shard holds part of the state; its final shadow_state_sha256 is still compared).")] = 0,
     max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited; per shard).")] = 10,
     max_persister_restarts: Annotated[int, typer.Option(help="Restarts of a dead snapshot persister before the run fails (-1: unlimited).")] = 10,
     shadow_shards: Annotated[int, typer.Option(min=1, help="Split the shadow into K CPU actors, each replaying a contiguous range of "

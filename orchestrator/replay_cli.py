@@ -24,7 +24,7 @@ from storage.backend import Storage
 from storage.log_segments import read_segments
 from storage.manifest import RunIdentity, layout_of
 from storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
-from storage.steplog import StepLogError, StepRecord, read_log
+from storage.steplog import StepLogCorruptError, StepLogError, StepLogGapError, StepRecord, read_prefix
 from training.model import default_cache_dir
 
 EXIT_DAMAGED = 1
@@ -38,12 +38,16 @@ class ReplayError(ValueError):
 @dataclass(frozen=True)
 class LoggedRun:
     """A run found at a path: its log ``header`` and ``records`` (read from ``log_url``), and the
-    ``storage`` holding its snapshots (None: the run has no snapshot folder)."""
+    ``storage`` holding its snapshots (None: the run has no snapshot folder). A damaged local log
+    keeps the records before its first gap or corrupt record, with that ``damage``; ``torn_bytes``:
+    the bytes of a torn tail (an append cut short) that the records end before."""
 
     header: dict
     records: list[StepRecord]
     log_url: str
     storage: Storage | None
+    damage: StepLogCorruptError | StepLogGapError | None = None
+    torn_bytes: int = 0
 
     @property
     def identity(self) -> RunIdentity:
@@ -72,23 +76,35 @@ def find_run(uri: str, s3_endpoint: str = "") -> LoggedRun:
 
     Raises:
         ReplayError: neither a step log nor log segments are there, or the log names no run identity.
-        storage.steplog.StepLogError: the log is corrupt or has a gap.
+        storage.steplog.StepLogError: the log's header is corrupt, or the mirrored segments are corrupt
+            or have a gap (a local log's damage past its header is kept in ``LoggedRun.damage``).
         OSError: storage cannot be read.
     """
     local = pathlib.Path(uri.removeprefix("file://")) if "://" not in uri or uri.startswith("file://") else None
     if local is not None and (local / "steplog.bin").is_file():
-        header, records, _ = read_log(local / "steplog.bin")  # a torn tail is not a step
-        run = LoggedRun(header, records, str(local / "steplog.bin"), _run_storage(local, s3_endpoint))
+        log = read_prefix(local / "steplog.bin")  # a torn tail is not a step
+        run = LoggedRun(log.header, log.records, str(local / "steplog.bin"), _run_storage(local, s3_endpoint),
+                        log.damage, log.torn_bytes)
     else:
         storage = open_store(uri, s3_endpoint).storage  # exits 2 naming a missing folder or bucket
         header, records = read_segments(storage)
         if header is None:
-            raise ReplayError(f"no run at {uri}: it holds no step log (steplog.bin) and no mirrored log segments "
-                              "(log/segment-*.bin); give a run directory or the store a run with remote storage wrote")
+            raise ReplayError(_no_log_message(uri))
         run = LoggedRun(header, records, storage.url("log"), storage)
-    if not isinstance(header.get("run_id"), str) or not isinstance(header.get("trajectory_sha256"), str):
+    if not isinstance(run.header.get("run_id"), str) or not isinstance(run.header.get("trajectory_sha256"), str):
         raise ReplayError(f"{run.log_url}: the step log names no run (run_id, trajectory_sha256): not a raycheck run's log")
     return run
+
+
+def _no_log_message(uri: str) -> str:
+    """The refusal for ``uri`` holding no log: which stores hold one, and what to give instead (the run
+    directory whose snapshots these are, when ``uri`` is a run's ``snapshots`` folder)."""
+    local = pathlib.Path(uri.removeprefix("file://")) if "://" not in uri or uri.startswith("file://") else None
+    parent = local.parent if local is not None and (local.parent / "steplog.bin").is_file() else None
+    instead = f", here {parent}" if parent is not None else ""
+    return (f"no run at {uri}: it holds no step log (steplog.bin) and no mirrored log segments (log/segment-*.bin; "
+            f"only a run with remote --storage, e.g. s3://, mirrors them): give the run directory instead (the folder "
+            f"holding steplog.bin{instead})")
 
 
 def _run_storage(run_dir: pathlib.Path, s3_endpoint: str) -> Storage | None:
@@ -152,7 +168,14 @@ def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":
 
 
 def check_step(run: LoggedRun, step: int) -> None:
-    """Raise ``ReplayError`` unless the log can rebuild the state after ``step`` steps (0..its length)."""
+    """Check that the log can rebuild the state after ``step`` steps (0..its intact length).
+
+    Raises:
+        StepLogCorruptError, StepLogGapError: ``step`` is past the damage of a damaged log (``run.damage``).
+        ReplayError: ``step`` is negative or past the end of an intact log.
+    """
+    if run.damage is not None and step > len(run.records):
+        raise run.damage
     if not 0 <= step <= len(run.records):
         raise ReplayError(f"step {step} is not in the log: {run.log_url} holds {len(run.records)} step(s), so --step "
                           f"can be 0..{len(run.records)} (the state after that many steps)")
@@ -195,6 +218,17 @@ def write_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> Snaps
     return out.write(replayed.step, copy_state(replayed.params), config=config)
 
 
+def _notes(run: LoggedRun) -> list[str]:
+    """One line on what of ``run``'s log is not replayed: the damage after its intact records, or a
+    torn tail (none for an intact log)."""
+    last = f"step {len(run.records) - 1}" if run.records else "its header"
+    if run.damage is not None:
+        return [f"note: the step log is damaged after {last}, so --step can be 0..{len(run.records)} ({run.damage})"]
+    if run.torn_bytes:
+        return [f"note: ignored a torn tail of {run.torn_bytes} bytes after {last} (an append cut short)"]
+    return []
+
+
 def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
     """What ``replay`` prints: the run, the base, the replayed steps, the hash (last line)."""
     from training.state import state_sha256
@@ -203,16 +237,17 @@ def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
             if replayed.base is not None else "the initial weights")
     steps = (f"replayed steps {replayed.base_step}..{replayed.step - 1} ({replayed.replayed_steps})"
              if replayed.replayed_steps else "nothing to replay")
-    return [*(f"skipped: {s}" for s in replayed.skipped),
+    return [*_notes(run), *(f"skipped: {s}" for s in replayed.skipped),
             f"run {run.identity.run_id}, model {run.header['model']}, log {run.log_url} ({len(run.records)} steps)",
             f"step {replayed.step}: base {base}; {steps}",
             f"state_sha256 {state_sha256(replayed.params)}"]
 
 
 def replay(
-    run_or_store: Annotated[str, typer.Argument(help=(
+    run_or_store: Annotated[str, typer.Argument(metavar="RUN_OR_STORE", help=(
         "A run directory (its steplog.bin; snapshots from the store its config.json names), or a snapshot store "
-        "(path, file://, s3://) holding the run's mirrored log segments."))],
+        "(path, file://, s3://) holding the run's mirrored log segments: only a run with remote --storage (s3://) "
+        "mirrors its log, so a local store (a path, file://, a --to target) needs its run directory instead."))],
     step: Annotated[int, typer.Option(help="Rebuild the state after this many logged steps (0..steps in the log).")],
     write_snapshot_: Annotated[bool, typer.Option("--write-snapshot", help=(
         "Commit the state as a snapshot of the run (its identity and writer epoch; no retention) in its store, or in --to."))] = False,
@@ -229,8 +264,10 @@ def replay(
     print the base, the replayed steps and the state's sha256 (training.state.state_sha256; the same
     hash the run records with --hash-every and in summary.json).
 
-    Exit codes: 0 rebuilt; 1 the run's data is damaged or unreadable (a gap or a corrupt record in the
-    step log, storage errors, a fenced write); 2 refused, nothing written: no run at the path, --step
+    A damaged run directory log replays up to its first gap or corrupt record, with a note.
+
+    Exit codes: 0 rebuilt; 1 the run's data is damaged or unreadable (--step past a gap or a corrupt
+    record in the step log, storage errors, a fenced write); 2 refused, nothing written: no run at the path, --step
     past the log's end, a log of another noise generator or model, only other runs' snapshots in the
     store, an unusable --to or --export-hf target."""
     from storage.merge import prepare_hf_export, write_hf_export

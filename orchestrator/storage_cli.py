@@ -16,7 +16,7 @@ from storage.log_segments import read_segments
 from storage.snapshots import SnapshotInfo, SnapshotStore
 from storage.steplog import StepLogError, read_log
 
-UriArg = Annotated[str, typer.Argument(help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
+UriArg = Annotated[str, typer.Argument(metavar="URI", help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
 EndpointOpt = Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL).")]
 
 

@@ -27,6 +27,7 @@ import pathlib
 import struct
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import astuple, dataclass
 
 MAGIC = b"RCSTEPLG"
@@ -103,13 +104,15 @@ def _decode_header(data: bytes, path: pathlib.Path) -> tuple[dict, int]:
     return header, end
 
 
-def _scan(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tuple[list[StepRecord], int]:
-    """Decode records from ``offset``; returns (records, end offset of the last good record).
+def _records(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> Iterator[tuple[StepRecord, int]]:
+    """Decode records from byte ``offset`` of ``data``, numbered from ``first_step``: yields (record,
+    byte offset just past it). Stops at a torn tail: a partial record, or a record that fails its
+    checksum and is followed only by zero bytes (or nothing).
 
-    Stops at a torn tail: a partial record, or a record that fails its checksum and is followed only
-    by zero bytes (or nothing).
+    Raises:
+        StepLogCorruptError: a record fails its checksum and more data follows it.
+        StepLogGapError: a record's step does not follow its predecessor's.
     """
-    records: list[StepRecord] = []
     expect = first_step
     while offset + RECORD_BYTES <= len(data):
         body = data[offset : offset + _FIELDS.size]
@@ -120,17 +123,28 @@ def _scan(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tupl
                     f"{path}: record at byte {offset} (after step {expect - 1}) fails its checksum and is "
                     f"followed by more data; the log is corrupt, not torn"
                 )
-            break  # torn: the last record, or the last before a zero-filled tail
+            return  # torn: the last record, or the last before a zero-filled tail
         rec = StepRecord(**dict(zip(StepRecord.__dataclass_fields__, _FIELDS.unpack(body))))
         if rec.step != expect:
             raise StepLogGapError(
                 f"{path}: record at byte {offset} is step {rec.step}, expected step {expect}; "
                 f"steps {expect}..{rec.step - 1} are missing, so the log cannot be replayed past step {expect - 1}"
             )
-        records.append(rec)
         expect += 1
         offset += RECORD_BYTES
-    return records, offset
+        yield rec, offset
+
+
+def _scan(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tuple[list[StepRecord], int]:
+    """Decode records from ``offset`` (``_records``); returns (records, end offset of the last good record).
+
+    Raises:
+        StepLogCorruptError, StepLogGapError: as ``_records``.
+    """
+    records, end = [], offset
+    for rec, end in _records(data, offset, path, first_step):
+        records.append(rec)
+    return records, end
 
 
 def read_header(path: str | os.PathLike) -> dict:
@@ -150,6 +164,43 @@ def read_log(path: str | os.PathLike) -> tuple[dict, list[StepRecord], int]:
     header, start = _decode_header(data, path)
     records, end = _scan(data, start, path, 0)
     return header, records, len(data) - end
+
+
+@dataclass(frozen=True)
+class LogPrefix:
+    """The intact prefix of a step log (``read_prefix``).
+
+    Attributes:
+        header: the log's header.
+        records: the checksummed, consecutive records before the first damage (steps 0..len - 1).
+        torn_bytes: bytes of a torn tail after the last record (0 when the log is damaged or clean).
+        damage: the gap or corrupt record that ends the prefix (None: the whole log is intact).
+    """
+
+    header: dict
+    records: list[StepRecord]
+    torn_bytes: int
+    damage: StepLogCorruptError | StepLogGapError | None
+
+
+def read_prefix(path: str | os.PathLike) -> LogPrefix:
+    """The records of the log at ``path`` up to its first gap or corrupt record, and that damage,
+    read only (``read_log`` raises on the damage instead; recovery uses it).
+
+    Raises:
+        StepLogCorruptError: the header is damaged (nothing can be read).
+        OSError: the file cannot be read.
+    """
+    path = pathlib.Path(path)
+    data = path.read_bytes()
+    header, start = _decode_header(data, path)
+    records, end, damage = [], start, None
+    try:
+        for rec, end in _records(data, start, path, 0):
+            records.append(rec)
+    except (StepLogCorruptError, StepLogGapError) as exc:
+        damage = exc
+    return LogPrefix(header, records, 0 if damage else len(data) - end, damage)
 
 
 def read_records(path: str | os.PathLike) -> list[StepRecord]:

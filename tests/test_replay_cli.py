@@ -151,6 +151,9 @@ def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_
                   f"step {STEPS + 1} is not in the log: {run}/steplog.bin holds {STEPS} step(s), so --step can be 0..{STEPS}"))
     (tmp_path / "empty").mkdir()
     cases.append((replay(tmp_path / "empty", "--step", 1), 2, f"no run at {tmp_path / 'empty'}: it holds no step log"))
+    cases.append((replay(run / "snapshots", "--step", 1), 2, f"no run at {run / 'snapshots'}: it holds no step log (steplog.bin) "
+                  "and no mirrored log segments (log/segment-*.bin; only a run with remote --storage, e.g. s3://, mirrors "
+                  f"them): give the run directory instead (the folder holding steplog.bin, here {run})"))
     cases.append((replay(tmp_path / "missing", "--step", 1), 2, "no such folder"))
     other = _copy_run(run, tmp_path / "generator", generator="torch-cpu-mt19937:randn")
     cases.append((replay(other, "--step", 1), 2, "was written with generator 'torch-cpu-mt19937:randn'"))
@@ -159,7 +162,7 @@ def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_
     data = (gap / "steplog.bin").read_bytes()
     start = len(data) - STEPS * RECORD_BYTES
     (gap / "steplog.bin").write_bytes(data[:start + 2 * RECORD_BYTES] + data[start + 3 * RECORD_BYTES:])  # step 2 gone
-    cases.append((replay(gap, "--step", 1), 1, "is step 3, expected step 2; steps 2..2 are missing"))
+    cases.append((replay(gap, "--step", 3), 1, "is step 3, expected step 2; steps 2..2 are missing"))
 
     foreign = _copy_run(run, tmp_path / "foreign")
     shutil.rmtree(foreign / "snapshots")
@@ -183,3 +186,41 @@ def test_an_export_folder_that_holds_files_is_refused_before_the_replay(made, tm
     result = replay(run, "--step", 2, "--export-hf", tmp_path / "hf")
     assert result.exit_code == 2 and "is not an empty folder" in result.output and "state_sha256" not in result.output
     assert hashlib.sha256((tmp_path / "hf" / "other.safetensors").read_bytes()).hexdigest() == hashlib.sha256(b"x").hexdigest()
+
+
+def _damaged_copy(run: pathlib.Path, to: pathlib.Path, record: int, damage) -> pathlib.Path:
+    """A copy of ``run`` whose log has ``damage(data, start of record)`` applied at ``record``."""
+    _copy_run(run, to)
+    data = bytearray((to / "steplog.bin").read_bytes())
+    (to / "steplog.bin").write_bytes(damage(data, len(data) - (STEPS - record) * RECORD_BYTES))
+    return to
+
+
+def test_the_intact_prefix_of_a_damaged_log_is_replayed_with_a_note(made, tmp_path):
+    """A gap (step 3's record cut out) or a flipped byte (in step 4's record, step 5's after it):
+    the steps before it replay bitwise with one note; a step past them exits 1 naming the damage."""
+    run, hashes = made
+    gap = _damaged_copy(run, tmp_path / "gap", 3, lambda d, at: d[:at] + d[at + RECORD_BYTES:])
+    flipped = _damaged_copy(run, tmp_path / "flip", 4, lambda d, at: d[:at + 5] + bytes([d[at + 5] ^ 1]) + d[at + 6:])
+    for damaged, intact, damage in [(gap, 3, "is step 4, expected step 3"), (flipped, 4, "fails its checksum")]:
+        for step in (2, intact):
+            result = replay(damaged, "--step", step)
+            assert result.exit_code == 0, result.output
+            assert result.output.startswith(f"note: the step log is damaged after step {intact - 1}, so --step can be "
+                                            f"0..{intact} (") and damage in result.output.splitlines()[0]
+            assert printed_sha256(result.output) == hashes[step]
+        result = replay(damaged, "--step", intact + 1)
+        assert result.exit_code == 1 and result.output.count("\n") == 1
+        assert result.output.startswith("error: ") and damage in result.output
+
+
+def test_a_torn_tail_is_ignored_with_a_note_of_its_bytes(made, tmp_path):
+    run, hashes = made
+    torn = _copy_run(run, tmp_path / "torn")
+    os.truncate(torn / "steplog.bin", (torn / "steplog.bin").stat().st_size - 7)
+    result = replay(torn, "--step", 5)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"note: ignored a torn tail of {RECORD_BYTES - 7} bytes after step 4 (an append cut short)\n")
+    assert printed_sha256(result.output) == hashes[5]
+    result = replay(run, "--step", 5)
+    assert result.exit_code == 0 and "note:" not in result.output

@@ -211,10 +211,24 @@ def test_help_is_whole_at_80_columns():
         assert max(len(line) for line in [usage, *lines]) <= 80, result.output
         assert not [line for line in lines if "..." in line or "\u2026" in line], result.output
         if command:
-            for param in group.commands[command].params:
-                for name in param.opts:
+            for param in group.commands[command].params:  # an argument by its metavar, an option by its names
+                for name in (param.opts if param.param_type_name == "option" else [param.metavar]):
                     assert name in result.output.split(), (command, name)
 
+
+
+def test_every_positional_argument_has_an_upper_case_metavar_in_its_usage_line():
+    """Without a metavar the usage line shows the Python name ("{uri}"); typer 0.29 marks a required
+    argument with braces itself (``TyperArgument._usage_display_name``), so "{URI}" is what it can say."""
+    import re
+
+    import typer.main
+
+    group = typer.main.get_command(app)
+    usages = {name: CliRunner().invoke(app, [name, "--help"]).output.splitlines()[0] for name in group.commands}
+    assert usages["inspect"] == "Usage: root inspect [OPTIONS] {URI}", usages["inspect"]
+    assert usages["replay"] == "Usage: root replay [OPTIONS] {RUN_OR_STORE}", usages["replay"]
+    assert not {name: usage for name, usage in usages.items() if re.search(r"[{\[][^}\]]*[a-z][^}\]]*[}\]]", usage)}
 
 # -- 8. make bench ---------------------------------------------------------------------------------
 def test_make_bench_runs_every_benchmark():

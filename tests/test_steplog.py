@@ -18,6 +18,7 @@ from storage.steplog import (
     StepRecord,
     read_header,
     read_log,
+    read_prefix,
     read_records,
 )
 
@@ -274,6 +275,34 @@ def test_read_log_reports_the_bytes_of_a_torn_tail(tmp_path):
     w.close()
     header, records, torn_bytes = read_log(tmp_path / "log")
     assert (header["model"], records, torn_bytes) == ("x", [rec(i) for i in range(3)], RECORD_BYTES // 2)
+
+
+def test_read_prefix_returns_the_records_before_a_gap_and_the_gap(tmp_path):
+    w = make_log(tmp_path / "log", 3)
+    os.write(w._fd, rec(5).encode() + rec(6).encode())
+    w.close()
+    prefix = read_prefix(tmp_path / "log")
+    assert (prefix.header["model"], prefix.records, prefix.torn_bytes) == ("x", [rec(i) for i in range(3)], 0)
+    assert isinstance(prefix.damage, StepLogGapError) and "is step 5, expected step 3" in str(prefix.damage)
+    with pytest.raises(StepLogGapError):  # the strict readers are unchanged
+        read_log(tmp_path / "log")
+
+
+def test_read_prefix_stops_at_a_corrupt_record_and_reports_a_torn_tail_of_an_intact_log(tmp_path):
+    w = make_log(tmp_path / "log", 6)
+    w.close()
+    data = bytearray((tmp_path / "log").read_bytes())
+    data[len(data) - 2 * RECORD_BYTES + 3] ^= 0xFF  # step 4's record; step 5's follows it
+    (tmp_path / "log").write_bytes(bytes(data))
+    prefix = read_prefix(tmp_path / "log")
+    assert prefix.records == [rec(i) for i in range(4)] and prefix.torn_bytes == 0
+    assert isinstance(prefix.damage, StepLogCorruptError) and "after step 3" in str(prefix.damage)
+
+    w = make_log(tmp_path / "torn", 2)
+    w.write_torn(2)
+    w.close()
+    prefix = read_prefix(tmp_path / "torn")
+    assert (prefix.records, prefix.torn_bytes, prefix.damage) == ([rec(0), rec(1)], RECORD_BYTES // 2, None)
 
 
 def test_a_torn_append_is_the_first_half_of_a_zeroed_record_of_its_step(tmp_path):
