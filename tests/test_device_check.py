@@ -20,10 +20,32 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "device-check
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
 
 
+def device_check(python: str) -> subprocess.CompletedProcess:
+    """``scripts/device-check`` run with ``PYTHON=python``; it must refuse with exit 2, one line on stderr."""
+    proc = subprocess.run([str(SCRIPT)], env={**os.environ, "PYTHON": python}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stdout + proc.stderr
+    return proc
+
+
 def test_device_check_says_there_is_no_gpu_and_exits_2():
-    proc = subprocess.run([str(SCRIPT)], env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "no CUDA device visible" in proc.stderr and "nothing checked" in proc.stderr and proc.stdout == ""
+    assert device_check(sys.executable).stderr == (f"device-check: no CUDA device visible to {sys.executable} "
+                                                   "(torch.cuda.is_available() is false): nothing checked\n")
+
+
+def test_device_check_names_a_missing_interpreter(tmp_path):
+    assert device_check(str(tmp_path / "python")).stderr == (
+        f"device-check: no python interpreter at {tmp_path / 'python'} (set PYTHON to one with a CUDA build of torch): "
+        "nothing checked\n")
+
+
+def test_device_check_shows_why_torch_is_not_importable(tmp_path):
+    """An interpreter without its site-packages (``-S``) is one without torch."""
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    assert device_check(str(python)).stderr == (
+        f"device-check: torch is not importable by {python} (ModuleNotFoundError: No module named 'torch'): "
+        "nothing checked\n")
 
 
 def test_device_cuda_is_refused_with_one_line_before_anything_is_touched(tmp_path):
