@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import re
 import shutil
 import uuid
+from inspect import signature
 from typing import Annotated
 
 import typer
@@ -47,6 +49,54 @@ def _refuse(message: str) -> typer.Exit:
     """Print ``error: message`` (one line) to stderr; returns the exit (code 2) to raise."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(2)
+
+
+OPTION_OF_FIELD = {"mtbf_s": "mtbf", "failures": "fail", "storage_options": "s3_endpoint"}
+"""``JobConfig`` fields whose ``raycheck run`` option has another name; any other field is its option."""
+RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts")
+"""Options that ``--resume`` takes from the command line over the run's ``config.json``: restart
+budgets, not part of the trajectory (a run that spent one resumes with a larger one)."""
+RESUME_OPTIONS = ("out", "resume", "verify", *RESUME_BUDGETS)
+"""``raycheck run`` options that apply to a ``--resume``; any other one given is ignored, with a warning."""
+
+
+def option(name: str) -> str:
+    """The ``raycheck run`` option of the parameter or ``JobConfig`` field ``name``, e.g. ``--shadow-env``."""
+    return "--" + OPTION_OF_FIELD.get(name, name).replace("_", "-")
+
+
+def option_names(message: str) -> str:
+    """``message`` (a ``JobConfig`` refusal) with the fields that are ``raycheck run`` options named as
+    the options: a leading field (``lr must be ...``) and any snake_case one, and ``strategy NAME``."""
+    fields = set(signature(run).parameters) | set(OPTION_OF_FIELD)
+    message = re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", lambda m: option(m[0]) if m[0] in fields else m[0], message)
+    message = re.sub(r"^[a-z]+\b", lambda m: option(m[0]) if m[0] in fields else m[0], message)
+    return re.sub(r"(?<![-\w])strategy (?=[a-z-]+ )", "--strategy ", message)
+
+
+def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig, list[str]]:
+    """The configuration a ``--resume`` runs with, and the lines to print about it.
+
+    Args:
+        saved: the run's configuration (its ``config.json``).
+        given: the ``raycheck run`` options given on the command line, by parameter name.
+
+    Returns:
+        ``saved`` with the ``RESUME_BUDGETS`` given (a notice for each one that changes), and a
+        warning line naming every given option that ``--resume`` ignores (none when there is none).
+    """
+    budgets = {name: given[name] for name in RESUME_BUDGETS if name in given}
+    notes = [f"--resume: {name} {getattr(saved, name)} -> {value}" for name, value in budgets.items() if getattr(saved, name) != value]
+    ignored = [option(name) for name in given if name not in RESUME_OPTIONS]
+    if ignored:
+        notes.append(f"warning: --resume continues the run with the settings in its config.json; ignored: {', '.join(ignored)}")
+    return (saved.replace(**budgets) if budgets else saved), notes
+
+
+def _given_options(ctx: typer.Context) -> dict[str, object]:
+    """The options typed on the command line (not defaults or environment), by parameter name. The
+    source is compared by name: typer may vendor its own click, whose ``ParameterSource`` is another enum."""
+    return {name: value for name, value in ctx.params.items() if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
 
 
 def _resumed_config(out: pathlib.Path) -> JobConfig:
@@ -120,6 +170,7 @@ def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path
 
 @app.command()
 def run(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}.")] = "smollm2-135m",
     algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
     strategy: Annotated[str, typer.Option(help=(
@@ -163,7 +214,9 @@ def run(
     out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out (after the driver died): same run id and settings "
-                                               "(from its config.json; other options are ignored), restored from storage and the step log.")] = False,
+                                               "(from its config.json), restored from storage and the step log; --max-shadow-restarts and "
+                                               "--max-persister-restarts given here replace the saved budgets, other options "
+                                               "are ignored (with a warning).")] = False,
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps (a sharded "
@@ -207,7 +260,7 @@ def run(
         )
         _check_shards(cfg)
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
-        raise _refuse(str(exc)) from exc
+        raise _refuse(option_names(str(exc))) from exc
     if cfg.device == "cuda" and not resume:
         _require_cuda()
     if any(f.target == "storage" for f in cfg.failures):
@@ -216,7 +269,9 @@ def run(
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
     replaced = [] if resume else _entries_to_replace(out, overwrite)
     if resume:
-        cfg = _resumed_config(out)
+        cfg, notes = resume_config(_resumed_config(out), _given_options(ctx))
+        for line in notes:
+            typer.echo(line, err=True)
     _probe_storage(cfg)
     for p in replaced:  # every check has passed: only now is the old run deleted
         shutil.rmtree(p) if p.is_dir() else p.unlink()

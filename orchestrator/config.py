@@ -207,9 +207,10 @@ class JobConfig:
         for name in ("max_shadow_restarts", "max_persister_restarts"):
             if getattr(self, name) < -1:
                 raise ValueError(f"{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
-        if self.shadow_shards < 1 or self.shadow_shards > 1 and not self.uses_shadow:
-            raise ValueError(f"shadow_shards must be >= 1, and 1 unless strategy is shadow, got {self.shadow_shards} "
-                             f"(strategy {self.strategy})")
+        if self.shadow_shards < 1:
+            raise ValueError(f"shadow_shards must be >= 1, got {self.shadow_shards}")
+        if self.shadow_shards > 1 and not self.uses_shadow:
+            raise ValueError(f"shadow_shards {self.shadow_shards} needs strategy shadow (this run: {self.strategy})")
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         if self.batch_size % self.workers:
@@ -233,7 +234,7 @@ class JobConfig:
         self._check_runtime()
 
     def _check_runtime(self) -> None:
-        """Validate ``device`` and ``shadow_env``."""
+        """Validate ``device`` and ``shadow_env`` (which needs a strategy with a shadow)."""
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.device != "cpu" and self.algo != "zo":
@@ -242,6 +243,8 @@ class JobConfig:
             if not (isinstance(key, str) and ENV_NAME.match(key) and isinstance(value, str)):
                 raise ValueError(f"shadow_env {key!r}={value!r}: expected NAME=VALUE, NAME letters, digits and _ "
                                  "(not starting with a digit)")
+        if self.shadow_env and not self.uses_shadow:
+            raise ValueError(f"shadow_env is set, but strategy {self.strategy} has no shadow")
 
     def _check_zo(self) -> None:
         """Validate the run seed, MeZO's hyper-parameters and the counters no run can use below 0."""

@@ -39,7 +39,7 @@ from orchestrator.config import JobConfig
 from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
-from orchestrator.shadow_keeper import ShadowKeeper
+from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from orchestrator.summary import recoveries, write_metrics
 from storage.steplog import StepLogWriter, read_header, read_records
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
@@ -89,6 +89,20 @@ STORAGE_OUTAGE_NEEDS_SERVER = (
 
 class ResumeMismatchError(ValueError):
     """The run directory holds a step log of another trajectory than the configuration's."""
+
+
+EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError)
+"""Failures a run is built to report (a restart budget spent): their message says it all."""
+
+
+def log_failure(exc: BaseException) -> None:
+    """Log why a run failed: one error line for an ``EXPECTED_FAILURES`` one (its traceback at debug
+    level, shown with ``--verbose``); the error with its traceback for anything else."""
+    if isinstance(exc, EXPECTED_FAILURES):
+        log.error("the run failed: %s", exc)
+        log.debug("the run failed: traceback", exc_info=exc)
+    else:
+        log.error("the run failed", exc_info=exc)
 
 
 def prepare(cfg: JobConfig, run: RunDir) -> None:
@@ -304,7 +318,7 @@ class Controller:
         try:
             summary = self._run()
         except BaseException as exc:  # the run directory always gets a summary
-            log.error("the run failed", exc_info=exc)
+            log_failure(exc)
             summary = self._failure_summary(exc)
             if not isinstance(exc, Exception):
                 raise
@@ -337,11 +351,13 @@ class Controller:
         }
 
     def _failure_summary(self, exc: BaseException) -> dict:
-        """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error."""
+        """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error, and what
+        is known of the shadow (``shadow_shards``: each shard's figures as last seen, no step-time ratio)."""
         self.phase = Phase.FAILED
         self.run_dir.event("phase", phase=self.phase.value, error=f"{type(exc).__name__}: {exc}"[:500])
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "final_step": None, "state_sha256": None,
-                "shadow_equal": None, "bitwise_equal": None, **self._summary_base()}
+                "shadow_equal": None, "bitwise_equal": None,
+                "shadow_shards": self.shadow.shard_figures(None) if self.shadow else None, **self._summary_base()}
 
     def _run(self) -> dict:
         cfg, run = self.cfg, self.run_dir

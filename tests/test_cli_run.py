@@ -148,3 +148,49 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
     assert result.exit_code == 2, result.output
     assert f"--out {out} is a file, not a folder" in result.output
     assert out.read_text() == "log"
+
+
+def test_resume_takes_the_restart_budgets_given_on_the_command_line_and_warns_about_the_rest(tmp_path):
+    """The restart budgets are not part of the trajectory: given with ``--resume`` they replace the
+    saved ones (a notice each); any other option given is named in one warning line and ignored."""
+    from orchestrator.cli import resume_config
+
+    saved = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, max_persister_restarts=1)
+    cfg, notes = resume_config(saved, {"out": tmp_path, "resume": True, "max_persister_restarts": 5, "max_shadow_restarts": 10,
+                                       "steps": 9, "lr": 1.0})
+    assert (cfg.max_persister_restarts, cfg.max_shadow_restarts, cfg.steps, cfg.lr) == (5, 10, 6, saved.lr)
+    assert notes == ["--resume: max_persister_restarts 1 -> 5",
+                     "warning: --resume continues the run with the settings in its config.json; ignored: --steps, --lr"]
+    assert resume_config(saved, {"out": tmp_path, "resume": True, "verify": True}) == (saved, [])
+
+
+def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatch):
+    import orchestrator.controller
+
+    out = tmp_path / "run"
+    prepared_run(out, max_persister_restarts=1)
+    seen = []
+
+    def finished(cfg, verify, echo) -> dict:
+        seen.append(cfg)
+        return {"ok": False, "error": "stop here"}
+
+    monkeypatch.setattr(orchestrator.controller, "run_job", finished)
+    result = CliRunner().invoke(app, ["run", "--resume", "--max-persister-restarts", "5", "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert [c.max_persister_restarts for c in seen] == [5], result.output
+    assert "--resume: max_persister_restarts 1 -> 5" in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--shadow-env", "=x"], "error: --shadow-env ''='x': expected NAME=VALUE, NAME letters, digits and _ (not starting with a digit)"),
+    (["--shadow-shards", "5"], "error: --shadow-shards must be in 1..4 (the model's units: embed .. norm), got 5"),
+    (["--shadow-shards", "2", "--strategy", "full-sync"], "error: --shadow-shards 2 needs --strategy shadow (this run: full-sync)"),
+    (["--shadow-env", "A=b", "--strategy", "log-only"], "error: --shadow-env is set, but --strategy log-only has no shadow"),
+    (["--max-persister-restarts", "-2"], "error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"),
+])
+def test_configuration_errors_name_the_options_typed(tmp_path, args, message):
+    result = run_into(tmp_path / "run", *args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == message
+    assert not (tmp_path / "run").exists()

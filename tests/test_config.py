@@ -102,9 +102,9 @@ def test_a_torn_append_is_refused_where_the_failing_rank_has_no_log_writer():
 
 
 NONSENSE = [
-    (["--seed", "-1"], "error: seed must be an integer in [0, 2**64), got -1"),
-    (["--lr", "-0.001"], "error: lr must be a finite number > 0, got -0.001"),
-    (["--eps", "0"], "error: eps must be a finite number > 0, got 0.0"),
+    (["--seed", "-1"], "error: --seed must be an integer in [0, 2**64), got -1"),
+    (["--lr", "-0.001"], "error: --lr must be a finite number > 0, got -0.001"),
+    (["--eps", "0"], "error: --eps must be a finite number > 0, got 0.0"),
     (["--workers", "2", "--fail", "3:worker:torn"], "error: failure 3:worker:torn tears rank 0's step-log append"),
     (["--fail", "99"], "error: failure at step 99 is past the last step (7)"),
 ]

@@ -67,7 +67,8 @@ def test_device_and_shadow_env_are_validated_and_only_a_gpu_device_changes_the_t
         "runtime_env": {"env_vars": {"ATEN_CPU_CAPABILITY": "default"}}}
     for bad, message in [(dict(device="tpu"), "device 'tpu': choose one of cpu, cuda"),
                          (dict(device="cuda", algo="fo"), "device cuda runs the ZO worker only"),
-                         (dict(shadow_env={"A=B": "1"}), "shadow_env 'A=B'='1': expected NAME=VALUE")]:
+                         (dict(shadow_env={"A=B": "1"}), "shadow_env 'A=B'='1': expected NAME=VALUE"),
+                         (dict(shadow_env={"A": "b"}, strategy="log-only"), "^shadow_env is set, but strategy log-only has no shadow$")]:
         with pytest.raises(ValueError, match=message):
             JobConfig(**base, **bad)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--shadow-env", "NOVALUE", "--out", str(tmp_path / "r")])

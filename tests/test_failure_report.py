@@ -1,0 +1,41 @@
+"""How a run that fails is reported, without Ray: one log line for an expected failure (a restart
+budget spent), a traceback for anything else, and a failure summary that keeps the restart figures."""
+
+from __future__ import annotations
+
+import logging
+
+from orchestrator.config import JobConfig
+from orchestrator.controller import Controller, PersisterFailedError, log_failure
+from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
+from orchestrator.run_dir import RunDir
+
+
+def test_an_expected_failure_is_one_line_and_an_unexpected_one_keeps_its_traceback(caplog):
+    caplog.set_level(logging.DEBUG, logger="orchestrator.controller")
+    for exc in (ShadowFailedError("shard 1 failed after 2 restarts"), PersisterFailedError("the persister died")):
+        caplog.clear()
+        log_failure(exc)
+        shown = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert [(r.levelname, r.getMessage(), r.exc_info) for r in shown] == [("ERROR", f"the run failed: {exc}", None)]
+        assert [r.exc_info[1] for r in caplog.records if r.levelno == logging.DEBUG] == [exc]
+    caplog.clear()
+    bug = KeyError("step")
+    log_failure(bug)
+    assert [(r.levelname, r.getMessage(), r.exc_info[1]) for r in caplog.records] == [("ERROR", "the run failed", bug)]
+
+
+def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, shadow_shards=2)
+    controller = Controller(cfg, echo=lambda line: None)
+    controller.t_start = 0.0
+    controller.shadow = ShadowKeeper(cfg, RunDir(tmp_path), controller._shadow_spec())
+    controller.shadow.restarts.append({"shard": 1, "seconds": 2.5})
+    controller.shadow.shards[1].incarnation = 3
+    controller.persister_restarts = 1
+    summary = controller._failure_summary(ShadowFailedError("shadow shard 1 failed after 3 restarts"))
+    assert (summary["ok"], summary["phase"], summary["error"]) == (
+        False, "failed", "ShadowFailedError: shadow shard 1 failed after 3 restarts")
+    assert summary["shadow_restarts"] == [{"shard": 1, "seconds": 2.5}]
+    assert summary["persister_restarts"] == 1
+    assert [(s["shard"], s["restarts"]) for s in summary["shadow_shards"]] == [(0, -1), (1, 3)]
