@@ -299,9 +299,10 @@ def test_persister_kill_and_a_20s_s3_outage_are_exact_and_storage_resumes(refere
     """The persister dies during step 3 (the controller restarts it); the S3 server stops during step 4
     for 20 s; a worker dies during step 9. The outage callable returns when the server is back, so the
     run's end (its last snapshot and log upload) comes after the outage whatever the speed of training:
-    the scenario forces storage calls after the breaker opened. Three failed operations in a row (about
-    4 s each with the default retries) open it well within the outage; a probe closes it again, and
-    snapshots and the log mirror resume, so the storage ends complete and the run bitwise exact."""
+    the scenario forces storage calls after the outage: snapshots and the log mirror resume, so the
+    storage ends complete and the run bitwise exact. Whether the breaker opens during the outage is not
+    forced (one S3 call that began just before it can retry through all of it, seen under load), so it
+    is not asserted here: tests/test_storage_failures.py and tests/test_breaker.py drive it with gates."""
     with LocalS3Server() as server:
 
         outages_s = []
@@ -318,8 +319,7 @@ def test_persister_kill_and_a_20s_s3_outage_are_exact_and_storage_resumes(refere
         assert [f["target"] for f in s["failures"]] == ["persister", "storage", "worker"]
         assert s["persister_restarts"] == 1 and outages_s == [OUTAGE_S]
         snaps = s["snapshots"]
-        assert snaps["failed"] >= 1 and snaps["storage"]["opened"] >= 1  # the outage tripped the breaker
-        assert snaps["storage"]["state"] == "closed" and snaps["storage"]["probes"] >= 1  # and a probe closed it
+        assert snaps["storage"]["state"] == "closed"  # usable again at the end, whatever happened in between
         assert snaps["last_durable_step"] == 12 and snaps["log_mirrored_steps"] == 12  # past the outage (step 4)
         latest = cfg_store(s).load_latest()  # the bucket is complete after the outage
         assert latest.info.step == 12 and state_sha256(latest.state) == s["state_sha256"]
