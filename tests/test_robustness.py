@@ -172,7 +172,7 @@ def test_the_persister_restart_budget_is_a_pure_decision_validated_up_front(tmp_
                                 "max_persister_restarts": 0}).max_persister_restarts == 0
     result = cli("run", "--model", "tiny", "--out", str(tmp_path / "run"), "--max-persister-restarts", "-2")
     assert result.exit_code == 2, result.output
-    assert result.output.splitlines() == ["error: max_persister_restarts must be >= 0, or -1 for unlimited, got -2"]
+    assert result.output.splitlines() == ["error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"]
     assert not (tmp_path / "run").exists()
 
 
