@@ -172,19 +172,15 @@ def replay_step_(
     lr: float,
     eps: float,
     weight_decay: float,
-    indices: Sequence[int] | None = None,
     first_index: int = 0,
 ) -> None:
     """Re-execute one logged ZO step on ``params`` (in place), bitwise as the worker executed it.
 
     Generates each z once and applies +eps, -2 eps, +eps and the update in that order.
-    ``indices`` restricts replay to those positions of ``params``; default all. ``first_index``: the
-    model's index of ``params``' first tensor, when ``params`` holds only a shard's contiguous range
-    (``actors.shards``); z of position i is that of parameter ``first_index + i``.
+    ``first_index``: the model's index of ``params``' first tensor, when ``params`` holds only a
+    shard's contiguous range (``actors.shards``); z of position i is that of parameter ``first_index + i``.
     """
-    items = list(params.items())
-    for i in range(len(items)) if indices is None else indices:
-        name, p = items[i]
+    for i, (name, p) in enumerate(params.items()):
         z = noise(seed, first_index + i, p)
         perturb_(p, z, eps)
         perturb_(p, z, -2 * eps)
