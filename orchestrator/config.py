@@ -329,3 +329,8 @@ class JobConfig:
     @property
     def persister_name(self) -> str:
         return f"raycheck-persister-{self.run_id}"
+
+    @property
+    def journal_name(self) -> str:
+        """The run's journal actor (``orchestrator.journal``)."""
+        return f"raycheck-journal-{self.run_id}"

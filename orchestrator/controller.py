@@ -1,9 +1,11 @@
 """The controller: starts the shadow and persister, runs Ray Train, watches, repairs, summarises.
 
 States (``Phase``): INITIALISING -> RUNNING <-> RECOVERING -> FINISHED | FAILED. The driver runs
-``TorchTrainer.fit`` on a thread and, on its own thread, follows the run's event and metric streams:
-it prints progress, restarts a dead shadow (from the newest snapshot plus the log tail) once no
-worker recovery needs it, and at the end compares the shadow's state hash with the worker's.
+``TorchTrainer.fit`` on a thread and, on its own thread, follows the run's event and metric streams
+(drained from the run's journal actor into the run directory, which only the driver writes:
+``orchestrator.journal``): it prints progress, restarts a dead shadow (from the newest snapshot plus
+the log tail) once no worker recovery needs it, and at the end compares the shadow's state hash with
+the worker's.
 
 Durability never depends on Ray Train's checkpoint registration (a hard crash can drop the newest
 reported checkpoint): workers restore from the shadow or from storage + the step log themselves.
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
@@ -36,6 +38,7 @@ from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
 from orchestrator.cluster import connect
 from orchestrator.config import JobConfig
+from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal
 from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
@@ -154,6 +157,9 @@ class Controller:
         self.storage_outage = storage_outage
         self.cfg = cfg
         self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
+        self.channel = RunChannel(cfg)
+        self.journal = None  # the journal actor's handle once started
+        self.record = RunRecord(self.run_dir)
         self.echo = echo
         self.phase = Phase.INITIALISING
         self.shadow_lag: dict[int, int] = {}
@@ -182,19 +188,20 @@ class Controller:
 
     # -- monitoring ---------------------------------------------------------------------------
     def _follow(self) -> tuple[int, int]:
-        """Print new events and steps; returns (worker failures, recoveries) so far."""
-        events = self.run_dir.read(self.run_dir.events)
+        """Drain the journal, print new events and steps; returns (worker failures, recoveries) so far."""
+        self.record.drain(self.channel)
+        events = self.record.events
         recovery_seconds = [r.get("seconds") for r in recoveries(events)]
         lines: list[tuple[float, str]] = []  # printed in time order across both streams
         for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
-            fields = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "unix_s", "worker_start_unix_s", "inputs"))
+            fields = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "unix_s", "worker_start_unix_s", "inputs", "marker"))
             lines.append((e["unix_s"], f"[raycheck] {e['kind']}: {fields}"))
             n_recovery = sum(1 for x in events[:i] if x["kind"] == "recovery")
             self.metrics.event(e, recovery_seconds[n_recovery] if e["kind"] == "recovery" else None)
             if e["kind"] == "failure" and e["target"] == "storage":
                 self.storage_outage(e["seconds"])
         self._seen_events = len(events)
-        rows = self.run_dir.read(self.run_dir.metrics)
+        rows = self.record.metrics
         shadow_step = self.shadow.status.get("step", 0) if self.shadow else None
         for r in rows[self._printed_steps:]:
             line = (f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
@@ -222,12 +229,12 @@ class Controller:
                                       elapsed_s=row["unix_s"] - self.t_start)
         if record is not None:
             self.shadow.set_interval(record.interval_steps)
-            self.run_dir.event("replan", **record.to_dict())
+            self.channel.event("replan", **record.to_dict())
         if not self._calibration_requested and not self.persister_status.get("written"):
             # the policy needs a measured snapshot cost, not the assumed one: snapshot once early
             self._calibration_requested = True
             self.shadow.snapshot_now(timeout_s=None)
-            self.run_dir.event("calibration_snapshot", step=row["step"] + 1)
+            self.channel.event("calibration_snapshot", step=row["step"] + 1)
         self.snapshot_interval[row["step"]] = self.planner.every_steps
 
     def _poll_persister(self, method: str = "status", *args, timeout_s: float = 30) -> dict:
@@ -271,7 +278,7 @@ class Controller:
         except (RayActorError, GetTimeoutError) as err:  # it died starting: the next poll sees it dead
             log.warning("the restarted snapshot persister did not answer (%s)", err)
             return
-        self.run_dir.event("persister_restart", reason=f"{type(exc).__name__}"[:100], seconds=time.time() - t0)
+        self.channel.event("persister_restart", reason=f"{type(exc).__name__}"[:100], seconds=time.time() - t0)
         if self.shadow is not None:
             try:
                 self.shadow.snapshot_now(timeout_s=600)
@@ -279,8 +286,9 @@ class Controller:
                 log.warning("shadow did not snapshot after the persister restart: %s", err)
 
     def _recovery_pending(self) -> bool:
-        """True while a worker failure has no recovery yet (read fresh from the event stream)."""
-        failures, recovered = worker_failures_and_recoveries(self.run_dir.read(self.run_dir.events))
+        """True while a worker failure has no recovery yet (the journal drained first: fresh)."""
+        self.record.drain(self.channel)
+        failures, recovered = worker_failures_and_recoveries(self.record.events)
         return failures > recovered
 
     def _trainer(self) -> TorchTrainer:
@@ -329,11 +337,18 @@ class Controller:
         return summary
 
     def _kill_actors(self) -> None:
-        """Kill this run's shadow (every shard's current incarnation) and persister, whichever were started."""
+        """Kill this run's shadow (every shard's current incarnation), persister and journal (after a
+        last drain), whichever were started."""
         if self.shadow is not None:
             self.shadow.kill()
         if self.persister is not None:
             ray.kill(self.persister, no_restart=True)
+        if self.journal is not None:
+            try:  # what came in since the last drain (e.g. a restart during the final checks)
+                self.record.drain(self.channel)
+            except RayError as exc:
+                log.warning("the journal did not answer its last drain: %s", exc)
+            ray.kill(self.journal, no_restart=True)
 
     def _summary_base(self) -> dict:
         """The summary fields known whatever happened (``_finish`` and ``_failure_summary`` add the rest)."""
@@ -350,11 +365,22 @@ class Controller:
             "config": cfg.to_dict(),
         }
 
+    def _last_event(self, kind: str, **fields) -> None:
+        """Record a driver event of a failing run: through the journal while it answers (in time order
+        with the others, written at the last drain), else directly (none started, or it died)."""
+        try:
+            if self.journal is not None:
+                self.channel.event(kind, **fields)
+                return
+        except RayError as exc:
+            log.warning("the journal did not take the %s event: %s", kind, exc)
+        self.record.write_event(kind, **fields)
+
     def _failure_summary(self, exc: BaseException) -> dict:
         """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error, and what
         is known of the shadow (``shadow_shards``: each shard's figures as last seen, no step-time ratio)."""
         self.phase = Phase.FAILED
-        self.run_dir.event("phase", phase=self.phase.value, error=f"{type(exc).__name__}: {exc}"[:500])
+        self._last_event("phase", phase=self.phase.value, error=f"{type(exc).__name__}: {exc}"[:500])
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "final_step": None, "state_sha256": None,
                 "shadow_equal": None, "bitwise_equal": None,
                 "shadow_shards": self.shadow.shard_figures(None) if self.shadow else None, **self._summary_base()}
@@ -363,13 +389,14 @@ class Controller:
         cfg, run = self.cfg, self.run_dir
         self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
         durable = len(read_records(run.step_log))
-        if durable or run.markers.exists():  # a driver re-run of the same run id: the workers restore
-            rows = run.read(run.metrics)
-            run.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
+        self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
+        if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
+            rows = self.record.metrics
+            self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
         self.persister = self._start_persister()
         if cfg.uses_shadow:
-            self.shadow = ShadowKeeper(cfg, run, self._shadow_spec())
+            self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec())
             self.shadow.start()
             self.shadow.wait_ready(timeout_s=300)
             self.echo(f"[raycheck] shadow ready at step {self.shadow.status['step']}")
@@ -393,7 +420,7 @@ class Controller:
             phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
             if phase is not self.phase:  # every transition is an event (and a progress line)
                 self.phase = phase
-                run.event("phase", phase=phase.value)
+                self.channel.event("phase", phase=phase.value)
             if self.shadow:
                 self.shadow.poll(may_restart=lambda: not self._recovery_pending())
             self._poll_persister()
@@ -427,9 +454,9 @@ class Controller:
 
     def _finish(self, outcome: dict) -> dict:
         cfg, run = self.cfg, self.run_dir
-        events = run.read(run.events)
+        events = self.record.events
         final = next((e for e in reversed(events) if e["kind"] == "final"), {})
-        rows = write_metrics(run, {"shadow_lag_steps": self.shadow_lag, "snapshot_interval_steps": self.snapshot_interval},
+        rows = write_metrics(self.record.metrics, {"shadow_lag_steps": self.shadow_lag, "snapshot_interval_steps": self.snapshot_interval},
                              run.root / "metrics.parquet")
         step_s = [r["step_seconds"] for r in rows]
         block_s = [r["checkpoint_block_seconds"] for r in rows]

@@ -1,18 +1,17 @@
-"""The files of a run directory, and the append-only event and metric streams in it."""
+"""The files of a run directory. Only the driver writes them (``orchestrator.journal.RunRecord``
+appends the event and metric streams it receives from the run's journal)."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-import time
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class RunDir:
-    """Paths of one run. ``events.jsonl`` and ``metrics.jsonl`` are appended by several processes
-    (single ``O_APPEND`` writes of one line each, atomic on local filesystems)."""
+    """Paths of one run."""
 
     root: pathlib.Path
 
@@ -27,15 +26,6 @@ class RunDir:
     @property
     def metrics(self) -> pathlib.Path:
         return self.root / "metrics.jsonl"
-
-    @property
-    def markers(self) -> pathlib.Path:
-        return self.root / "failures"
-
-    @property
-    def shadow_pointer(self) -> pathlib.Path:
-        """``{"name", "incarnation"}`` of the current shadow actor."""
-        return self.root / "shadow.json"
 
     @staticmethod
     def write_json(path: pathlib.Path, value: dict) -> None:
@@ -54,10 +44,11 @@ class RunDir:
         except FileNotFoundError:
             return None
 
-    def append(self, stream: pathlib.Path, **row) -> None:
-        """Append one JSON line (with ``unix_s`` added) to ``stream``; fsynced for events."""
-        row.setdefault("unix_s", time.time())
-        data = (json.dumps(row) + "\n").encode()
+    def append(self, stream: pathlib.Path, rows: list[dict]) -> None:
+        """Append ``rows`` to ``stream``, one JSON line each, in one write; fsynced for events."""
+        if not rows:
+            return
+        data = "".join(json.dumps(row) + "\n" for row in rows).encode()
         fd = os.open(stream, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)
@@ -65,9 +56,6 @@ class RunDir:
                 os.fsync(fd)
         finally:
             os.close(fd)
-
-    def event(self, kind: str, **fields) -> None:
-        self.append(self.events, kind=kind, **fields)
 
     @staticmethod
     def read(stream: pathlib.Path) -> list[dict]:

@@ -9,7 +9,7 @@ tail. Each shard has its own incarnation counter and its own restart budget of
 ``JobConfig.max_shadow_restarts`` (``decide``); past it ``poll`` raises ``ShadowFailedError``.
 
 Each incarnation gets its own actor name (``<shadow_name>-<n>``; sharded ``<shadow_name>-s<shard>-<n>``),
-published in the run directory's ``shadow.json`` pointer (written atomically: ``shards``, one
+published as the shadow pointer in the run's journal (``orchestrator.journal``: ``shards``, one
 ``{shard, name, incarnation}`` per shard, and for K = 1 also ``name`` and ``incarnation``) where workers
 look them up (``find_shards``); reusing one name would make a restart wait until Ray releases the dead
 incarnation's name. A dead shard is restarted only while no worker recovery is pending (the
@@ -33,7 +33,7 @@ from ray.exceptions import RayActorError
 from actors.shadow import ShadowActor, ShadowSpec
 from actors.shards import assemble
 from orchestrator.config import JobConfig
-from orchestrator.run_dir import RunDir
+from orchestrator.journal import RunChannel
 from training.state import state_sha256
 
 
@@ -85,7 +85,7 @@ class ShardKeeper:
     last status seen; ``actor_ids`` lists the Ray actor id of every incarnation that answered; each
     restart is appended to ``restarts`` (shared by the shards: the run's restarts in time order)."""
 
-    def __init__(self, cfg: JobConfig, run: RunDir, spec: ShadowSpec, publish: Callable[[], None], restarts: list[dict]) -> None:
+    def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec, publish: Callable[[], None], restarts: list[dict]) -> None:
         self.cfg, self.run, self.spec, self._publish = cfg, run, spec, publish
         self.incarnation = -1
         self.actor = None
@@ -200,7 +200,7 @@ class ShadowKeeper:
     """Owns the shadow of a run: ``cfg.shadow_shards`` shard actors (one ``ShardKeeper`` each).
     ``poll`` never blocks; ``status`` combines the last statuses seen (``combined_status``)."""
 
-    def __init__(self, cfg: JobConfig, run: RunDir, spec: ShadowSpec) -> None:
+    def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec) -> None:
         self.cfg, self.run = cfg, run
         self.restarts: list[dict] = []
         """Every shard restart in the order recorded (``seconds``: failure until the new incarnation answered)."""
@@ -209,13 +209,13 @@ class ShadowKeeper:
                                    self._publish, self.restarts) for i in range(k)]
 
     def _publish(self) -> None:
-        """Write ``shadow.json``: every shard's current actor name and incarnation (only once every shard
-        has been started, so a reader never finds part of the shadow)."""
+        """Publish the shadow pointer: every shard's current actor name and incarnation (only once every
+        shard has been started, so a reader never finds part of the shadow)."""
         if any(s.actor is None for s in self.shards):
             return
         shards = [{"shard": s.spec.shard, "name": s.name, "incarnation": s.incarnation} for s in self.shards]
         single = {"name": shards[0]["name"], "incarnation": shards[0]["incarnation"]} if len(self.shards) == 1 else {}
-        self.run.write_json(self.run.shadow_pointer, {**single, "shards": shards})
+        self.run.publish_shadow({**single, "shards": shards})
 
     @property
     def status(self) -> dict:
@@ -333,12 +333,13 @@ class ShadowKeeper:
                 ray.kill(shard.actor, no_restart=True)
 
 
-def find_shards(run: RunDir, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None) -> list | None:
-    """Every shard's current handle, in shard order, or None unless all of them answer within
-    ``timeout_s``. ``alive(handle)`` decides whether a found handle counts (default: it is registered)."""
+def find_shards(run: RunChannel, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None) -> list | None:
+    """Every shard's current handle (named by the shadow pointer in the journal ``run``), in shard order,
+    or None unless all of them answer within ``timeout_s``. ``alive(handle)`` decides whether a found
+    handle counts (default: it is registered)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        pointer = run.read_json(run.shadow_pointer) or {}
+        pointer = run.shadow_pointer() or {}
         handles = []
         for entry in pointer.get("shards") or ([pointer] if "name" in pointer else []):
             try:
@@ -356,7 +357,7 @@ def find_shards(run: RunDir, namespace: str, timeout_s: float, alive: Callable[[
         time.sleep(0.5)
 
 
-def find_shadow(run: RunDir, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None):
+def find_shadow(run: RunChannel, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None):
     """The current incarnation's handle of an unsharded shadow, or None if none answers within
     ``timeout_s`` (or the shadow is sharded: use ``find_shards``)."""
     handles = find_shards(run, namespace, timeout_s, alive)

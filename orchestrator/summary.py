@@ -1,4 +1,4 @@
-"""Turning a run's event and metric streams into ``summary.json`` and ``metrics.parquet``."""
+"""Turning a run's event and metric streams (the rows the driver received) into ``summary.json`` and ``metrics.parquet``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import pathlib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from orchestrator.run_dir import RunDir
 
 METRIC_COLUMNS = ("step", "loss", "step_seconds", "checkpoint_block_seconds", "log_append_seconds", "shadow_lag_steps",
                   "snapshot_interval_steps")
@@ -44,11 +42,12 @@ def recoveries(events: list[dict]) -> list[dict]:
     return out
 
 
-def write_metrics(run: RunDir, per_step: dict[str, dict[int, int]], path: pathlib.Path) -> list[dict]:
-    """One row per executed step (the last execution if a step ran twice) as Parquet, with the
-    controller's per-step columns ``per_step`` (column -> step -> value) added; returns the rows."""
+def write_metrics(executions: list[dict], per_step: dict[str, dict[int, int]], path: pathlib.Path) -> list[dict]:
+    """One row per executed step of ``executions`` (the metric rows in time order; the last execution
+    if a step ran twice) as Parquet, with the controller's per-step columns ``per_step`` (column ->
+    step -> value) added; returns the rows."""
     rows: dict[int, dict] = {}
-    for r in run.read(run.metrics):
+    for r in executions:
         rows[r["step"]] = {**r, **{col: values.get(r["step"]) for col, values in per_step.items()}}
     ordered = [rows[k] for k in sorted(rows)]
     columns = list(METRIC_COLUMNS) + sorted({k for r in ordered for k in r} - set(METRIC_COLUMNS))

@@ -5,6 +5,7 @@ Every claim of exactness is a sha256 over every tensor, compared with a failure-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -60,9 +61,36 @@ SETTINGS = dict(model="tiny", steps=12, batch_size=8, seq_len=32, lr=1e-4, eval_
 def job(tmp_path_factory, name: str, failures: str = "", outage=None, **kw) -> dict:
     settings = dict(SETTINGS, run_id=name, failures=tuple(FailureSpec.parse(f) for f in failures.split()))
     cfg = JobConfig(out_dir=str(tmp_path_factory.mktemp(name)), cache_dir=str(default_cache_dir()), **{**settings, **kw})
-    summary = Controller(cfg, echo=lambda _: None, storage_outage=outage).run()
+    with driver_appends() as appended:
+        summary = Controller(cfg, echo=lambda _: None, storage_outage=outage).run()
     assert summary["ok"], summary["error"]
+    assert_only_the_driver_wrote_the_streams(RunDir(pathlib.Path(cfg.out_dir)), appended)
     return summary
+
+
+@contextlib.contextmanager
+def driver_appends():
+    """Every row this process (the driver) appends to a run directory's streams, by stream path.
+    Ray's workers and actors run in other processes, where ``RunDir.append`` is not wrapped."""
+    appended: dict[pathlib.Path, list[dict]] = {}
+    real = RunDir.append
+
+    def recording(self, stream, rows):
+        appended.setdefault(stream, []).extend(json.loads(json.dumps(r)) for r in rows)
+        real(self, stream, rows)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RunDir, "append", recording)
+        yield appended
+
+
+def assert_only_the_driver_wrote_the_streams(run: RunDir, appended: dict) -> None:
+    """Every line of ``events.jsonl`` and ``metrics.jsonl`` is one the driver appended (a line that a
+    worker or actor wrote would be in the file only), and no file of the old file-based protocol
+    (failure markers, the shadow pointer) exists: every message reached the driver through Ray."""
+    for stream in (run.events, run.metrics):
+        assert RunDir.read(stream) == appended[stream] and appended[stream]
+    assert not (run.root / "failures").exists() and not (run.root / "shadow.json").exists()
 
 
 @pytest.fixture(scope="module")

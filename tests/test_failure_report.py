@@ -8,6 +8,7 @@ import logging
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, PersisterFailedError, log_failure
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
+from orchestrator.journal import RunChannel
 from orchestrator.run_dir import RunDir
 
 
@@ -29,7 +30,7 @@ def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, shadow_shards=2)
     controller = Controller(cfg, echo=lambda line: None)
     controller.t_start = 0.0
-    controller.shadow = ShadowKeeper(cfg, RunDir(tmp_path), controller._shadow_spec())
+    controller.shadow = ShadowKeeper(cfg, RunChannel(cfg), controller._shadow_spec())
     controller.shadow.restarts.append({"shard": 1, "seconds": 2.5})
     controller.shadow.shards[1].incarnation = 3
     controller.persister_restarts = 1
@@ -39,3 +40,5 @@ def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
     assert summary["shadow_restarts"] == [{"shard": 1, "seconds": 2.5}]
     assert summary["persister_restarts"] == 1
     assert [(s["shard"], s["restarts"]) for s in summary["shadow_shards"]] == [(0, -1), (1, 3)]
+    [phase] = RunDir.read(RunDir(tmp_path).events)  # no journal was started: the driver wrote it itself
+    assert (phase["kind"], phase["phase"], phase["error"]) == ("phase", "failed", summary["error"])

@@ -1,7 +1,8 @@
 """Failure injection inside the training workers, reproducible by step.
 
-Each ``FailureSpec`` fires once per run: before acting, the acting rank writes a marker file (and an
-event), so a restarted worker that re-executes the same step does not fail again.
+Each ``FailureSpec`` fires once per run: before acting, the acting rank claims a marker
+(``"<index>.<part>"``) in the run's journal (``orchestrator.journal``; the failure event names it), so
+a restarted worker that re-executes the same step does not fail again, nor does a resumed driver's.
 
 With ``JobConfig.settle_failures`` a failure hits a settled run, so that what a scenario recovers from depends on its failure steps
 only, never on how fast a machine is: a shadow kill or a corrupted snapshot waits until the shadow
@@ -28,42 +29,35 @@ import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from orchestrator.config import JobConfig
-from orchestrator.run_dir import RunDir
+from orchestrator.journal import RunChannel
 from orchestrator.shadow_keeper import find_shards
-from storage.steplog import StepLogWriter, read_records
+from storage.steplog import StepLogWriter
 
 
 class FaultInjector:
     """Fires the failures of ``cfg`` that are due at a step, for worker ``rank`` of ``world``.
 
     The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank
-    (``torn`` needs rank 0's log writer, so use it with one worker). ``durable_steps`` returns how
-    many steps are durable when a worker failure hits (default: the step log's complete records;
-    strategies without a step log pass their newest committed checkpoint's step). ``flush`` waits
-    until this rank's background checkpoint writes are committed (default: nothing to wait for).
+    (``torn`` needs rank 0's log writer, so use it with one worker). ``run`` is the run's journal.
+    ``durable_steps`` returns how many steps are durable when a worker failure hits (the step log's
+    complete records; strategies without a step log pass their newest committed checkpoint's step).
+    ``flush`` waits until this rank's background checkpoint writes are committed (default: nothing to
+    wait for).
     """
 
-    def __init__(self, cfg: JobConfig, run: RunDir, rank: int, world: int, durable_steps: Callable[[], int] | None = None,
+    def __init__(self, cfg: JobConfig, run: RunChannel, rank: int, world: int, durable_steps: Callable[[], int],
                  flush: Callable[[], object] | None = None) -> None:
         self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
-        self.durable_steps = durable_steps or (lambda: len(read_records(run.step_log)))
+        self.durable_steps = durable_steps
         self.flush = flush or (lambda: None)
         self.hold_step = int(os.environ.get("RAYCHECK_TEST_HOLD_AT_STEP", -1))
-        run.markers.mkdir(exist_ok=True)
 
     def _claim(self, index: int, part: str) -> bool:
-        marker = self.run.markers / f"{index}.{part}"
-        try:
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        os.fsync(fd)
-        os.close(fd)
-        return True
+        return self.run.claim(f"{index}.{part}")
 
     def fired(self) -> bool:
         """True once any failure has fired in this run (a start is then a restart)."""
-        return any(self.run.markers.iterdir())
+        return self.run.any_claimed()
 
     def _live_shadow(self) -> list | None:
         """The shadow's shards (one handle each) once all answer; if a restarted incarnation is still
@@ -109,7 +103,7 @@ class FaultInjector:
         """Every rank, before failure ``index`` kills a worker: commit the background checkpoint
         writes (rank 0's), find a live shadow (target ``worker``), then meet at a barrier so the
         failing rank dies only after all that."""
-        if not self.cfg.settle_failures or (self.run.markers / f"{index}.worker").exists():  # off, or fired before
+        if not self.cfg.settle_failures or self.run.claimed(f"{index}.worker"):  # off, or fired before
             return
         self.flush()
         if self.cfg.failures[index].target == "worker" and self.cfg.uses_shadow and self.rank == 0:
@@ -124,14 +118,14 @@ class FaultInjector:
         kill, so the controller does not restart the shadow until the worker has recovered without it."""
         shadow = self._settle_snapshots()
         if worker_how is not None:
-            self._announce_worker_failure(step, worker_how, self.world - 1)
-        self.run.event("failure", step=step, target="shadow", how="ray.kill", found=shadow is not None,
+            self._announce_worker_failure(index, step, worker_how, self.world - 1)
+        self.run.event("failure", step=step, target="shadow", how="ray.kill", marker=f"{index}.shadow", found=shadow is not None,
                        **({"shard": shard} if shard is not None else {}))
         for handle in (shadow or []) if shard is None else (shadow or [])[shard:shard + 1]:
             ray.kill(handle, no_restart=True)
         self._claim(index, "shadow-killed")
 
-    def _corrupt_newest_snapshot(self, step: int) -> None:
+    def _corrupt_newest_snapshot(self, index: int, step: int) -> None:
         self._settle_snapshots()
         store = self.cfg.snapshot_store()
         infos = store.list()
@@ -140,14 +134,15 @@ class FaultInjector:
             blob = bytearray(store.storage.get(shard))
             blob[len(blob) // 2] ^= 0x01
             store.storage.put(shard, bytes(blob))
-        self.run.event("failure", step=step, target="corrupt", how="flip-byte", shard=shard)
+        self.run.event("failure", step=step, target="corrupt", how="flip-byte", marker=f"{index}.corrupt", shard=shard)
 
-    def _kill_persister(self, step: int) -> None:
+    def _kill_persister(self, index: int, step: int) -> None:
         try:
             persister = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
         except ValueError:
             persister = None
-        self.run.event("failure", step=step, target="persister", how="ray.kill", found=persister is not None)
+        self.run.event("failure", step=step, target="persister", how="ray.kill", marker=f"{index}.persister",
+                       found=persister is not None)
         if persister is not None:
             ray.kill(persister, no_restart=True)
 
@@ -156,13 +151,15 @@ class FaultInjector:
         self.run.event("held", step=step, durable_steps=self.durable_steps())
         threading.Event().wait()
 
-    def _wait_for_marker(self, name: str, timeout_s: float) -> None:
+    def _wait_for_claim(self, marker: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until another rank has claimed ``marker``."""
         deadline = time.monotonic() + timeout_s
-        while not (self.run.markers / name).exists() and time.monotonic() < deadline:
+        while not self.run.claimed(marker) and time.monotonic() < deadline:
             time.sleep(0.1)
 
-    def _announce_worker_failure(self, step: int, how: str, rank: int) -> None:
-        self.run.event("failure", step=step, target="worker", how=how, rank=rank, durable_steps=self.durable_steps())
+    def _announce_worker_failure(self, index: int, step: int, how: str, rank: int) -> None:
+        self.run.event("failure", step=step, target="worker", how=how, rank=rank, marker=f"{index}.worker",
+                       durable_steps=self.durable_steps())
 
     def maybe_fail(self, step: int, writer: StepLogWriter | None = None) -> None:
         """Inject the failures due at ``step`` (may not return). ``writer``: rank 0's step log writer."""
@@ -172,11 +169,12 @@ class FaultInjector:
             if f.step != step:
                 continue
             if f.target == "persister" and self.rank == 0 and self._claim(i, "persister"):
-                self._kill_persister(step)
+                self._kill_persister(i, step)
             if f.target == "storage" and self.rank == 0 and self._claim(i, "storage"):
-                self.run.event("failure", step=step, target="storage", how="outage", seconds=float(f.how))  # the controller acts
+                self.run.event("failure", step=step, target="storage", how="outage", marker=f"{i}.storage",
+                               seconds=float(f.how))  # the controller acts
             if f.target == "corrupt" and self.rank == 0 and self._claim(i, "corrupt"):
-                self._corrupt_newest_snapshot(step)
+                self._corrupt_newest_snapshot(i, step)
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):
                 self._kill_shadow(i, step, f.how if f.target == "both" else None,
                                   int(f.how) if f.target == "shadow" and f.how.isdigit() else None)
@@ -184,9 +182,9 @@ class FaultInjector:
                 self._settle_for_worker_failure(i)
             if f.target in ("worker", "both") and self.rank == self.world - 1 and self._claim(i, "worker"):
                 if f.target == "both":  # die only after rank 0 has killed the shadow
-                    self._wait_for_marker(f"{i}.shadow-killed", timeout_s=300)
+                    self._wait_for_claim(f"{i}.shadow-killed", timeout_s=300)
                 if f.target == "worker":
-                    self._announce_worker_failure(step, f.how, self.rank)
+                    self._announce_worker_failure(i, step, f.how, self.rank)
                 if f.how == "raise":
                     raise RuntimeError(f"raycheck: injected worker failure at step {step}")
                 if f.how == "torn" and writer is not None:

@@ -104,7 +104,7 @@ def train_loop_per_worker(config: dict) -> None:
                        checkpoint_bytes=ckpt.bytes)  # committed so far
             if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
                 row["state_sha256"] = state_sha256(trainer.state_view())  # weights + optimizer after step + 1 steps
-            run.append(run.metrics, **row)
+            run.metric(**row)
 
     if rank == 0:
         final = {"step": cfg.steps, "state_sha256": state_sha256(trainer.state_view())}

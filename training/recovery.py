@@ -10,7 +10,6 @@ tail. Either way the restored state is the one after every durable step: nothing
 from __future__ import annotations
 
 import logging
-import pathlib
 import time
 from collections import OrderedDict
 
@@ -19,7 +18,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from orchestrator.config import JobConfig
-from orchestrator.run_dir import RunDir
+from orchestrator.journal import RunChannel
 from actors.shards import assemble
 from orchestrator.shadow_keeper import find_shards
 from storage.manifest import layout_of
@@ -34,7 +33,7 @@ log = logging.getLogger(__name__)
 def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_end: int) -> dict | None:
     """Load the shadow's image at ``log_end`` into ``params`` (the images of every shard, assembled);
     None, with the reason logged, when a shard is missing, fails, or cannot serve exactly that step."""
-    shards = find_shards(RunDir(pathlib.Path(cfg.out_dir)), cfg.namespace, timeout_s=0)
+    shards = find_shards(RunChannel(cfg), cfg.namespace, timeout_s=0)
     if shards is None:
         log.warning("no live shadow (every shard of it); falling back to storage")
         return None

@@ -14,6 +14,7 @@ same way).
 from __future__ import annotations
 
 import os
+import pathlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from orchestrator.run_dir import RunDir
 from storage.steplog import StepLogWriter, StepRecord, read_records
 from training.checkpointing import FullCheckpointer
 from training.data import accuracy, batch_id, batch_indices, classification_loss
@@ -44,13 +46,14 @@ def train_loop_per_worker(config: dict) -> None:
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)  # on the CPU until the restore is done
     hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    log_path = RunDir(pathlib.Path(cfg.out_dir)).step_log
     if cfg.uses_step_log:
-        faults = FaultInjector(cfg, run, rank, world)
-        writer = StepLogWriter.open(run.step_log) if rank == 0 else None  # cuts a torn tail
+        faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: len(read_records(log_path)))
+        writer = StepLogWriter.open(log_path) if rank == 0 else None  # cuts a torn tail
         if writer is not None and writer.cut_bytes:
             run.event("torn_tail_cut", bytes=writer.cut_bytes, step=writer.next_step)
         _barrier(world)
-        log_end = len(read_records(run.step_log))
+        log_end = len(read_records(log_path))
         checkpointer = None
         resuming = faults.fired() or log_end > 0
     else:  # full-state baselines: progress is durable at the newest committed checkpoint only
@@ -61,7 +64,7 @@ def train_loop_per_worker(config: dict) -> None:
                                flush=checkpointer.flush if checkpointer is not None else None)
         resuming = faults.fired() or faults.durable_steps() > 0
 
-    restored = restore(params, cfg, run.step_log, log_end) if resuming else None
+    restored = restore(params, cfg, log_path, log_end) if resuming else None
     params = trainable_parameters(model.to(worker_device(cfg.device)))
     start = record_start(env, restored)
 
@@ -79,7 +82,7 @@ def train_loop_per_worker(config: dict) -> None:
                        checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and checkpointer.schedule.last_step == step + 1)
             if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
                 row["state_sha256"] = state_sha256(on_cpu(params))  # the state after step + 1 steps
-            run.append(run.metrics, **row)
+            run.metric(**row)
 
     if rank == 0:
         final = {"step": cfg.steps, "state_sha256": state_sha256(on_cpu(params)),

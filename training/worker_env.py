@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
 import time
 from dataclasses import dataclass
 
@@ -11,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.config import JobConfig
-from orchestrator.run_dir import RunDir
+from orchestrator.journal import RunChannel
 from training.data import PromptEncoder, accuracy, load_rotten_tomatoes
 from training.model import load_model, load_tokenizer
 
 
 @dataclass(frozen=True)
 class WorkerEnv:
-    """One worker's configuration, place in the job, run directory, model and data.
+    """One worker's configuration, place in the job, channel to the run's journal, model and data.
 
     ``started_unix_s`` is when the worker process began its setup (recovery timings start there).
     """
@@ -26,7 +25,7 @@ class WorkerEnv:
     cfg: JobConfig
     rank: int
     world: int
-    run: RunDir
+    run: RunChannel
     started_unix_s: float
     model: torch.nn.Module
     encoder: PromptEncoder
@@ -57,7 +56,7 @@ def worker_env(config: dict) -> WorkerEnv:
     ctx = ray.train.get_context()
     train, held_out = load_rotten_tomatoes()
     return WorkerEnv(
-        cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunDir(pathlib.Path(cfg.out_dir)),
+        cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg),
         started_unix_s=started, model=load_model(cfg.model, cfg.cache_dir),
         encoder=PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len), train=train, held_out=held_out,
     )
