@@ -86,3 +86,41 @@ def test_the_driver_appends_each_row_once_and_keeps_an_earlier_drivers_rows(tmp_
     assert [json.loads(line)["kind"] for line in run.events.read_text().splitlines()] == kinds
     assert [json.loads(line) for line in run.metrics.read_text().splitlines()] == record.metrics == [{"step": 0, "unix_s": 2.5}]
     assert RunRecord(run).events == record.events  # what a resumed driver reads back
+
+
+@pytest.mark.ray
+def test_the_actor_keeps_each_senders_order_and_serves_claims_and_the_pointer_to_every_process(tmp_path):
+    """A real journal actor and a Ray task in another process: the task's fire-and-forget metric rows
+    are recorded before its acknowledged event; a claim seeded by the driver, or made by the task, is
+    refused to the next caller; the pointer the task publishes is what the driver reads."""
+    import ray
+
+    from conftest import free_port
+    from orchestrator.config import JobConfig
+    from orchestrator.journal import RunChannel, start_journal
+
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", run_id="journal-actor")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, namespace=cfg.namespace, _metrics_export_port=free_port())
+    try:
+        journal = start_journal(cfg, ["0.worker"])
+
+        @ray.remote(num_cpus=0)
+        def worker(config: dict) -> list:
+            channel = RunChannel(JobConfig.from_dict(config))
+            for step in range(50):
+                channel.metric(step=step)
+            channel.event("failure", target="worker", marker="1.worker")
+            recorded = len(channel.since(0, 0)[1])  # once the event is acknowledged
+            channel.publish_shadow({"shards": [{"shard": 0, "name": "s-3", "incarnation": 3}]})
+            return [recorded, channel.claim("0.worker"), channel.claim("1.worker"), channel.any_claimed()]
+
+        assert ray.get(worker.remote(cfg.to_dict()), timeout=120) == [50, False, True, True]
+        channel, record = RunChannel(cfg), RunRecord(RunDir(tmp_path))
+        record.drain(channel)
+        assert [m["step"] for m in record.metrics] == list(range(50)) and [e["marker"] for e in record.events] == ["1.worker"]
+        assert channel.claim("1.worker") is False and channel.claimed("1.worker")
+        assert channel.shadow_pointer() == {"shards": [{"shard": 0, "name": "s-3", "incarnation": 3}]}
+        assert RunDir.read(RunDir(tmp_path).metrics) == record.metrics
+        ray.kill(journal, no_restart=True)
+    finally:
+        ray.shutdown()
