@@ -175,16 +175,10 @@ class RunChannel:
 
 
 def claims_in(events: list[dict]) -> list[str]:
-    """The failure markers a run's events show as claimed (pure): the ``marker`` of each failure event.
-    A claimed shadow kill (``<i>.shadow``) also counts as done (``<i>.shadow-killed``): the shadow it
-    killed died with the driver that owned it."""
-    out = []
-    for e in events:
-        if e["kind"] == "failure" and "marker" in e:
-            out.append(e["marker"])
-            if e["marker"].endswith(".shadow"):
-                out.append(e["marker"] + "-killed")
-    return out
+    """The failure markers a run's events show as claimed (pure): the ``marker`` of each failure event
+    (``training.faults`` names in it the marker it claimed, or for a ``both`` failure's worker part the
+    one the dying rank will claim: the driver may have died before it did)."""
+    return [e["marker"] for e in events if e["kind"] == "failure" and "marker" in e]
 
 
 class RunRecord:

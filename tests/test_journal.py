@@ -56,7 +56,7 @@ def test_the_claims_of_a_previous_driver_come_from_its_failure_events():
               {"kind": "failure", "target": "worker", "marker": "1.worker"},
               {"kind": "failure", "target": "shadow", "marker": "2.shadow"},
               {"kind": "recovery", "at_step": 3}]
-    assert claims_in(events) == ["1.worker", "2.shadow", "2.shadow-killed"]
+    assert claims_in(events) == ["1.worker", "2.shadow"]
 
 
 class ListChannel:

@@ -34,6 +34,11 @@ from orchestrator.shadow_keeper import find_shards
 from storage.steplog import StepLogWriter
 
 
+def marker(index: int, part: str) -> str:
+    """The journal marker of part ``part`` (``worker``, ``shadow``, ``shadow-killed``, ...) of failure ``index``."""
+    return f"{index}.{part}"
+
+
 class FaultInjector:
     """Fires the failures of ``cfg`` that are due at a step, for worker ``rank`` of ``world``.
 
@@ -53,7 +58,7 @@ class FaultInjector:
         self.hold_step = int(os.environ.get("RAYCHECK_TEST_HOLD_AT_STEP", -1))
 
     def _claim(self, index: int, part: str) -> bool:
-        return self.run.claim(f"{index}.{part}")
+        return self.run.claim(marker(index, part))
 
     def fired(self) -> bool:
         """True once any failure has fired in this run (a start is then a restart)."""
@@ -103,7 +108,7 @@ class FaultInjector:
         """Every rank, before failure ``index`` kills a worker: commit the background checkpoint
         writes (rank 0's), find a live shadow (target ``worker``), then meet at a barrier so the
         failing rank dies only after all that."""
-        if not self.cfg.settle_failures or self.run.claimed(f"{index}.worker"):  # off, or fired before
+        if not self.cfg.settle_failures or self.run.claimed(marker(index, "worker")):  # off, or fired before
             return
         self.flush()
         if self.cfg.failures[index].target == "worker" and self.cfg.uses_shadow and self.rank == 0:
@@ -119,8 +124,8 @@ class FaultInjector:
         shadow = self._settle_snapshots()
         if worker_how is not None:
             self._announce_worker_failure(index, step, worker_how, self.world - 1)
-        self.run.event("failure", step=step, target="shadow", how="ray.kill", marker=f"{index}.shadow", found=shadow is not None,
-                       **({"shard": shard} if shard is not None else {}))
+        self.run.event("failure", step=step, target="shadow", how="ray.kill", marker=marker(index, "shadow"),
+                       found=shadow is not None, **({"shard": shard} if shard is not None else {}))
         for handle in (shadow or []) if shard is None else (shadow or [])[shard:shard + 1]:
             ray.kill(handle, no_restart=True)
         self._claim(index, "shadow-killed")
@@ -134,14 +139,14 @@ class FaultInjector:
             blob = bytearray(store.storage.get(shard))
             blob[len(blob) // 2] ^= 0x01
             store.storage.put(shard, bytes(blob))
-        self.run.event("failure", step=step, target="corrupt", how="flip-byte", marker=f"{index}.corrupt", shard=shard)
+        self.run.event("failure", step=step, target="corrupt", how="flip-byte", marker=marker(index, "corrupt"), shard=shard)
 
     def _kill_persister(self, index: int, step: int) -> None:
         try:
             persister = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
         except ValueError:
             persister = None
-        self.run.event("failure", step=step, target="persister", how="ray.kill", marker=f"{index}.persister",
+        self.run.event("failure", step=step, target="persister", how="ray.kill", marker=marker(index, "persister"),
                        found=persister is not None)
         if persister is not None:
             ray.kill(persister, no_restart=True)
@@ -151,14 +156,14 @@ class FaultInjector:
         self.run.event("held", step=step, durable_steps=self.durable_steps())
         threading.Event().wait()
 
-    def _wait_for_claim(self, marker: str, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) until another rank has claimed ``marker``."""
+    def _wait_for_claim(self, name: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until another rank has claimed the marker ``name``."""
         deadline = time.monotonic() + timeout_s
-        while not self.run.claimed(marker) and time.monotonic() < deadline:
+        while not self.run.claimed(name) and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def _announce_worker_failure(self, index: int, step: int, how: str, rank: int) -> None:
-        self.run.event("failure", step=step, target="worker", how=how, rank=rank, marker=f"{index}.worker",
+        self.run.event("failure", step=step, target="worker", how=how, rank=rank, marker=marker(index, "worker"),
                        durable_steps=self.durable_steps())
 
     def maybe_fail(self, step: int, writer: StepLogWriter | None = None) -> None:
@@ -171,7 +176,7 @@ class FaultInjector:
             if f.target == "persister" and self.rank == 0 and self._claim(i, "persister"):
                 self._kill_persister(i, step)
             if f.target == "storage" and self.rank == 0 and self._claim(i, "storage"):
-                self.run.event("failure", step=step, target="storage", how="outage", marker=f"{i}.storage",
+                self.run.event("failure", step=step, target="storage", how="outage", marker=marker(i, "storage"),
                                seconds=float(f.how))  # the controller acts
             if f.target == "corrupt" and self.rank == 0 and self._claim(i, "corrupt"):
                 self._corrupt_newest_snapshot(i, step)
@@ -182,7 +187,7 @@ class FaultInjector:
                 self._settle_for_worker_failure(i)
             if f.target in ("worker", "both") and self.rank == self.world - 1 and self._claim(i, "worker"):
                 if f.target == "both":  # die only after rank 0 has killed the shadow
-                    self._wait_for_claim(f"{i}.shadow-killed", timeout_s=300)
+                    self._wait_for_claim(marker(i, "shadow-killed"), timeout_s=300)
                 if f.target == "worker":
                     self._announce_worker_failure(i, step, f.how, self.rank)
                 if f.how == "raise":
