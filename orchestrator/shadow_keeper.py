@@ -355,10 +355,3 @@ def find_shards(run: RunChannel, namespace: str, timeout_s: float, alive: Callab
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.5)
-
-
-def find_shadow(run: RunChannel, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None):
-    """The current incarnation's handle of an unsharded shadow, or None if none answers within
-    ``timeout_s`` (or the shadow is sharded: use ``find_shards``)."""
-    handles = find_shards(run, namespace, timeout_s, alive)
-    return handles[0] if handles and len(handles) == 1 else None
