@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from cluster import stop_cluster
 from conftest import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
@@ -38,22 +39,6 @@ def head_node():
     finally:
         stop_cluster((tmp, f"127.0.0.1:{gcs}", f":{gcs} "))
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def stop_cluster(marks: tuple[str, ...]) -> None:
-    """Kill the processes whose command line holds one of ``marks`` (this cluster's temp dir or GCS
-    address), with all their descendants, and no other: ``ray stop`` would stop every Ray cluster on
-    the machine, e.g. a concurrent test session's."""
-    import psutil
-
-    roots = [p for p in psutil.process_iter(["cmdline"]) if any(m in " ".join(p.info["cmdline"] or ()) + " " for m in marks)]
-    procs = {p.pid: p for r in roots for p in [r, *r.children(recursive=True)]}
-    for p in procs.values():
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(list(procs.values()), timeout=30)
 
 
 def test_ray_job_submit_runs_the_job_with_a_failure(head_node):
