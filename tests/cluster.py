@@ -104,8 +104,12 @@ class LocalCluster:
         self.start_s = self.stop_s = None
 
     def _ray_start(self, *args: str) -> list[str]:
+        """``ray start`` with ``args``; each node's agents get free ports (Ray's fixed defaults, e.g. the
+        dashboard agent's 52365, collide between the nodes of this machine and other clusters on it)."""
+        ports = {option: free_port() for option in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                    "metrics-export-port", "runtime-env-agent-port")}
         return [str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", f"--object-store-memory={OBJECT_STORE_BYTES}",
-                "--disable-usage-stats", *args]
+                "--disable-usage-stats", *(f"--{option}={port}" for option, port in ports.items()), *args]
 
     def start(self) -> "LocalCluster":
         """Start the head, then every node (``ray start`` returns once its raylet has registered);
