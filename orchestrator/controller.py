@@ -223,8 +223,11 @@ class Controller:
             raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
         try:
             ray.get(self.persister.check_storage.remote(), timeout=timeout_s)
-        except ray.exceptions.RayTaskError as exc:
-            raise storage_failure(what, self.placed["persister"][-1], self.cfg.storage, exc.cause) from exc
+        except (ray.exceptions.RayTaskError, GetTimeoutError) as exc:  # the probe raised, or hung
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+            raise storage_failure(what, self.placed["persister"][-1], self.cfg.storage, cause) from exc
+        except RayActorError as exc:  # it died
+            raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
 
     def _placed_persister(self, status: dict) -> None:
         """Record the node of a persister incarnation from its first status."""
