@@ -71,6 +71,14 @@ def stop_cluster(marks: tuple[str, ...]) -> None:
                if p.pid != os.getpid() and any(m in " ".join(p.info["cmdline"] or ()) + " " for m in marks)])
 
 
+def agent_ports() -> list[str]:
+    """``ray start`` options giving a node's agents free ports: Ray's fixed defaults (e.g. the dashboard
+    agent's 52365) collide between the nodes of this machine and with other clusters on it (then
+    ``ray job submit`` finds "No available agent")."""
+    return [f"--{option}={free_port()}" for option in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                        "metrics-export-port", "runtime-env-agent-port")]
+
+
 def mount_namespace(pid: int | str) -> str:
     """The mount namespace of process ``pid`` (``self`` for this one), e.g. ``mnt:[4026532177]``."""
     return os.readlink(f"/proc/{pid}/ns/mnt")
@@ -104,12 +112,8 @@ class LocalCluster:
         self.start_s = self.stop_s = None
 
     def _ray_start(self, *args: str) -> list[str]:
-        """``ray start`` with ``args``; each node's agents get free ports (Ray's fixed defaults, e.g. the
-        dashboard agent's 52365, collide between the nodes of this machine and other clusters on it)."""
-        ports = {option: free_port() for option in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                    "metrics-export-port", "runtime-env-agent-port")}
         return [str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", f"--object-store-memory={OBJECT_STORE_BYTES}",
-                "--disable-usage-stats", *(f"--{option}={port}" for option, port in ports.items()), *args]
+                "--disable-usage-stats", *agent_ports(), *args]
 
     def start(self) -> "LocalCluster":
         """Start the head, then every node (``ray start`` returns once its raylet has registered);

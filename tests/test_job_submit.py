@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cluster import stop_cluster
+from cluster import agent_ports, stop_cluster
 from conftest import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
@@ -31,7 +31,8 @@ def head_node():
     gcs, dash = free_port(), free_port()
     subprocess.run(
         [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"],
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats",
+         *agent_ports()],
         env=env, check=True, capture_output=True, timeout=120,
     )
     try:
