@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 import pytest
 
@@ -20,13 +21,15 @@ pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
+SECRET = f"secret-{uuid.uuid4().hex}"
+"""The cluster's AWS_SECRET_ACCESS_KEY: handed to every process, written nowhere."""
 
 
 @pytest.fixture()
 def head_node():
     tmp = tempfile.mkdtemp(prefix="rcjob-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-           "PATH": f"{BIN}:{os.environ['PATH']}"}
+           "PATH": f"{BIN}:{os.environ['PATH']}", "AWS_SECRET_ACCESS_KEY": SECRET}
     env.pop("RAY_ADDRESS", None)
     gcs, dash = free_port(), free_port()
     subprocess.run(
@@ -58,3 +61,9 @@ def test_ray_job_submit_runs_the_job_with_a_failure(head_node):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["final_step"] == 6 and summary["shadow_equal"]
     assert [r["source"] for r in summary["recoveries"]] == ["object_store"]
+    placement, head = summary["placement"], summary["placement"]["driver"]["node_id"]
+    assert placement["policy"] == "one node: everything on it"
+    assert [(w["rank"], w["node_id"]) for w in placement["workers"]] == [(0, head), (0, head)]  # the start and the restart
+    assert placement["persister"] == [placement["driver"]]
+    assert [[p["node_id"] for p in shard] for shard in placement["shadow_shards"]] == [[head]]
+    assert [p.name for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()] == []
