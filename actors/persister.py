@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from orchestrator.cluster import this_node
 from storage.log_segments import SegmentMirror
 from storage.snapshots import SnapshotStore
 
@@ -201,8 +202,19 @@ class PersisterActor(SnapshotPersister):
             log.warning("mirroring the step log failed: %s", exc)
             self.mirror_error = f"{type(exc).__name__}: {exc}"
 
+    def check_storage(self) -> dict:
+        """Probe the store from this actor's node (write, read back and delete a small object; the
+        controller asks once, at the run's start); returns ``orchestrator.cluster.this_node()``.
+
+        Raises:
+            what ``storage.backend.Storage.probe`` raises, e.g. ``StorageError`` without credentials.
+        """
+        self.store.storage.probe()
+        return this_node()
+
     def status(self) -> dict:
-        status = super().status()
+        """``SnapshotPersister.status``, the log mirror's progress, and where it runs (``node_id``, ``node_ip``)."""
+        status = {**super().status(), **this_node()}
         if self.log_path:  # steps known to be mirrored: none before storage first answered
             status.update(log_mirrored_steps=self.mirror.mirrored if self.mirror else 0, log_mirror_error=self.mirror_error)
         return status

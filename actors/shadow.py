@@ -27,6 +27,7 @@ import ray
 import torch
 
 from actors.shards import ShardRange, split_units
+from orchestrator.cluster import this_node
 from policies.interval import SnapshotSchedule
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError, SnapshotStore
@@ -261,7 +262,8 @@ class ShadowActor:
 
     def status(self) -> dict:
         """Step, log end, lag (steps), replay seconds per step, base of this incarnation, error if any,
-        and what it holds: ``shard``, ``units``, ``elements``, its Ray ``actor_id``."""
+        and what it holds: ``shard``, ``units``, ``elements``, its Ray ``actor_id``, and where it runs
+        (``node_id``, ``node_ip``)."""
         r = self.replayer
         with self._cond:
             return {
@@ -282,6 +284,7 @@ class ShadowActor:
                 "started_unix_s": self.started_unix_s,
                 "error": self.error,
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # differs under ATEN_CPU_CAPABILITY
+                **this_node(),
             }
 
     def hashes(self) -> dict[int, str]:

@@ -51,11 +51,12 @@ def _refuse(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-OPTION_OF_FIELD = {"mtbf_s": "mtbf", "failures": "fail", "storage_options": "s3_endpoint"}
+OPTION_OF_FIELD = {"mtbf_s": "mtbf", "failures": "fail", "storage_options": "s3_endpoint", "start_timeout_s": "start_timeout"}
 """``JobConfig`` fields whose ``raycheck run`` option has another name; any other field is its option."""
-RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts")
+RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts", "worker_resource", "shadow_resource", "start_timeout_s")
 """Options that ``--resume`` takes from the command line over the run's ``config.json``: restart
-budgets, not part of the trajectory (a run that spent one resumes with a larger one)."""
+budgets and placement, not part of the trajectory (a run that spent one resumes with a larger one; a
+run resumed on another cluster is placed there)."""
 RESUME_OPTIONS = ("out", "resume", "verify", *RESUME_BUDGETS)
 """``raycheck run`` options that apply to a ``--resume``; any other one given is ignored, with a warning."""
 
@@ -235,6 +236,12 @@ def run(
     shadow_env: Annotated[list[str], typer.Option(help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), "
                                                        "e.g. ATEN_CPU_CAPABILITY=default. Repeatable.")] = [],
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
+    worker_resource: Annotated[str, typer.Option(help="Ray custom resource each train worker asks one unit of (places the "
+                                                      "workers on the nodes offering it).")] = "",
+    shadow_resource: Annotated[str, typer.Option(help="Ray custom resource each shadow shard and the snapshot persister ask one "
+                                                      "unit of. Default: on 2+ nodes, off every node that can host a train worker.")] = "",
+    start_timeout_s: Annotated[float, typer.Option("--start-timeout", min=1, help="Seconds the persister and each shadow "
+                                                                                   "shard may take to start before the run fails.")] = 300.0,
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
     from orchestrator.controller import ResumeMismatchError, run_job
@@ -256,6 +263,7 @@ def run(
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
             eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, shadow_shards=shadow_shards,
             settle_failures=settle_failures, device=device, shadow_env=parse_env(shadow_env, "--shadow-env"),
+            worker_resource=worker_resource, shadow_resource=shadow_resource, start_timeout_s=start_timeout_s,
             run_id=uuid.uuid4().hex[:8],
         )
         _check_shards(cfg)

@@ -1,8 +1,10 @@
-"""Connecting to Ray: an embedded local cluster by default, or the cluster of ``ray job submit``."""
+"""Connecting to Ray (an embedded local cluster by default, or the cluster of ``ray job submit``),
+where a run's processes go on a cluster (``plan_placement``), and what reaches them there (``runtime_env``)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import ray
 
@@ -26,3 +28,105 @@ def connect(namespace: str, num_cpus: int, dashboard: bool = False, worker_logs:
         return False
     ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=dashboard, log_to_driver=worker_logs)
     return True
+
+
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label every Ray node carries with its own node id (label selectors match on it)."""
+
+
+def this_node() -> dict:
+    """``node_id`` (hex) and ``node_ip`` of the Ray node this process runs on (driver, worker or
+    actor); both None in a process not connected to Ray (e.g. a plain class under test)."""
+    if not ray.is_initialized():
+        return {"node_id": None, "node_ip": None}
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+
+
+def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
+    """The ``runtime_env`` of every actor and train worker a run starts: the storage settings of this
+    (the driver's) environment (``storage.backend.storage_env``) plus ``env_vars``, so that they reach
+    processes on any node (a node's own environment has none of them on a real cluster). Ray keeps
+    runtime environments in its own session state; raycheck never writes them to the run directory."""
+    from storage.backend import storage_env
+
+    return {"env_vars": {**storage_env(), **(env_vars or {})}}
+
+
+@dataclass(frozen=True)
+class Node:
+    """An alive Ray node as placement sees it: its id, ip and total resources (``ray.nodes()``)."""
+
+    node_id: str
+    node_ip: str
+    resources: dict[str, float]
+
+    def can_host(self, need: dict[str, float]) -> bool:
+        """Whether this node offers every resource in ``need`` in the amount asked (in total)."""
+        return all(self.resources.get(k, 0) >= v for k, v in need.items())
+
+    def capacity(self, need: dict[str, float]) -> int:
+        """How many processes asking ``need`` this node holds (by its totals)."""
+        return min((int(self.resources.get(k, 0) // v) for k, v in need.items() if v > 0), default=0)
+
+
+def alive_nodes() -> list[Node]:
+    """The cluster's alive nodes (needs ``ray`` connected)."""
+    return [Node(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"])) for n in ray.nodes() if n["Alive"]]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's processes go.
+
+    Attributes:
+        replica: ``.options(...)`` of the shadow's shards and the snapshot persister (resources or a
+            label selector; empty: anywhere).
+        worker_resources: Ray Train's ``resources_per_worker`` (None: Ray's default, one CPU or GPU).
+        worker_label_selector: Ray Train's ``label_selector`` of every worker (None: any node).
+        policy: why, in words (reported in ``summary.json``).
+    """
+
+    replica: dict
+    worker_resources: dict | None
+    worker_label_selector: dict | None
+    policy: str
+
+
+def plan_placement(nodes: list[Node], *, driver_node_id: str, workers: int, use_gpu: bool,
+                   worker_resource: str = "", replica_resource: str = "") -> Placement:
+    """Place the train workers, the shadow and the persister (pure). The shadow and persister are the
+    replicas of a train worker's progress, so, on a cluster of two or more nodes, they must not share
+    rank 0's node: one node's loss must never take both. Rank 0's node is known only once Ray Train
+    has placed its workers, after the shadow starts, so the replicas are kept off every node that
+    could host a train worker:
+
+    - ``replica_resource`` given: the replicas ask one unit of it each (the operator has set the
+      node roles); ``worker_resource`` given: each worker asks one unit of it besides its CPU or GPU;
+    - else, one node: anywhere;
+    - else, some alive node cannot host a worker (no GPU, no CPU, no worker resource, e.g. the head):
+      the replicas go to such nodes (a label selector on the node id);
+    - else (every node can host a worker): the node that holds the fewest workers (the driver's on a
+      tie) is kept for the replicas and the workers are kept off it, if the other nodes still hold
+      ``workers``; otherwise the replicas go anywhere and the policy says so.
+
+    Args:
+        nodes: the alive nodes (``alive_nodes``); driver_node_id: the driver's node;
+        workers: train workers; use_gpu: each worker needs a GPU (else a CPU).
+    """
+    need = {"GPU" if use_gpu else "CPU": 1.0, **({worker_resource: 1.0} if worker_resource else {})}
+    worker_resources = need if worker_resource else None
+    if replica_resource:
+        return Placement({"resources": {replica_resource: 1}}, worker_resources, None,
+                         f"replicas on nodes with resource {replica_resource!r}")
+    if len(nodes) < 2:
+        return Placement({}, worker_resources, None, "one node: everything on it")
+    hosts = [n.node_id for n in nodes if n.can_host(need)]
+    if len(hosts) < len(nodes):
+        return Placement({"label_selector": {NODE_ID_LABEL: f"!in({','.join(hosts)})"}}, worker_resources, None,
+                         "replicas on the nodes that cannot host a train worker")
+    keep = min(nodes, key=lambda n: (n.capacity(need), n.node_id != driver_node_id, n.node_id))
+    if sum(n.capacity(need) for n in nodes if n is not keep) < workers:
+        return Placement({}, worker_resources, None, f"every node is needed by the {workers} train workers: "
+                                                     "the replicas may share rank 0's node")
+    return Placement({"label_selector": {NODE_ID_LABEL: keep.node_id}}, worker_resources,
+                     {NODE_ID_LABEL: f"!in({keep.node_id})"}, "replicas on a node kept free of train workers")

@@ -184,6 +184,15 @@ class JobConfig:
     shadow_shards: int = 1
     """CPU actors the shadow is split into (``actors.shards``): each holds and replays a contiguous
     range of units, 1..the model's unit count (checked against the model by ``actors.shards.split_units``)."""
+    worker_resource: str = ""
+    """A Ray custom resource each train worker asks one unit of (besides its CPU or GPU), placing the
+    workers on the nodes that offer it; empty: any node (``orchestrator.cluster.plan_placement``)."""
+    shadow_resource: str = ""
+    """A Ray custom resource each shadow shard and the snapshot persister ask one unit of; empty: on
+    a cluster of two or more nodes, off every node that could host a train worker (``plan_placement``)."""
+    start_timeout_s: float = 300.0
+    """Seconds the snapshot persister and each shadow shard may take to start (be placed on a node and
+    construct) before the run fails, naming the component."""
     extra: dict = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
@@ -253,6 +262,7 @@ class JobConfig:
         _require_positive("lr", self.lr)
         _require_positive("eps", self.eps)
         _require_positive("recovery_timeout_s", self.recovery_timeout_s)
+        _require_positive("start_timeout_s", self.start_timeout_s)
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         for name in ("snapshot_every", "eval_samples", "hash_every"):
@@ -319,8 +329,11 @@ class JobConfig:
 
     @property
     def shadow_actor_options(self) -> dict:
-        """Extra ``.options(...)`` of a shadow actor: its ``runtime_env`` when ``shadow_env`` is set."""
-        return {"runtime_env": {"env_vars": dict(self.shadow_env)}} if self.shadow_env else {}
+        """Extra ``.options(...)`` of a shadow actor: its ``runtime_env`` (the driver's storage settings
+        and ``shadow_env``, ``orchestrator.cluster.runtime_env``)."""
+        from orchestrator.cluster import runtime_env
+
+        return {"runtime_env": runtime_env(self.shadow_env)}
 
     @property
     def shadow_name(self) -> str:

@@ -36,7 +36,7 @@ from ray.train.torch import TorchTrainer
 
 from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
-from orchestrator.cluster import connect
+from orchestrator.cluster import Placement, alive_nodes, connect, plan_placement, runtime_env, this_node
 from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal
 from orchestrator.metrics import RunMetrics
@@ -44,6 +44,7 @@ from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from orchestrator.summary import recoveries, write_metrics
+from storage.backend import STORAGE_ENV
 from storage.steplog import StepLogWriter, read_header, read_records
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from training.zo import GENERATOR, check_generator
@@ -94,7 +95,32 @@ class ResumeMismatchError(ValueError):
     """The run directory holds a step log of another trajectory than the configuration's."""
 
 
-EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError)
+class ComponentStartError(RuntimeError):
+    """A component of the run (the snapshot persister, a shadow shard) could not start: it was not
+    placed on a node within ``JobConfig.start_timeout_s``, its constructor raised, or it cannot use
+    the run's storage from its node."""
+
+
+def start_failure(what: str, exc: Exception, timeout_s: float, options: dict) -> ComponentStartError:
+    """The error that ends a run whose ``what`` did not start (``exc``: what waiting for it raised;
+    ``options``: the placement it asked for)."""
+    if isinstance(exc, GetTimeoutError):
+        return ComponentStartError(
+            f"{what} did not start within {timeout_s:g} s: no alive node could place it (it asks for "
+            f"{options or 'no particular node'}); check the cluster's nodes, --shadow-resource and --start-timeout")
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return ComponentStartError(f"{what} could not start: {lines[-1].strip() if lines else type(exc).__name__}")
+
+
+def storage_failure(what: str, node: dict, uri: str, cause: BaseException) -> ComponentStartError:
+    """The error that ends a run whose ``what`` (on ``node``, ``this_node()``) cannot use storage at ``uri``."""
+    return ComponentStartError(
+        f"{what} on node {node['node_ip']} ({node['node_id'][:12]}) cannot use storage {uri}: {type(cause).__name__}: "
+        f"{str(cause)[:300]}; storage settings reach the processes on other nodes from the driver's environment "
+        f"({', '.join(STORAGE_ENV)}): set them there (a credentials file on the driver's machine does not travel)")
+
+
+EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, ComponentStartError)
 """Failures a run is built to report (a restart budget spent): their message says it all."""
 
 
@@ -137,6 +163,15 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
     StepLogWriter.create(run.step_log, header).close()
 
 
+def start_persister(cfg: JobConfig, run: RunDir, placement: Placement):
+    """Start the run's snapshot persister (named ``cfg.persister_name``) where ``placement`` puts the
+    replicas, with the driver's storage settings (``runtime_env``); returns its handle at once."""
+    return ray.remote(PersisterActor).options(
+        name=cfg.persister_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=4,
+        runtime_env=runtime_env(), **placement.replica,
+    ).remote(cfg.snapshot_store(), str(run.step_log) if cfg.remote_storage else None)
+
+
 class Controller:
     """One run of ``cfg``. ``run()`` returns the summary dict (also written to ``summary.json``).
 
@@ -170,14 +205,39 @@ class Controller:
         self.persister = None
         self.persister_status: dict = {}
         self.persister_restarts = 0
+        self.placement: Placement | None = None
+        self.placed: dict = {"driver": None, "persister": []}
+        """Where the driver and each persister incarnation ran (``this_node()``); ``_placement`` adds the rest."""
         self._calibration_requested = False
         self._printed_steps = 0
         self._seen_events = 0
 
     def _start_persister(self):
-        return ray.remote(PersisterActor).options(
-            name=self.cfg.persister_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4
-        ).remote(self.cfg.snapshot_store(), str(self.run_dir.step_log) if self.cfg.remote_storage else None)
+        return start_persister(self.cfg, self.run_dir, self.placement)
+
+    def _await_persister(self) -> None:
+        """Wait until the first persister has started and can use storage from its node.
+
+        Raises:
+            ComponentStartError: it was not placed within ``cfg.start_timeout_s``, its constructor
+                raised, or its storage probe failed (e.g. no credentials on its node).
+        """
+        what, timeout_s = "the snapshot persister", self.cfg.start_timeout_s
+        try:
+            self._placed_persister(ray.get(self.persister.status.remote(), timeout=timeout_s))
+        except (RayActorError, GetTimeoutError) as exc:
+            raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
+        try:
+            ray.get(self.persister.check_storage.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayTaskError, GetTimeoutError) as exc:  # the probe raised, or hung
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+            raise storage_failure(what, self.placed["persister"][-1], self.cfg.storage, cause) from exc
+        except RayActorError as exc:  # it died
+            raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
+
+    def _placed_persister(self, status: dict) -> None:
+        """Record the node of a persister incarnation from its first status."""
+        self.placed["persister"].append({k: status[k] for k in ("node_id", "node_ip")})
 
     def _shadow_spec(self) -> ShadowSpec:
         return ShadowSpec(
@@ -274,7 +334,7 @@ class Controller:
             return
         self.persister_restarts += 1
         try:
-            ray.get(self.persister.status.remote(), timeout=120)
+            self._placed_persister(ray.get(self.persister.status.remote(), timeout=120))
         except (RayActorError, GetTimeoutError) as err:  # it died starting: the next poll sees it dead
             log.warning("the restarted snapshot persister did not answer (%s)", err)
             return
@@ -300,11 +360,14 @@ class Controller:
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
             train_loop_config=self.cfg.to_dict(),
-            scaling_config=ScalingConfig(num_workers=self.cfg.workers, use_gpu=self.cfg.device == "cuda"),
+            scaling_config=ScalingConfig(num_workers=self.cfg.workers, use_gpu=self.cfg.device == "cuda",
+                                         resources_per_worker=self.placement.worker_resources,
+                                         label_selector=self.placement.worker_label_selector),
             run_config=RunConfig(
                 name=f"raycheck-{self.cfg.run_id}",
                 storage_path=str(pathlib.Path(self.cfg.out_dir).resolve() / "ray_train"),
                 failure_config=FailureConfig(max_failures=worker_failures + 2),
+                worker_runtime_env=runtime_env(),
             ),
         )
 
@@ -362,6 +425,7 @@ class Controller:
             "snapshot_policy": cfg.snapshot_policy,
             "wall_seconds": time.time() - self.t_start,
             "trajectory_sha256": cfg.trajectory_sha256(),
+            "placement": self._placement(),
             "config": cfg.to_dict(),
         }
 
@@ -375,6 +439,16 @@ class Controller:
         except RayError as exc:
             log.warning("the journal did not take the %s event: %s", kind, exc)
         self.record.write_event(kind, **fields)
+
+    def _placement(self) -> dict:
+        """Where each component ran: ``policy`` (``Placement.policy``), ``driver``, ``persister`` (one
+        entry per incarnation), ``shadow_shards`` (per shard, one per incarnation that answered) and
+        ``workers`` (one per worker start: ``rank``, ``unix_s``); each entry has ``node_id`` and ``node_ip``."""
+        events = self.record.events
+        return {"policy": self.placement.policy if self.placement else None, **self.placed,
+                "shadow_shards": [list(s.placements) for s in self.shadow.shards] if self.shadow else None,
+                "workers": [{k: e[k] for k in ("rank", "node_id", "node_ip", "unix_s")}
+                            for e in events if e["kind"] == "placement" and e["component"] == "worker"]}
 
     def _failure_summary(self, exc: BaseException) -> dict:
         """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error, and what
@@ -390,15 +464,23 @@ class Controller:
         self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
         durable = len(read_records(run.step_log))
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
+        self.placed["driver"] = this_node()
+        self.placement = plan_placement(alive_nodes(), driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
+                                        use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
+                                        replica_resource=cfg.shadow_resource)
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
         if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
             rows = self.record.metrics
             self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
         self.persister = self._start_persister()
+        self._await_persister()
         if cfg.uses_shadow:
-            self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec())
+            self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=self.placement.replica)
             self.shadow.start()
-            self.shadow.wait_ready(timeout_s=300)
+            try:
+                self.shadow.wait_ready(timeout_s=cfg.start_timeout_s)
+            except (RayActorError, GetTimeoutError) as exc:
+                raise start_failure("the shadow", exc, cfg.start_timeout_s, self.placement.replica) from exc
             self.echo(f"[raycheck] shadow ready at step {self.shadow.status['step']}")
         self.echo(f"[raycheck] training {cfg.steps} steps ({cfg.algo}, strategy {cfg.strategy})")
 

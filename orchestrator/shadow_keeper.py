@@ -17,7 +17,9 @@ controller says so): a recovering worker must see the shadow as it was at the fa
 incarnation starts from the newest snapshot plus the log tail anyway.
 
 Placement: shard actors ask for no CPU (``num_cpus=0``, like the single shadow) and are created with
-Ray's ``SPREAD`` scheduling strategy, so on a cluster with several nodes they land on different nodes.
+Ray's ``SPREAD`` scheduling strategy, so on a cluster with several nodes they land on different nodes,
+among those the run's ``placement`` allows (``orchestrator.cluster.plan_placement``: never a node that
+could host a train worker, on a cluster of two or more nodes).
 """
 
 from __future__ import annotations
@@ -85,18 +87,21 @@ class ShardKeeper:
     last status seen; ``actor_ids`` lists the Ray actor id of every incarnation that answered; each
     restart is appended to ``restarts`` (shared by the shards: the run's restarts in time order)."""
 
-    def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec, publish: Callable[[], None], restarts: list[dict]) -> None:
+    def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec, publish: Callable[[], None], restarts: list[dict],
+                 placement: dict | None = None) -> None:
         self.cfg, self.run, self.spec, self._publish = cfg, run, spec, publish
         self.incarnation = -1
         self.actor = None
         self.status: dict = {}
         self.restarts = restarts
         self.actor_ids: list[str] = []
+        self.placements: list[dict] = []
+        """``actor_id``, ``node_id``, ``node_ip`` of every incarnation that answered."""
         self._status_ref = None
         self._failed: tuple[float, str] | None = None  # (unix seconds, reason) of a failure not yet restarted
         self._restarted: tuple[float, str] | None = None  # the same, restarted, until the new incarnation answers
         self.alive = False
-        self.placement = {"scheduling_strategy": "SPREAD"} if spec.shards > 1 else {}
+        self.placement = {**({"scheduling_strategy": "SPREAD"} if spec.shards > 1 else {}), **(placement or {})}
 
     @property
     def name(self) -> str:
@@ -117,6 +122,7 @@ class ShardKeeper:
         self.status = status
         if status["actor_id"] not in self.actor_ids:
             self.actor_ids.append(status["actor_id"])
+            self.placements.append({k: status[k] for k in ("actor_id", "node_id", "node_ip")})
 
     def wait_ready(self, timeout_s: float) -> dict:
         """Block until the current incarnation answers (first start only)."""
@@ -200,13 +206,13 @@ class ShadowKeeper:
     """Owns the shadow of a run: ``cfg.shadow_shards`` shard actors (one ``ShardKeeper`` each).
     ``poll`` never blocks; ``status`` combines the last statuses seen (``combined_status``)."""
 
-    def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec) -> None:
+    def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec, placement: dict | None = None) -> None:
         self.cfg, self.run = cfg, run
         self.restarts: list[dict] = []
         """Every shard restart in the order recorded (``seconds``: failure until the new incarnation answered)."""
         k = cfg.shadow_shards
         self.shards = [ShardKeeper(cfg, run, dataclasses.replace(spec, shard=i, shards=k, hash_every=spec.hash_every if k == 1 else 0),
-                                   self._publish, self.restarts) for i in range(k)]
+                                   self._publish, self.restarts, placement) for i in range(k)]
 
     def _publish(self) -> None:
         """Publish the shadow pointer: every shard's current actor name and incarnation (only once every

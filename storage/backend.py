@@ -15,8 +15,9 @@ Atomicity: ``put`` makes an object visible whole or not at all. Local files are 
 temporary name, fsynced, renamed, and the folder is fsynced; on S3 a PUT (or a completed multipart
 upload) is atomic by the protocol.
 
-S3 settings: ``endpoint_url``, ``key``, ``secret`` as keyword options, else the standard
-``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` environment variables.
+S3 settings: ``endpoint_url``, ``key``, ``secret``, ``token`` as keyword options, else the standard
+``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN``
+environment variables (``STORAGE_ENV``: what a run hands to every process it starts, on any node).
 
 An endpoint that cannot be reached (nothing listens, unknown host) is named as such:
 ``StorageUnreachableError`` ("storage endpoint URL unreachable (connection refused)"), from an
@@ -220,12 +221,26 @@ class CircuitBreaker:
                     "probes": self.probes, "backoff_s": self.backoff_s, "retry_in_s": retry_in_s}
 
 
+STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
+               "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+"""The environment variables that S3 storage reads (here and in botocore): the credentials, the
+region and the endpoint. Files that botocore may read instead (``~/.aws/credentials``,
+``AWS_SHARED_CREDENTIALS_FILE``, ``AWS_PROFILE``) stay on the machine where they are."""
+
+
+def storage_env() -> dict[str, str]:
+    """The ``STORAGE_ENV`` variables set in this process, name -> value (secrets included: hand them
+    only to Ray's runtime environment, never to a file or a log)."""
+    return {k: os.environ[k] for k in STORAGE_ENV if k in os.environ}
+
+
 def _filesystem(protocol: str, options: dict, timeout_s: float):
     if protocol == "s3":
         opts = {
             "endpoint_url": options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL"),
             "key": options.get("key") or os.environ.get("AWS_ACCESS_KEY_ID"),
             "secret": options.get("secret") or os.environ.get("AWS_SECRET_ACCESS_KEY"),
+            "token": options.get("token") or os.environ.get("AWS_SESSION_TOKEN"),  # temporary credentials: key, secret and token
             "config_kwargs": {"connect_timeout": min(timeout_s, 10), "read_timeout": timeout_s,
                               "retries": {"max_attempts": 1}},
             "use_listings_cache": False,
@@ -242,7 +257,7 @@ class Storage:
         uri: ``/abs/path``, ``file:///abs/path``, ``s3://bucket/prefix`` or ``memory://name``.
         retry: timeouts, retries and the consecutive-failure bound.
         create: create a missing local folder (False for read-only tools: it must exist).
-        **options: backend options (S3: ``endpoint_url``, ``key``, ``secret``).
+        **options: backend options (S3: ``endpoint_url``, ``key``, ``secret``, ``token``).
 
     Raises:
         ValueError: an unsupported URI scheme. FileNotFoundError: ``create`` is False and the local

@@ -69,3 +69,21 @@ def storage(request, tmp_path):
     bucket = f"rc-{uuid.uuid4().hex[:12]}"
     make_bucket(endpoint, bucket)
     return Storage(f"s3://{bucket}/run", endpoint_url=endpoint)
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    """A three-node Ray cluster (``tests/cluster.py``: head for the driver, a "gpu" node with
+    ``{"train": 2}``, a "cpu" node with ``{"replica": 8}``) whose two non-head nodes cannot see this
+    session's temporary directories; this process is connected to it (namespace ``raycheck``)."""
+    import ray
+
+    from cluster import THREE_NODES, LocalCluster
+
+    cluster = LocalCluster(THREE_NODES, [tmp_path_factory.getbasetemp()]).start()
+    try:
+        ray.init(address=cluster.address, namespace="raycheck", log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.stop()

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from orchestrator.config import JobConfig
+from storage.backend import storage_env
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "device-check"
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
@@ -62,9 +63,9 @@ def test_device_and_shadow_env_are_validated_and_only_a_gpu_device_changes_the_t
     assert cpu.trajectory_sha256() == JobConfig(**base, shadow_env={"X": "1"}).trajectory_sha256()
     assert cuda.trajectory_sha256() != cpu.trajectory_sha256()
     assert JobConfig.from_dict(cuda.to_dict()) == cuda
-    assert cpu.shadow_actor_options == {}
+    assert cpu.shadow_actor_options == {"runtime_env": {"env_vars": storage_env()}} and storage_env()  # conftest sets keys
     assert JobConfig(**base, shadow_env={"ATEN_CPU_CAPABILITY": "default"}).shadow_actor_options == {
-        "runtime_env": {"env_vars": {"ATEN_CPU_CAPABILITY": "default"}}}
+        "runtime_env": {"env_vars": {**storage_env(), "ATEN_CPU_CAPABILITY": "default"}}}
     for bad, message in [(dict(device="tpu"), "device 'tpu': choose one of cpu, cuda"),
                          (dict(device="cuda", algo="fo"), "device cuda runs the ZO worker only"),
                          (dict(shadow_env={"A=B": "1"}), "shadow_env 'A=B'='1': expected NAME=VALUE"),

@@ -10,27 +10,32 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 import pytest
 
+from cluster import agent_ports, stop_cluster
 from conftest import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
+SECRET = f"secret-{uuid.uuid4().hex}"
+"""The cluster's AWS_SECRET_ACCESS_KEY: handed to every process, written nowhere."""
 
 
 @pytest.fixture()
 def head_node():
     tmp = tempfile.mkdtemp(prefix="rcjob-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-           "PATH": f"{BIN}:{os.environ['PATH']}"}
+           "PATH": f"{BIN}:{os.environ['PATH']}", "AWS_SECRET_ACCESS_KEY": SECRET}
     env.pop("RAY_ADDRESS", None)
     gcs, dash = free_port(), free_port()
     subprocess.run(
         [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"],
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats",
+         *agent_ports()],
         env=env, check=True, capture_output=True, timeout=120,
     )
     try:
@@ -38,22 +43,6 @@ def head_node():
     finally:
         stop_cluster((tmp, f"127.0.0.1:{gcs}", f":{gcs} "))
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def stop_cluster(marks: tuple[str, ...]) -> None:
-    """Kill the processes whose command line holds one of ``marks`` (this cluster's temp dir or GCS
-    address), with all their descendants, and no other: ``ray stop`` would stop every Ray cluster on
-    the machine, e.g. a concurrent test session's."""
-    import psutil
-
-    roots = [p for p in psutil.process_iter(["cmdline"]) if any(m in " ".join(p.info["cmdline"] or ()) + " " for m in marks)]
-    procs = {p.pid: p for r in roots for p in [r, *r.children(recursive=True)]}
-    for p in procs.values():
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(list(procs.values()), timeout=30)
 
 
 def test_ray_job_submit_runs_the_job_with_a_failure(head_node):
@@ -72,3 +61,9 @@ def test_ray_job_submit_runs_the_job_with_a_failure(head_node):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["final_step"] == 6 and summary["shadow_equal"]
     assert [r["source"] for r in summary["recoveries"]] == ["object_store"]
+    placement, head = summary["placement"], summary["placement"]["driver"]["node_id"]
+    assert placement["policy"] == "one node: everything on it"
+    assert [(w["rank"], w["node_id"]) for w in placement["workers"]] == [(0, head), (0, head)]  # the start and the restart
+    assert placement["persister"] == [placement["driver"]]
+    assert [[p["node_id"] for p in shard] for shard in placement["shadow_shards"]] == [[head]]
+    assert [p.name for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()] == []

@@ -9,6 +9,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
+from orchestrator.cluster import this_node
 from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel
 from training.data import PromptEncoder, accuracy, load_rotten_tomatoes
@@ -36,7 +37,9 @@ class WorkerEnv:
 def record_start(env: WorkerEnv, restored: dict | None) -> int:
     """Record how this worker starts and return its first step: after a restore (``restored``, the
     restore's result), a ``recovery`` event at the restored step; on a fresh start, the held-out
-    accuracy before training (when ``eval_samples``). Only rank 0 writes events."""
+    accuracy before training (when ``eval_samples``). Only rank 0 writes these events; every rank
+    records where it runs (a ``placement`` event, for the summary)."""
+    env.run.event("placement", component="worker", rank=env.rank, **this_node())
     if restored is None:
         if env.rank == 0 and env.cfg.eval_samples:
             env.run.event("accuracy", when="before", value=accuracy(env.model, env.encoder, env.held_out, env.cfg.eval_samples))
