@@ -27,10 +27,11 @@ import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.log_keeper import RemoteKeeper
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import find_shards
-from storage.steplog import StepLogWriter, read_records
+from storage.steplog import StepLogWriter
 
 
 class FaultInjector:
@@ -38,7 +39,7 @@ class FaultInjector:
 
     The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank
     (``torn`` needs rank 0's log writer, so use it with one worker). ``durable_steps`` returns how
-    many steps are durable when a worker failure hits (default: the step log's complete records;
+    many steps are durable when a worker failure hits (default: the steps the log keeper holds, ``actors.log_keeper``;
     strategies without a step log pass their newest committed checkpoint's step). ``flush`` waits
     until this rank's background checkpoint writes are committed (default: nothing to wait for).
     """
@@ -46,7 +47,7 @@ class FaultInjector:
     def __init__(self, cfg: JobConfig, run: RunDir, rank: int, world: int, durable_steps: Callable[[], int] | None = None,
                  flush: Callable[[], object] | None = None) -> None:
         self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
-        self.durable_steps = durable_steps or (lambda: len(read_records(run.step_log)))
+        self.durable_steps = durable_steps or RemoteKeeper(cfg.log_keeper_name, cfg.namespace).end
         self.flush = flush or (lambda: None)
         self.hold_step = int(os.environ.get("RAYCHECK_TEST_HOLD_AT_STEP", -1))
         run.markers.mkdir(exist_ok=True)

@@ -29,6 +29,11 @@ SEND_TRIES = 5
 """Tries of one send to the keeper (``KeeperSender``: 0.5, 1, 2, 4 s between them) before ``KeeperUnreachableError``."""
 
 
+def local_log_path(cfg) -> pathlib.Path:
+    """Rank 0's node-local step log: ``steplog.bin`` in ``cfg.scratch_dir`` (a ``JobConfig``)."""
+    return pathlib.Path(cfg.scratch_dir) / "steplog.bin"
+
+
 class KeeperUnreachableError(RuntimeError):
     """Records could not be delivered to the log keeper; they stay in rank 0's local log."""
 
