@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import pathlib
+import tempfile
 import threading
 import uuid
 
 import pytest
+from typer.testing import CliRunner
 
 from actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, LogKeeper, read_range
 from conftest import make_bucket
+from orchestrator.cli import app
+from orchestrator.config import JobConfig
+from orchestrator.summary import durability
 from storage.backend import Storage
 from storage.log_segments import read_segments
 from storage.steplog import StepLogConflictError, StepLogGapError, StepLogWriter, StepRecord, read_header, read_records
@@ -156,3 +162,29 @@ def test_a_send_that_keeps_failing_is_reported_never_dropped():
     sender.send(rec(0))  # process: queued, not waited for
     with pytest.raises(KeeperUnreachableError):
         sender.close()
+
+
+def test_durability_is_validated_and_the_default_scratch_dir_is_per_run_and_outside_the_run_directory(tmp_path):
+    base = dict(cache_dir=str(tmp_path), model="tiny", run_id="r1")
+    with pytest.raises(ValueError, match=r"^durability 'cluster': choose one of process, node$"):
+        JobConfig(out_dir=str(tmp_path / "a"), durability="cluster", **base)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--durability", "cluster", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and result.output.strip() == "error: --durability 'cluster': choose one of process, node"
+    assert not (tmp_path / "run").exists()
+
+    a, b = JobConfig(out_dir=str(tmp_path / "a"), **base), JobConfig(out_dir=str(tmp_path / "b"), **base)
+    assert a.durability == "node" and a.log_keeper_name == "raycheck-log-keeper-r1"
+    assert a.scratch_dir != b.scratch_dir  # one run id in two directories: two scratch logs
+    assert pathlib.Path(a.scratch_dir).parent == pathlib.Path(tempfile.gettempdir()) / "raycheck-scratch"
+    assert JobConfig.from_dict(a.to_dict()).scratch_dir == a.scratch_dir  # the workers see the driver's choice
+    given = JobConfig(out_dir=str(tmp_path / "a"), scratch_dir="/node/local", durability="process", **base)
+    assert (given.scratch_dir, given.durability) == ("/node/local", "process")
+
+
+def test_the_summary_says_whether_durability_node_held():
+    events = [{"kind": "step_log", "node_id": "n1"}, {"kind": "recovery"}, {"kind": "step_log", "node_id": "n2"}]
+    assert durability("node", "n0", events) == {"level": "node", "keeper_node_id": "n0", "rank0_node_ids": ["n1", "n2"],
+                                                "node_held": True}
+    assert not durability("node", "n2", events)["node_held"]  # a replacement ran on the keeper's node
+    assert not durability("process", "n0", events)["node_held"]
+    assert not durability("node", "n0", [])["node_held"]  # rank 0 never started
