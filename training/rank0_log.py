@@ -95,8 +95,10 @@ def open_local_log(path: str | pathlib.Path, keeper) -> LocalLogOpened:
 
 
 class KeeperSender:
-    """Sends rank 0's records to the keeper in order, on one thread, a batch (every record queued) per
-    call. ``send`` queues a record; with ``wait`` it returns once the keeper acknowledged it.
+    """Sends rank 0's records to the keeper in order. With ``wait`` (durability ``node``) ``send``
+    delivers the record itself and returns once the keeper acknowledged it (no thread hand-off on the
+    training loop's critical path); without, it queues the record for a sender thread, which delivers
+    every record queued as one batch per call.
 
     Args:
         keeper: a ``RemoteKeeper`` (or ``LogKeeper``) with ``append_many``.
@@ -113,21 +115,26 @@ class KeeperSender:
         self._queue: list[StepRecord] = []
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="log-keeper-sender", daemon=True)
-        self._thread.start()
+        self._thread = None if wait else threading.Thread(target=self._run, name="log-keeper-sender", daemon=True)
+        if self._thread is not None:
+            self._thread.start()
 
     def send(self, record: StepRecord) -> None:
-        """Queue ``record``; with ``wait``, block until the keeper holds it.
+        """With ``wait``, deliver ``record`` and return once the keeper holds it; else queue it.
 
         Raises:
             KeeperUnreachableError: an earlier send failed for good, or this one did (``wait``).
         """
         with self._cond:
             self._raise_if_failed()
-            self._queue.append(record)
-            self._cond.notify_all()
-            if self.wait:
-                self._wait_acked(record.step + 1)
+            if not self.wait:
+                self._queue.append(record)
+                self._cond.notify_all()
+                return
+        end = self._deliver([record])
+        with self._cond:
+            self._raise_if_failed()
+            self.acked = end
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
@@ -140,7 +147,7 @@ class KeeperSender:
         self._raise_if_failed()
 
     def close(self) -> None:
-        """Wait until every queued record is acknowledged, then stop the thread.
+        """Wait until every queued record is acknowledged, then stop the sender thread.
 
         Raises:
             KeeperUnreachableError: a send failed for good.
@@ -151,7 +158,8 @@ class KeeperSender:
             self._closed = True
             self._cond.notify_all()
             self._raise_if_failed()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
