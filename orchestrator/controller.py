@@ -98,6 +98,12 @@ class LogKeeperFailedError(RuntimeError):
     """The step log keeper did not start, or died (its log file and rank 0's local log keep the steps)."""
 
 
+def last_line(exc: BaseException) -> str:
+    """The last line of ``exc``'s message (at most 600 characters): for a Ray actor error, the error
+    that ended the actor, after its traceback."""
+    return str(exc).strip().splitlines()[-1][:600]
+
+
 class ResumeMismatchError(ValueError):
     """The run directory holds a step log of another trajectory than the configuration's."""
 
@@ -200,25 +206,26 @@ class Controller:
             name=self.cfg.log_keeper_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(str(self.run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage)
-        if "end" not in self._poll_log_keeper("status", timeout_s=300):
-            raise LogKeeperFailedError("the step log keeper did not answer within 300 s of its start")
+        try:
+            self.log_keeper_status = ray.get(self.log_keeper.status.remote(), timeout=300)
+        except (RayActorError, GetTimeoutError) as exc:
+            raise LogKeeperFailedError(f"the step log keeper could not start on the driver's node: {last_line(exc)}") from exc
         if self.log_keeper_status["adopted_steps"]:
             self.run_dir.event("log_adopted", steps=self.log_keeper_status["adopted_steps"], storage=self.cfg.storage)
         return self.log_keeper_status["end"]
 
     def _poll_log_keeper(self, method: str = "status", timeout_s: float = 30) -> dict:
-        """Refresh ``log_keeper_status`` (``status``, or ``flush``: a final mirror round).
+        """Refresh ``log_keeper_status`` (``status``, or ``flush``: a final mirror round); a keeper
+        that does not answer in ``timeout_s`` seconds keeps its last status (logged).
 
         Raises:
-            LogKeeperFailedError: the keeper died or did not start.
+            LogKeeperFailedError: the keeper died.
         """
         try:
             self.log_keeper_status = ray.get(getattr(self.log_keeper, method).remote(), timeout=timeout_s)
         except RayActorError as exc:
-            cause = str(exc).strip().splitlines()[-1][:300]
-            raise LogKeeperFailedError(
-                f"the step log keeper died or did not start: {cause}; {self.run_dir.step_log} and rank 0's local log "
-                "keep the steps: resume with --resume") from exc
+            raise LogKeeperFailedError(f"the step log keeper died: {last_line(exc)}; {self.run_dir.step_log} and rank 0's "
+                                       "local log keep the steps: resume with --resume") from exc
         except GetTimeoutError as exc:
             log.warning("the step log keeper did not answer %s: %s", method, exc)
         return self.log_keeper_status

@@ -3,22 +3,26 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import tempfile
 import threading
 import uuid
 
 import pytest
+import ray
 from typer.testing import CliRunner
 
 from actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, LogKeeper, read_range
 from conftest import make_bucket
 from orchestrator.cli import app
 from orchestrator.config import JobConfig
+from orchestrator.controller import Controller
 from orchestrator.summary import durability
 from storage.backend import Storage
 from storage.log_segments import read_segments
 from storage.steplog import StepLogConflictError, StepLogGapError, StepLogWriter, StepRecord, read_header, read_records
+from training.model import default_cache_dir
 from training.rank0_log import KeeperSender, KeeperUnreachableError, open_local_log, replicated_append
 
 HEADER = {"run_id": "k", "trajectory_sha256": "t" * 64, "layout_sha256": "l" * 64, "generator": "g", "log_id": "a"}
@@ -188,3 +192,27 @@ def test_the_summary_says_whether_durability_node_held():
     assert not durability("node", "n2", events)["node_held"]  # a replacement ran on the keeper's node
     assert not durability("process", "n0", events)["node_held"]
     assert not durability("node", "n0", [])["node_held"]  # rank 0 never started
+
+
+@pytest.mark.ray
+def test_a_bucket_holding_another_runs_log_fails_the_run_at_the_keepers_start_with_a_summary(tmp_path, s3_endpoint):
+    """The keeper refuses to adopt the segments of another trajectory (a --storage reused by mistake):
+    the run ends before training with one error that names the bucket's run, a summary, and no actor left."""
+    bucket = f"rc-other-{uuid.uuid4().hex[:8]}"
+    make_bucket(s3_endpoint, bucket)
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=4, eval_samples=0,
+                    storage=f"s3://{bucket}/run", storage_options={"endpoint_url": s3_endpoint}, run_id=f"o-{uuid.uuid4().hex[:6]}")
+    other = keeper_with(tmp_path / "other.bin", 2, mirror_to=cfg.snapshot_store().storage)
+    assert other.flush()["log_mirrored_steps"] == 2
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="raycheck")
+    try:
+        summary = Controller(cfg, echo=lambda _: None).run()
+        with pytest.raises(ValueError):
+            ray.get_actor(cfg.log_keeper_name, namespace="raycheck")
+    finally:
+        ray.shutdown()
+    assert summary["error"] == json.loads((tmp_path / "run" / "summary.json").read_text())["error"]
+    assert (summary["ok"], summary["phase"], summary["final_step"]) == (False, "failed", None)
+    assert summary["error"].startswith("LogKeeperFailedError: the step log keeper could not start on the driver's node: ")
+    assert summary["error"].endswith(f"holds the step log of another run or trajectory (run k, trajectory {'t' * 64}) than "
+                                     f"{tmp_path / 'run' / 'steplog.bin'}: resume with that run's settings")
