@@ -78,6 +78,13 @@ def test_records_are_bounded_per_call_and_wait_for_wakes_a_follower(tmp_path):
     assert woke == {"end": n + 2}
     assert source.poll() == [rec(n), rec(n + 1)]
 
+    keeper.close()  # its file as rank 0's local log, longer than one call may carry, brings a new keeper up to date
+    fresh = LogKeeper(tmp_path / "fresh.bin", header=HEADER)
+    opened = open_local_log(tmp_path / "steplog.bin", fresh)
+    assert (opened.local_steps, opened.sent_steps) == (n + 2, n + 2)
+    assert read_range(fresh, 0, n + 2) == read_records(tmp_path / "steplog.bin") == [rec(i) for i in range(n + 2)]
+    opened.writer.close()
+
 
 def test_a_keeper_resumes_from_the_segments_in_a_bucket(tmp_path, s3_endpoint):
     bucket = f"rc-keep-{uuid.uuid4().hex[:8]}"

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.log_keeper import read_range
+from actors.log_keeper import MAX_RECORDS_PER_CALL, read_range
 from storage.steplog import StepLogError, StepLogWriter, StepRecord, read_header, read_records
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,9 @@ def open_local_log(path: str | pathlib.Path, keeper) -> LocalLogOpened:
     local, kept = writer.next_step, keeper.end()
     for record in read_range(keeper, local, kept):
         writer.append(record)
-    if local > kept:
-        keeper.append_many(read_records(path)[kept:local])
+    missed = read_records(path)[kept:local] if local > kept else []
+    for first in range(0, len(missed), MAX_RECORDS_PER_CALL):  # bounded messages
+        keeper.append_many(missed[first:first + MAX_RECORDS_PER_CALL])
     return LocalLogOpened(writer, local, max(0, kept - local), max(0, local - kept), discarded)
 
 
