@@ -1,7 +1,6 @@
 """The snapshot persister: writes shadow images to storage on its own thread, never blocking anyone.
 
-``SnapshotPersister`` is the plain logic (tested without Ray); ``PersisterActor`` is its Ray shell,
-which also mirrors the step log to remote storage as segments (``storage.log_segments``).
+``SnapshotPersister`` is the plain logic (tested without Ray); ``PersisterActor`` is its Ray shell.
 
 Backpressure: one image is written at a time and at most one waits; a newer image replaces a waiting
 one (counted in ``superseded``), so memory stays bounded however slow storage is. A failed write is
@@ -28,7 +27,6 @@ from collections.abc import Mapping
 import numpy as np
 
 from orchestrator.cluster import this_node
-from storage.log_segments import SegmentMirror
 from storage.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -165,42 +163,10 @@ class PersisterActor(SnapshotPersister):
     """Ray shell: ``ray.remote(PersisterActor).options(num_cpus=0, max_concurrency=4, name=...)``.
 
     The constructor never touches storage, so a persister (re)started while storage is unreachable
-    starts all the same: its status reports the outage (``log_mirror_error``, ``last_error``, the
-    breaker's ``storage`` state) and it keeps retrying through the breaker until storage answers.
-
-    Args:
-        store: where snapshots go.
-        log_path: the local step log to mirror into ``store``'s storage as segments (None: do not
-            mirror, e.g. when the store is on the same disk as the log).
-        mirror_every_s: how often the mirror uploads new records.
+    starts all the same: its status reports the outage (``last_error``, the breaker's ``storage``
+    state) and it keeps retrying through the breaker until storage answers. (The step log's mirror to
+    storage is the log keeper's: ``actors.log_keeper``.)
     """
-
-    def __init__(self, store: SnapshotStore, log_path: str | None = None, mirror_every_s: float = 2.0) -> None:
-        super().__init__(store)
-        self.log_path, self.mirror_every_s = log_path, mirror_every_s
-        self.mirror: SegmentMirror | None = None  # built on the first sync that reaches storage (it lists the segments)
-        self._mirror_lock = threading.Lock()
-        self.mirror_error: str | None = None
-        if log_path:
-            threading.Thread(target=self._mirror_loop, args=(mirror_every_s,), name="log-mirror", daemon=True).start()
-
-    def _mirror_loop(self, every_s: float) -> None:
-        while True:
-            time.sleep(every_s)
-            self._sync_log(final=False)
-
-    def _sync_log(self, final: bool) -> None:
-        try:
-            if final:
-                self.store.storage.wait_until_usable()
-            with self._mirror_lock:
-                if self.mirror is None:
-                    self.mirror = SegmentMirror(self.store.storage, self.log_path, max_age_s=self.mirror_every_s)
-                self.mirror.sync(final=final)
-            self.mirror_error = None
-        except Exception as exc:  # surfaced through status(); retried on the next round
-            log.warning("mirroring the step log failed: %s", exc)
-            self.mirror_error = f"{type(exc).__name__}: {exc}"
 
     def check_storage(self) -> dict:
         """Probe the store from this actor's node (write, read back and delete a small object; the
@@ -213,13 +179,5 @@ class PersisterActor(SnapshotPersister):
         return this_node()
 
     def status(self) -> dict:
-        """``SnapshotPersister.status``, the log mirror's progress, and where it runs (``node_id``, ``node_ip``)."""
-        status = {**super().status(), **this_node()}
-        if self.log_path:  # steps known to be mirrored: none before storage first answered
-            status.update(log_mirrored_steps=self.mirror.mirrored if self.mirror else 0, log_mirror_error=self.mirror_error)
-        return status
-
-    def flush(self, timeout_s: float) -> dict:
-        if self.log_path:
-            self._sync_log(final=True)
-        return super().flush(timeout_s)
+        """``SnapshotPersister.status`` and where it runs (``node_id``, ``node_ip``)."""
+        return {**super().status(), **this_node()}

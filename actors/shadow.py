@@ -18,14 +18,17 @@ part of it has arrived (``actors.persister``); a recovery assembles the K images
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import ray
 import torch
 
+from actors.log_keeper import KeeperLogSource, RemoteKeeper
 from actors.shards import ShardRange, split_units
 from orchestrator.cluster import this_node
 from policies.interval import SnapshotSchedule
@@ -39,12 +42,31 @@ from training.zo import check_generator, replay_step_
 log = logging.getLogger(__name__)
 
 
+class LogSource(Protocol):
+    """Where a shadow reads the step log: ``storage.steplog.StepLogReader`` follows a file (tests,
+    ``raycheck replay``), ``actors.log_keeper.KeeperLogSource`` the log keeper over Ray (the actor).
+
+    Attributes:
+        header: the log's header (model layout, generator).
+        next_step: the step of the first record the next ``poll`` returns.
+    """
+
+    header: dict
+    next_step: int
+
+    def poll(self) -> list[StepRecord]:
+        """The records that became durable since the last call (from ``next_step`` on), in order."""
+
+    def seek(self, step: int) -> None:
+        """Follow the log from ``step`` on."""
+
+
 class ShadowReplayer:
     """Replays a step log into ``params`` (in place), one record at a time.
 
     Args:
         params: ordered parameter tensors holding the state after ``start_step`` steps.
-        log_path: the step log to follow.
+        log: the step log to follow: a ``LogSource``, or the path of a log file.
         start_step: steps already applied to ``params``.
         hash_every: record ``state_sha256`` of ``params`` whenever the step count is a multiple of this (0: never).
         shard: the range of the model ``params`` holds (a shadow shard); None: the whole model.
@@ -54,25 +76,31 @@ class ShadowReplayer:
             another noise generator.
     """
 
-    def __init__(self, params: "OrderedDict[str, torch.Tensor]", log_path, start_step: int = 0, hash_every: int = 0,
-                 shard: ShardRange | None = None):
+    def __init__(self, params: "OrderedDict[str, torch.Tensor]", log: LogSource | str | os.PathLike, start_step: int = 0,
+                 hash_every: int = 0, shard: ShardRange | None = None):
         self.params = params
         self.first_index = shard.first_index if shard else 0
-        self.reader = StepLogReader(log_path, start_step)
+        self.reader = StepLogReader(log, start_step) if isinstance(log, (str, os.PathLike)) else log
+        self.reader.seek(start_step)
         header = self.reader.header
         if shard is None:
             matches = header["layout_sha256"] == layout_sha256(parameter_layout(params))
         else:  # a shard: its tensors must be that range of the logged layout
             matches = header.get("layout", [])[shard.first_index:shard.end_index] == parameter_layout(params)
         if not matches:
-            raise ValueError(f"{log_path}: log was written for another model layout ({header.get('model')})")
-        check_generator(header, str(log_path))
+            raise ValueError(f"{log}: log was written for another model layout ({header.get('model')})")
+        check_generator(header, str(log))
         self.step = start_step
         self.hash_every = hash_every
         self.hashes: dict[int, str] = {}
         self.replay_seconds = 0.0
         self.replayed = 0
         self._pending: list[StepRecord] = []
+
+    @property
+    def waiting(self) -> int:
+        """Records read and not yet replayed."""
+        return len(self._pending)
 
     def poll(self) -> int:
         """Read newly durable records; returns how many are waiting to be replayed."""
@@ -113,7 +141,7 @@ class ShadowReplayer:
     def load_state_dict(self, state: dict) -> None:
         """Reset to ``state`` (as returned by ``state_dict``) and follow the log from its step."""
         load_into(self.params, state["params"])
-        self.reader = StepLogReader(self.reader.path, state["step"])
+        self.reader.seek(state["step"])
         self.step = state["step"]
         self._pending.clear()
 
@@ -133,12 +161,14 @@ class AlignedSchedule(SnapshotSchedule):
 
 @dataclass(frozen=True, kw_only=True)
 class ShadowSpec:
-    """What a shadow actor needs to start: the model, the log, where snapshots live and how often;
-    ``shard`` of ``shards`` (``actors.shards.split_units``) when the shadow is sharded."""
+    """What a shadow actor needs to start: the model, the log (the log keeper's actor name
+    ``log_keeper_name``, or else the file ``log_path`` on the shadow's node), where snapshots live and
+    how often; ``shard`` of ``shards`` (``actors.shards.split_units``) when the shadow is sharded."""
 
     model: str
     cache_dir: str
-    log_path: str
+    log_path: str = ""
+    log_keeper_name: str = ""
     store: SnapshotStore
     persister_name: str | None
     snapshot_every_steps: int
@@ -172,7 +202,8 @@ class ShadowActor:
         except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; replay the whole log
             log.warning("shadow starts from the initial weights: %s", exc)
             self.base = {"source": "initial", "step": 0}
-        self.replayer = ShadowReplayer(params, spec.log_path, self.base["step"], spec.hash_every,
+        source = KeeperLogSource(RemoteKeeper(spec.log_keeper_name)) if spec.log_keeper_name else spec.log_path
+        self.replayer = ShadowReplayer(params, source, self.base["step"], spec.hash_every,
                                        self.range if spec.shards > 1 else None)
         schedule = AlignedSchedule if spec.shards > 1 else SnapshotSchedule
         self.schedule = schedule(every_steps=spec.snapshot_every_steps, last_step=self.base["step"])
@@ -186,10 +217,13 @@ class ShadowActor:
         self._thread.start()
 
     def _run(self) -> None:
+        polled_s = 0.0
         try:
             while not self._stop:
+                if not self.replayer.waiting or time.monotonic() - polled_s >= self.spec.poll_interval_s:
+                    self.replayer.poll()  # a call to the log keeper: outside the lock, at most every poll interval while busy
+                    polled_s = time.monotonic()
                 with self._cond:
-                    self.replayer.poll()
                     progressed = self.replayer.replay_one()
                     image = None
                     if progressed and self._due(self.replayer.step):

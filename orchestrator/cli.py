@@ -235,6 +235,10 @@ def run(
                                                "log and the shadow stay on the CPU; see scripts/device-check).")] = "cpu",
     shadow_env: Annotated[list[str], typer.Option(help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), "
                                                        "e.g. ATEN_CPU_CAPABILITY=default. Repeatable.")] = [],
+    durability: Annotated[str, typer.Option(help="zo step log: a step is durable before its update when fsynced on rank 0's node "
+                                                 "(process) or also acknowledged by the log keeper on the driver's node (node).")] = "node",
+    scratch_dir: Annotated[str, typer.Option(help="Node-local directory for rank 0's own step log (default: a per-run "
+                                                  "directory under the system temp dir; never the run directory).")] = "",
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
     worker_resource: Annotated[str, typer.Option(help="Ray custom resource each train worker asks one unit of (places the "
                                                       "workers on the nodes offering it).")] = "",
@@ -264,7 +268,7 @@ def run(
             eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, shadow_shards=shadow_shards,
             settle_failures=settle_failures, device=device, shadow_env=parse_env(shadow_env, "--shadow-env"),
             worker_resource=worker_resource, shadow_resource=shadow_resource, start_timeout_s=start_timeout_s,
-            run_id=uuid.uuid4().hex[:8],
+            durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],
         )
         _check_shards(cfg)
     except ValueError as exc:  # nonsense configuration: refused before anything is touched

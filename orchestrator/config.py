@@ -8,6 +8,7 @@ import json
 import math
 import pathlib
 import re
+import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,6 +32,8 @@ STRATEGIES = {
 weights; ``layerwise`` and ``differential``: first-order strategies (LayerCheck, LowDiff)."""
 DEFAULT_STRATEGY = {"zo": "shadow", "fo": "layerwise"}
 HOWS = ("exit", "raise", "sigkill", "torn")
+DURABILITIES = ("process", "node")
+"""Fault domains a step record survives before its update (``training.rank0_log``)."""
 DEVICES = ("cpu", "cuda")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """An environment variable name (``shadow_env`` keys)."""
@@ -193,6 +196,13 @@ class JobConfig:
     start_timeout_s: float = 300.0
     """Seconds the snapshot persister and each shadow shard may take to start (be placed on a node and
     construct) before the run fails, naming the component."""
+    durability: str = "node"
+    """When a step's record counts as durable (before its update): ``process`` (fsynced in rank 0's
+    node-local log; sent to the log keeper without waiting) or ``node`` (also acknowledged by the log
+    keeper on the driver's node; survives the loss of rank 0's node when that is another node)."""
+    scratch_dir: str = ""
+    """Node-local directory of rank 0's own step log (never the run directory); empty: a per-run
+    directory under the system temp directory (``default_scratch_dir``)."""
     extra: dict = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
@@ -239,6 +249,10 @@ class JobConfig:
                                  f"rank ({self.workers - 1}), which has no log writer: use workers=1 or another HOW")
         if not self.storage:
             object.__setattr__(self, "storage", str(pathlib.Path(self.out_dir) / "snapshots"))
+        if self.durability not in DURABILITIES:
+            raise ValueError(f"durability {self.durability!r}: choose one of {', '.join(DURABILITIES)}")
+        if not self.scratch_dir:
+            object.__setattr__(self, "scratch_dir", default_scratch_dir(self.out_dir, self.run_id))
         self._check_fo()
         self._check_runtime()
 
@@ -347,3 +361,14 @@ class JobConfig:
     def journal_name(self) -> str:
         """The run's journal actor (``orchestrator.journal``)."""
         return f"raycheck-journal-{self.run_id}"
+
+    @property
+    def log_keeper_name(self) -> str:
+        return f"raycheck-log-keeper-{self.run_id}"
+
+
+def default_scratch_dir(out_dir: str, run_id: str) -> str:
+    """``<system temp dir>/raycheck-scratch/<run id>-<12 hex digits of the run directory's absolute path>``:
+    per run, and apart for two runs of one run id in different directories."""
+    where = hashlib.sha256(str(pathlib.Path(out_dir).absolute()).encode()).hexdigest()[:12]
+    return str(pathlib.Path(tempfile.gettempdir()) / "raycheck-scratch" / f"{run_id}-{where}")

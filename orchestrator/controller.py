@@ -1,4 +1,4 @@
-"""The controller: starts the shadow and persister, runs Ray Train, watches, repairs, summarises.
+"""The controller: starts the log keeper, shadow and persister, runs Ray Train, watches, repairs, summarises.
 
 States (``Phase``): INITIALISING -> RUNNING <-> RECOVERING -> FINISHED | FAILED. The driver runs
 ``TorchTrainer.fit`` on a thread and, on its own thread, follows the run's event and metric streams
@@ -9,6 +9,10 @@ the worker's.
 
 Durability never depends on Ray Train's checkpoint registration (a hard crash can drop the newest
 reported checkpoint): workers restore from the shadow or from storage + the step log themselves.
+The step log's replica is the log keeper (``actors.log_keeper``), pinned to the driver's node over
+the run directory's ``steplog.bin``; it mirrors the log to remote storage and, on a resume whose run
+directory lost its log, starts from the segments there. A keeper that dies fails the run
+(``LogKeeperFailedError``, with its summary): its file and rank 0's local log keep every step.
 
 Storage at start: the driver claims its writer epoch in the snapshot index before anything runs
 (``SnapshotStore.claim_epoch``, which fences writers of older incarnations), so a run whose storage
@@ -27,13 +31,16 @@ import pathlib
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.log_keeper import LogKeeperActor
 from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
 from orchestrator.cluster import Placement, alive_nodes, connect, plan_placement, runtime_env, this_node
@@ -43,9 +50,9 @@ from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
-from orchestrator.summary import recoveries, write_metrics
+from orchestrator.summary import durability, recoveries, write_metrics
 from storage.backend import STORAGE_ENV
-from storage.steplog import StepLogWriter, read_header, read_records
+from storage.steplog import StepLogWriter, read_header
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from training.zo import GENERATOR, check_generator
 
@@ -91,6 +98,17 @@ STORAGE_OUTAGE_NEEDS_SERVER = (
     "pass Controller(storage_outage=LocalS3Server(...).outage) (experiments/s3_server.py); use another failure target")
 
 
+class LogKeeperFailedError(RuntimeError):
+    """The step log keeper did not start, or died (its log file and rank 0's local log keep the steps)."""
+
+
+def last_line(exc: BaseException) -> str:
+    """The last line of ``exc``'s message (at most 600 characters): for a Ray actor error, the error
+    that ended the actor, after its traceback."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1][:600] if lines else ""
+
+
 class ResumeMismatchError(ValueError):
     """The run directory holds a step log of another trajectory than the configuration's."""
 
@@ -108,8 +126,7 @@ def start_failure(what: str, exc: Exception, timeout_s: float, options: dict) ->
         return ComponentStartError(
             f"{what} did not start within {timeout_s:g} s: no alive node could place it (it asks for "
             f"{options or 'no particular node'}); check the cluster's nodes, --shadow-resource and --start-timeout")
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return ComponentStartError(f"{what} could not start: {lines[-1].strip() if lines else type(exc).__name__}")
+    return ComponentStartError(f"{what} could not start: {last_line(exc) or type(exc).__name__}")
 
 
 def storage_failure(what: str, node: dict, uri: str, cause: BaseException) -> ComponentStartError:
@@ -120,7 +137,7 @@ def storage_failure(what: str, node: dict, uri: str, cause: BaseException) -> Co
         f"({', '.join(STORAGE_ENV)}): set them there (a credentials file on the driver's machine does not travel)")
 
 
-EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, ComponentStartError)
+EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, LogKeeperFailedError, ComponentStartError)
 """Failures a run is built to report (a restart budget spent): their message says it all."""
 
 
@@ -159,17 +176,18 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         "generator": GENERATOR,
         "run_seed": cfg.seed,
         "trajectory_sha256": cfg.trajectory_sha256(),
+        "log_id": uuid.uuid4().hex,  # this log's incarnation: a node-local copy of an earlier one is not taken for it
     }
     StepLogWriter.create(run.step_log, header).close()
 
 
-def start_persister(cfg: JobConfig, run: RunDir, placement: Placement):
+def start_persister(cfg: JobConfig, placement: Placement):
     """Start the run's snapshot persister (named ``cfg.persister_name``) where ``placement`` puts the
     replicas, with the driver's storage settings (``runtime_env``); returns its handle at once."""
     return ray.remote(PersisterActor).options(
         name=cfg.persister_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=4,
         runtime_env=runtime_env(), **placement.replica,
-    ).remote(cfg.snapshot_store(), str(run.step_log) if cfg.remote_storage else None)
+    ).remote(cfg.snapshot_store())
 
 
 class Controller:
@@ -208,12 +226,14 @@ class Controller:
         self.placement: Placement | None = None
         self.placed: dict = {"driver": None, "persister": []}
         """Where the driver and each persister incarnation ran (``this_node()``); ``_placement`` adds the rest."""
+        self.log_keeper = None
+        self.log_keeper_status: dict = {}
         self._calibration_requested = False
         self._printed_steps = 0
         self._seen_events = 0
 
     def _start_persister(self):
-        return start_persister(self.cfg, self.run_dir, self.placement)
+        return start_persister(self.cfg, self.placement)
 
     def _await_persister(self) -> None:
         """Wait until the first persister has started and can use storage from its node.
@@ -239,9 +259,50 @@ class Controller:
         """Record the node of a persister incarnation from its first status."""
         self.placed["persister"].append({k: status[k] for k in ("node_id", "node_ip")})
 
+    def _start_log_keeper(self) -> int:
+        """Start the log keeper over the run directory's step log, pinned to this (the driver's) node,
+        mirroring to and (when its log lacks steps) resuming from the run's remote storage; returns the
+        steps it holds.
+
+        Raises:
+            LogKeeperFailedError: it did not start (e.g. the bucket holds another run's log).
+        """
+        storage = self.cfg.snapshot_store().storage if self.cfg.remote_storage else None
+        self.log_keeper = ray.remote(LogKeeperActor).options(
+            name=self.cfg.log_keeper_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(str(self.run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage)
+        try:
+            self.log_keeper_status = ray.get(self.log_keeper.status.remote(), timeout=300)
+        except (RayActorError, GetTimeoutError) as exc:
+            raise LogKeeperFailedError(f"the step log keeper could not start on the driver's node: {last_line(exc)}") from exc
+        if self.log_keeper_status["adopted_steps"]:
+            self.channel.event("log_adopted", steps=self.log_keeper_status["adopted_steps"], storage=self.cfg.storage)
+        return self.log_keeper_status["end"]
+
+    def _poll_log_keeper(self, method: str = "status", timeout_s: float = 30) -> dict:
+        """Refresh ``log_keeper_status`` (``status``, or ``flush``: a final mirror round); a keeper
+        that does not answer in ``timeout_s`` seconds keeps its last status (logged).
+
+        Raises:
+            LogKeeperFailedError: the keeper died.
+        """
+        try:
+            self.log_keeper_status = ray.get(getattr(self.log_keeper, method).remote(), timeout=timeout_s)
+        except RayActorError as exc:
+            raise LogKeeperFailedError(f"the step log keeper died: {last_line(exc)}; {self.run_dir.step_log} and rank 0's "
+                                       "local log keep the steps: resume with --resume") from exc
+        except GetTimeoutError as exc:
+            log.warning("the step log keeper did not answer %s: %s", method, exc)
+        return self.log_keeper_status
+
+    def _mirror_status(self) -> dict:
+        """The step log mirror's fields of the keeper's status (``log_mirrored_steps``, ``log_mirror_error``)."""
+        return {k: v for k, v in self.log_keeper_status.items() if k.startswith("log_mirror")}
+
     def _shadow_spec(self) -> ShadowSpec:
         return ShadowSpec(
-            model=self.cfg.model, cache_dir=self.cfg.cache_dir, log_path=str(self.run_dir.step_log),
+            model=self.cfg.model, cache_dir=self.cfg.cache_dir, log_keeper_name=self.cfg.log_keeper_name,
             store=self.cfg.snapshot_store(), persister_name=self.cfg.persister_name,
             snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
         )
@@ -309,7 +370,7 @@ class Controller:
             log.warning("snapshot persister did not answer %s: %s", method, exc)
             self.persister_status = {**self.persister_status, "unavailable": f"{type(exc).__name__}: {exc}"[:300]}
             return self.persister_status
-        self.metrics.storage(self.persister_status, self._printed_steps)
+        self.metrics.storage({**self.persister_status, **self._mirror_status()}, self._printed_steps)
         return self.persister_status
 
     def _restart_persister(self, exc: Exception) -> None:
@@ -400,12 +461,13 @@ class Controller:
         return summary
 
     def _kill_actors(self) -> None:
-        """Kill this run's shadow (every shard's current incarnation), persister and journal (after a
-        last drain), whichever were started."""
+        """Kill this run's shadow (every shard's current incarnation), persister, log keeper and journal
+        (after a last drain), whichever were started."""
         if self.shadow is not None:
             self.shadow.kill()
-        if self.persister is not None:
-            ray.kill(self.persister, no_restart=True)
+        for actor in (self.persister, self.log_keeper):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
         if self.journal is not None:
             try:  # what came in since the last drain (e.g. a restart during the final checks)
                 self.record.drain(self.channel)
@@ -462,13 +524,13 @@ class Controller:
     def _run(self) -> dict:
         cfg, run = self.cfg, self.run_dir
         self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
-        durable = len(read_records(run.step_log))
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.placed["driver"] = this_node()
         self.placement = plan_placement(alive_nodes(), driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
                                         use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
                                         replica_resource=cfg.shadow_resource)
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
+        durable = self._start_log_keeper() if cfg.uses_step_log else 0
         if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
             rows = self.record.metrics
             self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
@@ -506,6 +568,8 @@ class Controller:
             if self.shadow:
                 self.shadow.poll(may_restart=lambda: not self._recovery_pending())
             self._poll_persister()
+            if self.log_keeper is not None:
+                self._poll_log_keeper()
             if done:
                 break
             time.sleep(0.5)
@@ -545,6 +609,8 @@ class Controller:
         mean_step_s = sum(step_s) / len(step_s) if step_s else None
         shadow = self._finish_shadow(outcome.get("ok", False), mean_step_s) if self.shadow else {}
         persisted = self._poll_persister("flush", 600, timeout_s=660)
+        if self.log_keeper is not None:
+            self._poll_log_keeper("flush", timeout_s=660)
         recs = recoveries(events)
         summary = {
             "ok": outcome.get("ok", False),
@@ -569,7 +635,8 @@ class Controller:
             "worker_cpu_capability": final.get("cpu_capability"),
             **shadow,
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
-            "snapshots": persisted,
+            "snapshots": {**persisted, **self._mirror_status()},
+            "durability": durability(cfg.durability, self.log_keeper_status.get("node_id"), events) if self.log_keeper else None,
             "replans": [e for e in events if e["kind"] == "replan"],
             "resumes": [e for e in events if e["kind"] == "resume"],
             **self._summary_base(),

@@ -42,6 +42,16 @@ def recoveries(events: list[dict]) -> list[dict]:
     return out
 
 
+def durability(level: str, keeper_node_id: str | None, events: list[dict]) -> dict:
+    """The step log's durability in ``summary.json``: ``level`` (``JobConfig.durability``), the log
+    keeper's node, rank 0's node in each of its incarnations (``step_log`` events), and ``node_held``:
+    whether level ``node`` really held, i.e. the keeper never ran on a node of rank 0 (with both on
+    one node a lost node takes both copies)."""
+    rank0 = [e["node_id"] for e in events if e["kind"] == "step_log"]
+    return {"level": level, "keeper_node_id": keeper_node_id, "rank0_node_ids": rank0,
+            "node_held": level == "node" and bool(rank0) and keeper_node_id is not None and keeper_node_id not in rank0}
+
+
 def write_metrics(executions: list[dict], per_step: dict[str, dict[int, int]], path: pathlib.Path) -> list[dict]:
     """One row per executed step of ``executions`` (the metric rows in time order; the last execution
     if a step ran twice) as Parquet, with the controller's per-step columns ``per_step`` (column ->

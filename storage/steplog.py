@@ -53,6 +53,10 @@ class StepLogGapError(StepLogError):
     """Step numbers are not consecutive: replay past the gap is impossible."""
 
 
+class StepLogConflictError(StepLogError):
+    """A record differs from the one a log already holds for its step (two trajectories, one log)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """Everything needed to replay ZO step ``step`` exactly (72 bytes + 4 of checksum).
@@ -209,7 +213,8 @@ def read_records(path: str | os.PathLike) -> list[StepRecord]:
 
 
 class StepLogReader:
-    """Follows a log that another process appends to (the shadow's view). Not thread-safe.
+    """Follows a log file that another process appends to: the file-backed log source of the shadow
+    (``actors.shadow.LogSource``), for tests and ``raycheck replay``. Not thread-safe.
 
     ``poll()`` returns the records that became complete since the last call, in order.
     """
@@ -217,9 +222,13 @@ class StepLogReader:
     def __init__(self, path: str | os.PathLike, start_step: int = 0) -> None:
         self.path = pathlib.Path(path)
         data = self.path.read_bytes()
-        self.header, self._offset = _decode_header(data, self.path)
-        self._offset += start_step * RECORD_BYTES
-        self.next_step = start_step
+        self.header, self._records_offset = _decode_header(data, self.path)
+        self.seek(start_step)
+
+    def seek(self, step: int) -> None:
+        """Follow the log from ``step`` on: the next ``poll`` starts with that step's record."""
+        self._offset = self._records_offset + step * RECORD_BYTES
+        self.next_step = step
 
     def poll(self) -> list[StepRecord]:
         with open(self.path, "rb") as fh:

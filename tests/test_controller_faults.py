@@ -1,10 +1,12 @@
 """The controller on a local Ray cluster when its shadow keeps failing: bounded restarts, then a failed run
 that still writes ``summary.json`` and kills its actors. No Ray Train: the trainer is replaced by one
-that leaves a gap in the step log (what a broken writer would leave) and then blocks, so the run can only
-end through the shadow's failures."""
+that leaves a gap in a step log file (what a broken writer would leave; the log keeper refuses gaps, so
+the shadow follows that file instead of the keeper) and then blocks, so the run can only end through
+the shadow's failures."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -18,7 +20,7 @@ from conftest import free_port
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller
 from orchestrator.run_dir import RunDir
-from storage.steplog import StepLogWriter, StepRecord
+from storage.steplog import StepLogWriter, StepRecord, read_header
 from training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray]
@@ -37,13 +39,13 @@ def record(step: int) -> StepRecord:
 
 
 class GapTrainer:
-    """Appends step 0, then step 2, to the run's step log; then blocks until ``release`` is set."""
+    """Appends step 0, then step 2, to the step log file ``path``; then blocks until ``release`` is set."""
 
-    def __init__(self, run: RunDir, release: threading.Event) -> None:
-        self.run, self.release = run, release
+    def __init__(self, path, release: threading.Event) -> None:
+        self.path, self.release = path, release
 
     def fit(self) -> None:
-        writer = StepLogWriter.open(self.run.step_log)
+        writer = StepLogWriter.open(self.path)
         writer.append(record(0))
         os.write(writer._fd, record(2).encode())
         writer.close()
@@ -67,7 +69,15 @@ def test_a_shadow_that_keeps_failing_is_restarted_within_its_budget_then_the_run
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=4, eval_samples=0,
                     max_shadow_restarts=1, run_id=f"gap-{uuid.uuid4().hex[:6]}")
     release = threading.Event()
-    monkeypatch.setattr(Controller, "_trainer", lambda self: GapTrainer(self.run_dir, release))
+    gapped = tmp_path / "gapped.bin"
+    spec = Controller._shadow_spec
+
+    def file_spec(self: Controller):  # the run's header (prepare wrote it by now), in a file the shadow follows
+        StepLogWriter.create(gapped, read_header(self.run_dir.step_log)).close()
+        return dataclasses.replace(spec(self), log_keeper_name="", log_path=str(gapped))
+
+    monkeypatch.setattr(Controller, "_shadow_spec", file_spec)
+    monkeypatch.setattr(Controller, "_trainer", lambda self: GapTrainer(gapped, release))
     try:
         returned = Controller(cfg, echo=lambda _: None).run()
     finally:
@@ -81,4 +91,4 @@ def test_a_shadow_that_keeps_failing_is_restarted_within_its_budget_then_the_run
     assert restart["source"] == "initial" and restart["step"] == 0
     events = RunDir(tmp_path / "run").read(RunDir(tmp_path / "run").events)
     assert [e["kind"] for e in events if e["kind"] in ("shadow_restart", "phase")][-2:] == ["shadow_restart", "phase"]
-    assert all(dead(name) for name in (f"{cfg.shadow_name}-0", f"{cfg.shadow_name}-1", cfg.persister_name))
+    assert all(dead(name) for name in (f"{cfg.shadow_name}-0", f"{cfg.shadow_name}-1", cfg.persister_name, cfg.log_keeper_name))

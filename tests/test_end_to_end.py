@@ -23,8 +23,10 @@ import pytest
 import ray
 from typer.testing import CliRunner
 
+from actors.log_keeper import LogKeeperActor
 from conftest import free_port, make_bucket
 from experiments.s3_server import LocalS3Server
+from orchestrator import controller as controller_module
 from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
@@ -418,3 +420,36 @@ def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(referen
     assert len(set(second["actor_ids"])) == 2 and second["actor_ids"][1] == s["shadow_restarts"][0]["actor_id"]
     assert all(f["replay_over_step"] > 0 for f in s["shadow_shards"])
     assert s["snapshots"]["last_durable_step"] == 12 and s["snapshots"]["parts_pending_steps"] == []
+
+
+def test_a_replacement_without_rank0s_local_log_rebuilds_it_from_the_keeper_and_is_exact(reference, tmp_path_factory,
+                                                                                          monkeypatch):
+    """Step 7: the shadow and a worker die once the snapshot of step 6 is committed, and rank 0's
+    node-local log is deleted before the replacement opens it (a replacement on another node, whose
+    scratch directory is empty): it rebuilds its log from the log keeper, restores the snapshot plus
+    the 1 logged step after it from that log, and ends bitwise equal with no step lost. The deletion
+    is gated by the keeper itself: the first ``header`` call on a log that holds steps is the
+    replacement's (the shadow's restart waits for the worker's recovery)."""
+    local_log = tmp_path_factory.mktemp("scratch") / "steplog.bin"
+
+    class ScratchLosingKeeper(LogKeeperActor):
+        dropped = False
+
+        def header(self) -> dict:
+            if self.end() > 0 and not self.dropped:
+                self.dropped = True
+                local_log.unlink()
+            return super().header()
+
+    monkeypatch.setattr(controller_module, "LogKeeperActor", ScratchLosingKeeper)
+    s = job(tmp_path_factory, "scratch-lost", "7:both", scratch_dir=str(local_log.parent))
+    assert_exact(s, reference)
+    assert [(r["failure_step"], r["source"], r["base_step"], r["replayed_steps"]) for r in s["recoveries"]] == [(7, "storage", 6, 1)]
+    events = RunDir.read(pathlib.Path(s["config"]["out_dir"]) / "events.jsonl")
+    opened = [(e["local_steps"], e["rebuilt_steps"], e["sent_steps"]) for e in events if e["kind"] == "step_log"]
+    assert opened == [(0, 0, 0), (0, 7, 0)]  # the first incarnation's fresh log; the replacement's rebuilt one
+    assert next(e for e in events if e["kind"] == "recovery")["log_source"] == "local"
+    assert read_records(local_log) == read_records(pathlib.Path(s["config"]["out_dir"]) / "steplog.bin")
+    assert len(read_records(local_log)) == 12
+    node = s["durability"]["keeper_node_id"]
+    assert s["durability"] == {"level": "node", "keeper_node_id": node, "rank0_node_ids": [node, node], "node_held": False}

@@ -18,7 +18,6 @@ from orchestrator.cli import app
 from orchestrator.cluster import alive_nodes, plan_placement, this_node
 from orchestrator.config import JobConfig
 from orchestrator.controller import start_persister
-from orchestrator.run_dir import RunDir
 from storage.backend import STORAGE_ENV
 from training.model import default_cache_dir
 
@@ -65,7 +64,7 @@ def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_
                     storage=bucket_uri(s3_endpoint), storage_options={"endpoint_url": s3_endpoint}, run_id="probe")
     placement = plan_placement(alive_nodes(), driver_node_id=this_node()["node_id"], workers=1, use_gpu=False,
                                replica_resource="replica")
-    persister = start_persister(cfg, RunDir(tmp_path / "probe"), placement)
+    persister = start_persister(cfg, placement)
     try:  # the "cpu" node has no AWS_* of its own: the driver's reached the persister there
         node = ray.get(persister.check_storage.remote(), timeout=120)
     finally:
@@ -100,21 +99,19 @@ def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_
 
 
 @pytest.mark.raytrain
-@pytest.mark.xfail(strict=True, reason="needs the journal and the log keeper (issue 10, parts 1 and 2): until they land, "
-                                       "workers and the shadow on other nodes look for the run directory's files "
-                                       "(failure markers, events, steplog.bin), which the driver wrote on its own node")
 def test_a_zo_run_with_a_worker_and_a_shadow_failure_ends_bitwise_equal_on_three_nodes(three_nodes, s3_endpoint, tmp_path,
                                                                                         monkeypatch):
     secret = f"secret-{uuid.uuid4().hex}"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     out = tmp_path / "run"
-    result = run_cli("--steps", "8", "--fail", "3:worker", "--fail", "5:shadow", "--settle-failures", "--verify",
+    result = run_cli("--steps", "8", "--fail", "3:worker", "--fail", "5:shadow", "--settle-failures", "--verify", "--durability", "node",
                      "--snapshot-every", "3", "--storage", bucket_uri(s3_endpoint), "--s3-endpoint", s3_endpoint,
                      "--worker-resource", "train", "--shadow-resource", "replica", "--start-timeout", "120", "--out", str(out))
     summary = json.loads((out / "summary.json").read_text())
     assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
     assert summary == {**summary, "ok": True, "final_step": 8, "bitwise_equal": True, "shadow_equal": True, "lost_steps": 0}
     assert [f["target"] for f in summary["failures"]] == ["worker", "shadow"]
+    assert summary["durability"] == {**summary["durability"], "level": "node", "node_held": True}
     placement = {name: three_nodes_ids()[name] for name in ("gpu", "cpu")}
     assert {w["node_id"] for w in summary["placement"]["workers"]} == {placement["gpu"]}
     assert {p["node_id"] for shard in summary["placement"]["shadow_shards"] for p in shard} == {placement["cpu"]}

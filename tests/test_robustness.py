@@ -19,7 +19,8 @@ import ray
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
-from actors.persister import PersisterActor, SnapshotPersister
+from actors.log_keeper import LogKeeper
+from actors.persister import PersisterActor
 from conftest import free_port, make_bucket
 from experiments.s3_server import LocalS3Server
 from orchestrator.cli import app
@@ -120,7 +121,7 @@ def test_an_unreachable_endpoint_is_named_wherever_storage_is_probed(tmp_path, m
 
 
 # -- 3. a persister started during an outage starts, says so, and resumes --------------------------
-def test_a_persister_started_while_storage_is_unreachable_reports_it_and_resumes_when_storage_returns(tmp_path):
+def test_a_persister_and_log_keeper_started_while_storage_is_unreachable_report_it_and_resume_when_storage_returns(tmp_path):
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     bucket = f"rc-late-{uuid.uuid4().hex[:8]}"  # moto keeps buckets across servers in one process
@@ -133,15 +134,17 @@ def test_a_persister_started_while_storage_is_unreachable_reports_it_and_resumes
     retry = RetryPolicy(attempts=1, base_delay_s=0.01, timeout_s=5.0, max_consecutive_failures=1, breaker_backoff_s=0.05,
                         breaker_max_backoff_s=0.05)
     store = SnapshotStore(Storage(f"s3://{bucket}/run", retry=retry, endpoint_url=endpoint), keep_last=1)
-    # the mirror loop's own round is an hour away: only flush() syncs, so each outcome below is forced
-    persister = PersisterActor(store, str(log_path), mirror_every_s=3600)  # used to raise here (it listed the segments)
+    persister = PersisterActor(store)  # never touches storage before its first write
+    # the log keeper mirrors the step log; its mirror loop is not running: only flush() syncs, so each outcome below is forced
+    keeper = LogKeeper(log_path, mirror_to=store.storage, mirror_every_s=3600)
     unreachable = f"storage endpoint {endpoint} unreachable (connection refused)"
 
-    status = persister.flush(timeout_s=60)
+    status = keeper.flush()
     assert unreachable in status["log_mirror_error"] and status["log_mirrored_steps"] == 0
+    status = persister.status()
     assert status["storage"]["state"] in ("open", "half_open") and status["storage"]["opened"] == 1
     persister.submit(1, state(1))
-    status = SnapshotPersister.flush(persister, timeout_s=60)  # the write alone: no mirror round competes for the probe
+    status = persister.flush(timeout_s=60)
     assert status["failed"] == 1 and status["last_durable_step"] is None
     assert status["last_error"].startswith("step 1: StorageUnreachableError: put ") and unreachable in status["last_error"]
 
@@ -149,15 +152,16 @@ def test_a_persister_started_while_storage_is_unreachable_reports_it_and_resumes
     server.start()
     try:
         make_bucket(endpoint, bucket)
-        assert persister.flush(timeout_s=60)["log_mirrored_steps"] == 3  # its probe closes the breaker
+        assert keeper.flush()["log_mirrored_steps"] == 3  # its probe closes the breaker
         persister.submit(2, state(2))
         status = persister.flush(timeout_s=60)
-        assert status["storage"]["state"] == "closed" and status["log_mirror_error"] is None
-        assert status["last_durable_step"] == 2 and status["written"] == 1 and status["log_mirrored_steps"] == 3
+        assert status["storage"]["state"] == "closed" and keeper.status()["log_mirror_error"] is None
+        assert status["last_durable_step"] == 2 and status["written"] == 1 and keeper.status()["log_mirrored_steps"] == 3
         fresh = Storage(f"s3://{bucket}/run", endpoint_url=endpoint)
         assert state_sha256(SnapshotStore(fresh).load_latest().state) == state_sha256(state(2))
         assert read_segments(fresh)[1] == read_records(log_path)
     finally:
+        keeper.close()
         server.stop()
 
 
@@ -245,6 +249,7 @@ class PersisterKiller:
     def __init__(self, cfg: JobConfig, server: LocalS3Server, restarted: threading.Event, release: threading.Event) -> None:
         self.cfg, self.server, self.restarted, self.release = cfg, server, restarted, release
         self.status_after_restart: dict | None = None
+        self.keeper_status: dict | None = None
 
     def _kill(self) -> None:
         ray.kill(ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace), no_restart=True)
@@ -254,7 +259,9 @@ class PersisterKiller:
         self._kill()
         if self.restarted.wait(300):
             handle = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
-            self.status_after_restart = ray.get(handle.flush.remote(60), timeout=120)  # one mirror round, forced
+            self.status_after_restart = ray.get(handle.flush.remote(60), timeout=120)
+            keeper = ray.get_actor(self.cfg.log_keeper_name, namespace=self.cfg.namespace)
+            self.keeper_status = ray.get(keeper.flush.remote(), timeout=120)  # one mirror round, forced
             self._kill()
         self.release.wait(600)
 
@@ -293,7 +300,8 @@ def test_a_persister_restarted_during_an_outage_comes_up_and_its_spent_budget_fa
         server.stop()
     status = trainer.status_after_restart
     assert status is not None, "the persister was never restarted"
-    assert f"storage endpoint {server.endpoint} unreachable (connection refused)" in status["log_mirror_error"]
+    assert status["written"] == 0 and status["last_error"] is None  # it came up, and had nothing to write
+    assert f"storage endpoint {server.endpoint} unreachable (connection refused)" in trainer.keeper_status["log_mirror_error"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary == {**summary, "ok": False, "phase": "failed", "persister_restarts": 1, "error": returned["error"]}
     assert summary["error"] == (

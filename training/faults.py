@@ -44,8 +44,8 @@ class FaultInjector:
 
     The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank
     (``torn`` needs rank 0's log writer, so use it with one worker). ``run`` is the run's journal.
-    ``durable_steps`` returns how many steps are durable when a worker failure hits (the step log's
-    complete records; strategies without a step log pass their newest committed checkpoint's step).
+    ``durable_steps`` returns how many steps are durable when a worker failure hits (the steps the log
+    keeper holds, ``actors.log_keeper``; strategies without a step log pass their newest committed checkpoint's step).
     ``flush`` waits until this rank's background checkpoint writes are committed (default: nothing to
     wait for).
     """

@@ -4,7 +4,9 @@ Order of preference (ZOCheck's recovery rule): the live shadow's image through R
 when the shadow is alive, intact and catches up to the end of the durable log (a sharded shadow:
 every shard's image of that step, assembled by ``actors.shards.assemble``); else the newest
 verified snapshot in storage (or the initial weights when none exists) plus replay of the logged
-tail. Either way the restored state is the one after every durable step: nothing logged is lost.
+tail (``log_tail``: from rank 0's node-local log, the log keeper, or the log segments in the bucket,
+whichever holds every durable step). Either way the restored state is the one after every durable
+step: nothing logged is lost.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.log_keeper import RemoteKeeper, read_range
 from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel
 from actors.shards import assemble
 from orchestrator.shadow_keeper import find_shards
+from storage.log_segments import read_segments
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError
-from storage.steplog import read_header, read_records
+from storage.steplog import StepLogGapError, StepRecord, read_header, read_records
 from training.state import load_into
 from training.zo import check_generator, replay_records_
 
@@ -52,16 +56,45 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
             "load_seconds": time.perf_counter() - t0, "replay_seconds": 0.0}
 
 
-def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int | None) -> dict:
+def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict, list[StepRecord], str]:
+    """(header, records ``start..end - 1``, where they came from) of the run's step log, from the first
+    of these that holds ``end`` steps: ``local_log`` (rank 0's node-local log; None elsewhere), the log
+    keeper (``cfg.log_keeper_name``), the log segments in the run's storage (``cfg.remote_storage``).
+
+    Raises:
+        StepLogGapError: none of them holds ``end`` steps (each one's reason is named).
+    """
+    reasons = []
+    if local_log is not None and pathlib.Path(local_log).exists():
+        records = read_records(local_log)
+        if len(records) >= end:
+            return read_header(local_log), records[start:end], "local"
+        reasons.append(f"{local_log} holds {len(records)}")
+    try:
+        keeper = RemoteKeeper(cfg.log_keeper_name, cfg.namespace)
+        return keeper.header(), read_range(keeper, start, end), "keeper"
+    except (ValueError, RayActorError, GetTimeoutError, StepLogGapError) as exc:
+        reasons.append(f"the log keeper: {type(exc).__name__}: {exc}")
+    if cfg.remote_storage:
+        header, records = read_segments(cfg.snapshot_store().storage)
+        if len(records) >= end:
+            return header, records[start:end], "segments"
+        reasons.append(f"the segments in {cfg.storage} hold {len(records)}")
+    raise StepLogGapError(f"no copy of the step log holds the {end} durable steps: {'; '.join(reasons)}")
+
+
+def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log, log_end: int | None) -> dict:
     """Load the newest verified snapshot of this run (at or before ``log_end`` when given, with the
     layout of ``params``; else keep the initial weights in ``params``), then replay the logged steps
-    after it up to ``log_end``. Snapshots of other runs or layouts are skipped and named in ``skipped``.
+    after it up to ``log_end`` (``log_tail``: from ``local_log``, the log keeper or the bucket; the
+    source is named in ``log_source``). Snapshots of other runs or layouts are skipped and named in ``skipped``.
 
     ``log_end=None`` (strategies without a step log): no replay; training resumes at the snapshot's
     step and the steps after it are recomputed.
 
     Raises:
         GeneratorMismatchError: the log's header names another noise generator (or none).
+        StepLogGapError: no copy of the log holds ``log_end`` steps.
     """
     t0 = time.perf_counter()
     try:
@@ -72,18 +105,20 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_p
         log.warning("%s; restarting from the initial weights", exc)
         base, source, skipped = 0, "initial", [str(exc)]
     t1 = time.perf_counter()
+    result = {"source": source, "base_step": base, "replayed_steps": 0, "skipped": skipped}
     if log_end is not None:
-        check_generator(read_header(log_path), str(log_path))
-    replayed = replay_records_(params, read_records(log_path)[base:log_end]) if log_end is not None else 0
-    return {"source": source, "base_step": base, "replayed_steps": replayed, "skipped": skipped,
-            "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
+        header, records, result["log_source"] = log_tail(cfg, local_log, base, log_end)
+        check_generator(header, f"the step log ({result['log_source']})")
+        result["replayed_steps"] = replay_records_(params, records)
+    return {**result, "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 
 
-def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, log_end: int | None) -> dict:
+def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log, log_end: int | None) -> dict:
     """Restore ``params`` (holding the initial weights) to the freshest complete state.
 
-    With a step log (``log_end`` = its complete records) that is the state after ``log_end`` steps:
-    the live shadow's image when the strategy has one, else storage plus the log tail. Without a
+    With a step log (``log_end`` = the steps the log keeper holds) that is the state after ``log_end``
+    steps: the live shadow's image when the strategy has one, else storage plus the log tail
+    (``from_storage``; ``local_log``: rank 0's node-local log, None on the other ranks). Without a
     step log (``log_end=None``) it is the newest committed checkpoint.
 
     Returns ``{"source": "object_store" | "storage" | "initial", "base_step", "replayed_steps",
@@ -91,6 +126,6 @@ def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_path, 
     ``base_step + replayed_steps``.
     """
     t0 = time.perf_counter()
-    result = (from_shadow(params, cfg, log_end) if cfg.uses_shadow else None) or from_storage(params, cfg, log_path, log_end)
+    result = (from_shadow(params, cfg, log_end) if cfg.uses_shadow else None) or from_storage(params, cfg, local_log, log_end)
     result["seconds"] = time.perf_counter() - t0
     return result

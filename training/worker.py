@@ -3,7 +3,10 @@
 Per step t (rank r of W workers; every worker holds identical weights):
   z for every parameter from s_t  ->  +eps z, loss+ on the rank's shard of batch t  ->  -2 eps z,
   loss-  ->  +eps z  ->  average loss+ and loss- over the workers (one all-reduce of two float64s)
-  ->  g_t  ->  rank 0 appends the step record durably  ->  every worker applies the update.
+  ->  g_t  ->  rank 0 appends the step record durably to its node-local log and sends it to the log
+  keeper (``JobConfig.durability`` ``node``: acknowledged before going on; ``training.rank0_log``)
+  ->  every worker applies the update. Every worker reads the log's length from the keeper, never a
+  file of another node.
 
 With ``device="cuda"`` the model, z (``training.noise.gaussian_torch``) and the perturbation and update
 arithmetic run on the worker's GPU; the step log, restores, hashes and checkpoints stay on the CPU, so
@@ -14,20 +17,21 @@ same way).
 from __future__ import annotations
 
 import os
-import pathlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
+import ray
 import torch
 import torch.distributed as dist
 
-from orchestrator.run_dir import RunDir
-from storage.steplog import StepLogWriter, StepRecord, read_records
+from actors.log_keeper import RemoteKeeper
+from storage.steplog import StepLogWriter, StepRecord
 from training.checkpointing import FullCheckpointer
 from training.data import accuracy, batch_id, batch_indices, classification_loss
 from training.faults import FaultInjector
 from training.model import trainable_parameters
+from training.rank0_log import KeeperSender, local_log_path, open_local_log, replicated_append
 from training.recovery import restore
 from training.state import state_sha256
 from training.worker_env import mean_over_workers, record_start, worker_env
@@ -46,14 +50,12 @@ def train_loop_per_worker(config: dict) -> None:
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)  # on the CPU until the restore is done
     hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    log_path = RunDir(pathlib.Path(cfg.out_dir)).step_log
     if cfg.uses_step_log:
-        faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: len(read_records(log_path)))
-        writer = StepLogWriter.open(log_path) if rank == 0 else None  # cuts a torn tail
-        if writer is not None and writer.cut_bytes:
-            run.event("torn_tail_cut", bytes=writer.cut_bytes, step=writer.next_step)
+        keeper = RemoteKeeper(cfg.log_keeper_name, cfg.namespace)
+        faults = FaultInjector(cfg, run, rank, world, durable_steps=keeper.end)
+        writer = open_rank0_log(cfg, keeper, run) if rank == 0 else None
         _barrier(world)
-        log_end = len(read_records(log_path))
+        log_end = keeper.end()
         checkpointer = None
         resuming = faults.fired() or log_end > 0
     else:  # full-state baselines: progress is durable at the newest committed checkpoint only
@@ -64,11 +66,12 @@ def train_loop_per_worker(config: dict) -> None:
                                flush=checkpointer.flush if checkpointer is not None else None)
         resuming = faults.fired() or faults.durable_steps() > 0
 
-    restored = restore(params, cfg, log_path, log_end) if resuming else None
+    restored = restore(params, cfg, local_log_path(cfg) if writer is not None else None, log_end) if resuming else None
     params = trainable_parameters(model.to(worker_device(cfg.device)))
     start = record_start(env, restored)
 
-    commit = timed_append(writer)
+    sender = KeeperSender(keeper, log_end, wait=cfg.durability == "node") if writer is not None else None
+    commit = replicated_append(writer, sender) if writer is not None else timed_append(None)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         record, append_s = zo_step_(params, model, encoder, train, cfg, step, rank, world, hyper,
@@ -91,9 +94,23 @@ def train_loop_per_worker(config: dict) -> None:
             final["accuracy_after"] = accuracy(model, encoder, held_out, cfg.eval_samples)
         if checkpointer is not None:
             final["checkpoints"] = checkpointer.close()
-        run.event("final", **final)
         if writer is not None:
+            sender.close()  # the keeper holds every step before the run counts as done
             writer.close()
+        run.event("final", **final)
+
+
+def open_rank0_log(cfg, keeper: RemoteKeeper, run) -> StepLogWriter:
+    """Rank 0's node-local step log (``local_log_path``), made equal to the keeper's
+    (``training.rank0_log.open_local_log``); records how in a ``step_log`` event (this node, the
+    keeper's, the steps rebuilt from or sent to the keeper) and a cut torn tail in ``torn_tail_cut``."""
+    opened = open_local_log(local_log_path(cfg), keeper)
+    if opened.writer.cut_bytes:
+        run.event("torn_tail_cut", bytes=opened.writer.cut_bytes, step=opened.local_steps)
+    run.event("step_log", durability=cfg.durability, node_id=ray.get_runtime_context().get_node_id(),
+              local_steps=opened.local_steps, rebuilt_steps=opened.rebuilt_steps, sent_steps=opened.sent_steps,
+              discarded=opened.discarded)
+    return opened.writer
 
 
 def worker_device(device: str) -> torch.device:
