@@ -522,7 +522,7 @@ class Controller:
                 "shadow_shards": self.shadow.shard_figures(None) if self.shadow else None, **self._summary_base()}
 
     def _run(self) -> dict:
-        cfg, run = self.cfg, self.run_dir
+        cfg = self.cfg
         self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.placed["driver"] = this_node()

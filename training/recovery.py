@@ -12,6 +12,7 @@ step: nothing logged is lost.
 from __future__ import annotations
 
 import logging
+import pathlib
 import time
 from collections import OrderedDict
 
