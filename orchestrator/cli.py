@@ -125,11 +125,12 @@ reaches the storage and where it keeps its files (the run's other settings come 
 
 def _stored_config(given: JobConfig, out: pathlib.Path, scratch_dir: str) -> JobConfig:
     """The configuration of the run whose storage is ``given.storage`` (the ``--storage`` given, with
-    ``--s3-endpoint``), to resume it in the empty or new directory ``out`` (exit 2 when it cannot be)."""
+    ``--s3-endpoint``), to resume it in the new directory ``out``, empty or holding only a ``reference/``
+    (exit 2 when it cannot be)."""
     if not given.remote_storage:
         raise _refuse(f"--storage {given.storage} is local: only remote storage (s3://) holds the run's step log and "
                       "configuration; resume with --out of the run's directory")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != "reference" for p in out.iterdir()):  # a reference put there for --verify is kept
         raise _refuse(f"{out} is not empty and holds no run (no config.json): resume from the storage into an empty or new --out")
     try:
         return load_config(given.storage, given.storage_options, out.resolve(), pathlib.Path(given.cache_dir), scratch_dir)
