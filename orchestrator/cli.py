@@ -21,6 +21,7 @@ from orchestrator.replay_cli import replay
 from orchestrator.run_dir import RunDir
 from orchestrator.schedule import parse_schedule
 from orchestrator.storage_cli import inspect, verify
+from orchestrator.stored_config import StoredConfigError, load_config
 from training.model import MODEL_NAMES, default_cache_dir
 
 app = typer.Typer(
@@ -104,7 +105,8 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
     """The configuration of the run in ``out``, to resume it (exit 2 when there is none)."""
     saved = out / "config.json"
     if not saved.is_file():
-        raise _refuse(f"{out} holds no run to resume (no config.json)")
+        raise _refuse(f"{out} holds no run to resume (no config.json); to resume from the run's storage alone, "
+                      "add --storage URI (and --s3-endpoint)")
     try:
         cfg = JobConfig.from_dict(json.loads(saved.read_text()))
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
@@ -114,6 +116,28 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
         typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
         raise typer.Exit(0)
     return cfg
+
+
+FROM_STORAGE_OPTIONS = ("storage", "s3_endpoint", "cache_dir", "scratch_dir")
+"""Options that a ``--resume`` from the storage alone takes from the command line: how this machine
+reaches the storage and where it keeps its files (the run's other settings come from the storage)."""
+
+
+def _stored_config(given: JobConfig, out: pathlib.Path, scratch_dir: str) -> JobConfig:
+    """The configuration of the run whose storage is ``given.storage`` (the ``--storage`` given, with
+    ``--s3-endpoint``), to resume it in the new directory ``out``, empty or holding only a ``reference/``
+    (exit 2 when it cannot be)."""
+    if not given.remote_storage:
+        raise _refuse(f"--storage {given.storage} is local: only remote storage (s3://) holds the run's step log and "
+                      "configuration; resume with --out of the run's directory")
+    if out.exists() and any(p.name != "reference" for p in out.iterdir()):  # a reference put there for --verify is kept
+        raise _refuse(f"{out} is not empty and holds no run (no config.json): resume from the storage into an empty or new --out")
+    try:
+        return load_config(given.storage, given.storage_options, out.resolve(), pathlib.Path(given.cache_dir), scratch_dir)
+    except StoredConfigError as exc:
+        raise _refuse(str(exc)) from exc
+    except OSError as exc:  # StorageError, or a local path that is a file
+        raise _refuse(f"snapshot storage {given.storage} is not usable: {exc}") from exc
 
 
 def parse_env(pairs: list[str], option: str) -> dict[str, str]:
@@ -217,7 +241,8 @@ def run(
     resume: Annotated[bool, typer.Option(help="Continue the run in --out (after the driver died): same run id and settings "
                                                "(from its config.json), restored from storage and the step log; --max-shadow-restarts and "
                                                "--max-persister-restarts given here replace the saved budgets, other options "
-                                               "are ignored (with a warning).")] = False,
+                                               "are ignored (with a warning). With --storage URI (and --s3-endpoint) and an "
+                                               "empty or new --out: resume from the run's storage alone.")] = False,
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps (a sharded "
@@ -281,7 +306,13 @@ def run(
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
     replaced = [] if resume else _entries_to_replace(out, overwrite)
     if resume:
-        cfg, notes = resume_config(_resumed_config(out), _given_options(ctx))
+        given = _given_options(ctx)
+        if storage and not (out / "config.json").is_file():  # a new run directory: everything from the storage
+            saved = _stored_config(cfg, out, scratch_dir)
+            given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
+        else:
+            saved = _resumed_config(out)
+        cfg, notes = resume_config(saved, given)
         for line in notes:
             typer.echo(line, err=True)
     _probe_storage(cfg)

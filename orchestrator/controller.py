@@ -11,7 +11,10 @@ Durability never depends on Ray Train's checkpoint registration (a hard crash ca
 reported checkpoint): workers restore from the shadow or from storage + the step log themselves.
 The step log's replica is the log keeper (``actors.log_keeper``), pinned to the driver's node over
 the run directory's ``steplog.bin``; it mirrors the log to remote storage and, on a resume whose run
-directory lost its log, starts from the segments there. A keeper that dies fails the run
+directory lost its log, starts from the segments there. The configuration is put in the run's
+storage too (``orchestrator.stored_config``), and the failures due before the durable step count
+as fired (``training.faults.fired_before``), so a driver with an empty run directory resumes from
+the storage alone (``raycheck run --resume --storage URI``). A keeper that dies fails the run
 (``LogKeeperFailedError``, with its summary): its file and rank 0's local log keep every step.
 
 Storage at start: the driver claims its writer epoch in the snapshot index before anything runs
@@ -50,9 +53,11 @@ from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
+from orchestrator.stored_config import save_config
 from orchestrator.summary import durability, recoveries, write_metrics
 from storage.backend import STORAGE_ENV
 from storage.steplog import StepLogWriter, read_header
+from training.faults import fired_before
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from training.zo import GENERATOR, check_generator
 
@@ -524,6 +529,8 @@ class Controller:
     def _run(self) -> dict:
         cfg = self.cfg
         self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
+        if cfg.remote_storage:  # beside the log segments: --resume --storage URI needs nothing else
+            save_config(cfg)
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.placed["driver"] = this_node()
         self.placement = plan_placement(alive_nodes(), driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
@@ -531,6 +538,7 @@ class Controller:
                                         replica_resource=cfg.shadow_resource)
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
         durable = self._start_log_keeper() if cfg.uses_step_log else 0
+        ray.get(self.journal.seed.remote(fired_before(cfg.failures, durable)))  # even when the run directory was lost
         if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
             rows = self.record.metrics
             self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)

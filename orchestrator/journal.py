@@ -13,8 +13,10 @@ caller in the order it submits them, so each process's events and metric rows ke
 process that emits it dies), and a metric row sent before an acknowledged event is recorded before it.
 
 A resumed driver starts a new journal (the old one died with the old driver) and seeds it with the
-failure markers its ``events.jsonl`` names (``claims_in``), so a failure that already fired does
-not fire again.
+failure markers its ``events.jsonl`` names (``claims_in``), then (once the log keeper tells the
+durable step) with those of every failure due before it (``training.faults.fired_before``: what a
+run directory lost, e.g. a resume from the storage alone), so a failure that already fired does not
+fire again.
 """
 
 from __future__ import annotations

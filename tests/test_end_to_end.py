@@ -32,6 +32,8 @@ from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from orchestrator.run_dir import RunDir
 from orchestrator.schedule import failure_schedule, parse_schedule
+from orchestrator.stored_config import CONFIG_OBJECT
+from storage.backend import Storage
 from storage.log_segments import read_segments
 from storage.snapshots import SnapshotStore
 from storage.steplog import read_records
@@ -272,7 +274,7 @@ def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(referenc
     reference in ``<out>/reference`` whose state hash was changed: the reference is reused (not run
     again), the recovered state is the true failure-free one, and the comparison with the changed hash
     fails: exit 3. (A reused reference that compares equal, exit 0, is the resumed run of
-    ``test_driver_killed_mid_run_resumes_with_the_same_run_id``.) The shadow runs on other CPU kernels
+    ``test_driver_killed_mid_run_resumes_from_the_bucket_alone``.) The shadow runs on other CPU kernels
     than the worker (``--shadow-env``), both recoveries take its image, and ``raycheck replay`` of a
     logged step gives the worker's hash of it."""
     out = tmp_path / "run"
@@ -361,23 +363,29 @@ def cfg_store(summary: dict):
     return JobConfig.from_dict(summary["config"]).snapshot_store()
 
 
-def test_driver_killed_mid_run_resumes_with_the_same_run_id(reference, tmp_path):
+def test_driver_killed_mid_run_resumes_from_the_bucket_alone(reference, tmp_path, s3_endpoint):
     """The driver (with its embedded Ray cluster) is SIGKILLed while its worker is held during step
-    7 (the test gate in training/faults.py); `raycheck run --resume --verify` continues the same run
-    from storage and the step log, executes the 5 steps left, reuses the failure-free reference put
-    in ``<out>/reference`` and ends bitwise equal to it (exit 0)."""
-    out = tmp_path / "run"
+    7 (the test gate in training/faults.py) and the log keeper has mirrored the 7 durable steps to the
+    bucket; its run directory and rank 0's scratch directory are deleted. `raycheck run --resume
+    --storage s3://... --out NEW --verify` continues the same run from the bucket alone (its
+    config.json, log segments and snapshots), executes the 5 steps left, reuses the failure-free
+    reference put in ``NEW/reference`` and ends bitwise equal to it (exit 0), every logged step kept."""
+    bucket = f"resume-{uuid.uuid4().hex[:8]}"
+    make_bucket(s3_endpoint, bucket)
+    uri, out, new = f"s3://{bucket}/run", tmp_path / "run", tmp_path / "new"
     args = ["--model", "tiny", "--steps", "12", "--lr", "1e-4", "--eval-samples", "16", "--hash-every", "2",
-            "--snapshot-every", "3", "--out", str(out)]
+            "--snapshot-every", "3", "--storage", uri, "--s3-endpoint", s3_endpoint]
     ray_tmp = tempfile.mkdtemp(prefix="rckill-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, "RAYCHECK_TEST_HOLD_AT_STEP": "7"}
-    driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", *args], start_new_session=True,
+    driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", *args, "--out", str(out)], start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    bucket_storage = Storage(uri, endpoint_url=s3_endpoint)
     try:
         deadline = time.monotonic() + 300
-        while not any(e["kind"] == "held" for e in RunDir.read(out / "events.jsonl")) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (any(e["kind"] == "held" for e in RunDir.read(out / "events.jsonl"))
+                                                   and len(read_segments(bucket_storage)[1]) == 7):
             assert driver.poll() is None, "the driver ended before its worker reached the gate"
-            time.sleep(0.2)  # waiting for the gate's event; the worker cannot move past it
+            time.sleep(0.2)  # waiting for the gate's event and the mirror; the worker cannot move past the gate
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
@@ -385,23 +393,30 @@ def test_driver_killed_mid_run_resumes_with_the_same_run_id(reference, tmp_path)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     held = next(e for e in RunDir.read(out / "events.jsonl") if e["kind"] == "held")
     assert held["step"] == held["durable_steps"] == len(read_records(out / "steplog.bin")) == 7
+    mirrored = read_segments(bucket_storage)[1]
+    assert mirrored == read_records(out / "steplog.bin")
+    scratch = pathlib.Path(json.loads((out / "config.json").read_text())["scratch_dir"])
+    assert len(read_records(scratch / "steplog.bin")) == 7  # rank 0's own log, on this (its) node
+    shutil.rmtree(out)
+    shutil.rmtree(scratch)
 
-    (out / "reference").mkdir()  # --verify on the resumed run: reused, and equal
-    shutil.copy(pathlib.Path(reference["config"]["out_dir"]) / "summary.json", out / "reference" / "summary.json")
-    result = CliRunner().invoke(app, ["run", "--resume", "--verify", "--out", str(out)])
+    (new / "reference").mkdir(parents=True)  # --verify on the resumed run: reused, and equal
+    shutil.copy(pathlib.Path(reference["config"]["out_dir"]) / "summary.json", new / "reference" / "summary.json")
+    result = CliRunner().invoke(app, ["run", "--resume", "--verify", "--storage", uri, "--s3-endpoint", s3_endpoint, "--out", str(new)])
     assert result.exit_code == 0, result.output
-    assert f"reusing the failure-free reference in {out / 'reference'}" in result.output
-    s = json.loads((out / "summary.json").read_text())
+    assert f"reusing the failure-free reference in {new / 'reference'}" in result.output
+    s = json.loads((new / "summary.json").read_text())
     assert s["bitwise_equal"] is True and s["reference_state_sha256"] == s["state_sha256"] == reference["state_sha256"]
-    assert s["config"]["run_id"] == json.loads((out / "config.json").read_text())["run_id"]
-    assert_exact(s, reference)
-    events = RunDir.read(out / "events.jsonl")
+    assert s["final_step"] == 12 and s["shadow_equal"] and s["lost_steps"] == 0
+    assert s["worker_hashes"] == {k: reference["worker_hashes"][k] for k in ("8", "10", "12")}
+    assert s["config"]["run_id"] == json.loads(bucket_storage.get(CONFIG_OBJECT))["run_id"] == json.loads((new / "config.json").read_text())["run_id"]
+    events = RunDir.read(new / "events.jsonl")
+    assert [e["steps"] for e in events if e["kind"] == "log_adopted"] == [7]
     resume = next(e for e in events if e["kind"] == "resume")
     assert resume["durable_steps"] == 7 and s["resumes"] == [resume]
-    assert [(r["at_step"], r["source"]) for r in s["recoveries"]] == [(7, "object_store")]
-    rows = RunDir.read(out / "metrics.jsonl")  # the resumed run executed steps 7..11 itself
-    assert [r["step"] for r in rows] == list(range(12))
-    assert all(r["unix_s"] > resume["unix_s"] for r in rows[7:]) and all(r["unix_s"] < resume["unix_s"] for r in rows[:7])
+    assert [r["at_step"] for r in s["recoveries"]] == [7]
+    assert [r["step"] for r in RunDir.read(new / "metrics.jsonl")] == list(range(7, 12))  # it started after the last durable step
+    assert read_records(new / "steplog.bin")[:7] == mirrored and len(read_records(new / "steplog.bin")) == 12
 
 
 def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(reference, tmp_path_factory):

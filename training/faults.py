@@ -39,6 +39,18 @@ def marker(index: int, part: str) -> str:
     return f"{index}.{part}"
 
 
+PARTS = {"worker": ("worker",), "shadow": ("shadow", "shadow-killed"), "both": ("shadow", "shadow-killed", "worker")}
+"""The markers each failure target claims (any other target claims one marker, named after it)."""
+
+
+def fired_before(failures, durable_steps: int) -> list[str]:
+    """Every marker of the failures (``FailureSpec`` sequence, indexed as in ``JobConfig.failures``) due
+    at a step below ``durable_steps`` (pure). Those fired before the run logged their step: a failure
+    fires during its step, before that step's record is committed, so a resumed run whose log holds
+    ``durable_steps`` steps must not fire them again, whatever its run directory lost."""
+    return [marker(i, part) for i, f in enumerate(failures) if f.step < durable_steps for part in PARTS.get(f.target, (f.target,))]
+
+
 class FaultInjector:
     """Fires the failures of ``cfg`` that are due at a step, for worker ``rank`` of ``world``.
 
