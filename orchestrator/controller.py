@@ -698,6 +698,7 @@ def reference(cfg: JobConfig, echo: Callable[[str], None] = print) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     echo(f"[raycheck] running the failure-free reference in {out}")
     ref_cfg = cfg.replace(
-        out_dir=str(out), storage="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref"
+        out_dir=str(out), storage="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref",
+        scratch_dir=str(pathlib.Path(cfg.scratch_dir) / "reference"),  # rank 0's local log is not the run's
     )
     return Controller(ref_cfg, echo).run()
