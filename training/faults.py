@@ -93,7 +93,9 @@ class FaultInjector:
     """Fires the failures of ``cfg`` that are due at a step, for worker ``rank`` of ``world``.
 
     The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank
-    (``torn`` needs rank 0's log writer, so use it with one worker). ``run`` is the run's journal.
+    (``torn`` needs rank 0's log writer, so use it with one worker); a ``node`` failure by rank 0, which
+    announces it as a worker failure (HOW ``node``) and takes down its node (``take_down_node``).
+    ``run`` is the run's journal.
     ``durable_steps`` returns how many steps are durable when a worker failure hits (the steps the log
     keeper holds, ``actors.log_keeper``; strategies without a step log pass their newest committed checkpoint's step).
     ``flush`` waits until this rank's background checkpoint writes are committed (default: nothing to
