@@ -223,7 +223,9 @@ def run(
     fail: Annotated[
         list[str],
         typer.Option(help="Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], "
-                          "TARGET worker|shadow|both|corrupt|persister, HOW exit|raise|sigkill|torn (worker only); "
+                          "TARGET worker|shadow|both|corrupt|persister|node, HOW exit|raise|sigkill|torn (worker only); "
+                          "node: rank 0 takes down its whole Ray node (raylet and every process; needs another node "
+                          "for the workers, the driver's node hosting none, and an s3:// --storage); "
                           "storage:SECONDS needs a server raycheck owns (tests, experiments/s3_server.py). Repeatable."),
     ] = [],
     fail_schedule: Annotated[

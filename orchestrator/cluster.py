@@ -92,6 +92,11 @@ class Placement:
     policy: str
 
 
+def worker_need(use_gpu: bool, worker_resource: str = "") -> dict[str, float]:
+    """The resources one train worker asks: a GPU or a CPU, and one unit of ``worker_resource`` if given."""
+    return {"GPU" if use_gpu else "CPU": 1.0, **({worker_resource: 1.0} if worker_resource else {})}
+
+
 def plan_placement(nodes: list[Node], *, driver_node_id: str, workers: int, use_gpu: bool,
                    worker_resource: str = "", replica_resource: str = "") -> Placement:
     """Place the train workers, the shadow and the persister (pure). The shadow and persister are the
@@ -113,7 +118,7 @@ def plan_placement(nodes: list[Node], *, driver_node_id: str, workers: int, use_
         nodes: the alive nodes (``alive_nodes``); driver_node_id: the driver's node;
         workers: train workers; use_gpu: each worker needs a GPU (else a CPU).
     """
-    need = {"GPU" if use_gpu else "CPU": 1.0, **({worker_resource: 1.0} if worker_resource else {})}
+    need = worker_need(use_gpu, worker_resource)
     worker_resources = need if worker_resource else None
     if replica_resource:
         return Placement({"resources": {replica_resource: 1}}, worker_resources, None,

@@ -17,9 +17,9 @@ from storage.manifest import RunIdentity
 from storage.snapshots import SnapshotStore
 from training.model import MODEL_NAMES
 
-FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage"]
+FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
-TARGETS = ("worker", "shadow", "both", "corrupt", "persister", "storage")
+TARGETS = ("worker", "shadow", "both", "corrupt", "persister", "storage", "node")
 ALGOS = ("zo", "fo")
 STRATEGIES = {
     "zo": ("shadow", "full-sync", "full-async", "log-only"),
@@ -58,7 +58,9 @@ class FailureSpec:
             or ``corrupt`` (one byte of the newest committed snapshot is flipped; nothing dies), or
             ``persister`` (the snapshot persister actor is killed; the controller restarts it), or
             ``storage`` (the snapshot storage server is down for ``how`` seconds; needs a server the
-            controller can stop, see ``Controller(storage_outage=...)``). A ``shadow`` failure kills
+            controller can stop, see ``Controller(storage_outage=...)``), or ``node`` (rank 0 takes down
+            its whole Ray node, raylet and every process, ``training.faults.take_down_node``; needs
+            another node for the workers, ``orchestrator.controller.check_node_failures``). A ``shadow`` failure kills
             every shard of a sharded shadow, or only shard ``how`` when it is a number (``12:shadow:1``).
         how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (an exception), ``sigkill``, or
             ``torn`` (rank 0 dies half-way through writing a step log record: a torn tail); for
@@ -249,12 +251,21 @@ class JobConfig:
                                  f"rank ({self.workers - 1}), which has no log writer: use workers=1 or another HOW")
         if not self.storage:
             object.__setattr__(self, "storage", str(pathlib.Path(self.out_dir) / "snapshots"))
+        self._check_node_failures()
         if self.durability not in DURABILITIES:
             raise ValueError(f"durability {self.durability!r}: choose one of {', '.join(DURABILITIES)}")
         if not self.scratch_dir:
             object.__setattr__(self, "scratch_dir", default_scratch_dir(self.out_dir, self.run_id))
         self._check_fo()
         self._check_runtime()
+
+    def _check_node_failures(self) -> None:
+        """A ``node`` failure loses whatever rank 0's node stored itself: refuse a storage on a local path."""
+        local = "://" not in self.storage or self.storage.startswith(("file://", "memory://"))
+        for f in self.failures:
+            if f.target == "node" and local:
+                raise ValueError(f"failure {f.step}:node takes down rank 0's node with every file on it, but storage "
+                                 f"{self.storage!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
 
     def _check_runtime(self) -> None:
         """Validate ``device`` and ``shadow_env`` (which needs a strategy with a shadow)."""

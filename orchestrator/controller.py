@@ -46,7 +46,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.log_keeper import LogKeeperActor
 from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
-from orchestrator.cluster import Placement, alive_nodes, connect, plan_placement, runtime_env, this_node
+from orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, this_node, worker_need
 from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal
 from orchestrator.metrics import RunMetrics
@@ -122,6 +122,35 @@ class ComponentStartError(RuntimeError):
     """A component of the run (the snapshot persister, a shadow shard) could not start: it was not
     placed on a node within ``JobConfig.start_timeout_s``, its constructor raised, or it cannot use
     the run's storage from its node."""
+
+
+def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str) -> None:
+    """Refuse ``node`` failures (``training.faults.take_down_node``) on a cluster where the run could
+    not survive one: rank 0's node must not be the driver's (its loss would end the run), and after
+    it is gone another node must host the train workers.
+
+    Args:
+        nodes: the alive nodes (``alive_nodes``); driver_node_id: the driver's node.
+
+    Raises:
+        ValueError: ``cfg`` has a ``node`` failure and the cluster has one node, or the driver's node
+            can host a train worker, or fewer than two other nodes can.
+    """
+    node_failures = [f"{f.step}:node" for f in cfg.failures if f.target == "node"]
+    if not node_failures:
+        return
+    if len(nodes) < 2:
+        raise ValueError(f"failure {node_failures[0]} takes down rank 0's node, which on a one-node cluster is the "
+                         "driver's: the run would end with it; use a cluster of several nodes")
+    need = worker_need(cfg.device == "cuda", cfg.worker_resource)
+    hosts = [n.node_id for n in nodes if n.can_host(need)]
+    if driver_node_id in hosts:
+        raise ValueError(f"failure {node_failures[0]} would take down the driver's node, which can host a train worker "
+                         f"(it offers {need}): start the driver's node without them (ray start --head --num-cpus=0) "
+                         "or set --worker-resource to a resource only the other nodes offer")
+    if len(hosts) < 2:
+        raise ValueError(f"failure {node_failures[0]} takes down rank 0's node, but {len(hosts)} node(s) of {len(nodes)} "
+                         f"can host a train worker (each asks {need}): the workers need another node to restart on")
 
 
 def start_failure(what: str, exc: Exception, timeout_s: float, options: dict) -> ComponentStartError:
@@ -422,7 +451,7 @@ class Controller:
             from training.fo_worker import train_loop_per_worker
         else:
             from training.worker import train_loop_per_worker
-        worker_failures = sum(1 for f in self.cfg.failures if f.target in ("worker", "both"))
+        worker_failures = sum(1 for f in self.cfg.failures if f.target in ("worker", "both", "node"))
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
             train_loop_config=self.cfg.to_dict(),
@@ -536,6 +565,7 @@ class Controller:
         self.placement = plan_placement(alive_nodes(), driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
                                         use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
                                         replica_resource=cfg.shadow_resource)
+        check_node_failures(cfg, alive_nodes(), self.placed["driver"]["node_id"])
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
         durable = self._start_log_keeper() if cfg.uses_step_log else 0
         ray.get(self.journal.seed.remote(fired_before(cfg.failures, durable)))  # even when the run directory was lost
@@ -676,6 +706,7 @@ def reference(cfg: JobConfig, echo: Callable[[str], None] = print) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     echo(f"[raycheck] running the failure-free reference in {out}")
     ref_cfg = cfg.replace(
-        out_dir=str(out), storage="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref"
+        out_dir=str(out), storage="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref",
+        scratch_dir=str(pathlib.Path(cfg.scratch_dir) / "reference"),  # rank 0's local log is not the run's
     )
     return Controller(ref_cfg, echo).run()

@@ -130,12 +130,30 @@ class LocalCluster:
                                 f"--dashboard-port={self.dashboard_port}"),
                 env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
             for node in self.nodes:  # one after the other: two nodes starting at once timed out here (2 cores)
-                self.namespaces[node.name] = self._run_start(node.name, self._start_node(node)).splitlines()[0]
+                self._join(node)
         except BaseException:
             self.stop()
             raise
         self.start_s = time.monotonic() - t0
         return self
+
+    def _join(self, node: NodeSpec) -> None:
+        """Start ``node`` and record its mount namespace (``ray start`` returns once it has registered)."""
+        self.namespaces[node.name] = self._run_start(node.name, self._start_node(node)).splitlines()[0]
+
+    def add_node(self, node: NodeSpec) -> None:
+        """Start one more node on the running cluster (``stop`` stops it too).
+
+        Raises:
+            RuntimeError: its ``ray start`` failed.
+        """
+        self.nodes.append(node)
+        self._join(node)
+
+    def node_id(self, node: str) -> str:
+        """The Ray node id of the alive node named ``node`` (its raylet's ``--node_id``)."""
+        raylet = next(p for p in self.processes(node) if p.name() == "raylet")
+        return next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--node_id="))
 
     @staticmethod
     def _run_start(name: str, proc: subprocess.Popen) -> str:
@@ -183,3 +201,5 @@ class LocalCluster:
 THREE_NODES = (NodeSpec("gpu", num_cpus=2, resources={"train": 2}), NodeSpec("cpu", num_cpus=1, resources={"replica": 8}))
 """Besides the head (the driver, no CPUs): a "gpu" node for the train workers (CPU only here) and a
 "cpu" node for the shadow's shards and the snapshot persister (one ``replica`` unit each)."""
+SPARE_GPU_NODE = NodeSpec("gpu2", num_cpus=2, resources={"train": 2})
+"""A second node for the train workers (``LocalCluster.add_node``): where they restart once the first is lost."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 
@@ -12,7 +13,7 @@ import pytest
 import ray
 from typer.testing import CliRunner
 
-from cluster import mount_namespace
+from cluster import SPARE_GPU_NODE, mount_namespace
 from conftest import make_bucket
 from orchestrator.cli import app
 from orchestrator.cluster import alive_nodes, plan_placement, this_node
@@ -54,6 +55,29 @@ def bucket_uri(endpoint: str) -> str:
 def run_cli(*args: str):
     """``raycheck run`` in this process (connected to the cluster), tiny model, a few steps."""
     return CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--eval-samples", "0", *args])
+
+
+@pytest.fixture(scope="module")
+def zo_reference(tmp_path_factory):
+    """A folder holding the failure-free reference's ``summary.json`` of the module's 8-step ZO runs once
+    one has run it (``with_reference``): the runs share the trajectory settings, so one reference serves all."""
+    return tmp_path_factory.mktemp("zo-reference")
+
+
+def with_reference(shared, out, *args: str):
+    """``run_cli(*args, "--out", out)`` reusing the reference in ``shared`` (``controller.reference``
+    reuses ``<out>/reference/summary.json`` of the same trajectory); keeps the one it ran there."""
+    copy_summary(shared, out / "reference")
+    result = run_cli(*args, "--out", str(out))
+    copy_summary(out / "reference", shared)
+    return result
+
+
+def copy_summary(src, dst) -> None:
+    """Copy ``src/summary.json`` into ``dst`` unless ``src`` has none or ``dst`` has one."""
+    if (src / "summary.json").exists() and not (dst / "summary.json").exists():
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / "summary.json", dst / "summary.json")
 
 
 def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_start_fails_the_run_in_one_line(
@@ -100,13 +124,11 @@ def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_
 
 @pytest.mark.raytrain
 def test_a_zo_run_with_a_worker_and_a_shadow_failure_ends_bitwise_equal_on_three_nodes(three_nodes, s3_endpoint, tmp_path,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, zo_reference):
     secret = f"secret-{uuid.uuid4().hex}"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     out = tmp_path / "run"
-    result = run_cli("--steps", "8", "--fail", "3:worker", "--fail", "5:shadow", "--settle-failures", "--verify", "--durability", "node",
-                     "--snapshot-every", "3", "--storage", bucket_uri(s3_endpoint), "--s3-endpoint", s3_endpoint,
-                     "--worker-resource", "train", "--shadow-resource", "replica", "--start-timeout", "120", "--out", str(out))
+    result = with_reference(zo_reference, out, *zo_run(s3_endpoint, tmp_path, "--fail", "3:worker", "--fail", "5:shadow"))
     summary = json.loads((out / "summary.json").read_text())
     assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
     assert summary == {**summary, "ok": True, "final_step": 8, "bitwise_equal": True, "shadow_equal": True, "lost_steps": 0}
@@ -117,6 +139,54 @@ def test_a_zo_run_with_a_worker_and_a_shadow_failure_ends_bitwise_equal_on_three
     assert {p["node_id"] for shard in summary["placement"]["shadow_shards"] for p in shard} == {placement["cpu"]}
     assert [p["node_id"] for p in summary["placement"]["persister"]] == [placement["cpu"]]
     assert [p.name for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()] == []
+
+
+def zo_run(s3_endpoint: str, tmp_path, *failures: str) -> list[str]:
+    """The options of the module's 8-step ZO runs on the cluster (one trajectory), with ``failures``;
+    rank 0's scratch in ``tmp_path`` (private to each node: the system temp directory is not)."""
+    return ["--steps", "8", *failures, "--scratch-dir", str(tmp_path / "scratch"), "--settle-failures", "--verify", "--durability", "node", "--snapshot-every", "3",
+            "--storage", bucket_uri(s3_endpoint), "--s3-endpoint", s3_endpoint, "--worker-resource", "train",
+            "--shadow-resource", "replica", "--start-timeout", "120"]
+
+
+def jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.raytrain
+def test_a_zo_run_survives_the_loss_of_rank_0s_node_and_ends_bitwise_equal(three_nodes, s3_endpoint, tmp_path, zo_reference):
+    """``--fail 3:node`` takes down the "gpu" node (the second-to-last test here: that node stays down);
+    a spare node that can host train workers joins first. Prints the recovery figures."""
+    three_nodes.add_node(SPARE_GPU_NODE)
+    names = {three_nodes.node_id(name): name for name in ("gpu", "gpu2", "cpu")}
+    out = tmp_path / "run"
+    result = with_reference(zo_reference, out, *zo_run(s3_endpoint, tmp_path, "--fail", "3:node"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
+    assert summary == {**summary, "ok": True, "final_step": 8, "bitwise_equal": True, "shadow_equal": True, "lost_steps": 0}
+    assert summary["failures"] == [{"step": 3, "target": "worker", "how": "node"}]
+
+    workers = [names[w["node_id"]] for w in summary["placement"]["workers"]]
+    lost = workers[0]
+    assert len(workers) == 2 and set(workers) == {"gpu", "gpu2"}, workers  # rank 0 restarted on the other train node
+    assert three_nodes.processes(lost) == [], f"processes of the {lost} node survived its failure"
+    assert not next(n for n in ray.nodes() if n["NodeID"] == summary["placement"]["workers"][0]["node_id"])["Alive"]
+    # the shadow and the persister, on the "cpu" node, ran through it untouched (one incarnation each)
+    assert [[names[p["node_id"]] for p in shard] for shard in summary["placement"]["shadow_shards"]] == [["cpu"]]
+    assert [names[p["node_id"]] for p in summary["placement"]["persister"]] == ["cpu"]
+    assert summary["durability"] == {**summary["durability"], "level": "node", "node_held": True}
+    assert [names[n] for n in summary["durability"]["rank0_node_ids"]] == workers
+
+    events = jsonl(out / "events.jsonl")
+    failure = next(e for e in events if e["kind"] == "failure")
+    rebuilt = [e for e in events if e["kind"] == "step_log"][1]  # the replacement rank 0 had no local log
+    assert (rebuilt["local_steps"], rebuilt["rebuilt_steps"]) == (0, failure["durable_steps"]), rebuilt
+    [recovery] = summary["recoveries"]
+    assert recovery == {**recovery, "failure_step": 3, "lost_steps": 0, "restored_step": failure["durable_steps"]}
+    first_step_after_s = min(m["unix_s"] for m in jsonl(out / "metrics.jsonl") if m["unix_s"] > failure["unix_s"]) - failure["unix_s"]
+    print(f"node failure at step 3 ({lost} node): first step after it {first_step_after_s:.1f} s; restored "
+          f"{recovery['restored_step']} steps from {recovery['source']} in {recovery['seconds']:.1f} s after the failure "
+          f"(restart {recovery['restart_seconds']:.1f} s, restore {recovery['restore_seconds']:.2f} s)")
 
 
 def three_nodes_ids() -> dict[str, str]:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import psutil
 import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -32,6 +33,55 @@ from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel
 from orchestrator.shadow_keeper import find_shards
 from storage.steplog import StepLogWriter
+
+
+def raylet_of(pid: int) -> psutil.Process:
+    """The raylet of the Ray node that runs process ``pid``: its nearest ancestor named ``raylet``
+    (Ray's worker and actor processes are the raylet's children).
+
+    Raises:
+        RuntimeError: ``pid`` has no raylet among its ancestors (not a process Ray started).
+    """
+    raylet = next((p for p in psutil.Process(pid).parents() if p.name() == "raylet"), None)
+    if raylet is None:
+        raise RuntimeError(f"process {pid} is not a Ray worker: no raylet among its ancestors")
+    return raylet
+
+
+def node_processes(pid: int) -> list[psutil.Process]:
+    """Every process of the Ray node that runs ``pid`` that this process can see (``pid`` among them):
+    its raylet and the raylet's descendants (workers, actors, agents); and, where that raylet is the
+    only raylet of its Ray session in its mount namespace (the node has its own machine or
+    container), every other process there whose command line names the session's directory (e.g. the
+    log monitor ``ray start`` started beside the raylet). Where several nodes of the session share a
+    mount namespace (several ``ray start`` on one machine), only the raylet's tree is the node's."""
+    raylet = raylet_of(pid)
+    found = {p.pid: p for p in [raylet, *raylet.children(recursive=True)]}
+    session = next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--session_dir="))
+    namespace = os.readlink(f"/proc/{raylet.pid}/ns/mnt")
+    beside = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if os.readlink(f"/proc/{p.pid}/ns/mnt") == namespace and any(session in a for a in p.info["cmdline"] or ()):
+                beside.append(p)
+        except (OSError, psutil.Error):
+            continue  # gone, or not ours to inspect
+    if [p.pid for p in beside if p.info["name"] == "raylet"] == [raylet.pid]:
+        found.update({p.pid: p for p in beside})
+    return list(found.values())
+
+
+def take_down_node() -> None:
+    """SIGKILL every process of this process's Ray node (``node_processes``), this one last: the
+    node is lost as a machine is, its raylet with it (Ray marks the node dead)."""
+    me = os.getpid()
+    for p in node_processes(me):
+        if p.pid != me:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    os.kill(me, signal.SIGKILL)
 
 
 def marker(index: int, part: str) -> str:
@@ -55,7 +105,9 @@ class FaultInjector:
     """Fires the failures of ``cfg`` that are due at a step, for worker ``rank`` of ``world``.
 
     The shadow part of a failure is done by rank 0 (``ray.kill``); the worker part by the last rank
-    (``torn`` needs rank 0's log writer, so use it with one worker). ``run`` is the run's journal.
+    (``torn`` needs rank 0's log writer, so use it with one worker); a ``node`` failure by rank 0, which
+    announces it as a worker failure (HOW ``node``) and takes down its node (``take_down_node``).
+    ``run`` is the run's journal.
     ``durable_steps`` returns how many steps are durable when a worker failure hits (the steps the log
     keeper holds, ``actors.log_keeper``; strategies without a step log pass their newest committed checkpoint's step).
     ``flush`` waits until this rank's background checkpoint writes are committed (default: nothing to
@@ -123,7 +175,7 @@ class FaultInjector:
         if not self.cfg.settle_failures or self.run.claimed(marker(index, "worker")):  # off, or fired before
             return
         self.flush()
-        if self.cfg.failures[index].target == "worker" and self.cfg.uses_shadow and self.rank == 0:
+        if self.cfg.failures[index].target in ("worker", "node") and self.cfg.uses_shadow and self.rank == 0:
             self._live_shadow()
         if self.world > 1:
             dist.barrier()
@@ -195,8 +247,11 @@ class FaultInjector:
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):
                 self._kill_shadow(i, step, f.how if f.target == "both" else None,
                                   int(f.how) if f.target == "shadow" and f.how.isdigit() else None)
-            if f.target in ("worker", "both"):
+            if f.target in ("worker", "both", "node"):
                 self._settle_for_worker_failure(i)
+            if f.target == "node" and self.rank == 0 and self._claim(i, "worker"):
+                self._announce_worker_failure(i, step, "node", self.rank)
+                take_down_node()
             if f.target in ("worker", "both") and self.rank == self.world - 1 and self._claim(i, "worker"):
                 if f.target == "both":  # die only after rank 0 has killed the shadow
                     self._wait_for_claim(marker(i, "shadow-killed"), timeout_s=300)

@@ -1,0 +1,89 @@
+"""``--fail STEP:node`` without a cluster: parsing, the refusals, and which processes count as rank 0's
+node (``training.faults.node_processes``, on real process trees; the run itself is in
+``tests/test_multinode.py``)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import uuid
+
+import psutil
+import pytest
+
+from orchestrator.cluster import Node
+from orchestrator.config import FailureSpec, JobConfig
+from orchestrator.controller import check_node_failures
+from training.faults import node_processes
+
+HEAD = Node("head", "10.0.0.1", {"driver": 1.0})
+GPU_A = Node("gpu-a", "10.0.0.2", {"CPU": 2.0, "train": 2.0})
+GPU_B = Node("gpu-b", "10.0.0.3", {"CPU": 2.0, "train": 2.0})
+CPU = Node("cpu", "10.0.0.4", {"CPU": 1.0, "replica": 8.0})
+
+
+def node_cfg(tmp_path: pathlib.Path, **fields) -> JobConfig:
+    return JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=8,
+                     failures=(FailureSpec.parse("3:node"),), **{"storage": "s3://bucket/run", **fields})
+
+
+def test_a_node_failure_parses_and_is_refused_where_the_run_could_not_survive_it(tmp_path):
+    assert FailureSpec.parse("3:node") == FailureSpec(step=3, target="node")
+    with pytest.raises(ValueError, match="HOW applies to worker, both and storage failures only"):
+        FailureSpec.parse("3:node:sigkill")
+    for storage in ("", str(tmp_path / "snapshots"), f"file://{tmp_path}"):
+        with pytest.raises(ValueError, match=r"^failure 3:node takes down rank 0's node with every file on it, but storage "
+                                             r".* is node-local: give --storage a URI every node reaches \(s3://BUCKET/PREFIX\)$"):
+            node_cfg(tmp_path, storage=storage)
+
+    cfg = node_cfg(tmp_path, worker_resource="train")
+    check_node_failures(cfg, [HEAD, GPU_A, GPU_B, CPU], driver_node_id="head")  # accepted: returns
+    check_node_failures(node_cfg(tmp_path).replace(failures=()), [HEAD], driver_node_id="head")  # no node failure: any cluster
+    with pytest.raises(ValueError, match="which on a one-node cluster is the driver's: the run would end with it"):
+        check_node_failures(cfg, [GPU_A], driver_node_id="gpu-a")
+    with pytest.raises(ValueError, match=r"would take down the driver's node, which can host a train worker \(it offers "
+                                         r"\{'CPU': 1.0\}\): start the driver's node without them"):
+        check_node_failures(node_cfg(tmp_path), [GPU_A, GPU_B], driver_node_id="gpu-a")
+    with pytest.raises(ValueError, match=r"but 1 node\(s\) of 3 can host a train worker \(each asks \{'CPU': 1.0, 'train': "
+                                         r"1.0\}\): the workers need another node to restart on"):
+        check_node_failures(cfg, [HEAD, GPU_A, CPU], driver_node_id="head")
+
+
+def fake_raylet(tmp_path: pathlib.Path, session: str, name: str) -> tuple[subprocess.Popen, list[int]]:
+    """A process named ``raylet`` (its executable's name) with ``--session_dir=session`` that starts a
+    child with a grandchild, as a raylet starts workers that start their own processes; returns it
+    and the pids of the three, once all have started (the child prints the grandchild's pid after
+    starting it)."""
+    exe = tmp_path / name / "raylet"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/bash\nbash -c 'sleep 300 & echo $!; wait' &\nwait\n")
+    exe.chmod(0o755)
+    raylet = subprocess.Popen([str(exe), f"--session_dir={session}"], stdout=subprocess.PIPE, text=True)
+    grandchild = int(raylet.stdout.readline())
+    return raylet, [raylet.pid, psutil.Process(grandchild).ppid(), grandchild]
+
+
+def test_a_node_is_its_raylet_tree_plus_its_session_processes_where_the_raylet_is_alone_in_its_namespace(tmp_path):
+    session = str(tmp_path / f"session_{uuid.uuid4().hex}")
+    raylet, tree = fake_raylet(tmp_path, session, "a")
+    started = [raylet]
+    try:
+        worker = tree[-1]
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", session]))  # beside it
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "another session"]))
+        assert sorted(p.pid for p in node_processes(worker)) == sorted([*tree, started[1].pid])
+
+        # a second raylet of the session in this namespace: two nodes share the machine, only the tree is the node's
+        other, other_tree = fake_raylet(tmp_path, session, "b")
+        started.append(other)
+        assert sorted(p.pid for p in node_processes(worker)) == sorted(tree)
+        assert sorted(p.pid for p in node_processes(other_tree[-1])) == sorted(other_tree)
+    finally:
+        for proc in started:
+            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                p.kill()
+            proc.wait()
+    with pytest.raises(RuntimeError, match=f"process {os.getpid()} is not a Ray worker: no raylet among its ancestors"):
+        node_processes(os.getpid())
