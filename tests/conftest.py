@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 
 from experiments.s3_server import free_port  # noqa: F401  (re-exported for the tests)
+from orchestrator.config import default_scratch_dir
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -75,12 +77,14 @@ def storage(request, tmp_path):
 def three_nodes(tmp_path_factory):
     """A three-node Ray cluster (``tests/cluster.py``: head for the driver, a "gpu" node with
     ``{"train": 2}``, a "cpu" node with ``{"replica": 8}``) whose two non-head nodes cannot see this
-    session's temporary directories; this process is connected to it (namespace ``raycheck``)."""
+    session's temporary directories nor rank 0's default scratch root; this process is connected to it (namespace ``raycheck``)."""
     import ray
 
     from cluster import THREE_NODES, LocalCluster
 
-    cluster = LocalCluster(THREE_NODES, [tmp_path_factory.getbasetemp()]).start()
+    scratch_root = pathlib.Path(default_scratch_dir("out", "run")).parent  # rank 0's default scratch: node-local on a cluster
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    cluster = LocalCluster(THREE_NODES, [tmp_path_factory.getbasetemp(), scratch_root]).start()
     try:
         ray.init(address=cluster.address, namespace="raycheck", log_to_driver=False)
         yield cluster
