@@ -156,6 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as ``1,568x``, with two significant digits below 10 (``0.25x``)."""
+    r = a / b
+    return f"{r:,.0f}x" if r >= 10 else f"{r:.2g}x"
+
+
 def print_table(result: dict) -> None:
     what = {"process": "local write + fsync (send queued)",
             "node": "+ Ray round trip to the log keeper (another process here)",
@@ -170,8 +176,8 @@ def print_table(result: dict) -> None:
     for model, s in result["staging"].items():
         print(f"full-async staging copy, {model} ({s['state_bytes'] / 1e6:.1f} MB): median {s['median_us'] / 1e3:.2f} ms, "
               f"mean {s['mean_us'] / 1e3:.2f} ms")
-        ratios = ", ".join(f"{level} {s['median_us'] / result['levels'][level]['median_us']:,.0f}x "
-                           f"(mean {s['mean_us'] / result['levels'][level]['mean_us']:,.0f}x)" for level in LEVELS)
+        ratios = ", ".join(f"{level} {ratio(s['median_us'], result['levels'][level]['median_us'])} "
+                           f"(mean {ratio(s['mean_us'], result['levels'][level]['mean_us'])})" for level in LEVELS)
         print(f"  staging copy / level median: {ratios}")
     if "process_under_snapshot_load" in result:
         load, quiet = result["process_under_snapshot_load"], result["levels"]["process"]
