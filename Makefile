@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m experiments.log_cost
 	$(VENV)/bin/python -m experiments.persist_throughput
 	$(VENV)/bin/python -m experiments.noise_bench
+	$(VENV)/bin/python -m experiments.durability_bench --snapshot-load
 
 experiment: $(STAMP)
 	$(VENV)/bin/raycheck experiment --out runs/experiment

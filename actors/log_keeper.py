@@ -7,6 +7,11 @@ keeper runs on the driver's node, so that file is local to it), fsynced, holds t
 failure injector; it also mirrors its log to the run's storage URI as segments
 (``storage.log_segments.SegmentMirror``), so a driver on a fresh machine can resume from the bucket.
 
+With ``commit_to_storage`` (durability ``cluster``) the mirror is synchronous: ``append_many`` returns
+only once its records are in storage (the log's open tail uploaded as a segment). Uploads are group
+commits: one runs at a time, and the appends that arrive while it is in flight are acknowledged together
+by the next one (one upload per batch, not per record).
+
 ``LogKeeper`` is the plain logic (tested without Ray); ``LogKeeperActor`` is its Ray shell, started
 by the controller on the driver's node; ``RemoteKeeper`` makes blocking calls to it by name.
 
@@ -62,8 +67,10 @@ class LogKeeper:
             file when they hold more steps than it (a resume whose run directory lost its log).
         mirror_to: storage to mirror the log to as segments every ``mirror_every_s`` seconds (None: no mirror).
         mirror_every_s: seconds between mirror rounds; also the longest a record stays only local.
+        commit_to_storage: acknowledge an append only once it is in ``mirror_to`` (durability ``cluster``).
 
     Raises:
+        ValueError: ``commit_to_storage`` without ``mirror_to``.
         FileNotFoundError: ``path`` is missing and no ``header`` is given.
         StepLogCorruptError, StepLogGapError: the file cannot be continued safely.
         StepLogConflictError: the segments in ``resume_from`` belong to another run or trajectory, or
@@ -72,7 +79,9 @@ class LogKeeper:
     """
 
     def __init__(self, path: str | pathlib.Path, header: dict | None = None, resume_from: Storage | None = None,
-                 mirror_to: Storage | None = None, mirror_every_s: float = 2.0) -> None:
+                 mirror_to: Storage | None = None, mirror_every_s: float = 2.0, commit_to_storage: bool = False) -> None:
+        if commit_to_storage and mirror_to is None:
+            raise ValueError("commit_to_storage needs storage to mirror to (mirror_to)")
         self.path = pathlib.Path(path)
         if not self.path.exists():
             if header is None:
@@ -87,6 +96,13 @@ class LogKeeper:
         self.mirror: SegmentMirror | None = None  # built on the first sync that reaches storage (it lists the segments)
         self.mirror_error: str | None = None
         self._mirror_lock = threading.Lock()
+        self.commit_to_storage = commit_to_storage
+        self._upload = threading.Condition()  # group commit: guards the three fields below
+        self._uploading = False
+        self.uploads = 0
+        """Group-commit uploads made (``commit_to_storage``)."""
+        self.uploaded_steps = 0
+        """Steps those uploads acknowledged; ``uploaded_steps / uploads`` records per upload."""
 
     # -- the log ------------------------------------------------------------------------------
     def header(self) -> dict:
@@ -108,12 +124,54 @@ class LogKeeper:
         return self.append_many([record])
 
     def append_many(self, records: Sequence[StepRecord]) -> int:
-        """``append`` each of ``records`` in order (consecutive steps); returns ``end()``."""
+        """``append`` each of ``records`` in order (consecutive steps); returns ``end()``. With
+        ``commit_to_storage``, returns once they are in storage too (``commit``).
+
+        Raises:
+            StepLogGapError, StepLogConflictError: as ``append``.
+            StorageError: the upload failed (the records are in the local file; a re-send retries it).
+        """
+        end = self._append_local(records)
+        if self.commit_to_storage:
+            self.commit(end)
+        return end
+
+    def _append_local(self, records: Sequence[StepRecord]) -> int:
+        """``append_many`` to the local file only; returns ``end()``."""
         with self._cond:
             for record in records:
                 self._append(record)
             self._cond.notify_all()
             return len(self._data) // RECORD_BYTES
+
+    def commit(self, end: int) -> None:
+        """Return once steps ``0..end - 1`` are in storage: the caller waits while an upload is in
+        flight, then either finds its steps uploaded by it or runs the next upload itself, which takes
+        every record appended by then (group commit).
+
+        Raises:
+            StorageError: this caller's upload failed (a waiter then runs the next one).
+        """
+        with self._upload:
+            while self._uploading:
+                self._upload.wait()
+            if self.mirror is not None and self.mirror.mirrored >= end:
+                return
+            self._uploading = True
+        try:
+            with self._mirror_lock:
+                before = self._mirror().mirrored
+            after = self._sync(final=True)
+            with self._upload:
+                self.uploads += 1
+                self.uploaded_steps += after - before
+        except Exception as exc:
+            self.mirror_error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            with self._upload:
+                self._uploading = False
+                self._upload.notify_all()
 
     def _append(self, record: StepRecord) -> None:
         end = len(self._data) // RECORD_BYTES
@@ -161,7 +219,7 @@ class LogKeeper:
             self.path.unlink()
             self._writer = StepLogWriter.create(self.path, seg_header)
         adopted = len(seg_records) - self.end()
-        self.append_many(seg_records)  # refuses a segment that disagrees with a step held
+        self._append_local(seg_records)  # refuses a segment that disagrees with a step held
         return adopted
 
     # -- the mirror to storage ------------------------------------------------------------------
@@ -173,21 +231,34 @@ class LogKeeper:
         try:
             if final:
                 self.mirror_to.wait_until_usable()
-            with self._mirror_lock:
-                if self.mirror is None:
-                    self.mirror = SegmentMirror(self.mirror_to, self.path, max_age_s=self.mirror_every_s)
-                self.mirror.sync(final=final)
-            self.mirror_error = None
+            self._sync(final)
         except Exception as exc:  # surfaced through status(); retried on the next round
             log.warning("mirroring the step log failed: %s", exc)
             self.mirror_error = f"{type(exc).__name__}: {exc}"
 
+    def _sync(self, final: bool) -> int:
+        """One mirror round (``SegmentMirror.sync``); returns the steps mirrored. Raises what storage raised."""
+        with self._mirror_lock:
+            mirrored = self._mirror().sync(final=final)
+        self.mirror_error = None
+        return mirrored
+
+    def _mirror(self) -> SegmentMirror:
+        """The mirror to ``mirror_to``, built on first use (it lists the segments there)."""
+        if self.mirror is None:
+            self.mirror = SegmentMirror(self.mirror_to, self.path, max_age_s=self.mirror_every_s)
+        return self.mirror
+
     def status(self) -> dict:
         """``end``, ``adopted_steps``, and with a mirror ``log_mirrored_steps`` (steps known to be in
-        storage: none before storage first answered) and ``log_mirror_error`` (None when the last round worked)."""
+        storage: none before storage first answered) and ``log_mirror_error`` (None when the last round worked);
+        with ``commit_to_storage`` also ``log_uploads`` and ``log_uploaded_steps`` (group commits, steps they took)."""
         status = {"end": self.end(), "adopted_steps": self.adopted_steps}
         if self.mirror_to is not None:
             status.update(log_mirrored_steps=self.mirror.mirrored if self.mirror else 0, log_mirror_error=self.mirror_error)
+        if self.commit_to_storage:
+            with self._upload:
+                status.update(log_uploads=self.uploads, log_uploaded_steps=self.uploaded_steps)
         return status
 
     def flush(self) -> dict:
@@ -202,12 +273,12 @@ class LogKeeper:
 class LogKeeperActor(LogKeeper):
     """Ray shell: ``ray.remote(LogKeeperActor).options(num_cpus=0, max_concurrency=8, name=...)``, pinned to
     the driver's node (``orchestrator.controller``). Mirrors on a thread every ``mirror_every_s``
-    seconds; ``status`` adds the node it runs on (``node_id``)."""
+    seconds (unless every append commits to storage); ``status`` adds the node it runs on (``node_id``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.node_id = ray.get_runtime_context().get_node_id()
-        if self.mirror_to is not None:
+        if self.mirror_to is not None and not self.commit_to_storage:
             threading.Thread(target=self._mirror_loop, name="log-mirror", daemon=True).start()
 
     def _mirror_loop(self) -> None:

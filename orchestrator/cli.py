@@ -263,7 +263,8 @@ def run(
     shadow_env: Annotated[list[str], typer.Option(help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), "
                                                        "e.g. ATEN_CPU_CAPABILITY=default. Repeatable.")] = [],
     durability: Annotated[str, typer.Option(help="zo step log: a step is durable before its update when fsynced on rank 0's node "
-                                                 "(process) or also acknowledged by the log keeper on the driver's node (node).")] = "node",
+                                                 "(process), also acknowledged by the log keeper on the driver's node (node), or also uploaded "
+                                                 "to the remote --storage (cluster, group commit).")] = "node",
     scratch_dir: Annotated[str, typer.Option(help="Node-local directory for rank 0's own step log (default: a per-run "
                                                   "directory under the system temp dir; never the run directory).")] = "",
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),

@@ -32,7 +32,7 @@ STRATEGIES = {
 weights; ``layerwise`` and ``differential``: first-order strategies (LayerCheck, LowDiff)."""
 DEFAULT_STRATEGY = {"zo": "shadow", "fo": "layerwise"}
 HOWS = ("exit", "raise", "sigkill", "torn")
-DURABILITIES = ("process", "node")
+DURABILITIES = ("process", "node", "cluster")
 """Fault domains a step record survives before its update (``training.rank0_log``)."""
 DEVICES = ("cpu", "cuda")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -201,7 +201,9 @@ class JobConfig:
     durability: str = "node"
     """When a step's record counts as durable (before its update): ``process`` (fsynced in rank 0's
     node-local log; sent to the log keeper without waiting) or ``node`` (also acknowledged by the log
-    keeper on the driver's node; survives the loss of rank 0's node when that is another node)."""
+    keeper on the driver's node; survives the loss of rank 0's node when that is another node) or
+    ``cluster`` (also in the remote ``storage`` as a log segment, uploaded by the keeper with group
+    commit; survives the loss of every node)."""
     scratch_dir: str = ""
     """Node-local directory of rank 0's own step log (never the run directory); empty: a per-run
     directory under the system temp directory (``default_scratch_dir``)."""
@@ -254,6 +256,9 @@ class JobConfig:
         self._check_node_failures()
         if self.durability not in DURABILITIES:
             raise ValueError(f"durability {self.durability!r}: choose one of {', '.join(DURABILITIES)}")
+        if self.durability == "cluster" and not self.remote_storage:
+            raise ValueError(f"durability cluster needs a remote storage (s3://BUCKET/PREFIX) to put each step record in "
+                             f"before its update, not the local path {self.storage} (or choose durability node)")
         if not self.scratch_dir:
             object.__setattr__(self, "scratch_dir", default_scratch_dir(self.out_dir, self.run_id))
         self._check_fo()

@@ -305,7 +305,8 @@ class Controller:
         self.log_keeper = ray.remote(LogKeeperActor).options(
             name=self.cfg.log_keeper_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(str(self.run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage)
+        ).remote(str(self.run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage,
+                 commit_to_storage=self.cfg.durability == "cluster")
         try:
             self.log_keeper_status = ray.get(self.log_keeper.status.remote(), timeout=300)
         except (RayActorError, GetTimeoutError) as exc:
@@ -674,7 +675,7 @@ class Controller:
             **shadow,
             "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
             "snapshots": {**persisted, **self._mirror_status()},
-            "durability": durability(cfg.durability, self.log_keeper_status.get("node_id"), events) if self.log_keeper else None,
+            "durability": durability(cfg.durability, self.log_keeper_status, events) if self.log_keeper else None,
             "replans": [e for e in events if e["kind"] == "replan"],
             "resumes": [e for e in events if e["kind"] == "resume"],
             **self._summary_base(),

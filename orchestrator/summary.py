@@ -42,14 +42,21 @@ def recoveries(events: list[dict]) -> list[dict]:
     return out
 
 
-def durability(level: str, keeper_node_id: str | None, events: list[dict]) -> dict:
+def durability(level: str, keeper: dict, events: list[dict]) -> dict:
     """The step log's durability in ``summary.json``: ``level`` (``JobConfig.durability``), the log
-    keeper's node, rank 0's node in each of its incarnations (``step_log`` events), and ``node_held``:
-    whether level ``node`` really held, i.e. the keeper never ran on a node of rank 0 (with both on
-    one node a lost node takes both copies)."""
+    keeper's node (``node_id`` of its last ``status`` ``keeper``), rank 0's node in each of its
+    incarnations (``step_log`` events), and ``node_held``: whether level ``node`` (or ``cluster``, which
+    waits for the keeper too) really held, i.e. the keeper never ran on a node of rank 0 (with both on
+    one node a lost node takes both copies). For ``cluster`` also the keeper's group commits: ``uploads``,
+    ``uploaded_steps`` (the steps they acknowledged) and ``records_per_upload`` (their mean; None before any)."""
     rank0 = [e["node_id"] for e in events if e["kind"] == "step_log"]
-    return {"level": level, "keeper_node_id": keeper_node_id, "rank0_node_ids": rank0,
-            "node_held": level == "node" and bool(rank0) and keeper_node_id is not None and keeper_node_id not in rank0}
+    keeper_node_id = keeper.get("node_id")
+    out = {"level": level, "keeper_node_id": keeper_node_id, "rank0_node_ids": rank0,
+           "node_held": level in ("node", "cluster") and bool(rank0) and keeper_node_id is not None and keeper_node_id not in rank0}
+    if level == "cluster":
+        uploads, steps = keeper.get("log_uploads", 0), keeper.get("log_uploaded_steps", 0)
+        out.update(uploads=uploads, uploaded_steps=steps, records_per_upload=steps / uploads if uploads else None)
+    return out
 
 
 def write_metrics(executions: list[dict], per_step: dict[str, dict[int, int]], path: pathlib.Path) -> list[dict]:

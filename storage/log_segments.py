@@ -81,8 +81,11 @@ class SegmentMirror:
             raise ValueError(f"records_per_segment must be >= 1, got {records_per_segment}")
         self.storage, self.local_log = storage, local_log
         self.records_per_segment, self.max_age_s = records_per_segment, max_age_s
-        existing = _segments(storage)
-        self.mirrored = max((last + 1 for last, _ in existing.values()), default=0)
+        self._names: dict[int, list[tuple[int, str]]] = {}  # first step -> (last step, name) of the segments held
+        for name in storage.list(PREFIX):  # listed once: later uploads track their own names
+            if m := _NAME.match(name):
+                self._names.setdefault(int(m.group(1)), []).append((int(m.group(2)), name))
+        self.mirrored = max((last + 1 for held in self._names.values() for last, _ in held), default=0)
         self._tail_since = time.monotonic()
 
     def sync(self, final: bool = False) -> int:
@@ -100,11 +103,17 @@ class SegmentMirror:
             body = data[header_end + first * RECORD_BYTES : header_end + (last + 1) * RECORD_BYTES]
             name = segment_name(first, last)
             self.storage.put(name, head + body)
-            for path in self.storage.list(PREFIX):
-                m = _NAME.match(path)
-                if m and int(m.group(1)) == first and int(m.group(2)) < last:
-                    self.storage.delete(path)  # superseded by the longer segment just written
+            self._supersede(first, last, name)
             self.mirrored = last + 1
             self._tail_since = time.monotonic()
             first = last + 1
         return self.mirrored
+
+    def _supersede(self, first: int, last: int, name: str) -> None:
+        """Delete the shorter segments starting at ``first`` now that ``name`` (steps ``first..last``) is written."""
+        held = self._names.setdefault(first, [])
+        for shorter in [h for h in held if h[0] < last]:
+            self.storage.delete(shorter[1])
+            held.remove(shorter)
+        if (last, name) not in held:
+            held.append((last, name))

@@ -226,12 +226,16 @@ def test_two_workers_recover_exactly_and_the_adaptive_policy_replans(cluster, tm
 
 
 def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_factory, s3_endpoint):
+    """Also durability cluster: every step record is in the bucket before its update (group commits)."""
     bucket = f"rc-{uuid.uuid4().hex[:12]}"
     make_bucket(s3_endpoint, bucket)
     uri = f"s3://{bucket}/run"
     s = job(tmp_path_factory, "s3", "7:corrupt 7:both", storage=uri, storage_options={"endpoint_url": s3_endpoint},
-            keep_snapshots=10)  # keep the corrupt snapshot for `raycheck verify` to find
+            keep_snapshots=10, durability="cluster")  # keep the corrupt snapshot for `raycheck verify` to find
     assert_exact(s, reference)
+    committed = s["durability"]
+    assert committed["level"] == "cluster" and committed["uploaded_steps"] == 12 and 1 <= committed["uploads"] <= 12
+    assert committed["records_per_upload"] == 12 / committed["uploads"]
     assert {"step": 7, "target": "corrupt", "how": "flip-byte"} in s["failures"]
     recovery = next(r for r in s["recoveries"] if r["at_step"] == 7)
     assert recovery["source"] == "storage" and recovery["base_step"] == 3 and recovery["replayed_steps"] == 4

@@ -19,8 +19,8 @@ from orchestrator.cli import app
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller
 from orchestrator.summary import durability
-from storage.backend import Storage
-from storage.log_segments import read_segments
+from storage.backend import Storage, StorageUnavailableError
+from storage.log_segments import read_segments, segment_name
 from storage.steplog import StepLogConflictError, StepLogGapError, StepLogWriter, StepRecord, read_header, read_records
 from training.model import default_cache_dir
 from training.rank0_log import KeeperSender, KeeperUnreachableError, open_local_log, replicated_append
@@ -177,11 +177,17 @@ def test_a_send_that_keeps_failing_is_reported_never_dropped():
 
 def test_durability_is_validated_and_the_default_scratch_dir_is_per_run_and_outside_the_run_directory(tmp_path):
     base = dict(cache_dir=str(tmp_path), model="tiny", run_id="r1")
-    with pytest.raises(ValueError, match=r"^durability 'cluster': choose one of process, node$"):
-        JobConfig(out_dir=str(tmp_path / "a"), durability="cluster", **base)
+    with pytest.raises(ValueError, match=r"^durability 'rack': choose one of process, node, cluster$"):
+        JobConfig(out_dir=str(tmp_path / "a"), durability="rack", **base)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--durability", "rack", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and result.output.strip() == "error: --durability 'rack': choose one of process, node, cluster"
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--durability", "cluster", "--out", str(tmp_path / "run")])
-    assert result.exit_code == 2 and result.output.strip() == "error: --durability 'cluster': choose one of process, node"
+    assert result.exit_code == 2 and result.output.strip() == (
+        "error: --durability cluster needs a remote storage (s3://BUCKET/PREFIX) to put each step record in before its "
+        f"update, not the local path {tmp_path / 'run' / 'snapshots'} (or choose durability node)")
     assert not (tmp_path / "run").exists()
+    remote = JobConfig(out_dir=str(tmp_path / "a"), durability="cluster", storage="s3://b/p", **base)
+    assert remote.durability == "cluster"
 
     a, b = JobConfig(out_dir=str(tmp_path / "a"), **base), JobConfig(out_dir=str(tmp_path / "b"), **base)
     assert a.durability == "node" and a.log_keeper_name == "raycheck-log-keeper-r1"
@@ -192,13 +198,84 @@ def test_durability_is_validated_and_the_default_scratch_dir_is_per_run_and_outs
     assert (given.scratch_dir, given.durability) == ("/node/local", "process")
 
 
-def test_the_summary_says_whether_durability_node_held():
+def test_the_summary_says_whether_durability_node_held_and_counts_the_group_commits():
     events = [{"kind": "step_log", "node_id": "n1"}, {"kind": "recovery"}, {"kind": "step_log", "node_id": "n2"}]
-    assert durability("node", "n0", events) == {"level": "node", "keeper_node_id": "n0", "rank0_node_ids": ["n1", "n2"],
-                                                "node_held": True}
-    assert not durability("node", "n2", events)["node_held"]  # a replacement ran on the keeper's node
-    assert not durability("process", "n0", events)["node_held"]
-    assert not durability("node", "n0", [])["node_held"]  # rank 0 never started
+    n0 = {"node_id": "n0", "end": 5}
+    assert durability("node", n0, events) == {"level": "node", "keeper_node_id": "n0", "rank0_node_ids": ["n1", "n2"],
+                                              "node_held": True}
+    assert not durability("node", {"node_id": "n2"}, events)["node_held"]  # a replacement ran on the keeper's node
+    assert not durability("process", n0, events)["node_held"]
+    assert not durability("node", n0, [])["node_held"]  # rank 0 never started
+    assert durability("cluster", {**n0, "log_uploads": 4, "log_uploaded_steps": 10}, events) == {
+        "level": "cluster", "keeper_node_id": "n0", "rank0_node_ids": ["n1", "n2"], "node_held": True,
+        "uploads": 4, "uploaded_steps": 10, "records_per_upload": 2.5}
+    assert durability("cluster", n0, [])["records_per_upload"] is None  # no upload yet
+
+
+class GatedStorage:
+    """A real ``Storage`` whose ``put`` of a log segment waits for ``gate`` (set: passes at once) after
+    setting ``entered``; ``fail_puts`` puts raise first. Records the names put, in order."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage, self.puts, self.fail_puts = storage, [], 0
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.storage, name)
+
+    def put(self, rel: str, data: bytes) -> None:
+        self.entered.set()
+        self.gate.wait()
+        if self.fail_puts:
+            self.fail_puts -= 1
+            raise StorageUnavailableError(f"{rel}: refused (test)")
+        self.puts.append(rel)
+        self.storage.put(rel, data)
+
+
+def test_cluster_durability_acknowledges_an_append_once_it_is_in_the_bucket_with_group_commit(tmp_path, s3_endpoint):
+    bucket = f"rc-commit-{uuid.uuid4().hex[:8]}"
+    make_bucket(s3_endpoint, bucket)
+    storage = Storage(f"s3://{bucket}/run", endpoint_url=s3_endpoint)
+    gated = GatedStorage(storage)
+    with pytest.raises(ValueError, match="commit_to_storage needs storage to mirror to"):
+        LogKeeper(tmp_path / "none.bin", header=HEADER, commit_to_storage=True)
+    keeper = LogKeeper(tmp_path / "steplog.bin", header=HEADER, mirror_to=gated, commit_to_storage=True)
+    assert keeper.append(rec(0)) == 1 and read_segments(storage)[1] == [rec(0)]  # acknowledged: in the bucket
+
+    gated.gate.clear()
+    gated.entered.clear()
+    acked: dict[int, int] = {}
+
+    def append(step: int) -> threading.Thread:
+        thread = threading.Thread(target=lambda: acked.setdefault(step, keeper.append(rec(step))))
+        thread.start()
+        return thread
+
+    first = append(1)
+    assert gated.entered.wait(60)  # step 1's upload is in flight, held
+    second = append(2)
+    assert keeper.wait_for(3, timeout_s=60) == 3  # step 2 is in the local file, its append waits for the upload
+    third = append(3)
+    assert keeper.wait_for(4, timeout_s=60) == 4
+    assert acked == {} and read_segments(storage)[1] == [rec(0)]  # nothing acknowledged before it is in the bucket
+    gated.gate.set()
+    for thread in (first, second, third):
+        thread.join(timeout=60)
+    assert acked == {1: 2, 2: 3, 3: 4}
+    assert gated.puts == [segment_name(0, 0), segment_name(0, 1), segment_name(0, 3)]  # steps 2 and 3: one upload
+    assert keeper.status() == {"end": 4, "adopted_steps": 0, "log_mirrored_steps": 4, "log_mirror_error": None,
+                               "log_uploads": 3, "log_uploaded_steps": 4}
+    assert read_segments(storage)[1] == [rec(i) for i in range(4)] and storage.list("log/") == [segment_name(0, 3)]
+
+    gated.fail_puts = 1  # an upload that fails: the append raises, the record stays local; a re-send gets it in
+    with pytest.raises(StorageUnavailableError, match="refused"):
+        keeper.append(rec(4))
+    assert keeper.end() == 5 and read_segments(storage)[1] == [rec(i) for i in range(4)]
+    assert keeper.status()["log_mirror_error"].startswith("StorageUnavailableError")
+    assert keeper.append(rec(4)) == 5 and read_segments(storage)[1] == [rec(i) for i in range(5)]
+    assert keeper.status()["log_uploads"] == 4 and keeper.status()["log_mirror_error"] is None
 
 
 @pytest.mark.ray

@@ -6,6 +6,8 @@ Durability (``JobConfig.durability``) of a step before its update is applied:
   waiting (in order, on a sender thread): it survives a crash of the worker process, not of its node.
   ``node``: also acknowledged by the keeper (fsynced on the driver's node) before ``commit`` returns,
   so it survives the loss of rank 0's node when the keeper runs on another one.
+  ``cluster``: as ``node``, and the keeper acknowledges only once the record is in the remote storage
+  (a log segment; ``LogKeeper.commit``, group commit): it survives the loss of every node.
 A send that fails is retried (``SEND_TRIES`` times, the keeper looked up again by name each time);
 after that the next ``commit`` raises ``KeeperUnreachableError``, so the worker fails and its restart
 brings the keeper up to date from the local log (``open_local_log``): a record is never dropped.
@@ -96,7 +98,7 @@ def open_local_log(path: str | pathlib.Path, keeper) -> LocalLogOpened:
 
 
 class KeeperSender:
-    """Sends rank 0's records to the keeper in order. With ``wait`` (durability ``node``) ``send``
+    """Sends rank 0's records to the keeper in order. With ``wait`` (durability ``node``, ``cluster``) ``send``
     delivers the record itself and returns once the keeper acknowledged it (no thread hand-off on the
     training loop's critical path); without, it queues the record for a sender thread, which delivers
     every record queued as one batch per call.
@@ -104,7 +106,7 @@ class KeeperSender:
     Args:
         keeper: a ``RemoteKeeper`` (or ``LogKeeper``) with ``append_many``.
         acked: steps the keeper holds already.
-        wait: wait for each acknowledgement (durability ``node``).
+        wait: wait for each acknowledgement (durability ``node`` and ``cluster``).
         tries: tries of one send; ``backoff_s`` seconds before the second, doubling after each failure.
     """
 
@@ -198,7 +200,7 @@ class KeeperSender:
 
 def replicated_append(writer: StepLogWriter, sender: KeeperSender) -> Callable[[StepRecord], float]:
     """A ``commit`` for ``training.worker.zo_step_``: the local append (write + fsync), then the send to
-    the keeper (with durability ``node``, until it acknowledged); returns the seconds it blocked."""
+    the keeper (with durability ``node`` or ``cluster``, until it acknowledged); returns the seconds it blocked."""
     def commit(record: StepRecord) -> float:
         t0 = time.perf_counter()
         writer.append(record)

@@ -4,7 +4,7 @@ Per step t (rank r of W workers; every worker holds identical weights):
   z for every parameter from s_t  ->  +eps z, loss+ on the rank's shard of batch t  ->  -2 eps z,
   loss-  ->  +eps z  ->  average loss+ and loss- over the workers (one all-reduce of two float64s)
   ->  g_t  ->  rank 0 appends the step record durably to its node-local log and sends it to the log
-  keeper (``JobConfig.durability`` ``node``: acknowledged before going on; ``training.rank0_log``)
+  keeper (``JobConfig.durability`` ``node``, ``cluster``: acknowledged before going on; ``training.rank0_log``)
   ->  every worker applies the update. Every worker reads the log's length from the keeper, never a
   file of another node.
 
@@ -70,7 +70,7 @@ def train_loop_per_worker(config: dict) -> None:
     params = trainable_parameters(model.to(worker_device(cfg.device)))
     start = record_start(env, restored)
 
-    sender = KeeperSender(keeper, log_end, wait=cfg.durability == "node") if writer is not None else None
+    sender = KeeperSender(keeper, log_end, wait=cfg.durability != "process") if writer is not None else None
     commit = replicated_append(writer, sender) if writer is not None else timed_append(None)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
