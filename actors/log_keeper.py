@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from storage.backend import Storage
+from storage.backend import Storage, StorageUnreachableError
 from storage.log_segments import SegmentMirror, read_segments
 from storage.steplog import (
     RECORD_BYTES,
@@ -75,7 +75,9 @@ class LogKeeper:
         StepLogCorruptError, StepLogGapError: the file cannot be continued safely.
         StepLogConflictError: the segments in ``resume_from`` belong to another run or trajectory, or
             disagree with the file on a step both hold.
-        StorageUnreachableError: ``resume_from`` cannot be read.
+
+    Storage that is unreachable at the start does not stop the keeper: it keeps its file's steps,
+    logs why, and reports it in ``adopt_error`` (the mirror retries on its own rounds).
     """
 
     def __init__(self, path: str | pathlib.Path, header: dict | None = None, resume_from: Storage | None = None,
@@ -90,7 +92,13 @@ class LogKeeper:
         self._writer = StepLogWriter.open(self.path)  # cuts a torn tail
         self._data = bytearray(b"".join(r.encode() for r in read_records(self.path)))
         self._cond = threading.Condition()
-        self.adopted_steps = self._adopt(resume_from) if resume_from is not None else 0
+        self.adopt_error: str | None = None
+        """Why the segments in ``resume_from`` could not be read (storage unreachable), else None."""
+        try:
+            self.adopted_steps = self._adopt(resume_from) if resume_from is not None else 0
+        except StorageUnreachableError as exc:  # the local log stands: a new run, or one whose log is here
+            log.warning("the step log segments in storage could not be read (%s); keeping %d steps of %s", exc, self.end(), self.path)
+            self.adopted_steps, self.adopt_error = 0, f"{type(exc).__name__}: {exc}"[:500]
         """Steps copied from the segments in ``resume_from`` when the keeper started."""
         self.mirror_to, self.mirror_every_s = mirror_to, mirror_every_s
         self.mirror: SegmentMirror | None = None  # built on the first sync that reaches storage (it lists the segments)
@@ -250,10 +258,10 @@ class LogKeeper:
         return self.mirror
 
     def status(self) -> dict:
-        """``end``, ``adopted_steps``, and with a mirror ``log_mirrored_steps`` (steps known to be in
+        """``end``, ``adopted_steps``, ``adopt_error``, and with a mirror ``log_mirrored_steps`` (steps known to be in
         storage: none before storage first answered) and ``log_mirror_error`` (None when the last round worked);
         with ``commit_to_storage`` also ``log_uploads`` and ``log_uploaded_steps`` (group commits, steps they took)."""
-        status = {"end": self.end(), "adopted_steps": self.adopted_steps}
+        status = {"end": self.end(), "adopted_steps": self.adopted_steps, "adopt_error": self.adopt_error}
         if self.mirror_to is not None:
             status.update(log_mirrored_steps=self.mirror.mirrored if self.mirror else 0, log_mirror_error=self.mirror_error)
         if self.commit_to_storage:

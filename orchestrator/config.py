@@ -261,6 +261,10 @@ class JobConfig:
                              f"before its update, not the local path {self.storage} (or choose durability node)")
         if not self.scratch_dir:
             object.__setattr__(self, "scratch_dir", default_scratch_dir(self.out_dir, self.run_id))
+        run_dir, scratch = pathlib.Path(self.out_dir).absolute(), pathlib.Path(self.scratch_dir).absolute()
+        if scratch == run_dir or run_dir in scratch.parents:  # rank 0's log would be the log keeper's file
+            raise ValueError(f"scratch_dir {self.scratch_dir} is inside the run directory {self.out_dir}: rank 0's "
+                             "node-local step log must live elsewhere (e.g. leave --scratch-dir out for the default)")
         self._check_fo()
         self._check_runtime()
 

@@ -55,7 +55,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from orchestrator.stored_config import save_config
 from orchestrator.summary import durability, recoveries, write_metrics
-from storage.backend import STORAGE_ENV
+from storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from storage.steplog import StepLogWriter, read_header
 from training.faults import fired_before
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
@@ -257,6 +257,8 @@ class Controller:
         self.persister = None
         self.persister_status: dict = {}
         self.persister_restarts = 0
+        self.config_stored = False
+        """Whether this start put the configuration in the run's remote storage (``_store_config``)."""
         self.placement: Placement | None = None
         self.placed: dict = {"driver": None, "persister": []}
         """Where the driver and each persister incarnation ran (``this_node()``); ``_placement`` adds the rest."""
@@ -274,7 +276,8 @@ class Controller:
 
         Raises:
             ComponentStartError: it was not placed within ``cfg.start_timeout_s``, its constructor
-                raised, or its storage probe failed (e.g. no credentials on its node).
+                raised, or its storage probe failed (e.g. no credentials on its node). Storage that is
+                unreachable (an outage) is logged, not fatal: the persister retries through its breaker.
         """
         what, timeout_s = "the snapshot persister", self.cfg.start_timeout_s
         try:
@@ -285,6 +288,9 @@ class Controller:
             ray.get(self.persister.check_storage.remote(), timeout=timeout_s)
         except (ray.exceptions.RayTaskError, GetTimeoutError) as exc:  # the probe raised, or hung
             cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+            if isinstance(cause, StorageUnreachableError):  # an outage, not a setting: it retries through its breaker
+                log.warning("the snapshot persister cannot reach storage yet (%s); training goes on, snapshots wait", cause)
+                return
             raise storage_failure(what, self.placed["persister"][-1], self.cfg.storage, cause) from exc
         except RayActorError as exc:  # it died
             raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
@@ -519,6 +525,7 @@ class Controller:
             "strategy": cfg.strategy,
             "shadow_restarts": self.shadow.restarts if self.shadow else None,
             "persister_restarts": self.persister_restarts,
+            "config_stored": self.config_stored,
             "snapshot_policy": cfg.snapshot_policy,
             "wall_seconds": time.time() - self.t_start,
             "trajectory_sha256": cfg.trajectory_sha256(),
@@ -547,6 +554,16 @@ class Controller:
                 "workers": [{k: e[k] for k in ("rank", "node_id", "node_ip", "unix_s")}
                             for e in events if e["kind"] == "placement" and e["component"] == "worker"]}
 
+    def _store_config(self) -> None:
+        """Put the configuration in the run's storage (``save_config``); storage that fails here does not
+        stop the run (the step log is local, snapshots wait for storage): the run is then resumable from
+        its run directory only, which the warning and ``summary.json``'s ``config_stored`` say."""
+        try:
+            self.config_stored = save_config(self.cfg)
+        except StorageError as exc:
+            log.warning("the configuration could not be put in %s (%s): until a later start stores it, this run "
+                        "resumes from its run directory only, not from the bucket alone", self.cfg.storage, exc)
+
     def _failure_summary(self, exc: BaseException) -> dict:
         """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error, and what
         is known of the shadow (``shadow_shards``: each shard's figures as last seen, no step-time ratio)."""
@@ -560,7 +577,7 @@ class Controller:
         cfg = self.cfg
         self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
         if cfg.remote_storage:  # beside the log segments: --resume --storage URI needs nothing else
-            save_config(cfg)
+            self._store_config()
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.placed["driver"] = this_node()
         self.placement = plan_placement(alive_nodes(), driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
@@ -706,8 +723,15 @@ def reference(cfg: JobConfig, echo: Callable[[str], None] = print) -> dict:
             return ref
     shutil.rmtree(out, ignore_errors=True)
     echo(f"[raycheck] running the failure-free reference in {out}")
-    ref_cfg = cfg.replace(
-        out_dir=str(out), storage="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref",
-        scratch_dir=str(pathlib.Path(cfg.scratch_dir) / "reference"),  # rank 0's local log is not the run's
+    return Controller(reference_config(cfg), echo).run()
+
+
+def reference_config(cfg: JobConfig) -> JobConfig:
+    """The configuration of ``cfg``'s failure-free reference (pure): the same trajectory in
+    ``<out_dir>/reference``, with local storage (so durability ``cluster`` becomes ``node``), no
+    failures, no evaluation, its own run id and its own rank-0 scratch directory."""
+    return cfg.replace(
+        out_dir=str(pathlib.Path(cfg.out_dir) / "reference"), storage="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref",
+        durability="node" if cfg.durability == "cluster" else cfg.durability,
+        scratch_dir=str(pathlib.Path(cfg.scratch_dir) / "reference"),
     )
-    return Controller(ref_cfg, echo).run()

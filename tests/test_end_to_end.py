@@ -271,6 +271,7 @@ def test_storage_gone_after_the_check_fails_the_final_persist_and_exits_4(cluste
     assert f"storage endpoint {server.endpoint} unreachable (connection refused)" in result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["shadow_equal"] and summary["snapshots"].get("last_durable_step") is None
+    assert summary["config_stored"] is False  # the bucket was gone before the configuration could be put there
 
 
 def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(reference, tmp_path):

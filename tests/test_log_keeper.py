@@ -17,7 +17,7 @@ from actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, LogKeeper, 
 from conftest import make_bucket
 from orchestrator.cli import app
 from orchestrator.config import JobConfig
-from orchestrator.controller import Controller
+from orchestrator.controller import Controller, reference_config
 from orchestrator.summary import durability
 from storage.backend import Storage, StorageUnavailableError
 from storage.log_segments import read_segments, segment_name
@@ -92,7 +92,7 @@ def test_a_keeper_resumes_from_the_segments_in_a_bucket(tmp_path, s3_endpoint):
     storage = Storage(f"s3://{bucket}/run", endpoint_url=s3_endpoint)
     first = keeper_with(tmp_path / "a.bin", 0, mirror_to=storage, mirror_every_s=3600)  # mirrors on flush only
     first.append_many([rec(i) for i in range(7)])
-    assert first.flush() == {"end": 7, "adopted_steps": 0, "log_mirrored_steps": 7, "log_mirror_error": None}
+    assert first.flush() == {"end": 7, "adopted_steps": 0, "adopt_error": None, "log_mirrored_steps": 7, "log_mirror_error": None}
     assert read_segments(storage)[1] == [rec(i) for i in range(7)]
 
     # a fresh run directory: prepare wrote a new header (another log_id) and no step
@@ -188,6 +188,8 @@ def test_durability_is_validated_and_the_default_scratch_dir_is_per_run_and_outs
     assert not (tmp_path / "run").exists()
     remote = JobConfig(out_dir=str(tmp_path / "a"), durability="cluster", storage="s3://b/p", **base)
     assert remote.durability == "cluster"
+    ref = reference_config(remote)  # --verify's reference stores locally: cluster cannot hold there, node does
+    assert (ref.durability, ref.remote_storage, ref.trajectory_sha256()) == ("node", False, remote.trajectory_sha256())
 
     a, b = JobConfig(out_dir=str(tmp_path / "a"), **base), JobConfig(out_dir=str(tmp_path / "b"), **base)
     assert a.durability == "node" and a.log_keeper_name == "raycheck-log-keeper-r1"
@@ -196,6 +198,9 @@ def test_durability_is_validated_and_the_default_scratch_dir_is_per_run_and_outs
     assert JobConfig.from_dict(a.to_dict()).scratch_dir == a.scratch_dir  # the workers see the driver's choice
     given = JobConfig(out_dir=str(tmp_path / "a"), scratch_dir="/node/local", durability="process", **base)
     assert (given.scratch_dir, given.durability) == ("/node/local", "process")
+    for inside in (tmp_path / "a", tmp_path / "a" / "scratch"):  # rank 0's log would be the keeper's steplog.bin
+        with pytest.raises(ValueError, match="is inside the run directory"):
+            JobConfig(out_dir=str(tmp_path / "a"), scratch_dir=str(inside), **base)
 
 
 def test_the_summary_says_whether_durability_node_held_and_counts_the_group_commits():
@@ -265,7 +270,7 @@ def test_cluster_durability_acknowledges_an_append_once_it_is_in_the_bucket_with
         thread.join(timeout=60)
     assert acked == {1: 2, 2: 3, 3: 4}
     assert gated.puts == [segment_name(0, 0), segment_name(0, 1), segment_name(0, 3)]  # steps 2 and 3: one upload
-    assert keeper.status() == {"end": 4, "adopted_steps": 0, "log_mirrored_steps": 4, "log_mirror_error": None,
+    assert keeper.status() == {"end": 4, "adopted_steps": 0, "adopt_error": None, "log_mirrored_steps": 4, "log_mirror_error": None,
                                "log_uploads": 3, "log_uploaded_steps": 4}
     assert read_segments(storage)[1] == [rec(i) for i in range(4)] and storage.list("log/") == [segment_name(0, 3)]
 
