@@ -580,10 +580,11 @@ class Controller:
             self._store_config()
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.placed["driver"] = this_node()
-        self.placement = plan_placement(alive_nodes(), driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
+        nodes = alive_nodes()
+        self.placement = plan_placement(nodes, driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
                                         use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
                                         replica_resource=cfg.shadow_resource)
-        check_node_failures(cfg, alive_nodes(), self.placed["driver"]["node_id"])
+        check_node_failures(cfg, nodes, self.placed["driver"]["node_id"])
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
         durable = self._start_log_keeper() if cfg.uses_step_log else 0
         ray.get(self.journal.seed.remote(fired_before(cfg.failures, durable)))  # even when the run directory was lost
