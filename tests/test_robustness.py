@@ -244,7 +244,8 @@ def test_make_bench_runs_every_benchmark():
 # -- 3 and 4 in a running job (Ray) ----------------------------------------------------------------
 class PersisterKiller:
     """A trainer that takes storage down, kills the persister, waits until the controller has started
-    a new one (``restarted``), checks it came up and reports the outage, kills it again, and blocks."""
+    a new one (``restarted``), checks it came up, has the log keeper report the outage (a step logged
+    after storage went down cannot be mirrored), kills the persister again, and blocks."""
 
     def __init__(self, cfg: JobConfig, server: LocalS3Server, restarted: threading.Event, release: threading.Event) -> None:
         self.cfg, self.server, self.restarted, self.release = cfg, server, restarted, release
@@ -261,6 +262,9 @@ class PersisterKiller:
             handle = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
             self.status_after_restart = ray.get(handle.flush.remote(60), timeout=120)
             keeper = ray.get_actor(self.cfg.log_keeper_name, namespace=self.cfg.namespace)
+            # a record logged during the outage: the forced mirror round must upload it, and fails
+            ray.get(keeper.append.remote(StepRecord(step=0, seed=1, projected_grad=0.5, loss_plus=1.0, loss_minus=0.0,
+                                                       lr=1e-6, eps=1e-3, weight_decay=0.0, batch_id=7)), timeout=60)
             self.keeper_status = ray.get(keeper.flush.remote(), timeout=120)  # one mirror round, forced
             self._kill()
         self.release.wait(600)
