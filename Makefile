@@ -15,7 +15,7 @@ run: $(STAMP)
 	$(VENV)/bin/raycheck run $(RUN_ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 # Mutation check of the core (not part of `make test`; about 30 min on 2 loaded cores, see docs/testing.md).
 # Settings in pyproject.toml [tool.mutmut]; MUTANTS='training.zo.*' limits it to matching mutants.

@@ -35,7 +35,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
@@ -57,7 +57,7 @@ from orchestrator.stored_config import save_config
 from orchestrator.summary import durability, recoveries, write_metrics
 from storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from storage.steplog import StepLogWriter, read_header
-from training.faults import fired_before
+from training.faults import PARTS, fired_before, marker
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from training.zo import GENERATOR, check_generator
 
@@ -124,19 +124,22 @@ class ComponentStartError(RuntimeError):
     the run's storage from its node."""
 
 
-def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str) -> None:
-    """Refuse ``node`` failures (``training.faults.take_down_node``) on a cluster where the run could
-    not survive one: rank 0's node must not be the driver's (its loss would end the run), and after
-    it is gone another node must host the train workers.
+def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, fired: Collection[str] = ()) -> None:
+    """Refuse ``node`` failures (``training.faults.take_down_node``) still to fire on a cluster where the
+    run could not survive one: rank 0's node must not be the driver's (its loss would end the run), and
+    after it is gone another node must host the train workers.
 
     Args:
         nodes: the alive nodes (``alive_nodes``); driver_node_id: the driver's node.
+        fired: the failure markers already claimed (``training.faults.marker``): a resumed run whose node
+            failure fired before is not refused for the node it took down.
 
     Raises:
         ValueError: ``cfg`` has a ``node`` failure and the cluster has one node, or the driver's node
             can host a train worker, or fewer than two other nodes can.
     """
-    node_failures = [f"{f.step}:node" for f in cfg.failures if f.target == "node"]
+    node_failures = [f"{f.step}:node" for i, f in enumerate(cfg.failures)
+                     if f.target == "node" and not set(marker(i, part) for part in PARTS["node"]) <= set(fired)]
     if not node_failures:
         return
     if len(nodes) < 2:
@@ -299,20 +302,24 @@ class Controller:
         """Record the node of a persister incarnation from its first status."""
         self.placed["persister"].append({k: status[k] for k in ("node_id", "node_ip")})
 
-    def _start_log_keeper(self) -> int:
+    def _start_log_keeper(self) -> None:
         """Start the log keeper over the run directory's step log, pinned to this (the driver's) node,
-        mirroring to and (when its log lacks steps) resuming from the run's remote storage; returns the
-        steps it holds.
-
-        Raises:
-            LogKeeperFailedError: it did not start (e.g. the bucket holds another run's log).
-        """
+        mirroring to and (when its log lacks steps) resuming from the run's remote storage; returns
+        before it is ready (``_await_log_keeper``)."""
         storage = self.cfg.snapshot_store().storage if self.cfg.remote_storage else None
         self.log_keeper = ray.remote(LogKeeperActor).options(
             name=self.cfg.log_keeper_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(str(self.run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage,
                  commit_to_storage=self.cfg.durability == "cluster")
+
+    def _await_log_keeper(self) -> int:
+        """Wait until the log keeper has started (and adopted the steps the storage holds past its log);
+        returns the steps it holds.
+
+        Raises:
+            LogKeeperFailedError: it did not start (e.g. the bucket holds another run's log).
+        """
         try:
             self.log_keeper_status = ray.get(self.log_keeper.status.remote(), timeout=300)
         except (RayActorError, GetTimeoutError) as exc:
@@ -584,18 +591,24 @@ class Controller:
         self.placement = plan_placement(nodes, driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
                                         use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
                                         replica_resource=cfg.shadow_resource)
-        check_node_failures(cfg, nodes, self.placed["driver"]["node_id"])
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
-        durable = self._start_log_keeper() if cfg.uses_step_log else 0
-        ray.get(self.journal.seed.remote(fired_before(cfg.failures, durable)))  # even when the run directory was lost
-        if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
-            rows = self.record.metrics
-            self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
+        # the log keeper, the persister and the shadow start at once (their processes' start-ups overlap);
+        # each is awaited below, and one that cannot start ends the run (_kill_actors stops the others)
+        if cfg.uses_step_log:
+            self._start_log_keeper()
         self.persister = self._start_persister()
-        self._await_persister()
         if cfg.uses_shadow:
             self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=self.placement.replica)
             self.shadow.start()
+        durable = self._await_log_keeper() if cfg.uses_step_log else 0
+        fired = fired_before(cfg.failures, durable)  # even when the run directory was lost
+        ray.get(self.journal.seed.remote(fired))
+        check_node_failures(cfg, nodes, self.placed["driver"]["node_id"], fired=[*claims_in(self.record.events), *fired])
+        if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
+            rows = self.record.metrics
+            self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
+        self._await_persister()
+        if cfg.uses_shadow:
             try:
                 self.shadow.wait_ready(timeout_s=cfg.start_timeout_s)
             except (RayActorError, GetTimeoutError) as exc:

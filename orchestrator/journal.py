@@ -22,12 +22,15 @@ fire again.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDir
+
+if TYPE_CHECKING:  # the journal actor's process imports no torch (``orchestrator.config`` does)
+    from orchestrator.config import JobConfig
 
 CALL_TIMEOUT_S = 120.0
 """How long a caller waits for the journal's answer (it lives on the driver's node; an answer that

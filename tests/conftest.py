@@ -77,14 +77,15 @@ def storage(request, tmp_path):
 def three_nodes(tmp_path_factory):
     """A three-node Ray cluster (``tests/cluster.py``: head for the driver, a "gpu" node with
     ``{"train": 2}``, a "cpu" node with ``{"replica": 8}``) whose two non-head nodes cannot see this
-    session's temporary directories nor rank 0's default scratch root; this process is connected to it (namespace ``raycheck``)."""
+    session's temporary directories nor rank 0's default scratch root, with the head's dashboard (``ray job
+    submit``); this process is connected to it (namespace ``raycheck``)."""
     import ray
 
     from cluster import THREE_NODES, LocalCluster
 
     scratch_root = pathlib.Path(default_scratch_dir("out", "run")).parent  # rank 0's default scratch: node-local on a cluster
     scratch_root.mkdir(parents=True, exist_ok=True)
-    cluster = LocalCluster(THREE_NODES, [tmp_path_factory.getbasetemp(), scratch_root]).start()
+    cluster = LocalCluster(THREE_NODES, [tmp_path_factory.getbasetemp(), scratch_root], dashboard=True).start()
     try:
         ray.init(address=cluster.address, namespace="raycheck", log_to_driver=False)
         yield cluster

@@ -7,13 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 import uuid
@@ -23,21 +17,16 @@ import pytest
 import ray
 from typer.testing import CliRunner
 
-from actors.log_keeper import LogKeeperActor
 from conftest import free_port, make_bucket
 from experiments.s3_server import LocalS3Server
-from orchestrator import controller as controller_module
 from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from orchestrator.run_dir import RunDir
 from orchestrator.schedule import failure_schedule, parse_schedule
-from orchestrator.stored_config import CONFIG_OBJECT
-from storage.backend import Storage
 from storage.log_segments import read_segments
 from storage.snapshots import SnapshotStore
 from storage.steplog import read_records
-from test_job_submit import stop_cluster
 from training.model import default_cache_dir
 from training.state import state_sha256
 
@@ -278,8 +267,7 @@ def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(referenc
     """``--verify`` through the CLI, with a seeded Weibull failure schedule, against a failure-free
     reference in ``<out>/reference`` whose state hash was changed: the reference is reused (not run
     again), the recovered state is the true failure-free one, and the comparison with the changed hash
-    fails: exit 3. (A reused reference that compares equal, exit 0, is the resumed run of
-    ``test_driver_killed_mid_run_resumes_from_the_bucket_alone``.) The shadow runs on other CPU kernels
+    fails: exit 3. The shadow runs on other CPU kernels
     than the worker (``--shadow-env``), both recoveries take its image, and ``raycheck replay`` of a
     logged step gives the worker's hash of it."""
     out = tmp_path / "run"
@@ -368,62 +356,6 @@ def cfg_store(summary: dict):
     return JobConfig.from_dict(summary["config"]).snapshot_store()
 
 
-def test_driver_killed_mid_run_resumes_from_the_bucket_alone(reference, tmp_path, s3_endpoint):
-    """The driver (with its embedded Ray cluster) is SIGKILLed while its worker is held during step
-    7 (the test gate in training/faults.py) and the log keeper has mirrored the 7 durable steps to the
-    bucket; its run directory and rank 0's scratch directory are deleted. `raycheck run --resume
-    --storage s3://... --out NEW --verify` continues the same run from the bucket alone (its
-    config.json, log segments and snapshots), executes the 5 steps left, reuses the failure-free
-    reference put in ``NEW/reference`` and ends bitwise equal to it (exit 0), every logged step kept."""
-    bucket = f"resume-{uuid.uuid4().hex[:8]}"
-    make_bucket(s3_endpoint, bucket)
-    uri, out, new = f"s3://{bucket}/run", tmp_path / "run", tmp_path / "new"
-    args = ["--model", "tiny", "--steps", "12", "--lr", "1e-4", "--eval-samples", "16", "--hash-every", "2",
-            "--snapshot-every", "3", "--storage", uri, "--s3-endpoint", s3_endpoint]
-    ray_tmp = tempfile.mkdtemp(prefix="rckill-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, "RAYCHECK_TEST_HOLD_AT_STEP": "7"}
-    driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", *args, "--out", str(out)], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    bucket_storage = Storage(uri, endpoint_url=s3_endpoint)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (any(e["kind"] == "held" for e in RunDir.read(out / "events.jsonl"))
-                                                   and len(read_segments(bucket_storage)[1]) == 7):
-            assert driver.poll() is None, "the driver ended before its worker reached the gate"
-            time.sleep(0.2)  # waiting for the gate's event and the mirror; the worker cannot move past the gate
-    finally:
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait()
-        stop_cluster((ray_tmp,))  # every process of its Ray cluster, the held worker included
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    held = next(e for e in RunDir.read(out / "events.jsonl") if e["kind"] == "held")
-    assert held["step"] == held["durable_steps"] == len(read_records(out / "steplog.bin")) == 7
-    mirrored = read_segments(bucket_storage)[1]
-    assert mirrored == read_records(out / "steplog.bin")
-    scratch = pathlib.Path(json.loads((out / "config.json").read_text())["scratch_dir"])
-    assert len(read_records(scratch / "steplog.bin")) == 7  # rank 0's own log, on this (its) node
-    shutil.rmtree(out)
-    shutil.rmtree(scratch)
-
-    (new / "reference").mkdir(parents=True)  # --verify on the resumed run: reused, and equal
-    shutil.copy(pathlib.Path(reference["config"]["out_dir"]) / "summary.json", new / "reference" / "summary.json")
-    result = CliRunner().invoke(app, ["run", "--resume", "--verify", "--storage", uri, "--s3-endpoint", s3_endpoint, "--out", str(new)])
-    assert result.exit_code == 0, result.output
-    assert f"reusing the failure-free reference in {new / 'reference'}" in result.output
-    s = json.loads((new / "summary.json").read_text())
-    assert s["bitwise_equal"] is True and s["reference_state_sha256"] == s["state_sha256"] == reference["state_sha256"]
-    assert s["final_step"] == 12 and s["shadow_equal"] and s["lost_steps"] == 0
-    assert s["worker_hashes"] == {k: reference["worker_hashes"][k] for k in ("8", "10", "12")}
-    assert s["config"]["run_id"] == json.loads(bucket_storage.get(CONFIG_OBJECT))["run_id"] == json.loads((new / "config.json").read_text())["run_id"]
-    events = RunDir.read(new / "events.jsonl")
-    assert [e["steps"] for e in events if e["kind"] == "log_adopted"] == [7]
-    resume = next(e for e in events if e["kind"] == "resume")
-    assert resume["durable_steps"] == 7 and s["resumes"] == [resume]
-    assert [r["at_step"] for r in s["recoveries"]] == [7]
-    assert [r["step"] for r in RunDir.read(new / "metrics.jsonl")] == list(range(7, 12))  # it started after the last durable step
-    assert read_records(new / "steplog.bin")[:7] == mirrored and len(read_records(new / "steplog.bin")) == 12
-
-
 def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(reference, tmp_path_factory):
     """``--shadow-shards 2``. Step 4: a worker dies; it restores the two shards' images of step 4
     through the object store. Step 7: shard 1 alone is killed once the snapshot of step 6 (both parts,
@@ -442,34 +374,3 @@ def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(referen
     assert s["snapshots"]["last_durable_step"] == 12 and s["snapshots"]["parts_pending_steps"] == []
 
 
-def test_a_replacement_without_rank0s_local_log_rebuilds_it_from_the_keeper_and_is_exact(reference, tmp_path_factory,
-                                                                                          monkeypatch):
-    """Step 7: the shadow and a worker die once the snapshot of step 6 is committed, and rank 0's
-    node-local log is deleted before the replacement opens it (a replacement on another node, whose
-    scratch directory is empty): it rebuilds its log from the log keeper, restores the snapshot plus
-    the 1 logged step after it from that log, and ends bitwise equal with no step lost. The deletion
-    is gated by the keeper itself: the first ``header`` call on a log that holds steps is the
-    replacement's (the shadow's restart waits for the worker's recovery)."""
-    local_log = tmp_path_factory.mktemp("scratch") / "steplog.bin"
-
-    class ScratchLosingKeeper(LogKeeperActor):
-        dropped = False
-
-        def header(self) -> dict:
-            if self.end() > 0 and not self.dropped:
-                self.dropped = True
-                local_log.unlink()
-            return super().header()
-
-    monkeypatch.setattr(controller_module, "LogKeeperActor", ScratchLosingKeeper)
-    s = job(tmp_path_factory, "scratch-lost", "7:both", scratch_dir=str(local_log.parent))
-    assert_exact(s, reference)
-    assert [(r["failure_step"], r["source"], r["base_step"], r["replayed_steps"]) for r in s["recoveries"]] == [(7, "storage", 6, 1)]
-    events = RunDir.read(pathlib.Path(s["config"]["out_dir"]) / "events.jsonl")
-    opened = [(e["local_steps"], e["rebuilt_steps"], e["sent_steps"]) for e in events if e["kind"] == "step_log"]
-    assert opened == [(0, 0, 0), (0, 7, 0)]  # the first incarnation's fresh log; the replacement's rebuilt one
-    assert next(e for e in events if e["kind"] == "recovery")["log_source"] == "local"
-    assert read_records(local_log) == read_records(pathlib.Path(s["config"]["out_dir"]) / "steplog.bin")
-    assert len(read_records(local_log)) == 12
-    node = s["durability"]["keeper_node_id"]
-    assert s["durability"] == {"level": "node", "keeper_node_id": node, "rank0_node_ids": [node, node], "node_held": False}

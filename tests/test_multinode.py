@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 
 import pytest
 import ray
+from ray.job_submission import JobStatus, JobSubmissionClient
 from typer.testing import CliRunner
 
 from cluster import SPARE_GPU_NODE, mount_namespace
@@ -19,10 +23,17 @@ from orchestrator.cli import app
 from orchestrator.cluster import alive_nodes, plan_placement, this_node
 from orchestrator.config import JobConfig
 from orchestrator.controller import start_persister
-from storage.backend import STORAGE_ENV
+from orchestrator.run_dir import RunDir
+from orchestrator.summary import recoveries as summary_recoveries
+from storage.backend import STORAGE_ENV, Storage
+from storage.log_segments import read_segments
+from storage.steplog import read_records
 from training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BIN = pathlib.Path(sys.executable).parent
 
 
 def test_each_node_has_private_directories_and_no_credentials_of_its_own(three_nodes, tmp_path, tmp_path_factory):
@@ -55,29 +66,6 @@ def bucket_uri(endpoint: str) -> str:
 def run_cli(*args: str):
     """``raycheck run`` in this process (connected to the cluster), tiny model, a few steps."""
     return CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--eval-samples", "0", *args])
-
-
-@pytest.fixture(scope="module")
-def zo_reference(tmp_path_factory):
-    """A folder holding the failure-free reference's ``summary.json`` of the module's 8-step ZO runs once
-    one has run it (``with_reference``): the runs share the trajectory settings, so one reference serves all."""
-    return tmp_path_factory.mktemp("zo-reference")
-
-
-def with_reference(shared, out, *args: str):
-    """``run_cli(*args, "--out", out)`` reusing the reference in ``shared`` (``controller.reference``
-    reuses ``<out>/reference/summary.json`` of the same trajectory); keeps the one it ran there."""
-    copy_summary(shared, out / "reference")
-    result = run_cli(*args, "--out", str(out))
-    copy_summary(out / "reference", shared)
-    return result
-
-
-def copy_summary(src, dst) -> None:
-    """Copy ``src/summary.json`` into ``dst`` unless ``src`` has none or ``dst`` has one."""
-    if (src / "summary.json").exists() and not (dst / "summary.json").exists():
-        dst.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src / "summary.json", dst / "summary.json")
 
 
 def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_start_fails_the_run_in_one_line(
@@ -123,76 +111,109 @@ def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_
 
 
 @pytest.mark.raytrain
-def test_a_zo_run_with_a_worker_and_a_shadow_failure_ends_bitwise_equal_on_three_nodes(three_nodes, s3_endpoint, tmp_path,
-                                                                                        monkeypatch, zo_reference):
+def test_a_submitted_job_survives_a_worker_a_shadow_and_rank_0s_node_and_resumes_from_the_bucket_alone(
+        three_nodes, s3_endpoint, tmp_path, monkeypatch):
+    """One run on the cluster, every fault domain in turn. ``ray job submit`` (as the README shows) starts
+    a 10-step run at ``--durability node``: a train worker dies at step 2, the shadow at step 4, and at
+    step 5 rank 0's whole node is taken down (a spare train node joined first); rank 0 is then held
+    during step 7 (the test gate) until the bucket's log segments hold the 7 durable steps, and the job is
+    stopped: the driver dies. Its run directory is deleted (rank 0's scratch lies on the train nodes,
+    private to them). ``raycheck run --resume --storage s3://... --out NEW --verify`` on the nodes left
+    ends bitwise equal to the failure-free run, every logged step kept. Prints the node failure's
+    recovery figures."""
     secret = f"secret-{uuid.uuid4().hex}"
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    out = tmp_path / "run"
-    result = with_reference(zo_reference, out, *zo_run(s3_endpoint, "--fail", "3:worker", "--fail", "5:shadow"))
-    summary = json.loads((out / "summary.json").read_text())
-    assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
-    assert summary == {**summary, "ok": True, "final_step": 8, "bitwise_equal": True, "shadow_equal": True, "lost_steps": 0}
-    assert [f["target"] for f in summary["failures"]] == ["worker", "shadow"]
-    assert summary["durability"] == {**summary["durability"], "level": "node", "node_held": True}
-    placement = {name: three_nodes_ids()[name] for name in ("gpu", "cpu")}
-    assert {w["node_id"] for w in summary["placement"]["workers"]} == {placement["gpu"]}
-    assert {p["node_id"] for shard in summary["placement"]["shadow_shards"] for p in shard} == {placement["cpu"]}
-    assert [p["node_id"] for p in summary["placement"]["persister"]] == [placement["cpu"]]
-    assert [p.name for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()] == []
-
-
-def zo_run(s3_endpoint: str, *failures: str) -> list[str]:
-    """The options of the module's 8-step ZO runs on the cluster (one trajectory), with ``failures``;
-    rank 0's scratch is the default one, which the fixture makes private to each node."""
-    return ["--steps", "8", *failures, "--settle-failures", "--verify", "--durability", "node", "--snapshot-every", "3",
-            "--storage", bucket_uri(s3_endpoint), "--s3-endpoint", s3_endpoint, "--worker-resource", "train",
-            "--shadow-resource", "replica", "--start-timeout", "120"]
-
-
-def jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.mark.raytrain
-def test_a_zo_run_survives_the_loss_of_rank_0s_node_and_ends_bitwise_equal(three_nodes, s3_endpoint, tmp_path, zo_reference):
-    """``--fail 3:node`` takes down the "gpu" node (the second-to-last test here: that node stays down);
-    a spare node that can host train workers joins first. Prints the recovery figures."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # the resuming driver's (the job's driver has the head's)
     three_nodes.add_node(SPARE_GPU_NODE)
     names = {three_nodes.node_id(name): name for name in ("gpu", "gpu2", "cpu")}
-    out = tmp_path / "run"
-    result = with_reference(zo_reference, out, *zo_run(s3_endpoint, "--fail", "3:node"))
-    summary = json.loads((out / "summary.json").read_text())
-    assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
-    assert summary == {**summary, "ok": True, "final_step": 8, "bitwise_equal": True, "shadow_equal": True, "lost_steps": 0}
-    assert summary["failures"] == [{"step": 3, "target": "worker", "how": "node"}]
+    uri, out, new = bucket_uri(s3_endpoint), tmp_path / "run", tmp_path / "new"
+    placement = ["--worker-resource", "train", "--shadow-resource", "replica", "--start-timeout", "120"]
+    job_id = f"rc-{uuid.uuid4().hex[:8]}"
+    submit = ray_job_submit(three_nodes, "--no-wait", "--submission-id", job_id, "--working-dir", str(REPO),
+                            "--runtime-env-json", json.dumps({"env_vars": {"RAYCHECK_TEST_HOLD_AT_STEP": "7"}}), "--",
+                            "python", "-m", "orchestrator.cli", "run", "--model", "tiny", "--steps", "10", "--eval-samples", "0",
+                            "--fail", "2:worker", "--fail", "4:shadow", "--fail", "5:node", "--settle-failures",
+                            "--durability", "node", "--snapshot-every", "3", "--storage", uri, "--s3-endpoint", s3_endpoint,
+                            *placement, "--out", str(out))
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    jobs, bucket = JobSubmissionClient(three_nodes.dashboard_url), Storage(uri, endpoint_url=s3_endpoint)
+    try:
+        deadline = time.monotonic() + 600
+        while not (any(e["kind"] == "held" for e in RunDir.read(out / "events.jsonl")) and len(read_segments(bucket)[1]) == 7):
+            status = jobs.get_job_status(job_id)
+            assert time.monotonic() < deadline and status in (JobStatus.PENDING, JobStatus.RUNNING), (
+                status, jobs.get_job_logs(job_id)[-4000:])
+            time.sleep(0.5)  # waiting for the gate's event and the mirror; rank 0 cannot move past the gate
+    finally:
+        jobs.stop_job(job_id)
+    while (status := jobs.get_job_status(job_id)) not in (JobStatus.STOPPED, JobStatus.FAILED):  # SIGTERM, then SIGKILL
+        assert time.monotonic() < deadline + 60, status
+        time.sleep(0.5)
+    events = RunDir.read(out / "events.jsonl")
+    assert_the_job_survived_each_failure(three_nodes, names, events)
+    held = next(e for e in events if e["kind"] == "held")
+    assert held["step"] == held["durable_steps"] == len(read_records(out / "steplog.bin")) == 7
+    assert read_segments(bucket)[1] == read_records(out / "steplog.bin")
+    wait_until_gone(json.loads((out / "config.json").read_text())["run_id"])
+    shutil.rmtree(out)
 
-    workers = [names[w["node_id"]] for w in summary["placement"]["workers"]]
-    lost = workers[0]
-    assert len(workers) == 2 and set(workers) == {"gpu", "gpu2"}, workers  # rank 0 restarted on the other train node
-    assert three_nodes.processes(lost) == [], f"processes of the {lost} node survived its failure"
-    assert not next(n for n in ray.nodes() if n["NodeID"] == summary["placement"]["workers"][0]["node_id"])["Alive"]
-    # the shadow and the persister, on the "cpu" node, ran through it untouched (one incarnation each)
+    result = CliRunner().invoke(app, ["run", "--resume", "--verify", "--storage", uri, "--s3-endpoint", s3_endpoint,
+                                      *placement, "--out", str(new)])
+    summary = json.loads((new / "summary.json").read_text())
+    assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
+    assert summary == {**summary, "ok": True, "final_step": 10, "bitwise_equal": True, "shadow_equal": True, "lost_steps": 0}
+    assert [e["steps"] for e in RunDir.read(new / "events.jsonl") if e["kind"] == "log_adopted"] == [7]
+    assert [m["step"] for m in RunDir.read(new / "metrics.jsonl")] == [7, 8, 9]  # it started after the last durable step
+    survivor = [n for n in ("gpu", "gpu2") if three_nodes.processes(n)]
+    assert [names[w["node_id"]] for w in summary["placement"]["workers"]] == survivor
     assert [[names[p["node_id"]] for p in shard] for shard in summary["placement"]["shadow_shards"]] == [["cpu"]]
     assert [names[p["node_id"]] for p in summary["placement"]["persister"]] == ["cpu"]
     assert summary["durability"] == {**summary["durability"], "level": "node", "node_held": True}
-    assert [names[n] for n in summary["durability"]["rank0_node_ids"]] == workers
-
-    events = jsonl(out / "events.jsonl")
-    failure = next(e for e in events if e["kind"] == "failure")
-    rebuilt = [e for e in events if e["kind"] == "step_log"][1]  # the replacement rank 0 had no local log
-    assert (rebuilt["local_steps"], rebuilt["rebuilt_steps"]) == (0, failure["durable_steps"]), rebuilt
-    [recovery] = summary["recoveries"]
-    assert recovery == {**recovery, "failure_step": 3, "lost_steps": 0, "restored_step": failure["durable_steps"]}
-    first_step_after_s = min(m["unix_s"] for m in jsonl(out / "metrics.jsonl") if m["unix_s"] > failure["unix_s"]) - failure["unix_s"]
-    print(f"node failure at step 3 ({lost} node): first step after it {first_step_after_s:.1f} s; restored "
-          f"{recovery['restored_step']} steps from {recovery['source']} in {recovery['seconds']:.1f} s after the failure "
-          f"(restart {recovery['restart_seconds']:.1f} s, restore {recovery['restore_seconds']:.2f} s)")
+    assert [p.name for p in new.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()] == []
 
 
-def three_nodes_ids() -> dict[str, str]:
-    """The node id of the "gpu" and "cpu" nodes (by the resource each offers)."""
-    by_resource = {r: n.node_id for n in alive_nodes() for r in n.resources}
-    return {"gpu": by_resource["train"], "cpu": by_resource["replica"]}
+def ray_job_submit(cluster, *args: str) -> subprocess.CompletedProcess:
+    """``ray job submit --address <the cluster's dashboard> ARGS``; "No available agent" (the job agent
+    comes up a few seconds after the head) is retried."""
+    for _ in range(12):
+        proc = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard_url, *args], env=cluster.env,
+                              capture_output=True, text=True, timeout=300)
+        if "No available agent" not in proc.stdout + proc.stderr:
+            break
+        time.sleep(5)
+    return proc
+
+
+def assert_the_job_survived_each_failure(cluster, names: dict[str, str], events: list[dict]) -> None:
+    """The job's three failures fired and each was answered with no logged step lost: the worker's and
+    the node's by a restored replacement, the shadow's by its restart. The node failure took down rank
+    0's node, whose replacement started on the other train node and rebuilt the steps its local log
+    lacked from the log keeper. Prints the node failure's recovery figures."""
+    failures = [e for e in events if e["kind"] == "failure"]
+    assert [(f["step"], f["target"]) for f in failures] == [(2, "worker"), (4, "shadow"), (5, "worker")], failures
+    assert failures[2]["how"] == "node" and failures[0]["how"] != "node"
+    assert len([e for e in events if e["kind"] == "shadow_restart"]) == 1
+    recoveries = summary_recoveries(events)
+    assert [(r["failure_step"], r["lost_steps"]) for r in recoveries] == [(2, 0), (5, 0)], recoveries
+    rank0 = [e for e in events if e["kind"] == "step_log"]  # rank 0's three incarnations
+    lost, replacement = names[rank0[1]["node_id"]], names[rank0[2]["node_id"]]
+    assert {lost, replacement} == {"gpu", "gpu2"}, (lost, replacement)
+    # its local log is the one rank 0's first incarnation left there (2 steps) if that ran on the same node, else none
+    local = failures[0]["durable_steps"] if rank0[2]["node_id"] == rank0[0]["node_id"] else 0
+    assert (rank0[2]["local_steps"], rank0[2]["rebuilt_steps"]) == (local, failures[2]["durable_steps"] - local), rank0
+    assert cluster.processes(lost) == [], f"processes of the {lost} node survived its failure"
+    assert not next(n for n in ray.nodes() if n["NodeID"] == rank0[1]["node_id"])["Alive"]
+    node = recoveries[1]
+    print(f"node failure at step 5 ({lost} node): {node['restored_step']} steps restored from {node['source']} "
+          f"{node['seconds']:.1f} s after it (restart {node['restart_seconds']:.1f} s, restore {node['restore_seconds']:.2f} s)")
+
+
+def wait_until_gone(run_id: str) -> None:
+    """Wait (bounded) until Ray has removed the stopped job's named actors of run ``run_id``: the resume
+    starts actors of the same names."""
+    deadline = time.monotonic() + 120
+    while any(run_id in a["name"] for a in ray.util.list_named_actors(all_namespaces=True)):
+        assert time.monotonic() < deadline, ray.util.list_named_actors(all_namespaces=True)
+        time.sleep(0.5)
 
 
 def test_a_node_taken_down_is_dead_to_ray_within_seconds(three_nodes):

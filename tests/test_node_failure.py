@@ -49,6 +49,9 @@ def test_a_node_failure_parses_and_is_refused_where_the_run_could_not_survive_it
     with pytest.raises(ValueError, match=r"but 1 node\(s\) of 3 can host a train worker \(each asks \{'CPU': 1.0, 'train': "
                                          r"1.0\}\): the workers need another node to restart on"):
         check_node_failures(cfg, [HEAD, GPU_A, CPU], driver_node_id="head")
+    check_node_failures(cfg, [HEAD, GPU_A, CPU], driver_node_id="head", fired=["0.worker"])  # a resume: it fired before
+    with pytest.raises(ValueError, match="but 1 node"):  # another failure's marker does not count
+        check_node_failures(cfg, [HEAD, GPU_A, CPU], driver_node_id="head", fired=["1.worker", "0.shadow"])
 
 
 def fake_raylet(tmp_path: pathlib.Path, session: str, name: str) -> tuple[subprocess.Popen, list[int]]:

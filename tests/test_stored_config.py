@@ -83,6 +83,7 @@ def test_failures_due_before_the_durable_step_count_as_fired():
     assert fired_before(failures, 3) == ["0.worker"]
     assert fired_before(failures, 4) == ["0.worker", "1.shadow", "1.shadow-killed", "1.worker", "2.persister"]
     assert fired_before(failures, 6)[-3:] == ["3.shadow", "3.shadow-killed", "4.corrupt"]
+    assert fired_before((FailureSpec.parse("2:node"),), 3) == ["0.worker"]  # announced and claimed as a worker failure
 
 
 def test_resume_from_the_bucket_alone_starts_the_saved_run_in_the_new_directory(tmp_path, bucket, s3_endpoint, monkeypatch):

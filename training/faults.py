@@ -89,8 +89,10 @@ def marker(index: int, part: str) -> str:
     return f"{index}.{part}"
 
 
-PARTS = {"worker": ("worker",), "shadow": ("shadow", "shadow-killed"), "both": ("shadow", "shadow-killed", "worker")}
-"""The markers each failure target claims (any other target claims one marker, named after it)."""
+PARTS = {"worker": ("worker",), "shadow": ("shadow", "shadow-killed"), "both": ("shadow", "shadow-killed", "worker"),
+         "node": ("worker",)}
+"""The markers each failure target claims (any other target claims one marker, named after it; a
+``node`` failure is announced as a worker failure)."""
 
 
 def fired_before(failures, durable_steps: int) -> list[str]:
