@@ -592,18 +592,19 @@ class Controller:
                                         use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
                                         replica_resource=cfg.shadow_resource)
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
-        # the log keeper, the persister and the shadow start at once (their processes' start-ups overlap);
-        # each is awaited below, and one that cannot start ends the run (_kill_actors stops the others)
+        # start-ups overlap: the persister starts while the log keeper is awaited, the shadow (after the
+        # node-failure check, which needs the durable steps) while the persister is; one that cannot
+        # start ends the run (_kill_actors stops the others)
         if cfg.uses_step_log:
             self._start_log_keeper()
         self.persister = self._start_persister()
-        if cfg.uses_shadow:
-            self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=self.placement.replica)
-            self.shadow.start()
         durable = self._await_log_keeper() if cfg.uses_step_log else 0
         fired = fired_before(cfg.failures, durable)  # even when the run directory was lost
         ray.get(self.journal.seed.remote(fired))
         check_node_failures(cfg, nodes, self.placed["driver"]["node_id"], fired=[*claims_in(self.record.events), *fired])
+        if cfg.uses_shadow:
+            self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=self.placement.replica)
+            self.shadow.start()
         if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
             rows = self.record.metrics
             self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
