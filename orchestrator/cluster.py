@@ -8,7 +8,11 @@ from dataclasses import dataclass
 
 import ray
 
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+"""The driver's environment defaults (a variable already set wins): no usage stats, no auth token for
+the local cluster, and Ray Train's controller polling its workers every 0.5 s instead of its default
+2 s, so a worker failure or the end of training is seen up to 1.5 s sooner (Ray Train hands the
+variable from the driver to its controller)."""
 
 
 def connect(namespace: str, num_cpus: int, dashboard: bool = False, worker_logs: bool = False) -> bool:
