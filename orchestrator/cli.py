@@ -54,7 +54,7 @@ def _refuse(message: str) -> typer.Exit:
 
 OPTION_OF_FIELD = {"mtbf_s": "mtbf", "failures": "fail", "storage_options": "s3_endpoint", "start_timeout_s": "start_timeout"}
 """``JobConfig`` fields whose ``raycheck run`` option has another name; any other field is its option."""
-RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts", "worker_resource", "shadow_resource", "start_timeout_s")
+RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures", "worker_resource", "shadow_resource", "start_timeout_s")
 """Options that ``--resume`` takes from the command line over the run's ``config.json``: restart
 budgets and placement, not part of the trajectory (a run that spent one resumes with a larger one; a
 run resumed on another cluster is placed there)."""
@@ -251,6 +251,8 @@ def run(
                                                   "shadow records none: a shard holds part of the state; its final shadow_state_sha256 is still compared).")] = 0,
     max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited; per shard).")] = 10,
     max_persister_restarts: Annotated[int, typer.Option(help="Restarts of a dead snapshot persister before the run fails (-1: unlimited).")] = 10,
+    max_worker_failures: Annotated[int, typer.Option(help="Worker-group restarts after a train worker failed before the run fails "
+                                                          "(-1: unlimited; injected failures count).")] = 10,
     shadow_shards: Annotated[int, typer.Option(min=1, help="Split the shadow into K CPU actors, each replaying a contiguous range of "
                                                 "units (embeddings, layers, norm, head) balanced by size, spread across nodes: "
                                                 "replay work and memory per actor / K. 1..the model's unit count (tiny: 4, "
@@ -293,7 +295,7 @@ def run(
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
             keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
-            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, shadow_shards=shadow_shards,
+            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, max_worker_failures=max_worker_failures, shadow_shards=shadow_shards,
             settle_failures=settle_failures, device=device, shadow_env=parse_env(shadow_env, "--shadow-env"),
             worker_resource=worker_resource, shadow_resource=shadow_resource, start_timeout_s=start_timeout_s,
             durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],

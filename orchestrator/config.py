@@ -179,6 +179,9 @@ class JobConfig:
     max_shadow_restarts: int = 10
     """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails
     (-1: unlimited); with several shards, each shard has this budget of its own."""
+    max_worker_failures: int = 10
+    """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
+    before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
     device: str = "cpu"
     """Where the ZO workers compute: ``cpu`` or ``cuda`` (one GPU per worker, Ray Train ``use_gpu``). The
     step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
@@ -227,9 +230,12 @@ class JobConfig:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
         if self.snapshot_policy not in ("fixed", "adaptive"):
             raise ValueError(f"snapshot_policy {self.snapshot_policy!r}: choose fixed or adaptive")
-        for name in ("max_shadow_restarts", "max_persister_restarts"):
+        for name in ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures"):
             if getattr(self, name) < -1:
                 raise ValueError(f"{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
+        if -1 < self.max_worker_failures < self.injected_worker_failures:
+            raise ValueError(f"{self.injected_worker_failures} injected worker failures exceed max_worker_failures "
+                             f"{self.max_worker_failures}: raise --max-worker-failures (-1: unlimited)")
         if self.shadow_shards < 1:
             raise ValueError(f"shadow_shards must be >= 1, got {self.shadow_shards}")
         if self.shadow_shards > 1 and not self.uses_shadow:
@@ -368,6 +374,11 @@ class JobConfig:
         from orchestrator.cluster import runtime_env
 
         return {"runtime_env": runtime_env(self.shadow_env)}
+
+    @property
+    def injected_worker_failures(self) -> int:
+        """How many of ``failures`` end a train worker (``worker``, ``both``, ``node``)."""
+        return sum(1 for f in self.failures if f.target in ("worker", "both", "node"))
 
     @property
     def shadow_name(self) -> str:

@@ -465,7 +465,6 @@ class Controller:
             from training.fo_worker import train_loop_per_worker
         else:
             from training.worker import train_loop_per_worker
-        worker_failures = sum(1 for f in self.cfg.failures if f.target in ("worker", "both", "node"))
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
             train_loop_config=self.cfg.to_dict(),
@@ -475,7 +474,7 @@ class Controller:
             run_config=RunConfig(
                 name=f"raycheck-{self.cfg.run_id}",
                 storage_path=str(pathlib.Path(self.cfg.out_dir).resolve() / "ray_train"),
-                failure_config=FailureConfig(max_failures=worker_failures + 2),
+                failure_config=FailureConfig(max_failures=self.cfg.max_worker_failures),
                 worker_runtime_env=runtime_env(),
             ),
         )

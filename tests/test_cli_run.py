@@ -188,6 +188,8 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
     (["--shadow-shards", "2", "--strategy", "full-sync"], "error: --shadow-shards 2 needs --strategy shadow (this run: full-sync)"),
     (["--shadow-env", "A=b", "--strategy", "log-only"], "error: --shadow-env is set, but --strategy log-only has no shadow"),
     (["--max-persister-restarts", "-2"], "error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"),
+    (["--max-worker-failures", "1", "--fail", "2:worker", "--fail", "3:both"],
+     "error: 2 injected worker failures exceed --max-worker-failures 1: raise --max-worker-failures (-1: unlimited)"),
 ])
 def test_configuration_errors_name_the_options_typed(tmp_path, args, message):
     result = run_into(tmp_path / "run", *args)
