@@ -56,7 +56,7 @@ class LoggedRun:
 
 @dataclass(frozen=True)
 class Replayed:
-    """The state after ``step`` steps (``params``, name -> CPU float32 tensor in the model's order),
+    """The state after ``step`` steps (``params``, name -> CPU tensor in the model's order and the log's dtype),
     rebuilt from ``base`` (a snapshot; None: the initial weights) plus ``replayed_steps`` logged steps;
     ``skipped``: own snapshots at or before ``step`` that failed verification, with the reason."""
 
