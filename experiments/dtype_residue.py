@@ -4,8 +4,11 @@ For each model and parameter dtype (``training.zo.DTYPES``): load the real weigh
 (``training.model.load_model``; the float32 weights rounded once to nearest-even), apply one step's
 round trip with ``training.zo.perturb_`` and no update, and compare every element with its starting
 bits: the fraction of elements not back to them, and the max and mean absolute change (over all
-elements, in float64, units of the weights). Also the memory a worker holds per step: the parameters
-and the step's z (one tensor per parameter, in the parameters' dtype), bytes.
+elements, in float64, units of the weights). For the half dtypes also the same round trip in torch's
+own half-precision arithmetic (``p.add_(z * scale)`` on half tensors: float32 opmath, the product
+rounded to the half dtype before the add), as other MeZO code does it, for comparison. Also the
+memory a worker holds per step: the parameters and the step's z (one tensor per parameter, in the
+parameters' dtype), bytes.
 
     python -m experiments.dtype_residue [--models smollm2-135m tiny] [--eps 1e-3] [--step 0]
 
@@ -15,7 +18,7 @@ Prints a Markdown table (the one in docs/dtypes.md) and returns the rows.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -26,9 +29,15 @@ _BITS = {4: torch.int32, 2: torch.int16}
 """An integer dtype of each element size, to compare tensors bit for bit (-0.0 is not 0.0 here)."""
 
 
-def round_trip_residue(params: Mapping[str, torch.Tensor], seed: int, eps: float) -> dict:
-    """Apply +eps z, -2 eps z, +eps z to a copy of each tensor of ``params`` (z of step seed ``seed``,
-    ``training.zo.noise``) and compare it with the original.
+def native_perturb_(p: torch.Tensor, z: torch.Tensor, scale: float) -> None:
+    """p <- p + z * scale in torch's arithmetic of ``p``'s dtype (for comparison; not raycheck's)."""
+    p.add_(z * scale)
+
+
+def round_trip_residue(params: Mapping[str, torch.Tensor], seed: int, eps: float,
+                       perturb: Callable[[torch.Tensor, torch.Tensor, float], None] = perturb_) -> dict:
+    """Apply +eps z, -2 eps z, +eps z with ``perturb`` to a copy of each tensor of ``params`` (z of step
+    seed ``seed``, ``training.zo.noise``) and compare it with the original.
 
     Returns ``{"elements", "changed" (elements whose bits differ), "changed_fraction", "max_abs_change",
     "mean_abs_change"}``; the changes are absolute, float64, in the weights' units.
@@ -38,7 +47,7 @@ def round_trip_residue(params: Mapping[str, torch.Tensor], seed: int, eps: float
     for i, p in enumerate(params.values()):
         q, z = p.clone(), noise(seed, i, p)
         for scale in (eps, -2 * eps, eps):
-            perturb_(q, z, scale)
+            perturb(q, z, scale)
         bits = _BITS[p.element_size()]
         changed += int((q.view(bits) != p.view(bits)).sum())
         delta = (q.double() - p.double()).abs()
@@ -56,19 +65,22 @@ def step_memory_bytes(params: Mapping[str, torch.Tensor]) -> dict:
     return {"parameter_bytes": parameter_bytes, "z_bytes": parameter_bytes, "step_bytes": 2 * parameter_bytes}
 
 
-def measure(model: str, dtype: str, eps: float, step: int) -> dict:
-    """The residue and memory row of ``model`` in ``dtype``."""
+def measure(model: str, dtype: str, eps: float, step: int) -> list[dict]:
+    """The residue and memory rows of ``model`` in ``dtype``: raycheck's arithmetic, and for a half
+    dtype torch's own too."""
     params = trainable_parameters(load_model(model, dtype=dtype))
-    return {"model": model, "dtype": dtype, "eps": eps, **round_trip_residue(params, step_seed(0, step), eps),
-            **step_memory_bytes(params)}
+    kinds = {"raycheck": perturb_, **({"torch half ops": native_perturb_} if dtype != "float32" else {})}
+    return [{"model": model, "dtype": dtype, "arithmetic": kind, "eps": eps,
+             **round_trip_residue(params, step_seed(0, step), eps, perturb), **step_memory_bytes(params)}
+            for kind, perturb in kinds.items()]
 
 
 def table(rows: list[dict]) -> str:
     """``rows`` as a Markdown table."""
-    lines = ["| model | dtype | elements | not back to their bits | max abs change | mean abs change | parameters | per step (+ z) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | dtype | arithmetic | elements | not back to their bits | max abs change | mean abs change | parameters | per step (+ z) |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['elements']:,} | {r['changed_fraction']:.2%} ({r['changed']:,}) | "
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['arithmetic']} | {r['elements']:,} | {r['changed_fraction']:.2%} ({r['changed']:,}) | "
                      f"{r['max_abs_change']:.3g} | {r['mean_abs_change']:.3g} | {r['parameter_bytes'] / 2**20:,.1f} MiB | "
                      f"{r['step_bytes'] / 2**20:,.1f} MiB |")
     return "\n".join(lines)
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--eps", type=float, default=1e-3, help="perturbation scale (MeZO's and raycheck's default 1e-3)")
     ap.add_argument("--step", type=int, default=0, help="the step whose z is used (run seed 0)")
     args = ap.parse_args(argv)
-    rows = [measure(model, dtype, args.eps, args.step) for model in args.models for dtype in DTYPES]
+    rows = [row for model in args.models for dtype in DTYPES for row in measure(model, dtype, args.eps, args.step)]
     print(f"round trip +eps z, -2 eps z, +eps z (eps = {args.eps:g}, z of step {args.step}, run seed 0), no update:")
     print(table(rows))
     return rows

@@ -71,13 +71,15 @@ too: torch computes reduced-precision elementwise ops in their "opmath" type, fl
 each result once to D (CPU: ``Vectorized<BFloat16>`` / ``Vectorized<Half>`` widen, compute in
 float32, narrow; the scalar loop's c10 operators do the same; CUDA: ``opmath_symmetric_gpu_kernel_
 with_scalars`` with ``opmath_t = float``, a Python scalar held as a float32 ``original_scalar_value``,
-never rounded to D). But it rounds the perturbation t = z * scale to D before the add, one rounding
-more per op that the explicit form avoids, and it spreads the contract over every kernel's opmath
-path; the explicit form rests on the float32 contract above plus one conversion per write.
+never rounded to D). But it rounds the perturbation t = z * scale to D before the add (one rounding
+more; the residue below is about the same either way), and its contract would be every kernel's
+opmath path on every backend; the explicit form rests on the float32 contract above plus one
+conversion per write.
 
-The +eps, -2 eps, +eps round trip leaves a residue: in D it is not the identity for far more
-elements than in float32 (``experiments.dtype_residue``, docs/dtypes.md), so every replayer
-re-executes it and never assumes it cancels. The step log header records the run's dtype
+The +eps, -2 eps, +eps round trip leaves a residue in every dtype: about half the elements do not
+come back to their bits, each off by up to an ulp of D, so in D the residue is 2^16 (bfloat16) or
+2^13 (float16) times float32's (``experiments.dtype_residue``, docs/dtypes.md). Every replayer
+re-executes the round trip and never assumes it cancels. The step log header records the run's dtype
 (``check_dtype``), and the dtype is part of the trajectory hash; snapshots store the tensors in D
 (safetensors ``BF16`` / ``F16``, ``storage.tensor_files``).
 
