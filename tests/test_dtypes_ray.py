@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 def test_bfloat16_run_with_a_worker_failure_is_bitwise_equal_to_its_reference(cluster, tmp_path):  # noqa: F811
     """The worker trains in bfloat16 on the best CPU kernels, the shadow replays on the default ones
     (``--shadow-env``); the failed worker restores the shadow's bfloat16 image; the failure-free
-    reference ends with the same bits, the snapshots hold BF16 tensors, and ``raycheck replay`` (a
-    BF16 snapshot plus the log) gives the worker's hash of a logged step."""
+    reference ends with the same bits, the snapshots hold BF16 tensors, and ``raycheck replay`` of a
+    logged step, from its BF16 snapshot and from the initial weights plus the log, gives the worker's hash."""
     out = tmp_path / "run"
     result = CliRunner().invoke(app, [
         "run", "--model", "tiny", "--dtype", "bfloat16", "--steps", "6", "--lr", "1e-3", "--eval-samples", "8",
@@ -35,6 +35,7 @@ def test_bfloat16_run_with_a_worker_failure_is_bitwise_equal_to_its_reference(cl
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
             assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}, shard
-    replayed = CliRunner().invoke(app, ["replay", str(out), "--step", "4"])
-    assert "base snapshot" in replayed.output or "base" in replayed.output
-    assert replayed.output.strip().endswith(f"state_sha256 {s['worker_hashes']['4']}"), replayed.output
+    for extra, how in (([], "base snapshot of step 4"), (["--from-initial"], "base the initial weights; replayed steps 0..3 (4)")):
+        replayed = CliRunner().invoke(app, ["replay", str(out), "--step", "4", *extra])
+        assert how in replayed.output, replayed.output
+        assert replayed.output.strip().endswith(f"state_sha256 {s['worker_hashes']['4']}"), replayed.output

@@ -77,7 +77,7 @@ opmath path on every backend; the explicit form rests on the float32 contract ab
 conversion per write.
 
 The +eps, -2 eps, +eps round trip leaves a residue in every dtype: about half the elements do not
-come back to their bits, each off by up to an ulp of D, so in D the residue is 2^16 (bfloat16) or
+come back to their bits, each off by up to an ulp of D, so in D the residue is about 2^16 (bfloat16) or
 2^13 (float16) times float32's (``experiments.dtype_residue``, docs/dtypes.md). Every replayer
 re-executes the round trip and never assumes it cancels. The step log header records the run's dtype
 (``check_dtype``), and the dtype is part of the trajectory hash; snapshots store the tensors in D
