@@ -37,7 +37,7 @@ from storage.snapshots import NoSnapshotError, SnapshotStore
 from storage.steplog import StepLogReader, StepRecord
 from training.model import layout_sha256, load_model, parameter_layout, trainable_parameters
 from training.state import copy_state, load_into, state_sha256
-from training.zo import check_generator, replay_step_
+from training.zo import check_dtype, check_generator, dtype_name, replay_step_
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class ShadowReplayer:
 
     Raises:
         ValueError: the log was written for another parameter layout, or (``GeneratorMismatchError``)
-            another noise generator.
+            another noise generator, or (``DtypeMismatchError``) another parameter dtype than ``params``'.
     """
 
     def __init__(self, params: "OrderedDict[str, torch.Tensor]", log: LogSource | str | os.PathLike, start_step: int = 0,
@@ -83,6 +83,7 @@ class ShadowReplayer:
         self.reader = StepLogReader(log, start_step) if isinstance(log, (str, os.PathLike)) else log
         self.reader.seek(start_step)
         header = self.reader.header
+        check_dtype(header, dtype_name(params), str(log))
         if shard is None:
             matches = header["layout_sha256"] == layout_sha256(parameter_layout(params))
         else:  # a shard: its tensors must be that range of the logged layout
@@ -167,6 +168,8 @@ class ShadowSpec:
 
     model: str
     cache_dir: str
+    dtype: str = "float32"
+    """The parameters' dtype (``JobConfig.dtype``)."""
     log_path: str = ""
     log_keeper_name: str = ""
     store: SnapshotStore
@@ -190,7 +193,7 @@ class ShadowActor:
         self.spec = spec
         self.started_unix_s = time.time()
         self.actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-        params = trainable_parameters(load_model(spec.model, spec.cache_dir))
+        params = trainable_parameters(load_model(spec.model, spec.cache_dir, spec.dtype))
         layout = layout_of(params)
         self.range = split_units({n: p.numel() for n, p in params.items()}, spec.shards)[spec.shard]
         if spec.shards > 1:  # keep only this shard's tensors: the rest of the model is freed

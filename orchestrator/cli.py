@@ -86,9 +86,15 @@ def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig
     Returns:
         ``saved`` with the ``RESUME_BUDGETS`` given (a notice for each one that changes), and a
         warning line naming every given option that ``--resume`` ignores (none when there is none).
+
+    Raises:
+        typer.Exit: (code 2, the reason printed) ``--dtype`` is given and differs from the run's.
     """
     budgets = {name: given[name] for name in RESUME_BUDGETS if name in given}
     notes = [f"--resume: {name} {getattr(saved, name)} -> {value}" for name, value in budgets.items() if getattr(saved, name) != value]
+    if "dtype" in given and given["dtype"] != saved.dtype:
+        raise _refuse(f"--resume --dtype {given['dtype']}: the run holds its parameters in {saved.dtype} (its step log "
+                      f"and snapshots are {saved.dtype}); resume it with --dtype {saved.dtype} or leave --dtype out")
     ignored = [option(name) for name in given if name not in RESUME_OPTIONS]
     if ignored:
         notes.append(f"warning: --resume continues the run with the settings in its config.json; ignored: {', '.join(ignored)}")
@@ -262,6 +268,9 @@ def run(
                                                    "steps alone (reproducible experiments; real failures do not wait).")] = False,
     device: Annotated[str, typer.Option(help="zo: where the workers compute, cpu or cuda (one GPU per worker; the step "
                                                "log and the shadow stay on the CPU; see scripts/device-check).")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="zo: the dtype the workers hold and perturb the parameters in: float32, bfloat16 "
+                                              "or float16 (half the memory; the shadow, recoveries and replay use the same one, "
+                                              "bitwise: see docs/dtypes.md). algo fo trains in float32.")] = "float32",
     shadow_env: Annotated[list[str], typer.Option(help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), "
                                                        "e.g. ATEN_CPU_CAPABILITY=default. Repeatable.")] = [],
     durability: Annotated[str, typer.Option(help="zo step log: a step is durable before its update when fsynced on rank 0's node "
@@ -279,7 +288,7 @@ def run(
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
     from orchestrator.controller import ResumeMismatchError, run_job
-    from training.zo import GeneratorMismatchError
+    from training.zo import DtypeMismatchError, GeneratorMismatchError
 
     try:
         failures = tuple(FailureSpec.parse(f) for f in fail)
@@ -296,7 +305,7 @@ def run(
             keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
             eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, max_worker_failures=max_worker_failures, shadow_shards=shadow_shards,
-            settle_failures=settle_failures, device=device, shadow_env=parse_env(shadow_env, "--shadow-env"),
+            settle_failures=settle_failures, device=device, dtype=dtype, shadow_env=parse_env(shadow_env, "--shadow-env"),
             worker_resource=worker_resource, shadow_resource=shadow_resource, start_timeout_s=start_timeout_s,
             durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],
         )
@@ -325,7 +334,7 @@ def run(
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     try:
         summary = run_job(cfg, verify=verify, echo=typer.echo)
-    except (ResumeMismatchError, GeneratorMismatchError) as exc:  # raised before anything in the run directory is touched
+    except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched
         raise _refuse(str(exc)) from exc
     keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
             "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",

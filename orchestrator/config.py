@@ -16,6 +16,7 @@ from storage.backend import Storage
 from storage.manifest import RunIdentity
 from storage.snapshots import SnapshotStore
 from training.model import MODEL_NAMES
+from training.zo import DTYPES
 
 FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
@@ -186,6 +187,10 @@ class JobConfig:
     """Where the ZO workers compute: ``cpu`` or ``cuda`` (one GPU per worker, Ray Train ``use_gpu``). The
     step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
     the device is part of the trajectory (``trajectory_sha256``) when it is not ``cpu``."""
+    dtype: str = "float32"
+    """The dtype the ZO workers hold and perturb the parameters in (``training.zo.DTYPES``: float32,
+    bfloat16, float16); the shadow, recoveries, snapshots and ``raycheck replay`` use the same one (the
+    step log header records it). Part of the trajectory (``trajectory_sha256``) when it is not float32."""
     shadow_env: dict = field(default_factory=dict)
     """Environment variables of the shadow actor's process (Ray ``runtime_env`` ``env_vars``), e.g.
     ``{"ATEN_CPU_CAPABILITY": "default"}`` or numba/torch settings of a node type; empty: inherit."""
@@ -283,11 +288,16 @@ class JobConfig:
                                  f"{self.storage!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
 
     def _check_runtime(self) -> None:
-        """Validate ``device`` and ``shadow_env`` (which needs a strategy with a shadow)."""
+        """Validate ``device``, ``dtype`` (both ZO only) and ``shadow_env`` (which needs a strategy with a shadow)."""
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.device != "cpu" and self.algo != "zo":
             raise ValueError(f"device {self.device} runs the ZO worker only (algo zo), not algo {self.algo}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.dtype != "float32" and self.algo != "zo":
+            raise ValueError(f"dtype {self.dtype} is for the ZO path (algo zo) only: algo {self.algo} (AdamW, its moments and "
+                             "gradient records) trains in float32; leave dtype out or use algo zo")
         for key, value in self.shadow_env.items():
             if not (isinstance(key, str) and ENV_NAME.match(key) and isinstance(value, str)):
                 raise ValueError(f"shadow_env {key!r}={value!r}: expected NAME=VALUE, NAME letters, digits and _ "
@@ -328,10 +338,13 @@ class JobConfig:
 
     def trajectory_sha256(self) -> str:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``
-        counts only when it is not ``cpu``, so the hashes of existing CPU runs stay as they were."""
+        counts only when it is not ``cpu`` and ``dtype`` only when it is not ``float32``, so the hashes of
+        existing CPU float32 runs stay as they were."""
         values = {k: getattr(self, k) for k in self.TRAJECTORY}
         if self.device != "cpu":
             values["device"] = self.device
+        if self.dtype != "float32":
+            values["dtype"] = self.dtype
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict:

@@ -59,7 +59,7 @@ from storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from storage.steplog import StepLogWriter, read_header
 from training.faults import PARTS, fired_before, marker
 from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
-from training.zo import GENERATOR, check_generator
+from training.zo import GENERATOR, check_dtype, check_generator
 
 log = logging.getLogger(__name__)
 
@@ -192,22 +192,23 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
     """Convert the model once, save the configuration (``config.json``, for ``--resume``) and create
     the step log with everything replay needs in its header. An existing step log is kept when its
     trajectory matches (a resumed run), else ``ResumeMismatchError``; one written with another noise
-    generator raises ``GeneratorMismatchError``."""
+    generator raises ``GeneratorMismatchError``, one in another parameter dtype ``DtypeMismatchError``."""
     tokenizer_dir(cfg.cache_dir)
     model_dir(cfg.model, cfg.cache_dir)
     if run.step_log.exists():
         header = read_header(run.step_log)
         found = header.get("trajectory_sha256")
+        check_dtype(header, cfg.dtype, str(run.step_log))
         if found != cfg.trajectory_sha256():
             raise ResumeMismatchError(f"{run.step_log} belongs to another trajectory ({found}); use a new --out")
         check_generator(header, str(run.step_log))
         return
     run.write_json(run.root / "config.json", cfg.to_dict())
-    layout = parameter_layout(trainable_parameters(load_model(cfg.model, cfg.cache_dir)))
+    layout = parameter_layout(trainable_parameters(load_model(cfg.model, cfg.cache_dir, cfg.dtype)))
     header = {
         "run_id": cfg.run_id,
         "model": cfg.model,
-        "dtype": "float32",
+        "dtype": cfg.dtype,
         "layout": layout,
         "layout_sha256": layout_sha256(layout),
         "generator": GENERATOR,
@@ -350,7 +351,7 @@ class Controller:
 
     def _shadow_spec(self) -> ShadowSpec:
         return ShadowSpec(
-            model=self.cfg.model, cache_dir=self.cfg.cache_dir, log_keeper_name=self.cfg.log_keeper_name,
+            model=self.cfg.model, cache_dir=self.cfg.cache_dir, dtype=self.cfg.dtype, log_keeper_name=self.cfg.log_keeper_name,
             store=self.cfg.snapshot_store(), persister_name=self.cfg.persister_name,
             snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
         )
@@ -529,6 +530,7 @@ class Controller:
             "phase": self.phase.value,
             "algo": cfg.algo,
             "strategy": cfg.strategy,
+            "dtype": cfg.dtype,
             "shadow_restarts": self.shadow.restarts if self.shadow else None,
             "persister_restarts": self.persister_restarts,
             "config_stored": self.config_stored,

@@ -56,7 +56,7 @@ class LoggedRun:
 
 @dataclass(frozen=True)
 class Replayed:
-    """The state after ``step`` steps (``params``, name -> CPU float32 tensor in the model's order),
+    """The state after ``step`` steps (``params``, name -> CPU tensor in the model's order and the log's dtype),
     rebuilt from ``base`` (a snapshot; None: the initial weights) plus ``replayed_steps`` logged steps;
     ``skipped``: own snapshots at or before ``step`` that failed verification, with the reason."""
 
@@ -149,19 +149,23 @@ def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotIn
 
 
 def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":
-    """The initial weights of ``run``'s model (name -> CPU tensor), checked against the log.
+    """The initial weights of ``run``'s model (name -> CPU tensor) in the log's parameter dtype (header
+    ``dtype``: the replay rounds as the run did), checked against the log.
 
     Raises:
-        ReplayError: the log's model is unknown or its parameter layout differs from the model's.
+        ReplayError: the log's model or dtype is unknown or its parameter layout differs from the model's.
         training.zo.GeneratorMismatchError: the log was written with another noise generator.
     """
     from training.model import MODEL_NAMES, layout_sha256, load_model, parameter_layout, trainable_parameters
-    from training.zo import check_generator
+    from training.zo import DTYPES, check_generator
 
     check_generator(run.header, run.log_url)
     if run.header.get("model") not in MODEL_NAMES:
         raise ReplayError(f"{run.log_url}: model {run.header.get('model')!r} is not one of {', '.join(MODEL_NAMES)}")
-    params = trainable_parameters(load_model(run.header["model"], cache_dir))
+    dtype = run.header.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ReplayError(f"{run.log_url}: parameter dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    params = trainable_parameters(load_model(run.header["model"], cache_dir, dtype))
     if run.header.get("layout_sha256") != layout_sha256(parameter_layout(params)):
         raise ReplayError(f"{run.log_url}: the log's parameter layout differs from model {run.header['model']}'s")
     return params

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from storage.backend import PreconditionFailedError, Storage, StorageError
+from storage.tensor_files import load as st_load
+from storage.tensor_files import save as st_save
 from storage.manifest import (
     FOLDER,
     FORMAT_VERSION,

@@ -139,8 +139,10 @@ def model_dir(name: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
     return _build_once(cache_dir / name, build_smollm2 if name == "smollm2-135m" else build_tiny)
 
 
-def load_model(name: str, cache_dir: pathlib.Path | None = None) -> torch.nn.Module:
-    """Load model ``name`` in fp32 on the CPU, in eval mode, with ``requires_grad`` off (ZO training).
+def load_model(name: str, cache_dir: pathlib.Path | None = None, dtype: str = "float32") -> torch.nn.Module:
+    """Load model ``name`` on the CPU, in eval mode, with ``requires_grad`` off (ZO training), its
+    parameters in ``dtype`` (a ``torch`` dtype name: float32, bfloat16 or float16; the fp32 weights are
+    rounded once to nearest-even for a half dtype).
 
     Returns:
         A ``transformers`` LlamaForCausalLM. SmolLM2-135M has 134,515,008 parameters (tied embeddings).
@@ -149,7 +151,7 @@ def load_model(name: str, cache_dir: pathlib.Path | None = None) -> torch.nn.Mod
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir(name, cache_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir(name, cache_dir), dtype=getattr(torch, dtype))
     model.eval()
     model.requires_grad_(False)
     return model

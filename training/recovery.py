@@ -30,7 +30,7 @@ from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError
 from storage.steplog import StepLogGapError, StepRecord, read_header, read_records
 from training.state import load_into
-from training.zo import check_generator, replay_records_
+from training.zo import check_dtype, check_generator, replay_records_
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
 
     Raises:
         GeneratorMismatchError: the log's header names another noise generator (or none).
+        DtypeMismatchError: the log's header names another parameter dtype than ``cfg.dtype``.
         StepLogGapError: no copy of the log holds ``log_end`` steps.
     """
     t0 = time.perf_counter()
@@ -110,6 +111,7 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
     if log_end is not None:
         header, records, result["log_source"] = log_tail(cfg, local_log, base, log_end)
         check_generator(header, f"the step log ({result['log_source']})")
+        check_dtype(header, cfg.dtype, f"the step log ({result['log_source']})")
         result["replayed_steps"] = replay_records_(params, records)
     return {**result, "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 

@@ -60,7 +60,7 @@ def worker_env(config: dict) -> WorkerEnv:
     train, held_out = load_rotten_tomatoes()
     return WorkerEnv(
         cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg),
-        started_unix_s=started, model=load_model(cfg.model, cfg.cache_dir),
+        started_unix_s=started, model=load_model(cfg.model, cfg.cache_dir, cfg.dtype),
         encoder=PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len), train=train, held_out=held_out,
     )
 

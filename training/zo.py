@@ -42,6 +42,47 @@ float32). IEEE-754 requires +, -, * to be correctly rounded, so every CPU instru
 SSE, AVX2, AVX-512, NEON) and CUDA give the same bits, provided subnormals are kept (torch's default:
 ``torch.set_flush_denormal(False)``; CUDA builds do not use ``--use_fast_math``).
 
+Half precision (``--dtype bfloat16`` or ``float16``, ``DTYPES``): the parameters are held, perturbed
+and updated in that dtype D (the worker's model, the shadow, recoveries, snapshots and ``raycheck
+replay`` alike). No op computes in D itself: every primitive above runs in float32 exactly as listed,
+on operands widened exactly to float32 (every bfloat16 and float16 value is a float32 value), and
+the one result that is written back, p, is rounded once from float32 to D, to nearest-even:
+
+    z                  the generator's float32 z, rounded once to D by ``noise`` (the worker holds a
+                       step's z in D: as many bytes as the parameters), widened exactly in each op
+    perturb_:          t = f32(z) * scale  (f32, 1 rounding);  p = D(f32(p) + t)  (f32 add, then to D)
+    update_:           u = f32(z) * g; [v = f32(p) * wd; u = u + v]; t = u * lr  (f32, 1 rounding each);
+                       p = D(f32(p) - t)  (f32 subtract, then to D)
+
+So each write of p is rounded twice, to float32 then to D: that is not always the correctly rounded
+D(p + t), but it is the same two IEEE-754 steps on every backend, which is what exactness needs.
+Narrowing float32 to D is round-to-nearest-even everywhere torch does it (``_add_``'s ``copy_``,
+``noise``'s ``.to``): bfloat16 by adding 0x7fff plus the kept lowest bit and truncating, NaN
+apart, in c10's scalar ``round_to_nearest_even`` (c10/util/BFloat16.h), in the AVX2 / AVX-512 vector
+``cvtfp32_bf16`` (aten/src/ATen/cpu/vec) and in CUDA's ``__float2bfloat16``; float16 by c10's
+``fp16_ieee_from_fp32_value``, F16C ``vcvtps2ph`` with the nearest-even immediate, NEON ``vcvt``
+and CUDA ``__float2half`` (all IEEE conversions, subnormal results kept). Nothing here is a reduction,
+so threads cannot reorder anything, and the scalar and vectorised CPU loops run the same steps
+(``tests/test_dtypes.py`` checks strided tensors, which take the scalar loop, against contiguous
+ones, and several thread counts).
+
+Why not torch's own half-precision arithmetic (``p.add_(z * scale)`` on D tensors)? It is portable
+too: torch computes reduced-precision elementwise ops in their "opmath" type, float32, and rounds
+each result once to D (CPU: ``Vectorized<BFloat16>`` / ``Vectorized<Half>`` widen, compute in
+float32, narrow; the scalar loop's c10 operators do the same; CUDA: ``opmath_symmetric_gpu_kernel_
+with_scalars`` with ``opmath_t = float``, a Python scalar held as a float32 ``original_scalar_value``,
+never rounded to D). But it rounds the perturbation t = z * scale to D before the add (one rounding
+more; the residue below is about the same either way), and its contract would be every kernel's
+opmath path on every backend; the explicit form rests on the float32 contract above plus one
+conversion per write.
+
+The +eps, -2 eps, +eps round trip leaves a residue in every dtype: about half the elements do not
+come back to their bits, each off by up to an ulp of D, so in D the residue is about 2^16 (bfloat16) or
+2^13 (float16) times float32's (``experiments.dtype_residue``, docs/dtypes.md). Every replayer
+re-executes the round trip and never assumes it cancels. The step log header records the run's dtype
+(``check_dtype``), and the dtype is part of the trajectory hash; snapshots store the tensors in D
+(safetensors ``BF16`` / ``F16``, ``storage.tensor_files``).
+
 z_p comes from ``training.noise``: Philox4x32-10 keyed by the step seed (from run seed and step),
 counted by (parameter index, element), mapped to N(0, 1) by correctly rounded ops only, so each
 tensor's noise is independent of the others (a sharded shadow can replay any subset) and the same on
@@ -65,6 +106,37 @@ GENERATOR = noise_gen.GENERATOR
 """Recorded in the step log header (key ``generator``); a replayer refuses a log written with another."""
 
 _SEED_MASK = (1 << 63) - 1
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The parameter dtypes a ZO run may hold and perturb its weights in (``JobConfig.dtype``), by the name
+the step log header records (key ``dtype``)."""
+
+
+class DtypeMismatchError(ValueError):
+    """A step log was written by a run that held its parameters in another dtype than this replayer."""
+
+
+def dtype_name(params: Mapping[str, torch.Tensor]) -> str:
+    """The ``DTYPES`` name of the parameters' dtype (that of the first tensor; a model loads in one dtype)."""
+    return str(next(iter(params.values())).dtype).removeprefix("torch.")
+
+
+def check_dtype(header: dict, dtype: str, source: str) -> None:
+    """Refuse to replay (or resume) a log written in another parameter dtype than ``dtype``: the round
+    trip and the update round to the parameters' dtype, so another dtype is another trajectory.
+
+    A header without ``dtype`` (a log written before ``--dtype`` existed) is a float32 run's.
+
+    Raises:
+        DtypeMismatchError: the header names another dtype.
+    """
+    found = header.get("dtype", "float32")
+    if found != dtype:
+        raise DtypeMismatchError(
+            f"{source}: the step log was written by a run that held its parameters in {found}; this one holds them "
+            f"in {dtype}, and a replay in another dtype is another trajectory. Use --dtype {found} (or a new --out)."
+        )
 
 
 class GeneratorMismatchError(ValueError):
@@ -112,20 +184,33 @@ def decays(name: str, p: torch.Tensor) -> bool:
 
 
 def perturb_(p: torch.Tensor, z: torch.Tensor, scale: float) -> None:
-    """p <- p + (z * scale) in place: two separately rounded float32 ops (the module docstring).
+    """p <- p + (z * scale) in place: two separately rounded float32 ops, then (a half-precision ``p``)
+    one rounding to ``p``'s dtype (the module docstring).
 
-    ``p`` and ``z`` have one shape, dtype and device; ``scale`` is +eps, -2 eps or +eps."""
-    p.add_(z * scale)
+    ``p`` and ``z`` have one shape, dtype (``DTYPES``) and device; ``scale`` is +eps, -2 eps or +eps."""
+    _add_(p, z.float() * scale)
 
 
 def update_(p: torch.Tensor, z: torch.Tensor, projected_grad: float, lr: float, weight_decay: float) -> None:
-    """p <- p - ((g * z + wd * p) * lr) in place, each op a separate kernel rounded on its own (MeZO
-    Algorithm 1, line 'update'): z * g, [p * wd, +], * lr, p - (the module docstring). ``weight_decay``
-    0 skips the decay ops (so no ``+ 0 * p`` rounding is added)."""
-    u = z * projected_grad
+    """p <- p - ((g * z + wd * p) * lr) in place, each op a separate float32 kernel rounded on its own
+    (MeZO Algorithm 1, line 'update'): z * g, [p * wd, +], * lr, p - ; a half-precision ``p`` is
+    rounded once more, to its dtype, when written (the module docstring). ``weight_decay`` 0 skips the
+    decay ops (so no ``+ 0 * p`` rounding is added)."""
+    u = z.float() * projected_grad
     if weight_decay:
-        u.add_(p * weight_decay)
-    p.sub_(u * lr)
+        u.add_(p.float() * weight_decay)
+    _add_(p, u * lr, subtract=True)
+
+
+def _add_(p: torch.Tensor, t: torch.Tensor, subtract: bool = False) -> None:
+    """p <- p + t (or p - t) in place, ``t`` float32: one float32 op, rounded to nearest-even; a
+    bfloat16/float16 ``p`` is widened exactly to float32 first and the float32 result rounded once to
+    ``p``'s dtype (nearest-even) by ``copy_``, so no op ever computes in the half dtype itself."""
+    op = torch.Tensor.sub_ if subtract else torch.Tensor.add_
+    if p.dtype == torch.float32:
+        op(p, t)
+    else:
+        p.copy_(op(p.float(), t))
 
 
 @dataclass(frozen=True, kw_only=True)

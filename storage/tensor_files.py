@@ -1,0 +1,43 @@
+"""Safetensors bytes <-> numpy arrays, bfloat16 included.
+
+numpy has no bfloat16, so a bfloat16 tensor travels through raycheck's numpy states (snapshots,
+shadow images, hashes) as its raw bits in a uint16 array (``BF16_BITS``; ``training.state.as_numpy``
+makes that view). A shard keeps the dtype as it is: such an array is written as a safetensors ``BF16``
+tensor, and a ``BF16`` tensor is read back as its uint16 bits (``F32`` and ``F16`` as float32 and
+float16 arrays). No parameter of a model is an unsigned 16-bit integer, so the bits are never mistaken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from safetensors.torch import load as _load_tensors
+from safetensors.torch import save as _save_tensors
+
+BF16_BITS = np.dtype("<u2")
+"""The numpy dtype that carries a bfloat16 tensor's bits."""
+
+
+def to_tensor(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor sharing ``a``'s memory when it can (a copy when ``a`` is read-only or strided):
+    bfloat16 for a ``BF16_BITS`` array, else ``a``'s dtype."""
+    t = torch.from_numpy(np.require(a, requirements=["C", "W"]))
+    return t.view(torch.bfloat16) if a.dtype == BF16_BITS else t
+
+
+def save(arrays: Mapping[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors bytes of ``arrays`` (``BF16_BITS`` arrays as ``BF16`` tensors)."""
+    return _save_tensors({n: to_tensor(a) for n, a in arrays.items()}, metadata=metadata)
+
+
+def load(blob: bytes) -> dict[str, np.ndarray]:
+    """The arrays of safetensors bytes (``BF16`` tensors as their ``BF16_BITS`` bits).
+
+    Raises:
+        safetensors.SafetensorError: ``blob`` is not a safetensors file.
+    """
+    from training.state import as_numpy
+
+    return {n: as_numpy(t) for n, t in _load_tensors(bytes(blob)).items()}
