@@ -70,12 +70,15 @@ def load_config(uri: str, storage_options: dict, out_dir: pathlib.Path, cache_di
     Raises:
         StoredConfigError: no ``CONFIG_OBJECT`` in ``uri`` (not the run's storage URI), a damaged one,
             or log segments of another run or trajectory (or unreadable ones) beside it.
-        storage.backend.StorageError: the storage cannot be read.
+        storage.backend.StorageError: the storage cannot be read (``StorageUnreachableError`` at once
+            when its endpoint takes no connection).
     """
     try:
         storage = Storage(uri, create=False, **storage_options)
     except FileNotFoundError:
         storage = None
+    if storage is not None:
+        storage.check_reachable()  # an endpoint that is down: one error at once, not four retried reads
     if storage is None or not storage.exists(CONFIG_OBJECT):
         raise StoredConfigError(f"{uri} holds no run to resume (no {CONFIG_OBJECT}): give the --storage URI "
                                 "the run was started with (s3://BUCKET/PREFIX), or --out of its run directory")

@@ -11,7 +11,7 @@ import uuid
 import pytest
 from typer.testing import CliRunner
 
-from conftest import make_bucket
+from conftest import free_port, make_bucket
 from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig, default_scratch_dir
 from orchestrator.controller import prepare
@@ -111,6 +111,16 @@ def test_a_bucket_without_a_run_is_refused(tmp_path, bucket, s3_endpoint):
     result = resume_from(bucket, s3_endpoint, tmp_path / "new")
     assert result.exit_code == 2, result.output
     assert f"error: {bucket} holds no run to resume (no config.json): give the --storage URI the run was started with" in result.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_resume_from_an_endpoint_that_is_down_is_one_error_line_without_retries(tmp_path, bucket):
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = resume_from(bucket, down, tmp_path / "new")
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [
+        f"error: snapshot storage {bucket} is not usable: storage endpoint {down} unreachable (connection refused); check "
+        "that the server runs and the endpoint URL (--s3-endpoint or $AWS_ENDPOINT_URL)"]
     assert not (tmp_path / "new").exists()
 
 
