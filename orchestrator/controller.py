@@ -354,6 +354,7 @@ class Controller:
             model=self.cfg.model, cache_dir=self.cfg.cache_dir, dtype=self.cfg.dtype, log_keeper_name=self.cfg.log_keeper_name,
             store=self.cfg.snapshot_store(), persister_name=self.cfg.persister_name,
             snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
+            layout=read_header(self.run_dir.step_log)["layout"],
         )
 
     # -- monitoring ---------------------------------------------------------------------------
