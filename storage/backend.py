@@ -227,8 +227,8 @@ class CircuitBreaker:
                     "probes": self.probes, "backoff_s": self.backoff_s, "retry_in_s": retry_in_s}
 
 
-LOCAL_WRITE_CHUNK_BYTES = 1 << 20
-"""Bytes a local ``put`` writes between two ``os.fdatasync`` calls (1 MiB: chosen with
+LOCAL_WRITE_CHUNK_BYTES = 1 << 18
+"""Bytes a local ``put`` writes between two ``os.fdatasync`` calls (256 KiB: chosen with
 ``experiments.durability_bench --snapshot-load``; README, Storage)."""
 
 

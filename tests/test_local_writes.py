@@ -159,9 +159,9 @@ def test_write_settings_travel_with_a_pickled_store_and_bad_ones_are_refused(tmp
 def test_the_benchmark_compares_the_one_go_writer_the_chunked_ones_and_the_cpu_work_alone(tmp_path):
     from experiments.durability_bench import writers
 
-    chosen = writers([LOCAL_WRITE_CHUNK_BYTES, 262144], [50])
-    assert list(chosen) == ["one-go", "chunked", "chunks of 0.25 MiB", "chunked, capped at 50 MB/s", "no disk (memory://)"]
+    chosen = writers([LOCAL_WRITE_CHUNK_BYTES, 1 << 20], [50])
+    assert list(chosen) == ["one-go", "chunked", "chunks of 1 MiB", "chunked, capped at 50 MB/s", "no disk (memory://)"]
     stores = [make(tmp_path / str(i)) for i, make in enumerate(chosen.values())]
     assert [(s.protocol, s.write_chunk_bytes, s.write_rate_bytes_per_s) for s in stores] == [
-        ("file", None, None), ("file", LOCAL_WRITE_CHUNK_BYTES, None), ("file", 262144, None),
+        ("file", None, None), ("file", LOCAL_WRITE_CHUNK_BYTES, None), ("file", 1 << 20, None),
         ("file", LOCAL_WRITE_CHUNK_BYTES, 50e6), ("memory", LOCAL_WRITE_CHUNK_BYTES, None)]
