@@ -12,16 +12,25 @@ rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray clus
   (``training.state.copy_state``) that an async full checkpoint must make before training continues,
   for the tiny model and SmolLM2-135M (538 MB);
 - with ``--snapshot-load``: ``process`` again while snapshots of SmolLM2's size are written to the same
-  disk (``SnapshotStore.write``, as the persister does), against the quiet median.
+  disk (``SnapshotStore.write``, as the persister does), once per local writer: ``one-go`` (each shard
+  written whole, then fsynced: the writer before chunking), ``chunked`` (``Storage``'s default:
+  ``LOCAL_WRITE_CHUNK_BYTES`` per ``fdatasync``), one per extra ``--chunk-bytes`` and
+  ``--write-rate-mb-s``, and ``no disk`` (the same snapshots to ``memory://``: their CPU work alone).
+  The writers take turns in ``--load-rounds`` rounds, each round starting with a quiet measurement, so
+  that the machine's changing load falls on all of them alike; the records (one per 10 ms) span
+  ``LOAD_SNAPSHOTS`` whole snapshots. Each writer is reported as mean under load / quiet median, staging
+  copy / mean under load, its snapshot write throughput (MB/s) and the page cache's Dirty + Writeback.
 
 Prints a table of median, mean and p99 (microseconds) and the ratios staging copy / level.
 
     python -m experiments.durability_bench [--records 300] [--copies 5] [--snapshot-load] [--dir DIR]
+        [--load-rounds 3] [--chunk-bytes N ...] [--write-rate-mb-s R ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import pathlib
@@ -30,6 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import ray
 
@@ -37,7 +47,7 @@ from actors.log_keeper import LogKeeperActor, RemoteKeeper
 from experiments.log_cost import percentile
 from experiments.s3_server import LocalS3Server
 from orchestrator.cluster import runtime_env
-from storage.backend import Storage
+from storage.backend import LOCAL_WRITE_CHUNK_BYTES, Storage
 from storage.snapshots import SnapshotStore
 from storage.steplog import StepRecord
 from training.model import load_model, trainable_parameters
@@ -48,6 +58,10 @@ from training.worker import on_cpu
 LEVELS = ("process", "node", "cluster")
 WARMUP_RECORDS = 20
 """Records appended before the measured ones (actor lookup, first connections)."""
+LOAD_SNAPSHOTS = 2
+"""Snapshots a writer completes while the log is measured under load (the records span whole snapshots)."""
+STEP_GAP_S = 0.01
+"""Seconds between two records under snapshot load and in the quiet runs between them (a step's compute)."""
 HEADER = {"run_id": "durability-bench", "trajectory_sha256": "0" * 64, "layout_sha256": "0" * 64, "generator": "bench"}
 
 
@@ -57,10 +71,12 @@ def record(step: int) -> StepRecord:
 
 
 def blocked_per_step_s(level: str, folder: pathlib.Path, records: int, s3: LocalS3Server,
-                       during: threading.Event | None = None) -> list[float]:
+                       ready: threading.Event | None = None, until: Callable[[], bool] | None = None,
+                       gap_s: float = 0.0) -> list[float]:
     """Seconds each of ``records`` step records blocked rank 0 at durability ``level`` (after
-    ``WARMUP_RECORDS`` unmeasured ones): a fresh keeper actor and local log in ``folder``. With
-    ``during``, the measured records start once it is set."""
+    ``WARMUP_RECORDS`` unmeasured ones): a fresh keeper actor and local log in ``folder``. ``ready`` is
+    set when the measured records start; with ``until``, they go on (``records`` at least) until it
+    returns True; ``gap_s`` seconds pass between two records (a step's compute)."""
     folder.mkdir(parents=True)
     storage = Storage(s3.uri(f"{folder.name}/"), endpoint_url=s3.endpoint) if level == "cluster" else None
     name = f"durability-bench-{uuid.uuid4().hex[:8]}"
@@ -73,9 +89,14 @@ def blocked_per_step_s(level: str, folder: pathlib.Path, records: int, s3: Local
     try:
         for step in range(WARMUP_RECORDS):
             commit(record(step))
-        if during is not None:
-            during.wait()
-        blocked = [commit(record(step)) for step in range(WARMUP_RECORDS, WARMUP_RECORDS + records)]
+        if ready is not None:
+            ready.set()
+        blocked = []
+        for step in itertools.count(WARMUP_RECORDS):
+            if len(blocked) >= records and (until is None or until()):
+                break
+            blocked.append(commit(record(step)))
+            time.sleep(gap_s)
         sender.close()
     finally:
         opened.writer.close()
@@ -94,29 +115,97 @@ def staging_copy_s(model: str, copies: int) -> tuple[int, list[float], dict]:
     return sum(a.nbytes for a in staged.values()), seconds, staged
 
 
-def under_snapshot_load(folder: pathlib.Path, records: int, s3: LocalS3Server, state: dict) -> tuple[list[float], int]:
-    """``process`` blocked times while ``state`` is written as snapshots to ``folder`` (the same disk) over
-    and over; returns them and the snapshots written meanwhile."""
-    writing, done = threading.Event(), threading.Event()
-    written = []
+def writers(chunk_bytes: list[int], rates_mb_s: list[float]) -> dict[str, Callable[[pathlib.Path], Storage]]:
+    """Snapshot writers to compare, name -> a factory of the ``Storage`` at a folder: ``one-go`` (each
+    object written whole, then fsynced), ``chunked`` (the default), a chunked one per extra chunk size,
+    a default-chunked one capped at each rate (MB/s), and ``no disk`` (``memory://``: the snapshot's CPU
+    work, serialising and hashing, without a disk write: the CPU's share of the load)."""
+
+    def local(**options) -> Callable[[pathlib.Path], Storage]:
+        return lambda folder: Storage(str(folder), **options)
+
+    chosen = {"one-go": local(write_chunk_bytes=None), "chunked": local()}
+    for n in chunk_bytes:
+        if n != LOCAL_WRITE_CHUNK_BYTES:
+            chosen[f"chunks of {n / 2**20:g} MiB"] = local(write_chunk_bytes=n)
+    for rate in rates_mb_s:
+        chosen[f"chunked, capped at {rate:g} MB/s"] = local(write_rate_bytes_per_s=rate * 1e6)
+    chosen["no disk (memory://)"] = lambda folder: Storage(f"memory://durability-bench-{uuid.uuid4().hex}")
+    return chosen
+
+
+def dirty_mb() -> float:
+    """The page cache's Dirty + Writeback, MB (Linux ``/proc/meminfo``; 0 where it does not exist)."""
+    try:
+        lines = pathlib.Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return 0.0
+    return sum(int(line.split()[1]) for line in lines if line.startswith(("Dirty:", "Writeback:"))) / 1024
+
+
+def under_snapshot_load(folder: pathlib.Path, s3: LocalS3Server, state: dict,
+                        make_storage: Callable[[pathlib.Path], Storage]) -> dict:
+    """``process`` blocked times (one record per ``STEP_GAP_S``) while ``state`` is written as snapshots
+    over and over to ``make_storage(folder / "snapshots")`` (the same disk, for a local one), until
+    ``LOAD_SNAPSHOTS`` snapshots are written. Returns ``{"blocked": seconds, "snapshots": written,
+    "bytes_per_s": the writer's throughput (over the seconds spent writing), "dirty_mb": samples of
+    ``dirty_mb`` every ``STEP_GAP_S``}``."""
+    measuring, done = threading.Event(), threading.Event()
+    state_bytes = sum(a.nbytes for a in state.values())
+    written_s, dirty = [], []
 
     def write_snapshots() -> None:
-        store = SnapshotStore(Storage(str(folder / "snapshots")), keep_last=1)
+        store = SnapshotStore(make_storage(folder / "snapshots"), keep_last=1)
         step = 0
+        measuring.wait()
         while not done.is_set():
-            writing.set()
+            t0 = time.perf_counter()
             store.write(step, state)
-            written.append(step)
+            written_s.append(time.perf_counter() - t0)
             step += 1
 
-    writer = threading.Thread(target=write_snapshots, name="bench-snapshots", daemon=True)
-    writer.start()
+    def sample_dirty() -> None:
+        measuring.wait()
+        while not done.wait(STEP_GAP_S):
+            dirty.append(dirty_mb())
+
+    threads = [threading.Thread(target=f, name=f"bench-{f.__name__}", daemon=True) for f in (write_snapshots, sample_dirty)]
+    for thread in threads:
+        thread.start()
     try:
-        blocked = blocked_per_step_s("process", folder / "log", records, s3, during=writing)
+        blocked = blocked_per_step_s("process", folder / "log", 1, s3, ready=measuring,
+                                     until=lambda: len(written_s) >= LOAD_SNAPSHOTS, gap_s=STEP_GAP_S)
     finally:
         done.set()
-        writer.join()
-    return blocked, len(written)
+        measuring.set()  # threads still waiting (the log failed to start) end at once
+        for thread in threads:
+            thread.join()
+    return {"blocked": blocked, "snapshots": len(written_s), "bytes_per_s": state_bytes * len(written_s) / sum(written_s),
+            "dirty_mb": dirty or [0.0]}
+
+
+def snapshot_load(folder: pathlib.Path, records: int, rounds: int, s3: LocalS3Server, state: dict,
+                  chosen: dict[str, Callable[[pathlib.Path], Storage]]) -> dict:
+    """``rounds`` rounds of a quiet ``process`` measurement (``records // rounds`` records) followed by
+    one under each writer of ``chosen``; the blocked times pooled per writer. Returns ``{"quiet":
+    summary, "writers": {name: summary + snapshots_written, write_mb_s (mean over rounds),
+    dirty_max_mb, dirty_mean_mb}}``."""
+    per_round = max(records // rounds, 1)
+    quiet, runs = [], {name: [] for name in chosen}
+    for r in range(rounds):
+        quiet += blocked_per_step_s("process", folder / f"quiet-{r}", per_round, s3, gap_s=STEP_GAP_S)
+        for i, (name, make_storage) in enumerate(chosen.items()):
+            runs[name].append(under_snapshot_load(folder / f"load-{r}-{i}", s3, state, make_storage))
+    return {"quiet": summarize(quiet), "writers": {name: pooled(done) for name, done in runs.items()}}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One writer's ``under_snapshot_load`` results of every round, pooled."""
+    dirty = [mb for run in runs for mb in run["dirty_mb"]]
+    return {**summarize([s for run in runs for s in run["blocked"]]),
+            "snapshots_written": sum(run["snapshots"] for run in runs),
+            "write_mb_s": statistics.fmean(run["bytes_per_s"] for run in runs) / 1e6,
+            "dirty_max_mb": max(dirty), "dirty_mean_mb": statistics.fmean(dirty)}
 
 
 def summarize(seconds: list[float]) -> dict:
@@ -130,6 +219,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--copies", type=int, default=5, help="Staging copies per model.")
     ap.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m"])
     ap.add_argument("--snapshot-load", action="store_true", help="Also measure process under SmolLM2-sized snapshot writes.")
+    ap.add_argument("--load-rounds", type=int, default=3, help="Rounds in which the writers take turns (--snapshot-load).")
+    ap.add_argument("--chunk-bytes", type=int, nargs="*", default=[],
+                    help="Extra chunk sizes (bytes per fdatasync) to compare (--snapshot-load).")
+    ap.add_argument("--write-rate-mb-s", type=float, nargs="*", default=[],
+                    help="Also the default chunked writer capped at each of these rates, MB/s (--snapshot-load).")
     ap.add_argument("--dir", default=None, help="Folder for the logs (default: a temp folder; its disk is measured).")
     args = ap.parse_args(argv)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request lines
@@ -148,8 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
                 result["levels"][level] = summarize(blocked_per_step_s(level, pathlib.Path(tmp) / level, args.records, s3))
             if args.snapshot_load:
                 big = max(staged_states.values(), key=lambda s: sum(a.nbytes for a in s.values()))
-                blocked, snapshots = under_snapshot_load(pathlib.Path(tmp) / "loaded", args.records, s3, big)
-                result["process_under_snapshot_load"] = {**summarize(blocked), "snapshots_written": snapshots}
+                result["process_under_snapshot_load"] = snapshot_load(
+                    pathlib.Path(tmp) / "loaded", args.records, args.load_rounds, s3, big,
+                    writers(args.chunk_bytes, args.write_rate_mb_s))
         finally:
             ray.shutdown()
     print_table(result)
@@ -168,9 +263,11 @@ def print_table(result: dict) -> None:
             "cluster": "+ segment upload to S3 (moto, 127.0.0.1), group commit"}
     print(f"{'level':<9} {'blocks the step until':<58} {'median':>9} {'mean':>9} {'p99':>9}  (us, per step)")
     rows = [(level, what[level], result["levels"][level]) for level in LEVELS]
-    if "process_under_snapshot_load" in result:
-        load = result["process_under_snapshot_load"]
-        rows.append(("process", f"under snapshot load ({load['snapshots_written']} snapshots written meanwhile)", load))
+    load = result.get("process_under_snapshot_load")
+    if load is not None:
+        rows.append(("process", "quiet, between the loaded runs below", load["quiet"]))
+        rows += [("process", f"under snapshot load, {name} ({s['snapshots_written']} snapshots)", s)
+                 for name, s in load["writers"].items()]
     for level, text, s in rows:
         print(f"{level:<9} {text:<58} {s['median_us']:9.0f} {s['mean_us']:9.0f} {s['p99_us']:9.0f}")
     for model, s in result["staging"].items():
@@ -179,9 +276,18 @@ def print_table(result: dict) -> None:
         ratios = ", ".join(f"{level} {ratio(s['median_us'], result['levels'][level]['median_us'])} "
                            f"(mean {ratio(s['mean_us'], result['levels'][level]['mean_us'])})" for level in LEVELS)
         print(f"  staging copy / level median: {ratios}")
-    if "process_under_snapshot_load" in result:
-        load, quiet = result["process_under_snapshot_load"], result["levels"]["process"]
-        print(f"process under snapshot load: mean / quiet median = {load['mean_us'] / quiet['median_us']:.1f}x (target <= 2x)")
+    if load is not None:
+        print_load_ratios(load, max(result["staging"].values(), key=lambda s: s["state_bytes"]))
+
+
+def print_load_ratios(load: dict, staging: dict) -> None:
+    """Per writer: mean under load / quiet median (target <= 2x), staging copy / mean, write MB/s."""
+    quiet = load["quiet"]
+    print(f"quiet process: mean / median = {quiet['mean_us'] / quiet['median_us']:.1f}x (the CPU's share, no snapshots)")
+    for name, s in load["writers"].items():
+        print(f"{name:<34} mean under load / quiet median = {s['mean_us'] / quiet['median_us']:5.1f}x (target <= 2x), "
+              f"staging copy / mean = {ratio(staging['median_us'], s['mean_us']):>6}, snapshot writes {s['write_mb_s']:.0f} MB/s, "
+              f"dirty + writeback max {s['dirty_max_mb']:.0f} MB (mean {s['dirty_mean_mb']:.0f})")
 
 
 if __name__ == "__main__":

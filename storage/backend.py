@@ -15,6 +15,12 @@ Atomicity: ``put`` makes an object visible whole or not at all. Local files are 
 temporary name, fsynced, renamed, and the folder is fsynced; on S3 a PUT (or a completed multipart
 upload) is atomic by the protocol.
 
+Local writes and the step log's fsync: a local ``put`` writes its bytes ``write_chunk_bytes`` at a
+time and ``os.fdatasync``-s each chunk, optionally paced to ``write_rate_bytes_per_s``, so that a big
+object (a snapshot shard) never has more than one chunk per writing thread in flight. A step log
+append on the same disk waits, in its fsync, for the writes in flight (the disk's queue and the cache
+flush); measured with ``experiments.durability_bench --snapshot-load`` (README, Storage).
+
 S3 settings: ``endpoint_url``, ``key``, ``secret``, ``token`` as keyword options, else the standard
 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN``
 environment variables (``STORAGE_ENV``: what a run hands to every process it starts, on any node).
@@ -221,6 +227,63 @@ class CircuitBreaker:
                     "probes": self.probes, "backoff_s": self.backoff_s, "retry_in_s": retry_in_s}
 
 
+LOCAL_WRITE_CHUNK_BYTES = 1 << 18
+"""Bytes a local ``put`` writes between two ``os.fdatasync`` calls (256 KiB: chosen with
+``experiments.durability_bench --snapshot-load``; README, Storage)."""
+
+
+class WritePacer:
+    """Caps the rate at which the threads that share it write, in bytes per second: each ``wait(n)``
+    reserves the next ``n / bytes_per_s`` seconds of the writing schedule and sleeps until its slot
+    begins (no burst allowance). Thread-safe.
+
+    Args:
+        bytes_per_s: the cap (> 0).
+        clock, sleep: monotonic seconds and a sleep in seconds (injectable for tests).
+
+    Raises:
+        ValueError: ``bytes_per_s`` is not > 0.
+    """
+
+    def __init__(self, bytes_per_s: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"write rate must be > 0 bytes per second, got {bytes_per_s}")
+        self.bytes_per_s, self.clock, self.sleep = bytes_per_s, clock, sleep
+        self._next_s: float | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, nbytes: int) -> None:
+        """Block until ``nbytes`` may be written."""
+        with self._lock:
+            now_s = self.clock()
+            start_s = now_s if self._next_s is None else max(now_s, self._next_s)
+            self._next_s = start_s + nbytes / self.bytes_per_s
+        if start_s > now_s:
+            self.sleep(start_s - now_s)
+
+
+def write_synced(fd: int, data: bytes | memoryview, chunk_bytes: int | None, pacer: WritePacer | None = None) -> None:
+    """Write all of ``data`` to the open file ``fd`` in chunks of ``chunk_bytes`` (the last may be
+    shorter), ``os.fdatasync`` after each (after ``pacer.wait`` before each, when given), then
+    ``os.fsync`` the file (its metadata too). ``chunk_bytes`` None: one chunk, no ``fdatasync``.
+
+    Raises:
+        OSError: a write or sync failed (the file then holds an unknown prefix of ``data``).
+    """
+    view = memoryview(data).cast("B")
+    step = chunk_bytes or max(len(view), 1)
+    for start in range(0, len(view), step):
+        chunk = view[start:start + step]
+        if pacer is not None:
+            pacer.wait(len(chunk))
+        while chunk:
+            chunk = chunk[os.write(fd, chunk):]
+        if chunk_bytes is not None:
+            os.fdatasync(fd)
+    os.fsync(fd)
+
+
 STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
                "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 """The environment variables that S3 storage reads (here and in botocore): the credentials, the
@@ -257,20 +320,30 @@ class Storage:
         uri: ``/abs/path``, ``file:///abs/path``, ``s3://bucket/prefix`` or ``memory://name``.
         retry: timeouts, retries and the consecutive-failure bound.
         create: create a missing local folder (False for read-only tools: it must exist).
+        write_chunk_bytes: local puts ``os.fdatasync`` after every this many bytes (``write_synced``);
+            None writes each object in one go and syncs it once.
+        write_rate_bytes_per_s: caps the bytes per second of this store's local puts, all threads
+            together (``WritePacer``); None: no cap.
         **options: backend options (S3: ``endpoint_url``, ``key``, ``secret``, ``token``).
 
     Raises:
-        ValueError: an unsupported URI scheme. FileNotFoundError: ``create`` is False and the local
-            folder does not exist.
+        ValueError: an unsupported URI scheme, a ``write_chunk_bytes`` or ``write_rate_bytes_per_s``
+            that is not > 0. FileNotFoundError: ``create`` is False and the local folder does not exist.
     """
 
     SCHEMES = ("file", "s3", "memory")
 
-    def __init__(self, uri: str, *, retry: RetryPolicy = RetryPolicy(), create: bool = True, **options) -> None:
+    def __init__(self, uri: str, *, retry: RetryPolicy = RetryPolicy(), create: bool = True,
+                 write_chunk_bytes: int | None = LOCAL_WRITE_CHUNK_BYTES, write_rate_bytes_per_s: float | None = None,
+                 **options) -> None:
         protocol, _, rest = uri.partition("://") if "://" in uri else ("file", "", uri)
         if protocol not in self.SCHEMES:
             raise ValueError(f"{uri!r}: unsupported storage scheme {protocol!r}; use one of {', '.join(self.SCHEMES)}")
+        if write_chunk_bytes is not None and write_chunk_bytes < 1:
+            raise ValueError(f"write_chunk_bytes must be >= 1 (or None: one write per object), got {write_chunk_bytes}")
         self.uri, self.protocol, self.retry, self.options = uri, protocol, retry, options
+        self.write_chunk_bytes, self.write_rate_bytes_per_s = write_chunk_bytes, write_rate_bytes_per_s
+        self._pacer = WritePacer(write_rate_bytes_per_s) if write_rate_bytes_per_s is not None else None
         self.root = str(pathlib.Path(rest).resolve()) if protocol == "file" else rest.rstrip("/")
         self.fs = _filesystem(protocol, options, retry.timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage")
@@ -283,7 +356,7 @@ class Storage:
             raise FileNotFoundError(f"{self.root}: no such folder")
 
     def __reduce__(self):  # rebuild in the receiving process (thread pools and clients do not pickle)
-        return (_rebuild, (self.uri, self.retry, self.options))
+        return (_rebuild, (self.uri, self.retry, self.options, self.write_chunk_bytes, self.write_rate_bytes_per_s))
 
     def __repr__(self) -> str:
         return f"Storage({self.uri!r})"
@@ -403,10 +476,8 @@ class Storage:
         os.makedirs(folder, exist_ok=True)
         tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            with open(tmp, "wb", buffering=0) as fh:
+                write_synced(fh.fileno(), data, self.write_chunk_bytes, self._pacer)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
@@ -530,5 +601,7 @@ class Storage:
             pass
 
 
-def _rebuild(uri: str, retry: RetryPolicy, options: dict) -> Storage:
-    return Storage(uri, retry=retry, **options)
+def _rebuild(uri: str, retry: RetryPolicy, options: dict, write_chunk_bytes: int | None = LOCAL_WRITE_CHUNK_BYTES,
+             write_rate_bytes_per_s: float | None = None) -> Storage:
+    return Storage(uri, retry=retry, write_chunk_bytes=write_chunk_bytes, write_rate_bytes_per_s=write_rate_bytes_per_s,
+                   **options)

@@ -1,0 +1,167 @@
+"""Local puts write in chunks and fdatasync each one (``storage.backend.write_synced``), optionally paced
+(``WritePacer``), so that a snapshot never leaves hundreds of MB in flight in front of a step log fsync;
+the commit rules (temp name, fsync, rename, folder fsync) still make an object visible whole or not at all."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import storage.backend as backend
+from storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer, write_synced
+
+ONE_TRY = RetryPolicy(attempts=1)
+
+
+def blob(size_bytes: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture()
+def fdatasyncs(monkeypatch):
+    """Every ``os.fdatasync`` of the backend, recorded as the file's size at that moment (then run)."""
+    sizes: list[int] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        sizes.append(os.fstat(fd).st_size)
+        real(fd)
+
+    monkeypatch.setattr(backend.os, "fdatasync", counting)
+    return sizes
+
+
+@pytest.mark.parametrize(("size_bytes", "chunk_bytes", "synced_sizes"), [
+    (10_500, 1000, [1000 * k for k in range(1, 11)] + [10_500]),  # a short last chunk
+    (3000, 1000, [1000, 2000, 3000]),
+    (0, 1000, []),
+    (2 * LOCAL_WRITE_CHUNK_BYTES + 7, None, [LOCAL_WRITE_CHUNK_BYTES, 2 * LOCAL_WRITE_CHUNK_BYTES,
+                                              2 * LOCAL_WRITE_CHUNK_BYTES + 7]),  # the default chunk
+])
+def test_a_put_fdatasyncs_each_chunk_as_it_is_written_and_reads_back_byte_identical(
+        tmp_path, fdatasyncs, size_bytes, chunk_bytes, synced_sizes):
+    store = Storage(str(tmp_path), **({"write_chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+    data = blob(size_bytes)
+    store.put("a/shard.safetensors", data)
+    assert fdatasyncs == synced_sizes  # one sync per chunk, right after that chunk's bytes
+    assert hashlib.sha256(store.get("a/shard.safetensors")).hexdigest() == hashlib.sha256(data).hexdigest()
+    assert sorted(os.listdir(tmp_path / "a")) == ["shard.safetensors"]  # no temp file left
+
+
+def test_one_go_writer_syncs_once_at_the_end(tmp_path, fdatasyncs):
+    store = Storage(str(tmp_path), write_chunk_bytes=None)
+    data = blob(5000)
+    store.put("x", data)
+    assert fdatasyncs == []
+    assert store.get("x") == data
+
+
+def test_a_failed_chunk_sync_leaves_no_object_and_the_previous_one_intact(tmp_path, monkeypatch):
+    store = Storage(str(tmp_path), retry=ONE_TRY, write_chunk_bytes=1000)
+    old = blob(2500, seed=1)
+    store.put("obj", old)
+    calls = []
+
+    def failing_from_the_third(fd: int) -> None:  # the first put fails at its third chunk, the second at its first
+        calls.append(fd)
+        if len(calls) >= 3:
+            raise OSError(errno.EIO, "injected I/O error")
+
+    monkeypatch.setattr(backend.os, "fdatasync", failing_from_the_third)
+    with pytest.raises(StorageError, match="injected I/O error"):
+        store.put("obj", blob(9000, seed=2))
+    with pytest.raises(StorageError, match="injected I/O error"):
+        store.put("new", blob(9000, seed=3))
+    assert store.list() == ["obj"]
+    assert sorted(os.listdir(tmp_path)) == ["obj"]  # the temp files were removed
+    assert store.get("obj") == old
+
+
+KILLED_MID_PUT = """
+import os, sys
+import storage.backend as backend
+from storage.backend import Storage
+
+real, synced = os.fdatasync, []
+def gate(fd):
+    real(fd)
+    synced.append(fd)
+    if len(synced) == 2:  # two chunks are on disk: say so, then block until SIGKILLed
+        print("two chunks", flush=True)
+        sys.stdin.read()
+backend.os.fdatasync = gate
+Storage(sys.argv[1], write_chunk_bytes=1000).put("snap/shard", bytes(5000))
+"""
+
+
+def test_sigkill_mid_chunked_put_leaves_no_visible_object(tmp_path):
+    root = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_PUT, str(root)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert proc.stdout.readline().strip() == "two chunks"
+        (tmp,) = os.listdir(root / "snap")
+        assert ".tmp-" in tmp and os.path.getsize(root / "snap" / tmp) == 2000  # half written, under a temp name
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    store = Storage(str(root))
+    assert store.list() == []
+    assert not store.exists("snap/shard")
+
+
+def test_write_synced_waits_on_the_pacer_before_each_chunk(tmp_path):
+    waited = []
+
+    class Recorder:
+        def wait(self, nbytes: int) -> None:
+            waited.append(nbytes)
+
+    with open(tmp_path / "f", "wb", buffering=0) as fh:
+        write_synced(fh.fileno(), blob(2500), 1000, Recorder())
+    assert waited == [1000, 1000, 500]
+    assert (tmp_path / "f").read_bytes() == blob(2500)
+
+
+def test_pacer_reserves_consecutive_slots_at_the_capped_rate():
+    now, slept = [10.0], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    pacer = WritePacer(1000.0, clock=lambda: now[0], sleep=sleep)
+    pacer.wait(500)  # the first slot starts at once: 10.0 .. 10.5
+    pacer.wait(1000)  # waits for 10.5, its slot ends at 11.5
+    now[0] += 2.0  # idle longer than the schedule: no debt, no burst credit
+    pacer.wait(250)
+    pacer.wait(250)
+    assert slept == [0.5, 0.25]
+
+
+def test_write_settings_travel_with_a_pickled_store_and_bad_ones_are_refused(tmp_path):
+    store = pickle.loads(pickle.dumps(Storage(str(tmp_path), write_chunk_bytes=4096, write_rate_bytes_per_s=5e6)))
+    assert (store.write_chunk_bytes, store.write_rate_bytes_per_s) == (4096, 5e6)
+    with pytest.raises(ValueError, match="write_chunk_bytes must be >= 1"):
+        Storage(str(tmp_path), write_chunk_bytes=0)
+    with pytest.raises(ValueError, match="write rate must be > 0"):
+        Storage(str(tmp_path), write_rate_bytes_per_s=0)
+
+
+def test_the_benchmark_compares_the_one_go_writer_the_chunked_ones_and_the_cpu_work_alone(tmp_path):
+    from experiments.durability_bench import writers
+
+    chosen = writers([LOCAL_WRITE_CHUNK_BYTES, 1 << 20], [50])
+    assert list(chosen) == ["one-go", "chunked", "chunks of 1 MiB", "chunked, capped at 50 MB/s", "no disk (memory://)"]
+    stores = [make(tmp_path / str(i)) for i, make in enumerate(chosen.values())]
+    assert [(s.protocol, s.write_chunk_bytes, s.write_rate_bytes_per_s) for s in stores] == [
+        ("file", None, None), ("file", LOCAL_WRITE_CHUNK_BYTES, None), ("file", 1 << 20, None),
+        ("file", LOCAL_WRITE_CHUNK_BYTES, 50e6), ("memory", LOCAL_WRITE_CHUNK_BYTES, None)]
