@@ -10,6 +10,7 @@ from orchestrator.controller import Controller, PersisterFailedError, log_failur
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from orchestrator.journal import RunChannel
 from orchestrator.run_dir import RunDir
+from storage.steplog import StepLogWriter
 
 
 def test_an_expected_failure_is_one_line_and_an_unexpected_one_keeps_its_traceback(caplog):
@@ -30,6 +31,7 @@ def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, shadow_shards=2)
     controller = Controller(cfg, echo=lambda line: None)
     controller.t_start = 0.0
+    StepLogWriter.create(controller.run_dir.step_log, {"layout": [["w", [2], "float32"]]}).close()  # the shadow spec reads it
     controller.shadow = ShadowKeeper(cfg, RunChannel(cfg), controller._shadow_spec())
     controller.shadow.restarts.append({"shard": 1, "seconds": 2.5})
     controller.shadow.shards[1].incarnation = 3
