@@ -1,0 +1,205 @@
+"""Your own model and data, without Ray: units derived from a GPT-2 / Qwen2 model's module tree, an
+unrecognised layout, tied weights, JSONL/CSV/Parquet loading, each bad-data refusal with its message,
+the causal-LM loss on completion tokens only, and the trajectory hash following the files' contents."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from orchestrator.api import job_config
+from storage.units import describe_units, unit_of
+from training.assets import AssetMismatchError, read_assets
+from training.data import CausalLMEncoder, DataError, Split, load_data_file, make_encoder
+from training.model import load_model, load_tokenizer, read_model_files, trainable_parameters
+from training.state import state_sha256
+
+VOCAB = 49152  # SmolLM2's tokenizer (the folder has none of its own)
+
+
+def gpt2_folder(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A 2-layer GPT-2 with random weights (tied head), saved with ``save_pretrained``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=64,
+                               bos_token_id=1, eos_token_id=2)).save_pretrained(path)
+    return path
+
+
+def write_rows(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    """``rows`` as JSONL, CSV or Parquet, by ``path``'s suffix."""
+    table = pa.Table.from_pylist(rows)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".csv":
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(table, path)
+    else:
+        pq.write_table(table, path)
+    return path
+
+
+def reviews(n: int = 20) -> list[dict]:
+    return [{"text": f"film number {i} was {'great' if i % 2 else 'dull'}", "label": "positive" if i % 2 else "negative"}
+            for i in range(n)]
+
+
+def cfg_for(tmp_path, **fields):
+    return job_config(tmp_path / "run", cache_dir=tmp_path / "cache", seq_len=32, batch_size=4, **fields)
+
+
+def test_units_of_gpt2_and_qwen2_come_from_the_module_tree_and_tied_weights_are_found(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    gpt2 = load_model(str(gpt2_folder(tmp_path / "gpt2")))
+    layout = describe_units(gpt2)
+    assert layout.recognised
+    assert list(layout.units) == ["embed", "layer.000", "layer.001", "norm"]
+    assert layout.units["embed"] == ["transformer.wte.weight", "transformer.wpe.weight"]
+    assert layout.units["norm"] == ["transformer.ln_f.weight", "transformer.ln_f.bias"]
+    assert layout.tied == {"lm_head.weight": "transformer.wte.weight"}
+    assert "lm_head.weight" not in trainable_parameters(gpt2)  # stored once, under the embedding
+
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    layout = describe_units(qwen)
+    assert layout.recognised and layout.tied == {}
+    assert list(layout.units) == ["embed", "layer.000", "layer.001", "layer.002", "norm", "lm_head"]
+    assert unit_of("optim.exp_avg.transformer.h.1.mlp.c_fc.weight") == "layer.001"
+
+
+def test_an_unrecognised_layout_makes_each_module_its_own_unit():
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+            self.out = torch.nn.Linear(2, 3)
+
+    layout = describe_units(Odd())
+    assert not layout.recognised
+    assert layout.units == {"encoder.0": ["encoder.0.weight", "encoder.0.bias"], "encoder.1": ["encoder.1.weight", "encoder.1.bias"],
+                            "out": ["out.weight", "out.bias"]}
+
+
+def test_a_shipped_model_builds_the_same_weights_without_the_folder(tmp_path):
+    folder = gpt2_folder(tmp_path / "gpt2")
+    files = read_model_files(str(folder))
+    assert sorted(files.files) == ["config.json", "generation_config.json", "model.safetensors"]
+    original = state_sha256({n: t.numpy() for n, t in trainable_parameters(load_model(str(folder))).items()})
+    moved = folder.rename(tmp_path / "gone")  # a worker on another node has no such path
+    rebuilt = load_model(str(folder), tmp_path / "node-cache", files)
+    assert state_sha256({n: t.numpy() for n, t in trainable_parameters(rebuilt).items()}) == original
+    assert moved.exists() and not folder.exists()
+
+
+def test_a_missing_model_is_refused_naming_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="not a built-in name .* not a folder, and not in the local Hugging Face cache"):
+        read_assets(cfg_for(tmp_path, model="no-such-org/no-such-model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        read_assets(cfg_for(tmp_path, model=str(tmp_path / "empty")))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_classification_data_loads_from_each_format_with_every_tenth_row_held_out(tmp_path, suffix):
+    data = write_rows(tmp_path / f"d{suffix}", reviews(20))
+    cfg, assets = read_assets(cfg_for(tmp_path, data=str(data)))
+    train, held = assets.data
+    assert len(train) == 18 and held.texts == ("film number 9 was great", "film number 19 was great")
+    assert train.labels.tolist() == [i % 2 for i in range(20) if (i + 1) % 10]
+    assert held.labels.tolist() == [1, 1]
+    assert cfg.data_sha256 == __import__("hashlib").sha256(data.read_bytes()).hexdigest()
+
+
+def test_labels_may_be_indices_and_templates_and_words_are_the_users(tmp_path):
+    rows = [{"review": f"text {i}", "stars": i % 3} for i in range(12)]
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    cfg = cfg_for(tmp_path, data=str(data), text_column="review", label_column="stars", label_words="bad,okay,good",
+                  prompt_template="Q: {text}\nA:")
+    cfg, assets = read_assets(cfg)
+    assert assets.data[0].labels.tolist() == [i % 3 for i in range(12) if (i + 1) % 10]
+    encoder = make_encoder(cfg, load_tokenizer(cfg.cache_dir))
+    tok = load_tokenizer(cfg.cache_dir)
+    ids, last = encoder.encode(["text 0"])
+    assert ids[0, : int(last) + 1].tolist() == tok("Q: text 0\nA:", add_special_tokens=False).input_ids
+    assert encoder.label_ids == [tok(" " + w, add_special_tokens=False).input_ids[0] for w in ("bad", "okay", "good")]
+
+
+def test_bad_data_is_refused_with_one_message_each(tmp_path):
+    def refusal(rows_or_text, name="d.jsonl", **fields) -> str:
+        path = tmp_path / name
+        if isinstance(rows_or_text, str):
+            path.write_text(rows_or_text)
+        else:
+            write_rows(path, rows_or_text)
+        with pytest.raises(DataError) as info:
+            read_assets(cfg_for(tmp_path, data=str(path), **fields))
+        return str(info.value)
+
+    p = tmp_path / "d.jsonl"
+    assert refusal("") == f"data file {p} is empty: it has no rows"
+    assert refusal(reviews(12), text_column="body") == (
+        f"data file {p} has no column 'body' (its columns: text, label): set --text-column")
+    rows = reviews(12)
+    rows[3]["label"], rows[7]["label"] = "neutral", "meh"
+    assert refusal(rows) == (f"data file {p}: 2 row(s) have a label that is not one of --label-words negative,positive "
+                             "(nor its index 0..1), the first row 4: 'neutral'")
+    rows = reviews(12)
+    rows[5]["text"] = rows[8]["text"] = "word " * 40
+    assert refusal(rows).startswith(f"data file {p}: 2 row(s) are longer than --seq-len 32 tokens, the first row 6 (")
+    assert refusal(rows).endswith(" tokens): raise --seq-len or shorten them")
+    assert refusal(reviews(3)) == f"data file {p} has 3 training rows (every 10th row is held out), fewer than --batch-size 4"
+    q = tmp_path / "d.txt"
+    assert refusal("x", name="d.txt") == f"data file {q}: unsupported type '.txt'; give a .jsonl, .csv or .parquet file"
+
+
+def test_causal_lm_loss_counts_completion_tokens_only(tmp_path):
+    tok = load_tokenizer(tmp_path / "cache")
+    model = load_model(str(gpt2_folder(tmp_path / "gpt2")))
+    encoder = CausalLMEncoder(tok, 32)
+    split = Split(("The answer is",), np.array([-1]), completions=(" forty two",))
+    ids, mask = encoder.encode(list(split.texts), list(split.completions))
+    n_prompt = len(tok("The answer is", add_special_tokens=False).input_ids)
+    assert mask[0].tolist() == [i >= n_prompt for i in range(ids.shape[1])]
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    expected = -sum(float(logp[i - 1, ids[0, i]]) for i in range(n_prompt, ids.shape[1])) / (ids.shape[1] - n_prompt)
+    assert encoder.loss(model, split, np.array([0])) == pytest.approx(expected, rel=1e-6)
+    assert encoder.evaluate(model, split, 1) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_trajectory_hash_follows_the_model_files_and_data_content(tmp_path):
+    folder = gpt2_folder(tmp_path / "gpt2", seed=0)
+    data = write_rows(tmp_path / "d.jsonl", reviews(12))
+    base = cfg_for(tmp_path, model=str(folder), data=str(data))
+    cfg, _ = read_assets(base)
+    assert len(cfg.model_sha256) == 64 and len(cfg.data_sha256) == 64
+    assert cfg.trajectory_sha256() != base.trajectory_sha256()
+
+    write_rows(data, reviews(13))
+    cfg2, _ = read_assets(base)
+    assert cfg2.data_sha256 != cfg.data_sha256 and cfg2.trajectory_sha256() != cfg.trajectory_sha256()
+    with pytest.raises(AssetMismatchError, match=rf"data file {data} has changed since this run started"):
+        read_assets(cfg)  # a resume: its config records the old content
+
+    gpt2_folder(folder, seed=1)  # other weights, same names
+    cfg3, _ = read_assets(base)
+    assert cfg3.model_sha256 != cfg2.model_sha256 and cfg3.trajectory_sha256() != cfg2.trajectory_sha256()
+    with pytest.raises(AssetMismatchError, match=rf"model {folder} has changed since this run started"):
+        read_assets(cfg2)
+
+
+def test_default_configs_keep_their_trajectory_hash(tmp_path):
+    """The new fields count only away from their defaults: an existing run's hash is unchanged."""
+    cfg = cfg_for(tmp_path, model="tiny", seed=3)
+    assert cfg.trajectory_sha256() == __import__("hashlib").sha256(json.dumps(
+        {k: getattr(cfg, k) for k in cfg.TRAJECTORY}, sort_keys=True).encode()).hexdigest()
