@@ -203,3 +203,25 @@ def test_default_configs_keep_their_trajectory_hash(tmp_path):
     cfg = cfg_for(tmp_path, model="tiny", seed=3)
     assert cfg.trajectory_sha256() == __import__("hashlib").sha256(json.dumps(
         {k: getattr(cfg, k) for k in cfg.TRAJECTORY}, sort_keys=True).encode()).hexdigest()
+
+
+def test_the_cli_refuses_bad_data_with_exit_2_before_anything_is_touched(tmp_path):
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    rows = reviews(12)
+    rows[2]["label"] = "maybe"
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--data", str(data), "--out", str(out), "--batch-size", "4"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: --data file {data}: 1 row(s) have a label that is not one of --label-words negative,positive "
+        "(nor its index 0..1), the first row 3: 'maybe'")
+    assert not out.exists()
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--task", "causal-lm", "--out", str(out)])
+    assert result.exit_code == 2 and "error: --task causal-lm needs a data file" in result.output
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--label-words", "yes", "--out", str(out)])
+    assert result.exit_code == 2 and "error: --label-words 'yes': give two or more distinct words" in result.output
+    assert not out.exists()
