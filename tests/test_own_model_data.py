@@ -225,3 +225,18 @@ def test_the_cli_refuses_bad_data_with_exit_2_before_anything_is_touched(tmp_pat
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--label-words", "yes", "--out", str(out)])
     assert result.exit_code == 2 and "error: --label-words 'yes': give two or more distinct words" in result.output
     assert not out.exists()
+
+
+def test_a_model_id_resolves_offline_from_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    """A cache laid out as huggingface_hub writes it (models--ORG--NAME/refs/main -> snapshots/REV)."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--someorg--tiny-gpt2"
+    gpt2_folder(repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg, assets = read_assets(cfg_for(tmp_path, model="someorg/tiny-gpt2"))
+    assert cfg.model_sha256 == read_model_files(str(repo / "snapshots" / "abc123")).sha256 == assets.model.sha256
+    with pytest.raises(ValueError, match=r"not in the local Hugging Face cache \(LocalEntryNotFoundError\); nothing is downloaded: .*\(huggingface-cli download someorg/other\)"):
+        read_assets(cfg_for(tmp_path, model="someorg/other"))
