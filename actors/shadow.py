@@ -35,7 +35,7 @@ from policies.interval import SnapshotSchedule
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError, SnapshotStore
 from storage.steplog import StepLogReader, StepRecord
-from training.assets import fetch
+from training.assets import shipped_model
 from training.model import layout_sha256, load_model, parameter_layout, trainable_parameters
 from training.state import copy_state, load_into, state_sha256
 from training.zo import check_generator, replay_step_
@@ -193,7 +193,7 @@ class ShadowActor:
         self.spec = spec
         self.started_unix_s = time.time()
         self.actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-        params = trainable_parameters(load_model(spec.model, spec.cache_dir, fetch(spec.shipped, "model")))
+        params = trainable_parameters(load_model(spec.model, spec.cache_dir, shipped_model(spec.shipped, spec.model)))
         layout = layout_of(params)
         self.range = split_units({n: p.numel() for n, p in params.items()}, spec.shards)[spec.shard]
         if spec.shards > 1:  # keep only this shard's tensors: the rest of the model is freed

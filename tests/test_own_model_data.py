@@ -240,3 +240,11 @@ def test_a_model_id_resolves_offline_from_the_local_hugging_face_cache(tmp_path,
     assert cfg.model_sha256 == read_model_files(str(repo / "snapshots" / "abc123")).sha256 == assets.model.sha256
     with pytest.raises(ValueError, match=r"not in the local Hugging Face cache \(LocalEntryNotFoundError\); nothing is downloaded: .*\(huggingface-cli download someorg/other\)"):
         read_assets(cfg_for(tmp_path, model="someorg/other"))
+
+
+def test_a_worker_never_falls_back_to_the_driver_s_folder_path(tmp_path):
+    from training.assets import shipped_model
+
+    assert shipped_model({"model": None, "data": None}, "tiny") is None  # built in: each node builds its own
+    with pytest.raises(RuntimeError, match=f"model {tmp_path} was not shipped by the driver"):
+        shipped_model({"model": None, "data": None}, str(tmp_path))

@@ -95,6 +95,20 @@ def fetch(shipped: dict | None, name: str):
     return None if ref is None else ray.get(ref)
 
 
+def shipped_model(shipped: dict | None, model: str) -> ModelFiles | None:
+    """The shipped files of ``model`` (None for a built-in name), for a worker or shadow on any node.
+
+    Raises:
+        RuntimeError: ``model`` is a folder or model id but the driver shipped no files: it would be
+            read by path, which the cluster rule forbids (a driver bug, not a user error).
+    """
+    files = fetch(shipped, "model")
+    if files is None and not is_builtin(model):
+        raise RuntimeError(f"model {model} was not shipped by the driver (training.assets.ship); a worker or shadow "
+                           "never reads the driver's folder by path")
+    return files
+
+
 def splits(data: tuple[Split, Split] | None) -> tuple[Split, Split]:
     """The shipped (train, held-out) splits, or Rotten Tomatoes' when none were shipped."""
     return data if data is not None else load_rotten_tomatoes()

@@ -315,7 +315,7 @@ def load_data_file(cfg, encoder) -> tuple[Split, Split]:
 
 
 def label_logits(model, ids: torch.Tensor, last: torch.Tensor, label_ids: list[int]) -> torch.Tensor:
-    """Logits of the label words at each prompt's last token, [B, 2] float32.
+    """Logits of the label words at each prompt's last token, [B, K] float32 (K label words).
 
     Right padding is harmless: attention is causal, so the pads after a prompt never affect it. The
     model may sit on any device (``ids`` go there); the logits come back on the CPU.
@@ -326,7 +326,7 @@ def label_logits(model, ids: torch.Tensor, last: torch.Tensor, label_ids: list[i
 
 
 def classification_loss(model, encoder: PromptEncoder, split: Split, indices: np.ndarray) -> float:
-    """Mean cross-entropy over the two label words for the samples ``indices`` of ``split``."""
+    """Mean cross-entropy over the label words for the samples ``indices`` of ``split``."""
     ids, last = encoder.encode([split.texts[i] for i in indices])
     logits = label_logits(model, ids, last, encoder.label_ids)
     labels = torch.as_tensor(split.labels[indices])

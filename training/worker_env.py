@@ -12,7 +12,7 @@ import torch.distributed as dist
 from orchestrator.cluster import this_node
 from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel
-from training.assets import ASSETS_KEY, fetch, splits
+from training.assets import ASSETS_KEY, fetch, shipped_model, splits
 from training.data import CausalLMEncoder, PromptEncoder, make_encoder
 from training.model import load_model, load_tokenizer
 
@@ -62,7 +62,7 @@ def worker_env(config: dict) -> WorkerEnv:
     cfg = JobConfig.from_dict(config)
     torch.set_num_threads(cfg.torch_threads)
     ctx = ray.train.get_context()
-    files = fetch(shipped, "model")
+    files = shipped_model(shipped, cfg.model)
     train, held_out = splits(fetch(shipped, "data"))
     return WorkerEnv(
         cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg),
