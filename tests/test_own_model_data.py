@@ -248,3 +248,17 @@ def test_a_worker_never_falls_back_to_the_driver_s_folder_path(tmp_path):
     assert shipped_model({"model": None, "data": None}, "tiny") is None  # built in: each node builds its own
     with pytest.raises(RuntimeError, match=f"model {tmp_path} was not shipped by the driver"):
         shipped_model({"model": None, "data": None}, str(tmp_path))
+
+
+def test_causal_lm_files_load_as_prompt_completion_or_plain_text(tmp_path):
+    pairs = write_rows(tmp_path / "qa.parquet", [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(10)])
+    cfg, assets = read_assets(cfg_for(tmp_path, data=str(pairs), task="causal-lm"))
+    train, held = assets.data
+    assert train.texts[:2] == ("Q0:", "Q1:") and train.completions[:2] == (" answer 0", " answer 1")
+    assert held.texts == ("Q9:",) and held.completions == (" answer 9",)
+    texts = write_rows(tmp_path / "t.csv", [{"text": f"line {i}"} for i in range(10)])
+    _, assets = read_assets(cfg_for(tmp_path, data=str(texts), task="causal-lm"))
+    assert assets.data[0].texts == ("",) * 9 and assets.data[0].completions[0] == "line 0"
+    only_prompt = write_rows(tmp_path / "p.jsonl", [{"prompt": "Q:"}] * 10)
+    with pytest.raises(DataError, match=r"has no column 'completion' \(its columns: prompt\): set --completion-column"):
+        read_assets(cfg_for(tmp_path, data=str(only_prompt), task="causal-lm"))
