@@ -57,9 +57,9 @@ from orchestrator.stored_config import save_config
 from orchestrator.summary import durability, recoveries, write_metrics
 from storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from storage.steplog import StepLogWriter, read_header
-from training.faults import fired_before
 from storage.units import describe_units
 from training.assets import ASSETS_KEY, Assets, read_assets, ship
+from training.faults import fired_before
 from training.model import is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from training.zo import GENERATOR, check_generator
 
