@@ -259,6 +259,10 @@ def test_causal_lm_files_load_as_prompt_completion_or_plain_text(tmp_path):
     texts = write_rows(tmp_path / "t.csv", [{"text": f"line {i}"} for i in range(10)])
     _, assets = read_assets(cfg_for(tmp_path, data=str(texts), task="causal-lm"))
     assert assets.data[0].texts == ("",) * 9 and assets.data[0].completions[0] == "line 0"
+    blank = write_rows(tmp_path / "b.jsonl", [{"prompt": "Q:", "completion": " " if i in (4, 6) else " yes"} for i in range(10)])
+    with pytest.raises(DataError) as info:
+        read_assets(cfg_for(tmp_path, data=str(blank), task="causal-lm"))
+    assert str(info.value) == f"data file {blank}: 2 row(s) have an empty completion (no token to train on), the first row 5"
     only_prompt = write_rows(tmp_path / "p.jsonl", [{"prompt": "Q:"}] * 10)
     with pytest.raises(DataError, match=r"has no column 'completion' \(its columns: prompt\): set --completion-column"):
         read_assets(cfg_for(tmp_path, data=str(only_prompt), task="causal-lm"))

@@ -271,7 +271,8 @@ def load_data_file(cfg, encoder) -> tuple[Split, Split]:
 
     Raises:
         DataError: unreadable or empty file, a missing column or empty cell, a label that is no label
-            word (nor an index of one), a row longer than ``seq_len`` tokens (rows are 1-based).
+            word (nor an index of one), an empty completion, a row longer than ``seq_len`` tokens, fewer
+            training rows than ``batch_size`` (rows are 1-based).
     """
     path = cfg.data
     table = read_table(path)
@@ -284,6 +285,9 @@ def load_data_file(cfg, encoder) -> tuple[Split, Split]:
         else:
             completions = [str(v) for v in _column(table, path, cfg.text_column, "--text-column (or --prompt-column and --completion-column)")]
             texts = [""] * len(completions)
+        empty = [i for i, c in enumerate(completions) if not c.strip()]
+        if empty:  # no token to put the loss on
+            raise _first_bad(path, empty, "have an empty completion (no token to train on)", "")
         labels = np.full(len(texts), -1, dtype=np.int64)
     else:
         texts = [str(v) for v in _column(table, path, cfg.text_column, "--text-column")]
