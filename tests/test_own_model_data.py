@@ -266,3 +266,29 @@ def test_causal_lm_files_load_as_prompt_completion_or_plain_text(tmp_path):
     only_prompt = write_rows(tmp_path / "p.jsonl", [{"prompt": "Q:"}] * 10)
     with pytest.raises(DataError, match=r"has no column 'completion' \(its columns: prompt\): set --completion-column"):
         read_assets(cfg_for(tmp_path, data=str(only_prompt), task="causal-lm"))
+
+
+def test_a_mezo_step_trains_a_causal_lm_on_its_completion_loss(tmp_path):
+    """The worker's own step (``training.worker.zo_step_``) on a prompt/completion file: its two
+    first loss is the encoder's completion loss at +eps z (rebuilt on a fresh copy), and the weights move."""
+    from training.data import batch_indices
+    from training.worker import zo_step_
+    from training.zo import ZOHyper, noise, perturb_all_, step_seed
+
+    folder = gpt2_folder(tmp_path / "gpt2")
+    data = write_rows(tmp_path / "qa.jsonl", [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(10)])
+    cfg, assets = read_assets(cfg_for(tmp_path, model=str(folder), data=str(data), task="causal-lm", lr=1e-3))
+    model = load_model(cfg.model, cfg.cache_dir, assets.model)
+    encoder = make_encoder(cfg, load_tokenizer(cfg.cache_dir, assets.model))
+    params = trainable_parameters(model)
+    train = assets.data[0]
+    before = state_sha256(params)
+    record, _ = zo_step_(params, model, encoder, train, cfg, 0, 0, 1, ZOHyper(lr=cfg.lr, eps=cfg.eps),
+                         fail=lambda: None, commit=lambda r: 0.0)
+    assert state_sha256(params) != before and record.loss_plus != record.loss_minus
+    fresh = load_model(cfg.model, cfg.cache_dir, assets.model)
+    p = trainable_parameters(fresh)
+    zs = [noise(step_seed(cfg.seed, 0), i, t) for i, t in enumerate(p.values())]
+    perturb_all_(p, zs, cfg.eps)  # the step's +eps z, on a fresh copy of the initial weights
+    idx = batch_indices(cfg.seed, 0, cfg.batch_size, len(train))
+    assert encoder.loss(fresh, train, idx) == record.loss_plus
