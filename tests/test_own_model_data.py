@@ -269,7 +269,7 @@ def test_causal_lm_files_load_as_prompt_completion_or_plain_text(tmp_path):
 
 
 def test_a_mezo_step_trains_a_causal_lm_on_its_completion_loss(tmp_path):
-    """The worker's own step (``training.worker.zo_step_``) on a prompt/completion file: its two
+    """The worker's own step (``training.worker.zo_step_``) on a prompt/completion file: its
     first loss is the encoder's completion loss at +eps z (rebuilt on a fresh copy), and the weights move."""
     from training.data import batch_indices
     from training.worker import zo_step_
