@@ -35,7 +35,8 @@ from policies.interval import SnapshotSchedule
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError, SnapshotStore
 from storage.steplog import StepLogReader, StepRecord
-from training.model import layout_sha256, load_model, model_dir, parameter_layout, read_parameters, trainable_parameters
+from training.assets import shipped_model
+from training.model import layout_sha256, load_model, materialise, model_dir, parameter_layout, read_parameters, trainable_parameters
 from training.state import copy_state, load_into, state_sha256
 from training.zo import check_dtype, check_generator, dtype_name, replay_step_
 
@@ -179,6 +180,8 @@ class ShadowSpec:
     poll_interval_s: float = 0.05
     shard: int = 0
     shards: int = 1
+    shipped: dict | None = None
+    """The driver's shipped assets (``training.assets.ship``): a model folder's files come from there."""
     layout: list | None = None
     """The step log header's parameter layout (``training.model.parameter_layout``): the initial weights are
     then read from the model's files directly (``read_parameters``); None: the model is loaded."""
@@ -196,9 +199,11 @@ class ShadowActor:
         self.spec = spec
         self.started_unix_s = time.time()
         self.actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-        params = read_parameters(model_dir(spec.model, spec.cache_dir), spec.layout, spec.dtype) if spec.layout else None
+        files = shipped_model(spec.shipped, spec.model)
+        folder = materialise(files, spec.cache_dir) if files is not None else model_dir(spec.model, spec.cache_dir)
+        params = read_parameters(folder, spec.layout, spec.dtype) if spec.layout else None
         if params is None:
-            params = trainable_parameters(load_model(spec.model, spec.cache_dir, spec.dtype))
+            params = trainable_parameters(load_model(spec.model, spec.cache_dir, files, spec.dtype))
         layout = layout_of(params)
         self.range = split_units({n: p.numel() for n, p in params.items()}, spec.shards)[spec.shard]
         if spec.shards > 1:  # keep only this shard's tensors: the rest of the model is freed

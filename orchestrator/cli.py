@@ -22,6 +22,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.schedule import parse_schedule
 from orchestrator.storage_cli import inspect, verify
 from orchestrator.stored_config import StoredConfigError, load_config
+from training.data import PROMPT
 from training.model import MODEL_NAMES, default_cache_dir
 
 app = typer.Typer(
@@ -164,20 +165,20 @@ def _require_cuda() -> None:
                       "CUDA build of torch, or use --device cpu")
 
 
-def _check_shards(cfg: JobConfig) -> None:
-    """Refuse (``ValueError``) more shadow shards than the model has units."""
-    if cfg.shadow_shards > 1:
-        from actors.shards import split_units
-        from training.model import load_model, trainable_parameters
-
-        params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
-        split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
+def _model_arg(model: str) -> str:
+    """``--model`` as the configuration keeps it: a built-in name or model id as given, a folder absolute."""
+    return model if model in MODEL_NAMES or not pathlib.Path(model).is_dir() else str(pathlib.Path(model).resolve())
 
 
-def _probe_storage(cfg: JobConfig) -> None:
-    """Fail fast (exit 2) on a wrong endpoint, bucket or credentials, before training starts."""
+def _checked_job(cfg: JobConfig):
+    """``orchestrator.api.check_job``: model, data, shards and storage checked before training starts
+    (exit 2 with one line: a wrong model, bad data, endpoint, bucket or credentials)."""
+    from orchestrator.api import check_job
+
     try:
-        cfg.snapshot_store().storage.probe()
+        return check_job(cfg)
+    except ValueError as exc:
+        raise _refuse(option_names(str(exc))) from exc
     except OSError as exc:
         raise _refuse(f"snapshot storage {cfg.storage} is not usable: {exc}") from exc
 
@@ -202,7 +203,18 @@ def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path
 @app.command()
 def run(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}.")] = "smollm2-135m",
+    model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}, a local Hugging Face model folder (config.json + "
+                                             "*.safetensors) or a model id in the local Hugging Face cache (never downloaded).")] = "smollm2-135m",
+    data: Annotated[str, typer.Option(help="Training data: a local .jsonl, .csv or .parquet file (default: the Rotten Tomatoes "
+                                           "snippets); every 10th row is held out.")] = "",
+    task: Annotated[str, typer.Option(help="classification (a prompt scored by its label words) or causal-lm (loss on the "
+                                           "completion tokens; needs --data).")] = "classification",
+    text_column: Annotated[str, typer.Option(help="Column of the text (classification; causal-lm without prompt/completion).")] = "text",
+    label_column: Annotated[str, typer.Option(help="Classification: column of the label (a label word or its 0-based index).")] = "label",
+    label_words: Annotated[str, typer.Option(help="Classification: label words, comma-separated.")] = "negative,positive",
+    prompt_template: Annotated[str, typer.Option(help="Classification: the prompt, {text} standing for the text (\\n: a newline).")] = PROMPT,
+    prompt_column: Annotated[str, typer.Option(help="Causal LM: column of the prompt.")] = "prompt",
+    completion_column: Annotated[str, typer.Option(help="Causal LM: column of the completion (the tokens the loss is on).")] = "completion",
     algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
     strategy: Annotated[str, typer.Option(help=(
         "Checkpointing strategy. zo: shadow (step log + CPU shadow + snapshots, default), full-sync, full-async, "
@@ -287,7 +299,8 @@ def run(
                                                                                    "shard may take to start before the run fails.")] = 300.0,
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
-    from orchestrator.controller import ResumeMismatchError, run_job
+    from orchestrator.api import run_job
+    from orchestrator.controller import ResumeMismatchError
     from training.zo import DtypeMismatchError, GeneratorMismatchError
 
     try:
@@ -295,7 +308,10 @@ def run(
         if fail_schedule:
             failures += parse_schedule(fail_schedule, steps, fail_seed)
         cfg = JobConfig(
-            out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=model, algo=algo, strategy=strategy, fo_lr=fo_lr,
+            out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=_model_arg(model), data=data and str(pathlib.Path(data).resolve()),
+            task=task, text_column=text_column, label_column=label_column, label_words=label_words,
+            prompt_template=prompt_template.replace("\\n", "\n"),
+            prompt_column=prompt_column, completion_column=completion_column, algo=algo, strategy=strategy, fo_lr=fo_lr,
             fo_max_grad_norm=fo_max_grad_norm, layer_threshold=layer_threshold, layer_staleness_steps=layer_staleness_steps,
             layer_max_bytes_per_check=layer_max_bytes_per_check, diff_full_every=diff_full_every, diff_batch_steps=diff_batch_steps,
             diff_topk=diff_topk, steps=steps,
@@ -309,7 +325,6 @@ def run(
             worker_resource=worker_resource, shadow_resource=shadow_resource, start_timeout_s=start_timeout_s,
             durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],
         )
-        _check_shards(cfg)
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
         raise _refuse(option_names(str(exc))) from exc
     if cfg.device == "cuda" and not resume:
@@ -329,11 +344,11 @@ def run(
         cfg, notes = resume_config(saved, given)
         for line in notes:
             typer.echo(line, err=True)
-    _probe_storage(cfg)
+    cfg, assets = _checked_job(cfg)
     for p in replaced:  # every check has passed: only now is the old run deleted
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     try:
-        summary = run_job(cfg, verify=verify, echo=typer.echo)
+        summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
     except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched
         raise _refuse(str(exc)) from exc
     keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",

@@ -15,7 +15,7 @@ from typing import Literal
 from storage.backend import Storage
 from storage.manifest import RunIdentity
 from storage.snapshots import SnapshotStore
-from training.model import MODEL_NAMES
+from training.data import LABEL_WORDS, PROMPT, TASKS
 from training.zo import DTYPES
 
 FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node"]
@@ -108,6 +108,30 @@ class JobConfig:
     cache_dir: str
     """Where converted models live (see ``training.model.default_cache_dir``)."""
     model: str = "smollm2-135m"
+    """A built-in name (``smollm2-135m``, ``tiny``), a local Hugging Face model folder, or a model id in
+    the local Hugging Face cache (``training.model.model_folder``; read on the driver only)."""
+    model_sha256: str = ""
+    """sha256 of the model folder's files (``training.model.files_sha256``), set by the driver
+    (``orchestrator.api.with_assets``); empty for a built-in name. Part of the trajectory."""
+    data: str = ""
+    """A local JSONL, CSV or Parquet file (read on the driver only, ``training.data.load_data_file``);
+    empty: the Rotten Tomatoes snippets."""
+    data_sha256: str = ""
+    """sha256 of the data file's bytes, set by the driver; part of the trajectory."""
+    task: str = "classification"
+    """``classification`` (a prompt scored by its label words) or ``causal-lm`` (token loss on the
+    completion: prompt/completion columns, or one text column); ``causal-lm`` needs ``data``."""
+    text_column: str = "text"
+    label_column: str = "label"
+    """Classification: the label of a row is a label word or its 0-based index in ``label_words``."""
+    label_words: str = ",".join(w.strip() for w in LABEL_WORDS)
+    """Classification: the label words, comma-separated (each scored with a leading space)."""
+    prompt_template: str = PROMPT
+    """Classification: the prompt, ``{text}`` standing for the text column (once)."""
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    """Causal LM: the columns of a prompt/completion file (loss on the completion tokens); a file with
+    only ``text_column`` is trained on all of its tokens."""
     algo: str = "zo"
     """``zo`` (MeZO, zeroth-order, the step log) or ``fo`` (AdamW, first-order)."""
     strategy: str = ""
@@ -220,9 +244,14 @@ class JobConfig:
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
                   "fo_lr", "fo_max_grad_norm")
 
+    DATA_TRAJECTORY = ("model_sha256", "data_sha256", "task", "text_column", "label_column", "label_words",
+                       "prompt_template", "prompt_column", "completion_column")
+    """Trajectory fields counted only when not at their defaults (existing runs keep their hashes)."""
+
     def __post_init__(self) -> None:
-        if self.model not in MODEL_NAMES:
-            raise ValueError(f"model {self.model!r}: choose one of {', '.join(MODEL_NAMES)}")
+        if not self.model:
+            raise ValueError("model is empty: give smollm2-135m, tiny, a model folder or a cached model id")
+        self._check_data()
         for name in ("steps", "batch_size", "seq_len", "workers", "torch_threads", "keep_snapshots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -278,6 +307,22 @@ class JobConfig:
                              "node-local step log must live elsewhere (e.g. leave --scratch-dir out for the default)")
         self._check_fo()
         self._check_runtime()
+
+    def _check_data(self) -> None:
+        """Validate the task and its columns, label words and prompt template (not the file: the driver
+        reads that, ``training.data.load_data_file``)."""
+        if self.task not in TASKS:
+            raise ValueError(f"task {self.task!r}: choose one of {', '.join(TASKS)}")
+        if self.task == "causal-lm" and not self.data:
+            raise ValueError("task causal-lm needs a data file (--data FILE with prompt/completion or text columns)")
+        if self.task == "causal-lm" and self.algo != "zo":
+            raise ValueError(f"task causal-lm runs with algo zo only, not algo {self.algo}")
+        words = [w.strip() for w in self.label_words.split(",")]
+        if len(words) < 2 or not all(words) or len(set(words)) != len(words):
+            raise ValueError(f"label_words {self.label_words!r}: give two or more distinct words, comma-separated, "
+                             "e.g. negative,positive")
+        if self.prompt_template.count("{text}") != 1:
+            raise ValueError(f"prompt_template {self.prompt_template!r} must contain {{text}} exactly once")
 
     def _check_node_failures(self) -> None:
         """A ``node`` failure loses whatever rank 0's node stored itself: refuse a storage on a local path."""
@@ -338,9 +383,12 @@ class JobConfig:
 
     def trajectory_sha256(self) -> str:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``
-        counts only when it is not ``cpu`` and ``dtype`` only when it is not ``float32``, so the hashes of
-        existing CPU float32 runs stay as they were."""
+        counts only when it is not ``cpu``, ``dtype`` only when it is not ``float32``, and
+        ``DATA_TRAJECTORY`` fields (the model's and data's content hashes, the task) only away from their
+        defaults, so the hashes of existing runs stay as they were."""
         values = {k: getattr(self, k) for k in self.TRAJECTORY}
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        values.update({k: getattr(self, k) for k in self.DATA_TRAJECTORY if getattr(self, k) != defaults[k]})
         if self.device != "cpu":
             values["device"] = self.device
         if self.dtype != "float32":

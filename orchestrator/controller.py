@@ -57,8 +57,10 @@ from orchestrator.stored_config import save_config
 from orchestrator.summary import durability, recoveries, write_metrics
 from storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from storage.steplog import StepLogWriter, read_header
+from storage.units import describe_units
+from training.assets import ASSETS_KEY, Assets, read_assets, ship
 from training.faults import PARTS, fired_before, marker
-from training.model import layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
+from training.model import is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from training.zo import GENERATOR, check_dtype, check_generator
 
 log = logging.getLogger(__name__)
@@ -194,7 +196,8 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
     trajectory matches (a resumed run), else ``ResumeMismatchError``; one written with another noise
     generator raises ``GeneratorMismatchError``, one in another parameter dtype ``DtypeMismatchError``."""
     tokenizer_dir(cfg.cache_dir)
-    model_dir(cfg.model, cfg.cache_dir)
+    if is_builtin(cfg.model):
+        model_dir(cfg.model, cfg.cache_dir)
     if run.step_log.exists():
         header = read_header(run.step_log)
         found = header.get("trajectory_sha256")
@@ -204,10 +207,19 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         check_generator(header, str(run.step_log))
         return
     run.write_json(run.root / "config.json", cfg.to_dict())
-    layout = parameter_layout(trainable_parameters(load_model(cfg.model, cfg.cache_dir, cfg.dtype)))
+    model = load_model(cfg.model, cfg.cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
+    units = describe_units(model)
+    if not units.recognised:
+        log.warning("the unit layout of %s (%s) is not recognised: each module is its own checkpoint unit (%d units)",
+                    cfg.model, type(model).__name__, len(units.units))
+    layout = parameter_layout(trainable_parameters(model))
     header = {
         "run_id": cfg.run_id,
         "model": cfg.model,
+        "model_sha256": cfg.model_sha256,
+        "data_sha256": cfg.data_sha256,
+        "units_recognised": units.recognised,
+        "tied": units.tied,
         "dtype": cfg.dtype,
         "layout": layout,
         "layout_sha256": layout_sha256(layout),
@@ -242,10 +254,15 @@ class Controller:
     """
 
     def __init__(self, cfg: JobConfig, echo: Callable[[str], None] = print,
-                 storage_outage: Callable[[float], None] | None = None) -> None:
+                 storage_outage: Callable[[float], None] | None = None, assets: Assets | None = None) -> None:
         if storage_outage is None and any(f.target == "storage" for f in cfg.failures):
             raise ValueError(STORAGE_OUTAGE_NEEDS_SERVER)
         self.storage_outage = storage_outage
+        if assets is None:  # read and checked here, on the driver, before anything starts
+            cfg, assets = read_assets(cfg)
+        self.assets = assets
+        self.shipped: dict = {}
+        """The assets in Ray's object store (``training.assets.ship``), once connected."""
         self.cfg = cfg
         self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
         self.channel = RunChannel(cfg)
@@ -355,6 +372,7 @@ class Controller:
             store=self.cfg.snapshot_store(), persister_name=self.cfg.persister_name,
             snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
             layout=read_header(self.run_dir.step_log)["layout"],
+            shipped=self.shipped,
         )
 
     # -- monitoring ---------------------------------------------------------------------------
@@ -469,7 +487,7 @@ class Controller:
             from training.worker import train_loop_per_worker
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
-            train_loop_config=self.cfg.to_dict(),
+            train_loop_config={**self.cfg.to_dict(), ASSETS_KEY: self.shipped},
             scaling_config=ScalingConfig(num_workers=self.cfg.workers, use_gpu=self.cfg.device == "cuda",
                                          resources_per_worker=self.placement.worker_resources,
                                          label_selector=self.placement.worker_label_selector),
@@ -588,6 +606,7 @@ class Controller:
         if cfg.remote_storage:  # beside the log segments: --resume --storage URI needs nothing else
             self._store_config()
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
+        self.shipped = ship(self.assets)
         self.placed["driver"] = this_node()
         nodes = alive_nodes()
         self.placement = plan_placement(nodes, driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
@@ -700,6 +719,7 @@ class Controller:
             "torn_tails_cut": [e for e in events if e["kind"] == "torn_tail_cut"],
             "accuracy_before": next((e["value"] for e in events if e["kind"] == "accuracy"), None),
             "accuracy_after": final.get("accuracy_after"),
+            "eval_metric": "loss" if cfg.task == "causal-lm" else "accuracy",  # what accuracy_before/after hold
             "mean_step_seconds": mean_step_s,
             "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
             "checkpoint_block_seconds_total": sum(block_s),
@@ -717,19 +737,22 @@ class Controller:
         return summary
 
 
-def run_job(cfg: JobConfig, verify: bool = False, echo: Callable[[str], None] = print) -> dict:
+def run_job(cfg: JobConfig, verify: bool = False, echo: Callable[[str], None] = print, assets: Assets | None = None) -> dict:
     """Run ``cfg``; with ``verify``, also run (or reuse) the failure-free reference in
-    ``<out_dir>/reference`` and compare the final states bitwise."""
-    summary = Controller(cfg, echo).run()
+    ``<out_dir>/reference`` and compare the final states bitwise. ``assets``: what
+    ``training.assets.read_assets`` returned for ``cfg`` (read here when None)."""
+    if assets is None:
+        cfg, assets = read_assets(cfg)
+    summary = Controller(cfg, echo, assets=assets).run()
     if verify and summary["ok"]:
-        ref = reference(cfg, echo)
+        ref = reference(cfg, echo, assets)
         summary["reference_state_sha256"] = ref["state_sha256"]
         summary["bitwise_equal"] = ref["state_sha256"] == summary["state_sha256"]
         RunDir.write_json(pathlib.Path(cfg.out_dir) / "summary.json", summary)
     return summary
 
 
-def reference(cfg: JobConfig, echo: Callable[[str], None] = print) -> dict:
+def reference(cfg: JobConfig, echo: Callable[[str], None] = print, assets: Assets | None = None) -> dict:
     """The failure-free run with the same trajectory settings (reused when already complete)."""
     out = pathlib.Path(cfg.out_dir) / "reference"
     previous = out / "summary.json"
@@ -740,7 +763,7 @@ def reference(cfg: JobConfig, echo: Callable[[str], None] = print) -> dict:
             return ref
     shutil.rmtree(out, ignore_errors=True)
     echo(f"[raycheck] running the failure-free reference in {out}")
-    return Controller(reference_config(cfg), echo).run()
+    return Controller(reference_config(cfg), echo, assets=assets).run()
 
 
 def reference_config(cfg: JobConfig) -> JobConfig:

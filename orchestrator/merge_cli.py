@@ -35,7 +35,7 @@ def merge(
     out: Annotated[str, typer.Option(help="Empty store for the composite snapshot (path, file:// or s3://; an S3 bucket must exist).")],
     export_hf_dir: Annotated[pathlib.Path | None, typer.Option(
         "--export-hf", help="Also write the merged parameters as a Hugging Face folder here: a new or empty folder (needs --model).")] = None,
-    model: Annotated[str, typer.Option(help=f"Model for --export-hf (config and layout): {', '.join(MODEL_NAMES)}.")] = "",
+    model: Annotated[str, typer.Option(help=f"Model for --export-hf (config and layout): {', '.join(MODEL_NAMES)}, a model folder or a cached model id.")] = "",
     s3_endpoint: EndpointOpt = "",
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
 ) -> None:

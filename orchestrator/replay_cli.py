@@ -153,19 +153,26 @@ def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":
     ``dtype``: the replay rounds as the run did), checked against the log.
 
     Raises:
-        ReplayError: the log's model or dtype is unknown or its parameter layout differs from the model's.
+        ReplayError: the log's model is not on this machine, its files changed since the run (``model_sha256``),
+            its dtype is unknown, or its parameter layout differs from the model's.
         training.zo.GeneratorMismatchError: the log was written with another noise generator.
     """
-    from training.model import MODEL_NAMES, layout_sha256, load_model, parameter_layout, trainable_parameters
+    from training.model import is_builtin, layout_sha256, load_model, parameter_layout, read_model_files, trainable_parameters
     from training.zo import DTYPES, check_generator
 
     check_generator(run.header, run.log_url)
-    if run.header.get("model") not in MODEL_NAMES:
-        raise ReplayError(f"{run.log_url}: model {run.header.get('model')!r} is not one of {', '.join(MODEL_NAMES)}")
+    model, recorded = run.header.get("model"), run.header.get("model_sha256")
+    try:
+        found = None if is_builtin(model) else read_model_files(model, cache_dir).sha256
+    except ValueError as exc:  # not a built-in name, nor a folder or cached id on this machine
+        raise ReplayError(f"{run.log_url}: the run's model is not here: {exc}") from exc
+    if recorded and found != recorded:
+        raise ReplayError(f"{run.log_url}: model {model} has changed since the run (model_sha256 {recorded[:12]}... in the "
+                          f"log, {found[:12]}... now): replay with the run's original model files")
     dtype = run.header.get("dtype", "float32")
     if dtype not in DTYPES:
         raise ReplayError(f"{run.log_url}: parameter dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    params = trainable_parameters(load_model(run.header["model"], cache_dir, dtype))
+    params = trainable_parameters(load_model(model, cache_dir, dtype=dtype))
     if run.header.get("layout_sha256") != layout_sha256(parameter_layout(params)):
         raise ReplayError(f"{run.log_url}: the log's parameter layout differs from model {run.header['model']}'s")
     return params

@@ -444,14 +444,14 @@ def prepare_hf_export(state: Mapping[str, np.ndarray], out_dir: str | pathlib.Pa
         FileExistsError: ``out_dir`` is a file, or a folder that already holds files (say, another
             checkpoint's index and shards, which would stay beside the new weights).
     """
-    from training.model import model_dir  # imports torch: only when exporting
+    from training.model import model_folder  # imports torch: only when exporting
 
     folder = pathlib.Path(out_dir)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         held = sorted(p.name for p in folder.iterdir())[:4] if folder.is_dir() else []
         raise FileExistsError(f"{folder} is not an empty folder{f' (it holds {held}...)' if held else ''}: export into "
                               "a new or empty folder, so that no other checkpoint's files stay beside this one")
-    source = model_dir(model_name, cache_dir)
+    source = model_folder(model_name, cache_dir)
     config = json.loads((source / "config.json").read_text())
     expected = _reference_tensors(source)
     params = {n: a for n, a in state.items() if parameter_of(n) is None}
@@ -510,7 +510,7 @@ def export_hf(
     """Write a snapshot's parameters as a Hugging Face folder that ``from_pretrained`` loads.
 
     ``config.json`` (and ``generation_config.json`` when present) come from
-    ``training.model.model_dir(model_name)``; the weights go to ``model.safetensors``, parameters
+    ``training.model.model_folder(model_name)`` (a built-in name, a model folder or a cached model id); the weights go to ``model.safetensors``, parameters
     only (optimizer state dropped), in the model's own tensor names (``prepare_hf_export``,
     ``write_hf_export``). ``step`` picks a snapshot (default: the newest that verifies).
 

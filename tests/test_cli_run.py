@@ -92,7 +92,7 @@ def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
     reported a status (it could not start) has no durable snapshot, so the run exits 4, not 0."""
     import orchestrator.controller
 
-    def finished(cfg, verify, echo) -> dict:
+    def finished(cfg, verify, echo, assets=None) -> dict:
         return {"ok": True, "error": None, "strategy": cfg.strategy, "final_step": cfg.steps, "lost_steps": 0,
                 "shadow_equal": True, "bitwise_equal": None, "snapshots": {}}
 
@@ -171,7 +171,7 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
     prepared_run(out, max_persister_restarts=1)
     seen = []
 
-    def finished(cfg, verify, echo) -> dict:
+    def finished(cfg, verify, echo, assets=None) -> dict:
         seen.append(cfg)
         return {"ok": False, "error": "stop here"}
 

@@ -316,7 +316,7 @@ def test_merge_command_checks_the_model_and_the_export_folder_before_it_commits(
     root, _, _, _ = tiny_stores
     out = tmp_path / "merged"
     result = CliRunner().invoke(cli(), [*snapshot_args(root, out), "--export-hf", str(tmp_path / "hf"), "--model", "nosuch"])
-    assert result.exit_code == 2 and "error: unknown model 'nosuch'; choose one of smollm2-135m, tiny" in result.output
+    assert result.exit_code == 2 and "error: model 'nosuch' is not a built-in name (smollm2-135m, tiny), not a folder, and not in the local Hugging Face cache" in result.output
     assert "committed" not in result.output and not out.exists() and not (tmp_path / "hf").exists()
 
     other = tmp_path / "other-checkpoint"  # another model's sharded export

@@ -94,7 +94,7 @@ def test_resume_from_the_bucket_alone_starts_the_saved_run_in_the_new_directory(
     save_config(cfg)
     seen = []
 
-    def finished(cfg, verify, echo) -> dict:
+    def finished(cfg, verify, echo, assets=None) -> dict:
         seen.append(cfg)
         return {"ok": False, "error": "stop here"}
 

