@@ -11,7 +11,7 @@ from training.state import state_sha256
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_the_parameters_read_from_the_files_equal_the_loaded_models_bitwise(dtype):
-    loaded = trainable_parameters(load_model("tiny", default_cache_dir(), dtype))
+    loaded = trainable_parameters(load_model("tiny", default_cache_dir(), dtype=dtype))
     read = read_parameters(model_dir("tiny", default_cache_dir()), parameter_layout(loaded), dtype)
     assert read is not None and list(read) == list(loaded)  # the same names, in named_parameters order
     assert state_sha256(read) == state_sha256(loaded)
