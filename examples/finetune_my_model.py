@@ -26,17 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument("--verify", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the dtype the workers hold and perturb the weights in (half precision halves the memory)")
     parser.add_argument("--cache-dir", default=None, help="model cache (default: $RAYCHECK_CACHE or ~/.cache/raycheck)")
     args = parser.parse_args(argv)
 
     fields = dict(model=args.model, data=args.data, task="classification", text_column="text", label_column="label",
                   label_words="negative,positive", steps=args.steps, batch_size=4, seq_len=32, lr=1e-4, eval_samples=8,
-                  snapshot_every=2, failures=(FailureSpec(step=args.fail_step, target="worker"),))
+                  snapshot_every=2, dtype=args.dtype, failures=(FailureSpec(step=args.fail_step, target="worker"),))
     if args.cache_dir:
         fields["cache_dir"] = args.cache_dir
     cfg = job_config(args.out, **fields)
     summary = run_job(cfg, verify=args.verify)
-    keys = ("ok", "final_step", "state_sha256", "bitwise_equal", "shadow_equal", "lost_steps", "eval_metric",
+    keys = ("ok", "dtype", "final_step", "state_sha256", "bitwise_equal", "shadow_equal", "lost_steps", "eval_metric",
             "accuracy_before", "accuracy_after", "recoveries")
     print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
     exact = summary["ok"] and not summary["lost_steps"] and summary.get("bitwise_equal") is not False
