@@ -48,3 +48,28 @@ def test_shadow_row_counts_log_appends_as_durable_points_and_the_log_bytes():
     assert (row["checkpoints"], row["snapshots"], row["interval_steps"]) == (6, 2, 40)
     assert row["bytes_written"] == 5000 + 6 * RECORD_BYTES and row["snapshot_s"] == 1.5
     assert row["block_s_per_checkpoint"] == 0.001 and row["replay_step_s"] == 0.2
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The kernel may offer the same free port to two binds in a row (the first caller has not bound it
+    yet); ``free_port`` must then look again, or one ``ray start`` gets one port for two servers."""
+    import experiments.s3_server as s3_server
+
+    offered = iter([41001, 41001, 41002])
+
+    class OneShotSocket:  # the kernel's answers, in order
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(s3_server.socket, "socket", OneShotSocket)
+    monkeypatch.setattr(s3_server, "_HANDED_OUT", set())
+    assert [s3_server.free_port(), s3_server.free_port()] == [41001, 41002]
