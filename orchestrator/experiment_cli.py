@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Annotated
 
@@ -17,6 +18,8 @@ def experiment(
     strategy: Annotated[list[str], typer.Option(help="Strategies to run (repeatable; default: all four).")] = list(STRATEGIES["zo"]),
     report_only: Annotated[bool, typer.Option(help="Rebuild the report from the results already in --out.")] = False,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
+    model: Annotated[str, typer.Option(help="Model of every run instead of the preset's: a built-in name, a local Hugging "
+                                            "Face model folder or a model id in the local Hugging Face cache.")] = "",
 ) -> None:
     """Run ours (shadow) and the baselines (full-sync, full-async, log-only) on the same trajectory and the
     same injected worker failures, then write runs.parquet, recoveries.parquet, report.md and plots.
@@ -27,14 +30,23 @@ def experiment(
     from experiments.harness import PRESETS, run_experiment
     from experiments.report import write_report
     from orchestrator.cluster import connect
+    from training.model import model_folder
 
     unknown = sorted(set(strategy) - set(STRATEGIES["zo"]))
     if unknown:
         raise typer.BadParameter(f"unknown strategy {unknown}: choose from {', '.join(STRATEGIES['zo'])}")
     out = out.resolve()
+    preset = PRESETS["quick" if quick else "full"]
+    if model and not report_only:
+        try:
+            model_folder(model, cache_dir)  # a folder or cached id is read on this (the driver's) machine only
+        except ValueError as exc:
+            typer.echo(f"error: --model: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        preset = dataclasses.replace(preset, model=model)
     if not report_only:
         connect("raycheck", num_cpus=2)
-        run_experiment(PRESETS["quick" if quick else "full"], out, str(cache_dir.resolve()), tuple(strategy), echo=typer.echo)
+        run_experiment(preset, out, str(cache_dir.resolve()), tuple(strategy), echo=typer.echo)
     elif not (out / "runs.parquet").is_file():
         typer.echo(f"error: {out} holds no results (runs.parquet); run without --report-only first", err=True)
         raise typer.Exit(2)

@@ -101,3 +101,31 @@ def test_replay_refuses_a_model_folder_whose_weights_changed(made, tmp_path):
     assert result.exit_code == 2, result.output
     assert f"model {folder} has changed since the run (model_sha256 " in result.output
     assert "replay with the run's original model files" in result.output
+
+
+def test_the_experiment_runs_every_strategy_on_a_model_folder_and_refuses_a_missing_one(tmp_path, monkeypatch):
+    """``raycheck experiment --model FOLDER``: the preset's runs take the folder (the same controller as
+    ``raycheck run``, tested above and in ``test_own_model_ray.py``); a model that is not here: exit 2."""
+    import dataclasses
+
+    import experiments.harness as harness
+    import orchestrator.cluster as cluster
+
+    class Started(Exception):
+        """Stands in for the experiment's runs: this test checks what they are given."""
+
+    given = {}
+
+    def run_experiment(preset, out, cache_dir, strategies, echo):
+        given["preset"] = preset
+        raise Started
+
+    monkeypatch.setattr(harness, "run_experiment", run_experiment)
+    monkeypatch.setattr(cluster, "connect", lambda *args, **kwargs: True)
+    folder = gpt2_folder(tmp_path / "gpt2")
+    started = CliRunner().invoke(app, ["experiment", "--quick", "--model", str(folder), "--out", str(tmp_path / "exp")])
+    assert isinstance(started.exception, Started), started.output
+    assert given["preset"] == dataclasses.replace(harness.PRESETS["quick"], model=str(folder))
+    missing = CliRunner().invoke(app, ["experiment", "--quick", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "x")])
+    assert missing.exit_code == 2 and missing.output.startswith("error: --model: "), missing.output
+    assert not (tmp_path / "x").exists()
