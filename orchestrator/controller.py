@@ -48,7 +48,7 @@ from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
 from orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, this_node, worker_need
 from orchestrator.config import JobConfig
-from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal
+from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal, wait_for_previous_driver
 from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
 from orchestrator.run_dir import RunDir
@@ -612,6 +612,7 @@ class Controller:
         self.placement = plan_placement(nodes, driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
                                         use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
                                         replica_resource=cfg.shadow_resource)
+        wait_for_previous_driver(cfg, echo=self.echo)  # a resume right after its driver died: Ray is removing its actors
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
         # start-ups overlap: the persister starts while the log keeper is awaited, the shadow (after the
         # node-failure check, which needs the durable steps) while the persister is; one that cannot

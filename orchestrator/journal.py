@@ -110,6 +110,38 @@ class JournalActor(Journal):
     """The Ray actor shell of ``Journal`` (started by ``start_journal``)."""
 
 
+class RunActiveError(RuntimeError):
+    """Actors of the run are still alive when its driver starts: another driver runs it."""
+
+
+def run_actors(cfg: JobConfig) -> list[str]:
+    """The names of run ``cfg.run_id``'s actors alive in ``cfg.namespace``: its journal, log keeper,
+    persister, and every shadow incarnation (``<shadow_name>-...``)."""
+    ours = (cfg.journal_name, cfg.log_keeper_name, cfg.persister_name)
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == cfg.namespace
+                  and (a["name"] in ours or a["name"].startswith(f"{cfg.shadow_name}-")))
+
+
+def wait_for_previous_driver(cfg: JobConfig, timeout_s: float = 60.0, echo=print) -> None:
+    """Return once no actor of run ``cfg.run_id`` is alive: when a driver dies, Ray removes its actors
+    within seconds, and a ``--resume`` started meanwhile would find their names taken. Polls Ray's
+    named actors every 0.5 s (Ray has no notification of an actor's removal to wait on).
+
+    Raises:
+        RunActiveError: some are still alive after ``timeout_s`` seconds (another driver runs the run).
+    """
+    deadline = time.monotonic() + timeout_s
+    alive = run_actors(cfg)
+    if alive:
+        echo(f"[raycheck] waiting up to {timeout_s:g} s for the previous driver's actors of run {cfg.run_id} to go: {', '.join(alive)}")
+    while alive:
+        if time.monotonic() >= deadline:
+            raise RunActiveError(f"run {cfg.run_id}'s actors are still alive after {timeout_s:g} s ({', '.join(alive)}): another "
+                                 "driver runs this run; stop it (e.g. ray job stop) before resuming")
+        time.sleep(0.5)
+        alive = run_actors(cfg)
+
+
 def start_journal(cfg: JobConfig, claims: list[str]):
     """Start this run's journal actor (``cfg.journal_name`` in ``cfg.namespace``) on the node of the
     calling process (the driver), seeded with ``claims``; returns its handle once it answers.

@@ -4,6 +4,7 @@ seeding a resumed driver; and the driver's record of it in the run directory."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -97,11 +98,12 @@ def test_the_actor_keeps_each_senders_order_and_serves_claims_and_the_pointer_to
 
     from conftest import free_port
     from orchestrator.config import JobConfig
-    from orchestrator.journal import RunChannel, start_journal
+    from orchestrator.journal import RunActiveError, RunChannel, run_actors, start_journal, wait_for_previous_driver
 
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", run_id="journal-actor")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, namespace=cfg.namespace, _metrics_export_port=free_port())
     try:
+        wait_for_previous_driver(cfg, timeout_s=0.1)  # none: returns at once
         journal = start_journal(cfg, ["0.worker"])
 
         @ray.remote(num_cpus=0)
@@ -121,6 +123,11 @@ def test_the_actor_keeps_each_senders_order_and_serves_claims_and_the_pointer_to
         assert channel.claim("1.worker") is False and channel.claimed("1.worker")
         assert channel.shadow_pointer() == {"shards": [{"shard": 0, "name": "s-3", "incarnation": 3}]}
         assert RunDir.read(RunDir(tmp_path).metrics) == record.metrics
-        ray.kill(journal, no_restart=True)
+        # a second driver of this run, while the first one's journal lives: it waits, then refuses
+        with pytest.raises(RunActiveError, match=rf"^run journal-actor's actors are still alive after 0.5 s \({cfg.journal_name}\)"):
+            wait_for_previous_driver(cfg, timeout_s=0.5, echo=lambda _: None)
+        threading.Timer(0.5, ray.kill, args=(journal,), kwargs={"no_restart": True}).start()  # the first driver's actors go
+        wait_for_previous_driver(cfg, timeout_s=60, echo=lambda _: None)  # returns once Ray has removed it
+        assert run_actors(cfg) == []
     finally:
         ray.shutdown()
