@@ -38,7 +38,8 @@ def job_config(out_dir: str | pathlib.Path, **fields) -> JobConfig:
 def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
     """Read and check what ``cfg`` needs on this machine (the driver's) before the cluster starts:
     the model (a folder or cached id: its files and their hash), the data file (its rows, labels and
-    lengths, and its hash), the shadow shards against the model's units, and the snapshot storage.
+    lengths, and its hash), the shadow shards against the model's units, and remote snapshot storage.
+    Nothing is written on this machine.
 
     Returns:
         (``cfg`` with ``model_sha256`` and ``data_sha256`` set, the ``Assets`` to ship).
@@ -55,7 +56,8 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
 
         params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
         split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
-    cfg.snapshot_store().storage.probe()
+    if cfg.remote_storage:  # a local store is made by the run: checking it here would leave a folder behind
+        cfg.snapshot_store().storage.probe()
     return cfg, assets
 
 

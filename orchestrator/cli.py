@@ -192,11 +192,11 @@ def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path
     if out.exists() and not out.is_dir():
         raise _refuse(f"--out {out} is a file, not a folder")
     entries = [p for p in out.iterdir() if p.name != "reference"] if out.exists() else []
-    if entries and not overwrite:
-        raise _refuse(f"{out} already holds a run; pass --overwrite or choose another --out")
     if entries and not (out / "config.json").is_file():
         raise _refuse(f"{out} is not empty and holds no raycheck run (no config.json); --overwrite replaces only a "
                       "run: choose a new or empty --out")
+    if entries and not overwrite:
+        raise _refuse(f"{out} already holds a run; pass --overwrite or choose another --out")
     return entries
 
 

@@ -124,9 +124,10 @@ def test_overwrite_never_empties_a_folder_that_holds_no_run(tmp_path):
     out = tmp_path / "home"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    result = run_into(out, "--overwrite")
-    assert result.exit_code == 2, result.output
-    assert "holds no raycheck run (no config.json); --overwrite replaces only a run" in result.output
+    for extra in (["--overwrite"], []):  # without it too: "pass --overwrite" would be advice that cannot work
+        result = run_into(out, *extra)
+        assert result.exit_code == 2, result.output
+        assert "holds no raycheck run (no config.json); --overwrite replaces only a run" in result.output
     assert tree_sha256(out) == {"keep.txt": hashlib.sha256(b"precious").hexdigest()}
 
 

@@ -106,6 +106,30 @@ def test_a_missing_model_is_refused_naming_what_to_do(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no config.json"):
         read_assets(cfg_for(tmp_path, model=str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match=f"^model folder {tmp_path / 'gone'} does not exist$"):
+        read_assets(cfg_for(tmp_path, model=str(tmp_path / "gone")))
+    with pytest.raises(ValueError, match=r"is a file, not a model folder"):
+        read_assets(cfg_for(tmp_path, model=str(write_rows(tmp_path / "d.jsonl", reviews(2)))))
+
+
+def test_a_folder_whose_weights_do_not_match_its_config_or_that_transformers_cannot_build_is_refused(tmp_path):
+    """Loaded once on the driver before anything starts: tensors that transformers would initialise at
+    random would differ between the workers and the shadow (the run would train random weights)."""
+    import json
+    import shutil
+
+    from transformers import Qwen2Config
+
+    mixed = gpt2_folder(tmp_path / "mixed")  # GPT-2's weights under a Qwen2 config
+    Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(mixed)
+    with pytest.raises(ValueError, match=r"its weights do not match its config.json: tensors \d+ missing \(e.g. .*\); "
+                                         r"\d+ unexpected \(e.g. .*transformer\..*\)"):
+        read_assets(cfg_for(tmp_path, model=str(mixed)))
+    unknown = shutil.copytree(gpt2_folder(tmp_path / "gpt2"), tmp_path / "unknown")
+    (unknown / "config.json").write_text(json.dumps({"model_type": "nosuch"}))
+    with pytest.raises(ValueError, match=f"^model folder {unknown} cannot be loaded by transformers \\("):
+        read_assets(cfg_for(tmp_path, model=str(unknown)))
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])

@@ -193,6 +193,10 @@ def model_folder(model: str, cache_dir: pathlib.Path | None = None) -> pathlib.P
     if is_builtin(model):
         return model_dir(model, cache_dir)
     folder = pathlib.Path(model).expanduser()
+    if folder.is_file():
+        raise ValueError(f"model {model} is a file, not a model folder (config.json + *.safetensors)")
+    if not folder.is_dir() and (folder.is_absolute() or model.startswith((".", "~"))):
+        raise ValueError(f"model folder {model} does not exist")
     if not folder.is_dir():
         folder = _hf_cache_snapshot(model)
     if not (folder / "config.json").is_file():
@@ -216,13 +220,44 @@ def _hf_cache_snapshot(model: str) -> pathlib.Path:
                          f"or fetch it first (huggingface-cli download {model})") from exc
 
 
+def check_loadable(folder: pathlib.Path) -> None:
+    """Load the model in ``folder`` once (on the driver, before anything starts) and check that its
+    weights are exactly the ones its ``config.json`` describes: a parameter that ``transformers`` would
+    have to initialise at random would differ between the workers and the shadow.
+
+    Raises:
+        ValueError: transformers cannot build it (e.g. an unknown ``model_type``), or tensors are
+            missing, unexpected or of another shape than the config's (the first few are named).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its own load report would come before our one line
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    except (KeyError, ValueError, OSError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"model folder {folder} cannot be loaded by transformers ({type(exc).__name__}: {reason})") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    problems = [f"{len(info[key])} {what} (e.g. {', '.join(sorted(map(str, info[key]))[:3])})"
+                for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"), ("mismatched_keys", "of another shape"))
+                if info.get(key)]
+    if problems:
+        raise ValueError(f"model folder {folder}: its weights do not match its config.json: tensors {'; '.join(problems)}; "
+                         "write the folder with save_pretrained of the model it configures")
+
+
 def read_model_files(model: str, cache_dir: pathlib.Path | None = None) -> ModelFiles:
     """Read the config, weights and tokenizer files of ``model`` (``model_folder``) on the driver.
 
     Raises:
-        ValueError: see ``model_folder``.
+        ValueError: see ``model_folder`` and ``check_loadable``.
     """
     folder = model_folder(model, cache_dir)
+    check_loadable(folder)
     names = [p.name for p in sorted(folder.iterdir())
              if p.name in CONFIG_FILES or p.name in TOKENIZER_FILES or p.name.endswith(WEIGHT_SUFFIXES)]
     files = {n: (folder / n).read_bytes() for n in names}
