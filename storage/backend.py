@@ -525,7 +525,11 @@ class Storage:
                 raise StorageError(f"{self.url(name)}: read back other bytes than written")
             self.delete(name)
         except (FileNotFoundError, PermissionError) as exc:
-            raise type(exc)(f"{self.url()} is not usable: {exc}") from exc
+            bucket = self.root.split("/", 1)[0]
+            if self.protocol == "s3" and isinstance(exc, FileNotFoundError) and not self.fs.exists(bucket):
+                raise FileNotFoundError(f"bucket {bucket!r} does not exist; create it first, or check the bucket name "
+                                        "and --s3-endpoint") from exc
+            raise type(exc)(f"{self.url()}: {exc}") from exc
 
     def delete(self, rel: str) -> None:
         """Remove object ``rel`` (no error if it is already gone)."""

@@ -39,12 +39,14 @@ def resume(out: pathlib.Path):
 
 
 def test_unusable_storage_is_refused_before_training(tmp_path, s3_endpoint):
+    bucket = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
     result = CliRunner().invoke(app, [
         "run", "--model", "tiny", "--steps", "4", "--out", str(tmp_path / "run"),
-        "--storage", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", "--s3-endpoint", s3_endpoint,
+        "--storage", f"s3://{bucket}/run", "--s3-endpoint", s3_endpoint,
     ])
     assert result.exit_code == 2, result.output
-    assert "is not usable" in result.output and "bucket" in result.output.lower()
+    assert result.output.splitlines() == [f"error: snapshot storage s3://{bucket}/run is not usable: bucket {bucket!r} does not "
+                                          "exist; create it first, or check the bucket name and --s3-endpoint"]
     assert not (tmp_path / "run" / "steplog.bin").exists()
 
 
