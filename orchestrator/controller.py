@@ -383,9 +383,13 @@ class Controller:
         recovery_seconds = [r.get("seconds") for r in recoveries(events)]
         lines: list[tuple[float, str]] = []  # printed in time order across both streams
         for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
-            fields = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "unix_s", "worker_start_unix_s", "inputs", "marker"))
-            lines.append((e["unix_s"], f"[raycheck] {e['kind']}: {fields}"))
             n_recovery = sum(1 for x in events[:i] if x["kind"] == "recovery")
+            shown = dict(e)
+            if e["kind"] == "recovery":  # named as in summary.json: its "seconds" run from the failure to the restored state
+                shown["restore_seconds"] = shown.pop("seconds")
+                shown["seconds"] = recovery_seconds[n_recovery]
+            fields = ", ".join(f"{k}={v}" for k, v in shown.items() if k not in ("kind", "unix_s", "worker_start_unix_s", "inputs", "marker"))
+            lines.append((e["unix_s"], f"[raycheck] {e['kind']}: {fields}"))
             self.metrics.event(e, recovery_seconds[n_recovery] if e["kind"] == "recovery" else None)
             if e["kind"] == "failure" and e["target"] == "storage":
                 self.storage_outage(e["seconds"])

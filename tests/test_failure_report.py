@@ -44,3 +44,19 @@ def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
     assert [(s["shard"], s["restarts"]) for s in summary["shadow_shards"]] == [(0, -1), (1, 3)]
     [phase] = RunDir.read(RunDir(tmp_path).events)  # no journal was started: the driver wrote it itself
     assert (phase["kind"], phase["phase"], phase["error"]) == ("phase", "failed", summary["error"])
+
+
+def test_the_recovery_progress_line_names_its_times_as_the_summary_does(tmp_path):
+    """The worker's ``recovery`` event measures the restore alone (``seconds``); the progress line calls
+    that ``restore_seconds`` and gives, as ``summary.json`` does, ``seconds`` from the failure to the restored state."""
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6)
+    lines: list[str] = []
+    controller = Controller(cfg, echo=lines.append)
+    controller.record.drain = lambda channel: None  # the events below are what the journal delivered
+    controller.record.events = [
+        {"kind": "failure", "step": 3, "target": "worker", "durable_steps": 3, "unix_s": 100.0},
+        {"kind": "recovery", "at_step": 3, "restored_step": 3, "source": "object_store", "base_step": 3, "replayed_steps": 0,
+         "seconds": 0.25, "load_seconds": 0.2, "replay_seconds": 0.0, "unix_s": 117.5}]
+    controller._follow()
+    [recovery] = [line for line in lines if line.startswith("[raycheck] recovery:")]
+    assert "restore_seconds=0.25" in recovery and "seconds=17.5" in recovery.replace("restore_seconds=0.25", ""), recovery
