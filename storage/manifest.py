@@ -106,6 +106,18 @@ def layout_sha256(layout: list[list]) -> str:
     return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()
 
 
+def other_layout(theirs: list[list], ours: list[list]) -> str:
+    """What a snapshot of layout ``theirs`` is to a model of layout ``ours`` (``layout_of``; they
+    differ): the same tensors in another dtype (``a snapshot of another dtype (bfloat16; the model is
+    float32)``), else ``a snapshot of another model``."""
+    if [[n, s] for n, _, s in theirs] != [[n, s] for n, _, s in ours]:
+        return "a snapshot of another model"
+    from storage.tensor_files import dtype_name  # imports torch: only for this message
+
+    names = [sorted({dtype_name(d) for _, d, _ in layout}) for layout in (theirs, ours)]
+    return f"a snapshot of another dtype ({', '.join(names[0])}; the model is {', '.join(names[1])})"
+
+
 def manifest_layout(manifest: Mapping) -> list[list]:
     """The layout a (schema-valid) manifest describes, in its canonical order."""
     specs = {n: t for u in manifest["units"].values() for n, t in u["tensors"].items()}

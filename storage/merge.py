@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file as st_save_file
 
 from storage.backend import Storage
 from storage.snapshots import NoSnapshotError, SnapshotInfo, SnapshotStore
+from storage.tensor_files import FLOAT_DTYPES, dtype_name, save_file
 from storage.units import parameter_of, unit_of
 
 _LAYER_UNIT = re.compile(r"^layer\.(\d+)$")
@@ -417,8 +417,9 @@ def _reference_tensors(folder: pathlib.Path) -> dict[str, tuple[str, list[int]]]
     return layout
 
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+"""safetensors dtype -> ``storage.tensor_files.dtype_name``."""
 
 
 @dataclass(frozen=True)
@@ -429,6 +430,9 @@ class HFExport:
     folder: pathlib.Path
     model_source: pathlib.Path
     params: dict[str, np.ndarray]
+    dtype: str | None = None
+    """The run's dtype (``float32``, ``bfloat16``, ``float16``) where it differs from the model folder's
+    weights: ``config.json`` then names it; None: the folder's config as it is."""
 
 
 def prepare_hf_export(state: Mapping[str, np.ndarray], out_dir: str | pathlib.Path, model_name: str,
@@ -465,11 +469,17 @@ def prepare_hf_export(state: Mapping[str, np.ndarray], out_dir: str | pathlib.Pa
     extra = [n for n in params if n not in expected]
     if missing or extra:
         raise ValueError(f"snapshot does not match model {model_name}: missing {missing[:3]}, unexpected {extra[:3]}")
-    for name, (dtype, shape) in expected.items():
-        a = params[name]
-        if list(a.shape) != shape or a.dtype != _ST_DTYPES.get(dtype):
-            raise ValueError(f"{name}: snapshot has {a.dtype} {list(a.shape)}, model {model_name} expects {dtype} {shape}")
-    return HFExport(folder, source, {n: params[n] for n in expected})
+    run_dtypes = set()
+    for name, (st_dtype, shape) in expected.items():
+        got, want = dtype_name(params[name].dtype), _ST_DTYPES.get(st_dtype, st_dtype)
+        if list(params[name].shape) != shape or (got != want and not {got, want} <= FLOAT_DTYPES):
+            raise ValueError(f"{name}: snapshot has {got} {list(params[name].shape)}, model {model_name} "
+                             f"expects {want} {shape}")
+        if got != want:
+            run_dtypes.add(got)
+    if len(run_dtypes) > 1:
+        raise ValueError(f"snapshot mixes {sorted(run_dtypes)} parameters: a run trains in one dtype")
+    return HFExport(folder, source, {n: params[n] for n in expected}, next(iter(run_dtypes), None))
 
 
 def write_hf_export(export: HFExport) -> pathlib.Path:
@@ -488,8 +498,12 @@ def write_hf_export(export: HFExport) -> pathlib.Path:
         for name in ("config.json", "generation_config.json"):
             if (export.model_source / name).exists():
                 shutil.copyfile(export.model_source / name, staging / name)
-        st_save_file({n: np.ascontiguousarray(a) for n, a in export.params.items()}, str(staging / "model.safetensors"),
-                     metadata={"format": "pt"})
+        if export.dtype is not None:
+            config = json.loads((staging / "config.json").read_text())
+            config.update({key: export.dtype for key in ("dtype", "torch_dtype") if key in config} or {"dtype": export.dtype})
+            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file({n: np.ascontiguousarray(a) for n, a in export.params.items()}, str(staging / "model.safetensors"),
+                  metadata={"format": "pt"})
         if folder.exists():
             folder.rmdir()  # empty (checked by prepare_hf_export); a file put there since makes this fail
         staging.rename(folder)

@@ -59,6 +59,7 @@ from storage.manifest import (
     layout_sha256,
     manifest_layout,
     manifest_problems,
+    other_layout,
     shard_path,
 )
 from storage.units import group_by_unit
@@ -564,7 +565,7 @@ class SnapshotStore:
             if expected is not None and manifest_layout(info.manifest) != expected:
                 tried.append(f"snapshot {info.folder}: its layout ({len(info.manifest['names'])} tensors, "
                              f"{info.manifest['layout_sha256'][:12]}) differs from the model's ({len(expected)} tensors, "
-                             f"{layout_sha256(expected)[:12]}): a snapshot of another model")
+                             f"{layout_sha256(expected)[:12]}): {other_layout(manifest_layout(info.manifest), expected)}")
                 continue
             try:
                 return Loaded(info, self.load(info, units), tried)

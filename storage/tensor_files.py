@@ -15,9 +15,20 @@ import numpy as np
 import torch
 from safetensors.torch import load as _load_tensors
 from safetensors.torch import save as _save_tensors
+from safetensors.torch import save_file as _save_tensor_file
 
 BF16_BITS = np.dtype("<u2")
 """The numpy dtype that carries a bfloat16 tensor's bits."""
+
+FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+"""The dtypes a run trains in (``dtype_name`` spelling)."""
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The tensor dtype an array's dtype stands for, as torch spells it without the prefix:
+    ``bfloat16`` for ``BF16_BITS``, else numpy's name (``float32``, ``float16``, ``int64``, ...)."""
+    dtype = np.dtype(dtype)
+    return "bfloat16" if dtype == BF16_BITS else dtype.name
 
 
 def to_tensor(a: np.ndarray) -> torch.Tensor:
@@ -30,6 +41,11 @@ def to_tensor(a: np.ndarray) -> torch.Tensor:
 def save(arrays: Mapping[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
     """The safetensors bytes of ``arrays`` (``BF16_BITS`` arrays as ``BF16`` tensors)."""
     return _save_tensors({n: to_tensor(a) for n, a in arrays.items()}, metadata=metadata)
+
+
+def save_file(arrays: Mapping[str, np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:
+    """Write ``arrays`` as the safetensors file ``path`` (``BF16_BITS`` arrays as ``BF16`` tensors)."""
+    _save_tensor_file({n: to_tensor(a) for n, a in arrays.items()}, path, metadata=metadata)
 
 
 def load(blob: bytes) -> dict[str, np.ndarray]:

@@ -139,7 +139,8 @@ def test_half_precision_snapshot_keeps_its_dtype_and_loads_only_into_that_dtype(
     full = trainable_parameters(load_model("tiny"))
     with pytest.raises(ValueError, match="float32"):  # a bf16 image never lands in float32 tensors
         load_into(full, state)
-    with pytest.raises(NoSnapshotError, match="its layout .* differs from the model's"):  # a float32 restore skips it
+    with pytest.raises(NoSnapshotError, match=r"its layout .* differs from the model's .*: a snapshot of another dtype "
+                                              r"\(bfloat16; the model is float32\)"):  # a float32 restore skips it
         store.load_latest(layout=layout_of(full))
 
 

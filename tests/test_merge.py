@@ -139,6 +139,29 @@ def test_export_hf_loads_with_transformers_and_holds_the_merged_weights(tiny_sto
         assert sorted(f.keys()) == sorted(params)  # parameters only, no optimizer state, no lm_head copy
 
 
+def test_export_hf_of_a_bfloat16_run_writes_bfloat16_weights_that_transformers_loads_bitwise(tmp_path):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    bits = {n: torch.from_numpy(a).to(torch.bfloat16).view(torch.uint16).numpy() for n, a in tiny_state(7).items()}
+    store = SnapshotStore(str(tmp_path / "bf16"))
+    store.write(3, bits)
+    folder = export_hf(store, tmp_path / "hf", "tiny")
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
+    model = AutoModelForCausalLM.from_pretrained(folder)  # the dtype its config names
+    loaded = {n: t.detach().view(torch.uint16).numpy() for n, t in model.state_dict().items()}
+    for name, value in bits.items():
+        if parameter_of(name) is None:
+            assert np.array_equal(loaded[name], value), name
+    mixed = {**bits, "model.norm.weight": tiny_state(7)["model.norm.weight"].astype(np.float16)}
+    store.write(4, mixed)
+    with pytest.raises(ValueError, match=r"snapshot mixes \['bfloat16', 'float16'\] parameters"):
+        export_hf(store, tmp_path / "hf2", "tiny")
+
+
 def test_export_hf_rejects_a_snapshot_of_another_model(tmp_path):
     store = memory_store()
     store.write(1, small_state(0))
