@@ -13,7 +13,7 @@ compute time. At step ``--restart-at`` it restarts:
   records) is compared bitwise with the failure-free state; equal means zero deviation afterwards.
 * ``differential-topk``: restored like ``differential``; its state distance is reported.
 
-Printed beside the papers' figures (``shared/notes/domain.md``): LayerCheck (arXiv 2026) 22.6x fewer
+Printed beside the papers' figures (``docs/algorithms.md``): LayerCheck (arXiv 2026) 22.6x fewer
 bytes and post-restart loss within 0.54%; LowDiff (SC'25) under 3.1% runtime overhead with
 per-iteration differential checkpoints. Results: ``fo_bench.json`` and ``fo_bench_steps.parquet``.
 

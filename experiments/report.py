@@ -16,7 +16,7 @@ strategy run) and ``recoveries.parquet`` (one row per worker recovery), and writ
 - ``report.md``: one section per (a)-(d), our ratios against each baseline beside ZOCheck's numbers
   and the issue's targets, and, where a target is missed, why, computed from the measurements.
 
-Wasted time follows the domain notes: W = checkpoint stalls on the training loop + per failure
+Wasted time follows ``docs/algorithms.md``: W = checkpoint stalls on the training loop + per failure
 (detection + restart + load + replay or recomputation + work lost after the last durable point),
 reported per second of failure-free, checkpoint-free training (the waste ratio) and as the effective
 training-time ratio 1 / (1 + W). Background snapshot writes are not wall-clock time and count only
@@ -347,7 +347,7 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
 
     ``grid_mtbf_s``: job MTBFs (seconds) for (c), default ``default_grid_mtbf_s``; ``seeds`` simulated
     per run and cell, each with at least ``min_failures`` failures; ``background_weight`` charges
-    background snapshot seconds as waste (0: wall-clock W as the domain notes define it);
+    background snapshot seconds as waste (0: wall-clock W as ``docs/algorithms.md`` defines it);
     ``intervals`` ``measured`` (each run's interval) or ``optimal`` (the closed-form optimum per cell).
 
     Raises:

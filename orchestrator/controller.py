@@ -247,7 +247,7 @@ class Controller:
         cfg: the job configuration.
         echo: where progress lines go (default ``print``).
         storage_outage: takes the snapshot storage down for the given seconds and returns at once
-            (e.g. ``storage.s3_server.LocalS3Server.outage``); required by ``storage`` failures.
+            (e.g. ``experiments.s3_server.LocalS3Server.outage``); required by ``storage`` failures.
 
     Raises:
         ValueError: ``cfg`` has a storage failure and no ``storage_outage`` is given.

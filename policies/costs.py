@@ -43,7 +43,7 @@ class MeasuredCosts:
     """Durable append of one step record, paid by every step of the log-based strategies."""
     background_weight: float = 1.0
     """Share of a background snapshot's seconds charged as waste: 1 counts its CPU and I/O in full
-    (the shadow model of the domain notes), 0 counts only what stalls training."""
+    (the shadow model of ``docs/algorithms.md``), 0 counts only what stalls training."""
     accelerators: int = 1
     """Accelerators in the job (recorded with the plan; ``mtbf_s`` is already the job's)."""
 

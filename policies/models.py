@@ -155,7 +155,7 @@ def checkfreq_interval_steps(costs: MeasuredCosts, max_overhead: float = 0.035) 
 def shadow_interval_steps(costs: MeasuredCosts) -> int:
     """The shadow-snapshot model's first-order optimum interval, in steps.
 
-    Source: ZOCheck (arXiv 2026), CPU-shadow checkpointing; the cost model of the domain notes.
+    Source: ZOCheck (arXiv 2026), CPU-shadow checkpointing; its cost model as ``docs/algorithms.md`` states it.
     With step time t_s, replay time per step r, snapshot cost S charged at weight w, failure rate
     lambda: a snapshot every k steps costs w S / (k t_s) per unit of training time, and a failure
     costs on average (k / 2) r of replay plus restart and load. The sum is minimal at
@@ -255,7 +255,7 @@ def shadow_lag_s(costs: MeasuredCosts) -> float:
 def waste_shadow(costs: MeasuredCosts, interval_steps: int) -> float:
     """Expected waste ratio of the CPU shadow with a snapshot every ``interval_steps`` steps.
 
-    Source: ZOCheck (arXiv 2026) and the domain notes' shadow model, taken to exponential failures
+    Source: ZOCheck (arXiv 2026) and the shadow model of ``docs/algorithms.md``, taken to exponential failures
     exactly except for the snapshot's durability lag, which is averaged (error of order lambda
     times that lag). A failure at phase phi of the k-step cycle (phi uniform on [0, k u)) replays
     j = floor(phi / u) steps from the last snapshot, plus k more when phi falls in the first
@@ -264,7 +264,7 @@ def waste_shadow(costs: MeasuredCosts, interval_steps: int) -> float:
     E[e^(lambda r j)] = (1/k) sum_{i<k} e^(lambda r i)
                         + (e^(lambda r k) - 1) / (k u) integral_0^delta e^(lambda r floor(phi/u)) dphi,
     the charge per step is w S (1/k + (e^(lambda u) - 1) min(S, k u) / (k u)), and
-    ``_log_based_waste`` does the rest. To first order in lambda this is the domain notes'
+    ``_log_based_waste`` does the rest. To first order in lambda this is ``docs/algorithms.md``'s
     w S / (k t_s) + lambda (D + (k / 2) r), minimal at ``shadow_interval_steps``.
 
     Raises:

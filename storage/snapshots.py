@@ -17,7 +17,7 @@ its shard's ``path`` (``<snapshot folder>/<unit>.safetensors``; a composite refe
 snapshots), ``bytes``, ``sha256``, the ``step`` that unit's tensors belong to (at most the snapshot's),
 and each tensor's dtype and shape.
 
-Commit protocol (``shared/notes/domain.md``, "Storage commit rules"): shards are written under a
+Commit protocol (``docs/algorithms.md``, "Storage commit rules"): shards are written under a
 folder unique to the attempt; the manifest is written after every shard; then the index is
 rewritten to include the snapshot and its manifest's sha256: that is the commit point. Index writes
 are compare-and-swap (``Storage.put_if_match``) and fenced: each run has a writer epoch in the index,

@@ -1,5 +1,5 @@
 """Storage that fails: hangs, refuses connections, loses its bucket, stops mid-run, or has its writer
-SIGKILLed mid-snapshot (failure scenarios 1-6 and 10 of shared/notes/failure-scenarios.md)."""
+SIGKILLed mid-snapshot: the failures users of other checkpointing systems report."""
 
 from __future__ import annotations
 
