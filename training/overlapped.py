@@ -125,6 +125,8 @@ class OverlappedCheckpointer:
         self._window: _Window | None = None
         self._plan: list[dict[str, list[str]]] | None = None  # per chunk: parameter -> its state tensors
         self._state: Callable[[], Mapping[str, torch.Tensor]] | None = None
+        self.last_submitted_step: int | None = None
+        """The step of the newest snapshot whose chunks are all staged (handed to the writer thread)."""
         self.stats = {"checkpoints": 0, "bytes": 0, "last_step": None, "write_seconds": [], "catch_up_seconds": [],
                       "stage_seconds": []}
 
@@ -178,7 +180,7 @@ class OverlappedCheckpointer:
 
     def _submit(self, window: _Window, step: int) -> None:
         """Queue the catch-up and the commit of ``window`` as the snapshot of ``step``; close the window."""
-        self._window = None
+        self._window, self.last_submitted_step = None, step
         self._writer.submit(lambda: self._write(window, step), f"overlapped snapshot of step {step}")
 
     def _write(self, window: _Window, step: int) -> None:
