@@ -204,6 +204,7 @@ def summarise(args, names: list[str], rows: list[dict], stats: dict, restart: di
         ours["max_stall_over_full_async"] = ours["max_stall_s"] / full["max_stall_s"]
         ours["mean_stall_over_full_async"] = ours["mean_stall_s"] / full["mean_stall_s"]
         ours["interruption_reduction_pct"] = 100 * (1 - ours["max_stall_over_full_async"])
+        ours["largest_chunk_fraction"] = max(stats[name]["chunk_bytes"]) / sum(stats[name]["chunk_bytes"])
     if "layerwise" in names:
         post = [r for r in rows if "loss_restarted" in r]
         ref, got = np.array([r["loss"] for r in post]), np.array([r["loss_restarted"] for r in post])
@@ -248,7 +249,8 @@ def print_table(result: dict) -> None:
         print(f"{name} per-step stall: max {r['max_stall_s'] * 1e3:.1f} ms ({r['max_stall_over_full_async']:.2f}x full-async's "
               f"{s['full-async']['max_stall_s'] * 1e3:.1f} ms: {r['interruption_reduction_pct']:.1f}% less; GoCkpt reports "
               f"{papers['gockpt_interruption_reduction_pct']}% less), mean {r['mean_stall_s'] * 1e3:.1f} ms "
-              f"({r['mean_stall_over_full_async']:.2f}x) over {r['stall_steps']} staging steps")
+              f"({r['mean_stall_over_full_async']:.2f}x) over {r['stall_steps']} staging steps; largest chunk "
+              f"{100 * r['largest_chunk_fraction']:.1f}% of the state")
     for name in ("differential", "differential-topk"):
         if name in s:
             verdict = "within" if s[name]["overhead_pct"] <= 5 else "ABOVE"

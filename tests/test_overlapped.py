@@ -103,23 +103,24 @@ def test_each_step_of_a_window_stages_only_its_chunk(encoder, data, tmp_path):
     ckpt = OverlappedCheckpointer(SnapshotStore(str(tmp_path / "s")), EVERY, 4, HYPER, trainer.applied_gradients)
     state = copy_state(trainer.state_view())
     plan = ckpt.plan(state)
-    names = [n for chunk in plan for tensors in chunk.values() for n in tensors]
-    assert sorted(names) == sorted(state) and len(names) == len(state)
-    loads = [sum(state[n].nbytes for tensors in chunk.values() for n in tensors) for chunk in plan]
+    chunks = [[n for tensors in chunk.values() for n in tensors] for chunk in plan]
+    assert sorted(n for c in chunks for n in c) == sorted(state)  # every tensor once
+    loads = [sum(state[n].nbytes for n in c) for c in chunks]
     biggest = max(sum(state[n].nbytes for n in tensors) for chunk in plan for tensors in chunk.values())
     assert len(plan) == 4 and max(loads) <= sum(loads) / 4 + biggest
     staged = []
 
     def after(steps_done: int) -> None:
         ckpt.after_step(steps_done, trainer.state_view)
-        staged.append(len(ckpt._window.staged) if ckpt._window else None)
+        staged.append(set(ckpt._window.staged) if ckpt._window else None)
 
     train(trainer, data[0], 0, 8, after=after)
-    sizes = [sum(len(t) for t in chunk.values()) for chunk in plan]
+    upto = [set().union(*chunks[:k]) for k in range(1, 4)]
     # submitted after step 7 (its fourth chunk), the next window begins after step 8
-    assert staged == [None, None, None, sizes[0], sum(sizes[:2]), sum(sizes[:3]), None, sizes[0]]
+    assert staged == [None, None, None, *upto, None, upto[0]]
     stats = ckpt.close(60)
     assert stats["checkpoints"] == 2 and len(stats["stage_seconds"]) == 5  # close stages the rest outside the loop
+    assert stats["chunk_bytes"] == loads
 
 
 def test_gradients_overwritten_in_place_are_refused(encoder, data, tmp_path):

@@ -76,6 +76,15 @@ def parameter_tensors(names: list[str]) -> dict[str, list[str]]:
     return groups
 
 
+def _nbytes(state: Mapping[str, torch.Tensor | np.ndarray], names: list[str]) -> int:
+    return sum(as_numpy(state[n]).nbytes for n in names)
+
+
+def _tensors(chunk: Mapping[str, list[str]]) -> list[str]:
+    """The tensor names of a chunk (parameter -> its tensor names)."""
+    return [n for names in chunk.values() for n in names]
+
+
 @dataclass
 class _Window:
     """An overlapped snapshot being staged: started after ``start_step`` steps."""
@@ -125,6 +134,8 @@ class OverlappedCheckpointer:
         self._window: _Window | None = None
         self._plan: list[dict[str, list[str]]] | None = None  # per chunk: parameter -> its state tensors
         self._state: Callable[[], Mapping[str, torch.Tensor]] | None = None
+        self.chunk_bytes: list[int] = []
+        """Bytes of each chunk (known from the first snapshot on)."""
         self.last_submitted_step: int | None = None
         """The step of the newest snapshot whose chunks are all staged (handed to the writer thread)."""
         self.stats = {"checkpoints": 0, "bytes": 0, "last_step": None, "write_seconds": [], "catch_up_seconds": [],
@@ -139,7 +150,7 @@ class OverlappedCheckpointer:
         """The chunks of ``state`` (``balanced_chunks`` by the bytes of each parameter with its optimizer
         state), each as parameter -> its tensor names."""
         members = parameter_tensors(list(state))
-        sizes = {p: sum(as_numpy(state[n]).nbytes for n in names) for p, names in members.items()}
+        sizes = {p: _nbytes(state, names) for p, names in members.items()}
         return [{p: members[p] for p in chunk} for chunk in balanced_chunks(sizes, self.chunks)]
 
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
@@ -152,7 +163,9 @@ class OverlappedCheckpointer:
             if not self.schedule.take_if_due(steps_done):
                 return 0.0
             live = state()
-            self._plan = self._plan or self.plan(live)
+            if self._plan is None:
+                self._plan = self.plan(live)
+                self.chunk_bytes = [_nbytes(live, _tensors(chunk)) for chunk in self._plan]
             window = self._window = _Window(start_step=steps_done, names=list(live))
         else:
             live = state()
@@ -176,7 +189,7 @@ class OverlappedCheckpointer:
         return held
 
     def _stage(self, window: _Window, index: int, live: Mapping[str, torch.Tensor]) -> None:
-        window.staged.update(copy_state({n: live[n] for names in self._plan[index].values() for n in names}))
+        window.staged.update(copy_state({n: live[n] for n in _tensors(self._plan[index])}))
 
     def _submit(self, window: _Window, step: int) -> None:
         """Queue the catch-up and the commit of ``window`` as the snapshot of ``step``; close the window."""
@@ -189,7 +202,7 @@ class OverlappedCheckpointer:
         for index, chunk in enumerate(self._plan):
             later = window.gradients[index:]  # the steps after chunk ``index`` was staged
             if later:
-                replay_adamw_({n: window.staged[n] for names in chunk.values() for n in names},
+                replay_adamw_({n: window.staged[n] for n in _tensors(chunk)},
                               [{p: g[p] for p in chunk} for g in later], self.hyper)
         t1 = time.perf_counter()
         info = self.store.write(step, {n: window.staged[n] for n in window.names}, config=self.config)
@@ -209,7 +222,7 @@ class OverlappedCheckpointer:
         outside the loop, so the snapshot is of the last step. Then wait for every write (at most
         ``timeout_s``); returns ``checkpoints``, ``bytes``, ``last_step``, ``write_seconds`` and
         ``catch_up_seconds`` (per snapshot), ``stage_seconds`` (per staging step), ``chunks`` (m used),
-        ``errors`` and ``finished``."""
+        ``chunk_bytes`` (per chunk), ``errors`` and ``finished``."""
         window = self._window
         if window is not None:
             live = self._state()
@@ -219,4 +232,4 @@ class OverlappedCheckpointer:
         finished = self._writer.close(timeout_s)
         return {**self.stats, "write_seconds": list(self.stats["write_seconds"]),
                 "catch_up_seconds": list(self.stats["catch_up_seconds"]), "stage_seconds": list(self.stats["stage_seconds"]),
-                "chunks": len(self._plan or []), "errors": list(self._writer.errors), "finished": finished}
+                "chunks": len(self._plan or []), "chunk_bytes": list(self.chunk_bytes), "errors": list(self._writer.errors), "finished": finished}
