@@ -12,13 +12,19 @@ compute time. At step ``--restart-at`` it restarts:
 * ``full-async`` and ``differential`` (exact): the restored state (snapshot; snapshot + replayed
   records) is compared bitwise with the failure-free state; equal means zero deviation afterwards.
 * ``differential-topk``: restored like ``differential``; its state distance is reported.
+* ``overlapped-M`` (GoCkpt, M chunks staged over M steps): its snapshots are of the last chunk's step;
+  the failure-free state's sha256 is taken at each of them, and the restored state is compared bitwise.
+
+Per-step stall: the maximum and the mean (over the steps that stalled) of each strategy's blocked
+time, and for ``overlapped-M`` their ratios to ``full-async``'s one-shot staging copy.
 
 Printed beside the papers' figures (``docs/algorithms.md``): LayerCheck (arXiv 2026) 22.6x fewer
 bytes and post-restart loss within 0.54%; LowDiff (SC'25) under 3.1% runtime overhead with
-per-iteration differential checkpoints. Results: ``fo_bench.json`` and ``fo_bench_steps.parquet``.
+per-iteration differential checkpoints; GoCkpt (arXiv:2511.07035) -86.7% training interruption time. Results: ``fo_bench.json`` and ``fo_bench_steps.parquet``.
 
     python -m experiments.fo_bench --model tiny --restart-at 110 --post-restart 100
     python -m experiments.fo_bench --model smollm2-135m --batch-size 4 --restart-at 20 --strategies full-async,layerwise
+    python -m experiments.fo_bench --model tiny --strategies full-async,overlapped-2,overlapped-4 --restart-at 50 --post-restart 0
 """
 
 from __future__ import annotations
@@ -44,11 +50,14 @@ from training.data import PromptEncoder, batch_indices, load_rotten_tomatoes
 from training.differential import DiffCheckpointer
 from training.fo import FOHyper, FOTrainer
 from training.layerwise import LayerwiseCheckpointer
+from training.overlapped import OverlappedCheckpointer
 from training.model import load_model, load_tokenizer
 from training.state import copy_state, state_sha256
 
-STRATEGIES = ("full-async", "layerwise", "differential", "differential-topk")
-PAPERS = {"layerwise_bytes_ratio": 22.6, "layerwise_loss_deviation_pct": 0.54, "differential_overhead_pct": 3.1}
+STRATEGIES = ("full-async", "layerwise", "differential", "differential-topk", "overlapped-2", "overlapped-4")
+PAPERS = {"layerwise_bytes_ratio": 22.6, "layerwise_loss_deviation_pct": 0.54, "differential_overhead_pct": 3.1,
+          "gockpt_interruption_reduction_pct": 86.7}
+OVERLAPPED = "overlapped-"
 KEEP_ALL = 1_000_000
 
 
@@ -56,6 +65,8 @@ def make_checkpointer(name: str, root: pathlib.Path, trainer: FOTrainer, args):
     store = SnapshotStore(Storage(str(root / name)), keep_last=KEEP_ALL if name == "layerwise" else 2)
     if name == "full-async":
         return store, FullCheckpointer(store, args.every, asynchronous=True)
+    if name.startswith(OVERLAPPED):
+        return store, OverlappedCheckpointer(store, args.every, int(name[len(OVERLAPPED):]), trainer.hyper, trainer.applied_gradients)
     if name == "layerwise":
         policy = LayerwiseConfig(threshold=args.threshold, staleness_bound_steps=args.staleness, max_bytes_per_step=args.max_bytes)
         return store, LayerwiseCheckpointer(store, args.every, policy)
@@ -118,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     restarted: FOTrainer | None = None
     restart: dict = {}
     changes: list[dict] = []
+    reference_sha: dict[int, str] = {}  # the failure-free state's sha256 at the steps restores are compared at
     previous = copy_state(trainer.state_view())
     print(f"[fo_bench] {args.model}: {total} steps, batch {args.batch_size} x {args.seq_len} tokens, strategies {', '.join(names)}")
     for step in range(total):
@@ -126,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"step": step, "loss": trainer.train_step(split, idx), "compute_seconds": time.perf_counter() - t0}
         for name, (_, ckpt) in ckpts.items():
             row[f"block_{name}"] = ckpt.after_step(step + 1, trainer.state_view)
+            if name.startswith(OVERLAPPED) and ckpt.last_submitted_step == step + 1 and step + 1 not in reference_sha:
+                reference_sha[step + 1] = state_sha256(trainer.state_view())
         if restarted is not None:
             row["loss_restarted"] = restarted.train_step(split, idx)
         if (step + 1) % args.every == 0:
@@ -133,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
             changes.append({"step": step + 1, **unit_changes(state, previous)})
             previous = state
         if step + 1 == args.restart_at:
-            restart, restarted = restart_all(ckpts, encoder, hyper, args, trainer)
+            reference_sha[step + 1] = state_sha256(trainer.state_view())
+            restart, restarted = restart_all(ckpts, encoder, hyper, args, trainer, reference_sha)
         rows.append(row)
         if (step + 1) % 10 == 0 or step + 1 == total:
             print(f"[fo_bench] step {step + 1:>4}/{total}  loss {row['loss']:.4f}  compute {row['compute_seconds']:.2f} s  "
@@ -146,9 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def restart_all(ckpts: dict, encoder, hyper: FOHyper, args, reference: FOTrainer) -> tuple[dict, FOTrainer | None]:
-    """Restore every strategy at the restart step; returns the findings and the layer-wise trainer."""
-    reference_sha = state_sha256(reference.state_view())
+def restart_all(ckpts: dict, encoder, hyper: FOHyper, args, reference: FOTrainer,
+                reference_sha: dict[int, str]) -> tuple[dict, FOTrainer | None]:
+    """Restore every strategy at the restart step; returns the findings and the layer-wise trainer.
+    ``reference_sha``: step -> the failure-free state's sha256 (the restart step's and each overlapped
+    snapshot's); a restore is bitwise equal when its state hashes as the failure-free one at its step."""
     found, layerwise = {}, None
     for name, (store, ckpt) in ckpts.items():
         ckpt.flush(1800)
@@ -158,7 +175,7 @@ def restart_all(ckpts: dict, encoder, hyper: FOHyper, args, reference: FOTrainer
         seconds = time.perf_counter() - t0
         state = copy_state(trainer.state_view())
         found[name] = {"restored_step": step, "restore_seconds": seconds,
-                       "bitwise_equal": step == args.restart_at and state_sha256(state) == reference_sha}
+                       "bitwise_equal": state_sha256(state) == reference_sha.get(step)}
         if name == "layerwise":
             info = store.load_latest().info
             found[name]["unit_steps"] = {u: s["step"] for u, s in info.manifest["units"].items()}
@@ -176,10 +193,18 @@ def summarise(args, names: list[str], rows: list[dict], stats: dict, restart: di
     per100 = 100 / steps
     strategies = {}
     for name in names:
-        blocked = float(np.sum([r[f"block_{name}"] for r in rows]))
-        strategies[name] = {"bytes_per_100_steps": stats[name]["bytes"] * per100, "blocked_seconds_per_100_steps": blocked * per100,
-                            "overhead_pct": 100 * blocked / compute, "errors": stats[name].get("errors", []),
-                            **restart.get(name, {})}
+        blocks = np.array([r[f"block_{name}"] for r in rows])
+        stalls = blocks[blocks > 0]
+        strategies[name] = {"bytes_per_100_steps": stats[name]["bytes"] * per100, "blocked_seconds_per_100_steps": blocks.sum() * per100,
+                            "overhead_pct": 100 * blocks.sum() / compute, "errors": stats[name].get("errors", []),
+                            "max_stall_s": float(blocks.max()), "mean_stall_s": float(stalls.mean()) if stalls.size else 0.0,
+                            "stall_steps": int(stalls.size), "checkpoints": stats[name]["checkpoints"], **restart.get(name, {})}
+    for name in [n for n in names if n.startswith(OVERLAPPED)] if "full-async" in names else []:
+        ours, full = strategies[name], strategies["full-async"]
+        ours["max_stall_over_full_async"] = ours["max_stall_s"] / full["max_stall_s"]
+        ours["mean_stall_over_full_async"] = ours["mean_stall_s"] / full["mean_stall_s"]
+        ours["interruption_reduction_pct"] = 100 * (1 - ours["max_stall_over_full_async"])
+        ours["largest_chunk_fraction"] = max(stats[name]["chunk_bytes"]) / sum(stats[name]["chunk_bytes"])
     if "layerwise" in names:
         post = [r for r in rows if "loss_restarted" in r]
         ref, got = np.array([r["loss"] for r in post]), np.array([r["loss_restarted"] for r in post])
@@ -219,6 +244,13 @@ def print_table(result: dict) -> None:
         verdict = "within" if dev <= papers["layerwise_loss_deviation_pct"] else "ABOVE"
         print(f"layer-wise post-restart loss deviation over {lw['post_restart_steps']} steps: mean loss {dev:.3f}% "
               f"({verdict} LayerCheck's {papers['layerwise_loss_deviation_pct']}%), per step {lw['loss_deviation_per_step_pct']:.3f}%")
+    for name in (n for n in s if "max_stall_over_full_async" in s[n]):
+        r = s[name]
+        print(f"{name} per-step stall: max {r['max_stall_s'] * 1e3:.1f} ms ({r['max_stall_over_full_async']:.2f}x full-async's "
+              f"{s['full-async']['max_stall_s'] * 1e3:.1f} ms: {r['interruption_reduction_pct']:.1f}% less; GoCkpt reports "
+              f"{papers['gockpt_interruption_reduction_pct']}% less), mean {r['mean_stall_s'] * 1e3:.1f} ms "
+              f"({r['mean_stall_over_full_async']:.2f}x) over {r['stall_steps']} staging steps; largest chunk "
+              f"{100 * r['largest_chunk_fraction']:.1f}% of the state")
     for name in ("differential", "differential-topk"):
         if name in s:
             verdict = "within" if s[name]["overhead_pct"] <= 5 else "ABOVE"

@@ -218,7 +218,8 @@ def run(
     algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
     strategy: Annotated[str, typer.Option(help=(
         "Checkpointing strategy. zo: shadow (step log + CPU shadow + snapshots, default), full-sync, full-async, "
-        "log-only; fo: layerwise (default), differential, full-sync, full-async. full-* checkpoint every --snapshot-every steps."))] = "",
+        "log-only; fo: layerwise (default), differential, overlapped, full-sync, full-async. full-* and overlapped "
+        "checkpoint every --snapshot-every steps."))] = "",
     fo_lr: Annotated[float, typer.Option(help="fo: AdamW learning rate (constant).")] = 1e-5,
     fo_max_grad_norm: Annotated[float, typer.Option(min=0, help="fo: clip the gradients' global L2 norm to this (0: off).")] = 1.0,
     layer_threshold: Annotated[float, typer.Option(min=0, help=(
@@ -229,6 +230,8 @@ def run(
     diff_full_every: Annotated[int, typer.Option(min=1, help="fo differential: steps between full checkpoints.")] = 50,
     diff_batch_steps: Annotated[int, typer.Option(min=1, help="fo differential: per-step gradient records per object.")] = 5,
     diff_topk: Annotated[float, typer.Option(min=0, max=1, help="fo differential: 0 exact records; else the fraction of elements kept (top-k, approximate).")] = 0.0,
+    overlap_chunks: Annotated[int, typer.Option(min=1, help=(
+        "fo overlapped: stage each snapshot in this many chunks, one per step (GoCkpt); the snapshot is of the last one's step."))] = 4,
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 50,
     batch_size: Annotated[int, typer.Option(min=1, help="Samples per step (split across workers).")] = 8,
     seq_len: Annotated[int, typer.Option(min=8, help="Maximum prompt length in tokens.")] = 32,
@@ -314,7 +317,7 @@ def run(
             prompt_column=prompt_column, completion_column=completion_column, algo=algo, strategy=strategy, fo_lr=fo_lr,
             fo_max_grad_norm=fo_max_grad_norm, layer_threshold=layer_threshold, layer_staleness_steps=layer_staleness_steps,
             layer_max_bytes_per_check=layer_max_bytes_per_check, diff_full_every=diff_full_every, diff_batch_steps=diff_batch_steps,
-            diff_topk=diff_topk, steps=steps,
+            diff_topk=diff_topk, overlap_chunks=overlap_chunks, steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
             workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),

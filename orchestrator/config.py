@@ -24,13 +24,14 @@ TARGETS = ("worker", "shadow", "both", "corrupt", "persister", "storage", "node"
 ALGOS = ("zo", "fo")
 STRATEGIES = {
     "zo": ("shadow", "full-sync", "full-async", "log-only"),
-    "fo": ("full-sync", "full-async", "layerwise", "differential"),
+    "fo": ("full-sync", "full-async", "layerwise", "differential", "overlapped"),
 }
 """Checkpointing strategies by algorithm. ``shadow``: step log + CPU shadow + snapshots (ours);
 ``full-sync``: the worker blocks on a full-state save every ``snapshot_every`` steps;
 ``full-async``: the worker blocks on a staging copy, a background thread writes it (torch DCP
 ``async_save``, CheckFreq); ``log-only``: step log only, recovery replays it from the initial
-weights; ``layerwise`` and ``differential``: first-order strategies (LayerCheck, LowDiff)."""
+weights; ``layerwise``, ``differential`` and ``overlapped``: first-order strategies (LayerCheck, LowDiff,
+GoCkpt)."""
 DEFAULT_STRATEGY = {"zo": "shadow", "fo": "layerwise"}
 HOWS = ("exit", "raise", "sigkill", "torn")
 DURABILITIES = ("process", "node", "cluster")
@@ -159,6 +160,9 @@ class JobConfig:
     diff_topk: float = 0.0
     """Strategy ``differential``: 0 for exact records (bitwise recovery); in (0, 1] the fraction of
     each gradient's elements kept (top-k by magnitude; approximate recovery)."""
+    overlap_chunks: int = 4
+    """Strategy ``overlapped``: m, the chunks (balanced by bytes) a snapshot is staged in, one per step
+    over m consecutive steps (``training.overlapped``); 1 is a one-shot staged copy."""
     steps: int = 50
     batch_size: int = 8
     seq_len: int = 32
@@ -371,14 +375,14 @@ class JobConfig:
             raise ValueError(f"fo_max_grad_norm must be >= 0 (0: no clipping), got {self.fo_max_grad_norm}")
         if not (math.isfinite(self.layer_threshold) and self.layer_threshold >= 0):
             raise ValueError(f"layer_threshold must be a finite relative change >= 0, got {self.layer_threshold}")
-        for name in ("layer_staleness_steps", "diff_full_every", "diff_batch_steps"):
+        for name in ("layer_staleness_steps", "diff_full_every", "diff_batch_steps", "overlap_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.layer_max_bytes_per_check < 0:
             raise ValueError(f"layer_max_bytes_per_check must be >= 0 (0: no limit), got {self.layer_max_bytes_per_check}")
         if not 0 <= self.diff_topk <= 1:
             raise ValueError(f"diff_topk must be in [0, 1] (0: exact records), got {self.diff_topk}")
-        if self.strategy in ("full-sync", "full-async", "layerwise") and self.snapshot_every < 1:
+        if self.strategy in ("full-sync", "full-async", "layerwise", "overlapped") and self.snapshot_every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
 
     def trajectory_sha256(self) -> str:

@@ -51,6 +51,8 @@ def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():
         JobConfig(**base, strategy="full-sync", failures=(FailureSpec(step=3, how="torn"),))
     with pytest.raises(ValueError, match="must be >= 1, got 0"):
         JobConfig(**base, strategy="full-sync", snapshot_every=0)
+    with pytest.raises(ValueError, match="strategy overlapped checkpoints every snapshot_every steps: it must be >= 1, got 0"):
+        JobConfig(**base, algo="fo", strategy="overlapped", snapshot_every=0)
     with pytest.raises(ValueError, match=r"outage in seconds, e.g. 3:storage:20 \(got none\)"):
         FailureSpec.parse("3:storage")
     assert JobConfig(**base, strategy="log-only", snapshot_every=0, failures=(FailureSpec(step=3, how="torn"),)).uses_step_log
@@ -85,6 +87,7 @@ def test_a_storage_failure_is_refused_before_an_existing_run_is_touched(tmp_path
     ("hash_every", -1, "hash_every must be >= 0 (0: off), got -1"),
     ("recovery_timeout_s", 0.0, "recovery_timeout_s must be a finite number > 0, got 0.0"),
     ("fo_lr", -1.0, "fo_lr must be a finite number > 0, got -1.0"),
+    ("overlap_chunks", 0, "overlap_chunks must be >= 1, got 0"),
 ])
 def test_nonsense_values_are_refused_naming_the_field(field, value, message):
     with pytest.raises(ValueError) as err:

@@ -1,5 +1,5 @@
 """First-order training end to end under Ray Train (tiny model, real snippets): DDP over gloo with
-differential checkpoints and with the full-state baselines recovers bitwise; a merged checkpoint
+differential checkpoints, with the full-state baselines and with overlapped snapshots recovers bitwise; a merged checkpoint
 resumes and layer-wise recovery works.
 
 Failures hit a settled run (training/faults.py): every rank waits until rank 0's background
@@ -67,14 +67,17 @@ def test_two_ddp_workers_with_differential_checkpoints_recover_bitwise(ddp_refer
              r["recompute_steps"]) for r in failed["recoveries"]] == [("storage", 7, 4, 2, 6, 0, 1)]
 
 
-@pytest.mark.parametrize("strategy", ["full-sync", "full-async"])
-def test_two_ddp_workers_with_full_state_baselines_recover_bitwise(ddp_reference, tmp_path, strategy):
-    """Rank 1 dies during step 7; a full checkpoint every 3 steps: restored at 6, step 6 recomputed."""
-    failed = fo_job(tmp_path, f"fo-{strategy}", "7:worker", strategy=strategy, snapshot_every=3, **DDP)
+@pytest.mark.parametrize("strategy, restored, last", [("full-sync", 6, 9), ("full-async", 6, 9), ("overlapped", 7, 10)])
+def test_two_ddp_workers_with_full_state_baselines_recover_bitwise(ddp_reference, tmp_path, strategy, restored, last):
+    """Rank 1 dies during step 7; a checkpoint begins every 3 steps. Full: restored at 6, step 6
+    recomputed. Overlapped in 2 chunks (GoCkpt): the snapshot begun after step 6 is the state after
+    step 7 (its first chunk caught up with step 6's DDP-averaged gradients), nothing recomputed; the one
+    begun after the last step is completed by ``close``."""
+    failed = fo_job(tmp_path, f"fo-{strategy}", "7:worker", strategy=strategy, snapshot_every=3, overlap_chunks=2, **DDP)
     assert_bitwise(failed, ddp_reference)
     assert [(r["source"], r["failure_step"], r["restored_step"], r["lost_steps"], r["recompute_steps"])
-            for r in failed["recoveries"]] == [("storage", 7, 6, 0, 1)]
-    assert failed["worker_checkpoints"]["last_step"] == 9 and failed["checkpoint_block_seconds_total"] > 0
+            for r in failed["recoveries"]] == [("storage", 7, restored, 0, 7 - restored)]
+    assert failed["worker_checkpoints"]["last_step"] == last and failed["checkpoint_block_seconds_total"] > 0
 
 
 def test_a_merged_checkpoint_resumes_and_layerwise_recovery_restores_the_composite(cluster, tmp_path, encoder, data):

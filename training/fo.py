@@ -26,19 +26,21 @@ state (layers from different steps; LayerCheck, arXiv 2026; LLMTailor, PDSW'25) 
 AdamW's bias correction then uses each parameter's own count.
 
 Differential checkpoints (LowDiff, SC'25) record ``applied_gradients`` (after averaging and clipping,
-exactly what AdamW consumed) and ``replay_gradients`` feeds them back through the same AdamW step.
+exactly what AdamW consumed) and ``replay_gradients`` feeds them back through the same AdamW step;
+``replay_adamw_`` does the same for part of a staged state (overlapped snapshots, GoCkpt).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from storage.units import parameter_of
 from training.data import PromptEncoder, Split
 from training.state import as_numpy, load_into
 from training.zo import decays
@@ -114,13 +116,7 @@ class FOTrainer:
         self.model, self.hyper, self.encoder = model, hyper, encoder
         model.requires_grad_(True)
         self.named = OrderedDict(model.named_parameters())
-        groups = [
-            {"params": [p for n, p in self.named.items() if decays(n, p)], "weight_decay": hyper.weight_decay},
-            {"params": [p for n, p in self.named.items() if not decays(n, p)], "weight_decay": 0.0},
-        ]
-        self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, foreach=False, fused=False
-        )
+        self.optimizer = adamw(self.named, hyper)
         for p in self.named.values():
             self.optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
                                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
@@ -177,7 +173,10 @@ class FOTrainer:
 
     def applied_gradients(self) -> "OrderedDict[str, torch.Tensor]":
         """The gradients the last ``apply_gradients`` fed to AdamW (after averaging and clipping),
-        parameter name -> float32 tensor of the parameter's shape. Live tensors: copy to keep them."""
+        parameter name -> float32 tensor of the parameter's shape. ``compute_gradients`` drops them
+        (``zero_grad(set_to_none=True)``), so each step's gradients are new tensors that no later step
+        writes: a reference keeps this step's gradients (``training.overlapped`` relies on it). Copy
+        them to hand them to another process."""
         return OrderedDict((n, p.grad) for n, p in self.named.items())
 
     def replay_gradients(self, grads: Mapping[str, np.ndarray | torch.Tensor]) -> None:
@@ -187,13 +186,61 @@ class FOTrainer:
         Raises:
             ValueError: a parameter's gradient is missing, or its shape or dtype differs.
         """
-        missing = [n for n in self.named if n not in grads]
-        if missing:
-            raise ValueError(f"recorded gradients lack {len(missing)} parameter(s), e.g. {missing[:3]}")
-        for name, p in self.named.items():
-            g = torch.from_numpy(np.require(as_numpy(grads[name]), requirements=["C", "W"]))  # copies only if needed
-            if g.shape != p.shape or g.dtype != p.dtype:
-                raise ValueError(f"{name}: recorded gradient is {g.dtype} {tuple(g.shape)}, "
-                                 f"the parameter is {p.dtype} {tuple(p.shape)}")
-            p.grad = g
+        _set_gradients(self.named, grads)
         self.optimizer.step()
+
+
+def adamw(named: Mapping[str, torch.Tensor], hyper: FOHyper) -> torch.optim.AdamW:
+    """torch's AdamW over ``named`` (parameter name -> float32 tensor) as ``FOTrainer`` runs it:
+    ``hyper``'s settings, decoupled weight decay on matrices only (``training.zo.decays``), the
+    single-tensor path (``foreach=False, fused=False``). Each parameter's update reads only its own
+    weights, gradient and optimizer state, so an optimizer over a subset of the parameters updates
+    them bitwise as the trainer's does."""
+    groups = [
+        {"params": [p for n, p in named.items() if decays(n, p)], "weight_decay": hyper.weight_decay},
+        {"params": [p for n, p in named.items() if not decays(n, p)], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
+                             foreach=False, fused=False)
+
+
+def _set_gradients(named: Mapping[str, torch.Tensor], grads: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+    """Set each parameter's ``.grad`` to its recorded gradient (a view; a copy only when it is not a
+    writable, contiguous array); ``ValueError`` when one is missing or has another shape or dtype."""
+    missing = [n for n in named if n not in grads]
+    if missing:
+        raise ValueError(f"recorded gradients lack {len(missing)} parameter(s), e.g. {missing[:3]}")
+    for name, p in named.items():
+        g = torch.from_numpy(np.require(as_numpy(grads[name]), requirements=["C", "W"]))  # copies only if needed
+        if g.shape != p.shape or g.dtype != p.dtype:
+            raise ValueError(f"{name}: recorded gradient is {g.dtype} {tuple(g.shape)}, "
+                             f"the parameter is {p.dtype} {tuple(p.shape)}")
+        p.grad = g
+
+
+def replay_adamw_(state: Mapping[str, np.ndarray], gradients: Sequence[Mapping[str, np.ndarray | torch.Tensor]],
+                  hyper: FOHyper) -> None:
+    """Apply recorded AdamW steps to part of a training state, in place (GoCkpt's catch-up,
+    ``training.overlapped``): bitwise what the trainer's steps did to these parameters (``adamw``).
+
+    Args:
+        state: some parameters' weights with their ``optim.exp_avg``, ``optim.exp_avg_sq`` and
+            ``optim.step`` entries (the training-state names, ``FOTrainer.state_view``), as writable
+            C-contiguous float32 numpy arrays (e.g. ``training.state.copy_state``); updated in place.
+        gradients: one mapping per step, in step order: parameter name -> the gradient that step fed
+            to AdamW (``FOTrainer.applied_gradients``, already clipped; not clipped again), for at
+            least the parameters of ``state``.
+        hyper: the run's AdamW settings.
+
+    Raises:
+        KeyError: a parameter of ``state`` lacks an optimizer slot.
+        ValueError: a step's gradient of a parameter is missing, or its shape or dtype differs.
+    """
+    named = OrderedDict((n, torch.from_numpy(a)) for n, a in state.items() if parameter_of(n) is None)
+    optimizer = adamw(named, hyper)
+    for name, p in named.items():
+        slots = {slot: torch.from_numpy(state[f"optim.{slot}.{name}"]) for slot in OPTIM_SLOTS}
+        optimizer.state[p] = {**slots, "step": slots["step"].view(())}  # torch keeps a 0-d count
+    for grads in gradients:
+        _set_gradients(named, grads)
+        optimizer.step()

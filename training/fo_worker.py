@@ -9,6 +9,8 @@ Strategies (rank 0 persists; ``cfg.snapshot_store()`` holds every checkpoint):
   ``layerwise``: ``training.layerwise.LayerwiseCheckpointer`` every ``snapshot_every`` (LayerCheck).
   ``differential``: ``training.differential.DiffCheckpointer`` (LowDiff): gradient records every
   step, a full checkpoint every ``diff_full_every``.
+  ``overlapped``: ``training.overlapped.OverlappedCheckpointer`` (GoCkpt) every ``snapshot_every``:
+  staged in ``overlap_chunks`` chunks over as many steps, caught up to one consistent step.
 
 Restore at start (after a failure, or when the storage already holds a checkpoint, e.g. a merged
 one): the newest committed checkpoint (``training.recovery.from_storage``; for ``differential``
@@ -30,6 +32,7 @@ from training.differential import DiffCheckpointer
 from training.faults import FaultInjector
 from training.fo import FOHyper, FOTrainer
 from training.layerwise import LayerwiseCheckpointer
+from training.overlapped import OverlappedCheckpointer
 from training.recovery import from_storage
 from training.state import state_sha256
 from training.worker_env import mean_over_workers, record_start, worker_env
@@ -40,6 +43,8 @@ def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer):
     config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy}
     if cfg.strategy in ("full-sync", "full-async"):
         return FullCheckpointer(store, cfg.snapshot_every, cfg.strategy == "full-async", config)
+    if cfg.strategy == "overlapped":
+        return OverlappedCheckpointer(store, cfg.snapshot_every, cfg.overlap_chunks, trainer.hyper, trainer.applied_gradients, config)
     if cfg.strategy == "layerwise":
         policy = LayerwiseConfig(threshold=cfg.layer_threshold, staleness_bound_steps=cfg.layer_staleness_steps,
                                  max_bytes_per_step=cfg.layer_max_bytes_per_check)

@@ -1,0 +1,235 @@
+"""Overlapped multi-step snapshots of a first-order run (GoCkpt: Zhang, Chen, Hu, Lin, Xu and Chen,
+"Gradient-Assisted Multi-Step overlapped Checkpointing for Efficient LLM Training", arXiv:2511.07035, 2025).
+
+A snapshot is split into m chunks of whole parameters (each with its Adam moments and step count),
+balanced by bytes (``balanced_chunks``). When one comes due after step t (``policies.interval.snapshot_due``
+through ``SnapshotSchedule``), the loop stages chunk 1 after step t, chunk 2 after step t+1, ..., chunk m
+after step t+m-1: each step copies one chunk, about 1/m of a full staging copy. Each step of the window
+also keeps a reference to the gradients its AdamW step applied to the chunks already staged (no copy:
+``training.fo.FOTrainer.applied_gradients`` are new tensors every step). Once the last chunk is staged, a
+background thread brings every earlier chunk forward to step t+m-1 by replaying those gradients through
+the same AdamW arithmetic (``training.fo.replay_adamw_``: GoCkpt's gradient catch-up), so the assembled
+snapshot is one consistent version, the state after step t+m-1, bitwise; then it commits it through the
+run's ``SnapshotStore`` (shards, manifest last, the index as commit point). Rolling chunks back to step t
+instead would not be exact (an AdamW step is not invertible in floating point), hence the forward
+direction, as in the paper.
+
+A snapshot that comes due while a window is open starts when it closes. A failure during a window loses
+that window (recovery takes the newest committed snapshot); ``close`` completes an open window from the
+final state. m = 1 is a one-shot staged copy, as ``full-async``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from policies.interval import SnapshotSchedule
+from storage.background import BackgroundWriter
+from storage.snapshots import SnapshotStore
+from storage.units import parameter_of
+from training.fo import FOHyper, replay_adamw_
+from training.state import as_numpy, copy_state
+
+
+def balanced_chunks(sizes: Mapping[str, int], m: int) -> list[list[str]]:
+    """Split items into at most ``m`` chunks of nearly equal total size.
+
+    Greedy longest-first (LPT): items by decreasing size (ties: input order) each go to the chunk with
+    the fewest bytes so far (ties: the lower index), so no chunk exceeds the mean by more than its
+    largest item. Pure and deterministic.
+
+    Args:
+        sizes: item -> size in bytes (>= 0), e.g. a parameter's bytes with its optimizer state.
+        m: chunks wanted (>= 1); fewer come back when there are fewer items (no chunk is empty).
+
+    Returns:
+        The chunks in index order, each listing its items in input order.
+
+    Raises:
+        ValueError: ``m`` < 1, or a negative size.
+    """
+    if m < 1:
+        raise ValueError(f"the number of chunks must be >= 1, got {m}")
+    negative = {k: v for k, v in sizes.items() if v < 0}
+    if negative:
+        raise ValueError(f"sizes must be >= 0 bytes, got {negative}")
+    order = {item: i for i, item in enumerate(sizes)}
+    loads = [0] * min(m, len(sizes))
+    chunks: list[list[str]] = [[] for _ in loads]
+    for item in sorted(sizes, key=lambda k: (-sizes[k], order[k])):
+        lightest = min(range(len(loads)), key=lambda i: (loads[i], i))
+        loads[lightest] += sizes[item]
+        chunks[lightest].append(item)
+    return [sorted(c, key=order.__getitem__) for c in chunks]
+
+
+def parameter_tensors(names: list[str]) -> dict[str, list[str]]:
+    """Parameter name -> its training-state tensor names (the weights, then ``optim.*``), in state order."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(parameter_of(n) or n, []).append(n)
+    return groups
+
+
+def _nbytes(state: Mapping[str, torch.Tensor | np.ndarray], names: list[str]) -> int:
+    return sum(as_numpy(state[n]).nbytes for n in names)
+
+
+def _tensors(chunk: Mapping[str, list[str]]) -> list[str]:
+    """The tensor names of a chunk (parameter -> its tensor names)."""
+    return [n for names in chunk.values() for n in names]
+
+
+@dataclass
+class _Window:
+    """An overlapped snapshot being staged: started after ``start_step`` steps."""
+
+    start_step: int
+    names: list[str]
+    """Every tensor name of the state, canonical order."""
+    staged: dict[str, np.ndarray] = field(default_factory=dict)
+    gradients: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """``gradients[i]``: what step ``start_step + i`` applied to the parameters of chunks 0..i."""
+
+    @property
+    def chunks_staged(self) -> int:
+        """Chunks staged: the first at the start, one more with each later step (which adds its gradients)."""
+        return len(self.gradients) + 1
+
+
+class OverlappedCheckpointer:
+    """GoCkpt-style overlapped snapshots every ``every`` steps (the module docstring; same interface as
+    ``training.checkpointing.FullCheckpointer``).
+
+    Args:
+        store: the run's snapshots.
+        every: steps between the starts of two snapshots (>= 1).
+        chunks: m, the steps a snapshot is staged over (>= 1; at most one chunk per parameter).
+        hyper: the run's AdamW settings (the catch-up replays its steps).
+        gradients: the gradients the last step applied (``FOTrainer.applied_gradients``); tensors that
+            no later step writes.
+        config: recorded in each manifest.
+        max_pending: assembled snapshots that may wait behind the one being written (bounds memory).
+
+    Raises:
+        ValueError: ``every`` or ``chunks`` < 1.
+    """
+
+    def __init__(self, store: SnapshotStore, every: int, chunks: int, hyper: FOHyper,
+                 gradients: Callable[[], Mapping[str, torch.Tensor]], config: Mapping | None = None,
+                 max_pending: int = 1) -> None:
+        if every < 1:
+            raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
+        if chunks < 1:
+            raise ValueError(f"an overlapped snapshot needs >= 1 chunk, got {chunks}")
+        self.store, self.chunks, self.hyper, self.gradients = store, chunks, hyper, gradients
+        self.schedule = SnapshotSchedule(every_steps=every)  # counts from the step the loop starts at
+        self.config = dict(config or {})
+        self._writer = BackgroundWriter("overlapped-checkpoint", max_pending)
+        self._window: _Window | None = None
+        self._plan: list[dict[str, list[str]]] | None = None  # per chunk: parameter -> its state tensors
+        self._state: Callable[[], Mapping[str, torch.Tensor]] | None = None
+        self.chunk_bytes: list[int] = []
+        """Bytes of each chunk (known from the first snapshot on)."""
+        self.last_submitted_step: int | None = None
+        """The step of the newest snapshot whose chunks are all staged (handed to the writer thread)."""
+        self.stats = {"checkpoints": 0, "bytes": 0, "last_step": None, "write_seconds": [], "catch_up_seconds": [],
+                      "stage_seconds": []}
+
+    @property
+    def bytes(self) -> int:
+        """Shard bytes committed so far."""
+        return self.stats["bytes"]
+
+    def plan(self, state: Mapping[str, torch.Tensor | np.ndarray]) -> list[dict[str, list[str]]]:
+        """The chunks of ``state`` (``balanced_chunks`` by the bytes of each parameter with its optimizer
+        state), each as parameter -> its tensor names."""
+        members = parameter_tensors(list(state))
+        sizes = {p: _nbytes(state, names) for p, names in members.items()}
+        return [{p: members[p] for p in chunk} for chunk in balanced_chunks(sizes, self.chunks)]
+
+    def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
+        """Start a snapshot when one is due, or go on with the open one: keep the last step's gradients of
+        the chunks staged so far and stage the next chunk; submit the snapshot once every chunk is staged.
+        Returns the seconds the training loop was blocked (0.0 outside a window)."""
+        t0 = time.perf_counter()
+        window, self._state = self._window, state
+        if window is None:
+            if not self.schedule.take_if_due(steps_done):
+                return 0.0
+            live = state()
+            if self._plan is None:
+                self._plan = self.plan(live)
+                self.chunk_bytes = [_nbytes(live, _tensors(chunk)) for chunk in self._plan]
+            window = self._window = _Window(start_step=steps_done, names=list(live))
+        else:
+            live = state()
+            window.gradients.append(self._held_gradients(window))
+        self._stage(window, window.chunks_staged - 1, live)
+        if window.chunks_staged == len(self._plan):
+            self._submit(window, steps_done)
+        blocked = time.perf_counter() - t0
+        self.stats["stage_seconds"].append(blocked)
+        return blocked
+
+    def _held_gradients(self, window: _Window) -> dict[str, torch.Tensor]:
+        """References to the last step's gradients of the chunks staged so far (no copy)."""
+        grads = self.gradients()
+        held = {p: grads[p] for chunk in self._plan[:window.chunks_staged] for p in chunk}
+        previous = window.gradients[-1] if window.gradients else {}
+        reused = [p for p, g in previous.items() if g.numel() and g.data_ptr() == held[p].data_ptr()]
+        if reused:
+            raise RuntimeError(f"the gradients of step {window.start_step + len(window.gradients) - 1} were overwritten by the "
+                               f"next step ({reused[:3]}): the gradients callable must return new tensors every step")
+        return held
+
+    def _stage(self, window: _Window, index: int, live: Mapping[str, torch.Tensor]) -> None:
+        window.staged.update(copy_state({n: live[n] for n in _tensors(self._plan[index])}))
+
+    def _submit(self, window: _Window, step: int) -> None:
+        """Queue the catch-up and the commit of ``window`` as the snapshot of ``step``; close the window."""
+        self._window, self.last_submitted_step = None, step
+        self._writer.submit(lambda: self._write(window, step), f"overlapped snapshot of step {step}")
+
+    def _write(self, window: _Window, step: int) -> None:
+        """On the writer thread: bring each chunk to ``step`` (replay the steps after it was staged), commit."""
+        t0 = time.perf_counter()
+        for index, chunk in enumerate(self._plan):
+            later = window.gradients[index:]  # the steps after chunk ``index`` was staged
+            if later:
+                replay_adamw_({n: window.staged[n] for n in _tensors(chunk)},
+                              [{p: g[p] for p in chunk} for g in later], self.hyper)
+        t1 = time.perf_counter()
+        info = self.store.write(step, {n: window.staged[n] for n in window.names}, config=self.config)
+        self.stats["catch_up_seconds"].append(t1 - t0)
+        self.stats["write_seconds"].append(time.perf_counter() - t1)
+        self.stats["checkpoints"] += 1
+        self.stats["bytes"] += info.bytes
+        self.stats["last_step"] = step
+
+    def flush(self, timeout_s: float = 600.0) -> bool:
+        """Wait until every submitted snapshot has been committed or has failed (an open window is not
+        submitted yet: it needs its later steps); False on timeout."""
+        return self._writer.drain(timeout_s)
+
+    def close(self, timeout_s: float = 600.0) -> dict:
+        """Complete an open window from the current (final) state: its remaining chunks are staged now,
+        outside the loop, so the snapshot is of the last step. Then wait for every write (at most
+        ``timeout_s``); returns ``checkpoints``, ``bytes``, ``last_step``, ``write_seconds`` and
+        ``catch_up_seconds`` (per snapshot), ``stage_seconds`` (per staging step), ``chunks`` (m used),
+        ``chunk_bytes`` (per chunk), ``errors`` and ``finished``."""
+        window = self._window
+        if window is not None:
+            live = self._state()
+            for index in range(window.chunks_staged, len(self._plan)):
+                self._stage(window, index, live)
+            self._submit(window, window.start_step + len(window.gradients))
+        finished = self._writer.close(timeout_s)
+        return {**self.stats, "write_seconds": list(self.stats["write_seconds"]),
+                "catch_up_seconds": list(self.stats["catch_up_seconds"]), "stage_seconds": list(self.stats["stage_seconds"]),
+                "chunks": len(self._plan or []), "chunk_bytes": list(self.chunk_bytes), "errors": list(self._writer.errors), "finished": finished}
