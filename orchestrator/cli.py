@@ -237,6 +237,10 @@ def run(
     weight_decay: Annotated[float, typer.Option(help="Weight decay for matrices.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Run seed (batches and perturbations).")] = 0,
     workers: Annotated[int, typer.Option(min=1, help="Ray Train workers (data parallel, gloo).")] = 1,
+    micro_batch_size: Annotated[int, typer.Option(min=0, help="zo: examples per example group; each group is one forward pass "
+                                                    "whichever worker runs it, so the losses do not depend on --workers "
+                                                    "(docs/elastic.md). A divisor of --batch-size giving at least --workers groups; "
+                                                    "0: batch-size / workers.")] = 0,
     torch_threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker (fixed for reproducibility).")] = 1,
     fail: Annotated[
         list[str],
@@ -316,7 +320,7 @@ def run(
             layer_max_bytes_per_check=layer_max_bytes_per_check, diff_full_every=diff_full_every, diff_batch_steps=diff_batch_steps,
             diff_topk=diff_topk, steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
-            workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
+            workers=workers, micro_batch_size=micro_batch_size, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
             keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},

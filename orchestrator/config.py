@@ -167,6 +167,11 @@ class JobConfig:
     eps: float = 1e-3
     weight_decay: float = 0.0
     workers: int = 1
+    micro_batch_size: int = 0
+    """ZO: examples per example group (``training.groups``): the step's batch is scored in groups of this many
+    examples, each group one forward pass whichever worker computes it, so the losses do not depend
+    on the worker count (docs/elastic.md). ``batch_size`` must be a multiple, with at least ``workers`` groups.
+    0: ``batch_size // workers`` (one group per worker; one worker scores the whole batch at once)."""
     torch_threads: int = 1
     """Torch threads per worker, fixed so forward passes are reproducible across restarts."""
     snapshot_every: int = 10
@@ -276,8 +281,7 @@ class JobConfig:
             raise ValueError(f"shadow_shards {self.shadow_shards} needs strategy shadow (this run: {self.strategy})")
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
-        if self.batch_size % self.workers:
-            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers})")
+        self._check_groups()
         for f in self.failures:
             if f.step >= self.steps:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
@@ -364,6 +368,28 @@ class JobConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
 
+    def _check_groups(self) -> None:
+        """Validate ``micro_batch_size`` against ``batch_size`` and ``workers`` (``example_group_size``)."""
+        if self.micro_batch_size < 0:
+            raise ValueError(f"micro_batch_size must be >= 0 (0: batch_size / workers), got {self.micro_batch_size}")
+        if not self.micro_batch_size:
+            if self.batch_size % self.workers:
+                raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers}), "
+                                 "or set micro_batch_size")
+            return
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})")
+        if self.batch_size // self.micro_batch_size < self.workers:
+            raise ValueError(f"batch_size {self.batch_size} in micro-batches of {self.micro_batch_size} gives "
+                             f"{self.batch_size // self.micro_batch_size} example group(s), fewer than workers ({self.workers}): "
+                             f"set micro_batch_size to at most {self.batch_size // self.workers}")
+
+    @property
+    def example_group_size(self) -> int:
+        """Examples per example group of a ZO step (``training.groups``): ``micro_batch_size``, else
+        ``batch_size // workers``."""
+        return self.micro_batch_size or self.batch_size // self.workers
+
     def _check_fo(self) -> None:
         """Validate the first-order fields (``fo_*``, ``layer_*``, ``diff_*``)."""
         _require_positive("fo_lr", self.fo_lr)
@@ -385,8 +411,12 @@ class JobConfig:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``
         counts only when it is not ``cpu``, ``dtype`` only when it is not ``float32``, and
         ``DATA_TRAJECTORY`` fields (the model's and data's content hashes, the task) only away from their
-        defaults, so the hashes of existing runs stay as they were."""
+        defaults, so the hashes of existing runs stay as they were. With ``micro_batch_size`` set, the
+        example groups replace ``workers``: runs of one trajectory on any worker count share a hash."""
         values = {k: getattr(self, k) for k in self.TRAJECTORY}
+        if self.micro_batch_size:  # the groups, not the worker count, set the losses (training.groups)
+            values.pop("workers")
+            values["micro_batch_size"] = self.micro_batch_size
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         values.update({k: getattr(self, k) for k in self.DATA_TRAJECTORY if getattr(self, k) != defaults[k]})
         if self.device != "cpu":

@@ -71,10 +71,16 @@ def worker_env(config: dict) -> WorkerEnv:
     )
 
 
+def sum_over_workers(t: torch.Tensor, world: int) -> torch.Tensor:
+    """``t`` (a CPU tensor) summed over the ``world`` workers by one torch.distributed all-reduce, in
+    place (identity for one worker)."""
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
 def mean_over_workers(values: list[float], world: int) -> list[float]:
     """The mean of each value over the ``world`` workers (one float64 all-reduce; identity for one)."""
     if world == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return (t / world).tolist()
+    return (sum_over_workers(torch.tensor(values, dtype=torch.float64), world) / world).tolist()
