@@ -488,6 +488,17 @@ class JobConfig:
     def log_keeper_name(self) -> str:
         return f"raycheck-log-keeper-{self.run_id}"
 
+    @property
+    def replica_groups(self) -> bool:
+        """Each train worker is its own Ray Train replica group, so a failure replaces only the failed
+        worker (``orchestrator.replica_groups``): ZO runs with a step log and more than one worker."""
+        return self.algo == "zo" and self.uses_step_log and self.workers > 1
+
+    @property
+    def exchange_name(self) -> str:
+        """The step exchange of this driver incarnation's fit (``actors.step_exchange``; with ``replica_groups``)."""
+        return f"raycheck-exchange-{self.run_id}-{self.writer_epoch}"
+
 
 def default_scratch_dir(out_dir: str, run_id: str) -> str:
     """``<system temp dir>/raycheck-scratch/<run id>-<12 hex digits of the run directory's absolute path>``:

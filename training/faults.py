@@ -113,14 +113,16 @@ class FaultInjector:
     ``durable_steps`` returns how many steps are durable when a worker failure hits (the steps the log
     keeper holds, ``actors.log_keeper``; strategies without a step log pass their newest committed checkpoint's step).
     ``flush`` waits until this rank's background checkpoint writes are committed (default: nothing to
-    wait for).
+    wait for). ``barrier(name)`` meets every rank (default: ``torch.distributed.barrier``; with replica
+    groups the step exchange's, ``actors.step_exchange``).
     """
 
     def __init__(self, cfg: JobConfig, run: RunChannel, rank: int, world: int, durable_steps: Callable[[], int],
-                 flush: Callable[[], object] | None = None) -> None:
+                 flush: Callable[[], object] | None = None, barrier: Callable[[str], None] | None = None) -> None:
         self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
         self.durable_steps = durable_steps
         self.flush = flush or (lambda: None)
+        self.barrier = barrier or (lambda _name: dist.barrier())
         self.hold_step = int(os.environ.get("RAYCHECK_TEST_HOLD_AT_STEP", -1))
 
     def _claim(self, index: int, part: str) -> bool:
@@ -180,7 +182,7 @@ class FaultInjector:
         if self.cfg.failures[index].target in ("worker", "node") and self.cfg.uses_shadow and self.rank == 0:
             self._live_shadow()
         if self.world > 1:
-            dist.barrier()
+            self.barrier(f"settle-{index}")
 
     def _kill_shadow(self, index: int, step: int, worker_how: str | None, shard: int | None = None) -> None:
         """Kill the live shadow (every shard, or only ``shard``) once it is settled

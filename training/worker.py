@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from actors.log_keeper import RemoteKeeper
+from actors.step_exchange import RemoteExchange
 from storage.steplog import StepLogWriter, StepRecord
 from training.checkpointing import FullCheckpointer
 from training.data import batch_id, batch_indices
@@ -40,9 +41,12 @@ from training.worker_env import record_start, sum_over_workers, worker_env
 from training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
+def barrier_of(exchange: RemoteExchange | None, world: int) -> Callable[[str], None]:
+    """``barrier(name)``, meeting every rank: the step exchange's with replica groups, else
+    ``torch.distributed.barrier`` (nothing with one worker)."""
+    if exchange is not None:
+        return exchange.barrier
+    return lambda _name: dist.barrier() if world > 1 else None
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -52,11 +56,13 @@ def train_loop_per_worker(config: dict) -> None:
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)  # on the CPU until the restore is done
     hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    exchange = RemoteExchange(cfg.exchange_name, cfg.namespace, rank, cfg.recovery_timeout_s) if cfg.replica_groups else None
+    barrier = barrier_of(exchange, world)
     if cfg.uses_step_log:
         keeper = RemoteKeeper(cfg.log_keeper_name, cfg.namespace)
-        faults = FaultInjector(cfg, run, rank, world, durable_steps=keeper.end)
+        faults = FaultInjector(cfg, run, rank, world, durable_steps=keeper.end, barrier=barrier)
         writer = open_rank0_log(cfg, keeper, run) if rank == 0 else None
-        _barrier(world)
+        barrier("log-opened")  # rank 0's log equals the keeper's before anyone reads its length
         log_end = keeper.end()
         checkpointer = None
         resuming = faults.fired() or log_end > 0
@@ -77,7 +83,7 @@ def train_loop_per_worker(config: dict) -> None:
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         record, append_s = zo_step_(params, model, encoder, train, cfg, step, rank, world, hyper,
-                                    fail=lambda: faults.maybe_fail(step, writer), commit=commit)
+                                    fail=lambda: faults.maybe_fail(step, writer), commit=commit, exchange=exchange)
         step_s = time.perf_counter() - t0 - append_s
         block_s = checkpointer.after_step(step + 1, lambda: on_cpu(params)) if checkpointer is not None else append_s
         if rank == 0:
