@@ -172,6 +172,14 @@ class JobConfig:
     examples, each group one forward pass whichever worker computes it, so the losses do not depend
     on the worker count (docs/elastic.md). ``batch_size`` must be a multiple, with at least ``workers`` groups.
     0: ``batch_size // workers`` (one group per worker; one worker scores the whole batch at once)."""
+    min_workers: int = 0
+    """ZO with a step log: fewest train workers the run goes on with (Ray Train elastic
+    ``ScalingConfig(num_workers=(min_workers, workers))``): when a node is lost and no replacement can be
+    placed, training continues on fewer workers and grows back to ``workers`` when the cluster can place
+    them; the trajectory stays the same bits (``micro_batch_size``, docs/elastic.md). 0: a fixed ``workers``."""
+    elastic_resize_interval_s: float = 60.0
+    """With ``min_workers``: seconds between Ray Train's checks whether more workers can be placed
+    (``ScalingConfig.elastic_resize_monitor_interval_s``)."""
     torch_threads: int = 1
     """Torch threads per worker, fixed so forward passes are reproducible across restarts."""
     snapshot_every: int = 10
@@ -282,6 +290,7 @@ class JobConfig:
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         self._check_groups()
+        self._check_elastic()
         for f in self.failures:
             if f.step >= self.steps:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
@@ -383,6 +392,20 @@ class JobConfig:
             raise ValueError(f"batch_size {self.batch_size} in micro-batches of {self.micro_batch_size} gives "
                              f"{self.batch_size // self.micro_batch_size} example group(s), fewer than workers ({self.workers}): "
                              f"set micro_batch_size to at most {self.batch_size // self.workers}")
+
+    def _check_elastic(self) -> None:
+        """Validate ``min_workers`` and ``elastic_resize_interval_s``."""
+        _require_positive("elastic_resize_interval_s", self.elastic_resize_interval_s)
+        if not 0 <= self.min_workers <= self.workers:
+            raise ValueError(f"min_workers must be in [1, workers ({self.workers})], or 0 for a fixed worker count, got {self.min_workers}")
+        if self.elastic and not (self.algo == "zo" and self.uses_step_log):
+            raise ValueError(f"min_workers {self.min_workers} (elastic) needs algo zo with a step log (strategy shadow or "
+                             f"log-only): only their losses do not depend on the worker count (this run: {self.algo} {self.strategy})")
+
+    @property
+    def elastic(self) -> bool:
+        """The worker count may change during the run (``min_workers`` below ``workers``)."""
+        return 0 < self.min_workers < self.workers
 
     @property
     def example_group_size(self) -> int:
@@ -491,8 +514,9 @@ class JobConfig:
     @property
     def replica_groups(self) -> bool:
         """Each train worker is its own Ray Train replica group, so a failure replaces only the failed
-        worker (``orchestrator.replica_groups``): ZO runs with a step log and more than one worker."""
-        return self.algo == "zo" and self.uses_step_log and self.workers > 1
+        worker (``orchestrator.replica_groups``): ZO runs with a step log and more than one worker, not elastic
+        (Ray 2.60 restarts the whole group on a resize: its replica groups and elastic scaling are not integrated)."""
+        return self.algo == "zo" and self.uses_step_log and self.workers > 1 and not self.elastic
 
     @property
     def exchange_name(self) -> str:

@@ -495,7 +495,9 @@ class Controller:
             train_loop_per_worker=train_loop_per_worker,
             train_loop_config={**cfg.to_dict(), ASSETS_KEY: self.shipped},
             torch_config=ReplicaGroupsConfig(cfg.exchange_name, cfg.namespace, cfg.workers) if cfg.replica_groups else None,
-            scaling_config=ScalingConfig(num_workers=self.cfg.workers, use_gpu=self.cfg.device == "cuda",
+            scaling_config=ScalingConfig(num_workers=(cfg.min_workers, cfg.workers) if cfg.elastic else cfg.workers,
+                                         elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s,
+                                         use_gpu=cfg.device == "cuda",
                                          resources_per_worker=self.placement.worker_resources,
                                          label_selector=self.placement.worker_label_selector),
             run_config=RunConfig(

@@ -13,7 +13,8 @@ controller restarted after an earlier kill).
 
 Test gate: with ``RAYCHECK_TEST_HOLD_AT_STEP=N`` in the environment of the Ray workers, rank 0
 records a ``held`` event during step N (after N durable steps) and blocks until its process is
-killed, so a test can kill the driver at a known step.
+killed, so a test can kill the driver (or change the cluster) at a known step; once per run (a journal
+marker), so the workers that follow go on.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ class FaultInjector:
 
     def maybe_fail(self, step: int, writer: StepLogWriter | None = None) -> None:
         """Inject the failures due at ``step`` (may not return). ``writer``: rank 0's step log writer."""
-        if step == self.hold_step and self.rank == 0:
+        if step == self.hold_step and self.rank == 0 and self.run.claim("held"):
             self._hold(step)
         for i, f in enumerate(self.cfg.failures):
             if f.step != step:

@@ -41,8 +41,8 @@ def record_start(env: WorkerEnv, restored: dict | None) -> int:
     restore's result), a ``recovery`` event at the restored step; on a fresh start, the held-out
     accuracy before training (when ``eval_samples``). Only rank 0 writes these events (with
     ``replica_groups`` every rank that restored writes its ``recovery``: a replaced worker restores
-    alone); every rank records where it runs and its process id (a ``placement`` event, for the summary)."""
-    env.run.event("placement", component="worker", rank=env.rank, pid=os.getpid(), **this_node())
+    alone); every rank records where it runs, its process id and the world size (a ``placement`` event, for the summary)."""
+    env.run.event("placement", component="worker", rank=env.rank, world=env.world, pid=os.getpid(), **this_node())
     if restored is None:
         if env.rank == 0 and env.cfg.eval_samples:
             env.run.event("accuracy", when="before", value=env.encoder.evaluate(env.model, env.held_out, env.cfg.eval_samples))
