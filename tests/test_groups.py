@@ -15,7 +15,8 @@ from training.groups import example_groups, group_vector, groups_of_rank, reduce
 from training.model import default_cache_dir, load_model, trainable_parameters
 from training.state import state_sha256
 from training.worker import timed_append, zo_step_
-from training.zo import ZOHyper
+from training.data import batch_indices
+from training.zo import ZOHyper, noise, perturb_all_, step_seed
 
 
 def summed_over_ranks(terms: dict[int, tuple[tuple[float, float], tuple[float, float]]], world: int) -> torch.Tensor:
@@ -106,3 +107,20 @@ def test_the_groups_decide_the_trajectory_so_the_worker_count_check_can_fail(tmp
     two_groups = states_after(cfg.replace(micro_batch_size=4), data, encoder, 2)
     assert one_group[0] != two_groups[0] and one_group[1] != two_groups[1]
     assert states_after(cfg.replace(micro_batch_size=4), data, encoder, 2) == two_groups  # deterministic
+
+
+def test_one_group_per_worker_keeps_the_losses_of_the_split_before_groups(tmp_path, data, encoder):
+    """The default groups of a 2-worker run are the old shards ``idx[r::2]``, reduced to the old float64
+    mean (``(l0 + l1) / 2`` of the old all-reduce): existing runs keep their bits and trajectory hashes."""
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", steps=1, batch_size=8, workers=2)
+    model = load_model("tiny")
+    params = trainable_parameters(model)
+    record, _ = zo_step_(params, model, encoder, data[0], cfg.replace(workers=1, micro_batch_size=4), 0, 0, 1,
+                         ZOHyper(lr=cfg.lr, eps=cfg.eps), fail=lambda: None, commit=timed_append(None))
+    fresh = load_model("tiny")
+    fresh_params = trainable_parameters(fresh)
+    idx = batch_indices(cfg.seed, 0, cfg.batch_size, len(data[0]))
+    zs = [noise(step_seed(cfg.seed, 0), i, p) for i, p in enumerate(fresh_params.values())]
+    perturb_all_(fresh_params, zs, cfg.eps)
+    old = torch.tensor([encoder.loss(fresh, data[0], idx[r::2]) for r in range(2)], dtype=torch.float64)
+    assert record.loss_plus == float(old.sum() / 2)
