@@ -32,11 +32,11 @@ from storage.steplog import StepLogWriter, StepRecord
 from training.checkpointing import FullCheckpointer
 from training.data import batch_id, batch_indices
 from training.faults import FaultInjector
+from training.groups import Exchange, example_groups, group_vector, groups_of_rank, reduce_groups
 from training.model import trainable_parameters
 from training.rank0_log import KeeperSender, local_log_path, open_local_log, replicated_append
 from training.recovery import restore
 from training.state import state_sha256
-from training.groups import Exchange, example_groups, group_vector, groups_of_rank, reduce_groups
 from training.worker_env import record_start, sum_over_workers, worker_env
 from training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
 
