@@ -240,6 +240,15 @@ def run(
     weight_decay: Annotated[float, typer.Option(help="Weight decay for matrices.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Run seed (batches and perturbations).")] = 0,
     workers: Annotated[int, typer.Option(min=1, help="Ray Train workers (data parallel, gloo).")] = 1,
+    micro_batch_size: Annotated[int, typer.Option(min=0, help="zo: examples per example group; each group is one forward pass "
+                                                    "whichever worker runs it, so the losses do not depend on --workers "
+                                                    "(docs/elastic.md). A divisor of --batch-size giving at least --workers groups; "
+                                                    "0: batch-size / workers.")] = 0,
+    min_workers: Annotated[int, typer.Option(min=0, help="zo: elastic: go on with as few as this many workers when a node "
+                                               "is lost, grow back to --workers when the cluster can place them (bitwise the "
+                                               "same trajectory; docs/elastic.md). 0: a fixed --workers.")] = 0,
+    elastic_resize_interval: Annotated[str, typer.Option(help="With --min-workers: how often Ray Train checks whether more "
+                                                         "workers can be placed, e.g. 60s.")] = "60s",
     torch_threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker (fixed for reproducibility).")] = 1,
     fail: Annotated[
         list[str],
@@ -319,7 +328,8 @@ def run(
             layer_max_bytes_per_check=layer_max_bytes_per_check, diff_full_every=diff_full_every, diff_batch_steps=diff_batch_steps,
             diff_topk=diff_topk, overlap_chunks=overlap_chunks, steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
-            workers=workers, torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
+            workers=workers, micro_batch_size=micro_batch_size, min_workers=min_workers,
+            elastic_resize_interval_s=parse_duration(elastic_resize_interval), torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
             keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},

@@ -171,6 +171,19 @@ class JobConfig:
     eps: float = 1e-3
     weight_decay: float = 0.0
     workers: int = 1
+    micro_batch_size: int = 0
+    """ZO: examples per example group (``training.groups``): the step's batch is scored in groups of this many
+    examples, each group one forward pass whichever worker computes it, so the losses do not depend
+    on the worker count (docs/elastic.md). ``batch_size`` must be a multiple, with at least ``workers`` groups.
+    0: ``batch_size // workers`` (one group per worker; one worker scores the whole batch at once)."""
+    min_workers: int = 0
+    """ZO with a step log: fewest train workers the run goes on with (Ray Train elastic
+    ``ScalingConfig(num_workers=(min_workers, workers))``): when a node is lost and no replacement can be
+    placed, training continues on fewer workers and grows back to ``workers`` when the cluster can place
+    them; the trajectory stays the same bits (``micro_batch_size``, docs/elastic.md). 0: a fixed ``workers``."""
+    elastic_resize_interval_s: float = 60.0
+    """With ``min_workers``: seconds between Ray Train's checks whether more workers can be placed
+    (``ScalingConfig.elastic_resize_monitor_interval_s``)."""
     torch_threads: int = 1
     """Torch threads per worker, fixed so forward passes are reproducible across restarts."""
     snapshot_every: int = 10
@@ -280,8 +293,8 @@ class JobConfig:
             raise ValueError(f"shadow_shards {self.shadow_shards} needs strategy shadow (this run: {self.strategy})")
         if not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
-        if self.batch_size % self.workers:
-            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers})")
+        self._check_groups()
+        self._check_elastic()
         for f in self.failures:
             if f.step >= self.steps:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
@@ -368,6 +381,42 @@ class JobConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
 
+    def _check_groups(self) -> None:
+        """Validate ``micro_batch_size`` against ``batch_size`` and ``workers`` (``example_group_size``)."""
+        if self.micro_batch_size < 0:
+            raise ValueError(f"micro_batch_size must be >= 0 (0: batch_size / workers), got {self.micro_batch_size}")
+        if not self.micro_batch_size:
+            if self.batch_size % self.workers:
+                raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers}), "
+                                 "or set micro_batch_size")
+            return
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})")
+        if self.batch_size // self.micro_batch_size < self.workers:
+            raise ValueError(f"batch_size {self.batch_size} in micro-batches of {self.micro_batch_size} gives "
+                             f"{self.batch_size // self.micro_batch_size} example group(s), fewer than workers ({self.workers}): "
+                             f"set micro_batch_size to at most {self.batch_size // self.workers}")
+
+    def _check_elastic(self) -> None:
+        """Validate ``min_workers`` and ``elastic_resize_interval_s``."""
+        _require_positive("elastic_resize_interval_s", self.elastic_resize_interval_s)
+        if not 0 <= self.min_workers <= self.workers:
+            raise ValueError(f"min_workers must be in [1, workers ({self.workers})], or 0 for a fixed worker count, got {self.min_workers}")
+        if self.elastic and not (self.algo == "zo" and self.uses_step_log):
+            raise ValueError(f"min_workers {self.min_workers} (elastic) needs algo zo with a step log (strategy shadow or "
+                             f"log-only): only their losses do not depend on the worker count (this run: {self.algo} {self.strategy})")
+
+    @property
+    def elastic(self) -> bool:
+        """The worker count may change during the run (``min_workers`` below ``workers``)."""
+        return 0 < self.min_workers < self.workers
+
+    @property
+    def example_group_size(self) -> int:
+        """Examples per example group of a ZO step (``training.groups``): ``micro_batch_size``, else
+        ``batch_size // workers``."""
+        return self.micro_batch_size or self.batch_size // self.workers
+
     def _check_fo(self) -> None:
         """Validate the first-order fields (``fo_*``, ``layer_*``, ``diff_*``)."""
         _require_positive("fo_lr", self.fo_lr)
@@ -389,8 +438,12 @@ class JobConfig:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``
         counts only when it is not ``cpu``, ``dtype`` only when it is not ``float32``, and
         ``DATA_TRAJECTORY`` fields (the model's and data's content hashes, the task) only away from their
-        defaults, so the hashes of existing runs stay as they were."""
+        defaults, so the hashes of existing runs stay as they were. With ``micro_batch_size`` set, the
+        example groups replace ``workers``: runs of one trajectory on any worker count share a hash."""
         values = {k: getattr(self, k) for k in self.TRAJECTORY}
+        if self.micro_batch_size:  # the groups, not the worker count, set the losses (training.groups)
+            values.pop("workers")
+            values["micro_batch_size"] = self.micro_batch_size
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         values.update({k: getattr(self, k) for k in self.DATA_TRAJECTORY if getattr(self, k) != defaults[k]})
         if self.device != "cpu":
@@ -461,6 +514,18 @@ class JobConfig:
     @property
     def log_keeper_name(self) -> str:
         return f"raycheck-log-keeper-{self.run_id}"
+
+    @property
+    def replica_groups(self) -> bool:
+        """Each train worker is its own Ray Train replica group, so a failure replaces only the failed
+        worker (``orchestrator.replica_groups``): ZO runs with a step log and more than one worker, not elastic
+        (Ray 2.60 restarts the whole group on a resize: its replica groups and elastic scaling are not integrated)."""
+        return self.algo == "zo" and self.uses_step_log and self.workers > 1 and not self.elastic
+
+    @property
+    def exchange_name(self) -> str:
+        """The step exchange of this driver incarnation's fit (``actors.step_exchange``; with ``replica_groups``)."""
+        return f"raycheck-exchange-{self.run_id}-{self.writer_epoch}"
 
 
 def default_scratch_dir(out_dir: str, run_id: str) -> str:

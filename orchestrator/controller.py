@@ -51,6 +51,7 @@ from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal, wait_for_previous_driver
 from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
+from orchestrator.replica_groups import ReplicaGroupsConfig
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from orchestrator.stored_config import save_config
@@ -489,10 +490,14 @@ class Controller:
             from training.fo_worker import train_loop_per_worker
         else:
             from training.worker import train_loop_per_worker
+        cfg = self.cfg
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
-            train_loop_config={**self.cfg.to_dict(), ASSETS_KEY: self.shipped},
-            scaling_config=ScalingConfig(num_workers=self.cfg.workers, use_gpu=self.cfg.device == "cuda",
+            train_loop_config={**cfg.to_dict(), ASSETS_KEY: self.shipped},
+            torch_config=ReplicaGroupsConfig(cfg.exchange_name, cfg.namespace, cfg.workers) if cfg.replica_groups else None,
+            scaling_config=ScalingConfig(num_workers=(cfg.min_workers, cfg.workers) if cfg.elastic else cfg.workers,
+                                         elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s,
+                                         use_gpu=cfg.device == "cuda",
                                          resources_per_worker=self.placement.worker_resources,
                                          label_selector=self.placement.worker_label_selector),
             run_config=RunConfig(

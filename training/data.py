@@ -148,6 +148,10 @@ class PromptEncoder:
         """``classification_loss`` of the samples ``indices``."""
         return classification_loss(model, self, split, indices)
 
+    def loss_terms(self, model, split: Split, indices: np.ndarray) -> tuple[float, float]:
+        """(``loss``, 1.0): an example group's terms for ``training.groups`` (the groups' mean is the step's loss)."""
+        return self.loss(model, split, indices), 1.0
+
     def evaluate(self, model, split: Split, limit: int) -> float:
         """``accuracy`` on the first ``limit`` samples (higher is better)."""
         return accuracy(model, self, split, limit)
@@ -200,8 +204,14 @@ class CausalLMEncoder:
 
     def loss(self, model, split: Split, indices: np.ndarray) -> float:
         """Mean cross-entropy per completion token (nats) of the samples ``indices``."""
-        total, count = self._summed(model, split, indices)
+        total, count = self.loss_terms(model, split, indices)
         return total / count
+
+    def loss_terms(self, model, split: Split, indices: np.ndarray) -> tuple[float, float]:
+        """(summed cross-entropy in nats, target tokens as a float) of the samples ``indices``: an example
+        group's terms for ``training.groups`` (the step's loss is per token over every group)."""
+        total, count = self._summed(model, split, indices)
+        return total, float(count)
 
     def evaluate(self, model, split: Split, limit: int, batch_size: int = 16) -> float:
         """Mean cross-entropy per completion token (nats) over the first ``limit`` samples (lower is better)."""

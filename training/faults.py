@@ -13,7 +13,8 @@ controller restarted after an earlier kill).
 
 Test gate: with ``RAYCHECK_TEST_HOLD_AT_STEP=N`` in the environment of the Ray workers, rank 0
 records a ``held`` event during step N (after N durable steps) and blocks until its process is
-killed, so a test can kill the driver at a known step.
+killed, so a test can kill the driver (or change the cluster) at a known step; once per run (a journal
+marker), so the workers that follow go on.
 """
 
 from __future__ import annotations
@@ -113,14 +114,16 @@ class FaultInjector:
     ``durable_steps`` returns how many steps are durable when a worker failure hits (the steps the log
     keeper holds, ``actors.log_keeper``; strategies without a step log pass their newest committed checkpoint's step).
     ``flush`` waits until this rank's background checkpoint writes are committed (default: nothing to
-    wait for).
+    wait for). ``barrier(name)`` meets every rank (default: ``torch.distributed.barrier``; with replica
+    groups the step exchange's, ``actors.step_exchange``).
     """
 
     def __init__(self, cfg: JobConfig, run: RunChannel, rank: int, world: int, durable_steps: Callable[[], int],
-                 flush: Callable[[], object] | None = None) -> None:
+                 flush: Callable[[], object] | None = None, barrier: Callable[[str], None] | None = None) -> None:
         self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
         self.durable_steps = durable_steps
         self.flush = flush or (lambda: None)
+        self.barrier = barrier or (lambda _name: dist.barrier())
         self.hold_step = int(os.environ.get("RAYCHECK_TEST_HOLD_AT_STEP", -1))
 
     def _claim(self, index: int, part: str) -> bool:
@@ -180,7 +183,7 @@ class FaultInjector:
         if self.cfg.failures[index].target in ("worker", "node") and self.cfg.uses_shadow and self.rank == 0:
             self._live_shadow()
         if self.world > 1:
-            dist.barrier()
+            self.barrier(f"settle-{index}")
 
     def _kill_shadow(self, index: int, step: int, worker_how: str | None, shard: int | None = None) -> None:
         """Kill the live shadow (every shard, or only ``shard``) once it is settled
@@ -234,7 +237,7 @@ class FaultInjector:
 
     def maybe_fail(self, step: int, writer: StepLogWriter | None = None) -> None:
         """Inject the failures due at ``step`` (may not return). ``writer``: rank 0's step log writer."""
-        if step == self.hold_step and self.rank == 0:
+        if step == self.hold_step and self.rank == 0 and self.run.claim("held"):
             self._hold(step)
         for i, f in enumerate(self.cfg.failures):
             if f.step != step:

@@ -1,8 +1,9 @@
 """What each Ray Train worker runs: MeZO steps with a durable step log, restoring after failures.
 
 Per step t (rank r of W workers; every worker holds identical weights):
-  z for every parameter from s_t  ->  +eps z, loss+ on the rank's shard of batch t  ->  -2 eps z,
-  loss-  ->  +eps z  ->  average loss+ and loss- over the workers (one all-reduce of two float64s)
+  z for every parameter from s_t  ->  +eps z, loss+ of the rank's example groups of batch t  ->  -2 eps z,
+  loss-  ->  +eps z  ->  the groups' terms of every worker (one float64 all-reduce), reduced in group
+  order (``training.groups``: the losses do not depend on the worker count)
   ->  g_t  ->  rank 0 appends the step record durably to its node-local log and sends it to the log
   keeper (``JobConfig.durability`` ``node``, ``cluster``: acknowledged before going on; ``training.rank0_log``)
   ->  every worker applies the update. Every worker reads the log's length from the keeper, never a
@@ -26,21 +27,26 @@ import torch
 import torch.distributed as dist
 
 from actors.log_keeper import RemoteKeeper
+from actors.step_exchange import RemoteExchange
 from storage.steplog import StepLogWriter, StepRecord
 from training.checkpointing import FullCheckpointer
 from training.data import batch_id, batch_indices
 from training.faults import FaultInjector
+from training.groups import Exchange, example_groups, group_vector, groups_of_rank, reduce_groups
 from training.model import trainable_parameters
 from training.rank0_log import KeeperSender, local_log_path, open_local_log, replicated_append
 from training.recovery import restore
 from training.state import state_sha256
-from training.worker_env import mean_over_workers, record_start, worker_env
+from training.worker_env import record_start, sum_over_workers, worker_env
 from training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
+def barrier_of(exchange: RemoteExchange | None, world: int) -> Callable[[str], None]:
+    """``barrier(name)``, meeting every rank: the step exchange's with replica groups, else
+    ``torch.distributed.barrier`` (nothing with one worker)."""
+    if exchange is not None:
+        return exchange.barrier
+    return lambda _name: dist.barrier() if world > 1 else None
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -50,11 +56,13 @@ def train_loop_per_worker(config: dict) -> None:
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)  # on the CPU until the restore is done
     hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    exchange = RemoteExchange(cfg.exchange_name, cfg.namespace, rank, cfg.recovery_timeout_s) if cfg.replica_groups else None
+    barrier = barrier_of(exchange, world)
     if cfg.uses_step_log:
         keeper = RemoteKeeper(cfg.log_keeper_name, cfg.namespace)
-        faults = FaultInjector(cfg, run, rank, world, durable_steps=keeper.end)
+        faults = FaultInjector(cfg, run, rank, world, durable_steps=keeper.end, barrier=barrier)
         writer = open_rank0_log(cfg, keeper, run) if rank == 0 else None
-        _barrier(world)
+        barrier("log-opened")  # rank 0's log equals the keeper's before anyone reads its length
         log_end = keeper.end()
         checkpointer = None
         resuming = faults.fired() or log_end > 0
@@ -75,7 +83,7 @@ def train_loop_per_worker(config: dict) -> None:
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         record, append_s = zo_step_(params, model, encoder, train, cfg, step, rank, world, hyper,
-                                    fail=lambda: faults.maybe_fail(step, writer), commit=commit)
+                                    fail=lambda: faults.maybe_fail(step, writer), commit=commit, exchange=exchange)
         step_s = time.perf_counter() - t0 - append_s
         block_s = checkpointer.after_step(step + 1, lambda: on_cpu(params)) if checkpointer is not None else append_s
         if rank == 0:
@@ -146,28 +154,31 @@ def on_cpu(params: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor
 
 def zo_step_(
     params: Mapping[str, torch.Tensor], model: torch.nn.Module, encoder, train, cfg, step: int, rank: int, world: int,
-    hyper: ZOHyper, fail: Callable[[], None], commit: Callable[[StepRecord], float],
+    hyper: ZOHyper, fail: Callable[[], None], commit: Callable[[StepRecord], float], exchange: Exchange | None = None,
 ) -> tuple[StepRecord, float]:
     """Execute MeZO step ``step`` on ``params`` (in place; the tensors of ``model``, on its device).
 
-    Perturbs every parameter by +eps z, scores this rank's shard of the step's batch (``train``, a
-    ``training.data.Split``; ``encoder`` a ``PromptEncoder`` or ``CausalLMEncoder``), calls ``fail()`` (failure injection),
-    perturbs by -2 eps z, scores again, restores by +eps z, averages both losses over ``world`` workers,
-    then calls ``commit(record)`` (the durability point: the step log append) before the update.
-    ``cfg`` is the ``JobConfig``. Returns the step's record and what ``commit`` returned (the seconds
-    it blocked).
+    Perturbs every parameter by +eps z, scores this rank's example groups of the step's batch
+    (``training.groups``; ``train``, a ``training.data.Split``; ``encoder`` a ``PromptEncoder`` or
+    ``CausalLMEncoder``), calls ``fail()`` (failure injection), perturbs by -2 eps z, scores them again,
+    restores by +eps z, sums the groups' terms over the ``world`` workers (``exchange(step, vector)``;
+    default: one torch.distributed all-reduce) and reduces them in group order, then calls
+    ``commit(record)`` (the durability point: the step log append) before the update. ``cfg`` is the
+    ``JobConfig``. Returns the step's record and what ``commit`` returned (the seconds it blocked).
     """
     seed = step_seed(cfg.seed, step)
     idx = batch_indices(cfg.seed, step, cfg.batch_size, len(train))
-    shard = idx[rank::world]
+    groups = example_groups(idx, cfg.example_group_size)
+    mine = groups_of_rank(len(groups), rank, world)
     zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
     perturb_all_(params, zs, cfg.eps)
-    loss_plus = encoder.loss(model, train, shard)
+    plus = [encoder.loss_terms(model, train, groups[g]) for g in mine]
     fail()
     perturb_all_(params, zs, -2 * cfg.eps)
-    loss_minus = encoder.loss(model, train, shard)
+    minus = [encoder.loss_terms(model, train, groups[g]) for g in mine]
     perturb_all_(params, zs, cfg.eps)
-    loss_plus, loss_minus = mean_over_workers([loss_plus, loss_minus], world)
+    summed = (exchange or (lambda _, vec: sum_over_workers(vec, world)))(step, group_vector(len(groups), mine, plus, minus))
+    loss_plus, loss_minus = reduce_groups(summed)
     grad = (loss_plus - loss_minus) / (2 * cfg.eps)
     record = StepRecord(
         step=step, seed=seed, projected_grad=grad, loss_plus=loss_plus, loss_minus=loss_minus,

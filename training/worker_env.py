@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -38,16 +39,17 @@ class WorkerEnv:
 def record_start(env: WorkerEnv, restored: dict | None) -> int:
     """Record how this worker starts and return its first step: after a restore (``restored``, the
     restore's result), a ``recovery`` event at the restored step; on a fresh start, the held-out
-    accuracy before training (when ``eval_samples``). Only rank 0 writes these events; every rank
-    records where it runs (a ``placement`` event, for the summary)."""
-    env.run.event("placement", component="worker", rank=env.rank, **this_node())
+    accuracy before training (when ``eval_samples``). Only rank 0 writes these events (with
+    ``replica_groups`` every rank that restored writes its ``recovery``: a replaced worker restores
+    alone); every rank records where it runs, its process id and the world size (a ``placement`` event, for the summary)."""
+    env.run.event("placement", component="worker", rank=env.rank, world=env.world, pid=os.getpid(), **this_node())
     if restored is None:
         if env.rank == 0 and env.cfg.eval_samples:
             env.run.event("accuracy", when="before", value=env.encoder.evaluate(env.model, env.held_out, env.cfg.eval_samples))
         return 0
     start = restored["base_step"] + restored["replayed_steps"]
-    if env.rank == 0:
-        env.run.event("recovery", at_step=start, restored_step=start, worker_start_unix_s=env.started_unix_s, **restored)
+    if env.rank == 0 or env.cfg.replica_groups:  # with replica groups a replaced worker restores alone
+        env.run.event("recovery", rank=env.rank, at_step=start, restored_step=start, worker_start_unix_s=env.started_unix_s, **restored)
     return start
 
 
@@ -71,10 +73,16 @@ def worker_env(config: dict) -> WorkerEnv:
     )
 
 
+def sum_over_workers(t: torch.Tensor, world: int) -> torch.Tensor:
+    """``t`` (a CPU tensor) summed over the ``world`` workers by one torch.distributed all-reduce, in
+    place (identity for one worker)."""
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
 def mean_over_workers(values: list[float], world: int) -> list[float]:
     """The mean of each value over the ``world`` workers (one float64 all-reduce; identity for one)."""
     if world == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return (t / world).tolist()
+    return (sum_over_workers(torch.tensor(values, dtype=torch.float64), world) / world).tolist()
