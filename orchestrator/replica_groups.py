@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 from ray.train.torch.config import TorchConfig, _TorchBackend
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.step_exchange import StepExchangeActor
 
@@ -46,7 +47,9 @@ class ReplicaGroupsConfig(TorchConfig):
 
 class ReplicaGroupsBackend(_TorchBackend):
     """Starts a process group per replica group (a whole worker group at the start, one replaced replica
-    group after a failure) and, once, the step exchange (kept referenced so it lives with the backend)."""
+    group after a failure) and, once, the step exchange (kept referenced so it lives with the backend), on
+    the node of Ray Train's controller: a lost train node never takes it (the controller's node is the
+    driver's by default)."""
 
     has_replica_groups: bool = True
 
@@ -56,9 +59,10 @@ class ReplicaGroupsBackend(_TorchBackend):
 
     def on_start(self, worker_group, backend_config: ReplicaGroupsConfig) -> None:
         if self.exchange is None:
+            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
             self.exchange = ray.remote(StepExchangeActor).options(
                 name=backend_config.exchange_name, namespace=backend_config.namespace, num_cpus=0, max_concurrency=1000,
-                get_if_exists=True,
+                get_if_exists=True, scheduling_strategy=here,  # on the controller's node, as torchft's lighthouse
             ).remote(backend_config.world, EXCHANGE_KEEP_STEPS)
             ray.get(self.exchange.__ray_ready__.remote())
         start = super().on_start

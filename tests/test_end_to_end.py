@@ -194,14 +194,26 @@ def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_pat
     assert [(t["bytes"], t["step"]) for t in s["torn_tails_cut"]] == [(38, 10)]
 
 
-def test_two_workers_recover_exactly_and_the_adaptive_policy_replans(cluster, tmp_path_factory):
-    """Two data-parallel workers, a worker failure at step 6, and the adaptive policy assuming an
+def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive_policy_replans(cluster, tmp_path_factory):
+    """Two data-parallel workers against the failure-free run of ONE worker with the same example groups
+    (``training.groups``: the losses do not depend on the worker count, ``docs/elastic.md``); rank 1 dies
+    at step 6 and is replaced alone (each worker its own Ray Train replica group,
+    ``orchestrator.replica_groups``): rank 0's process goes on through the failure, waiting at the step
+    exchange until the replacement has restored step 6 from the shadow. The adaptive policy assumes an
     MTBF of 1 s: it starts at 1 step between snapshots and must re-plan, since every second the job
     runs without a failure contradicts that MTBF (policies.replan: (M0 + elapsed) / (1 + failures))."""
-    ref = job(tmp_path_factory, "ref2", workers=2, hash_every=0)
-    s = job(tmp_path_factory, "two", "6:worker:exit", workers=2, hash_every=0, snapshot_policy="adaptive", mtbf_s=1.0)
-    assert s["state_sha256"] == ref["state_sha256"] and s["shadow_equal"]
-    assert [(r["failure_step"], r["source"]) for r in s["recoveries"]] == [(6, "object_store")]
+    ref = job(tmp_path_factory, "one", workers=1, micro_batch_size=4, eval_samples=0)  # batch 8: two groups
+    s = job(tmp_path_factory, "two", "6:worker:exit", workers=2, micro_batch_size=4, eval_samples=0,
+            snapshot_policy="adaptive", mtbf_s=1.0)
+    assert s["state_sha256"] == ref["state_sha256"] and s["worker_hashes"] == ref["worker_hashes"] and s["shadow_equal"]
+    assert len(set(ref["worker_hashes"].values())) == 6  # after steps 2, 4, ..., 12: the state moved
+    assert s["trajectory_sha256"] == ref["trajectory_sha256"]  # one trajectory, whatever the worker count
+    assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [(6, "object_store", 6)]
+    started = [e for e in RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
+               if e["kind"] == "placement" and e["component"] == "worker"]
+    pids = {rank: [e["pid"] for e in started if e["rank"] == rank] for rank in (0, 1)}
+    assert len(pids[0]) == 1  # rank 0 started once: its process survived the failure
+    assert len(pids[1]) == 2 and pids[1][0] != pids[1][1] and pids[0][0] not in pids[1]
     assert s["snapshot_policy"] == "adaptive" and s["replans"] and s["replans"][0]["previous_interval_steps"] == 1
     interval, expected = 1, []  # the interval in force at each step, from the re-plan events
     replans = {r["step"]: r for r in s["replans"]}

@@ -101,7 +101,7 @@ def states_after(cfg: JobConfig, data, encoder, steps: int) -> list[str]:
 def test_the_groups_decide_the_trajectory_so_the_worker_count_check_can_fail(tmp_path, data, encoder):
     """Before example groups a one-worker run scored the batch as one group and a two-worker run as two:
     different trajectories. One group (``micro_batch_size`` 8) against two (4) gives other state bits
-    from the first step, so the Ray test's 1-worker = 2-worker comparison (tests/test_elastic.py) can fail."""
+    from the first step, so the Ray test's 1-worker = 2-worker comparison (the two-worker test of tests/test_end_to_end.py) can fail."""
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", steps=2, lr=1e-3, batch_size=8)
     one_group = states_after(cfg, data, encoder, 2)
     two_groups = states_after(cfg.replace(micro_batch_size=4), data, encoder, 2)
