@@ -8,7 +8,9 @@ strategy run) and ``recoveries.parquet`` (one row per worker recovery), and writ
   per step, in total and per durable point, as run and at equal durability (every strategy durable
   every step, as the step log makes ours).
 - (b) ``recovery.parquet``, ``recovery.png``: recovery latency (failure to the first new step) by
-  strategy, broken down into restart, load, replay and recompute, with a 95% interval.
+  strategy, broken down into restart, load, replay and recompute, with a 95% interval;
+  ``breakdown.parquet``: the measured components of a recovery (detection, Ray Train's restart of the
+  worker group, imports, model and data load, state transfer, replay, first step) per strategy.
 - (c) ``wasted.parquet``, ``measured_waste.parquet``, ``wasted.png``: end-to-end wasted time W over a
   grid of failure rates, a seeded Monte Carlo (``policies.simulate``) over the costs measured in the
   real runs, with each real run's own measured W beside it as a check.
@@ -51,6 +53,7 @@ from experiments.report_tables import (
     PAPER_BASELINE,
     RECOVERY_PARTS,
     Headline,
+    breakdown_table,
     default_grid_mtbf_s,
     exactness_table,
     fmt_ratio,
@@ -239,7 +242,18 @@ def _overhead_md(rows: list[dict], hs: Sequence[Headline]) -> str:
     return text + "\n\n![overhead](overhead.png)" + _why_md(hs, "overhead")
 
 
-def _recovery_md(rows: list[dict], hs: Sequence[Headline]) -> str:
+def _breakdown_md(rows: list[dict]) -> str:
+    """The recovery breakdown table (``breakdown_table``), or a line saying no recovery had one."""
+    if not rows:
+        return "No recovery recorded a breakdown (its worker's stamps are missing: a run of an older raycheck)."
+    strategies = [k for k in rows[0] if k not in ("component", "owner")]
+    return ("Where a recovery's time goes, from the failure to the first step done, mean seconds per component "
+            "(`orchestrator.summary.BREAKDOWN` defines each; `a+b`: two components the stamps could not separate). "
+            "*Ray Train* marks its restart of the worker group, which no checkpointing strategy changes.\n\n"
+            + md_table(rows, [("component", "component"), ("owner", "whose"), *((s, f"{s} (s)") for s in strategies)]))
+
+
+def _recovery_md(rows: list[dict], hs: Sequence[Headline], breakdown: list[dict] | None = None) -> str:
     view = [{**r, "latency": _ci(r["latency_s"], r["latency_lo_s"], r["latency_hi_s"])} for r in rows]
     table = md_table(view, [("strategy", "strategy"), ("n", "n"), ("latency", "latency s, mean [95% CI]"),
                             ("restart_s", "restart"), ("load_s", "load"), ("replay_s", "replay"), ("recompute_s", "recompute"),
@@ -248,7 +262,8 @@ def _recovery_md(rows: list[dict], hs: Sequence[Headline]) -> str:
                             ("sources", "restored from"), ("ratio", "/ ours")])
     return ("Latency from the failure to the start of the first step not executed before it, in seconds, mean over each "
             "strategy's recoveries (95% Student-t interval when n > 1); *other* is what restart, load, replay and "
-            "recompute leave unexplained.\n\n" + table + "\n\n![recovery](recovery.png)" + _why_md(hs, "recovery"))
+            "recompute leave unexplained.\n\n" + table + "\n\n![recovery](recovery.png)\n\n" + _breakdown_md(breakdown or [])
+            + _why_md(hs, "recovery"))
 
 
 def _wasted_md(rows: list[dict], measured: list[dict], hs: Sequence[Headline], grid_note: str, seeds: int, min_failures: int,
@@ -314,9 +329,11 @@ def _why_md(hs: Sequence[Headline], metric: str) -> str:
 
 def render_markdown(runs: list[dict], overhead: list[dict], recovery: list[dict], wasted: list[dict], measured: list[dict],
                     exactness: list[dict], hs: Sequence[Headline], *, grid_note: str, seeds: int, min_failures: int,
-                    background_weight: float, intervals: str, shards: list[dict] | None = None) -> str:
-    """The whole ``report.md``: inputs, headline ratios, then one section per (a)-(d), and (e) replay
-    per shadow shard when ``shards`` (the ``shards.parquet`` rows) are given."""
+                    background_weight: float, intervals: str, shards: list[dict] | None = None,
+                    breakdown: list[dict] | None = None) -> str:
+    """The whole ``report.md``: inputs, headline ratios, then one section per (a)-(d) ((b) with the
+    recovery ``breakdown``, ``breakdown_table``'s rows), and (e) replay per shadow shard when ``shards``
+    (the ``shards.parquet`` rows) are given."""
     models = ", ".join(sorted({str(r["model"]) for r in runs}))
     return "\n\n".join([
         f"# raycheck experiment: {models}",
@@ -325,7 +342,7 @@ def render_markdown(runs: list[dict], overhead: list[dict], recovery: list[dict]
         "## Inputs\n\n" + _inputs_md(runs),
         "## Ours against each baseline, beside the paper\n\n" + _headlines_md(hs),
         "## (a) Checkpoint overhead\n\n" + _overhead_md(overhead, hs),
-        "## (b) Recovery latency\n\n" + _recovery_md(recovery, hs),
+        "## (b) Recovery latency\n\n" + _recovery_md(recovery, hs, breakdown),
         "## (c) End-to-end wasted time\n\n"
         + _wasted_md(wasted, measured, hs, grid_note, seeds, min_failures, background_weight, intervals),
         "## (d) Exactness\n\n" + _exactness_md(exactness),
@@ -355,7 +372,7 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
     """
     results_dir = pathlib.Path(results_dir)
     runs, recoveries = load_results(results_dir)
-    overhead, recovery = overhead_table(runs), recovery_table(recoveries)
+    overhead, recovery, breakdown = overhead_table(runs), recovery_table(recoveries), breakdown_table(recoveries)
     if grid_mtbf_s is None:
         grid_mtbf_s = default_grid_mtbf_s(runs, recoveries)
         grid_note = (f"the default: {GRID_POINTS} MTBFs log-spaced over {GRID_DECADES} decades, from a failure every "
@@ -369,8 +386,10 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
     exactness = exactness_table(runs)
     shards = pq.read_table(results_dir / "shards.parquet").to_pylist() if (results_dir / "shards.parquet").is_file() else None
     hs = headlines(overhead, recovery, wasted, runs, recoveries, background_weight=background_weight)
-    files = {name: results_dir / f"{name}.parquet" for name in ("overhead", "recovery", "wasted", "measured_waste", "exactness")}
-    for name, rows in zip(files, (overhead, recovery, wasted, measured, exactness)):
+    tables = {"overhead": overhead, "recovery": recovery, "wasted": wasted, "measured_waste": measured, "exactness": exactness,
+              **({"breakdown": breakdown} if breakdown else {})}
+    files = {name: results_dir / f"{name}.parquet" for name in tables}
+    for name, rows in tables.items():
         write_parquet(rows, files[name])
     plots = (("overhead", plot_overhead, overhead), ("recovery", plot_recovery, recovery), ("wasted", plot_wasted, wasted))
     for name, plot, rows in plots:
@@ -379,7 +398,7 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
     files["report"] = results_dir / "report.md"
     files["report"].write_text(render_markdown(runs, overhead, recovery, wasted, measured, exactness, hs, grid_note=grid_note,
                                                seeds=seeds, min_failures=min_failures, background_weight=background_weight,
-                                               intervals=intervals, shards=shards))
+                                               intervals=intervals, shards=shards, breakdown=breakdown))
     return Report(results_dir=results_dir, files=files, headlines=hs, highest_rate_mtbf_s=min(grid_mtbf_s))
 
 

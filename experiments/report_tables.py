@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
+from experiments.results import BREAKDOWN_PREFIX
+from orchestrator.summary import RAY_TRAIN_COMPONENTS
 from policies.costs import InfeasibleError, MeasuredCosts
 from policies.models import Strategy, expected_waste, optimal_interval_steps
 from policies.simulate import SimResult, simulate
@@ -278,6 +280,24 @@ def recovery_table(recoveries: list[dict]) -> list[dict]:
     ours = ours_row(rows)
     for r in rows:
         r["ratio"] = ratio(r["latency_s"], ours.get("latency_s", math.nan))
+    return rows
+
+
+def breakdown_table(recoveries: list[dict]) -> list[dict]:
+    """(b) The recovery breakdown: one row per component (``orchestrator.summary.BREAKDOWN``; a
+    combined one where two could not be separated), in the order the recoveries list them, with
+    ``owner`` (``Ray Train`` for its worker-group restart, else ``raycheck``) and each strategy's mean
+    seconds over its recoveries that have the component; the last row is ``first_step`` (failure to
+    the first step done, their sum). ``[]`` when no recovery has a breakdown."""
+    by_strategy = _by_strategy(recoveries)
+    columns = list(dict.fromkeys(k for r in recoveries for k, v in r.items() if k.startswith(BREAKDOWN_PREFIX)))
+    rows = []
+    for column in [*columns, "first_step_s"] if columns else []:
+        name = column.removeprefix(BREAKDOWN_PREFIX).removesuffix("_s")
+        owner = "Ray Train" if set(name.split("+")) <= RAY_TRAIN_COMPONENTS else "raycheck"
+        row = {"component": name, "owner": "" if column == "first_step_s" else owner}
+        row.update({str(s): _mean([r for r in rs if column in r], column) for s, rs in by_strategy.items()})
+        rows.append(row)
     return rows
 
 

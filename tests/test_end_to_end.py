@@ -23,6 +23,7 @@ from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from orchestrator.run_dir import RunDir
+from orchestrator.summary import BREAKDOWN
 from orchestrator.schedule import failure_schedule, parse_schedule
 from storage.log_segments import read_segments
 from storage.snapshots import SnapshotStore
@@ -127,11 +128,19 @@ def test_worker_failures_first_mid_back_to_back_and_last_step_are_exact(workers,
     assert [(r["at_step"], r["source"]) for r in s["recoveries"]] == [(step, "object_store") for step in (0, 5, 5, 11)]
     assert all(r["seconds"] > 0 for r in s["recoveries"])
     assert s["shadow_hashes"] == s["worker_hashes"]
+    # each recovery's breakdown: every component measured apart, none negative, adding up exactly (float64) to the
+    # failure-to-first-step time; the first worker of step 5 failed again before its first step: it ends at the restore
+    components = [part for _, part in BREAKDOWN]
+    assert [r["first_step_seconds"] is None for r in s["recoveries"]] == [False, True, False, False]
+    for r in s["recoveries"]:
+        total = r["seconds"] if r["first_step_seconds"] is None else r["first_step_seconds"]
+        assert list(r["breakdown"]) == (components[:-1] if r["first_step_seconds"] is None else components)
+        assert min(r["breakdown"].values()) >= 0 and sum(r["breakdown"].values()) == total
 
 
 def scrape(port: int, run: str) -> dict[tuple, float]:
     """The ``ray_raycheck_*`` series of ``run`` on the node's metrics export port, keyed by name
-    plus the target or source label."""
+    plus the target, source or component label."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     found = {}
     for line in body.splitlines():
@@ -139,7 +148,7 @@ def scrape(port: int, run: str) -> dict[tuple, float]:
             continue
         name, rest = line.split("{", 1)
         labels = dict(kv.split("=", 1) for kv in rest.rsplit("}", 1)[0].split(","))
-        found[(name, *(labels[k].strip('"') for k in ("target", "source") if k in labels))] = float(line.rsplit(" ", 1)[1])
+        found[(name, *(labels[k].strip('"') for k in ("target", "source", "component") if k in labels))] = float(line.rsplit(" ", 1)[1])
     return found
 
 
@@ -157,6 +166,8 @@ def test_metrics_reach_the_prometheus_endpoint(cluster, workers):
         ("ray_raycheck_snapshot_bytes_persisted",): float(s["snapshots"]["bytes_written"]),
         ("ray_raycheck_snapshot_age_steps",): 12.0 - s["snapshots"]["last_durable_step"],
         ("ray_raycheck_log_lag_steps",): 0.0,  # the log is not mirrored: storage is local
+        ("ray_raycheck_recovery_first_step_seconds",): s["recoveries"][-1]["first_step_seconds"],
+        **{("ray_raycheck_recovery_component_seconds", c.removesuffix("_s")): v for c, v in s["recoveries"][-1]["breakdown"].items()},
     }
     deadline, found = time.monotonic() + 90, {}
     while time.monotonic() < deadline:  # Ray exports on its own period (up to ~10 s behind the run)

@@ -73,3 +73,17 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch):
     monkeypatch.setattr(s3_server.socket, "socket", OneShotSocket)
     monkeypatch.setattr(s3_server, "_HANDED_OUT", set())
     assert [s3_server.free_port(), s3_server.free_port()] == [41001, 41002]
+
+
+def test_recovery_rows_carry_the_summary_breakdown_as_columns():
+    from experiments.results import recovery_rows
+
+    executions = [_row(3, 4.0, 0), _row(4, 30.0, 0)]
+    summary = _summary("shadow", recoveries=[{"breakdown": {"detection_s": 0.5, "log_setup+state_transfer_s": 1.25},
+                                              "first_step_seconds": 25.75}])
+    events = [{"kind": "failure", "target": "worker", "step": 4, "unix_s": 4.25},
+              {"kind": "recovery", "unix_s": 29.0, "seconds": 1.0, "restored_step": 4, "source": "object_store",
+               "load_seconds": 0.9, "replay_seconds": 0.0, "replayed_steps": 0}]
+    [rec] = recovery_rows(summary, events, executions)
+    assert {k: rec[k] for k in ("bd_detection_s", "bd_log_setup+state_transfer_s", "first_step_s")} == {
+        "bd_detection_s": 0.5, "bd_log_setup+state_transfer_s": 1.25, "first_step_s": 25.75}

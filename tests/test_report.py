@@ -302,3 +302,33 @@ def test_experiment_report_only_rebuilds_the_report_from_existing_results(tmp_pa
         assert heading in md
     assert {p.name for p in tmp_path.glob("*.png")} == {"overhead.png", "recovery.png", "wasted.png"}
     assert {name: (tmp_path / name).read_bytes() for name in inputs} == inputs  # the results are only read
+
+
+def with_breakdown(rows: list[dict], detection: float, group_setup: float, state: float) -> list[dict]:
+    """``rows`` with breakdown columns (seconds): first step = their sum."""
+    return [{**r, "bd_detection_s": detection, "bd_group_setup_s": group_setup, "bd_log_setup+state_transfer_s": state,
+             "first_step_s": detection + group_setup + state} for r in rows]
+
+
+def test_breakdown_table_means_each_component_per_strategy_and_marks_ray_trains(tmp_path):
+    recs = (with_breakdown(recoveries("shadow", (12.0, 13.0), (9.0, 9.5), (1, 1)), 0.5, 5.0, 0.25)
+            + with_breakdown(recoveries("full-async", (20.0,), (9.5,), (1.5,)), 1.0, 6.0, 1.5)
+            + recoveries("full-sync", (25.0,), (9.5,), (1.5,)))  # an older run: no breakdown
+    rows = {r["component"]: r for r in rt.breakdown_table(rt._read_rows(write(tmp_path, all_runs(), recs) / "recoveries.parquet",
+                                                                          rt.RECOVERY_COLUMNS))}
+    assert list(rows) == ["detection", "group_setup", "log_setup+state_transfer", "first_step"]
+    assert [rows[c]["owner"] for c in rows] == ["Ray Train", "Ray Train", "raycheck", ""]
+    assert (rows["detection"]["shadow"], rows["detection"]["full-async"]) == (0.5, 1.0)
+    assert rows["first_step"]["shadow"] == 5.75 and rows["first_step"]["full-async"] == 8.5
+    assert math.isnan(rows["detection"]["full-sync"])
+    report = rp.write_report(tmp_path, grid_mtbf_s=GRID, seeds=1, min_failures=2)
+    assert pq.read_table(report.files["breakdown"]).num_rows == 4
+    md = report.files["report"].read_text()
+    assert "| component | whose | shadow (s) | full-sync (s) | full-async (s) |" in md
+    assert "| log_setup+state_transfer | raycheck | 0.25 | n/a | 1.5 |" in md
+
+
+def test_a_report_without_breakdowns_says_so(tmp_path):
+    report = rp.write_report(write(tmp_path, all_runs(), standard_recoveries()), grid_mtbf_s=GRID, seeds=1, min_failures=2)
+    assert "breakdown" not in report.files
+    assert "No recovery recorded a breakdown" in report.files["report"].read_text()

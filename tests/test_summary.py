@@ -1,6 +1,6 @@
 """``orchestrator.summary.recoveries``: each recovery's timings and the work it lost or must redo."""
 
-from orchestrator.summary import recoveries
+from orchestrator.summary import BREAKDOWN, breakdown, recoveries
 
 
 def test_recoveries_count_lost_and_recomputed_steps_against_the_failure_they_answer():
@@ -26,3 +26,89 @@ def test_a_recovery_without_a_worker_failure_has_no_failure_fields():
     [row] = recoveries([{"kind": "recovery", "at_step": 0, "restored_step": 0, "source": "initial", "base_step": 0,
                          "replayed_steps": 0, "seconds": 0.1, "load_seconds": 0.1, "replay_seconds": 0.0, "unix_s": 5.0}])
     assert "lost_steps" not in row and "failure_step" not in row and row["restore_seconds"] == 0.1
+
+
+def test_the_ranks_of_a_group_restoring_the_same_step_are_one_recovery():
+    """With replica groups every rank that restores records a ``recovery`` event; a whole-group restart
+    after one failure is one recovery (the first event), a later failure's is another."""
+    restored = {"source": "object_store", "base_step": 6, "replayed_steps": 0, "seconds": 0.5, "load_seconds": 0.5,
+                "replay_seconds": 0.0}
+    events = [
+        {"kind": "failure", "target": "worker", "step": 6, "durable_steps": 6, "unix_s": 100.0},
+        {"kind": "recovery", "rank": 1, "at_step": 6, "restored_step": 6, "unix_s": 104.0, **restored},
+        {"kind": "recovery", "rank": 0, "at_step": 6, "restored_step": 6, "unix_s": 105.0, **restored},
+        {"kind": "failure", "target": "worker", "step": 6, "durable_steps": 6, "unix_s": 110.0},
+        {"kind": "recovery", "rank": 0, "at_step": 6, "restored_step": 6, "unix_s": 113.0, **restored},
+    ]
+    assert [(r["failure_step"], r["seconds"]) for r in recoveries(events)] == [(6, 4.0), (6, 3.0)]
+
+
+T0 = 1_700_000_000.0  # a unix time: stamps are multiples of 2**-22 s here, so the components add up exactly
+
+STAMPS = {  # seconds after the failure at T0, one per BREAKDOWN stamp
+    "detected_unix_s": 0.5, "group_start_unix_s": 0.75, "process_created_unix_s": 1.25, "workers_created_unix_s": 3.0,
+    "group_ready_unix_s": 5.5, "worker_start_unix_s": 5.625, "imports_unix_s": 7.625, "model_loaded_unix_s": 9.125,
+    "data_loaded_unix_s": 10.0, "restore_began_unix_s": 10.0625, "state_loaded_unix_s": 10.5625, "unix_s": 10.75,
+    "first_step_unix_s": 11.5,
+}
+
+
+def test_breakdown_is_the_chain_of_stamps_and_adds_up_to_the_total_exactly():
+    parts, clamped = breakdown(T0, {k: T0 + v for k, v in STAMPS.items()})
+    # by hand: each component is its stamp minus the one before (the first minus the failure)
+    assert parts == {"detection_s": 0.5, "teardown_s": 0.25, "scheduling_s": 0.5, "process_start_s": 1.75,
+                     "group_setup_s": 2.5, "launch_s": 0.125, "imports_s": 2.0, "model_load_s": 1.5, "data_load_s": 0.875,
+                     "log_setup_s": 0.0625, "state_transfer_s": 0.5, "replay_s": 0.1875, "first_step_s": 0.75}
+    assert clamped == [] and list(parts) == [part for _, part in BREAKDOWN]
+    # stamps that are not binary fractions: the sum is still exactly the last stamp minus the failure
+    odd = {k: T0 + v * 1.0123456789 for k, v in STAMPS.items()}
+    parts, _ = breakdown(T0 + 0.1, odd)
+    assert sum(parts.values()) == odd["first_step_unix_s"] - (T0 + 0.1)
+
+
+def test_a_missing_stamp_merges_its_two_components_and_an_early_one_is_clamped_to_zero():
+    stamps = {k: T0 + v for k, v in STAMPS.items() if k not in ("detected_unix_s", "restore_began_unix_s", "first_step_unix_s")}
+    stamps["process_created_unix_s"] = T0 - 2.0  # a process Ray had started before the failure
+    parts, clamped = breakdown(T0, stamps)
+    assert parts == {"detection+teardown_s": 0.75, "scheduling_s": 0.0, "process_start_s": 2.25, "group_setup_s": 2.5,
+                     "launch_s": 0.125, "imports_s": 2.0, "model_load_s": 1.5, "data_load_s": 0.875,
+                     "log_setup+state_transfer_s": 0.5625, "replay_s": 0.1875}  # no first step yet: it ends at the restore
+    assert clamped == ["scheduling_s"]
+
+
+def test_recoveries_take_the_breakdown_from_the_group_the_worker_joined_and_its_first_step():
+    group = {k: T0 + STAMPS[k] for k in ("detected_unix_s", "group_start_unix_s", "workers_created_unix_s", "group_ready_unix_s")}
+    worker = {k: T0 + v for k, v in STAMPS.items() if k not in group and k not in ("unix_s", "first_step_unix_s")}
+    events = [
+        {"kind": "worker_group", "starts": 1, "group_start_unix_s": T0 - 30.0, "unix_s": T0 - 20.0},  # the first start
+        {"kind": "failure", "target": "worker", "step": 3, "durable_steps": 3, "unix_s": T0},
+        {"kind": "recovery", "at_step": 3, "restored_step": 3, "source": "object_store", "base_step": 3, "replayed_steps": 0,
+         "seconds": 0.6875, "load_seconds": 0.5, "replay_seconds": 0.0, **worker, "unix_s": T0 + 10.75},
+        # the controller's stamps reach the journal after the worker's event: matched by time, not by order
+        {"kind": "worker_group", "starts": 2, **group, "unix_s": T0 + 5.75},
+    ]
+    executions = [{"step": 3, "unix_s": T0 - 1.0}, {"step": 2, "unix_s": T0 + 11.0}, {"step": 3, "unix_s": T0 + 11.5}]
+    [row] = recoveries(events, executions)
+    assert row["breakdown"] == breakdown(T0, {**{k: T0 + v for k, v in STAMPS.items()}})[0]
+    assert (row["seconds"], row["first_step_seconds"]) == (10.75, 11.5)
+    assert sum(row["breakdown"].values()) == row["first_step_seconds"]
+    assert "breakdown_clamped" not in row
+    # before the first step after the restore is done, the breakdown ends at the restore
+    [early] = recoveries(events, executions[:2])
+    assert early["first_step_seconds"] is None and "first_step_s" not in early["breakdown"]
+    assert sum(early["breakdown"].values()) == early["seconds"]
+
+
+def test_a_worker_that_fails_again_before_its_first_step_has_no_first_step():
+    """Back to back in step 5: the restarted worker fails in step 5 too; the step 5 done later belongs
+    to the second recovery only."""
+    worker = {k: T0 + v for k, v in STAMPS.items() if k in ("process_created_unix_s", "worker_start_unix_s")}
+    recovery = {"kind": "recovery", "at_step": 5, "restored_step": 5, "source": "object_store", "base_step": 5,
+                "replayed_steps": 0, "seconds": 0.5, "load_seconds": 0.5, "replay_seconds": 0.0}
+    events = [{"kind": "failure", "target": "worker", "step": 5, "durable_steps": 5, "unix_s": T0},
+              {**recovery, **worker, "unix_s": T0 + 10.0},
+              {"kind": "failure", "target": "worker", "step": 5, "durable_steps": 5, "unix_s": T0 + 10.5},
+              {**recovery, **{k: v + 20.0 for k, v in worker.items()}, "unix_s": T0 + 30.0}]
+    first, second = recoveries(events, [{"step": 5, "unix_s": T0 + 31.0}])
+    assert first["first_step_seconds"] is None and sum(first["breakdown"].values()) == first["seconds"] == 10.0
+    assert second["first_step_seconds"] == 20.5 and second["breakdown"]["first_step_s"] == 1.0

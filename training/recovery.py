@@ -54,7 +54,7 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
         return None
     load_into(params, state)
     return {"source": "object_store", "base_step": log_end, "replayed_steps": 0,
-            "load_seconds": time.perf_counter() - t0, "replay_seconds": 0.0}
+            "load_seconds": time.perf_counter() - t0, "replay_seconds": 0.0, "state_loaded_unix_s": time.time()}
 
 
 def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict, list[StepRecord], str]:
@@ -107,7 +107,7 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
         log.warning("%s; restarting from the initial weights", exc)
         base, source, skipped = 0, "initial", [str(exc)]
     t1 = time.perf_counter()
-    result = {"source": source, "base_step": base, "replayed_steps": 0, "skipped": skipped}
+    result = {"source": source, "base_step": base, "replayed_steps": 0, "skipped": skipped, "state_loaded_unix_s": time.time()}
     if log_end is not None:
         header, records, result["log_source"] = log_tail(cfg, local_log, base, log_end)
         check_generator(header, f"the step log ({result['log_source']})")
@@ -125,10 +125,12 @@ def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log,
     step log (``log_end=None``) it is the newest committed checkpoint.
 
     Returns ``{"source": "object_store" | "storage" | "initial", "base_step", "replayed_steps",
-    "load_seconds", "replay_seconds", "seconds"}``; the restored state belongs to step
-    ``base_step + replayed_steps``.
+    "load_seconds", "replay_seconds", "seconds", "restore_began_unix_s", "state_loaded_unix_s"}``
+    (the last two: when the restore began and when its base state was loaded, unix seconds); the
+    restored state belongs to step ``base_step + replayed_steps``.
     """
-    t0 = time.perf_counter()
+    t0, began_unix_s = time.perf_counter(), time.time()
     result = (from_shadow(params, cfg, log_end) if cfg.uses_shadow else None) or from_storage(params, cfg, local_log, log_end)
     result["seconds"] = time.perf_counter() - t0
+    result["restore_began_unix_s"] = began_unix_s
     return result

@@ -6,6 +6,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import psutil
 import ray.train
 import torch
 import torch.distributed as dist
@@ -22,14 +23,17 @@ from training.model import load_model, load_tokenizer
 class WorkerEnv:
     """One worker's configuration, place in the job, channel to the run's journal, model and data.
 
-    ``started_unix_s`` is when the worker process began its setup (recovery timings start there).
+    ``stamps``: when (unix seconds, this node's clock) this worker's start reached each phase
+    (``process_created_unix_s``, ``worker_start_unix_s``, ``imports_unix_s``, ``model_loaded_unix_s``,
+    ``data_loaded_unix_s``: ``worker_env``); a restore's ``recovery`` event carries them, for the
+    recovery breakdown (``orchestrator.summary.BREAKDOWN``).
     """
 
     cfg: JobConfig
     rank: int
     world: int
     run: RunChannel
-    started_unix_s: float
+    stamps: dict[str, float]
     model: torch.nn.Module
     encoder: PromptEncoder | CausalLMEncoder
     train: object
@@ -49,7 +53,7 @@ def record_start(env: WorkerEnv, restored: dict | None) -> int:
         return 0
     start = restored["base_step"] + restored["replayed_steps"]
     if env.rank == 0 or env.cfg.replica_groups:  # with replica groups a replaced worker restores alone
-        env.run.event("recovery", rank=env.rank, at_step=start, restored_step=start, worker_start_unix_s=env.started_unix_s, **restored)
+        env.run.event("recovery", rank=env.rank, at_step=start, restored_step=start, **env.stamps, **restored)
     return start
 
 
@@ -57,20 +61,25 @@ def worker_env(config: dict) -> WorkerEnv:
     """Parse ``config`` (``JobConfig.to_dict()`` plus the driver's shipped references under
     ``training.assets.ASSETS_KEY``), fix the torch thread count (reproducible forward passes across
     restarts), and load the model (initial weights), tokenizer and data: a model folder's files and a
-    data file's splits from Ray's object store, never from the driver's paths."""
-    started = time.time()
+    data file's splits from Ray's object store, never from the driver's paths. Each phase is stamped
+    (``WorkerEnv.stamps``)."""
+    stamps = {"process_created_unix_s": psutil.Process().create_time(), "worker_start_unix_s": time.time()}
     config = dict(config)
     shipped = config.pop(ASSETS_KEY, None)
     cfg = JobConfig.from_dict(config)
     torch.set_num_threads(cfg.torch_threads)
     ctx = ray.train.get_context()
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (load_model's and load_tokenizer's imports, timed on their own)
+
+    stamps["imports_unix_s"] = time.time()
     files = shipped_model(shipped, cfg.model)
+    model = load_model(cfg.model, cfg.cache_dir, files, cfg.dtype)
+    stamps["model_loaded_unix_s"] = time.time()
     train, held_out = splits(fetch(shipped, "data"))
-    return WorkerEnv(
-        cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg),
-        started_unix_s=started, model=load_model(cfg.model, cfg.cache_dir, files, cfg.dtype),
-        encoder=make_encoder(cfg, load_tokenizer(cfg.cache_dir, files)), train=train, held_out=held_out,
-    )
+    encoder = make_encoder(cfg, load_tokenizer(cfg.cache_dir, files))
+    stamps["data_loaded_unix_s"] = time.time()
+    return WorkerEnv(cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg), stamps=stamps,
+                     model=model, encoder=encoder, train=train, held_out=held_out)
 
 
 def sum_over_workers(t: torch.Tensor, world: int) -> torch.Tensor:
