@@ -22,15 +22,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import typer
 
 from conftest import free_port
+from orchestrator.cli import resume_config
+from orchestrator.config import JobConfig
 from storage.backend import Storage
 from storage.dcp_store import ShardedStore
 from storage.manifest import RunIdentity
 from training.data import PromptEncoder, batch_indices, load_rotten_tomatoes
 from training.fo import FOTrainer
 from training.model import load_model, load_tokenizer
-from training.sharded import ShardedCheckpointer, ShardedWriter, checkpoint_group, full_state
+from training.sharded import ShardedCheckpointer, ShardedWriter, checkpoint_group, evaluate, full_state
 from training.state import as_numpy, state_sha256
 from test_fo import HYPER
 
@@ -56,6 +59,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, mode: str, result: s
     store = ShardedStore(root, identity=IDENTITY)
     out = {}
     if mode == "save":  # 6 steps, async checkpoints at 2, 4, 6; then step 7 uninterrupted and from a restart
+        out["accuracy"] = evaluate(trainer, encoder, load_rotten_tomatoes()[1], 32)  # before any training forward
         ckpt = ShardedCheckpointer(ShardedWriter(store, trainer.state_view(), group), every=2, asynchronous=True)
         for t in range(6):
             step(trainer, split, t, rank, world)
@@ -129,6 +133,11 @@ def test_a_two_rank_checkpoint_restores_bitwise_and_a_restart_at_two_ranks_conti
     assert out["restarted_7"] == out[7]  # same world size: the same next state
 
 
+def test_a_sharded_model_evaluates_as_the_unsharded_one(saved, encoder, data):
+    _, out = saved
+    assert out["accuracy"] == evaluate(FOTrainer(load_model("tiny"), HYPER, encoder), encoder, data[1], 32)
+
+
 def test_restores_at_one_and_three_ranks_load_the_two_rank_state_bitwise_and_continue(saved, restarts, encoder):
     (_, out), (one, three) = saved, restarts
     assert one["restored"] == three["restored"] == (6, out[6])  # every tensor, re-gathered, bitwise
@@ -153,3 +162,36 @@ def test_a_corrupt_or_missing_shard_file_is_refused_and_the_previous_checkpoint_
     assert (step_loaded, hashes) == (2, out[2])
     assert any("step-0000000006" in s and "__1_0.distcp: sha256 differs from the manifest (corrupt)" in s for s in skipped)
     assert any("step-0000000004" in s and "__0_0.distcp: missing" in s for s in skipped)
+
+
+def fo_config(tmp_path, **kw) -> JobConfig:
+    return JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", **{"algo": "fo", **kw})
+
+
+def test_fsdp2_is_refused_with_strategies_and_algorithms_it_does_not_support(tmp_path):
+    for kw, expected in ((dict(fo_parallelism="fsdp2"), "strategy layerwise"),
+                         (dict(fo_parallelism="fsdp2", strategy="differential"), "strategy differential"),
+                         (dict(fo_parallelism="fsdp2", algo="zo"), "algo zo"),
+                         (dict(fo_parallelism="zero3"), "fo_parallelism 'zero3': choose one of ddp, fsdp2")):
+        with pytest.raises(ValueError, match=expected):
+            fo_config(tmp_path, **kw)
+    assert fo_config(tmp_path, fo_parallelism="fsdp2", strategy="full-async").fo_parallelism == "fsdp2"
+
+
+def test_resume_changes_the_worker_count_of_an_fsdp2_run_only(tmp_path, capsys):
+    """An fsdp2 run's identity (trajectory hash) leaves the worker count out, so its checkpoints stay
+    its own at another count; a ddp run keeps its count, and a count that does not divide the batch is
+    refused, each with one line."""
+    sharded = fo_config(tmp_path, fo_parallelism="fsdp2", strategy="full-sync", workers=2, batch_size=8)
+    cfg, notes = resume_config(sharded, {"workers": 1})
+    assert (cfg.workers, notes) == (1, ["--resume: workers 2 -> 1"])
+    assert cfg.trajectory_sha256() == sharded.trajectory_sha256()
+    ddp = fo_config(tmp_path, strategy="full-sync", workers=2)
+    assert ddp.replace(workers=1).trajectory_sha256() != ddp.trajectory_sha256()
+    assert resume_config(ddp, {"workers": 2}) == (ddp, [])  # the same count: nothing to change
+    for saved, workers, expected in ((ddp, 1, "does not reshard"), (sharded, 3, "--batch-size (8) must be divisible by workers (3)")):
+        with pytest.raises(typer.Exit) as exit_:
+            resume_config(saved, {"workers": workers})
+        assert exit_.value.exit_code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: --resume") and expected in err

@@ -39,6 +39,7 @@ from storage.backend import Storage
 from storage.manifest import RunIdentity
 from storage.snapshots import NoSnapshotError
 from training.checkpointing import FullCheckpointer
+from training.state import state_sha256
 
 STRATEGIES = ("full-sync", "full-async")
 """First-order strategies that support ``fo_parallelism = "fsdp2"``."""
@@ -67,14 +68,19 @@ def full_state(view: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tens
     return OrderedDict((n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in view.items())
 
 
-def evaluate(trainer, encoder, split, limit: int) -> float:
-    """``encoder.evaluate`` of the trainer's model with its root group's parameters all-gathered (the
-    layers gather their own): every rank calls it and gets the same accuracy."""
-    trainer.scorer.unshard()
-    try:
-        return encoder.evaluate(trainer.model, split, limit)
-    finally:
-        trainer.scorer.reshard()
+def evaluate(trainer, encoder, split, limit: int, batch_size: int = 16) -> float:
+    """Accuracy on the first ``limit`` samples of ``split`` (as ``training.data.accuracy``), scored
+    through the trainer's root module (FSDP2 gathers each group's rows in its forward; a forward that
+    bypasses the root is refused): argmax of the label words' logits. A collective: every rank calls
+    it and gets the same value."""
+    n = min(limit, len(split))
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, n, batch_size):
+            idx = np.arange(start, min(n, start + batch_size))
+            pred = trainer.scorer(*encoder.encode([split.texts[i] for i in idx])).argmax(dim=1).numpy()
+            correct += int((pred == split.labels[idx]).sum())
+    return correct / n
 
 
 def local_view(view: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
@@ -143,7 +149,8 @@ def restore(trainer, cfg, group: dist.ProcessGroup) -> dict:
     """Load the newest committed sharded checkpoint into ``trainer`` at this world size (a collective);
     returns the ``recovery`` event's fields (``source`` ``storage``, or ``initial`` with the initial
     weights kept when none loads; ``base_step``, ``replayed_steps`` 0, ``load_seconds``,
-    ``replay_seconds`` 0, ``seconds``, ``skipped``, ``saved_world_size``)."""
+    ``replay_seconds`` 0, ``seconds``, ``skipped``, ``saved_world_size``, and ``restored_state_sha256``:
+    ``training.state.state_sha256`` of the state loaded, re-gathered, computed after ``seconds``)."""
     t0 = time.perf_counter()
     try:
         info, skipped = sharded_store(cfg).restore(trainer.state_view(), group)
@@ -151,4 +158,5 @@ def restore(trainer, cfg, group: dist.ProcessGroup) -> dict:
     except NoSnapshotError as exc:
         result, skipped = {"source": "initial", "base_step": 0}, [str(exc)]
     seconds = time.perf_counter() - t0
-    return {**result, "replayed_steps": 0, "skipped": skipped, "load_seconds": seconds, "replay_seconds": 0.0, "seconds": seconds}
+    return {**result, "replayed_steps": 0, "skipped": skipped, "load_seconds": seconds, "replay_seconds": 0.0, "seconds": seconds,
+            "restored_state_sha256": state_sha256(full_state(trainer.state_view()))}
