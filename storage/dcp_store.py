@@ -35,9 +35,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
-from storage.backend import Storage
+from storage.backend import Storage, StorageError
 from storage.manifest import folder_step, layout_sha256
 from storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
 
@@ -45,6 +46,13 @@ SUBFOLDER = "sharded"
 FORMAT = "raycheck-dcp-1"
 """The ``format_version`` of a sharded checkpoint's manifest."""
 DCP_METADATA = ".metadata"
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    """``rank R: ErrorType: message`` of the lowest failing rank of a DCP collective."""
+    rank = min(exc.failures)
+    error = exc.failures[rank][0]
+    return f"rank {rank}: {type(error).__name__}: {error}"
 
 
 class _Buffer(io.BytesIO):
@@ -170,8 +178,8 @@ class ShardedStore(SnapshotStore):
         Returns ``Saved``: the committed ``SnapshotInfo`` on rank 0 (of ``group``), and this rank's bytes.
 
         Raises:
-            storage.backend.StorageError, FencedError: a put or the index update failed (on the rank
-                that failed; DCP raises ``CheckpointException`` on the others); nothing is committed.
+            storage.backend.StorageError: a rank's put failed (on every rank, naming the first failure);
+                nothing is committed. FencedError: a newer incarnation owns the run (rank 0).
         """
         rank = dist.get_rank(group)
         folder = [self._attempt_folder(step) if rank == 0 else None]
@@ -179,7 +187,11 @@ class ShardedStore(SnapshotStore):
         folder = folder[0]
         writer = FileSystemWriter(folder, sync_files=False)  # Storage.put syncs; DCP's fsync would sync the machine
         writer.fs = fs = _StorageFS(self.storage)
-        dcp.save(dict(state), storage_writer=writer, process_group=group)
+        try:
+            dcp.save(dict(state), storage_writer=writer, process_group=group)
+        except CheckpointException as exc:
+            raise StorageError(f"sharded checkpoint of step {step} in {self.storage.url(folder)} not written, nothing committed "
+                               f"(the previous one stays the newest): {_first_failure(exc)}") from exc
         files = [None] * dist.get_world_size(group)
         dist.all_gather_object(files, fs.written, group=group)
         rank_bytes = sum(n for n, _ in fs.written.values())
@@ -200,6 +212,7 @@ class ShardedStore(SnapshotStore):
 
         Raises:
             NoSnapshotError: none loads (``state`` is untouched); the message names each one tried.
+            SnapshotCorruptError: DCP failed to read a checkpoint whose files had verified.
         """
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         expected = layout_sha256(global_layout(state))
@@ -217,7 +230,12 @@ class ShardedStore(SnapshotStore):
                 continue
             reader = FileSystemReader(info.folder)
             reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})
-            dcp.load(dict(state), storage_reader=reader, process_group=group)
+            try:
+                dcp.load(dict(state), storage_reader=reader, process_group=group)
+            except CheckpointException as exc:  # the files verified a moment ago: changed since, or another layout
+                raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()} failed to load after "
+                                           f"its files verified (the state is partly overwritten; restart the workers): "
+                                           f"{_first_failure(exc)}") from exc
             return info, tried
         raise NoSnapshotError(f"no loadable sharded checkpoint in {self.storage.url()}; tried: {tried or 'none found'}")
 

@@ -27,7 +27,7 @@ import typer
 from conftest import free_port
 from orchestrator.cli import resume_config
 from orchestrator.config import JobConfig
-from storage.backend import Storage
+from storage.backend import Storage, StorageError
 from storage.dcp_store import ShardedStore
 from storage.manifest import RunIdentity
 from training.data import PromptEncoder, batch_indices, load_rotten_tomatoes
@@ -195,3 +195,43 @@ def test_resume_changes_the_worker_count_of_an_fsdp2_run_only(tmp_path, capsys):
         assert exit_.value.exit_code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"error: --resume") and expected in err
+
+
+@pytest.fixture()
+def one_rank_group():
+    """A one-rank gloo group in this process (FSDP2 needs one) and the checkpoint group."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield checkpoint_group()
+    dist.destroy_process_group()
+
+
+def test_a_save_that_fails_before_its_commit_leaves_the_previous_checkpoint_the_newest(one_rank_group, encoder, data, tmp_path,
+                                                                                       monkeypatch):
+    """The put of DCP's ``.metadata`` fails (after the rank's data file is written): the save raises,
+    nothing of it is listed, the restore loads the previous checkpoint bitwise, and the next (newer)
+    commit's retention deletes the attempt's leftovers."""
+    trainer = FOTrainer(load_model("tiny"), HYPER, encoder, sharded=True)
+    store = ShardedStore(str(tmp_path), identity=IDENTITY)
+    step(trainer, data[0], 0, 0, 1)
+    store.save(1, trainer.state_view(), group=one_rank_group)
+    saved = tensor_hashes(full_state(trainer.state_view()))
+    step(trainer, data[0], 1, 0, 1)
+    put = store.storage.put
+
+    def failing_put(path: str, blob: bytes) -> None:
+        if path.endswith("/.metadata"):
+            raise StorageError(f"put {path}: injected failure")
+        put(path, blob)
+
+    monkeypatch.setattr(store.storage, "put", failing_put)
+    with pytest.raises(StorageError, match=r"step 2 .* not written, nothing committed .*rank 0: StorageError: put .*/\.metadata: injected"):
+        store.save(2, trainer.state_view(), group=one_rank_group)
+    monkeypatch.setattr(store.storage, "put", put)
+    [leftover] = {p.split("/")[0] for p in store.storage.list() if p.startswith("step-0000000002")}  # its data file
+    assert [i.step for i in store.list()] == [1]
+    info, skipped = store.restore(trainer.state_view(), one_rank_group)
+    assert (info.step, skipped, tensor_hashes(full_state(trainer.state_view()))) == (1, [], saved)
+    for t in (1, 2):
+        step(trainer, data[0], t, 0, 1)
+    store.save(3, trainer.state_view(), group=one_rank_group)
+    assert [i.step for i in store.list()] == [1, 3] and not any(p.startswith(leftover) for p in store.storage.list())
