@@ -4,22 +4,14 @@ checkpoints survives a worker failure, then the run resumes at 1 worker from the
 from __future__ import annotations
 
 import pytest
-import ray
 
-from conftest import free_port
 from orchestrator.cli import resume_config
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
+from test_fo_ray import cluster  # noqa: F401 (the fixture: a local Ray cluster for this module)
 from training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="raycheck", _metrics_export_port=free_port())
-    yield
-    ray.shutdown()
 
 
 def test_two_fsdp2_workers_recover_from_sharded_checkpoints_and_the_run_resumes_at_one_worker(cluster, tmp_path):

@@ -34,16 +34,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from storage.dcp_store import ShardedStore
 from storage.backend import Storage
+from storage.dcp_store import ShardedStore
 from storage.manifest import RunIdentity
 from storage.snapshots import NoSnapshotError
 from training.checkpointing import FullCheckpointer
 from training.state import state_sha256
-
-STRATEGIES = ("full-sync", "full-async")
-"""First-order strategies that support ``fo_parallelism = "fsdp2"``."""
-
 
 def shard_scorer(scorer: torch.nn.Module) -> None:
     """``fully_shard`` each decoder layer of ``scorer.lm`` (``lm.model.layers``), then ``scorer`` itself (the
@@ -69,10 +65,11 @@ def full_state(view: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tens
 
 
 def evaluate(trainer, encoder, split, limit: int, batch_size: int = 16) -> float:
-    """Accuracy on the first ``limit`` samples of ``split`` (as ``training.data.accuracy``), scored
-    through the trainer's root module (FSDP2 gathers each group's rows in its forward; a forward that
-    bypasses the root is refused): argmax of the label words' logits. A collective: every rank calls
-    it and gets the same value."""
+    """Accuracy on the first ``limit`` samples of ``split`` (the samples of ``training.data.accuracy``),
+    scored through the trainer's root module (FSDP2 gathers each group's rows in its forward; a forward
+    that bypasses the root is refused): argmax of the label words' logits as the training loss computes
+    them (only the label rows of the head; ``accuracy``'s full-vocabulary logits may round otherwise).
+    A collective: every rank calls it and gets the same value."""
     n = min(limit, len(split))
     correct = 0
     with torch.no_grad():
@@ -134,7 +131,7 @@ class ShardedCheckpointer(FullCheckpointer):
 
 
 def sharded_checkpointer(cfg, trainer, group: dist.ProcessGroup) -> ShardedCheckpointer:
-    """Every rank's checkpointer for ``cfg.strategy`` (``STRATEGIES``) under FSDP2."""
+    """Every rank's checkpointer for ``cfg.strategy`` (full-sync or full-async) under FSDP2."""
     writer = ShardedWriter(sharded_store(cfg), trainer.state_view(), group)
     config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy, "fo_parallelism": "fsdp2"}
     return ShardedCheckpointer(writer, cfg.snapshot_every, cfg.strategy == "full-async", config)
