@@ -85,21 +85,32 @@ def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig
         given: the ``raycheck run`` options given on the command line, by parameter name.
 
     Returns:
-        ``saved`` with the ``RESUME_BUDGETS`` given (a notice for each one that changes), and a
-        warning line naming every given option that ``--resume`` ignores (none when there is none).
+        ``saved`` with the ``RESUME_BUDGETS`` given (a notice for each one that changes) and, for a
+        ``fo_parallelism`` fsdp2 run, ``workers`` (its state reshards), and a warning line naming every
+        given option that ``--resume`` ignores (none when there is none).
 
     Raises:
-        typer.Exit: (code 2, the reason printed) ``--dtype`` is given and differs from the run's.
+        typer.Exit: (code 2, the reason printed) ``--dtype`` is given and differs from the run's;
+            ``--workers`` differs from the run's and its state does not reshard; the new worker count
+            does not divide the batch.
     """
     budgets = {name: given[name] for name in RESUME_BUDGETS if name in given}
+    if "workers" in given and given["workers"] != saved.workers:
+        if saved.fo_parallelism != "fsdp2":
+            raise _refuse(f"--resume --workers {given['workers']}: the run has {saved.workers} worker(s) and its state does not "
+                          "reshard (only an --algo fo --fo-parallelism fsdp2 run changes its worker count); leave --workers out")
+        budgets["workers"] = given["workers"]
     notes = [f"--resume: {name} {getattr(saved, name)} -> {value}" for name, value in budgets.items() if getattr(saved, name) != value]
     if "dtype" in given and given["dtype"] != saved.dtype:
         raise _refuse(f"--resume --dtype {given['dtype']}: the run holds its parameters in {saved.dtype} (its step log "
                       f"and snapshots are {saved.dtype}); resume it with --dtype {saved.dtype} or leave --dtype out")
-    ignored = [option(name) for name in given if name not in RESUME_OPTIONS]
+    ignored = [option(name) for name in given if name not in (*RESUME_OPTIONS, "workers")]
     if ignored:
         notes.append(f"warning: --resume continues the run with the settings in its config.json; ignored: {', '.join(ignored)}")
-    return (saved.replace(**budgets) if budgets else saved), notes
+    try:
+        return (saved.replace(**budgets) if budgets else saved), notes
+    except ValueError as exc:  # e.g. a batch the new worker count does not divide
+        raise _refuse(f"--resume: {option_names(str(exc))}") from exc
 
 
 def _given_options(ctx: typer.Context) -> dict[str, object]:
@@ -222,6 +233,9 @@ def run(
         "checkpoint every --snapshot-every steps."))] = "",
     fo_lr: Annotated[float, typer.Option(help="fo: AdamW learning rate (constant).")] = 1e-5,
     fo_max_grad_norm: Annotated[float, typer.Option(min=0, help="fo: clip the gradients' global L2 norm to this (0: off).")] = 1.0,
+    fo_parallelism: Annotated[str, typer.Option(help=(
+        "fo: ddp (every worker holds the whole state) or fsdp2 (state sharded over the workers with FSDP2; checkpoints "
+        "per rank with torch DCP, so --resume --workers N may change the worker count; full-sync/full-async only)."))] = "ddp",
     layer_threshold: Annotated[float, typer.Option(min=0, help=(
         "fo layerwise: rewrite a unit at a check (every --snapshot-every steps) when its weights' relative change "
         "since its persisted version exceeds this."))] = 1e-3,
@@ -324,7 +338,7 @@ def run(
             task=task, text_column=text_column, label_column=label_column, label_words=label_words,
             prompt_template=prompt_template.replace("\\n", "\n"),
             prompt_column=prompt_column, completion_column=completion_column, algo=algo, strategy=strategy, fo_lr=fo_lr,
-            fo_max_grad_norm=fo_max_grad_norm, layer_threshold=layer_threshold, layer_staleness_steps=layer_staleness_steps,
+            fo_max_grad_norm=fo_max_grad_norm, fo_parallelism=fo_parallelism, layer_threshold=layer_threshold, layer_staleness_steps=layer_staleness_steps,
             layer_max_bytes_per_check=layer_max_bytes_per_check, diff_full_every=diff_full_every, diff_batch_steps=diff_batch_steps,
             diff_topk=diff_topk, overlap_chunks=overlap_chunks, steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,

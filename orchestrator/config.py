@@ -33,6 +33,8 @@ STRATEGIES = {
 weights; ``layerwise``, ``differential`` and ``overlapped``: first-order strategies (LayerCheck, LowDiff,
 GoCkpt)."""
 DEFAULT_STRATEGY = {"zo": "shadow", "fo": "layerwise"}
+FO_PARALLELISMS = ("ddp", "fsdp2")
+"""How first-order workers share the state: ``ddp`` (each holds all of it) or ``fsdp2`` (sharded, ``training.sharded``)."""
 HOWS = ("exit", "raise", "sigkill", "torn")
 DURABILITIES = ("process", "node", "cluster")
 """Fault domains a step record survives before its update (``training.rank0_log``)."""
@@ -143,6 +145,11 @@ class JobConfig:
     """AdamW learning rate, constant (``lr`` is MeZO's)."""
     fo_max_grad_norm: float = 1.0
     """Clip the global L2 norm of the gradients to this before each AdamW step (0: no clipping)."""
+    fo_parallelism: str = "ddp"
+    """``ddp`` (every worker holds the whole state; DDP averages the gradients) or ``fsdp2`` (FSDP2
+    ``fully_shard``: parameters and moments split over the workers, checkpoints written per rank with
+    torch DCP and resharded on load, so a ``--resume`` may change ``workers``; strategies full-sync and
+    full-async only; ``training.sharded``)."""
     layer_threshold: float = 1e-3
     """Strategy ``layerwise``: a unit is rewritten at a check (every ``snapshot_every`` steps) when its
     weights' relative change since its persisted version, ||w - w_p|| / ||w_p||, exceeds this
@@ -431,12 +438,19 @@ class JobConfig:
             raise ValueError(f"layer_max_bytes_per_check must be >= 0 (0: no limit), got {self.layer_max_bytes_per_check}")
         if not 0 <= self.diff_topk <= 1:
             raise ValueError(f"diff_topk must be in [0, 1] (0: exact records), got {self.diff_topk}")
+        if self.fo_parallelism not in FO_PARALLELISMS:
+            raise ValueError(f"fo_parallelism {self.fo_parallelism!r}: choose one of {', '.join(FO_PARALLELISMS)}")
+        if self.fo_parallelism == "fsdp2" and (self.algo != "fo" or self.strategy not in ("full-sync", "full-async")):
+            raise ValueError(f"fo_parallelism fsdp2 (sharded state) needs algo fo with strategy full-sync or full-async, not "
+                             f"algo {self.algo} strategy {self.strategy}: layer-wise and differential checkpoints of sharded "
+                             "state are not supported yet")
         if self.strategy in ("full-sync", "full-async", "layerwise", "overlapped") and self.snapshot_every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
 
     def trajectory_sha256(self) -> str:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``
-        counts only when it is not ``cpu``, ``dtype`` only when it is not ``float32``, and
+        counts only when it is not ``cpu``, ``dtype`` only when it is not ``float32``, ``fo_parallelism``
+        only when it is not ``ddp`` (and then ``workers`` does not count: a run resumes at another), and
         ``DATA_TRAJECTORY`` fields (the model's and data's content hashes, the task) only away from their
         defaults, so the hashes of existing runs stay as they were. With ``micro_batch_size`` set, the
         example groups replace ``workers``: runs of one trajectory on any worker count share a hash."""
@@ -444,6 +458,9 @@ class JobConfig:
         if self.micro_batch_size:  # the groups, not the worker count, set the losses (training.groups)
             values.pop("workers")
             values["micro_batch_size"] = self.micro_batch_size
+        if self.fo_parallelism != "ddp":  # sharded state reshards: the worker count may change within the run
+            values.pop("workers", None)
+            values["fo_parallelism"] = self.fo_parallelism
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         values.update({k: getattr(self, k) for k in self.DATA_TRAJECTORY if getattr(self, k) != defaults[k]})
         if self.device != "cpu":

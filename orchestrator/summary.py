@@ -103,7 +103,8 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
     ``load_seconds``/``replay_seconds``: loading the base state and replaying the logged tail;
     ``lost_steps``: durable steps not restored (0 unless something durable was lost);
     ``recompute_steps``: steps that ran before the failure and must run again (the work lost after
-    the last durable point; 0 with a step log).
+    the last durable point; 0 with a step log); a sharded (fsdp2) restore adds ``saved_world_size``
+    and ``restored_state_sha256`` (the loaded state, re-gathered).
 
     For a recovery whose event carries the worker's stamps, also ``breakdown`` (``breakdown``: the
     component seconds, from the ``worker_group`` event of its group, its own stamps and the first
@@ -120,6 +121,7 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
             row = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
             if e.get("skipped"):
                 row["skipped"] = e["skipped"]
+            row.update({k: e[k] for k in ("saved_world_size", "restored_state_sha256") if k in e})  # fsdp2 restores
             row["restore_seconds"] = e["seconds"]
             row["load_seconds"] = e["load_seconds"]
             row["replay_seconds"] = e["replay_seconds"]

@@ -323,6 +323,11 @@ class SnapshotStore:
             "units": units,
         }
         manifest["layout_sha256"] = layout_sha256(manifest_layout(manifest))
+        return self._commit_manifest(folder, manifest)
+
+    def _commit_manifest(self, folder: str, manifest: dict) -> SnapshotInfo:
+        """Write ``manifest`` (after every file it lists), then the index (the commit point), then retain."""
+        step = manifest["step"]
         blob = json.dumps(manifest, indent=1).encode()
         self.storage.put(f"{folder}/{MANIFEST}", blob)
         entry = {"folder": folder, "manifest_sha256": hashlib.sha256(blob).hexdigest()}
@@ -465,12 +470,17 @@ class SnapshotStore:
             except (ValueError, UnicodeDecodeError) as exc:
                 self.skipped.append(f"{folder}/{MANIFEST}: unreadable ({exc})")
                 continue
-            problems = manifest_problems(manifest, folder)
+            problems = self._manifest_problems(manifest, folder)
             if problems:
                 self.skipped.append(f"{folder}/{MANIFEST}: malformed: {'; '.join(problems[:3])}")
                 continue
             infos.append(SnapshotInfo(manifest["step"], folder, manifest))
         return sorted(infos, key=_order)
+
+    def _manifest_problems(self, manifest: object, folder: str) -> list[str]:
+        """What is wrong with ``manifest`` as the manifest of ``folder`` (``storage.manifest.manifest_problems``;
+        a store of another file format overrides it)."""
+        return manifest_problems(manifest, folder)
 
     def list(self) -> list[SnapshotInfo]:
         """Committed snapshots, oldest first: with an identity this run's and merge results, else

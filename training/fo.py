@@ -107,22 +107,30 @@ class FOTrainer:
         encoder: prompt encoder (label-word ids, padding).
         distributed: wrap the scorer in torch DDP (the default process group, gloo; Ray Train
             initialises it): gradients are averaged over the workers during ``backward``.
+        sharded: shard the model with FSDP2 instead (``training.sharded``): parameters and moments
+            are DTensors split over the workers (``distributed`` is then ignored).
 
     The optimizer state is created eagerly (zero moments, count 0: what AdamW creates lazily at its
     first step), so the training state has the same layout from step 0 on.
     """
 
-    def __init__(self, model: torch.nn.Module, hyper: FOHyper, encoder: PromptEncoder, *, distributed: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, hyper: FOHyper, encoder: PromptEncoder, *, distributed: bool = False,
+                 sharded: bool = False) -> None:
         self.model, self.hyper, self.encoder = model, hyper, encoder
         model.requires_grad_(True)
+        scorer = _LabelScorer(model, encoder.label_ids)
+        if sharded:  # before the parameters are taken: fully_shard replaces them with DTensors
+            from training.sharded import shard_scorer
+
+            shard_scorer(scorer)
         self.named = OrderedDict(model.named_parameters())
         self.optimizer = adamw(self.named, hyper)
         for p in self.named.values():
             self.optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
                                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-        scorer = _LabelScorer(model, encoder.label_ids)
-        self.scorer = torch.nn.parallel.DistributedDataParallel(scorer, broadcast_buffers=False) if distributed else scorer
+        ddp = distributed and not sharded
+        self.scorer = torch.nn.parallel.DistributedDataParallel(scorer, broadcast_buffers=False) if ddp else scorer
         self._view = self._build_view()
 
     def _build_view(self) -> "OrderedDict[str, torch.Tensor]":

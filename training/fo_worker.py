@@ -12,6 +12,10 @@ Strategies (rank 0 persists; ``cfg.snapshot_store()`` holds every checkpoint):
   ``overlapped``: ``training.overlapped.OverlappedCheckpointer`` (GoCkpt) every ``snapshot_every``:
   staged in ``overlap_chunks`` chunks over as many steps, caught up to one consistent step.
 
+``fo_parallelism`` fsdp2 (``training.sharded``): the state is sharded over the workers (FSDP2); every
+rank runs the checkpointer (full-sync / full-async, each writing its rows through torch DCP), the
+restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
+
 Restore at start (after a failure, or when the storage already holds a checkpoint, e.g. a merged
 one): the newest committed checkpoint (``training.recovery.from_storage``; for ``differential``
 followed by the replay of the committed records after it). Steps after the durable point are
@@ -26,6 +30,7 @@ from orchestrator.config import JobConfig
 from policies.layerwise import LayerwiseConfig
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
+from training import sharded as sharded_fo
 from training.checkpointing import FullCheckpointer
 from training.data import batch_indices
 from training.differential import DiffCheckpointer
@@ -83,17 +88,21 @@ def train_loop_per_worker(config: dict) -> None:
     cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     hyper = FOHyper(lr=cfg.fo_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo_max_grad_norm)
-    trainer = FOTrainer(model, hyper, encoder, distributed=world > 1)
+    sharded = cfg.fo_parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
+    group = sharded_fo.checkpoint_group() if sharded else None
+    trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
     store = cfg.snapshot_store()
-    ckpt = checkpointer(cfg, store, trainer) if rank == 0 else None
-    faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: durable_steps(cfg), flush=ckpt.flush if ckpt else None)
+    ckpt = sharded_fo.sharded_checkpointer(cfg, trainer, group) if sharded else checkpointer(cfg, store, trainer) if rank == 0 else None
+    durable = (lambda: sharded_fo.durable_steps(cfg)) if sharded else (lambda: durable_steps(cfg))
+    faults = FaultInjector(cfg, run, rank, world, durable_steps=durable, flush=ckpt.flush if ckpt else None)
 
     result = None
-    if faults.fired() or durable_steps(cfg) > 0:
-        result = restore(trainer, cfg, store)
+    if faults.fired() or durable() > 0:
+        result = sharded_fo.restore(trainer, cfg, group) if sharded else restore(trainer, cfg, store)
         if isinstance(ckpt, LayerwiseCheckpointer) and result["source"] == "storage":
             ckpt.resume(next(i for i in reversed(store.list()) if i.step == result["base_step"]), trainer.state_view())
-    start = record_start(env, result)
+    accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None
+    start = record_start(env, result, accuracy)
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -103,17 +112,18 @@ def train_loop_per_worker(config: dict) -> None:
         trainer.apply_gradients()
         [loss] = mean_over_workers([loss], world)
         step_s = time.perf_counter() - t0
+        block_s = ckpt.after_step(step + 1, trainer.state_view) if ckpt else 0.0
+        hashed = cfg.hash_every and (step + 1) % cfg.hash_every == 0 and (rank == 0 or sharded)
+        digest = state_sha256(sharded_fo.full_state(trainer.state_view())) if hashed else None  # weights + optimizer
         if rank == 0:
-            block_s = ckpt.after_step(step + 1, trainer.state_view)
             row = dict(step=step, loss=loss, step_seconds=step_s, checkpoint_block_seconds=block_s, log_append_seconds=0.0,
-                       checkpoint_bytes=ckpt.bytes)  # committed so far
-            if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
-                row["state_sha256"] = state_sha256(trainer.state_view())  # weights + optimizer after step + 1 steps
-            run.metric(**row)
+                       checkpoint_bytes=ckpt.bytes)  # committed so far (fsdp2: rank 0's files)
+            run.metric(**row, **({"state_sha256": digest} if digest else {}))
 
-    if rank == 0:
-        final = {"step": cfg.steps, "state_sha256": state_sha256(trainer.state_view())}
+    if rank == 0 or sharded:
+        final = {"step": cfg.steps, "state_sha256": state_sha256(sharded_fo.full_state(trainer.state_view()))}
         if cfg.eval_samples:
-            final["accuracy_after"] = encoder.evaluate(model, held_out, cfg.eval_samples)
+            final["accuracy_after"] = accuracy() if sharded else encoder.evaluate(model, held_out, cfg.eval_samples)
         final["checkpoints"] = ckpt.close()
-        run.event("final", **final)
+        if rank == 0:
+            run.event("final", **final)

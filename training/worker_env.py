@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -40,16 +41,20 @@ class WorkerEnv:
     held_out: object
 
 
-def record_start(env: WorkerEnv, restored: dict | None) -> int:
+def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], float] | None = None) -> int:
     """Record how this worker starts and return its first step: after a restore (``restored``, the
     restore's result), a ``recovery`` event at the restored step; on a fresh start, the held-out
-    accuracy before training (when ``eval_samples``). Only rank 0 writes these events (with
+    accuracy before training (when ``eval_samples``; ``accuracy``, when given, computes it on every
+    rank, e.g. a sharded model's collective evaluation). Only rank 0 writes these events (with
     ``replica_groups`` every rank that restored writes its ``recovery``: a replaced worker restores
-    alone); every rank records where it runs, its process id and the world size (a ``placement`` event, for the summary)."""
+    alone); every rank records where it runs, its process id and the world size (a ``placement`` event,
+    for the summary)."""
     env.run.event("placement", component="worker", rank=env.rank, world=env.world, pid=os.getpid(), **this_node())
     if restored is None:
-        if env.rank == 0 and env.cfg.eval_samples:
-            env.run.event("accuracy", when="before", value=env.encoder.evaluate(env.model, env.held_out, env.cfg.eval_samples))
+        if env.cfg.eval_samples and (env.rank == 0 or accuracy is not None):
+            value = accuracy() if accuracy is not None else env.encoder.evaluate(env.model, env.held_out, env.cfg.eval_samples)
+            if env.rank == 0:
+                env.run.event("accuracy", when="before", value=value)
         return 0
     start = restored["base_step"] + restored["replayed_steps"]
     if env.rank == 0 or env.cfg.replica_groups:  # with replica groups a replaced worker restores alone

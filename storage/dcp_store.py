@@ -1,0 +1,245 @@
+"""Sharded checkpoints: torch DCP files written per rank through ``Storage``, committed by our index.
+
+A training state whose tensors are DTensors (FSDP2, ``torch.distributed.fsdp.fully_shard``) is saved
+with torch Distributed Checkpoint (DCP, ``torch.distributed.checkpoint``): each rank writes the chunks
+it holds, rank 0 the metadata (global shapes, each chunk's offsets and file). A load plans each rank's
+reads from that metadata for the sharding of the state it loads into, so a checkpoint written at W
+ranks loads at any other world size (torch's own resharding; no code of ours).
+
+Layout under the run's storage, beside the safetensors snapshots (``SUBFOLDER``; ``SnapshotStore``
+ignores it)::
+
+    sharded/index.json                           the commit point (``SnapshotStore``'s, CAS and fenced)
+    sharded/step-0000000040-<run>-<epoch>-<id>/  one folder per attempt
+        __0_0.distcp  __1_0.distcp  ...           DCP: one file per rank
+        .metadata                                 DCP: written by rank 0 once every rank has written
+        manifest.json                             ours, written last by rank 0: size and sha256 of each file
+
+Commit rules (``storage.snapshots``): the files go under a folder unique to the attempt, each one put
+atomically (``Storage.put``: fsynced local files, whole S3 objects); every rank reports the size and
+sha256 of the bytes it wrote; rank 0 writes the manifest, then the index entry: that is the commit.
+A crash before it leaves the previous checkpoint the newest one listed. A load verifies every file
+against the manifest before DCP reads it (``SnapshotCorruptError`` naming the file), and DCP checks its
+metadata against the state loaded into (names, global shapes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import time
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+
+from storage.backend import Storage, StorageError
+from storage.manifest import folder_step, layout_sha256
+from storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
+
+SUBFOLDER = "sharded"
+FORMAT = "raycheck-dcp-1"
+"""The ``format_version`` of a sharded checkpoint's manifest."""
+DCP_METADATA = ".metadata"
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    """``rank R: ErrorType: message`` of the lowest failing rank of a DCP collective."""
+    rank = min(exc.failures)
+    error = exc.failures[rank][0]
+    return f"rank {rank}: {type(error).__name__}: {error}"
+
+
+class _Buffer(io.BytesIO):
+    """A write stream that keeps its bytes after DCP closes it."""
+
+    _closed_value: bytes | None = None
+
+    def close(self) -> None:
+        if not self.closed:
+            self._closed_value = self.getvalue()
+        super().close()
+
+    def value(self) -> bytes:
+        return self._closed_value if self.closed else self.getvalue()
+
+
+class _StorageFS(FileSystemBase):
+    """DCP's file operations over a ``Storage``: paths are relative to its root. A written stream is
+    put whole when it closes (atomic, retried); ``written`` records (bytes, sha256) of each. A read
+    stream is verified against ``expected`` (path -> manifest entry) before DCP parses it."""
+
+    def __init__(self, storage: Storage, expected: Mapping[str, dict] | None = None) -> None:
+        self.storage, self.expected = storage, expected or {}
+        self.written: dict[str, tuple[int, str]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        path = str(path)
+        if "w" in mode:
+            stream = _Buffer()
+            yield stream
+            data = stream.value()
+            self.storage.put(path, data)
+            self.written[path] = (len(data), hashlib.sha256(data).hexdigest())
+            return
+        data = self.storage.get(path)
+        spec = self.expected.get(path)
+        if spec is None or len(data) != spec["bytes"] or hashlib.sha256(data).hexdigest() != spec["sha256"]:
+            raise SnapshotCorruptError(f"{self.storage.url(path)}: {len(data)} bytes whose sha256 differs from the manifest "
+                                       "(corrupt or not part of the checkpoint)")
+        yield io.BytesIO(data)
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{path}/{suffix}"
+
+    def rename(self, path, new_path) -> None:  # DCP writes .metadata.tmp, then renames it
+        self.storage.put(str(new_path), self.storage.get(str(path)))
+        self.written[str(new_path)] = self.written.pop(str(path))
+        self.storage.delete(str(path))
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    def mkdir(self, path) -> None:
+        pass  # object paths need no folders; a local put creates its folder
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def exists(self, path) -> bool:
+        return self.storage.exists(str(path))
+
+    def rm_file(self, path) -> None:
+        self.storage.delete(str(path))
+
+
+def _folder_problems(manifest: object, folder: str) -> list[str]:
+    """What is wrong with ``manifest`` as the manifest of sharded checkpoint ``folder`` (empty: nothing)."""
+    keys = ("format_version", "step", "created_unix_s", "run", "config", "world_size", "layout_sha256", "units")
+    if not isinstance(manifest, dict) or any(k not in manifest for k in keys):
+        return [f"not a sharded checkpoint manifest (keys {', '.join(keys)})"]
+    if manifest["format_version"] != FORMAT:
+        return [f"format {manifest['format_version']!r}, expected {FORMAT}"]
+    problems = [] if manifest["step"] == folder_step(folder) else [f"step {manifest['step']!r} differs from the folder's"]
+    units = manifest["units"]
+    if not isinstance(units, dict) or f"{folder}/{DCP_METADATA}" not in [u.get("path") for u in units.values() if isinstance(u, dict)]:
+        return problems + [f"no {DCP_METADATA} among its files"]
+    for name, spec in units.items():
+        if not (isinstance(spec, dict) and spec.get("path") == f"{folder}/{name}" and isinstance(spec.get("bytes"), int)
+                and isinstance(spec.get("sha256"), str) and len(spec["sha256"]) == 64):
+            problems.append(f"file {name!r}: needs path {folder}/{name}, bytes and sha256")
+    return problems
+
+
+def global_layout(state: Mapping[str, torch.Tensor]) -> list[list]:
+    """``[[name, torch dtype, global shape], ...]`` of ``state`` (a DTensor's ``shape`` is its global
+    one): the same at every world size."""
+    return [[n, str(t.dtype), list(t.shape)] for n, t in state.items()]
+
+
+class Saved(NamedTuple):
+    """A sharded save as one rank sees it: the committed checkpoint (rank 0; None elsewhere) and the
+    bytes of the files this rank wrote."""
+
+    info: SnapshotInfo | None
+    rank_bytes: int
+
+
+class ShardedStore(SnapshotStore):
+    """A run's sharded checkpoints (see the module docstring): ``SnapshotStore``'s index, retention,
+    fencing and verification, over DCP files instead of safetensors shards. ``save`` and ``restore``
+    are collectives: every rank of ``group`` calls them, in the same order.
+
+    Args:
+        storage: the run's snapshot storage (a ``Storage`` or URI); checkpoints go under ``SUBFOLDER``.
+        keep_last, identity, epoch: as ``SnapshotStore``.
+    """
+
+    def __init__(self, storage: Storage | str, keep_last: int = 3, **kw) -> None:
+        root = storage if isinstance(storage, Storage) else Storage(storage)
+        sub = Storage(f"{root.uri.rstrip('/')}/{SUBFOLDER}", retry=root.retry, write_chunk_bytes=root.write_chunk_bytes,
+                      write_rate_bytes_per_s=root.write_rate_bytes_per_s, **root.options)
+        super().__init__(sub, keep_last=keep_last, **kw)
+
+    def _manifest_problems(self, manifest: object, folder: str) -> list[str]:
+        return _folder_problems(manifest, folder)
+
+    def save(self, step: int, state: Mapping[str, torch.Tensor], config: Mapping | None = None,
+             group: dist.ProcessGroup | None = None) -> Saved:
+        """Write ``state`` (name -> tensor or DTensor) as the checkpoint of step ``step`` and commit it.
+
+        Returns ``Saved``: the committed ``SnapshotInfo`` on rank 0 (of ``group``), and this rank's bytes.
+
+        Raises:
+            storage.backend.StorageError: a rank's put failed (on every rank, naming the first failure);
+                nothing is committed. FencedError: a newer incarnation owns the run (rank 0).
+        """
+        rank = dist.get_rank(group)
+        folder = [self._attempt_folder(step) if rank == 0 else None]
+        dist.broadcast_object_list(folder, group=group, group_src=0)
+        folder = folder[0]
+        writer = FileSystemWriter(folder, sync_files=False)  # Storage.put syncs; DCP's fsync would sync the machine
+        writer.fs = fs = _StorageFS(self.storage)
+        try:
+            dcp.save(dict(state), storage_writer=writer, process_group=group)
+        except CheckpointException as exc:
+            raise StorageError(f"sharded checkpoint of step {step} in {self.storage.url(folder)} not written, nothing committed "
+                               f"(the previous one stays the newest): {_first_failure(exc)}") from exc
+        files = [None] * dist.get_world_size(group)
+        dist.all_gather_object(files, fs.written, group=group)
+        rank_bytes = sum(n for n, _ in fs.written.values())
+        if rank != 0:
+            return Saved(None, rank_bytes)
+        units = {p.split("/", 1)[1]: {"path": p, "bytes": n, "sha256": sha} for w in files for p, (n, sha) in w.items()}
+        manifest = {"format_version": FORMAT, "step": step, "created_unix_s": time.time(),
+                    "run": self.identity.as_dict() if self.identity is not None else None, "config": dict(config or {}),
+                    "world_size": len(files), "layout_sha256": layout_sha256(global_layout(state)), "units": units}
+        return Saved(self._commit_manifest(folder, manifest), rank_bytes)
+
+    def restore(self, state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> tuple[SnapshotInfo, list[str]]:
+        """Load the newest committed checkpoint of ``state``'s global layout into ``state`` in place, at
+        this world size (DCP reshards); every file is verified first, the ranks sharing that work.
+
+        Returns the checkpoint loaded and the newer ones skipped, each with the reason (corrupt,
+        missing file, other layout, foreign run).
+
+        Raises:
+            NoSnapshotError: none loads (``state`` is untouched); the message names each one tried.
+            SnapshotCorruptError: DCP failed to read a checkpoint whose files had verified.
+        """
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        expected = layout_sha256(global_layout(state))
+        infos, tried = self.list(), list(self.skipped)
+        for info in reversed(infos):
+            if info.manifest["layout_sha256"] != expected:
+                tried.append(f"sharded checkpoint {info.folder}: another layout (another model)")
+                continue
+            units = sorted(info.manifest["units"])
+            problems = [None] * world
+            dist.all_gather_object(problems, self.verify_units(info, units[rank::world]), group=group)
+            problems = [p for ps in problems for p in ps]
+            if problems:
+                tried.append(f"sharded checkpoint {info.folder} in {self.storage.url()}: {'; '.join(problems)}")
+                continue
+            reader = FileSystemReader(info.folder)
+            reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})
+            try:
+                dcp.load(dict(state), storage_reader=reader, process_group=group)
+            except CheckpointException as exc:  # the files verified a moment ago: changed since, or another layout
+                raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()} failed to load after "
+                                           f"its files verified (the state is partly overwritten; restart the workers): "
+                                           f"{_first_failure(exc)}") from exc
+            return info, tried
+        raise NoSnapshotError(f"no loadable sharded checkpoint in {self.storage.url()}; tried: {tried or 'none found'}")
+
+    def verify_units(self, info: SnapshotInfo, units: list[str]) -> list[str]:
+        """Problems with the files ``units`` of ``info`` (missing, truncated, sha256 differs)."""
+        return [problem for _, problem in self._read_units(info, units) if problem]
+

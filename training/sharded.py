@@ -1,0 +1,159 @@
+"""First-order training with sharded state (``--fo-parallelism fsdp2``): FSDP2 over gloo, sharded
+checkpoints, and a restore at any world size.
+
+``torch.distributed.fsdp.fully_shard`` shards each decoder layer and then the whole scorer (the root
+group: embeddings, final norm, head): every parameter, and with it each AdamW moment, is a DTensor
+whose rows (dim 0) are split over the W ranks. A forward all-gathers a layer's rows, a backward
+reduce-scatters its gradients (averaged over the ranks, as DDP does), and AdamW updates each rank's
+rows only. The training state keeps ``FOTrainer.state_view``'s names and order; its tensors are
+DTensors (the Adam step counts stay plain tensors, the same on every rank).
+
+Checkpoints (``storage.dcp_store.ShardedStore``): each rank writes its rows through torch DCP, rank 0
+commits; a restore at another world size reads the rows of the new sharding (DCP's resharding), so
+weights and moments are bitwise those saved. Strategies: ``full-sync`` and ``full-async``
+(``training.checkpointing.FullCheckpointer`` on every rank, with ``ShardedWriter`` as its store: the
+staging copy is of this rank's rows). ``layerwise`` and ``differential`` are not supported with sharded
+state (their change measurement and gradient records are per full tensor): future work.
+
+What is and is not bitwise across world sizes: the state a restore loads is bitwise the state saved,
+at any world size. The steps after it are bitwise those of the saved run only at the same world
+size: at another one the batch is split differently and the gradients are reduced in another order,
+so the trajectories drift apart by rounding (the reference of such a run is a run at its own sizes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from storage.backend import Storage
+from storage.dcp_store import ShardedStore
+from storage.manifest import RunIdentity
+from storage.snapshots import NoSnapshotError
+from training.checkpointing import FullCheckpointer
+from training.state import state_sha256
+
+def shard_scorer(scorer: torch.nn.Module) -> None:
+    """``fully_shard`` each decoder layer of ``scorer.lm`` (``lm.model.layers``), then ``scorer`` itself (the
+    root: the remaining parameters). Needs the default process group (gloo on CPU)."""
+    for layer in getattr(getattr(scorer.lm, "model", None), "layers", ()):
+        fully_shard(layer)
+    fully_shard(scorer)
+
+
+def checkpoint_group() -> dist.ProcessGroup:
+    """A gloo group of every rank for checkpoint collectives (a background save must not share the
+    training loop's group: two threads' collectives would interleave). Initialises a one-rank default
+    group first when none exists. Every rank calls it, once."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.new_group(backend="gloo")
+
+
+def full_state(view: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    """``view`` with each DTensor re-gathered into its full tensor (a collective: every rank calls it);
+    a state without DTensors is returned as it is. Hashes equal an unsharded trainer's state."""
+    return OrderedDict((n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in view.items())
+
+
+def evaluate(trainer, encoder, split, limit: int, batch_size: int = 16) -> float:
+    """Accuracy on the first ``limit`` samples of ``split`` (the samples of ``training.data.accuracy``),
+    scored through the trainer's root module (FSDP2 gathers each group's rows in its forward; a forward
+    that bypasses the root is refused): argmax of the label words' logits as the training loss computes
+    them (only the label rows of the head; ``accuracy``'s full-vocabulary logits may round otherwise).
+    A collective: every rank calls it and gets the same value."""
+    n = min(limit, len(split))
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, n, batch_size):
+            idx = np.arange(start, min(n, start + batch_size))
+            pred = trainer.scorer(*encoder.encode([split.texts[i] for i in idx])).argmax(dim=1).numpy()
+            correct += int((pred == split.labels[idx]).sum())
+    return correct / n
+
+
+def local_view(view: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    """This rank's part of the state: each DTensor's local rows (live views); the staging input of
+    ``FullCheckpointer``."""
+    return OrderedDict((n, t.to_local() if isinstance(t, DTensor) else t) for n, t in view.items())
+
+
+class Written(NamedTuple):
+    """One sharded checkpoint as ``FullCheckpointer`` counts it: ``bytes`` this rank wrote."""
+
+    step: int
+    bytes: int
+
+
+class ShardedWriter:
+    """The store ``FullCheckpointer`` writes through under FSDP2: ``write`` wraps a staged copy of this
+    rank's rows back into DTensors of the live state's sharding and saves them with ``store.save`` (a
+    collective over ``group``: every rank's checkpointer is due at the same steps).
+
+    Args:
+        store: the run's sharded checkpoints.
+        live: the live state (``FOTrainer.state_view``), for each DTensor's mesh, placements and shape.
+        group: ``checkpoint_group()``.
+    """
+
+    def __init__(self, store: ShardedStore, live: Mapping[str, torch.Tensor], group: dist.ProcessGroup) -> None:
+        self.store, self.live, self.group = store, live, group
+
+    def write(self, step: int, staged: Mapping[str, np.ndarray], config: Mapping | None = None) -> Written:
+        state = {}
+        for name, array in staged.items():
+            local, like = torch.from_numpy(array), self.live[name]
+            state[name] = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                             shape=like.shape, stride=like.stride()) if isinstance(like, DTensor) else local
+        return Written(step, self.store.save(step, state, config, self.group).rank_bytes)
+
+
+def sharded_store(cfg) -> ShardedStore:
+    """The sharded checkpoints of run ``cfg`` (a ``JobConfig``): its identity and writer epoch."""
+    return ShardedStore(Storage(cfg.storage, **cfg.storage_options), keep_last=cfg.keep_snapshots,
+                        identity=RunIdentity(cfg.run_id, cfg.trajectory_sha256()), epoch=cfg.writer_epoch)
+
+
+class ShardedCheckpointer(FullCheckpointer):
+    """``FullCheckpointer`` on every rank under FSDP2: it stages a copy of this rank's rows
+    (``local_view``) and writes through a ``ShardedWriter``; ``bytes`` counts this rank's files."""
+
+    def after_step(self, steps_done: int, state) -> float:
+        return super().after_step(steps_done, lambda: local_view(state()))
+
+
+def sharded_checkpointer(cfg, trainer, group: dist.ProcessGroup) -> ShardedCheckpointer:
+    """Every rank's checkpointer for ``cfg.strategy`` (full-sync or full-async) under FSDP2."""
+    writer = ShardedWriter(sharded_store(cfg), trainer.state_view(), group)
+    config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy, "fo_parallelism": "fsdp2"}
+    return ShardedCheckpointer(writer, cfg.snapshot_every, cfg.strategy == "full-async", config)
+
+
+def durable_steps(cfg) -> int:
+    """The step of the newest committed sharded checkpoint of run ``cfg`` (0: none)."""
+    return max((i.step for i in sharded_store(cfg).list()), default=0)
+
+
+def restore(trainer, cfg, group: dist.ProcessGroup) -> dict:
+    """Load the newest committed sharded checkpoint into ``trainer`` at this world size (a collective);
+    returns the ``recovery`` event's fields (``source`` ``storage``, or ``initial`` with the initial
+    weights kept when none loads; ``base_step``, ``replayed_steps`` 0, ``load_seconds``,
+    ``replay_seconds`` 0, ``seconds``, ``skipped``, ``saved_world_size``, and ``restored_state_sha256``:
+    ``training.state.state_sha256`` of the state loaded, re-gathered, computed after ``seconds``)."""
+    t0 = time.perf_counter()
+    try:
+        info, skipped = sharded_store(cfg).restore(trainer.state_view(), group)
+        result = {"source": "storage", "base_step": info.step, "saved_world_size": info.manifest["world_size"]}
+    except NoSnapshotError as exc:
+        result, skipped = {"source": "initial", "base_step": 0}, [str(exc)]
+    seconds = time.perf_counter() - t0
+    return {**result, "replayed_steps": 0, "skipped": skipped, "load_seconds": seconds, "replay_seconds": 0.0, "seconds": seconds,
+            "restored_state_sha256": state_sha256(full_state(trainer.state_view()))}
