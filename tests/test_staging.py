@@ -11,9 +11,10 @@ import pytest
 
 from policies.layerwise import LayerwiseConfig
 from storage.snapshots import SnapshotStore
-from test_fo import make_trainer, train
+from test_fo import HYPER, make_trainer, train
 from training.checkpointing import FullCheckpointer
 from training.layerwise import LayerwiseCheckpointer
+from training.overlapped import OverlappedCheckpointer
 from training.state import StagingPool, copy_into, state_sha256
 
 GATE_TIMEOUT_S = 60.0
@@ -137,3 +138,36 @@ def test_full_async_postponed_while_its_write_runs_reuses_one_buffer_set(encoder
         assert call["before"] == call["after"] == states[step], step
     assert all(p is q for p, q in zip(calls[2]["arrays"], calls[7]["arrays"], strict=True))
     assert state_sha256(store.load_latest().state) == states[7]
+
+
+def test_an_overlapped_snapshot_due_while_every_buffer_set_is_held_is_postponed(encoder, data, tmp_path):
+    """m = 2, a snapshot begun every 2 steps, one queued behind the one being written (3 buffer sets:
+    the open window's, the written one's, the queued one's). The write of the snapshot of step 3 is held
+    by the gate; those of 5 and 7 are queued; at 8 and 9 no set is free: the start is postponed. After
+    the gate opens, the window starts at 10 in the buffers of the first one and its snapshot is of 11;
+    every snapshot (its earlier chunk caught up) is the state at its step, bitwise."""
+    store = GatedStore(str(tmp_path))
+    trainer = make_trainer(encoder)
+    ckpt = OverlappedCheckpointer(store, 2, 2, HYPER, trainer.applied_gradients, max_pending=1)
+    states = {}
+
+    def after(done: int) -> None:
+        ckpt.after_step(done, trainer.state_view)
+        states[done] = state_sha256(trainer.state_view())
+        if done == 3:
+            assert store.entered.wait(GATE_TIMEOUT_S)  # the snapshot of step 3 is in its write, held
+
+    train(trainer, data[0], 0, 9, after=after)
+    assert ckpt.postponed.due_since == 8 and ckpt.last_submitted_step == 7 and store.calls == []
+    store.gate.set()
+    assert ckpt.flush(GATE_TIMEOUT_S)
+    train(trainer, data[0], 9, 11, after=after)
+    stats = ckpt.close(GATE_TIMEOUT_S)
+
+    assert stats["errors"] == [] and (stats["postponed_checks"], stats["postponed_steps"]) == (1, 2)
+    calls = {c["step"]: c for c in store.calls}
+    assert list(calls) == [3, 5, 7, 11] and [i.step for i in store.list()] == [3, 5, 7, 11]
+    for info in store.list():
+        call = calls[info.step]
+        assert call["before"] == call["after"] == states[info.step] == state_sha256(store.load(info)), info.step
+    assert all(p is q for p, q in zip(calls[3]["arrays"], calls[11]["arrays"], strict=True))
