@@ -47,6 +47,22 @@ class GatedStore(SnapshotStore):
         return super().write_units(step, changed, names, config=config, full_state=full_state)
 
 
+def attach(ckpt, trainer, store: GatedStore, states: dict, held_at: int, flush_at: int | None = None):
+    """The ``after`` callback of ``train``: the checkpointer's ``after_step``, then the state's sha256 into
+    ``states``; after step ``held_at`` it waits until a write has entered the gate (and is held there);
+    after step ``flush_at`` it waits until every write has finished."""
+
+    def after(done: int) -> None:
+        ckpt.after_step(done, trainer.state_view)
+        states[done] = state_sha256(trainer.state_view())
+        if done == held_at:
+            assert store.entered.wait(GATE_TIMEOUT_S)
+        if done == flush_at:
+            ckpt.flush(GATE_TIMEOUT_S)
+
+    return after
+
+
 def test_staging_pool_hands_out_each_set_once_and_copy_into_reuses_arrays():
     pool = StagingPool(2)
     a, b = pool.take(), pool.take()
@@ -79,12 +95,7 @@ def test_a_layerwise_check_due_while_the_writer_is_busy_is_postponed_not_waited_
     trainer = make_trainer(encoder)
     ckpt = LayerwiseCheckpointer(store, 1, LayerwiseConfig(threshold=0.0, staleness_bound_steps=1000), max_pending=1)
     states = {}
-
-    def after(done: int) -> None:
-        ckpt.after_step(done, trainer.state_view)
-        states[done] = state_sha256(trainer.state_view())
-        if done == 1:
-            assert store.entered.wait(GATE_TIMEOUT_S)  # the check of step 1 is in its write, held
+    after = attach(ckpt, trainer, store, states, held_at=1)  # the check of step 1 is held in its write
 
     train(trainer, data[0], 0, 4, after=after)
     assert ckpt.schedule.last_step == 2 and store.calls == [] and ckpt.postponed.checks == 0
@@ -114,18 +125,14 @@ def test_full_async_postponed_while_its_write_runs_reuses_one_buffer_set(encoder
     store = GatedStore(str(tmp_path))
     trainer = make_trainer(encoder)
     ckpt = FullCheckpointer(store, 2, asynchronous=True, postpone_when_busy=True)
-    states, blocked = {}, {}
+    states = {}
+    after = attach(ckpt, trainer, store, states, held_at=2, flush_at=5)  # 5 is written before 7 comes due
 
-    def after(done: int) -> None:
-        blocked[done] = ckpt.after_step(done, trainer.state_view)
-        states[done] = state_sha256(trainer.state_view())
-        if done == 2:
-            assert store.entered.wait(GATE_TIMEOUT_S)
-        if done == 5:
-            ckpt.flush(GATE_TIMEOUT_S)  # the write of 5 ends before 7 comes due: 7 is not postponed
-
-    train(trainer, data[0], 0, 4, after=after)
-    assert blocked[4] == 0.0 and ckpt.postponed.due_since == 4 and store.calls == []
+    train(trainer, data[0], 0, 3, after=after)
+    train(trainer, data[0], 3, 4)  # step 4's ``after_step`` is called here, to read what it returns
+    assert ckpt.after_step(4, trainer.state_view) == 0.0
+    states[4] = state_sha256(trainer.state_view())
+    assert ckpt.postponed.due_since == 4 and store.calls == []
     store.gate.set()
     ckpt.flush(GATE_TIMEOUT_S)
     train(trainer, data[0], 4, 8, after=after)
@@ -150,12 +157,7 @@ def test_an_overlapped_snapshot_due_while_every_buffer_set_is_held_is_postponed(
     trainer = make_trainer(encoder)
     ckpt = OverlappedCheckpointer(store, 2, 2, HYPER, trainer.applied_gradients, max_pending=1)
     states = {}
-
-    def after(done: int) -> None:
-        ckpt.after_step(done, trainer.state_view)
-        states[done] = state_sha256(trainer.state_view())
-        if done == 3:
-            assert store.entered.wait(GATE_TIMEOUT_S)  # the snapshot of step 3 is in its write, held
+    after = attach(ckpt, trainer, store, states, held_at=3)  # the snapshot of step 3 is held in its write
 
     train(trainer, data[0], 0, 9, after=after)
     assert ckpt.postponed.due_since == 8 and ckpt.last_submitted_step == 7 and store.calls == []
