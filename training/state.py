@@ -60,7 +60,9 @@ class StagingPool:
     """``sets`` reusable staging buffer sets (each a name -> array dict for ``copy_into``), shared by a
     training loop that takes one per staged checkpoint and a background writer that gives it back
     once the checkpoint is written. Never blocks unless asked: ``take`` returns None when every set
-    is in use, so the loop can postpone a checkpoint instead of waiting.
+    is in use, so the loop can postpone a checkpoint instead of waiting. ``take`` hands out the set given
+    back last, so while the writer keeps up one set is reused over and over, and the arrays of the
+    others are never allocated (``copy_into`` allocates on first use).
 
     Args:
         sets: buffer sets (>= 1); a checkpointer whose writer holds at most ``k`` staged checks (the
@@ -88,7 +90,7 @@ class StagingPool:
         with self._cond:
             if not self._cond.wait_for(lambda: self._free, timeout=timeout_s):
                 return None
-            return self._free.pop(0)
+            return self._free.pop()  # the set given back last: a set is allocated only when all others are held
 
     def give_back(self, buffers: dict[str, np.ndarray]) -> None:
         """Return a set taken with ``take``; its arrays may be overwritten from now on.
