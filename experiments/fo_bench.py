@@ -16,7 +16,10 @@ compute time. At step ``--restart-at`` it restarts:
   the failure-free state's sha256 is taken at each of them, and the restored state is compared bitwise.
 
 Per-step stall: the maximum and the mean (over the steps that stalled) of each strategy's blocked
-time, and for ``overlapped-M`` their ratios to ``full-async``'s one-shot staging copy.
+time, and for ``overlapped-M`` their ratios to ``full-async``'s one-shot staging copy. For
+``full-async`` and ``layerwise`` the blocked time is split into the staging copies (``copy_seconds``)
+and the rest (waiting for room at the background writer, handing the check over), with the checks
+postponed because the writer was behind.
 
 Printed beside the papers' figures (``docs/algorithms.md``): LayerCheck (arXiv 2026) 22.6x fewer
 bytes and post-restart loss within 0.54%; LowDiff (SC'25) under 3.1% runtime overhead with
@@ -198,7 +201,8 @@ def summarise(args, names: list[str], rows: list[dict], stats: dict, restart: di
         strategies[name] = {"bytes_per_100_steps": stats[name]["bytes"] * per100, "blocked_seconds_per_100_steps": blocks.sum() * per100,
                             "overhead_pct": 100 * blocks.sum() / compute, "errors": stats[name].get("errors", []),
                             "max_stall_s": float(blocks.max()), "mean_stall_s": float(stalls.mean()) if stalls.size else 0.0,
-                            "stall_steps": int(stalls.size), "checkpoints": stats[name]["checkpoints"], **restart.get(name, {})}
+                            "stall_steps": int(stalls.size), "checkpoints": stats[name]["checkpoints"], **restart.get(name, {}),
+                            **stall_split(stats[name], float(blocks.sum()), per100)}
     for name in [n for n in names if n.startswith(OVERLAPPED)] if "full-async" in names else []:
         ours, full = strategies[name], strategies["full-async"]
         ours["max_stall_over_full_async"] = ours["max_stall_s"] / full["max_stall_s"]
@@ -225,6 +229,18 @@ def summarise(args, names: list[str], rows: list[dict], stats: dict, restart: di
                                              "max": float(np.max([c[u] for c in changes]))} for u in units}}
 
 
+def stall_split(stats: dict, blocked_s: float, per100: float) -> dict:
+    """Where a checkpointer's blocked time went (when it reports its staging copies): ``copy_seconds``
+    (per staged check), the rest of the blocked time per 100 steps (waiting for room at the writer,
+    handing the check over), and the checks postponed because the writer was behind."""
+    if "copy_seconds" not in stats:
+        return {}
+    copies = stats["copy_seconds"]
+    return {"copy_seconds": copies, "copy_seconds_per_100_steps": sum(copies) * per100,
+            "other_blocked_seconds_per_100_steps": (blocked_s - sum(copies)) * per100,
+            "postponed_checks": stats.get("postponed_checks", 0), "postponed_steps": stats.get("postponed_steps", 0)}
+
+
 def print_table(result: dict) -> None:
     s = result["strategies"]
     print(f"\n{result['model']}: {result['steps']} steps, {result['compute_seconds_per_step']:.3f} s compute per step, "
@@ -234,6 +250,12 @@ def print_table(result: dict) -> None:
         restored = f"step {r.get('restored_step')}, bitwise {r.get('bitwise_equal')}" if "restored_step" in r else ""
         print(f"{name:<18} {r['bytes_per_100_steps'] / 1e6:>15.1f} {r['blocked_seconds_per_100_steps']:>16.3f} "
               f"{r['overhead_pct']:>8.2f}%  {restored}")
+    for name in (n for n in s if "copy_seconds" in s[n]):
+        r = s[name]
+        print(f"{name} stall split: copies {r['copy_seconds_per_100_steps']:.3f} s / 100 steps "
+              f"({', '.join(f'{c:.2f}' for c in r['copy_seconds'])} s per check), rest (waiting for the writer, hand-off) "
+              f"{r['other_blocked_seconds_per_100_steps']:.3f} s / 100 steps; {r['postponed_checks']} checks postponed "
+              f"({r['postponed_steps']} steps)")
     lw, papers = s.get("layerwise"), result["papers"]
     if lw and "bytes_ratio_full_over_layerwise" in lw:
         verdict = "meets" if lw["bytes_ratio_full_over_layerwise"] >= 5 else "BELOW the 5x target"

@@ -60,11 +60,16 @@ class SnapshotSchedule:
             raise ValueError(f"every_steps must be >= 0, got {every_steps}")
         self.every_steps = every_steps
 
-    def take_if_due(self, steps_done: int) -> bool:
-        """True (and the snapshot counts as taken at ``steps_done``) when one is due after ``steps_done`` steps."""
+    def due(self, steps_done: int) -> bool:
+        """True when a snapshot is due after ``steps_done`` steps (nothing counts as taken: a caller
+        that cannot take it now asks again at the next step, when it is still due)."""
         if self.last_step is None:
             self.last_step = steps_done - 1
-        if not snapshot_due(steps_done, self.last_step, self.every_steps):
+        return snapshot_due(steps_done, self.last_step, self.every_steps)
+
+    def take_if_due(self, steps_done: int) -> bool:
+        """True (and the snapshot counts as taken at ``steps_done``) when one is due after ``steps_done`` steps."""
+        if not self.due(steps_done):
             return False
         self.last_step = steps_done
         return True

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +82,35 @@ class BackgroundWriter:
             self._queue.put(None)
             self._thread.join(timeout_s)
         return finished
+
+
+@dataclass
+class Postponements:
+    """Checkpoints that came due while the background writer was still behind and were postponed to
+    a later step instead of blocking the training loop.
+
+    Attributes:
+        checks: postponed checkpoints that have since been taken.
+        steps: their delays (taken step - first due step), summed, in steps.
+        due_since: the step the checkpoint postponed now first came due at; None: none is postponed.
+    """
+
+    checks: int = 0
+    steps: int = 0
+    due_since: int | None = None
+
+    def postpone(self, step: int) -> None:
+        """A due checkpoint could not be taken after ``step`` steps."""
+        if self.due_since is None:
+            self.due_since = step
+
+    def taken(self, step: int) -> None:
+        """The due checkpoint was taken after ``step`` steps (postponed or not)."""
+        if self.due_since is not None:
+            self.checks += 1
+            self.steps += step - self.due_since
+            self.due_since = None
+
+    def stats(self) -> dict:
+        """``postponed_checks`` and ``postponed_steps`` (for a checkpointer's ``close``)."""
+        return {"postponed_checks": self.checks, "postponed_steps": self.steps}

@@ -96,7 +96,8 @@ def test_a_merged_checkpoint_resumes_and_layerwise_recovery_restores_the_composi
     assert (first["source"], first["base_step"], first["restored_step"]) == ("storage", 6, 6)  # started from the merge
     assert "failure_step" not in first
     assert (second["source"], second["failure_step"], second["lost_steps"]) == ("storage", 9, 0)
-    assert second["restored_step"] in (6, 8)  # the newest committed check (the one at 8 is written in the background)
+    assert second["restored_step"] in (6, 7, 8)  # the newest committed check (the one due at 8 is written in the
+    # background, and a check that comes due while the writer is behind runs a step later: training.layerwise)
     assert summary["final_step"] == 12
     final = SnapshotStore(str(out / "snapshots")).list()[-1]
     assert final.step == 12 and max(u["step"] for u in final.manifest["units"].values()) == 12

@@ -18,7 +18,10 @@ UNITS = ["embed", "layer.000", "layer.001", "norm"]
 
 
 def run(encoder, data, store: SnapshotStore, steps: int, policy: LayerwiseConfig, every: int = 2, trainer=None, first: int = 0):
-    """Train with a layer-wise checkpointer; returns (trainer, checkpointer stats, state copies at each check)."""
+    """Train with a layer-wise checkpointer; returns (trainer, checkpointer stats, state copies at each check).
+    Each check is waited for, so none is postponed (the writer is idle at every check) and the checks
+    fall on multiples of ``every``; ``test_a_check_due_while_the_writer_is_busy_is_postponed`` covers
+    the busy writer."""
     trainer = trainer or make_trainer(encoder)
     ckpt = LayerwiseCheckpointer(store, every, policy)
     states = {}
@@ -26,6 +29,7 @@ def run(encoder, data, store: SnapshotStore, steps: int, policy: LayerwiseConfig
     def after(done: int) -> None:
         ckpt.after_step(done, trainer.state_view)
         if done % every == 0:
+            assert ckpt.flush(60)
             states[done] = copy_state(trainer.state_view())
 
     train(trainer, data[0], first, steps, after=after)

@@ -10,9 +10,17 @@ check: writes are spread over checks).
 
 The training loop only stages a copy of the state (its one stall, as for an asynchronous full
 checkpoint; on this CPU-only setup a memory copy costs less than measuring the change in float64 in
-the loop). A background thread measures, selects and writes the selected units' weights, Adam
-moments and step counts through ``SnapshotStore.write_units``: one committed composite snapshot
-per check, whose manifest references the older shards of the units not rewritten (each verified
+the loop), into one of ``max_pending + 1`` reusable buffer sets (``training.state.StagingPool``). It
+never waits for the background thread: when a check comes due while every buffer set is still held
+by earlier checks (the writer is behind), the check is postponed to the first step at which a set is
+free (``postponed_checks``, ``postponed_steps`` in ``close``'s stats). The staleness bound still holds:
+staleness is measured at the step the check runs, so the units at or over the bound are forced at
+that check, whichever step it runs at. What a postponement lengthens is the gap between two checks
+(``snapshot_due`` keeps a due check due at every later step, so it runs at the first step with room:
+a re-plan of the interval never postpones a check past its interval, back-pressure does, by the
+steps the writer is behind). A background thread measures, selects and writes the selected units'
+weights, Adam moments and step counts through ``SnapshotStore.write_units``: one committed composite
+snapshot per check, whose manifest references the older shards of the units not rewritten (each verified
 first: a unit whose shard fails verification is rewritten from the staged copy). Restore loads the
 newest committed snapshot like any other (``SnapshotStore.load_latest``); its units may come from
 different steps.
@@ -31,10 +39,10 @@ import torch
 
 from policies.interval import SnapshotSchedule
 from policies.layerwise import LayerwiseConfig, UnitStatus, relative_change, select_units
-from storage.background import BackgroundWriter
+from storage.background import BackgroundWriter, Postponements
 from storage.snapshots import SnapshotInfo, SnapshotStore
 from storage.units import group_by_unit, parameter_of
-from training.state import as_numpy, copy_state
+from training.state import StagingPool, as_numpy, copy_into
 
 
 class LayerwiseCheckpointer:
@@ -51,7 +59,8 @@ class LayerwiseCheckpointer:
         every: steps between checks (>= 1).
         policy: threshold, staleness bound (steps) and byte budget per check (``max_bytes_per_step``).
         config: recorded in each manifest.
-        max_pending: staged checks that may wait behind the running one (bounds staging memory).
+        max_pending: staged checks that may wait behind the running one (bounds staging memory: the
+            checkpointer holds ``max_pending + 1`` copies of the state).
     """
 
     def __init__(self, store: SnapshotStore, every: int, policy: LayerwiseConfig, config: Mapping | None = None,
@@ -62,11 +71,18 @@ class LayerwiseCheckpointer:
         self.schedule = SnapshotSchedule(every_steps=every)  # counts from the step the loop starts at
         self.config = dict(config or {})
         self._persisted: dict[str, tuple[int, dict[str, np.ndarray]]] = {}  # unit -> (step, weights as committed)
-        self._writer = BackgroundWriter("layerwise-checkpoint", max_pending)
+        self._pool = StagingPool(max_pending + 1)  # the running check's set and those of the queued ones
+        # a finished check gives its set back just before the thread takes the next one from the queue,
+        # so the queue has room for every set: ``submit`` never waits
+        self._writer = BackgroundWriter("layerwise-checkpoint", max_pending + 1)
+        self._state: Callable[[], Mapping[str, torch.Tensor]] | None = None  # the loop's, from its last step
+        self._last_step_seen = 0
+        self.postponed = Postponements()
         self.checks = 0
         self.bytes = 0
         self.last_step: int | None = None
         self.write_seconds: list[float] = []
+        self.copy_seconds: list[float] = []
         self.units_written: dict[str, int] = {}
         self.reasons: dict[str, int] = {}
 
@@ -79,14 +95,36 @@ class LayerwiseCheckpointer:
             self._persisted[unit] = (int(info.manifest["units"][unit]["step"]), weights)
 
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
-        """At a check, stage a copy of the state and queue the check; returns the seconds the training
-        loop was blocked (0.0 between checks)."""
-        if not self.schedule.take_if_due(steps_done):
+        """At a check, stage a copy of the state into a free buffer set and queue the check; with no
+        free set (the writer is behind) postpone the check to the next step. Returns the seconds the
+        training loop was blocked (0.0 between checks)."""
+        self._state, self._last_step_seen = state, steps_done
+        if not self.schedule.due(steps_done):
             return 0.0
         t0 = time.perf_counter()
-        staged = copy_state(state())
-        self._writer.submit(lambda: self._check(steps_done, staged), f"layer-wise check at step {steps_done}")
+        buffers = self._pool.take()
+        if buffers is None:
+            self.postponed.postpone(steps_done)
+            return time.perf_counter() - t0
+        self._stage(steps_done, buffers)
         return time.perf_counter() - t0
+
+    def _stage(self, step: int, buffers: dict[str, np.ndarray]) -> None:
+        """Take the check at ``step``: copy the state into ``buffers`` and queue the check, which gives
+        the buffers back once it has finished."""
+        self.schedule.taken(step)
+        self.postponed.taken(step)
+        t0 = time.perf_counter()
+        staged = copy_into(buffers, self._state())
+        self.copy_seconds.append(time.perf_counter() - t0)
+
+        def check() -> None:
+            try:
+                self._check(step, staged)
+            finally:
+                self._pool.give_back(buffers)
+
+        self._writer.submit(check, f"layer-wise check at step {step}")
 
     def _status(self, step: int, unit: str, names: list[str], staged: Mapping[str, np.ndarray]) -> UnitStatus:
         size = sum(staged[n].nbytes for n in names)
@@ -108,7 +146,8 @@ class LayerwiseCheckpointer:
         self.write_seconds.append(time.perf_counter() - t0)
         written = [u for u, spec in info.manifest["units"].items() if spec["path"].startswith(info.folder + "/")]
         for unit in written:  # the selected units, and any whose committed shard failed verification
-            self._persisted[unit] = (step, {n: staged[n] for n in layout[unit] if parameter_of(n) is None})
+            kept = self._persisted.get(unit, (step, {}))[1]  # copied: the staged buffers are reused
+            self._persisted[unit] = (step, copy_into(kept, {n: staged[n] for n in layout[unit] if parameter_of(n) is None}))
             self.units_written[unit] = self.units_written.get(unit, 0) + 1
         self.checks += 1
         self.bytes += info.own_bytes
@@ -124,11 +163,21 @@ class LayerwiseCheckpointer:
         return self._writer.drain(timeout_s)
 
     def close(self, timeout_s: float = 600.0) -> dict:
-        """Wait for the queued checks (at most ``timeout_s``); returns ``checkpoints`` (committed
-        checks), ``bytes`` (shard bytes written), ``last_step``, ``write_seconds`` (per check),
+        """Run a check still postponed at the last step (from the final state, waiting for a free buffer
+        set now that the loop is over), then wait for the queued checks (at most ``timeout_s`` each);
+        returns ``checkpoints`` (committed checks), ``bytes`` (shard bytes written), ``last_step``,
+        ``write_seconds`` (per check), ``copy_seconds`` (per check: the loop's staging copy),
         ``units_written`` (unit -> times written), ``reasons`` (selection reason -> times selected),
-        ``errors`` (failed checks) and ``finished`` (False when the timeout cut the wait short)."""
-        finished = self._writer.close(timeout_s)
+        ``postponed_checks`` (checks that ran later than due because the
+        writer was behind), ``postponed_steps`` (their delays, summed), ``errors`` (failed checks) and
+        ``finished`` (False when the timeout cut the wait short)."""
+        finished = True
+        if self.postponed.due_since is not None:
+            buffers = self._pool.take(timeout_s)
+            finished = buffers is not None
+            if finished:
+                self._stage(self._last_step_seen, buffers)
+        finished = self._writer.close(timeout_s) and finished
         return {"checkpoints": self.checks, "bytes": self.bytes, "last_step": self.last_step,
-                "write_seconds": list(self.write_seconds), "units_written": dict(self.units_written),
-                "reasons": dict(self.reasons), "errors": list(self._writer.errors), "finished": finished}
+                "write_seconds": list(self.write_seconds), "copy_seconds": list(self.copy_seconds),
+                "units_written": dict(self.units_written), "reasons": dict(self.reasons), **self.postponed.stats(), "errors": list(self._writer.errors), "finished": finished}

@@ -14,7 +14,11 @@ run's ``SnapshotStore`` (shards, manifest last, the index as commit point). Roll
 instead would not be exact (an AdamW step is not invertible in floating point), hence the forward
 direction, as in the paper.
 
-A snapshot that comes due while a window is open starts when it closes. A failure during a window loses
+A snapshot that comes due while a window is open starts when it closes. The chunks are staged into one
+of ``max_pending + 2`` reusable buffer sets (``training.state.StagingPool``: the open window's, the one
+being written, and ``max_pending`` queued); a snapshot that comes due while none is free (the writer
+is behind) is postponed to the first step at which one is, never waited for (``postponed_checks``,
+``postponed_steps`` in ``close``), as in ``training.layerwise``. A failure during a window loses
 that window (recovery takes the newest committed snapshot); ``close`` completes an open window from the
 final state. m = 1 is a one-shot staged copy, as ``full-async``.
 """
@@ -29,11 +33,11 @@ import numpy as np
 import torch
 
 from policies.interval import SnapshotSchedule
-from storage.background import BackgroundWriter
+from storage.background import BackgroundWriter, Postponements
 from storage.snapshots import SnapshotStore
 from storage.units import parameter_of
 from training.fo import FOHyper, replay_adamw_
-from training.state import as_numpy, copy_state
+from training.state import StagingPool, as_numpy, copy_into
 
 
 def balanced_chunks(sizes: Mapping[str, int], m: int) -> list[list[str]]:
@@ -92,6 +96,8 @@ class _Window:
     start_step: int
     names: list[str]
     """Every tensor name of the state, canonical order."""
+    buffers: dict[str, np.ndarray]
+    """The staging buffer set the chunks are copied into (given back once the snapshot is written)."""
     staged: dict[str, np.ndarray] = field(default_factory=dict)
     gradients: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """``gradients[i]``: what step ``start_step + i`` applied to the parameters of chunks 0..i."""
@@ -114,7 +120,8 @@ class OverlappedCheckpointer:
         gradients: the gradients the last step applied (``FOTrainer.applied_gradients``); tensors that
             no later step writes.
         config: recorded in each manifest.
-        max_pending: assembled snapshots that may wait behind the one being written (bounds memory).
+        max_pending: assembled snapshots that may wait behind the one being written (bounds memory: the
+            checkpointer holds ``max_pending + 2`` copies of the state).
 
     Raises:
         ValueError: ``every`` or ``chunks`` < 1.
@@ -130,7 +137,11 @@ class OverlappedCheckpointer:
         self.store, self.chunks, self.hyper, self.gradients = store, chunks, hyper, gradients
         self.schedule = SnapshotSchedule(every_steps=every)  # counts from the step the loop starts at
         self.config = dict(config or {})
-        self._writer = BackgroundWriter("overlapped-checkpoint", max_pending)
+        self._pool = StagingPool(max_pending + 2)  # the open window, the snapshot being written, the queued ones
+        # a written snapshot gives its set back just before the thread takes the next from the queue
+        self._writer = BackgroundWriter("overlapped-checkpoint", max_pending + 1)
+        self.postponed = Postponements()
+        self._last_step_seen = 0
         self._window: _Window | None = None
         self._plan: list[dict[str, list[str]]] | None = None  # per chunk: parameter -> its state tensors
         self._state: Callable[[], Mapping[str, torch.Tensor]] | None = None
@@ -158,15 +169,16 @@ class OverlappedCheckpointer:
         the chunks staged so far and stage the next chunk; submit the snapshot once every chunk is staged.
         Returns the seconds the training loop was blocked (0.0 outside a window)."""
         t0 = time.perf_counter()
-        window, self._state = self._window, state
+        window, self._state, self._last_step_seen = self._window, state, steps_done
         if window is None:
-            if not self.schedule.take_if_due(steps_done):
+            if not self.schedule.due(steps_done):
+                return 0.0
+            buffers = self._pool.take()
+            if buffers is None:  # every buffer set is held by snapshots not yet written
+                self.postponed.postpone(steps_done)
                 return 0.0
             live = state()
-            if self._plan is None:
-                self._plan = self.plan(live)
-                self.chunk_bytes = [_nbytes(live, _tensors(chunk)) for chunk in self._plan]
-            window = self._window = _Window(start_step=steps_done, names=list(live))
+            window = self._open(steps_done, live, buffers)
         else:
             live = state()
             window.gradients.append(self._held_gradients(window))
@@ -176,6 +188,16 @@ class OverlappedCheckpointer:
         blocked = time.perf_counter() - t0
         self.stats["stage_seconds"].append(blocked)
         return blocked
+
+    def _open(self, step: int, live: Mapping[str, torch.Tensor], buffers: dict[str, np.ndarray]) -> _Window:
+        """Start the snapshot due after ``step`` steps in ``buffers`` (plans the chunks on first use)."""
+        self.schedule.taken(step)
+        self.postponed.taken(step)
+        if self._plan is None:
+            self._plan = self.plan(live)
+            self.chunk_bytes = [_nbytes(live, _tensors(chunk)) for chunk in self._plan]
+        self._window = _Window(start_step=step, names=list(live), buffers=buffers)
+        return self._window
 
     def _held_gradients(self, window: _Window) -> dict[str, torch.Tensor]:
         """References to the last step's gradients of the chunks staged so far (no copy)."""
@@ -189,12 +211,19 @@ class OverlappedCheckpointer:
         return held
 
     def _stage(self, window: _Window, index: int, live: Mapping[str, torch.Tensor]) -> None:
-        window.staged.update(copy_state({n: live[n] for n in _tensors(self._plan[index])}))
+        window.staged.update(copy_into(window.buffers, {n: live[n] for n in _tensors(self._plan[index])}))
 
     def _submit(self, window: _Window, step: int) -> None:
         """Queue the catch-up and the commit of ``window`` as the snapshot of ``step``; close the window."""
         self._window, self.last_submitted_step = None, step
-        self._writer.submit(lambda: self._write(window, step), f"overlapped snapshot of step {step}")
+
+        def write() -> None:
+            try:
+                self._write(window, step)
+            finally:
+                self._pool.give_back(window.buffers)
+
+        self._writer.submit(write, f"overlapped snapshot of step {step}")
 
     def _write(self, window: _Window, step: int) -> None:
         """On the writer thread: bring each chunk to ``step`` (replay the steps after it was staged), commit."""
@@ -219,10 +248,15 @@ class OverlappedCheckpointer:
 
     def close(self, timeout_s: float = 600.0) -> dict:
         """Complete an open window from the current (final) state: its remaining chunks are staged now,
-        outside the loop, so the snapshot is of the last step. Then wait for every write (at most
+        outside the loop, so the snapshot is of the last step (a snapshot still postponed at the last
+        step is staged whole now, once a buffer set is free). Then wait for every write (at most
         ``timeout_s``); returns ``checkpoints``, ``bytes``, ``last_step``, ``write_seconds`` and
         ``catch_up_seconds`` (per snapshot), ``stage_seconds`` (per staging step), ``chunks`` (m used),
-        ``chunk_bytes`` (per chunk), ``errors`` and ``finished``."""
+        ``chunk_bytes`` (per chunk), ``postponed_checks``, ``postponed_steps``, ``errors`` and
+        ``finished``."""
+        buffers = self._pool.take(timeout_s) if self._window is None and self.postponed.due_since is not None else None
+        if buffers is not None:
+            self._stage(self._open(self._last_step_seen, self._state(), buffers), 0, self._state())
         window = self._window
         if window is not None:
             live = self._state()
@@ -232,4 +266,4 @@ class OverlappedCheckpointer:
         finished = self._writer.close(timeout_s)
         return {**self.stats, "write_seconds": list(self.stats["write_seconds"]),
                 "catch_up_seconds": list(self.stats["catch_up_seconds"]), "stage_seconds": list(self.stats["stage_seconds"]),
-                "chunks": len(self._plan or []), "chunk_bytes": list(self.chunk_bytes), "errors": list(self._writer.errors), "finished": finished}
+                "chunks": len(self._plan or []), "chunk_bytes": list(self.chunk_bytes), **self.postponed.stats(), "errors": list(self._writer.errors), "finished": finished}

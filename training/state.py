@@ -7,6 +7,7 @@ A state is an ordered mapping from parameter name to a CPU tensor or numpy array
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -39,6 +40,69 @@ def state_sha256(state: Mapping[str, torch.Tensor | np.ndarray]) -> str:
 def copy_state(state: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, np.ndarray]:
     """A private numpy copy of ``state`` (same order), safe to hand to another process."""
     return {n: np.array(as_numpy(t), copy=True) for n, t in state.items()}
+
+
+def copy_into(buffers: dict[str, np.ndarray], state: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, np.ndarray]:
+    """Copy every tensor of ``state`` into ``buffers`` (name -> array, updated in place: an array is
+    allocated on a name's first use, or when its shape or dtype changed, and reused after that, so a
+    staging copy does not page-fault fresh memory every time); returns ``{name: buffers[name]}`` in
+    ``state``'s order. bfloat16 tensors are staged as their raw bits (``as_numpy``)."""
+    for name, t in state.items():
+        src = as_numpy(t)
+        dst = buffers.get(name)
+        if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
+            dst = buffers[name] = np.empty(src.shape, src.dtype)
+        np.copyto(dst, src)
+    return {name: buffers[name] for name in state}
+
+
+class StagingPool:
+    """``sets`` reusable staging buffer sets (each a name -> array dict for ``copy_into``), shared by a
+    training loop that takes one per staged checkpoint and a background writer that gives it back
+    once the checkpoint is written. Never blocks unless asked: ``take`` returns None when every set
+    is in use, so the loop can postpone a checkpoint instead of waiting. ``take`` hands out the set given
+    back last, so while the writer keeps up one set is reused over and over, and the arrays of the
+    others are never allocated (``copy_into`` allocates on first use).
+
+    Args:
+        sets: buffer sets (>= 1); a checkpointer whose writer holds at most ``k`` staged checks (the
+            running one and those queued) needs ``k`` sets.
+
+    Raises:
+        ValueError: ``sets`` < 1.
+    """
+
+    def __init__(self, sets: int) -> None:
+        if sets < 1:
+            raise ValueError(f"a staging pool needs >= 1 buffer set, got {sets}")
+        self._free: list[dict[str, np.ndarray]] = [{} for _ in range(sets)]
+        self._all = list(self._free)
+        self._cond = threading.Condition()
+
+    @property
+    def sets(self) -> list[dict[str, np.ndarray]]:
+        """Every buffer set of the pool (free or in use), in creation order."""
+        return list(self._all)
+
+    def take(self, timeout_s: float | None = 0.0) -> dict[str, np.ndarray] | None:
+        """A free buffer set, or None when none came free within ``timeout_s`` seconds (0: do not wait;
+        None: wait as long as it takes)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout=timeout_s):
+                return None
+            return self._free.pop()  # the set given back last: a set is allocated only when all others are held
+
+    def give_back(self, buffers: dict[str, np.ndarray]) -> None:
+        """Return a set taken with ``take``; its arrays may be overwritten from now on.
+
+        Raises:
+            ValueError: ``buffers`` is not a set of this pool in use.
+        """
+        with self._cond:
+            if not any(b is buffers for b in self._all) or any(b is buffers for b in self._free):
+                raise ValueError("give_back: not a buffer set of this pool that is in use")
+            self._free.append(buffers)
+            self._cond.notify_all()
 
 
 def load_into(params: Mapping[str, torch.Tensor], source: Mapping[str, np.ndarray | torch.Tensor]) -> None:
