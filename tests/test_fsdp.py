@@ -194,7 +194,7 @@ def test_resume_changes_the_worker_count_of_an_fsdp2_run_only(tmp_path, capsys):
             resume_config(saved, {"workers": workers})
         assert exit_.value.exit_code == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith(f"error: --resume") and expected in err
+        assert err.count("\n") == 1 and err.startswith("error: --resume") and expected in err
 
 
 @pytest.fixture()
