@@ -12,8 +12,9 @@ from typing import Annotated
 import typer
 
 from storage.backend import Storage
+from storage.dcp_store import SUBFOLDER, ShardedStore
 from storage.log_segments import read_segments
-from storage.snapshots import SnapshotInfo, SnapshotStore
+from storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
 from storage.steplog import StepLogError, read_log
 
 UriArg = Annotated[str, typer.Argument(metavar="URI", help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
@@ -74,7 +75,17 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
     return lines, bad
 
 
+def _stores(store: SnapshotStore) -> list[SnapshotStore]:
+    """``store``, and the sharded checkpoints next to it when it has any (an ``--fo-parallelism fsdp2``
+    run's, in its ``sharded/`` folder: ``storage.dcp_store``); creates nothing."""
+    if not store.storage.exists(f"{SUBFOLDER}/{INDEX}"):
+        return [store]
+    return [store, ShardedStore(store.storage, create=False)]
+
+
 def _units_by_step(manifest: dict) -> str:
+    if "world_size" in manifest:  # a sharded checkpoint: DCP files of every rank, all of one step
+        return f"{len(manifest['units'])} files of {manifest['world_size']} rank(s)"
     steps: dict[int, int] = {}
     for spec in manifest["units"].values():
         steps[spec["step"]] = steps.get(spec["step"], 0) + 1
@@ -120,47 +131,54 @@ def _unindexed_line(folders: list[str]) -> str:
 def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """List committed snapshots: step, size (bytes of every shard its state is made of), units and the
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
-    that the index does not list ("not indexed"). A missing store (folder or bucket) exits 2."""
-    store = open_store(uri, s3_endpoint)
-    infos, unindexed = _listing(store)
-    typer.echo(f"{store.storage.url()}: {len(infos)} committed snapshot(s)")
-    for info in infos:
-        created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
-        typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {len(info.manifest['units']):>4} units "
-                   f"({_units_by_step(info.manifest)})  {_run_of(info)}  {created}  {info.folder}")
-    for problem in store.skipped:
-        typer.echo(f"  skipped: {problem}")
-    for folder in unindexed:
-        typer.echo(f"  not indexed: {folder}")
-    for line in _log_lines(uri, store.storage)[0]:
+    that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
+    folder) are listed after the snapshots. A missing store (folder or bucket) exits 2."""
+    main = open_store(uri, s3_endpoint)
+    for store in _stores(main):
+        infos, unindexed = _listing(store)
+        kind = "sharded checkpoint" if isinstance(store, ShardedStore) else "committed snapshot"
+        typer.echo(f"{store.storage.url()}: {len(infos)} {kind}(s)")
+        for info in infos:
+            created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
+            typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {len(info.manifest['units']):>4} units "
+                       f"({_units_by_step(info.manifest)})  {_run_of(info)}  {created}  {info.folder}")
+        for problem in store.skipped:
+            typer.echo(f"  skipped: {problem}")
+        for folder in unindexed:
+            typer.echo(f"  not indexed: {folder}")
+    for line in _log_lines(uri, main.storage)[0]:
         typer.echo(line)
 
 
 def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
-    """Re-hash every shard of every committed snapshot (and the mirrored step log); exit 1 naming each
-    bad one, and the snapshot folders with a manifest that the index does not list."""
-    store = open_store(uri, s3_endpoint)
-    bad = []
-    infos, unindexed = _listing(store)
-    for info in infos:
-        problems = store.verify(info)
-        typer.echo(f"{'BAD' if problems else 'ok '}  step {info.step:>8}  {info.folder}")
-        for p in problems:
-            typer.echo(f"       {p}")
-        bad += problems
-    for problem in store.skipped:
-        typer.echo(f"BAD  {problem}")
-        bad.append(problem)
-    if unindexed:
-        typer.echo(f"BAD  {_unindexed_line(unindexed)}")
-        bad += unindexed
-    lines, log_problems = _log_lines(uri, store.storage)
+    """Re-hash every shard of every committed snapshot, every file of an fsdp2 run's sharded
+    checkpoints, and the mirrored step log; exit 1 naming each bad one, and the snapshot folders with a
+    manifest that the index does not list."""
+    main = open_store(uri, s3_endpoint)
+    bad, verified = [], 0
+    for store in _stores(main):
+        infos, unindexed = _listing(store)
+        verified += len(infos)
+        for info in infos:
+            problems = store.verify(info)
+            where = f"{SUBFOLDER}/{info.folder}" if isinstance(store, ShardedStore) else info.folder
+            typer.echo(f"{'BAD' if problems else 'ok '}  step {info.step:>8}  {where}")
+            for p in problems:
+                typer.echo(f"       {p}")
+            bad += problems
+        for problem in store.skipped:
+            typer.echo(f"BAD  {problem}")
+            bad.append(problem)
+        if unindexed:
+            typer.echo(f"BAD  {_unindexed_line(unindexed)}")
+            bad += unindexed
+    lines, log_problems = _log_lines(uri, main.storage)
     for line in lines:
         typer.echo(line)
-    if not infos and not bad:
-        typer.echo(f"no committed snapshots in {store.storage.url()}", err=True)
+    if not verified and not bad:
+        typer.echo(f"no committed snapshots in {main.storage.url()}", err=True)
         raise typer.Exit(2)
     if bad or log_problems:
         typer.echo(f"{len(bad) + log_problems} problem(s) found", err=True)
         raise typer.Exit(1)
-    typer.echo(f"all {len(infos)} snapshot(s) verified")
+    typer.echo(f"all {verified} snapshot(s) verified")

@@ -160,11 +160,12 @@ class ShardedStore(SnapshotStore):
     Args:
         storage: the run's snapshot storage (a ``Storage`` or URI); checkpoints go under ``SUBFOLDER``.
         keep_last, identity, epoch: as ``SnapshotStore``.
+        create: make a missing local ``SUBFOLDER`` (False for read-only tools).
     """
 
-    def __init__(self, storage: Storage | str, keep_last: int = 3, **kw) -> None:
+    def __init__(self, storage: Storage | str, keep_last: int = 3, create: bool = True, **kw) -> None:
         root = storage if isinstance(storage, Storage) else Storage(storage)
-        sub = Storage(f"{root.uri.rstrip('/')}/{SUBFOLDER}", retry=root.retry, write_chunk_bytes=root.write_chunk_bytes,
+        sub = Storage(f"{root.uri.rstrip('/')}/{SUBFOLDER}", retry=root.retry, create=create, write_chunk_bytes=root.write_chunk_bytes,
                       write_rate_bytes_per_s=root.write_rate_bytes_per_s, **root.options)
         super().__init__(sub, keep_last=keep_last, **kw)
 

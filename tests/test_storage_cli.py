@@ -3,9 +3,13 @@
 import re
 
 import numpy as np
+import torch
+import torch.distributed as dist
 from typer.testing import CliRunner
 
+from conftest import free_port
 from orchestrator.cli import app
+from storage.dcp_store import SUBFOLDER, ShardedStore
 from storage.snapshots import MANIFEST, SnapshotStore
 from storage.steplog import RECORD_BYTES, StepLogWriter, StepRecord
 
@@ -80,3 +84,25 @@ def test_inspect_and_verify_of_a_missing_bucket_say_so_and_exit_2(s3_endpoint):
     make_bucket(s3_endpoint, bucket)  # an existing bucket with nothing under the prefix is an empty store
     result = CliRunner().invoke(app, ["inspect", f"s3://{bucket}/run", "--s3-endpoint", s3_endpoint])
     assert result.exit_code == 0 and result.output.splitlines() == [f"s3://{bucket}/run: 0 committed snapshot(s)"]
+
+
+def test_inspect_and_verify_see_an_fsdp2_runs_sharded_checkpoints_and_name_a_damaged_file(tmp_path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        store = ShardedStore(str(tmp_path / "snapshots"))
+        saved = [store.save(s, {"w": torch.full((4, 3), float(s)), "b": torch.arange(3.0)}).info for s in (3, 6)]
+    finally:
+        dist.destroy_process_group()
+    listed = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert "0 committed snapshot(s)" in listed.output and "2 sharded checkpoint(s)" in listed.output
+    for info in saved:
+        assert re.search(rf"step +{info.step} +{info.bytes:,} bytes +2 units \(2 files of 1 rank\(s\)\)", listed.output)
+    assert CliRunner().invoke(app, ["verify", str(tmp_path)]).output.endswith("all 2 snapshot(s) verified\n")
+    damaged = tmp_path / "snapshots" / SUBFOLDER / saved[1].manifest["units"]["__0_0.distcp"]["path"]
+    damaged.write_bytes(damaged.read_bytes()[:-1])
+    result = CliRunner().invoke(app, ["verify", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert f"ok   step        3  {SUBFOLDER}/{saved[0].folder}" in result.output
+    assert f"BAD  step        6  {SUBFOLDER}/{saved[1].folder}" in result.output
+    assert "__0_0.distcp" in result.output and "1 problem(s) found" in result.output
