@@ -23,7 +23,7 @@ from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from orchestrator.run_dir import RunDir
-from orchestrator.summary import BREAKDOWN
+from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN
 from orchestrator.schedule import failure_schedule, parse_schedule
 from storage.log_segments import read_segments
 from storage.snapshots import SnapshotStore
@@ -116,7 +116,8 @@ def poisson_schedule() -> tuple:
 @pytest.fixture(scope="module")
 def workers(reference, tmp_path_factory):
     """Worker failures at the first step, back to back in step 5 (SIGKILL, then an exception in the
-    restarted worker) and at the last step; those at 0 and 11 come from the seeded Poisson schedule."""
+    restarted worker, whose process survives it: an in-process restart) and at the last step; those at 0
+    and 11 come from the seeded Poisson schedule."""
     drawn = [f"{f.step}:{f.target}:{f.how}" for f in poisson_schedule()]
     return job(tmp_path_factory, "workers", " ".join([drawn[0], "5:worker:sigkill 5:worker:raise", *drawn[1:]]))
 
@@ -128,11 +129,20 @@ def test_worker_failures_first_mid_back_to_back_and_last_step_are_exact(workers,
     assert [(r["at_step"], r["source"]) for r in s["recoveries"]] == [(step, "object_store") for step in (0, 5, 5, 11)]
     assert all(r["seconds"] > 0 for r in s["recoveries"])
     assert s["shadow_hashes"] == s["worker_hashes"]
+    # the exception in step 5 is rolled back in the process that raised it (one worker): no new worker process
+    assert [r["path"] for r in s["recoveries"]] == ["new_process", "new_process", "in_process", "new_process"]
+    events = RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
+    started = [e["pid"] for e in events if e["kind"] == "placement" and e["component"] == "worker"]
+    restored = [e["pid"] for e in events if e["kind"] == "recovery"]
+    assert len(set(started)) == len(started) == 4 and restored == started[1:3] + started[2:]  # the same pid twice in step 5
+    assert [(e["step"], e["reason"]) for e in events if e["kind"].startswith("in_process")] == [(5, "in-process restart 1 of 3")]
     # each recovery's breakdown: every component measured apart, none negative, adding up exactly (float64) to the
-    # failure-to-first-step time; the first worker of step 5 failed again before its first step: it ends at the restore
-    components = [part for _, part in BREAKDOWN]
+    # failure-to-first-step time; the first worker of step 5 failed again before its first step: it ends at the restore;
+    # the in-process one has no Ray Train or process-start component
+    chains = {"new_process": [part for _, part in BREAKDOWN], "in_process": [part for _, part in IN_PROCESS_BREAKDOWN]}
     assert [r["first_step_seconds"] is None for r in s["recoveries"]] == [False, True, False, False]
     for r in s["recoveries"]:
+        components = chains[r["path"]]
         total = r["seconds"] if r["first_step_seconds"] is None else r["first_step_seconds"]
         assert list(r["breakdown"]) == (components[:-1] if r["first_step_seconds"] is None else components)
         assert min(r["breakdown"].values()) >= 0 and sum(r["breakdown"].values()) == total
