@@ -220,21 +220,25 @@ def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive
     (``training.groups``: the losses do not depend on the worker count, ``docs/elastic.md``); rank 1 dies
     at step 6 and is replaced alone (each worker its own Ray Train replica group,
     ``orchestrator.replica_groups``): rank 0's process goes on through the failure, waiting at the step
-    exchange until the replacement has restored step 6 from the shadow. The adaptive policy assumes an
-    MTBF of 1 s: it starts at 1 step between snapshots and must re-plan, since every second the job
+    exchange until the replacement has restored step 6 from the shadow. At step 9 rank 1 raises: with two
+    workers that is not restarted in process (rank 0 waits in the step's exchange), so it is replaced the
+    same way. The adaptive policy assumes an MTBF of 1 s: it starts at 1 step between snapshots and must re-plan, since every second the job
     runs without a failure contradicts that MTBF (policies.replan: (M0 + elapsed) / (1 + failures))."""
     ref = job(tmp_path_factory, "one", workers=1, micro_batch_size=4, eval_samples=0)  # batch 8: two groups
-    s = job(tmp_path_factory, "two", "6:worker:exit", workers=2, micro_batch_size=4, eval_samples=0,
+    s = job(tmp_path_factory, "two", "6:worker:exit 9:worker:raise", workers=2, micro_batch_size=4, eval_samples=0,
             snapshot_policy="adaptive", mtbf_s=1.0)
     assert s["state_sha256"] == ref["state_sha256"] and s["worker_hashes"] == ref["worker_hashes"] and s["shadow_equal"]
     assert len(set(ref["worker_hashes"].values())) == 6  # after steps 2, 4, ..., 12: the state moved
     assert s["trajectory_sha256"] == ref["trajectory_sha256"]  # one trajectory, whatever the worker count
-    assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [(6, "object_store", 6)]
-    started = [e for e in RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
-               if e["kind"] == "placement" and e["component"] == "worker"]
+    assert [(r["failure_step"], r["source"], r["restored_step"], r["path"]) for r in s["recoveries"]] == [
+        (6, "object_store", 6, "new_process"), (9, "object_store", 9, "new_process")]
+    events = RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
+    assert [(e["kind"], e["rank"], e["step"], e["reason"].split(":")[0]) for e in events if e["kind"].startswith("in_process")] == [
+        ("in_process_refused", 1, 9, "2 workers")]  # the other rank waits in the step's collective
+    started = [e for e in events if e["kind"] == "placement" and e["component"] == "worker"]
     pids = {rank: [e["pid"] for e in started if e["rank"] == rank] for rank in (0, 1)}
-    assert len(pids[0]) == 1  # rank 0 started once: its process survived the failure
-    assert len(pids[1]) == 2 and pids[1][0] != pids[1][1] and pids[0][0] not in pids[1]
+    assert len(pids[0]) == 1  # rank 0 started once: its process survived both failures
+    assert len(set(pids[1])) == len(pids[1]) == 3 and pids[0][0] not in pids[1]
     assert s["snapshot_policy"] == "adaptive" and s["replans"] and s["replans"][0]["previous_interval_steps"] == 1
     interval, expected = 1, []  # the interval in force at each step, from the re-plan events
     replans = {r["step"]: r for r in s["replans"]}
