@@ -55,7 +55,7 @@ def _refuse(message: str) -> typer.Exit:
 
 OPTION_OF_FIELD = {"mtbf_s": "mtbf", "failures": "fail", "storage_options": "s3_endpoint", "start_timeout_s": "start_timeout"}
 """``JobConfig`` fields whose ``raycheck run`` option has another name; any other field is its option."""
-RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures", "worker_resource", "shadow_resource", "start_timeout_s")
+RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures", "max_in_process_restarts", "worker_resource", "shadow_resource", "start_timeout_s")
 """Options that ``--resume`` takes from the command line over the run's ``config.json``: restart
 budgets and placement, not part of the trajectory (a run that spent one resumes with a larger one; a
 run resumed on another cluster is placed there)."""
@@ -267,7 +267,8 @@ def run(
     fail: Annotated[
         list[str],
         typer.Option(help="Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], "
-                          "TARGET worker|shadow|both|corrupt|persister|node, HOW exit|raise|sigkill|torn (worker only); "
+                          "TARGET worker|shadow|both|corrupt|persister|node, HOW exit|raise|sigkill|torn (worker only; raise: an exception, "
+                          "the process survives, see --max-in-process-restarts); "
                           "node: rank 0 takes down its whole Ray node (raylet and every process; needs another node "
                           "for the workers, the driver's node hosting none, and an s3:// --storage); "
                           "storage:SECONDS needs a server raycheck owns (tests, experiments/s3_server.py). Repeatable."),
@@ -297,6 +298,10 @@ def run(
     max_persister_restarts: Annotated[int, typer.Option(help="Restarts of a dead snapshot persister before the run fails (-1: unlimited).")] = 10,
     max_worker_failures: Annotated[int, typer.Option(help="Worker-group restarts after a train worker failed before the run fails "
                                                           "(-1: unlimited; injected failures count).")] = 10,
+    max_in_process_restarts: Annotated[int, typer.Option(min=0, help="zo, one worker: a step that raises (the process "
+                                                         "alive) is rolled back to the freshest state in the same process and "
+                                                         "re-executed, without a Ray Train restart, at most this many times per "
+                                                         "worker process; then (or with 0) Ray Train restarts the worker.")] = 3,
     shadow_shards: Annotated[int, typer.Option(min=1, help="Split the shadow into K CPU actors, each replaying a contiguous range of "
                                                 "units (embeddings, layers, norm, head) balanced by size, spread across nodes: "
                                                 "replay work and memory per actor / K. 1..the model's unit count (tiny: 4, "
@@ -347,7 +352,8 @@ def run(
             snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
             keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
             storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
-            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, max_worker_failures=max_worker_failures, shadow_shards=shadow_shards,
+            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, max_worker_failures=max_worker_failures,
+            max_in_process_restarts=max_in_process_restarts, shadow_shards=shadow_shards,
             settle_failures=settle_failures, device=device, dtype=dtype, shadow_env=parse_env(shadow_env, "--shadow-env"),
             worker_resource=worker_resource, shadow_resource=shadow_resource, start_timeout_s=start_timeout_s,
             durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],

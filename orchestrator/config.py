@@ -66,7 +66,8 @@ class FailureSpec:
             its whole Ray node, raylet and every process, ``training.faults.take_down_node``; needs
             another node for the workers, ``orchestrator.controller.check_node_failures``). A ``shadow`` failure kills
             every shard of a sharded shadow, or only shard ``how`` when it is a number (``12:shadow:1``).
-        how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (an exception), ``sigkill``, or
+        how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (``training.faults.InjectedWorkerFailure``:
+            the process survives; one worker restarts in process, ``training.in_process``), ``sigkill``, or
             ``torn`` (rank 0 dies half-way through writing a step log record: a torn tail); for
             ``storage``, the outage in seconds (e.g. ``20``).
     """
@@ -231,6 +232,10 @@ class JobConfig:
     max_worker_failures: int = 10
     """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
     before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
+    max_in_process_restarts: int = 3
+    """ZO, one worker: in-process restarts per worker process (``training.in_process``): a step that raises
+    is rolled back to the freshest complete state in the same process and re-executed, without a Ray Train
+    restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
     device: str = "cpu"
     """Where the ZO workers compute: ``cpu`` or ``cuda`` (one GPU per worker, Ray Train ``use_gpu``). The
     step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
@@ -291,6 +296,8 @@ class JobConfig:
         for name in ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures"):
             if getattr(self, name) < -1:
                 raise ValueError(f"{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
+        if self.max_in_process_restarts < 0:
+            raise ValueError(f"max_in_process_restarts must be >= 0 (0: off), got {self.max_in_process_restarts}")
         if -1 < self.max_worker_failures < self.injected_worker_failures:
             raise ValueError(f"{self.injected_worker_failures} injected worker failures exceed max_worker_failures "
                              f"{self.max_worker_failures}: raise --max-worker-failures (-1: unlimited)")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from ray.util.metrics import Counter, Gauge
 
+from orchestrator.summary import BREAKDOWN
+
 TAGS = ("run", "strategy")
 
 
@@ -94,12 +96,15 @@ class RunMetrics:
     def recoveries(self, rows: list[dict]) -> None:
         """Set the breakdown gauges from each recovery row (``orchestrator.summary.recoveries``) not yet
         emitted, in order, once its breakdown is complete: its first step is done, or a later recovery
-        came (its worker failed before)."""
+        came (its worker failed before). A component of ``BREAKDOWN`` the row does not have is set to 0
+        (an in-process restart has no Ray Train or process-start component), so the gauges are the last
+        recovery's."""
         for i, row in enumerate(rows[self.recoveries_emitted:], start=self.recoveries_emitted):
             if "breakdown" in row and row["first_step_seconds"] is None and i == len(rows) - 1:
                 return
-            for component, seconds in row.get("breakdown", {}).items():
-                self._set("recovery_component_seconds", seconds, component=component.removesuffix("_s"))
+            if "breakdown" in row:  # the components it did not have (an in-process restart's Ray Train ones) took 0 s
+                for component, seconds in {**dict.fromkeys((part for _, part in BREAKDOWN), 0.0), **row["breakdown"]}.items():
+                    self._set("recovery_component_seconds", seconds, component=component.removesuffix("_s"))
             if row.get("first_step_seconds") is not None:
                 self._set("recovery_first_step_seconds", row["first_step_seconds"])
             self.recoveries_emitted += 1

@@ -47,13 +47,28 @@ there (it starts at the stamp before, the first at the failure event):
 """
 
 
+IN_PROCESS_BREAKDOWN = (
+    ("detected_unix_s", "detection_s"),
+    ("restore_began_unix_s", "log_setup_s"),
+    ("state_loaded_unix_s", "state_transfer_s"),
+    ("unix_s", "replay_s"),
+    ("first_step_unix_s", "first_step_s"),
+)
+"""The chain of an in-process restart (``training.in_process``; a ``recovery`` event with ``path``
+``in_process``): the process survives, so there is no Ray Train component, no process start, imports,
+model or data load. ``detection_s``: until the train function caught the step's exception (its own
+stamp, not Ray Train's); ``log_setup_s``: the decision and its event, rank 0's local log reopened and
+made equal to the keeper's (or the background checkpoint write committed); the rest as in ``BREAKDOWN``."""
+
+
 RAY_TRAIN_COMPONENTS = frozenset({"detection", "teardown", "scheduling", "process_start", "group_setup", "launch"})
 """The components (``BREAKDOWN``, without ``_s``) that are Ray Train's restart of the worker group, not our code."""
 
 
-def breakdown(failure_unix_s: float, stamps: dict) -> tuple[dict[str, float], list[str]]:
-    """The recovery breakdown (pure): seconds per component of ``BREAKDOWN``, from the failure at
-    ``failure_unix_s`` to the latest of ``stamps`` (stamp name -> unix seconds) that is there.
+def breakdown(failure_unix_s: float, stamps: dict, chain: tuple = BREAKDOWN) -> tuple[dict[str, float], list[str]]:
+    """The recovery breakdown (pure): seconds per component of ``chain`` (``BREAKDOWN``, or
+    ``IN_PROCESS_BREAKDOWN``), from the failure at ``failure_unix_s`` to the latest of ``stamps`` (stamp
+    name -> unix seconds) that is there.
 
     A missing stamp cannot separate its two components: they are one field named by both
     (``log_setup+state_transfer_s``); components after the last stamp given are left out. A stamp
@@ -65,7 +80,7 @@ def breakdown(failure_unix_s: float, stamps: dict) -> tuple[dict[str, float], li
     each partial sum is exact.
     """
     parts, merged, clamped, prev = {}, [], [], failure_unix_s
-    for stamp, part in BREAKDOWN:
+    for stamp, part in chain:
         merged.append(part.removesuffix("_s"))
         t = stamps.get(stamp)
         if t is None:
@@ -106,9 +121,13 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
     the last durable point; 0 with a step log); a sharded (fsdp2) restore adds ``saved_world_size``
     and ``restored_state_sha256`` (the loaded state, re-gathered).
 
+    ``path`` (when the event names it): ``new_process`` (Ray Train started a replacement worker) or
+    ``in_process`` (the worker's process rolled back and went on, ``training.in_process``).
+
     For a recovery whose event carries the worker's stamps, also ``breakdown`` (``breakdown``: the
     component seconds, from the ``worker_group`` event of its group, its own stamps and the first
-    step's metric row in ``executions``), ``first_step_seconds`` (failure to the first step done,
+    step's metric row in ``executions``; an in-process one's over ``IN_PROCESS_BREAKDOWN``, from its own
+    stamps), ``first_step_seconds`` (failure to the first step done,
     None until it is, or when the worker failed again before) and ``breakdown_clamped`` (only when a component was clamped to 0).
     """
     out, last_failure, answered = [], None, set()
@@ -119,6 +138,8 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
         elif e["kind"] == "recovery" and (id(last_failure), e["at_step"]) not in answered:
             answered.add((id(last_failure), e["at_step"]))  # a group's other ranks restoring the same step: one recovery
             row = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
+            if "path" in e:
+                row["path"] = e["path"]
             if e.get("skipped"):
                 row["skipped"] = e["skipped"]
             row.update({k: e[k] for k in ("saved_world_size", "restored_state_sha256") if k in e})  # fsdp2 restores
@@ -131,7 +152,7 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
                 row["restart_seconds"] = e["unix_s"] - e["seconds"] - last_failure["unix_s"]  # until the restore began
                 row["lost_steps"] = max(0, last_failure["durable_steps"] - e["restored_step"])
                 row["recompute_steps"] = max(0, last_failure["step"] - e["restored_step"])
-                if "process_created_unix_s" in e:
+                if "process_created_unix_s" in e or e.get("path") == "in_process":
                     next_failure = min((t for t in failures_unix_s if t > e["unix_s"]), default=math.inf)
                     row.update(_breakdown_fields(last_failure, e, events, executions, next_failure))
             out.append(row)
@@ -140,8 +161,12 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
 
 def _breakdown_fields(failure: dict, recovery: dict, events: list[dict], executions: list[dict], next_failure_unix_s: float) -> dict:
     first_step = first_step_unix_s(recovery, executions, next_failure_unix_s)
-    stamps = {**group_stamps(events, failure["unix_s"], recovery["worker_start_unix_s"]), **recovery, "first_step_unix_s": first_step}
-    parts, clamped = breakdown(failure["unix_s"], stamps)
+    if recovery.get("path") == "in_process":  # its own stamps only: no worker group started
+        stamps, chain = {**recovery, "first_step_unix_s": first_step}, IN_PROCESS_BREAKDOWN
+    else:
+        stamps, chain = {**group_stamps(events, failure["unix_s"], recovery["worker_start_unix_s"]), **recovery,
+                         "first_step_unix_s": first_step}, BREAKDOWN
+    parts, clamped = breakdown(failure["unix_s"], stamps, chain)
     fields = {"breakdown": parts, "first_step_seconds": None if first_step is None else first_step - failure["unix_s"]}
     return {**fields, "breakdown_clamped": clamped} if clamped else fields
 

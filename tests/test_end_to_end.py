@@ -23,7 +23,7 @@ from orchestrator.cli import app
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from orchestrator.run_dir import RunDir
-from orchestrator.summary import BREAKDOWN
+from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN
 from orchestrator.schedule import failure_schedule, parse_schedule
 from storage.log_segments import read_segments
 from storage.snapshots import SnapshotStore
@@ -116,7 +116,8 @@ def poisson_schedule() -> tuple:
 @pytest.fixture(scope="module")
 def workers(reference, tmp_path_factory):
     """Worker failures at the first step, back to back in step 5 (SIGKILL, then an exception in the
-    restarted worker) and at the last step; those at 0 and 11 come from the seeded Poisson schedule."""
+    restarted worker, whose process survives it: an in-process restart) and at the last step; those at 0
+    and 11 come from the seeded Poisson schedule."""
     drawn = [f"{f.step}:{f.target}:{f.how}" for f in poisson_schedule()]
     return job(tmp_path_factory, "workers", " ".join([drawn[0], "5:worker:sigkill 5:worker:raise", *drawn[1:]]))
 
@@ -128,11 +129,20 @@ def test_worker_failures_first_mid_back_to_back_and_last_step_are_exact(workers,
     assert [(r["at_step"], r["source"]) for r in s["recoveries"]] == [(step, "object_store") for step in (0, 5, 5, 11)]
     assert all(r["seconds"] > 0 for r in s["recoveries"])
     assert s["shadow_hashes"] == s["worker_hashes"]
+    # the exception in step 5 is rolled back in the process that raised it (one worker): no new worker process
+    assert [r["path"] for r in s["recoveries"]] == ["new_process", "new_process", "in_process", "new_process"]
+    events = RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
+    started = [e["pid"] for e in events if e["kind"] == "placement" and e["component"] == "worker"]
+    restored = [e["pid"] for e in events if e["kind"] == "recovery"]
+    assert len(set(started)) == len(started) == 4 and restored == started[1:3] + started[2:]  # the same pid twice in step 5
+    assert [(e["step"], e["reason"]) for e in events if e["kind"].startswith("in_process")] == [(5, "in-process restart 1 of 3")]
     # each recovery's breakdown: every component measured apart, none negative, adding up exactly (float64) to the
-    # failure-to-first-step time; the first worker of step 5 failed again before its first step: it ends at the restore
-    components = [part for _, part in BREAKDOWN]
+    # failure-to-first-step time; the first worker of step 5 failed again before its first step: it ends at the restore;
+    # the in-process one has no Ray Train or process-start component
+    chains = {"new_process": [part for _, part in BREAKDOWN], "in_process": [part for _, part in IN_PROCESS_BREAKDOWN]}
     assert [r["first_step_seconds"] is None for r in s["recoveries"]] == [False, True, False, False]
     for r in s["recoveries"]:
+        components = chains[r["path"]]
         total = r["seconds"] if r["first_step_seconds"] is None else r["first_step_seconds"]
         assert list(r["breakdown"]) == (components[:-1] if r["first_step_seconds"] is None else components)
         assert min(r["breakdown"].values()) >= 0 and sum(r["breakdown"].values()) == total
@@ -210,21 +220,25 @@ def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive
     (``training.groups``: the losses do not depend on the worker count, ``docs/elastic.md``); rank 1 dies
     at step 6 and is replaced alone (each worker its own Ray Train replica group,
     ``orchestrator.replica_groups``): rank 0's process goes on through the failure, waiting at the step
-    exchange until the replacement has restored step 6 from the shadow. The adaptive policy assumes an
-    MTBF of 1 s: it starts at 1 step between snapshots and must re-plan, since every second the job
+    exchange until the replacement has restored step 6 from the shadow. At step 9 rank 1 raises: with two
+    workers that is not restarted in process (rank 0 waits in the step's exchange), so it is replaced the
+    same way. The adaptive policy assumes an MTBF of 1 s: it starts at 1 step between snapshots and must re-plan, since every second the job
     runs without a failure contradicts that MTBF (policies.replan: (M0 + elapsed) / (1 + failures))."""
     ref = job(tmp_path_factory, "one", workers=1, micro_batch_size=4, eval_samples=0)  # batch 8: two groups
-    s = job(tmp_path_factory, "two", "6:worker:exit", workers=2, micro_batch_size=4, eval_samples=0,
+    s = job(tmp_path_factory, "two", "6:worker:exit 9:worker:raise", workers=2, micro_batch_size=4, eval_samples=0,
             snapshot_policy="adaptive", mtbf_s=1.0)
     assert s["state_sha256"] == ref["state_sha256"] and s["worker_hashes"] == ref["worker_hashes"] and s["shadow_equal"]
     assert len(set(ref["worker_hashes"].values())) == 6  # after steps 2, 4, ..., 12: the state moved
     assert s["trajectory_sha256"] == ref["trajectory_sha256"]  # one trajectory, whatever the worker count
-    assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [(6, "object_store", 6)]
-    started = [e for e in RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
-               if e["kind"] == "placement" and e["component"] == "worker"]
+    assert [(r["failure_step"], r["source"], r["restored_step"], r["path"]) for r in s["recoveries"]] == [
+        (6, "object_store", 6, "new_process"), (9, "object_store", 9, "new_process")]
+    events = RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
+    assert [(e["kind"], e["rank"], e["step"], e["reason"].split(":")[0]) for e in events if e["kind"].startswith("in_process")] == [
+        ("in_process_refused", 1, 9, "2 workers")]  # the other rank waits in the step's collective
+    started = [e for e in events if e["kind"] == "placement" and e["component"] == "worker"]
     pids = {rank: [e["pid"] for e in started if e["rank"] == rank] for rank in (0, 1)}
-    assert len(pids[0]) == 1  # rank 0 started once: its process survived the failure
-    assert len(pids[1]) == 2 and pids[1][0] != pids[1][1] and pids[0][0] not in pids[1]
+    assert len(pids[0]) == 1  # rank 0 started once: its process survived both failures
+    assert len(set(pids[1])) == len(pids[1]) == 3 and pids[0][0] not in pids[1]
     assert s["snapshot_policy"] == "adaptive" and s["replans"] and s["replans"][0]["previous_interval_steps"] == 1
     interval, expected = 1, []  # the interval in force at each step, from the re-plan events
     replans = {r["step"]: r for r in s["replans"]}
@@ -322,24 +336,27 @@ def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(referenc
 def test_every_baseline_survives_worker_failures_and_resumes_exactly(reference, tmp_path_factory, strategy):
     """The baselines restart through the same path: the newest committed checkpoint (full-*) or the
     initial weights plus the whole log (log-only); full-* recompute the steps after their checkpoint.
-    full-*: the newest checkpoint (step 9) is corrupted before the failure at step 10, so the restore
-    skips it: the 3 steps it made durable are lost and 4 steps are recomputed."""
+    The exception at step 7 is restored in process, through the same restore from the perturbed weights
+    (log-only: the initial weights read again). full-*: the newest checkpoint (step 9) is corrupted
+    before the failure at step 10, so the restore skips it: the 3 steps it made durable are lost and 4
+    steps are recomputed."""
     full = strategy != "log-only"
-    s = job(tmp_path_factory, strategy, "4:worker:exit 10:corrupt 10:worker:sigkill" if full else "4:worker:exit 10:worker:sigkill",
+    s = job(tmp_path_factory, strategy, "4:worker:exit 7:worker:raise " + ("10:corrupt 10:worker:sigkill" if full else "10:worker:sigkill"),
             strategy=strategy)
     assert_exact(s, reference, lost_steps=3 if full else 0)
     recs = s["recoveries"]
-    assert [r["failure_step"] for r in recs] == [4, 10]
+    assert [(r["failure_step"], r["path"]) for r in recs] == [(4, "new_process"), (7, "in_process"), (10, "new_process")]
     phases = [e["phase"] for e in RunDir.read(pathlib.Path(s["config"]["out_dir"]) / "events.jsonl") if e["kind"] == "phase"]
-    assert phases[0] == "running" and phases.count("recovering") == 2 and phases[-1] == s["phase"] == "finished"
+    # the in-process restart may be over before the controller looks: it shows "recovering" or not
+    assert phases[0] == "running" and phases.count("recovering") in (2, 3) and phases[-1] == s["phase"] == "finished"
     if not full:
         assert [(r["source"], r["base_step"], r["replayed_steps"], r["recompute_steps"]) for r in recs] == [
-            ("initial", 0, 4, 0), ("initial", 0, 10, 0)]
+            ("initial", 0, 4, 0), ("initial", 0, 7, 0), ("initial", 0, 10, 0)]
         return
-    # a checkpoint every 3 steps: restored at 3 (one step recomputed), then at 6 (9 is corrupt)
+    # a checkpoint every 3 steps: restored at 3 (one step recomputed), at 6 (the raise; one), then at 6 (9 is corrupt)
     assert [(r["source"], r["restored_step"], r["replayed_steps"], r["recompute_steps"], r["lost_steps"]) for r in recs] == [
-        ("storage", 3, 0, 1, 0), ("storage", 6, 0, 4, 3)]
-    assert len(recs[1]["skipped"]) == 1 and "step-0000000009" in recs[1]["skipped"][0]
+        ("storage", 3, 0, 1, 0), ("storage", 6, 0, 1, 0), ("storage", 6, 0, 4, 3)]
+    assert len(recs[2]["skipped"]) == 1 and "step-0000000009" in recs[2]["skipped"][0]
     assert s["checkpoint_block_seconds_total"] > 0 and s["worker_checkpoints"]["last_step"] == 12
 
 

@@ -87,3 +87,20 @@ def test_recovery_rows_carry_the_summary_breakdown_as_columns():
     [rec] = recovery_rows(summary, events, executions)
     assert {k: rec[k] for k in ("bd_detection_s", "bd_log_setup+state_transfer_s", "first_step_s")} == {
         "bd_detection_s": 0.5, "bd_log_setup+state_transfer_s": 1.25, "first_step_s": 25.75}
+
+
+def test_inproc_bench_table_lists_each_path_s_components_in_breakdown_order():
+    """An in-process recovery has no Ray Train component: its cells are '-', and a mean over none is '-'."""
+    from experiments.inproc_bench import table
+
+    def rec(breakdown: dict, seconds: float, first: float) -> dict:
+        return {"breakdown": breakdown, "seconds": seconds, "first_step_seconds": first}
+
+    rows = {"raise": [rec({"detection_s": 0.0, "log_setup_s": 0.25}, 0.5, 1.0), rec({"detection_s": 0.5, "log_setup_s": 0.75}, 1.5, 2.0)],
+            "exit": [rec({"detection_s": 0.5, "group_setup_s": 5.0, "log_setup_s": 0.5}, 12.0, 12.5)]}
+    lines = table(rows).splitlines()
+    assert lines[0] == "| component | raise 1 | raise 2 | exit 1 | mean raise | mean exit |"
+    assert lines[2:] == ["| detection | 0.00 | 0.50 | 0.50 | 0.25 | 0.50 |", "| group_setup | - | - | 5.00 | - | 5.00 |",
+                         "| log_setup | 0.25 | 0.75 | 0.50 | 0.50 | 0.50 |",
+                         "| **failure -> restored** | 0.50 | 1.50 | 12.00 | 1.00 | 12.00 |",
+                         "| **failure -> first step done** | 1.00 | 2.00 | 12.50 | 1.50 | 12.50 |"]

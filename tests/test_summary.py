@@ -1,6 +1,6 @@
 """``orchestrator.summary.recoveries``: each recovery's timings and the work it lost or must redo."""
 
-from orchestrator.summary import BREAKDOWN, breakdown, recoveries
+from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN, breakdown, recoveries
 
 
 def test_recoveries_count_lost_and_recomputed_steps_against_the_failure_they_answer():
@@ -112,3 +112,23 @@ def test_a_worker_that_fails_again_before_its_first_step_has_no_first_step():
     first, second = recoveries(events, [{"step": 5, "unix_s": T0 + 31.0}])
     assert first["first_step_seconds"] is None and sum(first["breakdown"].values()) == first["seconds"] == 10.0
     assert second["first_step_seconds"] == 20.5 and second["breakdown"]["first_step_s"] == 1.0
+
+
+def test_an_in_process_restart_is_one_recovery_broken_down_without_ray_train():
+    """The worker's process survived (``path`` ``in_process``): its breakdown is its own stamps, from the
+    exception caught to the first step done; no worker group started, no Ray Train component."""
+    events = [
+        {"kind": "worker_group", "starts": 1, "group_start_unix_s": T0 - 30.0, "unix_s": T0 - 20.0},
+        {"kind": "failure", "target": "worker", "step": 3, "durable_steps": 3, "unix_s": T0},
+        {"kind": "in_process_restart", "rank": 0, "step": 3, "unix_s": T0 + 0.0625},
+        {"kind": "recovery", "rank": 0, "at_step": 3, "restored_step": 3, "path": "in_process", "pid": 42, "source": "object_store",
+         "base_step": 3, "replayed_steps": 0, "seconds": 0.25, "load_seconds": 0.125, "replay_seconds": 0.0,
+         "detected_unix_s": T0 + 0.015625, "restore_began_unix_s": T0 + 0.125, "state_loaded_unix_s": T0 + 0.3125,
+         "unix_s": T0 + 0.375},
+    ]
+    [row] = recoveries(events, [{"step": 3, "unix_s": T0 + 0.875}])
+    assert row["path"] == "in_process" and (row["failure_step"], row["lost_steps"], row["seconds"]) == (3, 0, 0.375)
+    assert row["breakdown"] == {"detection_s": 0.015625, "log_setup_s": 0.109375, "state_transfer_s": 0.1875, "replay_s": 0.0625,
+                                "first_step_s": 0.5}
+    assert list(row["breakdown"]) == [part for _, part in IN_PROCESS_BREAKDOWN]
+    assert sum(row["breakdown"].values()) == row["first_step_seconds"] == 0.875 and "breakdown_clamped" not in row

@@ -85,6 +85,11 @@ def take_down_node() -> None:
     os.kill(me, signal.SIGKILL)
 
 
+class InjectedWorkerFailure(RuntimeError):
+    """The exception of an injected ``worker:raise`` failure: the step fails, the process survives (one
+    worker restarts in process, ``training.in_process``; with several, Ray Train restarts it)."""
+
+
 def marker(index: int, part: str) -> str:
     """The journal marker of part ``part`` (``worker``, ``shadow``, ``shadow-killed``, ...) of failure ``index``."""
     return f"{index}.{part}"
@@ -263,7 +268,7 @@ class FaultInjector:
                 if f.target == "worker":
                     self._announce_worker_failure(i, step, f.how, self.rank)
                 if f.how == "raise":
-                    raise RuntimeError(f"raycheck: injected worker failure at step {step}")
+                    raise InjectedWorkerFailure(f"raycheck: injected worker failure at step {step}")
                 if f.how == "torn" and writer is not None:
                     writer.write_torn(step)
                 if f.how == "sigkill":

@@ -15,6 +15,7 @@ import logging
 import pathlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 
 import ray
 import torch
@@ -84,9 +85,11 @@ def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict, lis
     raise StepLogGapError(f"no copy of the step log holds the {end} durable steps: {'; '.join(reasons)}")
 
 
-def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log, log_end: int | None) -> dict:
+def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log, log_end: int | None,
+                 initial: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> dict:
     """Load the newest verified snapshot of this run (at or before ``log_end`` when given, with the
-    layout of ``params``; else keep the initial weights in ``params``), then replay the logged steps
+    layout of ``params``; else the initial weights: ``initial()`` loaded into ``params``, or, with
+    ``initial`` None, those ``params`` hold already, a fresh worker's), then replay the logged steps
     after it up to ``log_end`` (``log_tail``: from ``local_log``, the log keeper or the bucket; the
     source is named in ``log_source``). Snapshots of other runs or layouts are skipped and named in ``skipped``.
 
@@ -106,6 +109,8 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
     except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; the local log still has every step
         log.warning("%s; restarting from the initial weights", exc)
         base, source, skipped = 0, "initial", [str(exc)]
+        if initial is not None:
+            load_into(params, initial())
     t1 = time.perf_counter()
     result = {"source": source, "base_step": base, "replayed_steps": 0, "skipped": skipped, "state_loaded_unix_s": time.time()}
     if log_end is not None:
@@ -116,8 +121,10 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
     return {**result, "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 
 
-def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log, log_end: int | None) -> dict:
-    """Restore ``params`` (holding the initial weights) to the freshest complete state.
+def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log, log_end: int | None,
+            initial: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> dict:
+    """Restore ``params`` (on the CPU, holding the initial weights; or any weights, with ``initial``
+    returning the initial ones: an in-process restart, ``training.in_process``) to the freshest complete state.
 
     With a step log (``log_end`` = the steps the log keeper holds) that is the state after ``log_end``
     steps: the live shadow's image when the strategy has one, else storage plus the log tail
@@ -130,7 +137,7 @@ def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log,
     restored state belongs to step ``base_step + replayed_steps``.
     """
     t0, began_unix_s = time.perf_counter(), time.time()
-    result = (from_shadow(params, cfg, log_end) if cfg.uses_shadow else None) or from_storage(params, cfg, local_log, log_end)
+    result = (from_shadow(params, cfg, log_end) if cfg.uses_shadow else None) or from_storage(params, cfg, local_log, log_end, initial)
     result["seconds"] = time.perf_counter() - t0
     result["restore_began_unix_s"] = began_unix_s
     return result

@@ -17,6 +17,7 @@ same way).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import OrderedDict
@@ -34,7 +35,8 @@ from training.data import batch_id, batch_indices
 from training.faults import FaultInjector
 from training.groups import Exchange, example_groups, group_vector, groups_of_rank, reduce_groups
 from training.model import trainable_parameters
-from training.rank0_log import KeeperSender, local_log_path, open_local_log, replicated_append
+from training.in_process import StepFailure, decide
+from training.rank0_log import KeeperSender, KeeperUnreachableError, local_log_path, open_local_log, replicated_append
 from training.recovery import restore
 from training.state import state_sha256
 from training.worker_env import record_start, sum_over_workers, worker_env
@@ -76,24 +78,49 @@ def train_loop_per_worker(config: dict) -> None:
 
     restored = restore(params, cfg, local_log_path(cfg) if writer is not None else None, log_end) if resuming else None
     params = trainable_parameters(model.to(worker_device(cfg.device)))
-    start = record_start(env, restored)
+    step = record_start(env, restored)
 
     sender = KeeperSender(keeper, log_end, wait=cfg.durability != "process") if writer is not None else None
     commit = replicated_append(writer, sender) if writer is not None else timed_append(None)
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        record, append_s = zo_step_(params, model, encoder, train, cfg, step, rank, world, hyper,
-                                    fail=lambda: faults.maybe_fail(step, writer), commit=commit, exchange=exchange)
-        step_s = time.perf_counter() - t0 - append_s
-        block_s = checkpointer.after_step(step + 1, lambda: on_cpu(params)) if checkpointer is not None else append_s
-        if rank == 0:
-            loss_plus, loss_minus = record.loss_plus, record.loss_minus
-            row = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
-                       projected_grad=record.projected_grad, step_seconds=step_s, log_append_seconds=append_s,
-                       checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and checkpointer.schedule.last_step == step + 1)
-            if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
-                row["state_sha256"] = state_sha256(on_cpu(params))  # the state after step + 1 steps
-            run.metric(**row)
+    restarts = 0  # in-process restarts of this process
+    while step < cfg.steps:
+        try:
+            t0 = time.perf_counter()
+            record, append_s = zo_step_(params, model, encoder, train, cfg, step, rank, world, hyper,
+                                        fail=lambda: faults.maybe_fail(step, writer), commit=commit, exchange=exchange)
+            step_s = time.perf_counter() - t0 - append_s
+            block_s = checkpointer.after_step(step + 1, lambda: on_cpu(params)) if checkpointer is not None else append_s
+            if rank == 0:
+                loss_plus, loss_minus = record.loss_plus, record.loss_minus
+                row = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
+                           projected_grad=record.projected_grad, step_seconds=step_s, log_append_seconds=append_s,
+                           checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and checkpointer.schedule.last_step == step + 1)
+                if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
+                    row["state_sha256"] = state_sha256(on_cpu(params))  # the state after step + 1 steps
+                run.metric(**row)
+            step += 1
+        except Exception as exc:
+            detected_unix_s = time.time()
+            decision = decide(StepFailure(world=world, error=type(exc), restarts_done=restarts, max_restarts=cfg.max_in_process_restarts))
+            run.event("in_process_restart" if decision.restart else "in_process_refused", rank=rank, step=step,
+                      error=f"{type(exc).__name__}: {exc}"[:300], reason=decision.reason)
+            if not decision.restart:
+                raise
+            restarts += 1
+            if writer is not None:  # made equal to the keeper's, as a replacement's is
+                writer, sender = reopen_rank0_log(cfg, keeper, run, writer, sender)
+                log_end = keeper.end()
+            elif checkpointer is not None:
+                checkpointer.flush()  # a background write commits before the restore looks for the newest checkpoint
+            restored = restore(trainable_parameters(model.to("cpu")), cfg, local_log_path(cfg) if writer is not None else None,
+                               log_end, initial=env.initial_weights)
+            params = trainable_parameters(model.to(worker_device(cfg.device)))
+            step = restored["base_step"] + restored["replayed_steps"]
+            if checkpointer is not None:
+                checkpointer.schedule.taken(step)  # the interval counts from the restore, as in a replacement worker
+            commit = replicated_append(writer, sender) if writer is not None else timed_append(None)
+            run.event("recovery", rank=rank, at_step=step, restored_step=step, path="in_process", pid=os.getpid(),
+                      detected_unix_s=detected_unix_s, **restored)
 
     if rank == 0:
         final = {"step": cfg.steps, "state_sha256": state_sha256(on_cpu(params)),
@@ -119,6 +146,19 @@ def open_rank0_log(cfg, keeper: RemoteKeeper, run) -> StepLogWriter:
               local_steps=opened.local_steps, rebuilt_steps=opened.rebuilt_steps, sent_steps=opened.sent_steps,
               discarded=opened.discarded)
     return opened.writer
+
+
+def reopen_rank0_log(cfg, keeper: RemoteKeeper, run, writer: StepLogWriter,
+                     sender: KeeperSender) -> tuple[StepLogWriter, KeeperSender]:
+    """An in-process restart's rank 0 log (``training.in_process``): stop ``sender`` (a send that failed for
+    good leaves its records in the local log, which the reopening sends again), close ``writer`` and open
+    the local log anew (``open_rank0_log``: a torn tail cut, the keeper made equal to it), with a new
+    sender from the keeper's end. Returns (writer, sender)."""
+    with contextlib.suppress(KeeperUnreachableError):
+        sender.close()
+    writer.close()
+    writer = open_rank0_log(cfg, keeper, run)
+    return writer, KeeperSender(keeper, keeper.end(), wait=cfg.durability != "process")
 
 
 def worker_device(device: str) -> torch.device:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel
 from training.assets import ASSETS_KEY, fetch, shipped_model, splits
 from training.data import CausalLMEncoder, PromptEncoder, make_encoder
-from training.model import load_model, load_tokenizer
+from training.model import load_model, load_tokenizer, trainable_parameters
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,9 @@ class WorkerEnv:
     ``stamps``: when (unix seconds, this node's clock) this worker's start reached each phase
     (``process_created_unix_s``, ``worker_start_unix_s``, ``imports_unix_s``, ``model_loaded_unix_s``,
     ``data_loaded_unix_s``: ``worker_env``); a restore's ``recovery`` event carries them, for the
-    recovery breakdown (``orchestrator.summary.BREAKDOWN``).
+    recovery breakdown (``orchestrator.summary.BREAKDOWN``). ``initial_weights()``: the model's initial
+    parameters again (``trainable_parameters`` order, on the CPU), loaded anew from the node's model cache,
+    for an in-process restart that finds no snapshot (``training.recovery.restore``'s ``initial``).
     """
 
     cfg: JobConfig
@@ -39,6 +42,7 @@ class WorkerEnv:
     encoder: PromptEncoder | CausalLMEncoder
     train: object
     held_out: object
+    initial_weights: Callable[[], "OrderedDict[str, torch.Tensor]"]
 
 
 def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], float] | None = None) -> int:
@@ -47,8 +51,8 @@ def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], f
     accuracy before training (when ``eval_samples``; ``accuracy``, when given, computes it on every
     rank, e.g. a sharded model's collective evaluation). Only rank 0 writes these events (with
     ``replica_groups`` every rank that restored writes its ``recovery``: a replaced worker restores
-    alone); every rank records where it runs, its process id and the world size (a ``placement`` event,
-    for the summary)."""
+    alone; ``path`` ``new_process`` and the process id: ``training.worker`` records ``in_process`` ones); every
+    rank records where it runs, its process id and the world size (a ``placement`` event, for the summary)."""
     env.run.event("placement", component="worker", rank=env.rank, world=env.world, pid=os.getpid(), **this_node())
     if restored is None:
         if env.cfg.eval_samples and (env.rank == 0 or accuracy is not None):
@@ -58,7 +62,8 @@ def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], f
         return 0
     start = restored["base_step"] + restored["replayed_steps"]
     if env.rank == 0 or env.cfg.replica_groups:  # with replica groups a replaced worker restores alone
-        env.run.event("recovery", rank=env.rank, at_step=start, restored_step=start, **env.stamps, **restored)
+        env.run.event("recovery", rank=env.rank, at_step=start, restored_step=start, path="new_process", pid=os.getpid(),
+                      **env.stamps, **restored)
     return start
 
 
@@ -84,7 +89,8 @@ def worker_env(config: dict) -> WorkerEnv:
     encoder = make_encoder(cfg, load_tokenizer(cfg.cache_dir, files))
     stamps["data_loaded_unix_s"] = time.time()
     return WorkerEnv(cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg), stamps=stamps,
-                     model=model, encoder=encoder, train=train, held_out=held_out)
+                     model=model, encoder=encoder, train=train, held_out=held_out,
+                     initial_weights=lambda: trainable_parameters(load_model(cfg.model, cfg.cache_dir, files, cfg.dtype)))
 
 
 def sum_over_workers(t: torch.Tensor, world: int) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""The in-process restart's decision (``training.in_process.decide``, every branch) and its restore from
+weights that are not the initial ones (``training.recovery.restore``'s ``initial``), without Ray."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from orchestrator.config import JobConfig
+from storage.steplog import StepLogWriter, StepRecord
+from training.faults import InjectedWorkerFailure
+from training.in_process import StepFailure, decide
+from training.model import layout_sha256, parameter_layout
+from training.recovery import restore
+from training.state import state_sha256
+from training.zo import GENERATOR
+
+
+def failure(**kw) -> StepFailure:
+    return StepFailure(**{"world": 1, "error": InjectedWorkerFailure, "restarts_done": 0, "max_restarts": 3, **kw})
+
+
+def test_one_worker_with_budget_left_restarts_in_process_until_the_budget_is_spent():
+    assert [decide(failure(restarts_done=n)).restart for n in range(5)] == [True, True, True, False, False]
+    assert decide(failure(restarts_done=1)).reason == "in-process restart 2 of 3"
+    assert decide(failure(restarts_done=3)).reason.startswith("the in-process restart budget is spent (3 of 3)")
+    assert decide(failure(error=torch.OutOfMemoryError)).restart  # a device allocation failure is transient
+    assert decide(failure(error=ValueError)).restart  # e.g. a bad batch
+
+
+def test_off_several_workers_and_fatal_errors_go_to_ray_train():
+    assert decide(failure(max_restarts=0)) == decide(failure(max_restarts=0, restarts_done=5))
+    assert not decide(failure(max_restarts=0)).restart and "off" in decide(failure(max_restarts=0)).reason
+    several = decide(failure(world=2))
+    assert not several.restart and several.reason.startswith("2 workers: the other ranks wait in the step's collective")
+    for error in (MemoryError, torch.AcceleratorError, KeyboardInterrupt, SystemExit):
+        decision = decide(failure(error=error))
+        assert not decision.restart and decision.reason == f"{error.__name__} is fatal to the process: Ray Train replaces it"
+
+
+def test_a_negative_budget_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^max_in_process_restarts must be >= 0 \(0: off\), got -1$"):
+        JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", max_in_process_restarts=-1)
+
+
+def _initial() -> "OrderedDict[str, torch.Tensor]":
+    return OrderedDict(w=torch.linspace(-1, 1, 12).reshape(4, 3), b=torch.full((3,), 0.5))
+
+
+def test_restore_of_perturbed_weights_without_a_snapshot_starts_from_the_initial_ones(tmp_path):
+    """No snapshot (log-only): the restore replays the whole log onto the initial weights. A replacement
+    worker holds them already; an in-process restart holds the failed step's perturbed weights and passes
+    ``initial``: both end bitwise equal, while replaying onto the perturbed weights would not."""
+    log = tmp_path / "steplog.bin"
+    writer = StepLogWriter.create(log, {"layout_sha256": layout_sha256(parameter_layout(_initial())), "generator": GENERATOR})
+    for step in range(3):
+        writer.append(StepRecord(step=step, seed=11 + step, projected_grad=0.25 * (step + 1), loss_plus=1.0, loss_minus=0.9,
+                                 lr=1e-2, eps=1e-3, weight_decay=0.1, batch_id=step))
+    writer.close()
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", strategy="log-only")
+
+    fresh = _initial()
+    cold = restore(fresh, cfg, log, 3)
+    perturbed = OrderedDict((n, t + 1e-3) for n, t in _initial().items())
+    warm = restore(perturbed, cfg, log, 3, initial=_initial)
+    assert (cold["source"], cold["base_step"], cold["replayed_steps"]) == (warm["source"], warm["base_step"], warm["replayed_steps"]) \
+        == ("initial", 0, 3)
+    assert state_sha256(perturbed) == state_sha256(fresh) != state_sha256(_initial())
+    stale = OrderedDict((n, t + 1e-3) for n, t in _initial().items())
+    restore(stale, cfg, log, 3)  # without ``initial`` the perturbed weights would be taken for the initial ones
+    assert state_sha256(stale) != state_sha256(fresh)
