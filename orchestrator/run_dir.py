@@ -8,6 +8,8 @@ import os
 import pathlib
 from dataclasses import dataclass
 
+from storage.files import atomic_write
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -29,13 +31,9 @@ class RunDir:
 
     @staticmethod
     def write_json(path: pathlib.Path, value: dict) -> None:
-        """Replace ``path`` atomically (temp file, fsync, rename): readers see the old or the new value."""
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as fh:
-            json.dump(value, fh, indent=2, default=str)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        """Replace ``path`` with ``value`` as JSON, atomically and durably (``storage.files.atomic_write``):
+        readers see the old or the new value."""
+        atomic_write(path, json.dumps(value, indent=2, default=str).encode())
 
     @staticmethod
     def read_json(path: pathlib.Path) -> dict | None:

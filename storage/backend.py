@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import fsspec
 
+from storage.files import atomic_write
+
 log = logging.getLogger(__name__)
 
 
@@ -263,27 +265,6 @@ class WritePacer:
             self.sleep(start_s - now_s)
 
 
-def write_synced(fd: int, data: bytes | memoryview, chunk_bytes: int | None, pacer: WritePacer | None = None) -> None:
-    """Write all of ``data`` to the open file ``fd`` in chunks of ``chunk_bytes`` (the last may be
-    shorter), ``os.fdatasync`` after each (after ``pacer.wait`` before each, when given), then
-    ``os.fsync`` the file (its metadata too). ``chunk_bytes`` None: one chunk, no ``fdatasync``.
-
-    Raises:
-        OSError: a write or sync failed (the file then holds an unknown prefix of ``data``).
-    """
-    view = memoryview(data).cast("B")
-    step = chunk_bytes or max(len(view), 1)
-    for start in range(0, len(view), step):
-        chunk = view[start:start + step]
-        if pacer is not None:
-            pacer.wait(len(chunk))
-        while chunk:
-            chunk = chunk[os.write(fd, chunk):]
-        if chunk_bytes is not None:
-            os.fdatasync(fd)
-    os.fsync(fd)
-
-
 STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
                "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 """The environment variables that S3 storage reads (here and in botocore): the credentials, the
@@ -472,21 +453,8 @@ class Storage:
         if self.protocol != "file":
             self.fs.pipe_file(target, data)
             return
-        folder = os.path.dirname(target)
-        os.makedirs(folder, exist_ok=True)
-        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb", buffering=0) as fh:
-                write_synced(fh.fileno(), data, self.write_chunk_bytes, self._pacer)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        atomic_write(target, data, self.write_chunk_bytes, self._pacer)
 
     def get(self, rel: str) -> bytes:
         """The bytes of object ``rel``. Raises ``FileNotFoundError`` when it does not exist."""

@@ -30,6 +30,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import astuple, dataclass
 
+from storage.files import atomic_write
+
 MAGIC = b"RCSTEPLG"
 FORMAT_VERSION = 1
 _FIELDS = struct.Struct("<QQddddddQ")
@@ -262,13 +264,7 @@ class StepLogWriter:
         if path.exists():
             raise FileExistsError(f"{path}: step log already exists")
         header = {**header, "format_version": FORMAT_VERSION, "record_bytes": RECORD_BYTES}
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(_encode_header(header))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        atomic_write(path, _encode_header(header))
         return cls.open(path)
 
     @classmethod
@@ -331,9 +327,3 @@ class StepLogWriter:
         os.close(self._fd)
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,4 +1,4 @@
-"""Local puts write in chunks and fdatasync each one (``storage.backend.write_synced``), optionally paced
+"""Local puts write in chunks and fdatasync each one (``storage.files.write_synced``), optionally paced
 (``WritePacer``), so that a snapshot never leaves hundreds of MB in flight in front of a step log fsync;
 the commit rules (temp name, fsync, rename, folder fsync) still make an object visible whole or not at all."""
 
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import storage.backend as backend
-from storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer, write_synced
+from storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer
+from storage.files import write_synced
 
 ONE_TRY = RetryPolicy(attempts=1)
 

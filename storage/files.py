@@ -1,0 +1,76 @@
+"""Durable local file writes: the one atomic write of the project (``atomic_write``), the chunked
+synced write under it (``write_synced``) and the folder fsync (``fsync_dir``). Plain ``os`` calls and
+nothing else, so that the light processes (the run's journal actor) import it at no cost."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from storage.backend import WritePacer
+
+
+def write_synced(fd: int, data: bytes | memoryview, chunk_bytes: int | None, pacer: WritePacer | None = None) -> None:
+    """Write all of ``data`` to the open file ``fd`` in chunks of ``chunk_bytes`` (the last may be
+    shorter), ``os.fdatasync`` after each (after ``pacer.wait`` before each, when given), then
+    ``os.fsync`` the file (its metadata too). ``chunk_bytes`` None: one chunk, no ``fdatasync``.
+
+    Raises:
+        OSError: a write or sync failed (the file then holds an unknown prefix of ``data``).
+    """
+    view = memoryview(data).cast("B")
+    step = chunk_bytes or max(len(view), 1)
+    for start in range(0, len(view), step):
+        chunk = view[start:start + step]
+        if pacer is not None:
+            pacer.wait(len(chunk))
+        while chunk:
+            chunk = chunk[os.write(fd, chunk):]
+        if chunk_bytes is not None:
+            os.fdatasync(fd)
+    os.fsync(fd)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | memoryview, chunk_bytes: int | None = None,
+                 pacer: WritePacer | None = None) -> None:
+    """Replace the local file ``path`` with ``data``, atomically and durably: the bytes go to a temp
+    name unique to this call in the same folder (``write_synced``: written, then fsynced), the temp file
+    is renamed over ``path``, then the folder is fsynced so that the rename itself survives a crash.
+    A reader sees the old bytes or the new ones, never a part. The one atomic write of the project
+    (storage objects, the step log's creation, the run directory's JSON files).
+
+    Args:
+        chunk_bytes, pacer: as ``write_synced`` (None: one write, one fsync).
+
+    Raises:
+        OSError: a write, sync or rename failed; ``path`` is unchanged and the temp file removed (a
+            temp file a crash leaves is never read: it has another name).
+    """
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            write_synced(fd, data, chunk_bytes, pacer)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """``os.fsync`` the folder ``path`` (makes the names created or renamed in it durable).
+
+    Raises:
+        OSError: the folder cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
