@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import storage.backend as backend
+from orchestrator.run_dir import RunDir
 from storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer
 from storage.files import write_synced
 
@@ -89,6 +90,7 @@ def test_a_failed_chunk_sync_leaves_no_object_and_the_previous_one_intact(tmp_pa
 KILLED_MID_PUT = """
 import os, sys
 import storage.backend as backend
+from orchestrator.run_dir import RunDir
 from storage.backend import Storage
 
 real, synced = os.fdatasync, []
@@ -166,3 +168,27 @@ def test_the_benchmark_compares_the_one_go_writer_the_chunked_ones_and_the_cpu_w
     assert [(s.protocol, s.write_chunk_bytes, s.write_rate_bytes_per_s) for s in stores] == [
         ("file", None, None), ("file", LOCAL_WRITE_CHUNK_BYTES, None), ("file", 1 << 20, None),
         ("file", LOCAL_WRITE_CHUNK_BYTES, 50e6), ("memory", LOCAL_WRITE_CHUNK_BYTES, None)]
+
+
+def test_a_run_directory_json_file_is_replaced_whole_and_its_folder_synced_once_it_has_the_new_value(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    RunDir.write_json(path, {"ok": False})
+    seen, real = [], os.fsync
+
+    def spy(fd: int) -> None:
+        real(fd)
+        if os.fstat(fd).st_ino == os.stat(tmp_path).st_ino:
+            seen.append(path.read_text())
+
+    monkeypatch.setattr(os, "fsync", spy)
+    RunDir.write_json(path, {"ok": True})
+    assert seen == ['{\n  "ok": true\n}']  # the folder is synced after the rename: the new value survives a crash
+
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        RunDir.write_json(path, {"ok": "half"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]  # no temp file left
+    assert path.read_text() == '{\n  "ok": true\n}'  # the old value stays
