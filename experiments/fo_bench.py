@@ -27,7 +27,7 @@ as well (the earlier, noisier figure).
 Differential full interval: ``--full-every 0`` chooses it with the cost model
 (``policies.models.differential_full_interval_steps``) from costs measured on the live trainer before
 the run (``calibrate_full_every``: the staging copy and background write of a full checkpoint, a
-training step, the write-read-replay of one record; the trainer is then reset to its initial state),
+training step, the read-verify-replay of one record; the trainer is then reset to its initial state),
 capped by ``--record-budget-gb`` (records kept between two full checkpoints); ``full-async`` then
 checkpoints at the same interval.
 
