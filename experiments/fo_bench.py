@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     changes: list[dict] = []
     reference_sha: dict[int, str] = {}  # the failure-free state's sha256 at the steps restores are compared at
     evals: dict[int, float] = {}  # step -> the failure-free run's eval loss
-    previous = weights_of(trainer.state_view())
+    previous = weights_of(trainer.state_view()) if "layerwise" in names else None  # what the threshold is set against
     print(f"[fo_bench] {args.model}: {total} steps, batch {args.batch_size} x {args.seq_len} tokens, strategies {', '.join(names)}")
     for step in range(total):
         idx = batch_indices(0, step, args.batch_size, len(split))
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
                 reference_sha[step + 1] = state_sha256(trainer.state_view())
         if step + 1 == full_check and "full-async" in names and step + 1 not in reference_sha:
             reference_sha[step + 1] = state_sha256(trainer.state_view())
-        if (step + 1) % args.every == 0:
+        if previous is not None and (step + 1) % args.every == 0:
             weights = weights_of(trainer.state_view())
             changes.append({"step": step + 1, **unit_changes(weights, previous)})
             previous = weights
@@ -524,8 +524,9 @@ def print_table(result: dict) -> None:
             if "full_async_same_interval_overhead_pct" in s[name]:
                 print(f"full-async at the same interval ({result['full_every']} steps; the calibration's staging copy per "
                       f"checkpoint): {s[name]['full_async_same_interval_overhead_pct']:.2f}%")
-    print("unit relative change per interval (median): " +
-          ", ".join(f"{u} {v['median']:.2e}" for u, v in result["unit_change_per_interval"].items()))
+    if result["unit_change_per_interval"]:
+        print("unit relative change per interval (median): " +
+              ", ".join(f"{u} {v['median']:.2e}" for u, v in result["unit_change_per_interval"].items()))
 
 
 if __name__ == "__main__":
