@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.full_every = calibration["full_every"]
         print(f"[fo_bench] differential full interval: {args.full_every} steps (cost model {calibration['model_full_every']}, "
               f"record budget {calibration['budget_full_every']}); measured {calibration}", flush=True)
-        if args.full_every > args.restart_at:
-            p.error(f"the chosen full interval ({args.full_every} steps) exceeds --restart-at {args.restart_at}: "
-                    "the restart would find no full checkpoint; restart later")
+    if args.full_every > args.restart_at and any(n.startswith("differential") for n in names):
+        p.error(f"the differential full interval ({args.full_every} steps) exceeds --restart-at {args.restart_at}: "
+                "the restart would find no full checkpoint; restart later")
     args.full_async_every = args.full_every if calibration else args.every
     ckpts = {n: make_checkpointer(n, args.out / "stores", trainer, args) for n in names}
     layerwise = "layerwise" in names
