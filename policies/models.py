@@ -173,11 +173,11 @@ def shadow_interval_steps(costs: MeasuredCosts) -> int:
 def differential_full_interval_steps(costs: MeasuredCosts, batch_steps: int = 1) -> int:
     """First-order optimum interval, in steps, between the full checkpoints of a differential scheme.
 
-    Differential checkpoints (LowDiff, SC'25, arXiv:2509.04084, which tunes the full-checkpoint
-    frequency against the recovery cost; Check-N-Run, Eisenman et al., NSDI'22) persist every step's
+    Differential checkpoints (LowDiff, SC'25, arXiv:2509.04084, which tunes its checkpoint frequency and
+    batching size while training; Check-N-Run, Eisenman et al., NSDI'22) persist every step's
     gradient record and a full checkpoint every k steps; recovery loads the newest full checkpoint and
-    replays the records after it. Young's argument (CACM 1974) with the replay in place of the
-    recompute: a full checkpoint costs its stall c plus the charged background write w P once per
+    replays the records after it. This first-order model is ours: Young's argument (CACM 1974) with
+    the replay in place of the recompute: a full checkpoint costs its stall c plus the charged background write w P once per
     k t_s seconds of training, and a failure replays on average k / 2 records at r each, so the waste
     rate c + w P over k t_s plus lambda (k / 2) r is minimal at k* = sqrt(2 (c + w P) M / (r t_s)).
     (The records' own per-step cost and the up to ``batch_steps`` - 1 unbatched steps a failure loses
