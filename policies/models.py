@@ -170,6 +170,37 @@ def shadow_interval_steps(costs: MeasuredCosts) -> int:
     return max(round(k), min_background_steps(costs))
 
 
+def differential_full_interval_steps(costs: MeasuredCosts, batch_steps: int = 1) -> int:
+    """First-order optimum interval, in steps, between the full checkpoints of a differential scheme.
+
+    Differential checkpoints (LowDiff, SC'25, arXiv:2509.04084, which tunes its checkpoint frequency and
+    batching size while training; Check-N-Run, Eisenman et al., NSDI'22) persist every step's
+    gradient record and a full checkpoint every k steps; recovery loads the newest full checkpoint and
+    replays the records after it. This first-order model is ours: Young's argument (CACM 1974) with
+    the replay in place of the recompute: a full checkpoint costs its stall c plus the charged background write w P once per
+    k t_s seconds of training, and a failure replays on average k / 2 records at r each, so the waste
+    rate c + w P over k t_s plus lambda (k / 2) r is minimal at k* = sqrt(2 (c + w P) M / (r t_s)).
+    (The records' own per-step cost and the up to ``batch_steps`` - 1 unbatched steps a failure loses
+    do not depend on k.) The result is raised to ``min_background_steps`` (a full write finishes before
+    the next is due) and rounded to a multiple of ``batch_steps`` (records still pending at a full
+    checkpoint are superseded by it, so other multiples would write them for nothing).
+
+    Args:
+        costs: ``step_s`` (t_s), ``replay_step_s`` (r: replaying one record: read, decode, one optimizer
+            step), ``stall_s`` (c: the full checkpoint's staging copy), ``snapshot_s`` (P: its background
+            write), ``background_weight`` (w), ``mtbf_s`` (M); seconds.
+        batch_steps: records per written object (>= 1).
+
+    Raises:
+        ValueError: ``batch_steps`` < 1.
+    """
+    if batch_steps < 1:
+        raise ValueError(f"batch_steps must be >= 1, got {batch_steps}")
+    per_full_s = costs.stall_s + costs.background_weight * costs.snapshot_s
+    k = math.sqrt(2 * per_full_s * costs.mtbf_s / (costs.replay_step_s * costs.step_s))
+    return max(round(k / batch_steps), math.ceil(min_background_steps(costs) / batch_steps), 1) * batch_steps
+
+
 def waste_full_sync(costs: MeasuredCosts, interval_steps: int) -> float:
     """Expected waste ratio of synchronous full-state checkpoints every ``interval_steps`` steps.
 

@@ -13,6 +13,7 @@ from policies.models import (
     Strategy,
     checkfreq_interval_steps,
     daly_interval_s,
+    differential_full_interval_steps,
     expected_waste,
     min_background_steps,
     optimal_interval_steps,
@@ -45,6 +46,18 @@ def test_daly_is_capped_at_the_mtbf_and_approximates_the_exact_sync_optimum():
         c = costs(snapshot_s=5 * MIN, mtbf_s=mtbf_s, restart_s=10 * MIN)
         exact = optimal_interval_steps(Strategy.FULL_SYNC, c)
         assert exact == pytest.approx(daly_interval_s(5 * MIN, mtbf_s), rel=0.005)
+
+
+def test_differential_full_interval_is_youngs_with_the_replay_rounded_to_whole_batches():
+    c = costs(step_s=4.0, replay_step_s=0.5, stall_s=1.0, snapshot_s=15.0)  # k* = sqrt(2 * 16 * 3600 / 2) = 240
+    assert differential_full_interval_steps(c) == differential_full_interval_steps(c, 5) == 240
+    assert differential_full_interval_steps(c, 7) == 238  # round(240 / 7) = 34 batches
+    assert differential_full_interval_steps(c.replace(background_weight=0.0), 2) == round(math.sqrt(2 * 3600 / 2) / 2) * 2
+    assert differential_full_interval_steps(c.replace(replay_step_s=2.0)) == 120  # 4x the replay: half the interval
+    # a full write of 100 s cannot finish within fewer than 25 steps of 4 s, whatever the MTBF: 13 whole batches of 2
+    assert differential_full_interval_steps(c.replace(snapshot_s=100.0, mtbf_s=1.0), 2) == 26
+    with pytest.raises(ValueError, match="batch_steps"):
+        differential_full_interval_steps(c, 0)
 
 
 def test_shadow_model_is_youngs_interval_when_replay_costs_a_step_and_close_to_the_exact_optimum():
