@@ -73,6 +73,10 @@ NEW_PROCESS_START = tuple(c.removesuffix("_s") for _, c in BREAKDOWN[:BREAKDOWN.
 """The breakdown's components that start a new process (Ray Train's restart of the worker group, then
 imports, model and data load): the floor of a ``new_process`` recovery, counted as one."""
 NEW_PROCESS_FLOOR = "new process start"
+TOTAL = "failure -> first step done"
+FIRST_STEP = BREAKDOWN_PREFIX + BREAKDOWN[-1][1]
+"""The breakdown column of the first step after the restore, which the recovery latency does not hold."""
+"""The breakdown table's last row per path: the sum of the components (``first_step_s``)."""
 FLOOR_WHY = {
     NEW_PROCESS_FLOOR: "a replacement process must start, join a new worker group and import torch, Ray Train and "
                        "transformers and build the model before any state moves",
@@ -325,18 +329,17 @@ def breakdown_table(recoveries: list[dict]) -> list[dict]:
     ``in_process``; a combined one where two could not be separated), in the order the recoveries list
     them, with ``path``, ``owner`` (``Ray Train`` for its restart of the worker group, which only a
     ``new_process`` recovery has, else ``raycheck``) and each strategy's mean seconds over its
-    recoveries on that path that have the component (NaN: none); each path's last row is
-    ``first_step`` (failure to the first step done, their sum). ``[]`` when no recovery has a breakdown."""
+    recoveries on that path that have the component (NaN: none); each path's last row is ``TOTAL``
+    (failure to the first step done, their sum). ``[]`` when no recovery has a breakdown."""
     rows = []
     for path in dict.fromkeys(r.get("path") or PATHS[0] for r in recoveries):
         on_path = [r for r in recoveries if (r.get("path") or PATHS[0]) == path]
         columns = list(dict.fromkeys(k for r in on_path for k in r if k.startswith(BREAKDOWN_PREFIX) and _has(r, k)))
         by_strategy = _by_strategy(on_path)
         for column in [*columns, "first_step_s"] if columns else []:
-            name = column.removeprefix(BREAKDOWN_PREFIX).removesuffix("_s")
+            name = TOTAL if column == "first_step_s" else column.removeprefix(BREAKDOWN_PREFIX).removesuffix("_s")
             ray_train = path == PATHS[0] and set(name.split("+")) <= RAY_TRAIN_COMPONENTS
-            row = {"path": path, "component": name, "owner": "" if column == "first_step_s" else "Ray Train" if ray_train
-                   else "raycheck"}
+            row = {"path": path, "component": name, "owner": "" if name == TOTAL else "Ray Train" if ray_train else "raycheck"}
             row.update({str(s): _mean([r for r in rs if _has(r, column)], column) if any(_has(r, column) for r in rs)
                         else math.nan for s, rs in by_strategy.items()})
             rows.append(row)
@@ -345,7 +348,7 @@ def breakdown_table(recoveries: list[dict]) -> list[dict]:
 
 def recovery_floor(recoveries: list[dict], strategy: Strategy | str = OURS) -> dict | None:
     """The floor of ``strategy``'s recovery latency: the largest component of its measured breakdown
-    before the first step (``first_step`` is not in the latency), the components that start a new
+    before the first step (the ``first_step`` component is not in the latency), the components that start a new
     process (``NEW_PROCESS_START``) counted as one, ``NEW_PROCESS_FLOOR``. Each component's seconds
     are its mean contribution per recovery (0 for a recovery that does not have it, e.g. an in-process
     one has no process start), so the components add up to the mean breakdown.
@@ -354,13 +357,14 @@ def recovery_floor(recoveries: list[dict], strategy: Strategy | str = OURS) -> d
     each), ``paths`` (``path_counts``), ``why`` (``FLOOR_WHY``); None when no recovery of ``strategy``
     has a breakdown.
     """
-    rs = [r for r in recoveries if r["strategy"] == strategy and any(k.startswith(BREAKDOWN_PREFIX) and _has(r, k) for k in r)]
+    rs = [r for r in recoveries if r["strategy"] == strategy
+          and any(k.startswith(BREAKDOWN_PREFIX) and _has(r, k) and k != FIRST_STEP for k in r)]
     if not rs:
         return None
     candidates: dict[str, float] = {}
     start: dict[str, float] = {}  # a new process start's components, only on the new-process path
     for r in rs:
-        for column in (k for k in r if k.startswith(BREAKDOWN_PREFIX) and _has(r, k)):
+        for column in (k for k in r if k.startswith(BREAKDOWN_PREFIX) and _has(r, k) and k != FIRST_STEP):
             name = column.removeprefix(BREAKDOWN_PREFIX).removesuffix("_s")
             share = float(r[column]) / len(rs)
             if (r.get("path") or PATHS[0]) == PATHS[0] and set(name.split("+")) <= set(NEW_PROCESS_START):
@@ -616,11 +620,12 @@ def waste_terms(strategy: Strategy, costs: MeasuredCosts, k: int | None, run_ste
 
 def why_wasted(ours_cell: dict, base_cell: dict, ours_costs: MeasuredCosts | None, ours_run: dict, target: float,
                base_costs: MeasuredCosts | None = None, base_run: dict | None = None, floor: dict | None = None,
-               latency_s: float = math.nan) -> str | None:
+               ours_recovery: dict | None = None) -> str | None:
     """Why the wasted-time ratio at the highest failure rate misses ``target``: our largest first-order
-    term (``waste_terms``) and the ratio it alone allows, and, given our recovery ``floor``
-    (``recovery_floor``) and mean latency ``latency_s``, the breakdown component that is the floor of
-    our per-failure cost; None if met."""
+    term (``waste_terms``) and the ratio it alone allows; given our ``recovery_table`` row
+    ``ours_recovery``, where the model's replay (half an interval per failure) exceeds the steps our
+    recoveries replayed, that gap; and, given our recovery ``floor`` (``recovery_floor``), the
+    breakdown component that is the floor of our per-failure cost; None if met."""
     r = base_cell.get("ratio", math.nan)
     if r >= target:
         return None
@@ -641,8 +646,13 @@ def why_wasted(ours_cell: dict, base_cell: dict, ours_costs: MeasuredCosts | Non
         bterms = waste_terms(Strategy(base_cell["strategy"]), base_costs, base_cell["interval_steps"], float(base_run["steps"]))
         bname, (bvalue, bhow) = max(bterms.items(), key=lambda kv: kv[1][0])
         text += f"; {base_cell['strategy']}'s largest is {bname} (~{bvalue:.3g}: {bhow})"
-    if floor is not None and floor["seconds"] > 0 and latency_s > 0:
-        text += f". Per failure, {floor_text(floor, latency_s)}"
+    k = ours_cell["interval_steps"]
+    if name == "replay" and ours_recovery and k and ours_recovery["replayed_steps"] < k / 2:
+        text += (f". The model's replay is half an interval ({k}/2 steps) per failure, a failure that also loses the "
+                 f"shadow's image; our measured recoveries replayed {ours_recovery['replayed_steps']:.3g} steps on average "
+                 f"(restored from {ours_recovery['sources']}), so this term, not a measured component, is the floor")
+    if floor is not None and floor["seconds"] > 0 and ours_recovery:
+        text += f". Per failure, {floor_text(floor, ours_recovery['latency_s'])}"
     return text + f"; simulated ratio {r:.3g}x < {target:g}x."
 
 
@@ -707,7 +717,7 @@ def _why(metric: str, ours: dict, base: dict, target: float, runs: list[dict], r
 
     base_strategy = Strategy(base["strategy"])
     return why_wasted(ours, base, costs(OURS), first[OURS], target, costs(base_strategy), first.get(base_strategy),
-                      floor, summary.get(str(OURS), {}).get("latency_s", math.nan))
+                      floor, summary.get(str(OURS)))
 
 
 def is_finite(x: float | None) -> bool:
