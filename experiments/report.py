@@ -97,11 +97,12 @@ class Report:
         raise KeyError(f"no {metric} headline against {baseline}")
 
     def summary(self) -> str:
-        """A few lines for a terminal: each ratio against each baseline, with the paper and the target."""
+        """A few lines for a terminal: each ratio against each baseline, with the paper, the target and the
+        paths the recoveries took."""
         lines = [f"report: {self.files['report']}"]
         for h in self.headlines:
             goal = "" if h.target is None else f"  (paper {h.paper:g}x, target >= {h.target:g}x: {'met' if h.met else 'MISSED'})"
-            lines.append(f"{h.metric:>9} vs {h.baseline:<10} {fmt_ratio(h.ratio)}{goal}")
+            lines.append(f"{h.metric:>9} vs {h.baseline:<10} {fmt_ratio(h.ratio)}{goal}" + (f"  [{h.paths}]" if h.paths else ""))
         return "\n".join(lines)
 
 
