@@ -42,19 +42,34 @@ class Preset:
     """Steps of the extra failure-free run with a 2-shard shadow (replay over step time per shard)."""
 
 
+FAILURE_KINDS = {
+    "exit": "the worker process exits (os._exit(1)): Ray Train starts a new process, which restores the state",
+    "raise": "the step raises and the process survives: it restores the state in process (training.in_process)",
+}
+"""``raycheck experiment --failure-kind``: how each injected worker failure happens (``FailureSpec.how``)."""
+
+
 PRESETS = {
     "quick": Preset(name="quick", model="tiny", steps=40, interval_steps=8, failure_steps=(11, 22, 33), mtbf_s=30.0),
     "full": Preset(name="full", model="smollm2-135m", steps=30, interval_steps=10, failure_steps=(12, 24), mtbf_s=120.0),
 }
 
 
-def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str, failures: bool = True) -> JobConfig:
-    """The configuration of ``strategy`` in ``preset`` (``failures=False``: the reference run)."""
+def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str, failures: bool = True,
+               failure_kind: str = "exit") -> JobConfig:
+    """The configuration of ``strategy`` in ``preset`` (``failures=False``: the reference run), its worker
+    failures of ``failure_kind`` (``FAILURE_KINDS``).
+
+    Raises:
+        ValueError: an unknown ``failure_kind``.
+    """
+    if failure_kind not in FAILURE_KINDS:
+        raise ValueError(f"failure kind {failure_kind!r}: choose one of {', '.join(FAILURE_KINDS)}")
     return JobConfig(
         out_dir=str(out), cache_dir=cache_dir, model=preset.model, steps=preset.steps, batch_size=preset.batch_size,
         strategy=strategy, snapshot_every=preset.interval_steps,
         snapshot_policy="adaptive" if strategy == "shadow" else "fixed", mtbf_s=preset.mtbf_s,
-        failures=tuple(FailureSpec(step=s) for s in preset.failure_steps) if failures else (),
+        failures=tuple(FailureSpec(step=s, how=failure_kind) for s in preset.failure_steps) if failures else (),
         eval_samples=0, run_id=f"{strategy}-{uuid.uuid4().hex[:6]}",
     )
 
@@ -65,8 +80,9 @@ def _write_table(rows: list[dict], path: pathlib.Path) -> None:
 
 
 def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies: tuple[str, ...] = STRATEGIES["zo"],
-                   echo: Callable[[str], None] = print) -> pathlib.Path:
-    """Run the reference and every strategy of ``preset`` into ``out``; returns ``out``.
+                   echo: Callable[[str], None] = print, failure_kind: str = "exit") -> pathlib.Path:
+    """Run the reference and every strategy of ``preset`` into ``out``, each strategy's worker failures
+    of ``failure_kind`` (``FAILURE_KINDS``); returns ``out``.
 
     Writes ``out/runs/<strategy>/`` (each run's own files), ``runs.parquet`` and ``recoveries.parquet``;
     with ``shadow`` among the strategies also ``shards.parquet``: replay over step time per shard of
@@ -81,14 +97,14 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
             echo(f"    {line}")
 
     echo(f"[experiment] {preset.name}: {preset.model}, {preset.steps} steps, interval {preset.interval_steps}, "
-         f"worker failures at steps {list(preset.failure_steps)}; {len(strategies)} strategies + 1 failure-free reference")
+         f"worker failures ({failure_kind}) at steps {list(preset.failure_steps)}; {len(strategies)} strategies + 1 failure-free reference")
     shutil.rmtree(out / "runs", ignore_errors=True)
     reference = Controller(job_config(preset, "shadow", out / "runs" / "reference", cache_dir, failures=False), quiet).run()
     echo(f"[experiment] reference done in {reference['wall_seconds']:.0f} s")
     runs, recoveries, shards = [], [], []
     for strategy in strategies:
         echo(f"[experiment] {strategy} ...")
-        cfg = job_config(preset, strategy, out / "runs" / strategy, cache_dir)
+        cfg = job_config(preset, strategy, out / "runs" / strategy, cache_dir, failure_kind=failure_kind)
         summary = Controller(cfg, quiet).run()
         summary["reference_state_sha256"] = reference["state_sha256"]
         summary["bitwise_equal"] = summary["ok"] and summary["state_sha256"] == reference["state_sha256"]
@@ -106,7 +122,7 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
         _write_table(shards, out / "shards.parquet")
     _write_table(runs, out / "runs.parquet")
     _write_table(recoveries, out / "recoveries.parquet")
-    (out / "preset.json").write_text(json.dumps(dataclasses.asdict(preset), indent=2))
+    (out / "preset.json").write_text(json.dumps({**dataclasses.asdict(preset), "failure_kind": failure_kind}, indent=2))
     return out
 
 

@@ -9,8 +9,10 @@ strategy run) and ``recoveries.parquet`` (one row per worker recovery), and writ
   every step, as the step log makes ours).
 - (b) ``recovery.parquet``, ``recovery.png``: recovery latency (failure to the first new step) by
   strategy, broken down into restart, load, replay and recompute, with a 95% interval;
-  ``breakdown.parquet``: the measured components of a recovery (detection, Ray Train's restart of the
-  worker group, imports, model and data load, state transfer, replay, first step) per strategy.
+  ``breakdown.parquet``: per recovery path (``new_process``, ``in_process``), the measured components
+  of a recovery (detection, Ray Train's restart of the worker group, imports, model and data load,
+  state transfer, replay, first step) per strategy; where a target is missed, the component that is
+  the floor of our recovery (``report_tables.recovery_floor``).
 - (c) ``wasted.parquet``, ``measured_waste.parquet``, ``wasted.png``: end-to-end wasted time W over a
   grid of failure rates, a seeded Monte Carlo (``policies.simulate``) over the costs measured in the
   real runs, with each real run's own measured W beside it as a check.
@@ -95,11 +97,12 @@ class Report:
         raise KeyError(f"no {metric} headline against {baseline}")
 
     def summary(self) -> str:
-        """A few lines for a terminal: each ratio against each baseline, with the paper and the target."""
+        """A few lines for a terminal: each ratio against each baseline, with the paper, the target and the
+        paths the recoveries took."""
         lines = [f"report: {self.files['report']}"]
         for h in self.headlines:
             goal = "" if h.target is None else f"  (paper {h.paper:g}x, target >= {h.target:g}x: {'met' if h.met else 'MISSED'})"
-            lines.append(f"{h.metric:>9} vs {h.baseline:<10} {fmt_ratio(h.ratio)}{goal}")
+            lines.append(f"{h.metric:>9} vs {h.baseline:<10} {fmt_ratio(h.ratio)}{goal}" + (f"  [{h.paths}]" if h.paths else ""))
         return "\n".join(lines)
 
 
@@ -214,10 +217,12 @@ def _inputs_md(runs: list[dict]) -> str:
 
 def _headlines_md(hs: Sequence[Headline]) -> str:
     rows = [{"metric": h.metric, "baseline": h.baseline, "ours": fmt_ratio(h.ratio), "paper": f"{h.paper:g}x" if h.paper else "",
-             "target": f">= {h.target:g}x" if h.target else "", "met": "" if h.met is None else ("yes" if h.met else "**no**")}
+             "target": f">= {h.target:g}x" if h.target else "", "met": "" if h.met is None else ("yes" if h.met else "**no**"),
+             "paths": h.paths}
             for h in hs]
     table = md_table(rows, [("metric", "metric"), ("baseline", "vs baseline"), ("ours", "ours (baseline / ours)"),
-                            ("paper", "ZOCheck paper"), ("target", "issue target"), ("met", "met")])
+                            ("paper", "ZOCheck paper"), ("target", "issue target"), ("met", "met"),
+                            ("paths", "recoveries measured (path: count)")])
     whys = [f"- **{h.metric} vs {h.baseline}**: {h.why}" for h in hs if h.why]
     return table + ("\n\nWhere a figure falls short, from the measurements:\n\n" + "\n".join(whys) if whys else "")
 
@@ -242,15 +247,27 @@ def _overhead_md(rows: list[dict], hs: Sequence[Headline]) -> str:
     return text + "\n\n![overhead](overhead.png)" + _why_md(hs, "overhead")
 
 
+_PATH_TITLE = {
+    "new_process": "`new_process`: the worker process died, Ray Train started a replacement that restored the state",
+    "in_process": "`in_process`: the worker process survived the failure and restored the state itself "
+                  "(`training.in_process`); it has no Ray Train, process start, import or load component",
+}
+
+
 def _breakdown_md(rows: list[dict]) -> str:
-    """The recovery breakdown table (``breakdown_table``), or a line saying no recovery had one."""
+    """The recovery breakdown tables (``breakdown_table``), one per path, or a line saying no recovery had one."""
     if not rows:
         return "No recovery recorded a breakdown (its worker's stamps are missing: a run of an older raycheck)."
-    strategies = [k for k in rows[0] if k not in ("component", "owner")]
-    return ("Where a recovery's time goes, from the failure to the first step done, mean seconds per component "
-            "(`orchestrator.summary.BREAKDOWN` defines each; `a+b`: two components the stamps could not separate). "
-            "*Ray Train* marks its restart of the worker group, which no checkpointing strategy changes.\n\n"
-            + md_table(rows, [("component", "component"), ("owner", "whose"), *((s, f"{s} (s)") for s in strategies)]))
+    parts = []
+    for path in dict.fromkeys(r["path"] for r in rows):
+        on_path = [r for r in rows if r["path"] == path]
+        strategies = [k for k in on_path[0] if k not in ("path", "component", "owner")]
+        parts.append(f"Path {_PATH_TITLE.get(path, f'`{path}`')}:\n\n"
+                     + md_table(on_path, [("component", "component"), ("owner", "whose"), *((s, f"{s} (s)") for s in strategies)]))
+    return ("Where a recovery's time goes, from the failure to the first step done, mean seconds per component over "
+            "each strategy's recoveries on each path (`orchestrator.summary.BREAKDOWN` and `IN_PROCESS_BREAKDOWN` "
+            "define each; `a+b`: two components the stamps could not separate). *Ray Train* marks its restart of the "
+            "worker group, which no checkpointing strategy changes.\n\n" + "\n\n".join(parts))
 
 
 def _recovery_md(rows: list[dict], hs: Sequence[Headline], breakdown: list[dict] | None = None) -> str:
@@ -259,7 +276,7 @@ def _recovery_md(rows: list[dict], hs: Sequence[Headline], breakdown: list[dict]
                             ("restart_s", "restart"), ("load_s", "load"), ("replay_s", "replay"), ("recompute_s", "recompute"),
                             ("other_s", "other"),
                             ("replayed_steps", "replayed steps"), ("recompute_steps", "recomputed steps"),
-                            ("sources", "restored from"), ("ratio", "/ ours")])
+                            ("sources", "restored from"), ("paths", "path"), ("ratio", "/ ours")])
     return ("Latency from the failure to the start of the first step not executed before it, in seconds, mean over each "
             "strategy's recoveries (95% Student-t interval when n > 1); *other* is what restart, load, replay and "
             "recompute leave unexplained.\n\n" + table + "\n\n![recovery](recovery.png)\n\n" + _breakdown_md(breakdown or [])

@@ -85,7 +85,9 @@ def recovery_rows(summary: dict, events: list[dict], executions: list[dict]) -> 
     """The ``recoveries.parquet`` rows of one run: for each worker recovery, the measured latency from
     the failure to the start of the first step that had not run before it (``latency_s``), and its
     parts: ``restart_s``, ``load_s``, ``replay_s`` (logged steps replayed) and ``recompute_s``
-    (steps re-executed since the last checkpoint, up to the first new step); and the recovery's
+    (steps re-executed since the last checkpoint, up to the first new step); its ``path``
+    (``in_process``: the failed process restored itself, ``training.in_process``; ``new_process``: Ray
+    Train started a replacement, also for events of runs older than the warm path); and the recovery's
     breakdown (``breakdown_columns``) from ``summary.json``'s recoveries."""
     failures = [e for e in events if e["kind"] == "failure" and e["target"] == "worker"]
     recovered = [e for e in events if e["kind"] == "recovery"]
@@ -102,6 +104,7 @@ def recovery_rows(summary: dict, events: list[dict], executions: list[dict]) -> 
             "at_step": failure["step"],
             "restored_step": rec["restored_step"],
             "source": rec["source"],
+            "path": rec.get("path", "new_process"),
             "latency_s": first_new_start - failure["unix_s"],
             "restart_s": rec["unix_s"] - rec["seconds"] - failure["unix_s"],  # detection, restart, model and data load
             "load_s": rec["load_seconds"],

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.config import STRATEGIES
+from experiments.harness import FAILURE_KINDS
 from training.model import default_cache_dir
 
 
@@ -18,6 +19,10 @@ def experiment(
     strategy: Annotated[list[str], typer.Option(help="Strategies to run (repeatable; default: all four).")] = list(STRATEGIES["zo"]),
     report_only: Annotated[bool, typer.Option(help="Rebuild the report from the results already in --out.")] = False,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
+    failure_kind: Annotated[str, typer.Option(
+        help="exit or raise: how each injected worker failure happens, the same for every strategy. exit: the process exits, "
+             "Ray Train starts a new one that restores the state. raise: the step raises, the process survives "
+             "and restores the state in process.")] = "exit",
     model: Annotated[str, typer.Option(help="Model of every run instead of the preset's: a built-in name, a local Hugging "
                                             "Face model folder or a model id in the local Hugging Face cache.")] = "",
 ) -> None:
@@ -35,6 +40,8 @@ def experiment(
     unknown = sorted(set(strategy) - set(STRATEGIES["zo"]))
     if unknown:
         raise typer.BadParameter(f"unknown strategy {unknown}: choose from {', '.join(STRATEGIES['zo'])}")
+    if failure_kind not in FAILURE_KINDS:
+        raise typer.BadParameter(f"unknown failure kind {failure_kind!r}: choose from {', '.join(FAILURE_KINDS)}")
     out = out.resolve()
     preset = PRESETS["quick" if quick else "full"]
     if model and not report_only:
@@ -46,7 +53,7 @@ def experiment(
         preset = dataclasses.replace(preset, model=model)
     if not report_only:
         connect("raycheck", num_cpus=2)
-        run_experiment(preset, out, str(cache_dir.resolve()), tuple(strategy), echo=typer.echo)
+        run_experiment(preset, out, str(cache_dir.resolve()), tuple(strategy), echo=typer.echo, failure_kind=failure_kind)
     elif not (out / "runs.parquet").is_file():
         typer.echo(f"error: {out} holds no results (runs.parquet); run without --report-only first", err=True)
         raise typer.Exit(2)

@@ -87,6 +87,38 @@ def test_recovery_rows_carry_the_summary_breakdown_as_columns():
     [rec] = recovery_rows(summary, events, executions)
     assert {k: rec[k] for k in ("bd_detection_s", "bd_log_setup+state_transfer_s", "first_step_s")} == {
         "bd_detection_s": 0.5, "bd_log_setup+state_transfer_s": 1.25, "first_step_s": 25.75}
+    assert rec["path"] == "new_process"  # an event without a path: a run older than the warm path
+    [rec] = recovery_rows(summary, [events[0], {**events[1], "path": "in_process"}], executions)
+    assert rec["path"] == "in_process"
+
+
+def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
+    """``--failure-kind raise``: the preset's failure steps, each a ``worker:raise``, for every strategy."""
+    import pytest
+
+    from experiments.harness import PRESETS, job_config
+    from orchestrator.config import STRATEGIES
+
+    preset = PRESETS["full"]
+    for strategy in STRATEGIES["zo"]:
+        cfg = job_config(preset, strategy, tmp_path / strategy, "/cache", failure_kind="raise")
+        assert [(f.step, f.target, f.how) for f in cfg.failures] == [(12, "worker", "raise"), (24, "worker", "raise")]
+    assert [f.how for f in job_config(preset, "shadow", tmp_path, "/cache").failures] == ["exit", "exit"]
+    assert job_config(preset, "shadow", tmp_path, "/cache", failures=False, failure_kind="raise").failures == ()
+    with pytest.raises(ValueError, match="failure kind 'sigkill': choose one of exit, raise"):
+        job_config(preset, "shadow", tmp_path, "/cache", failure_kind="sigkill")
+
+
+def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    result = CliRunner().invoke(app, ["experiment", "--failure-kind", "sigkill", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown failure kind 'sigkill': choose from exit, raise" in result.output
+    assert list(tmp_path.iterdir()) == []
+    help_text = CliRunner().invoke(app, ["experiment", "--help"]).output
+    assert "--failure-kind" in help_text and "the process survives" in help_text
 
 
 def test_inproc_bench_table_lists_each_path_s_components_in_breakdown_order():
