@@ -56,7 +56,7 @@ from orchestrator.replica_groups import ReplicaGroupsConfig
 from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from orchestrator.stored_config import save_config
-from orchestrator.summary import durability, recoveries, write_metrics
+from orchestrator.summary import durability, recoveries, recovery_of_event, write_metrics
 from storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from storage.steplog import StepLogWriter, read_header
 from storage.units import describe_units
@@ -382,19 +382,17 @@ class Controller:
         """Drain the journal, print new events and steps; returns (worker failures, recoveries) so far."""
         self.record.drain(self.channel)
         events = self.record.events
-        recs = recoveries(events, self.record.metrics)
-        self.metrics.recoveries(recs)
-        recovery_seconds = [r.get("seconds") for r in recs]
+        self.metrics.recoveries(recoveries(events, self.record.metrics))
+        by_event = recovery_of_event(events, self.record.metrics)
         lines: list[tuple[float, str]] = []  # printed in time order across both streams
         for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
-            n_recovery = sum(1 for x in events[:i] if x["kind"] == "recovery")
-            shown = dict(e)
+            shown, seconds = dict(e), by_event[i].get("seconds") if i in by_event else None
             if e["kind"] == "recovery":  # named as in summary.json: its "seconds" run from the failure to the restored state
                 shown["restore_seconds"] = shown.pop("seconds")
-                shown["seconds"] = recovery_seconds[n_recovery]
+                shown["seconds"] = seconds
             fields = ", ".join(f"{k}={v}" for k, v in shown.items() if k not in ("kind", "inputs", "marker") and not k.endswith("unix_s"))
             lines.append((e["unix_s"], f"[raycheck] {e['kind']}: {fields}"))
-            self.metrics.event(e, recovery_seconds[n_recovery] if e["kind"] == "recovery" else None)
+            self.metrics.event(e, seconds)
             if e["kind"] == "failure" and e["target"] == "storage":
                 self.storage_outage(e["seconds"])
         self._seen_events = len(events)

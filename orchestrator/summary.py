@@ -111,7 +111,10 @@ def group_stamps(events: list[dict], after_unix_s: float, before_unix_s: float) 
 
 def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
     """Each worker recovery with its timings (seconds) and the failure it answers: one per failure and
-    restored step (with replica groups every rank that restores records it; the first one counts).
+    restored step (with replica groups every rank that restores records it; the first one counts). A
+    ``resume`` event (a new driver) starts afresh: the restores after it answer the resume, not an
+    earlier failure, so they have no failure fields (its restore is not timed from a failure that an
+    earlier incarnation had already recovered from).
 
     ``seconds``: failure to restored state; ``restart_seconds``: failure to the restore beginning
     (detection, process restart, model and data loading in the new worker);
@@ -130,14 +133,23 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
     stamps), ``first_step_seconds`` (failure to the first step done,
     None until it is, or when the worker failed again before) and ``breakdown_clamped`` (only when a component was clamped to 0).
     """
-    out, last_failure, answered = [], None, set()
+    return list({id(row): row for row in recovery_of_event(events, executions).values()}.values())
+
+
+def recovery_of_event(events: list[dict], executions: list[dict] = ()) -> dict[int, dict]:
+    """The index in ``events`` of each ``recovery`` event -> its row of ``recoveries`` (the ranks of a
+    group restoring the same step share one row)."""
+    out, last_failure, boundary, rows = {}, None, None, {}
     failures_unix_s = [e["unix_s"] for e in events if e["kind"] == "failure" and e["target"] == "worker"]
-    for e in events:
+    for i, e in enumerate(events):
         if e["kind"] == "failure" and e["target"] == "worker":
-            last_failure = e
-        elif e["kind"] == "recovery" and (id(last_failure), e["at_step"]) not in answered:
-            answered.add((id(last_failure), e["at_step"]))  # a group's other ranks restoring the same step: one recovery
-            row = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
+            last_failure = boundary = e
+        elif e["kind"] == "resume":
+            last_failure, boundary = None, e
+        elif e["kind"] == "recovery" and (id(boundary), e["at_step"]) in rows:
+            out[i] = rows[id(boundary), e["at_step"]]  # a group's other ranks restoring the same step: one recovery
+        elif e["kind"] == "recovery":
+            row = rows[id(boundary), e["at_step"]] = out[i] = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
             if "path" in e:
                 row["path"] = e["path"]
             if e.get("skipped"):
@@ -155,7 +167,6 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
                 if "process_created_unix_s" in e or e.get("path") == "in_process":
                     next_failure = min((t for t in failures_unix_s if t > e["unix_s"]), default=math.inf)
                     row.update(_breakdown_fields(last_failure, e, events, executions, next_failure))
-            out.append(row)
     return out
 
 

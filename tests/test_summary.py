@@ -1,6 +1,6 @@
 """``orchestrator.summary.recoveries``: each recovery's timings and the work it lost or must redo."""
 
-from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN, breakdown, recoveries
+from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN, breakdown, recoveries, recovery_of_event
 
 
 def test_recoveries_count_lost_and_recomputed_steps_against_the_failure_they_answer():
@@ -132,3 +132,23 @@ def test_an_in_process_restart_is_one_recovery_broken_down_without_ray_train():
                                 "first_step_s": 0.5}
     assert list(row["breakdown"]) == [part for _, part in IN_PROCESS_BREAKDOWN]
     assert sum(row["breakdown"].values()) == row["first_step_seconds"] == 0.875 and "breakdown_clamped" not in row
+
+
+def test_a_resume_starts_afresh_its_restore_answers_no_earlier_failure_and_every_event_has_its_row():
+    """A resume that restores the step the last recovery restored (its newest checkpoint was damaged) is
+    a recovery of its own, not a second event of the earlier one; it has no failure fields (the driver
+    was dead in between: no failure-to-restore time)."""
+    restored = {"source": "storage", "base_step": 3, "replayed_steps": 0, "seconds": 0.5, "load_seconds": 0.5,
+                "replay_seconds": 0.0}
+    events = [
+        {"kind": "failure", "target": "worker", "step": 5, "durable_steps": 5, "unix_s": 100.0},
+        {"kind": "recovery", "at_step": 3, "restored_step": 3, "unix_s": 110.0, **restored},
+        {"kind": "resume", "durable_steps": 0, "unix_s": 300.0},
+        {"kind": "recovery", "at_step": 3, "restored_step": 3, "unix_s": 320.0, **restored},
+        {"kind": "resume", "durable_steps": 0, "unix_s": 400.0},
+        {"kind": "recovery", "at_step": 3, "restored_step": 3, "unix_s": 420.0, **restored},
+    ]
+    rows = recoveries(events)
+    assert [(r.get("failure_step"), r.get("seconds")) for r in rows] == [(5, 10.0), (None, None), (None, None)]
+    by_event = recovery_of_event(events)
+    assert sorted(by_event) == [1, 3, 5] and [by_event[i] for i in (1, 3, 5)] == rows
