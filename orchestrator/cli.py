@@ -129,6 +129,9 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
         cfg = JobConfig.from_dict(json.loads(saved.read_text()))
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
         raise _refuse(f"{saved} is damaged ({type(exc).__name__}: {exc}); this run cannot be resumed") from exc
+    if pathlib.Path(cfg.out_dir).resolve() != out.resolve():
+        raise _refuse(f"{out} is a copy of the run directory {cfg.out_dir} (its config.json names that one, and its "
+                      f"storage {cfg.storage}): resume the run with --out {cfg.out_dir}")
     summary = RunDir.read_json(out / "summary.json")
     if summary and summary.get("ok") and summary.get("final_step") == cfg.steps:
         typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")

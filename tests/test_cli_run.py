@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import shutil
 import uuid
 
 import pytest
@@ -69,6 +70,21 @@ def test_resume_of_a_finished_run_does_nothing(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"{out}: the run already finished (summary.json); nothing to resume"
     assert tree_sha256(out) == before
+
+
+def test_resume_of_a_copied_run_directory_is_refused_and_touches_neither_directory(tmp_path):
+    """A run directory copied elsewhere still names the original in ``config.json`` (its storage, its
+    step log): resuming the copy would train in the original's directory, so it is refused."""
+    out = tmp_path / "run"
+    prepared_run(out)
+    copy = tmp_path / "moved" / "run"
+    shutil.copytree(out, copy)
+    before, before_copy = tree_sha256(out), tree_sha256(copy)
+    result = resume(copy)
+    assert result.exit_code == 2, result.output
+    assert f"error: {copy} is a copy of the run directory {out.resolve()}" in result.output
+    assert f"resume the run with --out {out.resolve()}" in result.output
+    assert (tree_sha256(out), tree_sha256(copy)) == (before, before_copy)
 
 
 def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
