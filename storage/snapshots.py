@@ -142,6 +142,7 @@ class SnapshotStore:
         self.identity, self.epoch, self.layout = identity, epoch, layout
         self.skipped: list[str] = []
         """Snapshots the last ``list()`` skipped, with the reason (malformed, altered, foreign)."""
+        self._verified: dict[str, bool] = {}  # folder -> its shards verified (retention's memory, ``_verifies``)
 
     # -- writing ------------------------------------------------------------------------------
     def claim_epoch(self) -> int:
@@ -410,25 +411,43 @@ class SnapshotStore:
         return writer is not None and writer[0] == self.identity.tag
 
     def _retain(self, committed: SnapshotInfo) -> None:
-        """Drop this run's snapshots beyond ``keep_last``, except ``committed`` (trusted: its shards'
-        hashes come from the bytes written) and the newest one that verifies; index first, then delete."""
+        """Drop this run's snapshots older than its newest ``keep_last`` that verify, except
+        ``committed`` (trusted: its shards' hashes come from the bytes written); index first, then delete."""
         drop, newest = self._to_drop(committed)
         if drop:
             self._update_index(lambda idx: [e for e in idx.entries if e["folder"] not in drop])  # index first
         self._delete_unlisted(drop, newest)
 
     def _to_drop(self, committed: SnapshotInfo) -> tuple[set[str], int]:
-        """The indexed folders of this run to retire, and the run's newest snapshot step."""
+        """The indexed folders of this run to retire, and the run's newest snapshot step.
+
+        Kept: ``committed``, the newest ``keep_last`` snapshots that verify, and every snapshot newer
+        than the oldest of those. So a snapshot that fails verification never counts toward
+        ``keep_last`` (a damaged newest one cannot push out the good ones, e.g. after a resume), and is
+        never deleted on that ground alone (the failure may be the storage's, not the bytes'): it is
+        retired when ``keep_last`` good ones newer than it exist. A snapshot this store committed is
+        trusted (its hashes come from the bytes written); any other is verified once per store
+        (``_verifies``): after a resume, the earlier incarnation's are read once."""
         own = [i for i in self.list() if self._owned(i.folder)]
-        keep = {i.folder for i in own[-self.keep_last:]} | {committed.folder}
-        for info in reversed(own):  # the newest that verifies, if newer than the one just committed
-            if info.folder == committed.folder or not self.verify(info):
-                keep.add(info.folder)
+        self._verified[committed.folder] = True
+        good = 0
+        oldest_kept = len(own)
+        for position in range(len(own) - 1, -1, -1):
+            if good == self.keep_last:
                 break
+            if self._verifies(own[position]):
+                good, oldest_kept = good + 1, position
+        keep = {i.folder for i in own[oldest_kept:]} | {committed.folder}
         valid = {i.folder for i in own}
         drop = {e["folder"] for e in self._read_index()[0].entries if self._owned(e["folder"]) and e["folder"] not in keep
                 and (e["folder"] in valid or folder_step(e["folder"]) <= committed.step)}  # malformed: only older ones
         return drop, max((i.step for i in own), default=committed.step)
+
+    def _verifies(self, info: SnapshotInfo) -> bool:
+        """True when every shard of ``info`` has its size and sha256 (``verify``), remembered per folder."""
+        if info.folder not in self._verified:
+            self._verified[info.folder] = not self.verify(info)
+        return self._verified[info.folder]
 
     def _delete_unlisted(self, drop: set[str], newest: int) -> None:
         """Delete the objects of ``drop`` and the leftovers of this run's failed attempts older than

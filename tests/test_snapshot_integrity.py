@@ -294,11 +294,12 @@ def test_empty_and_partial_states_are_refused_at_write_and_a_wrong_layout_at_res
 
 # -- 5. retention ----------------------------------------------------------------------------------
 def test_retention_keeps_what_it_just_committed_and_the_newest_that_verifies(storage):
-    store = SnapshotStore(storage, keep_last=1)
-    store.write(10, state(10))
-    store.write(12, state(12))
-    newest = store.write(14, state(14))
-    flip_shard(storage, newest.manifest["units"]["embed"]["path"])
+    first = SnapshotStore(storage, keep_last=1)
+    first.write(10, state(10))
+    first.write(12, state(12))
+    newest = first.write(14, state(14))
+    flip_shard(storage, newest.manifest["units"]["embed"]["path"])  # damaged between two incarnations
+    store = SnapshotStore(storage, keep_last=1)  # a new writer trusts only what it committed itself
     store.write(5, state(5))  # before the fix: deleted at once, the corrupt step 14 kept
     assert [i.step for i in store.list()] == [5, 14]
     got = store.load_latest()
@@ -307,6 +308,29 @@ def test_retention_keeps_what_it_just_committed_and_the_newest_that_verifies(sto
     assert [i.step for i in store.list()] == [13, 14]
     store.write(11, state(11))  # now 13 is the newest that verifies, newer than 11: kept
     assert [i.step for i in store.list()] == [11, 13, 14] and store.load_latest().info.step == 13
+
+
+def test_after_a_resume_damaged_snapshots_never_count_toward_keep_last_and_good_ones_stay(storage):
+    """A resumed run finds its newest snapshots damaged (one truncated, one with a flipped byte): they
+    do not push the good ones out; each earlier snapshot is verified once; the damaged ones are retired
+    once ``keep_last`` good snapshots are newer than them."""
+    first = SnapshotStore(storage, keep_last=3, identity=RUN_A, epoch=1)
+    infos = {step: first.write(step, state(step)) for step in (2, 4, 6, 8)}
+    flip_shard(storage, infos[6].manifest["units"]["embed"]["path"])
+    truncated = infos[8].manifest["units"]["embed"]["path"]
+    storage.put(truncated, storage.get(truncated)[:100])
+    resumed = SnapshotStore(storage, keep_last=3, identity=RUN_A, epoch=2)
+    verified = []
+    real_verify = resumed.verify
+    resumed.verify = lambda info: verified.append(info.step) or real_verify(info)
+    resumed.write(8, state(8))
+    resumed.write(10, state(10))
+    assert sorted(verified) == [4, 6, 8]  # each earlier snapshot (2 was retired before) read once, its own trusted
+    assert [i.step for i in resumed.list()] == [4, 6, 8, 8, 10]  # 4 is the third good one from the newest
+    assert resumed.load_latest().info.step == 10
+    resumed.write(12, state(12))  # three good ones (8, 10, 12) newer than the damaged: both retired
+    assert [i.step for i in resumed.list()] == [8, 10, 12]
+    assert not [p for p in storage.list() if p.startswith((infos[6].folder, infos[8].folder))]
 
 
 def test_a_composite_never_references_a_shard_that_fails_verification(storage):
