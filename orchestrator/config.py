@@ -453,6 +453,10 @@ class JobConfig:
                              "state are not supported yet")
         if self.strategy in ("full-sync", "full-async", "layerwise", "overlapped") and self.snapshot_every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
+        if self.strategy == "overlapped" and self.overlap_chunks > self.snapshot_every >= 1:
+            raise ValueError(f"overlap_chunks ({self.overlap_chunks}) exceeds snapshot_every ({self.snapshot_every}): a snapshot is "
+                             "staged over overlap_chunks steps, and its window must end before the next one is due; "
+                             f"set overlap_chunks to at most {self.snapshot_every}")
 
     def trajectory_sha256(self) -> str:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``

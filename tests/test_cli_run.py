@@ -193,6 +193,9 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
     (["--max-persister-restarts", "-2"], "error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"),
     (["--max-worker-failures", "1", "--fail", "2:worker", "--fail", "3:both"],
      "error: 2 injected worker failures exceed --max-worker-failures 1: raise --max-worker-failures (-1: unlimited)"),
+    (["--algo", "fo", "--strategy", "overlapped", "--overlap-chunks", "20", "--snapshot-every", "4"],
+     "error: --overlap-chunks (20) exceeds --snapshot-every (4): a snapshot is staged over --overlap-chunks steps, and its "
+     "window must end before the next one is due; set --overlap-chunks to at most 4"),
 ])
 def test_configuration_errors_name_the_options_typed(tmp_path, args, message):
     result = run_into(tmp_path / "run", *args)
