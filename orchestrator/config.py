@@ -233,7 +233,7 @@ class JobConfig:
     """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
     before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
     max_in_process_restarts: int = 3
-    """ZO, one worker: in-process restarts per worker process (``training.in_process``): a step that raises
+    """ZO (ignored by ``algo`` fo), one worker: in-process restarts per worker process (``training.in_process``): a step that raises
     is rolled back to the freshest complete state in the same process and re-executed, without a Ray Train
     restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
     device: str = "cpu"
@@ -396,13 +396,16 @@ class JobConfig:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
 
     def _check_groups(self) -> None:
-        """Validate ``micro_batch_size`` against ``batch_size`` and ``workers`` (``example_group_size``)."""
+        """Validate ``micro_batch_size`` (ZO only) against ``batch_size`` and ``workers`` (``example_group_size``)."""
         if self.micro_batch_size < 0:
             raise ValueError(f"micro_batch_size must be >= 0 (0: batch_size / workers), got {self.micro_batch_size}")
+        if self.micro_batch_size and self.algo != "zo":
+            raise ValueError(f"micro_batch_size is for the ZO path (algo zo) only: algo {self.algo} splits batch_size evenly "
+                             "over the workers; leave micro_batch_size out or use algo zo")
         if not self.micro_batch_size:
             if self.batch_size % self.workers:
-                raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers}), "
-                                 "or set micro_batch_size")
+                raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers})"
+                                 + (", or set micro_batch_size" if self.algo == "zo" else ""))
             return
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})")

@@ -193,6 +193,10 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
     (["--max-persister-restarts", "-2"], "error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"),
     (["--max-worker-failures", "1", "--fail", "2:worker", "--fail", "3:both"],
      "error: 2 injected worker failures exceed --max-worker-failures 1: raise --max-worker-failures (-1: unlimited)"),
+    (["--algo", "fo", "--micro-batch-size", "2"], "error: --micro-batch-size is for the ZO path (algo zo) only: algo fo "
+     "splits --batch-size evenly over the workers; leave --micro-batch-size out or use algo zo"),
+    (["--algo", "fo", "--workers", "3"], "error: --batch-size (8) must be divisible by workers (3)"),
+    (["--workers", "3"], "error: --batch-size (8) must be divisible by workers (3), or set --micro-batch-size"),
     (["--algo", "fo", "--strategy", "overlapped", "--overlap-chunks", "20", "--snapshot-every", "4"],
      "error: --overlap-chunks (20) exceeds --snapshot-every (4): a snapshot is staged over --overlap-chunks steps, and its "
      "window must end before the next one is due; set --overlap-chunks to at most 4"),

@@ -56,6 +56,8 @@ def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():
     with pytest.raises(ValueError, match=r"^overlap_chunks \(20\) exceeds snapshot_every \(4\): .* set overlap_chunks to at most 4$"):
         JobConfig(**base, algo="fo", strategy="overlapped", overlap_chunks=20, snapshot_every=4)
     assert JobConfig(**base, algo="fo", strategy="overlapped", overlap_chunks=4, snapshot_every=4).overlap_chunks == 4
+    with pytest.raises(ValueError, match=r"^micro_batch_size is for the ZO path \(algo zo\) only: algo fo splits batch_size"):
+        JobConfig(**base, algo="fo", micro_batch_size=2)
     with pytest.raises(ValueError, match=r"outage in seconds, e.g. 3:storage:20 \(got none\)"):
         FailureSpec.parse("3:storage")
     assert JobConfig(**base, strategy="log-only", snapshot_every=0, failures=(FailureSpec(step=3, how="torn"),)).uses_step_log
