@@ -450,10 +450,13 @@ class JobConfig:
             raise ValueError(f"diff_topk must be in [0, 1] (0: exact records), got {self.diff_topk}")
         if self.fo_parallelism not in FO_PARALLELISMS:
             raise ValueError(f"fo_parallelism {self.fo_parallelism!r}: choose one of {', '.join(FO_PARALLELISMS)}")
-        if self.fo_parallelism == "fsdp2" and (self.algo != "fo" or self.strategy not in ("full-sync", "full-async")):
-            raise ValueError(f"fo_parallelism fsdp2 (sharded state) needs algo fo with strategy full-sync or full-async, not "
-                             f"algo {self.algo} strategy {self.strategy}: layer-wise and differential checkpoints of sharded "
-                             "state are not supported yet")
+        if self.fo_parallelism == "fsdp2" and self.algo != "fo":
+            raise ValueError(f"fo_parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo {self.algo} "
+                             "runs every worker on the whole state: leave fo_parallelism out or use algo fo")
+        if self.fo_parallelism == "fsdp2" and self.strategy not in ("full-sync", "full-async"):
+            raise ValueError(f"fo_parallelism fsdp2 (sharded state) needs strategy full-sync or full-async, not strategy "
+                             f"{self.strategy}: layer-wise, differential and overlapped checkpoints of sharded state are not "
+                             "supported yet")
         if self.strategy in ("full-sync", "full-async", "layerwise", "overlapped") and self.snapshot_every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
         if self.strategy == "overlapped" and self.overlap_chunks > self.snapshot_every >= 1:
