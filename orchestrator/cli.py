@@ -335,6 +335,7 @@ def run(
     from orchestrator.controller import ResumeMismatchError
     from training.zo import DtypeMismatchError, GeneratorMismatchError
 
+    resuming = resume and (out / "config.json").is_file()  # the run's config.json decides, not the options typed
     try:
         failures = tuple(FailureSpec.parse(f) for f in fail)
         if fail_schedule:
@@ -360,17 +361,19 @@ def run(
             durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
-        raise _refuse(option_names(str(exc))) from exc
-    if cfg.device == "cuda" and not resume:
+        if not resuming:
+            raise _refuse(option_names(str(exc))) from exc
+        cfg = None  # e.g. --workers 3 with the default --batch-size: resume_config judges what applies to the run
+    if not resume and cfg.device == "cuda":
         _require_cuda()
-    if any(f.target == "storage" for f in cfg.failures):
+    if not resuming and any(f.target == "storage" for f in cfg.failures):
         from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
     replaced = [] if resume else _entries_to_replace(out, overwrite)
     if resume:
         given = _given_options(ctx)
-        if storage and not (out / "config.json").is_file():  # a new run directory: everything from the storage
+        if storage and not resuming:  # a new run directory: everything from the storage
             saved = _stored_config(cfg, out, scratch_dir)
             given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
         else:

@@ -89,6 +89,20 @@ def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
     assert json.loads((out / "config.json").read_text())["lr"] == other.lr
 
 
+@pytest.mark.parametrize("workers", ["3", "4"])
+def test_resume_on_another_worker_count_is_refused_first_when_the_state_does_not_reshard(tmp_path, workers):
+    """``--workers 3`` does not divide the default ``--batch-size`` 8, but ``--resume`` ignores the batch
+    size typed: the refusal is the one that applies to the run, for 3 as for 4 workers."""
+    out = tmp_path / "run"
+    prepared_run(out, workers=2)
+    before = tree_sha256(out)
+    result = CliRunner().invoke(app, ["run", "--resume", "--workers", workers, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (f"error: --resume --workers {workers}: the run has 2 worker(s) and its state does not reshard "
+                                     "(only an --algo fo --fo-parallelism fsdp2 run changes its worker count); leave --workers out")
+    assert tree_sha256(out) == before
+
+
 def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
     """The exit code's logic alone (the run itself is replaced): a shadow run whose persister never
     reported a status (it could not start) has no durable snapshot, so the run exits 4, not 0."""
