@@ -286,9 +286,11 @@ def run(
     out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out (after the driver died): same run id and settings "
-                                               "(from its config.json), restored from storage and the step log; --max-shadow-restarts and "
-                                               "--max-persister-restarts given here replace the saved budgets, other options "
-                                               "are ignored (with a warning). With --storage URI (and --s3-endpoint) and an "
+                                               "(from its config.json), restored from storage and the step log; "
+                                               f"{', '.join(option(name) for name in RESUME_BUDGETS)} given here replace the "
+                                               "saved values, and so does --workers N on an --algo fo --fo-parallelism fsdp2 "
+                                               "run (its state reshards); other options are ignored (with a warning). With "
+                                               "--storage URI (and --s3-endpoint) and an "
                                                "empty or new --out: resume from the run's storage alone.")] = False,
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
