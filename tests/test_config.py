@@ -1,7 +1,7 @@
 import pytest
 
 from orchestrator.config import FailureSpec, JobConfig
-from orchestrator.controller import Phase, next_phase
+from orchestrator.controller import Phase, event_line, next_phase
 
 
 def test_failure_spec_parsing():
@@ -41,6 +41,16 @@ def test_controller_transitions():
     assert next_phase(Phase.RECOVERING, 1, 1, False, False) is Phase.RUNNING
     assert next_phase(Phase.RUNNING, 1, 1, True, True) is Phase.FINISHED
     assert next_phase(Phase.RECOVERING, 2, 1, True, False) is Phase.FAILED
+
+
+def test_progress_lines_print_floats_to_3_significant_digits_and_leave_the_event_whole():
+    event = {"kind": "recovery", "unix_s": 1.5, "step": 7, "load_seconds": 0.03001784600019164, "seconds": 0.41234,
+             "source": "snapshot", "bytes": 123456, "wall_s": 12345.678, "exact": True, "inputs": {"a": 0.123456}}
+    assert event_line(event, 2.000123) == ("[raycheck] recovery: step=7, load_seconds=0.03, source=snapshot, bytes=123456, "
+                                           "wall_s=12346, exact=True, restore_seconds=0.412, seconds=2")
+    assert event["load_seconds"] == 0.03001784600019164 and event["seconds"] == 0.41234  # events.jsonl keeps every digit
+    assert event_line({"kind": "failure", "unix_s": 2.0, "step": 3, "target": "worker", "lr": 1e-06}) == (
+        "[raycheck] failure: step=3, target=worker, lr=1e-06")
 
 
 def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():
