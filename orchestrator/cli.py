@@ -301,8 +301,7 @@ def run(
     max_worker_failures: Annotated[int, typer.Option(help="Worker-group restarts after a train worker failed before the run fails "
                                                           "(-1: unlimited; injected failures count).")] = 10,
     max_in_process_restarts: Annotated[int, typer.Option(min=0, help="zo only (ignored by --algo fo), one worker: a step "
-                                                         "that raises (the process "
-                                                         "alive) is rolled back to the freshest state in the same process and "
+                                                         "that raises (the process alive) is rolled back to the freshest state in the same process and "
                                                          "re-executed, without a Ray Train restart, at most this many times per "
                                                          "worker process; then (or with 0) Ray Train restarts the worker.")] = 3,
     shadow_shards: Annotated[int, typer.Option(min=1, help="Split the shadow into K CPU actors, each replaying a contiguous range of "
