@@ -289,9 +289,11 @@ def run(
     out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out (after the driver died): same run id and settings "
-                                               "(from its config.json), restored from storage and the step log; --max-shadow-restarts and "
-                                               "--max-persister-restarts given here replace the saved budgets, other options "
-                                               "are ignored (with a warning). With --storage URI (and --s3-endpoint) and an "
+                                               "(from its config.json), restored from storage and the step log; "
+                                               f"{', '.join(option(name) for name in RESUME_BUDGETS)} given here replace the "
+                                               "saved values, and so does --workers N on an --algo fo --fo-parallelism fsdp2 "
+                                               "run (its state reshards); other options are ignored (with a warning). With "
+                                               "--storage URI (and --s3-endpoint) and an "
                                                "empty or new --out: resume from the run's storage alone.")] = False,
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
@@ -301,8 +303,8 @@ def run(
     max_persister_restarts: Annotated[int, typer.Option(help="Restarts of a dead snapshot persister before the run fails (-1: unlimited).")] = 10,
     max_worker_failures: Annotated[int, typer.Option(help="Worker-group restarts after a train worker failed before the run fails "
                                                           "(-1: unlimited; injected failures count).")] = 10,
-    max_in_process_restarts: Annotated[int, typer.Option(min=0, help="zo, one worker: a step that raises (the process "
-                                                         "alive) is rolled back to the freshest state in the same process and "
+    max_in_process_restarts: Annotated[int, typer.Option(min=0, help="zo only (ignored by --algo fo), one worker: a step "
+                                                         "that raises (the process alive) is rolled back to the freshest state in the same process and "
                                                          "re-executed, without a Ray Train restart, at most this many times per "
                                                          "worker process; then (or with 0) Ray Train restarts the worker.")] = 3,
     shadow_shards: Annotated[int, typer.Option(min=1, help="Split the shadow into K CPU actors, each replaying a contiguous range of "
@@ -337,6 +339,7 @@ def run(
     from orchestrator.controller import ResumeMismatchError
     from training.zo import DtypeMismatchError, GeneratorMismatchError
 
+    resuming = resume and (out / "config.json").is_file()  # the run's config.json decides, not the options typed
     try:
         failures = tuple(FailureSpec.parse(f) for f in fail)
         if fail_schedule:
@@ -362,17 +365,19 @@ def run(
             durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
-        raise _refuse(option_names(str(exc))) from exc
-    if cfg.device == "cuda" and not resume:
+        if not resuming:
+            raise _refuse(option_names(str(exc))) from exc
+        cfg = None  # e.g. --workers 3 with the default --batch-size: resume_config judges what applies to the run
+    if not resume and cfg.device == "cuda":
         _require_cuda()
-    if any(f.target == "storage" for f in cfg.failures):
+    if not resuming and any(f.target == "storage" for f in cfg.failures):
         from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
     replaced = [] if resume else _entries_to_replace(out, overwrite)
     if resume:
         given = _given_options(ctx)
-        if storage and not (out / "config.json").is_file():  # a new run directory: everything from the storage
+        if storage and not resuming:  # a new run directory: everything from the storage
             saved = _stored_config(cfg, out, scratch_dir)
             given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
         else:

@@ -233,7 +233,7 @@ class JobConfig:
     """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
     before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
     max_in_process_restarts: int = 3
-    """ZO, one worker: in-process restarts per worker process (``training.in_process``): a step that raises
+    """ZO (ignored by ``algo`` fo), one worker: in-process restarts per worker process (``training.in_process``): a step that raises
     is rolled back to the freshest complete state in the same process and re-executed, without a Ray Train
     restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
     device: str = "cpu"
@@ -396,13 +396,16 @@ class JobConfig:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
 
     def _check_groups(self) -> None:
-        """Validate ``micro_batch_size`` against ``batch_size`` and ``workers`` (``example_group_size``)."""
+        """Validate ``micro_batch_size`` (ZO only) against ``batch_size`` and ``workers`` (``example_group_size``)."""
         if self.micro_batch_size < 0:
             raise ValueError(f"micro_batch_size must be >= 0 (0: batch_size / workers), got {self.micro_batch_size}")
+        if self.micro_batch_size and self.algo != "zo":
+            raise ValueError(f"micro_batch_size is for the ZO path (algo zo) only: algo {self.algo} splits batch_size evenly "
+                             "over the workers; leave micro_batch_size out or use algo zo")
         if not self.micro_batch_size:
             if self.batch_size % self.workers:
-                raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers}), "
-                                 "or set micro_batch_size")
+                raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers})"
+                                 + (", or set micro_batch_size" if self.algo == "zo" else ""))
             return
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})")
@@ -447,12 +450,19 @@ class JobConfig:
             raise ValueError(f"diff_topk must be in [0, 1] (0: exact records), got {self.diff_topk}")
         if self.fo_parallelism not in FO_PARALLELISMS:
             raise ValueError(f"fo_parallelism {self.fo_parallelism!r}: choose one of {', '.join(FO_PARALLELISMS)}")
-        if self.fo_parallelism == "fsdp2" and (self.algo != "fo" or self.strategy not in ("full-sync", "full-async")):
-            raise ValueError(f"fo_parallelism fsdp2 (sharded state) needs algo fo with strategy full-sync or full-async, not "
-                             f"algo {self.algo} strategy {self.strategy}: layer-wise and differential checkpoints of sharded "
-                             "state are not supported yet")
+        if self.fo_parallelism == "fsdp2" and self.algo != "fo":
+            raise ValueError(f"fo_parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo {self.algo} "
+                             "runs every worker on the whole state: leave fo_parallelism out or use algo fo")
+        if self.fo_parallelism == "fsdp2" and self.strategy not in ("full-sync", "full-async"):
+            raise ValueError(f"fo_parallelism fsdp2 (sharded state) needs strategy full-sync or full-async, not strategy "
+                             f"{self.strategy}: layer-wise, differential and overlapped checkpoints of sharded state are not "
+                             "supported yet")
         if self.strategy in ("full-sync", "full-async", "layerwise", "overlapped") and self.snapshot_every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
+        if self.strategy == "overlapped" and self.overlap_chunks > self.snapshot_every >= 1:
+            raise ValueError(f"overlap_chunks ({self.overlap_chunks}) exceeds snapshot_every ({self.snapshot_every}): a snapshot is "
+                             "staged over overlap_chunks steps, and its window must end before the next one is due; "
+                             f"set overlap_chunks to at most {self.snapshot_every}")
 
     def trajectory_sha256(self) -> str:
         """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``

@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import pathlib
 import shutil
 import threading
@@ -100,6 +101,26 @@ def worker_failures_and_recoveries(events: list[dict]) -> tuple[int, int]:
     """Counts of worker failures and of worker recoveries in an event stream."""
     failures = sum(1 for e in events if e["kind"] == "failure" and e["target"] == "worker")
     return failures, sum(1 for e in events if e["kind"] == "recovery")
+
+
+def event_line(event: dict, recovery_seconds: float | None = None) -> str:
+    """The progress line of a journal event: ``[raycheck] KIND: key=value, ...`` without its ``kind``,
+    ``inputs``, ``marker`` and ``*unix_s`` fields, each float to 3 significant digits (from 1000 up, a
+    whole number: 1234.5 -> 1234; ``events.jsonl`` and ``summary.json`` keep every digit). A
+    ``recovery`` shows its own ``seconds`` as ``restore_seconds`` and ``recovery_seconds`` (from the
+    failure to the restored state, seconds) as ``seconds``, named as in summary.json."""
+    shown = dict(event)
+    if event["kind"] == "recovery":
+        shown["restore_seconds"] = shown.pop("seconds")
+        shown["seconds"] = recovery_seconds
+
+    def short(value: object) -> object:
+        if not isinstance(value, float) or not math.isfinite(value):
+            return value
+        return f"{value:.3g}" if abs(value) < 1e3 else f"{value:.0f}"
+
+    fields = ", ".join(f"{k}={short(v)}" for k, v in shown.items() if k not in ("kind", "inputs", "marker") and not k.endswith("unix_s"))
+    return f"[raycheck] {event['kind']}: {fields}"
 
 
 STORAGE_OUTAGE_NEEDS_SERVER = (
@@ -386,12 +407,8 @@ class Controller:
         by_event = recovery_of_event(events, self.record.metrics)
         lines: list[tuple[float, str]] = []  # printed in time order across both streams
         for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
-            shown, seconds = dict(e), by_event[i].get("seconds") if i in by_event else None
-            if e["kind"] == "recovery":  # named as in summary.json: its "seconds" run from the failure to the restored state
-                shown["restore_seconds"] = shown.pop("seconds")
-                shown["seconds"] = seconds
-            fields = ", ".join(f"{k}={v}" for k, v in shown.items() if k not in ("kind", "inputs", "marker") and not k.endswith("unix_s"))
-            lines.append((e["unix_s"], f"[raycheck] {e['kind']}: {fields}"))
+            seconds = by_event[i].get("seconds") if i in by_event else None
+            lines.append((e["unix_s"], event_line(e, seconds)))
             self.metrics.event(e, seconds)
             if e["kind"] == "failure" and e["target"] == "storage":
                 self.storage_outage(e["seconds"])

@@ -83,6 +83,8 @@ def find_run(uri: str, s3_endpoint: str = "") -> LoggedRun:
     local = pathlib.Path(uri.removeprefix("file://")) if "://" not in uri or uri.startswith("file://") else None
     if local is not None and (local / "steplog.bin").is_file():
         log = read_prefix(local / "steplog.bin")  # a torn tail is not a step
+        if not log.records:
+            _refuse_unlogged(local)
         run = LoggedRun(log.header, log.records, str(local / "steplog.bin"), _run_storage(local, s3_endpoint),
                         log.damage, log.torn_bytes)
     else:
@@ -94,6 +96,23 @@ def find_run(uri: str, s3_endpoint: str = "") -> LoggedRun:
     if not isinstance(run.header.get("run_id"), str) or not isinstance(run.header.get("trajectory_sha256"), str):
         raise ReplayError(f"{run.log_url}: the step log names no run (run_id, trajectory_sha256): not a raycheck run's log")
     return run
+
+
+def _refuse_unlogged(run_dir: pathlib.Path) -> None:
+    """Raise ``ReplayError`` when the run in ``run_dir`` logs no steps by design (its ``config.json``:
+    ``JobConfig.uses_step_log`` is false, e.g. every ``--algo fo`` run), so its empty step log has
+    nothing to replay; return when there is no readable configuration (the log speaks for itself)."""
+    from orchestrator.config import JobConfig
+
+    try:
+        cfg = JobConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError is a ValueError
+        return
+    if cfg.uses_step_log:
+        return
+    kind = "first-order runs (--algo fo) log" if cfg.algo == "fo" else f"--strategy {cfg.strategy} logs"
+    raise ReplayError(f"{run_dir} is an --algo {cfg.algo} --strategy {cfg.strategy} run: {kind} no steps, so there is no "
+                      f"step log to replay; its checkpoints are listed by raycheck inspect {run_dir}")
 
 
 def _no_log_message(uri: str) -> str:

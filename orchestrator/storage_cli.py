@@ -61,18 +61,23 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
         try:
             _, records, torn = read_log(local)
             note = f", and a torn tail of {torn} bytes (cut when the run resumes)" if torn else ""
-            lines.append(f"ok   step log {local}: steps 0..{len(records) - 1}{note}")
+            lines.append(f"ok   step log {local}: {_steps(records)}{note}")
         except StepLogError as exc:
             lines.append(f"BAD  step log {local}: {exc}")
             bad += 1
     try:
         header, records = read_segments(storage)
         if header is not None:
-            lines.append(f"ok   step log segments in {storage.url('log')}: steps 0..{len(records) - 1}")
+            lines.append(f"ok   step log segments in {storage.url('log')}: {_steps(records)}")
     except (StepLogError, OSError) as exc:
         lines.append(f"BAD  step log segments: {exc}")
         bad += 1
     return lines, bad
+
+
+def _steps(records: list) -> str:
+    """``steps 0..N-1`` for a step log of N records, ``no steps`` for one without (an ``--algo fo`` run's)."""
+    return f"steps 0..{len(records) - 1}" if records else "no steps"
 
 
 def _stores(store: SnapshotStore) -> list[SnapshotStore]:
@@ -83,13 +88,15 @@ def _stores(store: SnapshotStore) -> list[SnapshotStore]:
     return [store, ShardedStore(store.storage, create=False)]
 
 
-def _units_by_step(manifest: dict) -> str:
-    if "world_size" in manifest:  # a sharded checkpoint: DCP files of every rank, all of one step
+def _units(manifest: dict) -> str:
+    """The ``inspect`` column of a snapshot's units and the step of each (``4 units (3 @ step 2, 1 @ step 5)``),
+    or of a sharded checkpoint's files (``3 files of 2 rank(s)``: DCP files of every rank, all of one step)."""
+    if "world_size" in manifest:
         return f"{len(manifest['units'])} files of {manifest['world_size']} rank(s)"
     steps: dict[int, int] = {}
     for spec in manifest["units"].values():
         steps[spec["step"]] = steps.get(spec["step"], 0) + 1
-    return ", ".join(f"{n} @ step {s}" for s, n in sorted(steps.items()))
+    return f"{len(manifest['units']):>4} units ({', '.join(f'{n} @ step {s}' for s, n in sorted(steps.items()))})"
 
 
 def _run_of(info: SnapshotInfo) -> str:
@@ -140,8 +147,8 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
         typer.echo(f"{store.storage.url()}: {len(infos)} {kind}(s)")
         for info in infos:
             created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
-            typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {len(info.manifest['units']):>4} units "
-                       f"({_units_by_step(info.manifest)})  {_run_of(info)}  {created}  {info.folder}")
+            typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {_units(info.manifest)}  {_run_of(info)}  "
+                       f"{created}  {info.folder}")
         for problem in store.skipped:
             typer.echo(f"  skipped: {problem}")
         for folder in unindexed:

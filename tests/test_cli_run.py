@@ -105,6 +105,20 @@ def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
     assert json.loads((out / "config.json").read_text())["lr"] == other.lr
 
 
+@pytest.mark.parametrize("workers", ["3", "4"])
+def test_resume_on_another_worker_count_is_refused_first_when_the_state_does_not_reshard(tmp_path, workers):
+    """``--workers 3`` does not divide the default ``--batch-size`` 8, but ``--resume`` ignores the batch
+    size typed: the refusal is the one that applies to the run, for 3 as for 4 workers."""
+    out = tmp_path / "run"
+    prepared_run(out, workers=2)
+    before = tree_sha256(out)
+    result = CliRunner().invoke(app, ["run", "--resume", "--workers", workers, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (f"error: --resume --workers {workers}: the run has 2 worker(s) and its state does not reshard "
+                                     "(only an --algo fo --fo-parallelism fsdp2 run changes its worker count); leave --workers out")
+    assert tree_sha256(out) == before
+
+
 def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
     """The exit code's logic alone (the run itself is replaced): a shadow run whose persister never
     reported a status (it could not start) has no durable snapshot, so the run exits 4, not 0."""
@@ -209,6 +223,15 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
     (["--max-persister-restarts", "-2"], "error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"),
     (["--max-worker-failures", "1", "--fail", "2:worker", "--fail", "3:both"],
      "error: 2 injected worker failures exceed --max-worker-failures 1: raise --max-worker-failures (-1: unlimited)"),
+    (["--algo", "fo", "--micro-batch-size", "2"], "error: --micro-batch-size is for the ZO path (algo zo) only: algo fo "
+     "splits --batch-size evenly over the workers; leave --micro-batch-size out or use algo zo"),
+    (["--algo", "fo", "--workers", "3"], "error: --batch-size (8) must be divisible by workers (3)"),
+    (["--workers", "3"], "error: --batch-size (8) must be divisible by workers (3), or set --micro-batch-size"),
+    (["--fo-parallelism", "fsdp2"], "error: --fo-parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo zo "
+     "runs every worker on the whole state: leave --fo-parallelism out or use algo fo"),
+    (["--algo", "fo", "--strategy", "overlapped", "--overlap-chunks", "20", "--snapshot-every", "4"],
+     "error: --overlap-chunks (20) exceeds --snapshot-every (4): a snapshot is staged over --overlap-chunks steps, and its "
+     "window must end before the next one is due; set --overlap-chunks to at most 4"),
 ])
 def test_configuration_errors_name_the_options_typed(tmp_path, args, message):
     result = run_into(tmp_path / "run", *args)

@@ -1,7 +1,7 @@
 import pytest
 
 from orchestrator.config import FailureSpec, JobConfig
-from orchestrator.controller import Phase, next_phase
+from orchestrator.controller import Phase, event_line, next_phase
 
 
 def test_failure_spec_parsing():
@@ -43,6 +43,16 @@ def test_controller_transitions():
     assert next_phase(Phase.RECOVERING, 2, 1, True, False) is Phase.FAILED
 
 
+def test_progress_lines_print_floats_to_3_significant_digits_and_leave_the_event_whole():
+    event = {"kind": "recovery", "unix_s": 1.5, "step": 7, "load_seconds": 0.03001784600019164, "seconds": 0.41234,
+             "source": "snapshot", "bytes": 123456, "wall_s": 12345.678, "exact": True, "inputs": {"a": 0.123456}}
+    assert event_line(event, 2.000123) == ("[raycheck] recovery: step=7, load_seconds=0.03, source=snapshot, bytes=123456, "
+                                           "wall_s=12346, exact=True, restore_seconds=0.412, seconds=2")
+    assert event["load_seconds"] == 0.03001784600019164 and event["seconds"] == 0.41234  # events.jsonl keeps every digit
+    assert event_line({"kind": "failure", "unix_s": 2.0, "step": 3, "target": "worker", "lr": 1e-06}) == (
+        "[raycheck] failure: step=3, target=worker, lr=1e-06")
+
+
 def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():
     base = dict(out_dir="/tmp/x", cache_dir="/tmp/c", steps=10)
     with pytest.raises(ValueError, match="kills the shadow, which only strategy shadow has"):
@@ -53,6 +63,11 @@ def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():
         JobConfig(**base, strategy="full-sync", snapshot_every=0)
     with pytest.raises(ValueError, match="strategy overlapped checkpoints every snapshot_every steps: it must be >= 1, got 0"):
         JobConfig(**base, algo="fo", strategy="overlapped", snapshot_every=0)
+    with pytest.raises(ValueError, match=r"^overlap_chunks \(20\) exceeds snapshot_every \(4\): .* set overlap_chunks to at most 4$"):
+        JobConfig(**base, algo="fo", strategy="overlapped", overlap_chunks=20, snapshot_every=4)
+    assert JobConfig(**base, algo="fo", strategy="overlapped", overlap_chunks=4, snapshot_every=4).overlap_chunks == 4
+    with pytest.raises(ValueError, match=r"^micro_batch_size is for the ZO path \(algo zo\) only: algo fo splits batch_size"):
+        JobConfig(**base, algo="fo", micro_batch_size=2)
     with pytest.raises(ValueError, match=r"outage in seconds, e.g. 3:storage:20 \(got none\)"):
         FailureSpec.parse("3:storage")
     assert JobConfig(**base, strategy="log-only", snapshot_every=0, failures=(FailureSpec(step=3, how="torn"),)).uses_step_log

@@ -171,7 +171,7 @@ def fo_config(tmp_path, **kw) -> JobConfig:
 def test_fsdp2_is_refused_with_strategies_and_algorithms_it_does_not_support(tmp_path):
     for kw, expected in ((dict(fo_parallelism="fsdp2"), "strategy layerwise"),
                          (dict(fo_parallelism="fsdp2", strategy="differential"), "strategy differential"),
-                         (dict(fo_parallelism="fsdp2", algo="zo"), "algo zo"),
+                         (dict(fo_parallelism="fsdp2", algo="zo"), r"^fo_parallelism fsdp2 \(sharded state\) is a first-order option \(algo fo\); algo zo"),
                          (dict(fo_parallelism="zero3"), "fo_parallelism 'zero3': choose one of ddp, fsdp2")):
         with pytest.raises(ValueError, match=expected):
             fo_config(tmp_path, **kw)

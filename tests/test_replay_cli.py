@@ -179,6 +179,20 @@ def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_
     assert result.exit_code == 0 and "base the initial weights" in result.output
 
 
+@pytest.mark.parametrize(("algo", "strategy", "kind"), [("fo", "layerwise", "first-order runs (--algo fo) log"),
+                                                      ("zo", "full-sync", "--strategy full-sync logs")])
+def test_a_run_without_a_step_log_is_refused_saying_so(tmp_path, algo, strategy, kind):
+    """Its ``steplog.bin`` holds a header and no records by design: not "--step can be 0..0"."""
+    out = tmp_path / "run"
+    out.mkdir()
+    prepare(JobConfig(out_dir=str(out), cache_dir=str(default_cache_dir()), model="tiny", algo=algo, strategy=strategy,
+                      steps=6, run_id="unlogged"), RunDir(out))
+    result = CliRunner().invoke(app, ["replay", str(out), "--step", "3"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (f"error: {out} is an --algo {algo} --strategy {strategy} run: {kind} no steps, so "
+                                     f"there is no step log to replay; its checkpoints are listed by raycheck inspect {out}")
+
+
 def test_an_export_folder_that_holds_files_is_refused_before_the_replay(made, tmp_path):
     run, _ = made
     (tmp_path / "hf").mkdir()

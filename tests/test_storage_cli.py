@@ -41,6 +41,17 @@ def test_verify_names_a_missing_manifest_and_a_torn_log_without_changing_anythin
     assert inspected.exit_code == 0 and "1 committed snapshot(s)" in inspected.output
 
 
+def test_an_empty_step_log_says_no_steps(tmp_path):
+    """An ``--algo fo`` run's step log holds a header and no records: ``no steps``, not ``steps 0..-1``."""
+    make_run(tmp_path)
+    (tmp_path / "steplog.bin").unlink()
+    StepLogWriter.create(tmp_path / "steplog.bin", {"model": "x"}).close()
+    for command in ("inspect", "verify"):
+        result = CliRunner().invoke(app, [command, str(tmp_path)])
+        assert result.exit_code == 0, result.output
+        assert f"ok   step log {tmp_path / 'steplog.bin'}: no steps\n" in result.output and "0..-1" not in result.output
+
+
 def test_missing_paths_and_files_are_refused_and_never_created(tmp_path):
     for target in (tmp_path / "absent", tmp_path / "file.json"):
         if target.name == "file.json":
@@ -97,7 +108,7 @@ def test_inspect_and_verify_see_an_fsdp2_runs_sharded_checkpoints_and_name_a_dam
     assert listed.exit_code == 0, listed.output
     assert "0 committed snapshot(s)" in listed.output and "2 sharded checkpoint(s)" in listed.output
     for info in saved:
-        assert re.search(rf"step +{info.step} +{info.bytes:,} bytes +2 units \(2 files of 1 rank\(s\)\)", listed.output)
+        assert re.search(rf"step +{info.step} +{info.bytes:,} bytes  2 files of 1 rank\(s\)  run ", listed.output)
     assert CliRunner().invoke(app, ["verify", str(tmp_path)]).output.endswith("all 2 snapshot(s) verified\n")
     damaged = tmp_path / "snapshots" / SUBFOLDER / saved[1].manifest["units"]["__0_0.distcp"]["path"]
     damaged.write_bytes(damaged.read_bytes()[:-1])
