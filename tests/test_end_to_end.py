@@ -48,8 +48,9 @@ def cluster():
     ray.shutdown()
 
 
-SETTINGS = dict(model="tiny", steps=12, batch_size=8, seq_len=32, lr=1e-4, eval_samples=16, hash_every=2, snapshot_every=3,
-                settle_failures=True)  # each recovery source follows from the failure steps alone
+SETTINGS = dict(model="tiny", steps=12, batch_size=8, micro_batch_size=4, seq_len=32, lr=1e-4, eval_samples=16, hash_every=2,
+                snapshot_every=3, settle_failures=True)  # each recovery source follows from the failure steps alone
+"""Two example groups of 4 per step (``micro_batch_size``): the same trajectory at one worker or two (docs/elastic.md)."""
 
 
 def job(tmp_path_factory, name: str, failures: str = "", outage=None, **kw) -> dict:
@@ -215,8 +216,8 @@ def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_pat
     assert [(t["bytes"], t["step"]) for t in s["torn_tails_cut"]] == [(38, 10)]
 
 
-def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive_policy_replans(cluster, tmp_path_factory):
-    """Two data-parallel workers against the failure-free run of ONE worker with the same example groups
+def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive_policy_replans(reference, tmp_path_factory):
+    """Two data-parallel workers against the failure-free run of ONE worker (``reference``) with the same example groups
     (``training.groups``: the losses do not depend on the worker count, ``docs/elastic.md``); rank 1 dies
     at step 6 and is replaced alone (each worker its own Ray Train replica group,
     ``orchestrator.replica_groups``): rank 0's process goes on through the failure, waiting at the step
@@ -224,9 +225,9 @@ def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive
     workers that is not restarted in process (rank 0 waits in the step's exchange), so it is replaced the
     same way. The adaptive policy assumes an MTBF of 1 s: it starts at 1 step between snapshots and must re-plan, since every second the job
     runs without a failure contradicts that MTBF (policies.replan: (M0 + elapsed) / (1 + failures))."""
-    ref = job(tmp_path_factory, "one", workers=1, micro_batch_size=4, eval_samples=0)  # batch 8: two groups
-    s = job(tmp_path_factory, "two", "6:worker:exit 9:worker:raise", workers=2, micro_batch_size=4, eval_samples=0,
-            snapshot_policy="adaptive", mtbf_s=1.0)
+    ref = reference
+    s = job(tmp_path_factory, "two", "6:worker:exit 9:worker:raise", workers=2, eval_samples=0, snapshot_policy="adaptive",
+            mtbf_s=1.0)
     assert s["state_sha256"] == ref["state_sha256"] and s["worker_hashes"] == ref["worker_hashes"] and s["shadow_equal"]
     assert len(set(ref["worker_hashes"].values())) == 6  # after steps 2, 4, ..., 12: the state moved
     assert s["trajectory_sha256"] == ref["trajectory_sha256"]  # one trajectory, whatever the worker count
@@ -305,25 +306,25 @@ def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(referenc
     reference in ``<out>/reference`` whose state hash was changed: the reference is reused (not run
     again), the recovered state is the true failure-free one, and the comparison with the changed hash
     fails: exit 3. The shadow runs on other CPU kernels
-    than the worker (``--shadow-env``), both recoveries take its image, and ``raycheck replay`` of a
+    than the worker (``--shadow-env``), the recovery takes its image, and ``raycheck replay`` of a
     logged step gives the worker's hash of it."""
     out = tmp_path / "run"
     (out / "reference").mkdir(parents=True)
     RunDir.write_json(out / "reference" / "summary.json", {**reference, "state_sha256": "0" * 64})
-    schedule = parse_schedule("weibull:4:0.7", 12, seed=1)
-    assert [(f.step, f.target) for f in schedule] == [(3, "worker"), (4, "worker")]
+    schedule = parse_schedule("weibull:12:0.7", 12, seed=7)
+    assert [(f.step, f.target) for f in schedule] == [(5, "worker")]
 
     result = CliRunner().invoke(app, [
-        "run", "--model", "tiny", "--steps", "12", "--lr", "1e-4", "--eval-samples", "16", "--hash-every", "2",
+        "run", "--model", "tiny", "--steps", "12", "--micro-batch-size", "4", "--lr", "1e-4", "--eval-samples", "16", "--hash-every", "2",
         "--snapshot-every", "3", "--settle-failures", "--verify", "--out", str(out),
         "--shadow-env", "ATEN_CPU_CAPABILITY=default", "--shadow-env", "NUMBA_CPU_NAME=generic",
-        "--fail-schedule", "weibull:4:0.7", "--fail-seed", "1"])
+        "--fail-schedule", "weibull:12:0.7", "--fail-seed", "7"])
     assert result.exit_code == 3, result.output
     assert f"reusing the failure-free reference in {out / 'reference'}" in result.output
     assert "error: recovery was not exact (see summary.json)" in result.output
     s = json.loads((out / "summary.json").read_text())
-    assert [(f["step"], f["target"]) for f in s["failures"]] == [(3, "worker"), (4, "worker")]
-    assert [(r["failure_step"], r["source"]) for r in s["recoveries"]] == [(3, "object_store"), (4, "object_store")]
+    assert [(f["step"], f["target"]) for f in s["failures"]] == [(5, "worker")]
+    assert [(r["failure_step"], r["source"]) for r in s["recoveries"]] == [(5, "object_store")]
     assert s["lost_steps"] == 0 and s["shadow_equal"] is True  # so exit 3 comes from the comparison alone
     assert s["bitwise_equal"] is False and s["reference_state_sha256"] == "0" * 64
     assert s["state_sha256"] == reference["state_sha256"]
@@ -336,30 +337,29 @@ def test_verify_reuses_the_reference_and_exits_3_when_not_bitwise_equal(referenc
 def test_every_baseline_survives_worker_failures_and_resumes_exactly(reference, tmp_path_factory, strategy):
     """The baselines restart through the same path: the newest committed checkpoint (full-*) or the
     initial weights plus the whole log (log-only); full-* recompute the steps after their checkpoint.
-    (full-sync differs from full-async only in ``FullCheckpointer(asynchronous=False)``, which
-    ``tests/test_fo_ray.py``'s full-sync case runs end to end through Ray, and its restore is this one:
-    it is not run here again, for the suite's 30-minute budget.)
+    (full-sync differs from full-async only in ``FullCheckpointer(asynchronous=False)``, tested without
+    Ray in ``tests/test_staging.py``; its restore is full-async's.)
     The exception at step 7 is restored in process, through the same restore from the perturbed weights
-    (log-only: the initial weights read again). full-*: the newest checkpoint (step 9) is corrupted
-    before the failure at step 10, so the restore skips it: the 3 steps it made durable are lost and 4
-    steps are recomputed."""
+    (log-only: the initial weights read again); the SIGKILL at step 10 starts a new process. full-*: the
+    newest checkpoint (step 9) is corrupted before the failure at step 10, so the restore skips it: the
+    3 steps it made durable are lost and 4 steps are recomputed."""
     full = strategy != "log-only"
-    s = job(tmp_path_factory, strategy, "4:worker:exit 7:worker:raise " + ("10:corrupt 10:worker:sigkill" if full else "10:worker:sigkill"),
+    s = job(tmp_path_factory, strategy, "7:worker:raise " + ("10:corrupt 10:worker:sigkill" if full else "10:worker:sigkill"),
             strategy=strategy)
     assert_exact(s, reference, lost_steps=3 if full else 0)
     recs = s["recoveries"]
-    assert [(r["failure_step"], r["path"]) for r in recs] == [(4, "new_process"), (7, "in_process"), (10, "new_process")]
+    assert [(r["failure_step"], r["path"]) for r in recs] == [(7, "in_process"), (10, "new_process")]
     phases = [e["phase"] for e in RunDir.read(pathlib.Path(s["config"]["out_dir"]) / "events.jsonl") if e["kind"] == "phase"]
     # the in-process restart may be over before the controller looks: it shows "recovering" or not
-    assert phases[0] == "running" and phases.count("recovering") in (2, 3) and phases[-1] == s["phase"] == "finished"
+    assert phases[0] == "running" and phases.count("recovering") in (1, 2) and phases[-1] == s["phase"] == "finished"
     if not full:
         assert [(r["source"], r["base_step"], r["replayed_steps"], r["recompute_steps"]) for r in recs] == [
-            ("initial", 0, 4, 0), ("initial", 0, 7, 0), ("initial", 0, 10, 0)]
+            ("initial", 0, 7, 0), ("initial", 0, 10, 0)]
         return
-    # a checkpoint every 3 steps: restored at 3 (one step recomputed), at 6 (the raise; one), then at 6 (9 is corrupt)
+    # a checkpoint every 3 steps: restored at 6 (the raise; one step recomputed), then at 6 again (9 is corrupt)
     assert [(r["source"], r["restored_step"], r["replayed_steps"], r["recompute_steps"], r["lost_steps"]) for r in recs] == [
-        ("storage", 3, 0, 1, 0), ("storage", 6, 0, 1, 0), ("storage", 6, 0, 4, 3)]
-    assert len(recs[2]["skipped"]) == 1 and "step-0000000009" in recs[2]["skipped"][0]
+        ("storage", 6, 0, 1, 0), ("storage", 6, 0, 4, 3)]
+    assert "skipped" not in recs[0] and len(recs[1]["skipped"]) == 1 and "step-0000000009" in recs[1]["skipped"][0]
     assert s["checkpoint_block_seconds_total"] > 0 and s["worker_checkpoints"]["last_step"] == 12
 
 

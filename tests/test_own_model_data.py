@@ -16,8 +16,8 @@ import torch
 from orchestrator.api import job_config
 from storage.units import describe_units, unit_of
 from training.assets import AssetMismatchError, read_assets
-from training.data import CausalLMEncoder, DataError, Split, load_data_file, make_encoder
-from training.model import load_model, load_tokenizer, read_model_files, trainable_parameters
+from training.data import CausalLMEncoder, DataError, Split, make_encoder
+from training.model import default_cache_dir, load_model, load_tokenizer, read_model_files, trainable_parameters
 from training.state import state_sha256
 
 VOCAB = 49152  # SmolLM2's tokenizer (the folder has none of its own)
@@ -53,7 +53,8 @@ def reviews(n: int = 20) -> list[dict]:
 
 
 def cfg_for(tmp_path, **fields):
-    return job_config(tmp_path / "run", cache_dir=tmp_path / "cache", seq_len=32, batch_size=4, **fields)
+    """A job in ``tmp_path`` with the shared cache (the tokenizer is converted once per machine, not per test)."""
+    return job_config(tmp_path / "run", cache_dir=default_cache_dir(), seq_len=32, batch_size=4, **fields)
 
 
 def test_units_of_gpt2_and_qwen2_come_from_the_module_tree_and_tied_weights_are_found(tmp_path):
@@ -186,7 +187,7 @@ def test_bad_data_is_refused_with_one_message_each(tmp_path):
 
 
 def test_causal_lm_loss_counts_completion_tokens_only(tmp_path):
-    tok = load_tokenizer(tmp_path / "cache")
+    tok = load_tokenizer(default_cache_dir())
     model = load_model(str(gpt2_folder(tmp_path / "gpt2")))
     encoder = CausalLMEncoder(tok, 32)
     split = Split(("The answer is",), np.array([-1]), completions=(" forty two",))

@@ -120,6 +120,35 @@ def test_a_layerwise_check_due_while_the_writer_is_busy_is_postponed_not_waited_
     assert same(5, 2) and same(6, 1) and not any(p is q for p, q in zip(calls[1]["arrays"], calls[2]["arrays"]))
 
 
+def test_full_sync_blocks_until_each_checkpoint_is_committed_and_resumes_bitwise(encoder, data, tmp_path):
+    """``FullCheckpointer(asynchronous=False)``, what strategy full-sync runs (``training.worker``,
+    ``training.fo_worker``; the full-async case runs end to end through Ray in ``tests/test_fo_ray.py``): a
+    checkpoint every 2 steps is committed, listed in the store, before ``after_step`` returns; the loop's
+    stall is at least the write; a resume from each checkpoint reaches the uninterrupted state bitwise."""
+    store = SnapshotStore(str(tmp_path), keep_last=100)
+    trainer = make_trainer(encoder)
+    ckpt = FullCheckpointer(store, 2, asynchronous=False)
+    states, listed, blocked = {}, {}, {}
+
+    def after(done: int) -> None:
+        blocked[done] = ckpt.after_step(done, trainer.state_view)
+        listed[done] = [i.step for i in store.list()]
+        states[done] = state_sha256(trainer.state_view())
+
+    train(trainer, data[0], 0, 6, after=after)
+    stats = ckpt.close()
+    assert listed == {1: [], 2: [2], 3: [2], 4: [2, 4], 5: [2, 4], 6: [2, 4, 6]}
+    assert [s for s, b in blocked.items() if b > 0] == [2, 4, 6]
+    assert all(blocked[s] >= w for s, w in zip((2, 4, 6), stats["write_seconds"], strict=True))
+    assert (stats["checkpoints"], stats["last_step"], stats["stage_seconds"]) == (3, 6, [])
+    for info in store.list():
+        resumed = make_trainer(encoder)
+        resumed.load_state(store.load(info))
+        assert state_sha256(resumed.state_view()) == states[info.step]
+        train(resumed, data[0], info.step, 6)
+        assert state_sha256(resumed.state_view()) == states[6], info.step
+
+
 def test_full_async_postponed_while_its_write_runs_reuses_one_buffer_set(encoder, data, tmp_path):
     """``postpone_when_busy``: a checkpoint every 2 steps; the write of step 2 is held by the gate, so the
     one due at 4 is postponed (``after_step`` returns 0.0 at once; were it to wait, the held write
