@@ -308,7 +308,9 @@ def _wasted_md(rows: list[dict], measured: list[dict], hs: Sequence[Headline], g
     return (
         "**This is a Monte Carlo over the costs measured in the real runs**, not the real runs themselves: each strategy's "
         "`MeasuredCosts` (mean step, replay per step, snapshot write, staging stall, log append from its run; restart and "
-        "load from its recoveries, where restart includes detection and any unexplained latency) go into "
+        "load from its recoveries, where restart includes detection and any unexplained latency; for ours also the share "
+        "of its recoveries that found no live shadow image, which the simulator takes as the share of failures that "
+        "lose the shadow, and the steps the others replayed) go into "
         f"`policies.simulate` (exponential failures) at each MTBF, {seeds} seeds, each with at least {min_failures} failures "
         f"(fewest in any ok cell: {min(counts) if counts else 'n/a'}), the interval {interval}. "
         "Interval strategies are simulated as one long run (steady state); log-only, whose replay grows with the run, as "

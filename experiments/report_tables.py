@@ -292,13 +292,16 @@ def recovery_table(recoveries: list[dict]) -> list[dict]:
     ``other_s`` = latency minus restart, load, replay and recompute (what the measured parts leave
     unexplained); ``fixed_s`` = latency minus load, replay and recompute (restart, detection and
     anything else a recovery pays whatever the strategy): the simulator's ``restart_s``; ``paths``
-    (``path_counts``) says which path the recoveries took. The interval is Student's t over the strategy's recoveries (None for a single one).
+    (``path_counts``) says which path the recoveries took; ``shadow_loss_share`` is the share of
+    recoveries that did not take a live shadow's image (source other than ``object_store``) and
+    ``live_replayed_steps`` the mean steps replayed by those that did (NaN: none did). The interval is Student's t over the strategy's recoveries (None for a single one).
     """
     rows = []
     for strategy, rs in _by_strategy(recoveries).items():
         mean, lo, hi = mean_ci([float(r["latency_s"]) for r in rs])
         parts = {p: _mean(rs, p) for p in RECOVERY_PARTS[:-1]}
         sources = sorted({r["source"] for r in rs})
+        live = [r for r in rs if r["source"] == "object_store"]
         rows.append({
             "strategy": str(strategy), "n": len(rs), "latency_s": mean, "latency_lo_s": lo, "latency_hi_s": hi, **parts,
             "other_s": mean - sum(parts.values()),
@@ -306,6 +309,7 @@ def recovery_table(recoveries: list[dict]) -> list[dict]:
             "replayed_steps": _mean(rs, "replayed_steps"), "recompute_steps": _mean(rs, "recompute_steps"),
             "sources": ", ".join(f"{s}: {sum(r['source'] == s for r in rs)}" for s in sources),
             "paths": path_counts(rs),
+            "shadow_loss_share": 1 - len(live) / len(rs), "live_replayed_steps": _mean(live, "replayed_steps") if live else math.nan,
         })
     ours = ours_row(rows)
     for r in rows:
@@ -423,7 +427,8 @@ def measured_costs(run: dict, recovery: dict | None, *, mtbf_s: float, backgroun
     instead, at ``step_s``, which is what the simulator charges them: their value is unused);
     ``snapshot_s`` (0 for log-only); ``stall_s``; ``log_append_s``. From the strategy's recoveries
     (``recovery_table``): ``restart_s`` = ``fixed_s`` (restart, detection and the unexplained rest)
-    and ``load_s``.
+    and ``load_s``; for the shadow also ``shadow_loss_fraction`` (the share of its recoveries that found
+    no live image) and ``live_replay_steps`` (what those that found one replayed).
 
     Raises:
         ValueError: no recovery was measured for the strategy, or a cost is missing or invalid (the
@@ -434,11 +439,15 @@ def measured_costs(run: dict, recovery: dict | None, *, mtbf_s: float, backgroun
         raise ValueError(f"no recoveries of {strategy} in recoveries.parquet: its restart and load times are unknown")
     replay = run["replay_step_s"] if strategy in (Strategy.SHADOW, Strategy.LOG_ONLY) else run["mean_step_s"]
     snapshot = 0.0 if strategy is Strategy.LOG_ONLY else run["snapshot_s"]
+    shadow = {}
+    if strategy is Strategy.SHADOW:
+        shadow = {"shadow_loss_fraction": float(recovery["shadow_loss_share"]),
+                  "live_replay_steps": float(nan_to_zero(recovery["live_replayed_steps"]))}
     return MeasuredCosts(
         step_s=float(run["mean_step_s"]), replay_step_s=float(replay), snapshot_s=float(snapshot),
         restart_s=float(recovery["fixed_s"]), load_s=float(recovery["load_s"]), mtbf_s=float(mtbf_s),
         stall_s=float(nan_to_zero(run["stall_s"])), log_append_s=float(nan_to_zero(run["log_append_s"])),
-        background_weight=background_weight,
+        background_weight=background_weight, **shadow,
     )
 
 
@@ -591,12 +600,20 @@ def measured_waste_table(runs: list[dict], recoveries: list[dict] | None = None,
     return rows
 
 
+def model_replay_steps(costs: MeasuredCosts, k: int) -> float:
+    """Steps the shadow model replays per failure on average, to first order: k / 2 for the share
+    ``shadow_loss_fraction`` of failures that lose the shadow, ``live_replay_steps`` for the others."""
+    p = costs.shadow_loss_fraction
+    return p * k / 2 + (1 - p) * costs.live_replay_steps
+
+
 def waste_terms(strategy: Strategy, costs: MeasuredCosts, k: int | None, run_steps: float) -> dict[str, tuple[float, str]]:
     """First-order terms of the waste ratio (seconds per productive second), each with how it arises.
 
     Per failure (rate 1/M): restart + load D; work lost or replayed, half an interval on average
-    (Young 1974's T / 2; for the shadow (k / 2) x replay time, ZOCheck's model; for log-only half the
-    run replayed); for full-async also the persist P before a checkpoint counts. Per step: stalls and
+    (Young 1974's T / 2; for the shadow (k / 2) x replay time, ZOCheck's model, for the share p of the
+    failures that lose the shadow, and its live lag j for the others: (p k / 2 + (1 - p) j) r; for
+    log-only half the run replayed); for full-async also the persist P before a checkpoint counts. Per step: stalls and
     log appends. Their sum is the first-order expansion of ``policies.models``' exact forms.
     """
     lam, t = costs.failure_rate_per_s, costs.step_s
@@ -604,7 +621,13 @@ def waste_terms(strategy: Strategy, costs: MeasuredCosts, k: int | None, run_ste
     if strategy in (Strategy.SHADOW, Strategy.LOG_ONLY):
         terms["log appends"] = (costs.log_append_s / t, f"{costs.log_append_s:.3g} s per {t:.3g} s step")
         n = k if strategy is Strategy.SHADOW else run_steps
-        terms["replay"] = (lam * n / 2 * costs.replay_step_s, f"{n:g}/2 steps x {costs.replay_step_s:.3g} s per failure")
+        p, j = costs.shadow_loss_fraction, costs.live_replay_steps
+        how = f"{n:g}/2 steps"
+        if strategy is Strategy.SHADOW and p < 1:
+            how = (f"{p:.3g} x {n:g}/2 + {1 - p:.3g} x {j:.3g} steps (a share {p:.3g} of the failures loses the shadow; "
+                   f"the others replay its lag)")
+        steps = model_replay_steps(costs, n) if strategy is Strategy.SHADOW else n / 2
+        terms["replay"] = (lam * steps * costs.replay_step_s, f"{how} x {costs.replay_step_s:.3g} s per failure")
     if strategy is Strategy.FULL_SYNC:
         terms["checkpoint blocking"] = (costs.snapshot_s / (k * t), f"{costs.snapshot_s:.3g} s every {k} steps")
         terms["lost work"] = (lam * (k * t + costs.snapshot_s) / 2, f"half of {k} steps + a checkpoint per failure")
@@ -623,7 +646,7 @@ def why_wasted(ours_cell: dict, base_cell: dict, ours_costs: MeasuredCosts | Non
                ours_recovery: dict | None = None) -> str | None:
     """Why the wasted-time ratio at the highest failure rate misses ``target``: our largest first-order
     term (``waste_terms``) and the ratio it alone allows; given our ``recovery_table`` row
-    ``ours_recovery``, where the model's replay (half an interval per failure) exceeds the steps our
+    ``ours_recovery``, where the model's replay per failure (``model_replay_steps``) exceeds the steps our
     recoveries replayed, that gap; and, given our recovery ``floor`` (``recovery_floor``), the
     breakdown component that is the floor of our per-failure cost; None if met."""
     r = base_cell.get("ratio", math.nan)
@@ -647,10 +670,11 @@ def why_wasted(ours_cell: dict, base_cell: dict, ours_costs: MeasuredCosts | Non
         bname, (bvalue, bhow) = max(bterms.items(), key=lambda kv: kv[1][0])
         text += f"; {base_cell['strategy']}'s largest is {bname} (~{bvalue:.3g}: {bhow})"
     k = ours_cell["interval_steps"]
-    if name == "replay" and ours_recovery and k and ours_recovery["replayed_steps"] < k / 2:
-        text += (f". The model's replay is half an interval ({k}/2 steps) per failure, a failure that also loses the "
-                 f"shadow's image; our measured recoveries replayed {ours_recovery['replayed_steps']:.3g} steps on average "
-                 f"(restored from {ours_recovery['sources']}), so this term, not a measured component, is the floor")
+    modelled = model_replay_steps(ours_costs, k) if k else 0.0
+    if name == "replay" and ours_recovery and ours_recovery["replayed_steps"] < modelled:
+        text += (f". The model replays {modelled:.3g} steps per failure on average; our measured recoveries replayed "
+                 f"{ours_recovery['replayed_steps']:.3g} steps on average (restored from {ours_recovery['sources']}), so this "
+                 "term, not a measured component, is the floor")
     if floor is not None and floor["seconds"] > 0 and ours_recovery:
         text += f". Per failure, {floor_text(floor, ours_recovery['latency_s'])}"
     return text + f"; simulated ratio {r:.3g}x < {target:g}x."

@@ -1,7 +1,9 @@
 """Measured costs that the snapshot-interval models take in, and the error they raise.
 
-Every duration is in seconds of wall-clock time. A failure takes down the job's processes (workers,
-shadow, persister); the step log and durable storage survive it.
+Every duration is in seconds of wall-clock time. The step log and durable storage survive every
+failure. By default a failure takes down the job's processes (workers, shadow, persister);
+``shadow_loss_fraction`` < 1 says that some failures (a worker's process or node alone) leave the
+CPU shadow and its image alive.
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ class MeasuredCosts:
     (the shadow model of ``docs/algorithms.md``), 0 counts only what stalls training."""
     accelerators: int = 1
     """Accelerators in the job (recorded with the plan; ``mtbf_s`` is already the job's)."""
+    shadow_loss_fraction: float = 1.0
+    """Share of failures, in [0, 1], that also lose the live shadow's image (its process or node, or a
+    whole-job restart): those recover from the newest durable snapshot plus the log tail. The others
+    take the live image through the object store and replay ``live_replay_steps``; the shadow's
+    snapshots in flight survive them. 1 is the model where every failure takes the job down."""
+    live_replay_steps: float = 0.0
+    """Steps a recovery from the live shadow's image replays on average (the shadow's lag behind the
+    durable log when the worker failed; measured from the recoveries, ``experiments.report_tables``)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -55,8 +65,9 @@ class MeasuredCosts:
         for name in ("step_s", "replay_step_s", "mtbf_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.background_weight > 1:
-            raise ValueError(f"background_weight must be in [0, 1], got {self.background_weight!r}")
+        for name in ("background_weight", "shadow_loss_fraction"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.accelerators < 1 or int(self.accelerators) != self.accelerators:
             raise ValueError(f"accelerators must be an integer >= 1, got {self.accelerators!r}")
 

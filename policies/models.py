@@ -8,7 +8,9 @@ failure-free, checkpoint-free run), with background snapshot seconds charged at
 Failure model shared by every formula here and by ``policies.simulate``: failures arrive as a
 Poisson process of rate lambda = 1/M in wall-clock time (the exact results below hold for
 exponential inter-arrival times); a failure kills the job's processes, including the shadow and
-any snapshot still being written; recovery costs D = restart_s + load_s plus any replay, and a
+any snapshot still being written, except that for the shadow a share 1 - p of the failures
+(``MeasuredCosts.shadow_loss_fraction`` = p) leave the shadow alive: those take its live image and
+replay only ``live_replay_steps``. Recovery costs D = restart_s + load_s plus any replay, and a
 failure during recovery starts the recovery again. The building block, used throughout: the
 expected wall-clock time until a window of w seconds passes without a failure is
 (e^(lambda w) - 1) / lambda (Daly 2006, the complete cost model).
@@ -158,15 +160,24 @@ def shadow_interval_steps(costs: MeasuredCosts) -> int:
     Source: ZOCheck (arXiv 2026), CPU-shadow checkpointing; its cost model as ``docs/algorithms.md`` states it.
     With step time t_s, replay time per step r, snapshot cost S charged at weight w, failure rate
     lambda: a snapshot every k steps costs w S / (k t_s) per unit of training time, and a failure
-    costs on average (k / 2) r of replay plus restart and load. The sum is minimal at
-    k* = sqrt(2 w S / (lambda r t_s)); with r = t_s and w = 1 this is Young's interval. The result
-    is raised to ``min_background_steps`` so that a snapshot finishes before the next is due.
+    that loses the shadow (a share p, ``shadow_loss_fraction``) costs on average (k / 2) r of replay
+    plus restart and load. The sum is minimal at k* = sqrt(2 w S / (lambda p r t_s)); with r = t_s,
+    w = 1 and p = 1 this is Young's interval. With p = 0 no failure needs a snapshot: k* is the bound
+    ``optimal_interval_steps`` searches up to, 50 MTBFs of steps. The result is raised to
+    ``min_background_steps`` so that a snapshot finishes before the next is due.
 
     Raises:
         InfeasibleError: ``replay_step_s >= step_s``.
     """
     check_shadow(costs)
-    k = math.sqrt(2 * costs.background_weight * costs.snapshot_s * costs.mtbf_s / (costs.replay_step_s * costs.step_s))
+    charged = 2 * costs.background_weight * costs.snapshot_s * costs.mtbf_s
+    replayed = costs.shadow_loss_fraction * costs.replay_step_s * costs.step_s
+    if charged == 0:
+        k = 0.0
+    elif replayed == 0:
+        k = math.ceil(50 * costs.mtbf_s / costs.step_s)
+    else:
+        k = math.sqrt(charged / replayed)
     return max(round(k), min_background_steps(costs))
 
 
@@ -288,29 +299,35 @@ def waste_shadow(costs: MeasuredCosts, interval_steps: int) -> float:
 
     Source: ZOCheck (arXiv 2026) and the shadow model of ``docs/algorithms.md``, taken to exponential failures
     exactly except for the snapshot's durability lag, which is averaged (error of order lambda
-    times that lag). A failure at phase phi of the k-step cycle (phi uniform on [0, k u)) replays
-    j = floor(phi / u) steps from the last snapshot, plus k more when phi falls in the first
-    delta = r + S seconds after a snapshot step, before that snapshot is durable; a snapshot lost
-    that way is written again during recovery (charged once more). So
-    E[e^(lambda r j)] = (1/k) sum_{i<k} e^(lambda r i)
-                        + (e^(lambda r k) - 1) / (k u) integral_0^delta e^(lambda r floor(phi/u)) dphi,
-    the charge per step is w S (1/k + (e^(lambda u) - 1) min(S, k u) / (k u)), and
-    ``_log_based_waste`` does the rest. To first order in lambda this is ``docs/algorithms.md``'s
-    w S / (k t_s) + lambda (D + (k / 2) r), minimal at ``shadow_interval_steps``.
+    times that lag), and for a failure during a recovery, which repeats the recovery of the first one.
+    A failure that loses the shadow (a share p, ``shadow_loss_fraction``) at phase phi of the k-step
+    cycle (phi uniform on [0, k u)) replays j = floor(phi / u) steps from the last snapshot, plus k more
+    when phi falls in the first delta = r + S seconds after a snapshot step, before that snapshot is
+    durable; a snapshot lost that way is written again during recovery (charged once more). So
+    E_lost[e^(lambda r j)] = (1/k) sum_{i<k} e^(lambda r i)
+                             + (e^(lambda r k) - 1) / (k u) integral_0^delta e^(lambda r floor(phi/u)) dphi.
+    A failure that leaves the shadow alive replays j = ``live_replay_steps`` (its image is live; its
+    snapshots in flight survive), so E[e^(lambda r j)] = p E_lost + (1 - p) e^(lambda r j_live); the
+    charge per step is w S (1/k + p (e^(lambda u) - 1) min(S, k u) / (k u)), and ``_log_based_waste``
+    does the rest. To first order in lambda this is ``docs/algorithms.md``'s
+    w S / (k t_s) + lambda (D + p (k / 2) r + (1 - p) j_live r), minimal at ``shadow_interval_steps``.
 
     Raises:
         InfeasibleError: the shadow does not keep up, or a snapshot does not fit in the interval.
     """
     check_shadow(costs, interval_steps)
-    lam, k, r = costs.failure_rate_per_s, interval_steps, costs.replay_step_s
+    lam, k, r, p = costs.failure_rate_per_s, interval_steps, costs.replay_step_s, costs.shadow_loss_fraction
     u = costs.step_s + costs.log_append_s
     q = lam * r
-    delta = min(shadow_lag_s(costs), k * u)
-    whole = math.floor(delta / u)
-    rest = delta - whole * u  # 0 when the lag is whole steps: then e^(q whole) may be inf, and 0 x inf is nan
-    lag_integral = u * whole * _mean_exp(q, whole) + (rest * _exp(q * whole) if rest > 0 else 0.0) if whole else delta
-    mean_exp = _mean_exp(q, k) + _expm1(q * k) * lag_integral / (k * u)
-    lost_write = _expm1(lam * u) * min(costs.snapshot_s, k * u) / (k * u)
+    mean_exp = (1 - p) * _exp(q * costs.live_replay_steps) if p < 1 else 0.0  # (a term of weight 0 may be inf)
+    lost_write = 0.0
+    if p > 0:
+        delta = min(shadow_lag_s(costs), k * u)
+        whole = math.floor(delta / u)
+        rest = delta - whole * u  # 0 when the lag is whole steps: then e^(q whole) may be inf, and 0 x inf is nan
+        lag_integral = u * whole * _mean_exp(q, whole) + (rest * _exp(q * whole) if rest > 0 else 0.0) if whole else delta
+        mean_exp += p * (_mean_exp(q, k) + _expm1(q * k) * lag_integral / (k * u))
+        lost_write = p * _expm1(lam * u) * min(costs.snapshot_s, k * u) / (k * u)
     charge = costs.background_weight * costs.snapshot_s * (1 / k + lost_write)
     return _log_based_waste(costs, mean_exp, charge)
 

@@ -6,11 +6,15 @@ a renewal process started afresh with each run), recoveries that a failure resta
 snapshot captures and the moments snapshots become durable. Between two failures the schedule is
 deterministic, so the simulator jumps from failure to failure and counts what completed in
 between. For the shadow it follows the running code: a snapshot is taken when the shadow has
-replayed a multiple of k steps, a failure kills the snapshot being written, and the catch-up
-replay during recovery takes the snapshots it passes again.
+replayed a multiple of k steps, a failure that loses the shadow kills the snapshot being written,
+and the catch-up replay during recovery takes the snapshots it passes again. Each failure loses
+the shadow with probability ``MeasuredCosts.shadow_loss_fraction``; one that does not (a worker
+alone) is recovered from the live image in restart + load + ``live_replay_steps`` replays, while
+the shadow goes on replaying and snapshotting.
 
-Seeded: the i-th failure gap depends only on the seed, so intervals compared with one seed share
-their failures (common random numbers).
+Seeded: the i-th failure gap depends only on the seed, and so does whether the i-th failure loses
+the shadow (a second stream, drawn only when the share is strictly between 0 and 1), so intervals
+compared with one seed share their failures (common random numbers).
 """
 
 from __future__ import annotations
@@ -118,10 +122,13 @@ def _run_checkpoints(costs: MeasuredCosts, k: int, steps: int, gaps: _Gaps, asyn
         offset = costs.downtime_s
 
 
-def _run_logged(costs: MeasuredCosts, k: int | None, steps: int, gaps: _Gaps) -> _Run:
-    """Every step logged; with k, a shadow snapshot every k steps (else log-only: replay from 0)."""
+def _run_logged(costs: MeasuredCosts, k: int | None, steps: int, gaps: _Gaps, lost: Callable[[], bool]) -> _Run:
+    """Every step logged; with k, a shadow snapshot every k steps (else log-only: replay from 0). A
+    failure for which ``lost()`` is false leaves the shadow alive: the recovery takes its image and
+    replays ``live_replay_steps``, and its snapshots in flight go on."""
     u, r, snap = costs.step_s + costs.log_append_s, costs.replay_step_s, costs.snapshot_s
     charge = costs.background_weight * snap
+    live_s = costs.downtime_s + costs.live_replay_steps * r
     run = _Run()
     t, next_fail = 0.0, gaps()
     n = durable = 0
@@ -136,7 +143,12 @@ def _run_logged(costs: MeasuredCosts, k: int | None, steps: int, gaps: _Gaps) ->
         failed_at = next_fail
         reached = n + math.floor((failed_at - t) / u)
         durable = max([durable] + [m for m, at in pending if at <= failed_at])
-        if k and reached // k > n // k:
+        shadow_lost = lost()
+        if k and not shadow_lost:  # the shadow replays every logged step and snapshots on its grid
+            taken = [(m, t + (m - n) * u + r + snap) for m in _multiples(k, n, reached)]
+            run.charged_s += charge * len(taken)
+            pending = [(m, at) for m, at in pending if at > failed_at] + taken
+        elif k and reached // k > n // k:
             last = reached // k * k
             captured = reached // k - n // k - (failed_at < t + (last - n) * u + r)
             run.charged_s += charge * captured
@@ -147,7 +159,18 @@ def _run_logged(costs: MeasuredCosts, k: int | None, steps: int, gaps: _Gaps) ->
         n, t = reached, failed_at
         run.failures += 1
         next_fail = t + gaps()
-        while True:  # recovery: restart, load the durable snapshot, replay to n; a failure restarts it
+        while not shadow_lost:  # recovery from the live image; a failure restarts it (and may lose the shadow)
+            if next_fail >= t + live_s:
+                t += live_s
+                break
+            durable = max([durable] + [m for m, at in pending if at <= next_fail])
+            t = next_fail
+            run.failures += 1
+            next_fail = t + gaps()
+            shadow_lost = lost()
+        if shadow_lost:
+            pending = []  # the shadow is gone, and its snapshots in flight with it
+        while shadow_lost:  # recovery: restart, load the durable snapshot, replay to n; a failure restarts it
             catch_up = [(m, t + costs.downtime_s + (m - durable) * r) for m in _multiples(k, durable, n)]
             end = t + costs.downtime_s + (n - durable) * r
             if next_fail >= end:
@@ -160,6 +183,14 @@ def _run_logged(costs: MeasuredCosts, k: int | None, steps: int, gaps: _Gaps) ->
             t = next_fail
             run.failures += 1
             next_fail = t + gaps()
+
+
+def _shadow_losses(share: float, seed: int) -> Callable[[], bool]:
+    """Whether each failure in turn loses the shadow: always (share 1), never (0), else seeded draws."""
+    if share >= 1 or share <= 0:
+        return lambda: share >= 1
+    rng = np.random.default_rng([seed, 1])
+    return lambda: bool(rng.random() < share)
 
 
 def _multiples(k: int | None, after: int, upto: int) -> range:
@@ -192,11 +223,12 @@ def simulate(strategy: Strategy, costs: MeasuredCosts, *, horizon_s: float, inte
         raise ValueError(f"interval_steps must be >= 1, got {k}")
     steps = max(1, round(horizon_s / costs.step_s))
     gaps = _Gaps(failures, costs.mtbf_s, seed)
+    lost = _shadow_losses(1.0 if strategy is Strategy.LOG_ONLY else costs.shadow_loss_fraction, seed)
     one_run: Callable[[], _Run] = {
         Strategy.FULL_SYNC: lambda: _run_checkpoints(costs, k, steps, gaps, asynchronous=False),
         Strategy.FULL_ASYNC: lambda: _run_checkpoints(costs, k, steps, gaps, asynchronous=True),
-        Strategy.LOG_ONLY: lambda: _run_logged(costs, None, steps, gaps),
-        Strategy.SHADOW: lambda: _run_logged(costs, k, steps, gaps),
+        Strategy.LOG_ONLY: lambda: _run_logged(costs, None, steps, gaps, lost),
+        Strategy.SHADOW: lambda: _run_logged(costs, k, steps, gaps, lost),
     }[strategy]
     done = [one_run() for _ in range(runs)]
     return SimResult(

@@ -103,6 +103,35 @@ def test_analytic_waste_agrees_with_simulation_within_5_percent(strategy):
             assert sim.waste_ratio == pytest.approx(predicted, rel=0.05), (c, interval)
 
 
+@pytest.mark.parametrize("share, live_steps", [(0.0, 0.0), (0.0, 3.0), (0.3, 1.0)])
+def test_shadow_waste_with_failures_that_leave_the_shadow_alive_agrees_with_simulation_within_5_percent(share, live_steps):
+    """``shadow_loss_fraction`` p: a share 1 - p of the failures (a worker alone) recover from the live
+    image, replaying ``live_replay_steps``; the simulator draws each failure's kind (seeded)."""
+    for c in GRID:
+        c = MeasuredCosts(**{**c.__dict__, "shadow_loss_fraction": share, "live_replay_steps": live_steps})
+        k = optimal_interval_steps(Strategy.SHADOW, costs(mtbf_s=c.mtbf_s))  # p = 1's optimum: snapshots still taken
+        predicted = waste_shadow(c, k)
+        sim = simulate(Strategy.SHADOW, c, interval_steps=k, horizon_s=8000 * c.mtbf_s, seed=11)
+        assert sim.failures > 6000
+        assert sim.waste_ratio == pytest.approx(predicted, rel=0.05), (c, k)
+
+
+def test_a_live_shadow_takes_the_replay_out_of_the_waste_and_its_interval_follows_the_share():
+    """First order: w S / (k t_s) + lambda (D + p (k / 2) r + (1 - p) j r) (docs/algorithms.md); p = 1 is
+    the model where every failure loses the shadow, and p = 0 leaves no failure for a snapshot to serve."""
+    c, k = costs(mtbf_s=24 * HOUR), 1000
+    lost, live = (MeasuredCosts(**{**c.__dict__, "shadow_loss_fraction": p}) for p in (1.0, 0.0))
+    lam, u = c.failure_rate_per_s, c.step_s + c.log_append_s
+    first_order = lambda p: c.snapshot_s / (k * c.step_s) + lam * (c.downtime_s + p * k / 2 * c.replay_step_s) + c.log_append_s
+    assert waste_shadow(c, k) == waste_shadow(lost, k) == pytest.approx(first_order(1.0), rel=0.01)
+    assert waste_shadow(live, k) == pytest.approx(first_order(0.0), rel=0.01)
+    assert waste_shadow(live, k) < waste_shadow(lost, k) - lam * 0.45 * k * c.replay_step_s
+    half = MeasuredCosts(**{**c.__dict__, "shadow_loss_fraction": 0.25})
+    assert shadow_interval_steps(half) == round(2 * shadow_interval_steps(c))  # k* ~ 1 / sqrt(p)
+    assert shadow_interval_steps(live) == math.ceil(50 * c.mtbf_s / c.step_s)  # the search bound: no failure needs one
+    assert optimal_interval_steps(Strategy.SHADOW, live) >= 0.9 * shadow_interval_steps(live)
+
+
 def test_log_only_analytic_waste_agrees_with_simulation_and_grows_with_the_run():
     for c in GRID[::2]:
         predicted = waste_log_only(c, 2 * c.mtbf_s)
@@ -170,6 +199,7 @@ def test_shadow_waste_is_infinite_not_nan_when_the_snapshot_lag_is_whole_steps_a
     ("restart_s", -1.0, "restart_s must be a finite number >= 0"),
     ("mtbf_s", math.inf, "mtbf_s must be a finite number >= 0"),
     ("background_weight", 1.5, r"background_weight must be in \[0, 1\]"),
+    ("shadow_loss_fraction", 1.2, r"shadow_loss_fraction must be in \[0, 1\]"),
     ("accelerators", 0, "accelerators must be an integer >= 1"),
 ])
 def test_costs_are_validated_with_errors_naming_the_field(field, value, message):

@@ -142,6 +142,26 @@ def test_measured_costs_from_a_run_and_its_recoveries():
         rt.measured_costs(run("full-sync"), None, mtbf_s=60.0)
 
 
+def test_recoveries_from_the_live_shadow_set_the_share_of_failures_that_lose_it():
+    """Two of three recoveries took the live shadow's image (object_store, 1 and 3 steps replayed), one a
+    snapshot: the model's shadow-loss share is 1/3 and its live replay 2 steps, and the replay term says so."""
+    recs = recoveries("shadow", (12.0, 13.0, 14.0), (9.0, 9.5, 10.0), (1, 1, 1), replay=(1.0, 4.0, 3.0))
+    for r, source in zip(recs, ("object_store", "storage", "object_store")):
+        r["source"] = source
+    row = rt.recovery_table(recs)[0]
+    assert row["shadow_loss_share"] == pytest.approx(1 / 3) and row["live_replayed_steps"] == pytest.approx(2.0)
+    c = rt.measured_costs(run("shadow"), row, mtbf_s=600.0)
+    assert (c.shadow_loss_fraction, c.live_replay_steps) == pytest.approx((1 / 3, 2.0))
+    value, how = rt.waste_terms(Strategy.SHADOW, c, 20, 100)["replay"]
+    assert value == pytest.approx((20 / 2 / 3 + 2 * 2 / 3) * REPLAY_S / 600.0)
+    assert how == "0.333 x 20/2 + 0.667 x 2 steps (a share 0.333 of the failures loses the shadow; the others replay its lag) x 1 s per failure"
+    full = rt.measured_costs(run("full-async"), rt.recovery_table(recoveries("full-async", (20.0,), (9.5,), (1.5,)))[0], mtbf_s=600.0)
+    assert (full.shadow_loss_fraction, full.live_replay_steps) == (1.0, 0.0)  # the field is the shadow's alone
+    nothing_live = rt.recovery_table(recoveries("shadow", (12.0,), (9.0,), (1,)))[0]
+    assert nothing_live["shadow_loss_share"] == 1 and math.isnan(nothing_live["live_replayed_steps"])
+    assert rt.measured_costs(run("shadow"), nothing_live, mtbf_s=600.0).live_replay_steps == 0.0
+
+
 def test_wasted_grid_has_enough_failures_per_seed_and_intervals_contain_the_mean():
     rows = rt.wasted_table(all_runs(), standard_recoveries(), GRID, seeds=3, min_failures=10)
     assert len(rows) == len(GRID) * 4
