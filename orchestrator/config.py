@@ -116,7 +116,7 @@ class JobConfig:
     the local Hugging Face cache (``training.model.model_folder``; read on the driver only)."""
     model_sha256: str = ""
     """sha256 of the model folder's files (``training.model.files_sha256``), set by the driver
-    (``orchestrator.api.with_assets``); empty for a built-in name. Part of the trajectory."""
+    (``orchestrator.api.check_job``); empty for a built-in name. Part of the trajectory."""
     data: str = ""
     """A local JSONL, CSV or Parquet file (read on the driver only, ``training.data.load_data_file``);
     empty: the Rotten Tomatoes snippets."""

@@ -15,7 +15,7 @@ function is launched, sends all stamps since the previous launch to the run's jo
   worker imports done, its metadata returned);
 - ``group_ready_unix_s``: the train contexts and Ray Train's backend (the torch process group) are set up.
 
-Source: ``ray/train/v2/_internal/execution/callback.py`` and ``worker_group/worker_group.py`` (Ray 2.60).
+Source: ``ray/train/v2/_internal/execution/callback.py`` and ``ray/train/v2/_internal/execution/worker_group/worker_group.py`` (Ray 2.60).
 """
 
 from __future__ import annotations
