@@ -40,8 +40,8 @@ from storage.steplog import (
     StepLogGapError,
     StepLogWriter,
     StepRecord,
-    _scan,
     read_records,
+    scan_records,
 )
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class LogKeeper:
         limit = max(0, min(limit, MAX_RECORDS_PER_CALL))
         with self._cond:
             chunk = bytes(self._data[start * RECORD_BYTES:(start + limit) * RECORD_BYTES])
-        return _scan(chunk, 0, self.path, start)[0]
+        return scan_records(chunk, 0, self.path, start)[0]
 
     def wait_for(self, end: int, timeout_s: float) -> int:
         """Block until at least ``end`` steps are held or ``timeout_s`` seconds passed; returns ``end()``."""

@@ -22,6 +22,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.schedule import parse_schedule
 from orchestrator.storage_cli import inspect, verify
 from orchestrator.stored_config import StoredConfigError, load_config
+from storage.backend import local_path
 from training.data import PROMPT
 from training.model import MODEL_NAMES, default_cache_dir
 
@@ -42,9 +43,8 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log deb
 
 def _storage_uri(uri: str) -> str:
     """A local path made absolute; URIs as given."""
-    if not uri or ("://" in uri and not uri.startswith("file://")):
-        return uri
-    return str(pathlib.Path(uri.removeprefix("file://")).resolve())
+    folder = local_path(uri) if uri else None
+    return uri if folder is None else str(folder)
 
 
 def _refuse(message: str) -> typer.Exit:

@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
 
-from storage.backend import Storage
+from storage.backend import Storage, local_path
 from storage.manifest import RunIdentity
 from storage.snapshots import SnapshotStore
 from training.data import LABEL_WORDS, PROMPT, TASKS
@@ -507,7 +507,7 @@ class JobConfig:
     @property
     def remote_storage(self) -> bool:
         """True when snapshots leave this machine (the step log is then mirrored there too)."""
-        return "://" in self.storage and not self.storage.startswith("file://")
+        return local_path(self.storage) is None
 
     @property
     def uses_shadow(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.storage_cli import EndpointOpt, open_store
+from storage.backend import local_path
 from storage.merge import (
     MergeError,
     Source,
@@ -79,10 +80,8 @@ def merge(
 def _new_local_folder(uri: str) -> pathlib.Path | None:
     """The outermost folder the merge creates for the local store ``uri`` (it or a missing parent);
     None when ``uri`` exists or is not local."""
-    if "://" in uri and not uri.startswith("file://"):
-        return None
-    folder = pathlib.Path(uri.removeprefix("file://")).resolve()
-    if folder.exists():
+    folder = local_path(uri)
+    if folder is None or folder.exists():
         return None
     while not folder.parent.exists():
         folder = folder.parent

@@ -104,6 +104,14 @@ def unreachable_reason(exc: BaseException) -> str | None:
     return reason
 
 
+def local_path(uri: str) -> pathlib.Path | None:
+    """The absolute local folder that a storage URI names (a path, or a ``file://`` URI); None for any
+    other scheme (``s3://``, ``memory://``: storage that is not this machine's disk)."""
+    if "://" in uri and not uri.startswith("file://"):
+        return None
+    return pathlib.Path(uri.removeprefix("file://")).resolve()
+
+
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """Bounds on every storage operation.

@@ -22,7 +22,7 @@ import re
 import time
 
 from storage.backend import Storage
-from storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogGapError, StepRecord, _decode_header, _scan
+from storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogGapError, StepRecord, decode_header, scan_records
 
 PREFIX = "log/"
 _NAME = re.compile(r"^log/segment-(\d{10})-(\d{10})\.bin$")
@@ -61,11 +61,11 @@ def read_segments(storage: Storage) -> tuple[dict | None, list[StepRecord]]:
         if first < len(records):
             continue  # overlapped by a longer earlier segment
         data = storage.get(name)
-        seg_header, start = _decode_header(data, storage.url(name))
+        seg_header, start = decode_header(data, storage.url(name))
         if header is not None and seg_header != header:
             raise StepLogCorruptError(f"{storage.url(name)}: header differs from the first segment's")
         header = seg_header
-        seg_records, end = _scan(data, start, storage.url(name), first)
+        seg_records, end = scan_records(data, start, storage.url(name), first)
         if end != len(data) or len(seg_records) != last - first + 1:
             raise StepLogCorruptError(f"{storage.url(name)}: expected steps {first}..{last}, found {len(seg_records)} records")
         records.extend(seg_records)
@@ -91,8 +91,8 @@ class SegmentMirror:
     def sync(self, final: bool = False) -> int:
         with open(self.local_log, "rb") as fh:
             data = fh.read()
-        header_end = _decode_header(data, self.local_log)[1]
-        available = len(_scan(data, header_end, self.local_log, 0)[0])  # a torn tail is not mirrored
+        header_end = decode_header(data, self.local_log)[1]
+        available = len(scan_records(data, header_end, self.local_log, 0)[0])  # a torn tail is not mirrored
         head = data[:header_end]
         first = (self.mirrored // self.records_per_segment) * self.records_per_segment
         while first < available:

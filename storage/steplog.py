@@ -92,8 +92,13 @@ def _encode_header(header: dict) -> bytes:
     return MAGIC + _CRC.pack(len(body)) + body + _CRC.pack(zlib.crc32(body))
 
 
-def _decode_header(data: bytes, path: pathlib.Path) -> tuple[dict, int]:
-    """(header, offset of the first record)."""
+def decode_header(data: bytes, path: pathlib.Path) -> tuple[dict, int]:
+    """The header of a step log's bytes ``data`` (read from ``path``, named in errors): (header, byte
+    offset of the first record).
+
+    Raises:
+        StepLogCorruptError: bad magic, a truncated header or a checksum mismatch.
+    """
     if len(data) < len(MAGIC) + 4 or data[: len(MAGIC)] != MAGIC:
         raise StepLogCorruptError(f"{path}: not a raycheck step log (bad magic)")
     (n,) = _CRC.unpack_from(data, len(MAGIC))
@@ -141,8 +146,10 @@ def _records(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> I
         yield rec, offset
 
 
-def _scan(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tuple[list[StepRecord], int]:
-    """Decode records from ``offset`` (``_records``); returns (records, end offset of the last good record).
+def scan_records(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tuple[list[StepRecord], int]:
+    """Decode the records of step log bytes ``data`` from byte ``offset`` on, the first being step
+    ``first_step`` (``path`` is named in errors); returns (records, byte offset just past the last
+    good record). A torn last record ends the scan without an error (``_records``).
 
     Raises:
         StepLogCorruptError, StepLogGapError: as ``_records``.
@@ -156,7 +163,7 @@ def _scan(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tupl
 def read_header(path: str | os.PathLike) -> dict:
     """The header of the step log at ``path``."""
     path = pathlib.Path(path)
-    return _decode_header(path.read_bytes(), path)[0]
+    return decode_header(path.read_bytes(), path)[0]
 
 
 def read_log(path: str | os.PathLike) -> tuple[dict, list[StepRecord], int]:
@@ -167,8 +174,8 @@ def read_log(path: str | os.PathLike) -> tuple[dict, list[StepRecord], int]:
     """
     path = pathlib.Path(path)
     data = path.read_bytes()
-    header, start = _decode_header(data, path)
-    records, end = _scan(data, start, path, 0)
+    header, start = decode_header(data, path)
+    records, end = scan_records(data, start, path, 0)
     return header, records, len(data) - end
 
 
@@ -199,7 +206,7 @@ def read_prefix(path: str | os.PathLike) -> LogPrefix:
     """
     path = pathlib.Path(path)
     data = path.read_bytes()
-    header, start = _decode_header(data, path)
+    header, start = decode_header(data, path)
     records, end, damage = [], start, None
     try:
         for rec, end in _records(data, start, path, 0):
@@ -224,7 +231,7 @@ class StepLogReader:
     def __init__(self, path: str | os.PathLike, start_step: int = 0) -> None:
         self.path = pathlib.Path(path)
         data = self.path.read_bytes()
-        self.header, self._records_offset = _decode_header(data, self.path)
+        self.header, self._records_offset = decode_header(data, self.path)
         self.seek(start_step)
 
     def seek(self, step: int) -> None:
@@ -236,7 +243,7 @@ class StepLogReader:
         with open(self.path, "rb") as fh:
             fh.seek(self._offset)
             data = fh.read()
-        records, end = _scan(data, 0, self.path, self.next_step)
+        records, end = scan_records(data, 0, self.path, self.next_step)
         self._offset += end
         self.next_step += len(records)
         return records
@@ -293,8 +300,8 @@ class StepLogWriter:
                 time.sleep(0.2)
         data = path.read_bytes()
         try:
-            header, start = _decode_header(data, path)
-            records, end = _scan(data, start, path, 0)
+            header, start = decode_header(data, path)
+            records, end = scan_records(data, start, path, 0)
         except StepLogError:
             os.close(fd)
             raise
