@@ -62,7 +62,8 @@ def _fmt(value: float | None) -> str:
 
 
 def _costs(step: str, replay: str, snapshot: str, stall: str, log: str, restart: str, load: str,
-           mtbf: str | None, gpus: int, gpu_mtbf: str | None, background_weight: float) -> MeasuredCosts:
+           mtbf: str | None, gpus: int, gpu_mtbf: str | None, background_weight: float, shadow_loss: float = 1.0,
+           live_replay_steps: float = 0.0) -> MeasuredCosts:
     if (mtbf is None) == (gpu_mtbf is None):
         raise typer.BadParameter("give the job's --mtbf, or --gpus with the per-accelerator --gpu-mtbf", param_hint="--mtbf")
     costs = {
@@ -70,6 +71,7 @@ def _costs(step: str, replay: str, snapshot: str, stall: str, log: str, restart:
         "snapshot_s": _seconds("--snapshot-time", snapshot), "stall_s": _seconds("--stall-time", stall),
         "log_append_s": _seconds("--log-time", log), "restart_s": _seconds("--restart-time", restart),
         "load_s": _seconds("--load-time", load), "background_weight": background_weight,
+        "shadow_loss_fraction": shadow_loss, "live_replay_steps": live_replay_steps,
     }
     try:
         if gpu_mtbf is not None:
@@ -108,6 +110,11 @@ def policy(
     gpus: Annotated[int, typer.Option(min=1, help="Accelerators in the job.")] = 1,
     gpu_mtbf: Annotated[str | None, typer.Option(help="MTBF of one accelerator (job MTBF = this / --gpus), e.g. 2000d.")] = None,
     background_weight: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of background snapshot time charged as waste.")] = 1.0,
+    shadow_loss: Annotated[float, typer.Option(min=0.0, max=1.0, help=(
+        "Share of failures that also lose the CPU shadow's image (1: every failure takes the whole job down). A train "
+        "worker's own failure (its process, its GPU, its node) leaves the shadow alive: give the share of the others."))] = 1.0,
+    live_replay_steps: Annotated[float, typer.Option(min=0.0, help=(
+        "Steps a recovery from the live shadow replays (its lag behind the log; `raycheck experiment` measures it)."))] = 0.0,
     horizon: Annotated[str, typer.Option(help="Training time of the run (log-only waste grows with it).")] = "7d",
     max_overhead: Annotated[float, typer.Option(min=0.01, max=99.0, help="CheckFreq overhead bound, percent.")] = 3.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
@@ -117,7 +124,7 @@ def policy(
     Exits 2 when no strategy is feasible or none makes progress (``policies.compare.MAX_WASTE_RATIO``),
     after the table (or the JSON, with ``recommended`` null) that shows why."""
     costs = _costs(step_time, replay_time, snapshot_time, stall_time, log_time, restart_time, load_time,
-                   mtbf, gpus, gpu_mtbf, background_weight)
+                   mtbf, gpus, gpu_mtbf, background_weight, shadow_loss, live_replay_steps)
     try:
         options = compare(costs, horizon_s=_seconds("--horizon", horizon), max_overhead=max_overhead / 100)
     except ValueError as exc:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from orchestrator.policy_cli import app, format_duration, parse_duration
 from policies.costs import MeasuredCosts
-from policies.models import Strategy, optimal_interval_steps
+from policies.models import Strategy, optimal_interval_steps, waste_shadow
 
 ARGS = ["--step-time", "5.6s", "--replay-time", "1s", "--snapshot-time", "930ms", "--stall-time", "60ms",
         "--restart-time", "1min", "--load-time", "1s", "--log-time", "76us"]
@@ -58,6 +58,21 @@ def test_policy_json_for_scripts_with_accelerator_mtbf():
     assert best["wasted_h_per_day"] == pytest.approx(24 * best["waste_ratio"] / (1 + best["waste_ratio"]))
 
 
+def test_policy_with_failures_that_leave_the_shadow_alive_charges_them_its_lag_only():
+    """``--shadow-loss 0.1 --live-replay-steps 2``: the shadow's waste is the closed form at those values, below
+    the one where every failure loses the shadow, and its optimal interval is longer (k* ~ 1 / sqrt(p))."""
+    every, some = (json.loads(CliRunner().invoke(app, [*ARGS, "--mtbf", "3h", "--json", *extra]).output)
+                   for extra in ([], ["--shadow-loss", "0.1", "--live-replay-steps", "2"]))
+    assert (some["costs"]["shadow_loss_fraction"], some["costs"]["live_replay_steps"]) == (0.1, 2.0)
+    assert every["costs"]["shadow_loss_fraction"] == 1.0
+    optimal = {name: next(o for o in out["options"] if (o["strategy"], o["rule"]) == ("shadow", "optimal"))
+               for name, out in (("every", every), ("some", some))}
+    costs = MeasuredCosts(**some["costs"])
+    assert optimal["some"]["waste_ratio"] == pytest.approx(waste_shadow(costs, optimal["some"]["interval_steps"]))
+    assert optimal["some"]["waste_ratio"] < optimal["every"]["waste_ratio"]
+    assert optimal["some"]["interval_steps"] > 2 * optimal["every"]["interval_steps"]
+
+
 def test_policy_reports_an_infeasible_shadow_and_recommends_something_else():
     args = [a if a != "1s" else "6s" for a in ARGS]  # replay slower than a step
     result = CliRunner().invoke(app, [*args, "--mtbf", "3h", "--json"])
@@ -70,6 +85,7 @@ def test_policy_reports_an_infeasible_shadow_and_recommends_something_else():
 @pytest.mark.parametrize("extra, message", [
     (["--mtbf", "3"], "is not a duration"),
     (["--mtbf", "3h", "--gpu-mtbf", "100d"], "give the job's --mtbf, or --gpus"),
+    (["--mtbf", "3h", "--shadow-loss", "1.5"], "Invalid value for '--shadow-loss'"),
     ([], "give the job's --mtbf, or --gpus"),
 ])
 def test_policy_rejects_bad_flags_with_a_clear_error(extra, message):
