@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import storage.backend as backend
+import storage.files as files
 from orchestrator.run_dir import RunDir
 from storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer
-from storage.files import write_synced
+from storage.files import atomic_write, write_synced
 
 ONE_TRY = RetryPolicy(attempts=1)
 
@@ -132,6 +133,33 @@ def test_write_synced_waits_on_the_pacer_before_each_chunk(tmp_path):
         write_synced(fh.fileno(), blob(2500), 1000, Recorder())
     assert waited == [1000, 1000, 500]
     assert (tmp_path / "f").read_bytes() == blob(2500)
+
+
+def test_atomic_write_paces_each_chunk_and_creates_a_file_that_the_umask_alone_restricts(tmp_path):
+    """The pacer reaches every chunk of an atomic write (a capped ``Storage`` puts through it); the file
+    is created with mode 0o666 less the umask (not executable, as ``open`` would make it)."""
+    waited = []
+
+    class Recorder:
+        def wait(self, nbytes: int) -> None:
+            waited.append(nbytes)
+
+    old = os.umask(0)
+    try:
+        atomic_write(tmp_path / "f", blob(2500), 1000, Recorder())
+    finally:
+        os.umask(old)
+    assert waited == [1000, 1000, 500] and (tmp_path / "f").read_bytes() == blob(2500)
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o666
+
+
+def test_atomic_write_of_a_bare_file_name_syncs_the_current_folder(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(files, "fsync_dir", lambda path: synced.append(os.path.realpath(path)))
+    monkeypatch.chdir(tmp_path)
+    atomic_write("state.json", b"{}")
+    assert synced == [str(tmp_path.resolve())] and (tmp_path / "state.json").read_bytes() == b"{}"
+    assert os.listdir(tmp_path) == ["state.json"]  # no temp file left
 
 
 def test_pacer_reserves_consecutive_slots_at_the_capped_rate():
