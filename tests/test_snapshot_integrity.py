@@ -476,3 +476,74 @@ def test_a_shard_replaced_by_a_folder_is_a_bad_shard_not_a_traceback(tmp_path):
     assert store.load_latest().info.step == 10
     result = CliRunner().invoke(app, ["verify", str(tmp_path)])
     assert result.exit_code == 1 and "not a file" in result.output and "Traceback" not in result.output
+
+
+# -- composite (layer-wise) writes: what they refuse and what they record ------------------------------
+WIDE = {f"model.layers.0.t{i}.weight": np.full(2, i, np.float32) for i in range(5)}  # one unit of five tensors
+
+
+def test_a_composite_that_cannot_be_written_names_every_problem(tmp_path):
+    """Part of a unit, a step older than the newest snapshot, a unit with nothing to reference and a
+    committed unit that holds other tensors: one error names each (the first 3 tensor names of a unit)."""
+    store = SnapshotStore(str(tmp_path))
+    store.write(4, {**WIDE, "model.norm.weight": np.ones(2, np.float32)})
+    folder = store.list()[-1].folder
+    names = [*WIDE, "model.norm.bias", "lm_head.weight"]
+    with pytest.raises(ValueError) as info:
+        store.write_units(3, {n: a for n, a in WIDE.items() if not n.startswith("model.layers.0.t0")}, names)
+    assert str(info.value) == "\n  ".join([
+        "cannot write the composite snapshot of step 3:",
+        "unit layer.000: got tensors ['model.layers.0.t1.weight', 'model.layers.0.t2.weight', 'model.layers.0.t3.weight']..., "
+        "the layout has ['model.layers.0.t0.weight', 'model.layers.0.t1.weight', 'model.layers.0.t2.weight']...",
+        "step 3 is older than the newest committed snapshot (step 4)",
+        f"unit norm: the committed version ({folder}) holds other tensors than the layout",
+        "unit lm_head is not in the new tensors and has no committed version to reference"])
+    with pytest.raises(ValueError, match=r"^cannot write .*\n  unit embed: got tensors \['model.embed_tokens.weight'\]\.\.\., "
+                                         r"the layout has \[\]\.\.\.$"):
+        store.write_units(5, {"model.embed_tokens.weight": np.ones(2, np.float32)}, [*WIDE, "model.norm.weight"])
+
+
+def test_a_composite_rewrites_exactly_the_referenced_units_whose_shards_fail_and_says_so(tmp_path, caplog):
+    """Units norm and lm_head (the 2nd and 3rd referenced) have rotten shards: with the full state they
+    are rewritten at the new step, with a warning each; without it the error names both problems."""
+    full = {"model.embed_tokens.weight": np.ones(2, np.float32), **WIDE, "model.norm.weight": np.ones(2, np.float32),
+            "lm_head.weight": np.ones(2, np.float32)}
+    store = SnapshotStore(str(tmp_path), keep_last=10)
+    store.write(4, full, config={"lr": 1.0})
+    base = store.list()[-1]
+    for unit in ("norm", "lm_head"):
+        flip_shard(store.storage, base.manifest["units"][unit]["path"])
+    changed = {n: a + 1 for n, a in WIDE.items()}
+    with pytest.raises(ValueError) as info:
+        store.write_units(6, changed, list(full))
+    paths = {u: base.manifest["units"][u]["path"] for u in ("norm", "lm_head")}
+    assert str(info.value) == ("cannot reference the committed shards of step 4: "
+                               f"{paths['norm']}: sha256 differs from the manifest (corrupt); "
+                               f"{paths['lm_head']}: sha256 differs from the manifest (corrupt)")
+    with caplog.at_level(logging.WARNING, logger="storage.snapshots"):
+        info6 = store.write_units(6, changed, list(full), config={"lr": 2.0}, full_state={**full, **changed})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rewriting unit {u} instead of referencing a shard that failed verification: {paths[u]}: sha256 differs from "
+        "the manifest (corrupt)" for u in ("norm", "lm_head")]
+    steps = {u: s["step"] for u, s in info6.manifest["units"].items()}
+    assert steps == {"embed": 4, "layer.000": 6, "norm": 6, "lm_head": 6} and info6.manifest["config"] == {"lr": 2.0}
+    assert state_sha256(store.load(info6)) == state_sha256({**full, **changed})
+
+
+def test_a_composite_may_be_written_at_the_newest_snapshots_step_and_is_held_to_the_runs_layout(tmp_path):
+    full = {**WIDE, "model.norm.weight": np.ones(2, np.float32)}
+    store = SnapshotStore(str(tmp_path), layout=layout_of(full))
+    store.write(4, full)
+    again = store.write_units(4, {"model.norm.weight": np.zeros(2, np.float32)}, list(full))  # same step: allowed
+    assert again.step == 4 and again.manifest["units"]["norm"]["step"] == 4
+    with pytest.raises(ValueError, match=r"^refusing the snapshot of step 6: it does not cover the run's layout"):
+        store.write_units(6, {"model.norm.weight": np.zeros(2, np.float64)}, list(full))
+
+
+def test_store_defaults_and_an_epoch_claim_without_a_run(tmp_path):
+    store = SnapshotStore(str(tmp_path))
+    for step in range(5):
+        store.write(step, state(step))
+    assert [i.step for i in store.list()] == [2, 3, 4]  # keep_last defaults to 3
+    with pytest.raises(ValueError, match=r"^claim_epoch needs a run identity$"):
+        store.claim_epoch()
