@@ -600,9 +600,10 @@ def measured_waste_table(runs: list[dict], recoveries: list[dict] | None = None,
     return rows
 
 
-def model_replay_steps(costs: MeasuredCosts, k: int) -> float:
-    """Steps the shadow model replays per failure on average, to first order: k / 2 for the share
-    ``shadow_loss_fraction`` of failures that lose the shadow, ``live_replay_steps`` for the others."""
+def model_replay_steps(costs: MeasuredCosts, k: float) -> float:
+    """Steps a log-based strategy replays per failure on average, to first order: k / 2 (k: the
+    snapshot interval, or log-only's run length) for the share ``shadow_loss_fraction`` of failures
+    that lose the shadow (log-only: all), ``live_replay_steps`` for the others."""
     p = costs.shadow_loss_fraction
     return p * k / 2 + (1 - p) * costs.live_replay_steps
 
@@ -621,13 +622,10 @@ def waste_terms(strategy: Strategy, costs: MeasuredCosts, k: int | None, run_ste
     if strategy in (Strategy.SHADOW, Strategy.LOG_ONLY):
         terms["log appends"] = (costs.log_append_s / t, f"{costs.log_append_s:.3g} s per {t:.3g} s step")
         n = k if strategy is Strategy.SHADOW else run_steps
-        p, j = costs.shadow_loss_fraction, costs.live_replay_steps
-        how = f"{n:g}/2 steps"
-        if strategy is Strategy.SHADOW and p < 1:
-            how = (f"{p:.3g} x {n:g}/2 + {1 - p:.3g} x {j:.3g} steps (a share {p:.3g} of the failures loses the shadow; "
-                   f"the others replay its lag)")
-        steps = model_replay_steps(costs, n) if strategy is Strategy.SHADOW else n / 2
-        terms["replay"] = (lam * steps * costs.replay_step_s, f"{how} x {costs.replay_step_s:.3g} s per failure")
+        p, j = costs.shadow_loss_fraction, costs.live_replay_steps  # log-only: p = 1 (no shadow to survive)
+        how = f"{n:g}/2 steps" if p == 1 else (f"{p:.3g} x {n:g}/2 + {1 - p:.3g} x {j:.3g} steps (a share {p:.3g} of the "
+                                               "failures loses the shadow; the others replay its lag)")
+        terms["replay"] = (lam * model_replay_steps(costs, n) * costs.replay_step_s, f"{how} x {costs.replay_step_s:.3g} s per failure")
     if strategy is Strategy.FULL_SYNC:
         terms["checkpoint blocking"] = (costs.snapshot_s / (k * t), f"{costs.snapshot_s:.3g} s every {k} steps")
         terms["lost work"] = (lam * (k * t + costs.snapshot_s) / 2, f"half of {k} steps + a checkpoint per failure")
