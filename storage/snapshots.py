@@ -457,7 +457,7 @@ class SnapshotStore:
         emptied = set()
         for path in self.storage.list():
             folder = path.split("/")[0]
-            writer = folder_writer(folder) if FOLDER.match(folder) else None
+            writer = folder_writer(folder)  # None for a name without a writer (or no snapshot at all)
             if folder in indexed or not FOLDER.match(folder) or not self._owned(folder) or (writer and writer[1] > self.epoch):
                 continue  # not a snapshot, still listed, another run's, or a newer incarnation's attempt
             if folder in drop or folder_step(folder) < newest:

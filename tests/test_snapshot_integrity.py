@@ -32,10 +32,10 @@ def index_folders(storage: Storage) -> list[str]:
 
 
 def rewrite_manifest(storage: Storage, folder: str, change, reindex: bool = True) -> None:
-    """Replace ``folder``'s manifest by ``change(manifest)``; ``reindex``: record its new sha256 in the
+    """Replace ``folder``'s manifest by ``change(manifest)`` (a dict, or bytes as they are); ``reindex``: record its new sha256 in the
     index too (a consistent lie, so that only the manifest's own checks can catch it)."""
     manifest = change(json.loads(storage.get(f"{folder}/{MANIFEST}")))
-    blob = json.dumps(manifest).encode()
+    blob = manifest if isinstance(manifest, bytes) else json.dumps(manifest).encode()
     storage.put(f"{folder}/{MANIFEST}", blob)
     if reindex:
         index = json.loads(storage.get(INDEX))
@@ -255,6 +255,54 @@ def test_a_malformed_manifest_is_reported_and_the_previous_snapshot_loads(storag
     assert len(got.skipped) == 1 and got.skipped[0].startswith(f"{info.folder}/{MANIFEST}: malformed") and reason in got.skipped[0]
 
 
+def test_every_damaged_manifest_is_skipped_with_its_reason_and_the_listing_goes_on(storage):
+    """Damage in the oldest snapshots (a missing, an altered, an unreadable, a malformed manifest) never
+    hides the newer ones; each is named once, in index order, with its reason."""
+    store = SnapshotStore(storage, keep_last=10)
+    infos = [store.write(step, state(step)) for step in (1, 2, 3, 4, 5)]
+    folders = [i.folder for i in infos]
+    storage.delete(f"{folders[0]}/{MANIFEST}")
+    rewrite_manifest(storage, folders[1], lambda m: {**m, "config": {"altered": True}}, reindex=False)
+    rewrite_manifest(storage, folders[2], lambda m: b"{not json")
+    rewrite_manifest(storage, folders[3], lambda m: {**m, "step": 25})
+    assert [i.step for i in store.list()] == [5]
+    assert store.skipped[:3] == [f"{folders[0]}/{MANIFEST}: missing",
+                                 f"{folders[1]}/{MANIFEST}: sha256 differs from the index (altered after its commit)",
+                                 f"{folders[2]}/{MANIFEST}: unreadable (Expecting property name enclosed in double quotes: "
+                                 "line 1 column 2 (char 1))"]
+    assert len(store.skipped) == 4 and store.skipped[3].startswith(f"{folders[3]}/{MANIFEST}: malformed: step 25 differs")
+
+
+def test_a_manifest_with_many_problems_is_reported_by_its_first_three(storage):
+    store = SnapshotStore(storage)
+    info = store.write(1, state(1))
+    rewrite_manifest(storage, info.folder, lambda m: {**m, "units": {u: {**spec, "sha256": "x"} for u, spec in m["units"].items()}})
+    assert sorted(info.manifest["units"]) == ["embed", "layer.000", "layer.001", "norm"] and store.list() == []
+    assert store.skipped == [f"{info.folder}/{MANIFEST}: malformed: unit 'embed': sha256 'x' is not 64 hex digits; "
+                             "unit 'layer.000': sha256 'x' is not 64 hex digits; unit 'layer.001': sha256 'x' is not 64 hex digits"]
+
+
+def test_verify_names_every_bad_shard_not_only_the_first(storage):
+    store = SnapshotStore(storage)
+    info = store.write(1, state(1))
+    paths = {u: spec["path"] for u, spec in info.manifest["units"].items()}
+    storage.delete(paths["embed"])
+    flip_shard(storage, paths["layer.000"])
+    storage.put(paths["layer.001"], storage.get(paths["layer.001"])[:10])
+    assert store.verify(info) == [f"{paths['embed']}: missing", f"{paths['layer.000']}: sha256 differs from the manifest (corrupt)",
+                                  f"{paths['layer.001']}: 10 bytes, manifest says {info.manifest['units']['layer.001']['bytes']} (truncated?)"]
+
+
+def test_a_foreign_snapshot_is_named_with_both_runs_and_one_without_identity_says_so(storage):
+    SnapshotStore(storage, identity=RunIdentity("run-b", "0123456789abcdef" * 4)).write(1, state(1))
+    anonymous = SnapshotStore(storage).write(2, state(2))
+    foreign = SnapshotStore(storage).list()[0].folder
+    run = SnapshotStore(storage, identity=RunIdentity("run-a", "fedcba9876543210" * 4))
+    assert run.list() == []
+    assert run.skipped == [f"{foreign}: foreign run run-b (trajectory 0123456789ab), not run run-a (trajectory fedcba987654)",
+                           f"{anonymous.folder}: no run identity, not run run-a (trajectory fedcba987654)"]
+
+
 @pytest.mark.parametrize("body", [b"null", b"[]", b'"step-0000000010-aaaaaaaa"', b'{"format_version": 3, "snapshots": "x"}',
                                   b'{"format_version": 3, "generation": 1, "epochs": {}, "snapshots": [{"folder": "../x"}]}'])
 def test_a_malformed_index_is_reported_and_never_raises(tmp_path, body):
@@ -331,6 +379,62 @@ def test_after_a_resume_damaged_snapshots_never_count_toward_keep_last_and_good_
     resumed.write(12, state(12))  # three good ones (8, 10, 12) newer than the damaged: both retired
     assert [i.step for i in resumed.list()] == [8, 10, 12]
     assert not [p for p in storage.list() if p.startswith((infos[6].folder, infos[8].folder))]
+
+
+def failed_attempt(storage: Storage, step: int, **store) -> str:
+    """The folder of an attempt at ``step`` whose manifest put failed (its shards are stored)."""
+    with pytest.raises(StorageError, match="injected failure"):
+        SnapshotStore(spy(storage, fail_put=MANIFEST), **store).write(step, state(step))
+    [folder] = {p.split("/")[0] for p in storage.list() if p.startswith(f"step-{step:010d}")} - set(index_folders(storage))
+    return folder
+
+
+def test_retention_deletes_failed_attempts_older_than_the_newest_snapshot_and_never_one_that_may_be_in_flight(storage):
+    """This writer's own failed attempts (same epoch) older than the newest snapshot are deleted; an attempt
+    at the newest step or later is kept, since it may still be in flight (an overlapped write, a composite
+    written at the newest step), until a newer snapshot commits."""
+    run = dict(identity=RUN_A, epoch=1)
+    store = SnapshotStore(storage, keep_last=5, **run)
+    store.write(1, state(1))
+    old, same, later = (failed_attempt(storage, step, **run) for step in (2, 4, 6))
+    store.write(4, state(4))  # newest is 4: the attempt at 2 goes, those at 4 and 6 stay
+    folders = {p.split("/")[0] for p in storage.list()}
+    assert old not in folders and {same, later} <= folders
+    store.write(7, state(7))
+    assert not {same, later} & {p.split("/")[0] for p in storage.list()}
+    assert [i.step for i in store.list()] == [1, 4, 7]
+
+
+class UndeletableStorage(Storage):
+    """A real ``Storage`` whose deletes fail."""
+
+    def delete(self, rel):
+        raise PermissionError(f"{rel}: read-only")
+
+
+def test_a_delete_that_fails_is_logged_with_its_path_and_error_and_the_index_is_already_rewritten(storage, caplog):
+    store = SnapshotStore(UndeletableStorage(storage.uri, **storage.options), keep_last=1)
+    first = store.write(1, state(1))
+    with caplog.at_level(logging.WARNING, logger="storage.snapshots"):
+        second = store.write(2, state(2))
+    path = f"{first.folder}/{MANIFEST}"
+    assert f"retention could not delete {path}: {path}: read-only" in caplog.messages
+    assert index_folders(storage) == [second.folder] and path in storage.list()
+
+
+def test_retention_retires_unlisted_index_entries_up_to_the_committed_step_and_good_ones_past_the_kept(storage):
+    """Index entries whose manifest is gone are retired only at or before the step just committed (a newer
+    one may be another writer's, still to be repaired); listed snapshots not kept go whatever their step."""
+    first = SnapshotStore(storage, keep_last=10, identity=RUN_A, epoch=1)
+    infos = {step: first.write(step, state(step)) for step in (2, 4, 6, 7, 9, 10)}
+    for step in (2, 6, 10):
+        storage.delete(f"{infos[step].folder}/{MANIFEST}")
+    resumed = SnapshotStore(storage, keep_last=1, identity=RUN_A, epoch=2)
+    committed = resumed.write(6, state(6))  # 9 is the newest good one: kept with 6; 4 and 7 go; so do 2 and the damaged 6
+    assert sorted(index_folders(storage)) == [committed.folder, infos[9].folder, infos[10].folder]
+    assert [i.step for i in resumed.list()] == [6, 9]
+    left = {p.split("/")[0] for p in storage.list()}
+    assert not left & {infos[s].folder for s in (2, 4, 6, 7)} and infos[10].folder in left
 
 
 def test_a_composite_never_references_a_shard_that_fails_verification(storage):
@@ -469,10 +573,11 @@ def test_a_shard_replaced_by_a_folder_is_a_bad_shard_not_a_traceback(tmp_path):
     store = SnapshotStore(str(tmp_path))
     store.write(10, state(10))
     info = store.write(20, state(20))
-    shard = tmp_path / info.manifest["units"]["norm"]["path"]
-    shard.unlink()
-    shard.mkdir()
-    assert store.verify(info) == [f"{info.manifest['units']['norm']['path']}: not a file"]
+    paths = {u: spec["path"] for u, spec in info.manifest["units"].items()}
+    (tmp_path / paths["embed"]).unlink()
+    (tmp_path / paths["embed"]).mkdir()
+    flip_shard(store.storage, paths["norm"])  # a unit after it: still checked
+    assert store.verify(info) == [f"{paths['embed']}: not a file", f"{paths['norm']}: sha256 differs from the manifest (corrupt)"]
     assert store.load_latest().info.step == 10
     result = CliRunner().invoke(app, ["verify", str(tmp_path)])
     assert result.exit_code == 1 and "not a file" in result.output and "Traceback" not in result.output
