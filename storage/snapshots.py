@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -428,20 +429,16 @@ class SnapshotStore:
         retired when ``keep_last`` good ones newer than it exist. A snapshot this store committed is
         trusted (its hashes come from the bytes written); any other is verified once per store
         (``_verifies``): after a resume, the earlier incarnation's are read once."""
-        own = [i for i in self.list() if self._owned(i.folder)]
+        listed = [i for i in self.list() if self._owned(i.folder)]
+        own = sorted({i.folder: i for i in [*listed, committed]}.values(), key=_order)  # listed or not yet
         self._verified[committed.folder] = True
-        good = 0
-        oldest_kept = len(own)
-        for position in range(len(own) - 1, -1, -1):
-            if good == self.keep_last:
-                break
-            if self._verifies(own[position]):
-                good, oldest_kept = good + 1, position
-        keep = {i.folder for i in own[oldest_kept:]} | {committed.folder}
-        valid = {i.folder for i in own}
+        newest_first = range(len(own) - 1, -1, -1)  # lazily: older snapshots are verified only when needed
+        good = list(itertools.islice((p for p in newest_first if self._verifies(own[p])), self.keep_last))
+        keep = {i.folder for i in own[good[-1]:]} | {committed.folder}  # good is never empty: committed verifies
+        valid = {i.folder for i in listed}
         drop = {e["folder"] for e in self._read_index()[0].entries if self._owned(e["folder"]) and e["folder"] not in keep
                 and (e["folder"] in valid or folder_step(e["folder"]) <= committed.step)}  # malformed: only older ones
-        return drop, max((i.step for i in own), default=committed.step)
+        return drop, own[-1].step
 
     def _verifies(self, info: SnapshotInfo) -> bool:
         """True when every shard of ``info`` has its size and sha256 (``verify``), remembered per folder."""

@@ -385,7 +385,8 @@ def failed_attempt(storage: Storage, step: int, **store) -> str:
     """The folder of an attempt at ``step`` whose manifest put failed (its shards are stored)."""
     with pytest.raises(StorageError, match="injected failure"):
         SnapshotStore(spy(storage, fail_put=MANIFEST), **store).write(step, state(step))
-    [folder] = {p.split("/")[0] for p in storage.list() if p.startswith(f"step-{step:010d}")} - set(index_folders(storage))
+    [folder] = {p.split("/")[0] for p in storage.list() if p.startswith(f"step-{step:010d}")} - {
+        i.folder for i in SnapshotStore(storage).list()}
     return folder
 
 
@@ -435,6 +436,23 @@ def test_retention_retires_unlisted_index_entries_up_to_the_committed_step_and_g
     assert [i.step for i in resumed.list()] == [6, 9]
     left = {p.split("/")[0] for p in storage.list()}
     assert not left & {infos[s].folder for s in (2, 4, 6, 7)} and infos[10].folder in left
+
+
+class ManifestsUnreadable(Storage):
+    """A real ``Storage`` on which no manifest can be read back (a listing that does not show them yet)."""
+
+    def get(self, rel):
+        if rel.endswith(MANIFEST):
+            raise FileNotFoundError(rel)
+        return super().get(rel)
+
+
+def test_retention_counts_the_commit_as_newest_when_the_listing_does_not_show_it_yet(storage):
+    run = dict(identity=RUN_A, epoch=1)
+    older = failed_attempt(storage, 0, **run)
+    info = SnapshotStore(ManifestsUnreadable(storage.uri, **storage.options), **run).write(1, state(1))
+    assert index_folders(storage) == [info.folder]
+    assert {p.split("/")[0] for p in storage.list()} == {info.folder, INDEX} - {older}
 
 
 def test_a_composite_never_references_a_shard_that_fails_verification(storage):
