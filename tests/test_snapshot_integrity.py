@@ -182,6 +182,29 @@ def test_a_writer_that_loses_the_index_race_rereads_it_and_commits_after_the_win
     assert f"{storage.url(INDEX)} changed while it was rewritten; retrying" in caplog.messages
 
 
+class ContendedStorage(Storage):
+    """A real ``Storage`` on which ``rival`` commits a snapshot before each conditional put: this writer
+    loses every race for the index."""
+
+    def __init__(self, *args, rival: SnapshotStore, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rival, self.rival_steps = rival, iter(range(100, 200))
+
+    def _put_if_match(self, rel, data, expected):
+        step = next(self.rival_steps)
+        self.rival.write(step, state(step))
+        return super()._put_if_match(rel, data, expected)
+
+
+def test_a_writer_that_loses_every_race_gives_up_after_its_attempts_and_the_winners_stay(storage):
+    rival = SnapshotStore(Storage(storage.uri, **storage.options), keep_last=10, identity=RUN_B)
+    loser = SnapshotStore(ContendedStorage(storage.uri, rival=rival, **storage.options), identity=RUN_A)
+    with pytest.raises(StorageError) as err:
+        loser.write(1, state(1))
+    assert str(err.value) == f"{storage.url(INDEX)} changed 8 times while being rewritten; giving up"
+    assert [i.step for i in SnapshotStore(storage).list()] == list(range(100, 108))
+
+
 # -- 2. a manifest that lies -----------------------------------------------------------------------
 def test_a_manifest_that_lies_about_its_step_is_skipped_and_verify_reports_it(tmp_path):
     store = SnapshotStore(str(tmp_path))
@@ -255,7 +278,7 @@ def test_a_malformed_manifest_is_reported_and_the_previous_snapshot_loads(storag
     assert len(got.skipped) == 1 and got.skipped[0].startswith(f"{info.folder}/{MANIFEST}: malformed") and reason in got.skipped[0]
 
 
-def test_every_damaged_manifest_is_skipped_with_its_reason_and_the_listing_goes_on(storage):
+def test_every_damaged_manifest_is_skipped_with_its_reason_and_the_listing_goes_on(storage, caplog):
     """Damage in the oldest snapshots (a missing, an altered, an unreadable, a malformed manifest) never
     hides the newer ones; each is named once, in index order, with its reason."""
     store = SnapshotStore(storage, keep_last=10)
@@ -271,6 +294,7 @@ def test_every_damaged_manifest_is_skipped_with_its_reason_and_the_listing_goes_
                                  f"{folders[2]}/{MANIFEST}: unreadable (Expecting property name enclosed in double quotes: "
                                  "line 1 column 2 (char 1))"]
     assert len(store.skipped) == 4 and store.skipped[3].startswith(f"{folders[3]}/{MANIFEST}: malformed: step 25 differs")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "storage.snapshots"] == [(logging.WARNING, f"snapshot skipped: {p}") for p in store.skipped]
 
 
 def test_a_manifest_with_many_problems_is_reported_by_its_first_three(storage):
@@ -293,12 +317,14 @@ def test_verify_names_every_bad_shard_not_only_the_first(storage):
                                   f"{paths['layer.001']}: 10 bytes, manifest says {info.manifest['units']['layer.001']['bytes']} (truncated?)"]
 
 
-def test_a_foreign_snapshot_is_named_with_both_runs_and_one_without_identity_says_so(storage):
+def test_a_foreign_snapshot_is_named_with_both_runs_and_one_without_identity_says_so(storage, caplog):
     SnapshotStore(storage, identity=RunIdentity("run-b", "0123456789abcdef" * 4)).write(1, state(1))
     anonymous = SnapshotStore(storage).write(2, state(2))
     foreign = SnapshotStore(storage).list()[0].folder
     run = SnapshotStore(storage, identity=RunIdentity("run-a", "fedcba9876543210" * 4))
-    assert run.list() == []
+    with caplog.at_level(logging.INFO, logger="storage.snapshots"):
+        assert run.list() == []
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "storage.snapshots"] == [(logging.INFO, f"snapshot skipped: {p}") for p in run.skipped]
     assert run.skipped == [f"{foreign}: foreign run run-b (trajectory 0123456789ab), not run run-a (trajectory fedcba987654)",
                            f"{anonymous.folder}: no run identity, not run run-a (trajectory fedcba987654)"]
 
