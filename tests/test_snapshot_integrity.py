@@ -205,6 +205,24 @@ def test_a_writer_that_loses_every_race_gives_up_after_its_attempts_and_the_winn
     assert [i.step for i in SnapshotStore(storage).list()] == list(range(100, 108))
 
 
+def test_load_latest_at_most_a_step_and_of_some_units_only(storage):
+    """``max_step``: the newest snapshot at or before it (recovery never restores past the log's end);
+    ``units``: only those units are read and verified (a shadow shard's part), in canonical order."""
+    store = SnapshotStore(storage, keep_last=5)
+    infos = {step: store.write(step, state(step)) for step in (1, 2, 3)}
+    got = store.load_latest(max_step=2)
+    assert (got.info.step, state_sha256(got.state), got.skipped) == (2, state_sha256(state(2)), [])
+    flip_shard(storage, infos[3].manifest["units"]["embed"]["path"])
+    part = store.load_latest(units=["layer.001", "norm"])
+    names = [n for n in infos[3].manifest["names"] if n in {*infos[3].manifest["units"]["layer.001"]["tensors"],
+                                                            *infos[3].manifest["units"]["norm"]["tensors"]}]
+    assert part.info.step == 3 and list(part.state) == names
+    assert state_sha256(part.state) == state_sha256({n: state(3)[n] for n in names})
+    with pytest.raises(NoSnapshotError) as err:
+        store.load_latest(max_step=0)
+    assert str(err.value) == f"no loadable snapshot in {storage.url()}; tried: none found"
+
+
 # -- 2. a manifest that lies -----------------------------------------------------------------------
 def test_a_manifest_that_lies_about_its_step_is_skipped_and_verify_reports_it(tmp_path):
     store = SnapshotStore(str(tmp_path))
