@@ -205,15 +205,17 @@ def test_poisson_schedule_of_failures_is_exact(workers, reference):
 
 def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_path_factory):
     """Step 4: the shadow dies once its snapshot of step 3 is committed; its restart starts there.
-    Step 8: shadow and worker die once the snapshot of step 6 is committed; the worker restores it
-    from storage plus the 2 logged steps after it. Step 10: rank 0 dies half-way through a log
-    append; the torn tail is cut and the shadow (restarted after step 8) serves step 10."""
-    s = job(tmp_path_factory, "shadow", "4:shadow 8:both 10:worker:torn")
+    Step 8: the shadow dies once the snapshot of step 6 is committed, then rank 0 dies half-way
+    through the log append of step 8: the torn tail is cut, and the worker restores the snapshot of
+    step 6 from storage plus the 2 logged steps after it; the shadow, restarted from that snapshot
+    too, ends equal to the reference. (A restarted shadow serving a later recovery from the object
+    store: ``test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact``.)"""
+    s = job(tmp_path_factory, "shadow", "4:shadow 8:both:torn")
     assert_exact(s, reference)
     assert [(r["incarnation"], r["source"], r["step"]) for r in s["shadow_restarts"]] == [(1, "snapshot", 3), (2, "snapshot", 6)]
     assert [(r["failure_step"], r["source"], r["base_step"], r["replayed_steps"], r["restored_step"]) for r in s["recoveries"]] == [
-        (8, "storage", 6, 2, 8), (10, "object_store", 10, 0, 10)]
-    assert [(t["bytes"], t["step"]) for t in s["torn_tails_cut"]] == [(38, 10)]
+        (8, "storage", 6, 2, 8)]
+    assert [(t["bytes"], t["step"]) for t in s["torn_tails_cut"]] == [(38, 8)]
 
 
 def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive_policy_replans(reference, tmp_path_factory):
@@ -400,14 +402,13 @@ def cfg_store(summary: dict):
 
 
 def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(reference, tmp_path_factory):
-    """``--shadow-shards 2``. Step 4: a worker dies; it restores the two shards' images of step 4
-    through the object store. Step 7: shard 1 alone is killed once the snapshot of step 6 (both parts,
+    """``--shadow-shards 2``. Step 7: shard 1 alone is killed once the snapshot of step 6 (both parts,
     one manifest) is committed; it restarts from its units of that snapshot while shard 0 keeps its
-    actor. Step 10: a worker dies again and restores from the restarted shard 1 and the original shard 0."""
-    s = job(tmp_path_factory, "shards", "4:worker 7:shadow:1 10:worker", shadow_shards=2)
+    actor. Step 10: a worker dies and restores, through the object store, the image assembled from
+    the restarted shard 1 and the original shard 0."""
+    s = job(tmp_path_factory, "shards", "7:shadow:1 10:worker", shadow_shards=2)
     assert_exact(s, reference)
-    assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [
-        (4, "object_store", 4), (10, "object_store", 10)]
+    assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [(10, "object_store", 10)]
     assert [(r["shard"], r["incarnation"], r["source"], r["step"]) for r in s["shadow_restarts"]] == [(1, 1, "snapshot", 6)]
     first, second = s["shadow_shards"]
     assert (first["units"], second["units"]) == ("embed", "layer.000..norm")
