@@ -30,7 +30,7 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
         uri = str(pathlib.Path(uri) / "snapshots")  # a run directory
     try:
         store = SnapshotStore(Storage(uri, create=create, **({"endpoint_url": s3_endpoint} if s3_endpoint else {})))
-        _check_bucket(store.storage)
+        store.storage.check_bucket()  # the endpoint, then the bucket
         if create:
             store.storage.probe()
         with _skips_not_logged():
@@ -39,17 +39,6 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
     except (OSError, ValueError) as exc:
         typer.echo(f"error: cannot {'write to' if create else 'read'} snapshot store {uri}: {exc}", err=True)
         raise typer.Exit(2) from exc
-
-
-def _check_bucket(storage: Storage) -> None:
-    """Raise ``FileNotFoundError`` when an S3 store's bucket does not exist (a listing of a missing
-    bucket would otherwise read as an empty store); ``StorageUnreachableError`` first when its
-    endpoint cannot be reached (the bucket check would read that as a missing bucket)."""
-    storage.check_reachable()
-    bucket = storage.root.split("/", 1)[0]
-    if storage.protocol == "s3" and not storage.fs.exists(bucket):
-        raise FileNotFoundError(f"bucket {bucket!r} does not exist; create it first, or check the bucket name "
-                                "and --s3-endpoint")
 
 
 def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:

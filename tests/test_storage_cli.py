@@ -3,6 +3,7 @@
 import re
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from typer.testing import CliRunner
@@ -117,3 +118,40 @@ def test_inspect_and_verify_see_an_fsdp2_runs_sharded_checkpoints_and_name_a_dam
     assert f"ok   step        3  {SUBFOLDER}/{saved[0].folder}" in result.output
     assert f"BAD  step        6  {SUBFOLDER}/{saved[1].folder}" in result.output
     assert "__0_0.distcp" in result.output and "1 problem(s) found" in result.output
+
+
+def test_an_unreachable_endpoint_is_named_not_read_as_a_missing_bucket(monkeypatch):
+    """Given with --s3-endpoint, or only resolved by botocore (here from $AWS_ENDPOINT_URL_S3; AWS's own
+    endpoint when nothing is set): the endpoint is checked before the bucket and named."""
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    given = CliRunner().invoke(app, ["inspect", "s3://nope/x", "--s3-endpoint", down])
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", down)
+    resolved = CliRunner().invoke(app, ["inspect", "s3://nope/x"])
+    for result in (given, resolved):
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == (f"error: cannot read snapshot store s3://nope/x: storage endpoint {down} unreachable "
+                                         "(connection refused); check that the server runs and the endpoint URL "
+                                         "(--s3-endpoint or $AWS_ENDPOINT_URL)")
+
+
+def test_missing_credentials_fail_at_once_saying_how_to_give_them(s3_endpoint, tmp_path, monkeypatch, caplog):
+    from storage.backend import Storage, StorageCredentialsError
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "absent"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    how = ("no S3 credentials (Unable to locate credentials): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+           "AWS_SESSION_TOKEN for temporary credentials), or AWS_PROFILE naming a profile of ~/.aws/credentials")
+    result = CliRunner().invoke(app, ["inspect", "s3://some-bucket/run", "--s3-endpoint", s3_endpoint])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: cannot read snapshot store s3://some-bucket/run: check bucket s3://some-bucket: {how}"
+    storage = Storage("s3://some-bucket/run", endpoint_url=s3_endpoint)
+    with pytest.raises(StorageCredentialsError) as raised:
+        storage.get("x")
+    assert str(raised.value) == f"get s3://some-bucket/run/x: {how}"
+    assert "failed (try" not in caplog.text  # one try, no retries
+    assert storage.breaker.state()["consecutive_failures"] == 0  # not an outage
