@@ -399,11 +399,9 @@ class Storage:
                 self.breaker.record(ok=True, probe=probe)  # storage answered
                 raise
             except Exception as exc:  # transient until proven otherwise: retried, then raised
-                if _missing_credentials(exc):  # permanent: no try can find them
-                    self.breaker.record(ok=True, probe=probe)  # a configuration error, not an outage
-                    self.check_reachable()  # a server that is down is named first (botocore looks for credentials first)
-                    raise StorageCredentialsError(f"{what}: no S3 credentials ({exc}): {CREDENTIALS_HELP}") from exc
                 last = exc
+                if _missing_credentials(exc):  # permanent: another try cannot find them
+                    break
             else:
                 self.breaker.record(ok=True, probe=probe)
                 return result
@@ -411,14 +409,15 @@ class Storage:
             if attempt < attempts:
                 time.sleep(delay)
                 delay = min(delay * 2, self.retry.max_delay_s)
-        self.breaker.record(ok=False, probe=probe)
         error, self.last_failure = self._diagnosis(last)
-        raise error(f"{what} failed after {attempts} tr{'y' if attempts == 1 else 'ies'}: {self.last_failure}") from last
+        self.breaker.record(ok=error is StorageCredentialsError, probe=probe)  # missing credentials: not an outage
+        raise error(f"{what} failed after {attempt} tr{'y' if attempt == 1 else 'ies'}: {self.last_failure}") from last
 
     def _diagnosis(self, last: BaseException) -> tuple[type[StorageError], str]:
         """The error class and reason for an operation that failed after its retries with ``last``.
         An S3 endpoint that cannot be reached is named as such, whatever botocore raised (it looks
-        for credentials before it connects), so a failure not yet explained checks the endpoint."""
+        for credentials before it connects), so a failure not yet explained checks the endpoint; then
+        missing credentials are named, with how to give them."""
         if self.protocol == "s3":
             reason = unreachable_reason(last)
             if reason is not None:
@@ -427,16 +426,18 @@ class Storage:
                 self.check_reachable()
             except StorageUnreachableError as exc:
                 return StorageUnreachableError, str(exc)
+        if _missing_credentials(last):
+            return StorageCredentialsError, f"no S3 credentials ({last}): {CREDENTIALS_HELP}"
         return StorageError, f"{type(last).__name__}: {last}"
 
     @property
     def endpoint_url(self) -> str | None:
-        """The S3 endpoint URL in use: the one botocore's client resolved (``--s3-endpoint``,
-        ``$AWS_ENDPOINT_URL``, ``$AWS_ENDPOINT_URL_S3``, else the region's AWS endpoint, e.g.
+        """The S3 endpoint URL in use: the one given (``endpoint_url``, else ``$AWS_ENDPOINT_URL``), else
+        the one botocore's client resolved (``$AWS_ENDPOINT_URL_S3``, else the region's AWS endpoint, e.g.
         ``https://s3.amazonaws.com``); None for local and memory storage."""
         if self.protocol != "s3":
             return None
-        return self.fs.s3.meta.endpoint_url
+        return self.options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL") or self.fs.s3.meta.endpoint_url
 
     def _unreachable(self, reason: str) -> str:
         return (f"storage endpoint {self.endpoint_url} unreachable ({reason}); check that the server runs and "

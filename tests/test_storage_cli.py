@@ -165,10 +165,11 @@ def test_missing_credentials_fail_at_once_saying_how_to_give_them(s3_endpoint, t
            "AWS_SESSION_TOKEN for temporary credentials), or AWS_PROFILE naming a profile of ~/.aws/credentials")
     result = CliRunner().invoke(app, ["inspect", "s3://some-bucket/run", "--s3-endpoint", s3_endpoint])
     assert result.exit_code == 2, result.output
-    assert result.output.strip() == f"error: cannot read snapshot store s3://some-bucket/run: check bucket s3://some-bucket: {how}"
+    assert result.output.strip() == ("error: cannot read snapshot store s3://some-bucket/run: check bucket s3://some-bucket "
+                                     f"failed after 1 try: {how}")
     storage = Storage("s3://some-bucket/run", endpoint_url=s3_endpoint)
     with pytest.raises(StorageCredentialsError) as raised:
         storage.get("x")
-    assert str(raised.value) == f"get s3://some-bucket/run/x: {how}"
-    assert "failed (try" not in caplog.text  # one try, no retries
+    assert str(raised.value) == f"get s3://some-bucket/run/x failed after 1 try: {how}"
+    assert "failed (try" not in caplog.text  # no retries
     assert storage.breaker.state()["consecutive_failures"] == 0  # not an outage
