@@ -6,6 +6,7 @@ import json
 import logging
 import pathlib
 import re
+import shlex
 import shutil
 import uuid
 from inspect import signature
@@ -214,6 +215,22 @@ def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path
     return entries
 
 
+def _interrupted(out: pathlib.Path, verify: bool, steps: int) -> typer.Exit:
+    """Print, after Ctrl-C stopped ``raycheck run``, the command line that resumes the run in ``out``
+    of ``steps`` steps (or that nothing is left to resume); returns the exit to raise (code 130, as a shell gives SIGINT)."""
+    saved = out / "config.json"
+    summary = RunDir.read_json(out / "summary.json")
+    if not saved.is_file():
+        typer.echo("interrupted before the run started: nothing to resume; run the same command again", err=True)
+    elif summary and summary.get("ok") and summary.get("final_step") == steps:
+        typer.echo(f"interrupted: the run had finished ({out / 'summary.json'}); only its failure-free reference "
+                   "(--verify) was cut short", err=True)
+    else:
+        command = shlex.join(["raycheck", "run", "--resume", "--out", str(out.resolve()), *(["--verify"] if verify else [])])
+        typer.echo(f"interrupted: the run stopped; resume it with:\n  {command}", err=True)
+    return typer.Exit(130)
+
+
 @app.command()
 def run(
     ctx: typer.Context,
@@ -392,6 +409,8 @@ def run(
         summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
     except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched
         raise _refuse(str(exc)) from exc
+    except KeyboardInterrupt as exc:  # Ctrl-C: the run has written its summary and killed its actors
+        raise _interrupted(out, verify, cfg.steps) from exc
     keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
             "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",
             "shadow_replay_seconds_per_step", "shadow_max_lag_steps", "wall_seconds")

@@ -205,8 +205,12 @@ EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, LogKeeperFailedErr
 
 def log_failure(exc: BaseException) -> None:
     """Log why a run failed: one error line for an ``EXPECTED_FAILURES`` one (its traceback at debug
-    level, shown with ``--verbose``); the error with its traceback for anything else."""
-    if isinstance(exc, EXPECTED_FAILURES):
+    level, shown with ``--verbose``); the error with its traceback for anything else. An interrupt
+    (Ctrl-C) is one warning line: the caller says how to resume."""
+    if isinstance(exc, KeyboardInterrupt):
+        log.warning("the run was interrupted (KeyboardInterrupt)")
+        log.debug("the run was interrupted: traceback", exc_info=exc)
+    elif isinstance(exc, EXPECTED_FAILURES):
         log.error("the run failed: %s", exc)
         log.debug("the run failed: traceback", exc_info=exc)
     else:

@@ -15,15 +15,19 @@ from policies.compare import Option, compare, recommend
 from policies.costs import InfeasibleError, MeasuredCosts
 
 UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_ZERO = re.compile(r"^\s*(0+(\.0*)?|\.0+)\s*$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([a-z]+)\s*$")
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in a duration with a unit: ``1.2s``, ``250ms``, ``5min``, ``3h``, ``2d``, ``80us``.
+    """Seconds in a duration with a unit: ``1.2s``, ``250ms``, ``5min``, ``3h``, ``2d``, ``80us``; or a
+    bare ``0`` (zero in any unit).
 
     Raises:
-        ValueError: no number, no unit, or an unknown unit; the message lists the units.
+        ValueError: no number, no unit (on a number other than 0), or an unknown unit; the message lists the units.
     """
+    if _ZERO.match(text):
+        return 0.0
     match = _DURATION.match(text.lower())
     if not match or match.group(3) not in UNITS_S:
         raise ValueError(f"{text!r} is not a duration: write a number and a unit, e.g. 1.2s, 250ms, 5min, 3h, 2d "
@@ -64,8 +68,15 @@ def _fmt(value: float | None) -> str:
 def _costs(step: str, replay: str, snapshot: str, stall: str, log: str, restart: str, load: str,
            mtbf: str | None, gpus: int, gpu_mtbf: str | None, background_weight: float, shadow_loss: float = 1.0,
            live_replay_steps: float = 0.0) -> MeasuredCosts:
-    if (mtbf is None) == (gpu_mtbf is None):
+    if mtbf is not None and gpu_mtbf is not None:
+        raise typer.BadParameter("--mtbf (the job's) and --gpu-mtbf (one accelerator's, with --gpus) exclude each other: "
+                                 "give one of them", param_hint="--mtbf")
+    if mtbf is None and gpu_mtbf is None:
         raise typer.BadParameter("give the job's --mtbf, or --gpus with the per-accelerator --gpu-mtbf", param_hint="--mtbf")
+    flag, text = ("--mtbf", mtbf) if gpu_mtbf is None else ("--gpu-mtbf", gpu_mtbf)
+    mtbf_s = _seconds(flag, text)
+    if not mtbf_s > 0:
+        raise typer.BadParameter(f"the MTBF must be > 0, got {text!r}", param_hint=flag)
     costs = {
         "step_s": _seconds("--step-time", step), "replay_step_s": _seconds("--replay-time", replay),
         "snapshot_s": _seconds("--snapshot-time", snapshot), "stall_s": _seconds("--stall-time", stall),
@@ -75,8 +86,8 @@ def _costs(step: str, replay: str, snapshot: str, stall: str, log: str, restart:
     }
     try:
         if gpu_mtbf is not None:
-            return MeasuredCosts.for_accelerators(accelerator_mtbf_s=_seconds("--gpu-mtbf", gpu_mtbf), accelerators=gpus, **costs)
-        return MeasuredCosts(mtbf_s=_seconds("--mtbf", mtbf), accelerators=gpus, **costs)
+            return MeasuredCosts.for_accelerators(accelerator_mtbf_s=mtbf_s, accelerators=gpus, **costs)
+        return MeasuredCosts(mtbf_s=mtbf_s, accelerators=gpus, **costs)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 

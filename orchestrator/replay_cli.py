@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.storage_cli import EndpointOpt, open_store
-from storage.backend import Storage
+from storage.backend import Storage, local_path
 from storage.log_segments import read_segments
 from storage.manifest import RunIdentity, layout_of
 from storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
@@ -127,23 +127,45 @@ def _no_log_message(uri: str) -> str:
 
 
 def _run_storage(run_dir: pathlib.Path, s3_endpoint: str) -> Storage | None:
-    """The snapshot storage of the run in ``run_dir``: the one its ``config.json`` names, else
-    ``<run_dir>/snapshots``; None when that local folder does not exist."""
+    """The snapshot storage of the run in ``run_dir``: the one its ``config.json`` names (``_moved``:
+    under ``run_dir`` when the run directory was moved), else ``<run_dir>/snapshots``; None when that
+    local folder does not exist."""
     uri, options = str(run_dir / "snapshots"), {}
     saved = run_dir / "config.json"
     if saved.is_file():
         try:
             config = json.loads(saved.read_text())
-            uri, options = config["storage"] or uri, dict(config.get("storage_options") or {})
+            stored, out_dir, options = config["storage"], config["out_dir"], dict(config.get("storage_options") or {})
         except (ValueError, KeyError, TypeError) as exc:
             raise ReplayError(f"{saved} is damaged ({type(exc).__name__}: {exc}); pass the snapshot store URI "
                               "(it holds the mirrored log when storage was remote)") from exc
+        uri = _moved(stored, out_dir, run_dir) or uri
     if s3_endpoint:
         options["endpoint_url"] = s3_endpoint
     try:
         return Storage(uri, create=False, **options)
     except FileNotFoundError:
         return None  # no snapshot was ever written: replay from the initial weights
+
+
+def _moved(uri: str, out_dir: str, run_dir: pathlib.Path) -> str:
+    """The run's store ``uri`` as recorded in its ``config.json``, or, when that local folder no longer
+    exists and lay inside the run's recorded directory ``out_dir`` (the default ``<out>/snapshots``), the
+    same place under ``run_dir``: the run directory was moved, its snapshots with it.
+
+    Raises:
+        ReplayError: the recorded local store no longer exists and lay outside ``out_dir`` (it did not
+            move with the run directory); the message names both paths.
+    """
+    stored = local_path(uri) if uri else None
+    if stored is None or stored.exists():
+        return uri
+    recorded = pathlib.Path(out_dir).resolve()
+    if not stored.is_relative_to(recorded):
+        raise ReplayError(f"the run's snapshot store {stored} (named in {run_dir / 'config.json'}) no longer exists, and "
+                          f"it lay outside the run's directory ({out_dir}), so it did not move with {run_dir}: put it "
+                          "back there, or set \"storage\" in config.json to where it is now")
+    return str(run_dir.resolve() / stored.relative_to(recorded))
 
 
 def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotInfo]]:
@@ -275,7 +297,9 @@ def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
 
 def replay(
     run_or_store: Annotated[str, typer.Argument(metavar="RUN_OR_STORE", help=(
-        "A run directory (its steplog.bin; snapshots from the store its config.json names), or a snapshot store "
+        "A run directory (its steplog.bin; snapshots from the store its config.json names: a store recorded inside "
+        "the run directory that is gone there is taken from inside RUN_OR_STORE, so a moved run directory replays "
+        "from its own snapshots), or a snapshot store "
         "(path, file://, s3://) holding the run's mirrored log segments: only a run with remote --storage (s3://) "
         "mirrors its log, so a local store (a path, file://, a --to target) needs its run directory instead."))],
     step: Annotated[int, typer.Option(help="Rebuild the state after this many logged steps (0..steps in the log).")],
@@ -299,7 +323,8 @@ def replay(
     Exit codes: 0 rebuilt; 1 the run's data is damaged or unreadable (--step past a gap or a corrupt
     record in the step log, storage errors, a fenced write); 2 refused, nothing written: no run at the path, --step
     past the log's end, a log of another noise generator or model, only other runs' snapshots in the
-    store, an unusable --to or --export-hf target."""
+    store, a run's local store that is gone and lay outside its run directory, an unusable --to or
+    --export-hf target."""
     from storage.merge import prepare_hf_export, write_hf_export
     from training.state import as_numpy
 

@@ -13,7 +13,7 @@ import typer
 
 from storage.backend import Storage
 from storage.dcp_store import SUBFOLDER, ShardedStore
-from storage.log_segments import read_segments
+from storage.log_segments import PREFIX, read_segments
 from storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
 from storage.steplog import StepLogError, read_log
 
@@ -30,7 +30,7 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
         uri = str(pathlib.Path(uri) / "snapshots")  # a run directory
     try:
         store = SnapshotStore(Storage(uri, create=create, **({"endpoint_url": s3_endpoint} if s3_endpoint else {})))
-        _check_bucket(store.storage)
+        store.storage.check_bucket()  # the endpoint, then the bucket
         if create:
             store.storage.probe()
         with _skips_not_logged():
@@ -41,23 +41,12 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
         raise typer.Exit(2) from exc
 
 
-def _check_bucket(storage: Storage) -> None:
-    """Raise ``FileNotFoundError`` when an S3 store's bucket does not exist (a listing of a missing
-    bucket would otherwise read as an empty store); ``StorageUnreachableError`` first when its
-    endpoint cannot be reached (the bucket check would read that as a missing bucket)."""
-    storage.check_reachable()
-    bucket = storage.root.split("/", 1)[0]
-    if storage.protocol == "s3" and not storage.fs.exists(bucket):
-        raise FileNotFoundError(f"bucket {bucket!r} does not exist; create it first, or check the bucket name "
-                                "and --s3-endpoint")
-
-
 def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
     """Lines describing the run directory's local step log and the mirrored segments (read only),
     and the number of problems found."""
     lines, bad = [], 0
-    local = pathlib.Path(uri) / "steplog.bin"
-    if "://" not in uri and local.is_file():
+    local = _local_log(uri)
+    if local is not None:
         try:
             _, records, torn = read_log(local)
             note = f", and a torn tail of {torn} bytes (cut when the run resumes)" if torn else ""
@@ -73,6 +62,20 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
         lines.append(f"BAD  step log segments: {exc}")
         bad += 1
     return lines, bad
+
+
+def _local_log(uri: str) -> pathlib.Path | None:
+    """The step log of the run directory ``uri`` (its ``steplog.bin``); None when there is none."""
+    local = pathlib.Path(uri) / "steplog.bin"
+    return local if "://" not in uri and local.is_file() else None
+
+
+def _holds_a_run(uri: str, stores: list[SnapshotStore]) -> bool:
+    """Whether ``uri`` holds anything a run writes: a snapshot index, a snapshot folder with a manifest,
+    sharded checkpoints, a step log or mirrored log segments (not so an empty or unrelated folder)."""
+    storage = stores[0].storage
+    return (len(stores) > 1 or storage.exists(INDEX) or bool(stores[0].unindexed()) or _local_log(uri) is not None
+            or bool(storage.list(PREFIX)))
 
 
 def _steps(records: list) -> str:
@@ -139,9 +142,16 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """List committed snapshots: step, size (bytes of every shard its state is made of), units and the
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
     that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
-    folder) are listed after the snapshots. A missing store (folder or bucket) exits 2."""
+    folder) are listed after the snapshots. A missing store (folder or bucket), or a folder or prefix that
+    holds nothing of a run, exits 2."""
     main = open_store(uri, s3_endpoint)
-    for store in _stores(main):
+    stores = _stores(main)
+    if not _holds_a_run(uri, stores):
+        typer.echo(f"error: no snapshot store or run found at {uri}: it holds no snapshot index ({INDEX}), snapshot "
+                   "folder, step log (steplog.bin) or log segments; give a run directory (the --out of raycheck run) "
+                   "or its snapshot store", err=True)
+        raise typer.Exit(2)
+    for store in stores:
         infos, unindexed = _listing(store)
         kind = "sharded checkpoint" if isinstance(store, ShardedStore) else "committed snapshot"
         typer.echo(f"{store.storage.url()}: {len(infos)} {kind}(s)")

@@ -28,8 +28,9 @@ environment variables (``STORAGE_ENV``: what a run hands to every process it sta
 An endpoint that cannot be reached (nothing listens, unknown host) is named as such:
 ``StorageUnreachableError`` ("storage endpoint URL unreachable (connection refused)"), from an
 operation that failed for that reason after its retries, and from ``check_reachable``, which
-``probe`` and the read-only tools run first, so that a server that is down is never reported as a
-missing bucket or missing credentials.
+``probe``, ``check_bucket`` and the read-only tools run first, so that a server that is down is never
+reported as a missing bucket or missing credentials. Missing S3 credentials are permanent: the
+operation fails at once with ``StorageCredentialsError``, which says how to give them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -66,6 +68,15 @@ class StorageTimeoutError(StorageError, TimeoutError):
 
 class StorageUnreachableError(StorageError):
     """The storage endpoint cannot be reached (nothing listens, unknown host, no answer to a connection)."""
+
+
+class StorageCredentialsError(StorageError, PermissionError):
+    """No (or partial) S3 credentials were found: a configuration error, failed at once, never retried."""
+
+
+CREDENTIALS_HELP = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary credentials), "
+                    "or AWS_PROFILE naming a profile of ~/.aws/credentials")
+"""How to give S3 credentials, for ``StorageCredentialsError``'s message."""
 
 
 class StorageUnavailableError(StorageError):
@@ -102,6 +113,13 @@ def unreachable_reason(exc: BaseException) -> str | None:
             reason = reason or "cannot connect"
         exc = exc.__cause__ or exc.__context__
     return reason
+
+
+def _missing_credentials(exc: BaseException) -> bool:
+    """Whether ``exc`` is botocore's "no credentials" or "partial credentials" error."""
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+    return isinstance(exc, (NoCredentialsError, PartialCredentialsError))
 
 
 def local_path(uri: str) -> pathlib.Path | None:
@@ -382,6 +400,8 @@ class Storage:
                 raise
             except Exception as exc:  # transient until proven otherwise: retried, then raised
                 last = exc
+                if _missing_credentials(exc):  # permanent: another try cannot find them
+                    break
             else:
                 self.breaker.record(ok=True, probe=probe)
                 return result
@@ -389,14 +409,15 @@ class Storage:
             if attempt < attempts:
                 time.sleep(delay)
                 delay = min(delay * 2, self.retry.max_delay_s)
-        self.breaker.record(ok=False, probe=probe)
         error, self.last_failure = self._diagnosis(last)
-        raise error(f"{what} failed after {attempts} tr{'y' if attempts == 1 else 'ies'}: {self.last_failure}") from last
+        self.breaker.record(ok=error is StorageCredentialsError, probe=probe)  # missing credentials: not an outage
+        raise error(f"{what} failed after {attempt} tr{'y' if attempt == 1 else 'ies'}: {self.last_failure}") from last
 
     def _diagnosis(self, last: BaseException) -> tuple[type[StorageError], str]:
         """The error class and reason for an operation that failed after its retries with ``last``.
         An S3 endpoint that cannot be reached is named as such, whatever botocore raised (it looks
-        for credentials before it connects), so a failure not yet explained checks the endpoint."""
+        for credentials before it connects), so a failure not yet explained checks the endpoint; then
+        missing credentials are named, with how to give them."""
         if self.protocol == "s3":
             reason = unreachable_reason(last)
             if reason is not None:
@@ -405,31 +426,35 @@ class Storage:
                 self.check_reachable()
             except StorageUnreachableError as exc:
                 return StorageUnreachableError, str(exc)
+        if _missing_credentials(last):
+            return StorageCredentialsError, f"no S3 credentials ({last}): {CREDENTIALS_HELP}"
         return StorageError, f"{type(last).__name__}: {last}"
 
     @property
     def endpoint_url(self) -> str | None:
-        """The S3 endpoint URL in use (None: local or memory storage, or the default AWS endpoint)."""
+        """The S3 endpoint URL in use: the one given (``endpoint_url``, else ``$AWS_ENDPOINT_URL``), else
+        the one botocore's client resolved (``$AWS_ENDPOINT_URL_S3``, else the region's AWS endpoint, e.g.
+        ``https://s3.amazonaws.com``); None for local and memory storage."""
         if self.protocol != "s3":
             return None
-        return self.options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+        return self.options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL") or self.fs.s3.meta.endpoint_url
 
     def _unreachable(self, reason: str) -> str:
-        return (f"storage endpoint {self.endpoint_url or 'of AWS S3 (the default)'} unreachable ({reason}); check that "
-                "the server runs and the endpoint URL (--s3-endpoint or $AWS_ENDPOINT_URL)")
+        return (f"storage endpoint {self.endpoint_url} unreachable ({reason}); check that the server runs and "
+                "the endpoint URL (--s3-endpoint or $AWS_ENDPOINT_URL)")
 
     def check_reachable(self) -> None:
-        """Check that the S3 endpoint accepts a TCP connection (within ``min(timeout_s, 10)`` seconds);
-        a no-op for local and memory storage and for the default AWS endpoint. Run before anything
+        """Check that the S3 endpoint (``endpoint_url``, AWS's own included) accepts a TCP connection
+        (within ``min(timeout_s, 10)`` seconds); a no-op for local and memory storage. Run before anything
         whose failure an unreachable endpoint would disguise (a bucket check, missing credentials).
 
         Raises:
             StorageUnreachableError: "storage endpoint URL unreachable (REASON)", REASON e.g.
                 ``connection refused``, ``host not found``, ``no answer within 10 s``.
         """
-        url = self.endpoint_url
-        if url is None:
+        if self.protocol != "s3":
             return
+        url = self.endpoint_url
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise StorageUnreachableError(self._unreachable("not an http:// or https:// URL with a host"))
@@ -494,6 +519,7 @@ class Storage:
             PermissionError: e.g. a 403. Each message names the store.
         """
         self.check_reachable()
+        self.check_bucket()
         name = f".raycheck-probe-{uuid.uuid4().hex[:8]}"
         try:
             self.put(name, b"ok")
@@ -501,11 +527,26 @@ class Storage:
                 raise StorageError(f"{self.url(name)}: read back other bytes than written")
             self.delete(name)
         except (FileNotFoundError, PermissionError) as exc:
-            bucket = self.root.split("/", 1)[0]
-            if self.protocol == "s3" and isinstance(exc, FileNotFoundError) and not self.fs.exists(bucket):
-                raise FileNotFoundError(f"bucket {bucket!r} does not exist; create it first, or check the bucket name "
-                                        "and --s3-endpoint") from exc
             raise type(exc)(f"{self.url()}: {exc}") from exc
+
+    def check_bucket(self) -> None:
+        """Check that an S3 store's bucket exists (a listing of a missing bucket would read as an empty
+        store), the endpoint first (``check_reachable``); a no-op for local and memory storage.
+
+        Raises:
+            StorageUnreachableError: the endpoint cannot be reached.
+            FileNotFoundError: "bucket 'NAME' does not exist; ...". PermissionError: e.g. a 403
+                (``StorageCredentialsError``: no credentials). StorageError: other failures, after retries.
+        """
+        if self.protocol != "s3":
+            return
+        self.check_reachable()
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self._call(f"check bucket s3://{bucket}", functools.partial(self.fs.call_s3, "head_bucket", Bucket=bucket))
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist; create it first, or check the bucket name "
+                                    "and --s3-endpoint") from exc
 
     def delete(self, rel: str) -> None:
         """Remove object ``rel`` (no error if it is already gone)."""

@@ -238,3 +238,41 @@ def test_configuration_errors_name_the_options_typed(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert result.output.strip() == message
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("reached", ["nothing", "prepared", "finished"])
+def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, monkeypatch, reached):
+    """Ctrl-C (the run's own handling replaced: it writes the summary and re-raises): no traceback, exit
+    130, and the ``--resume`` command for a run that started and did not finish."""
+    import orchestrator.controller
+
+    out = tmp_path / "my run"  # a space: the printed command quotes it
+
+    def interrupted(cfg, verify, echo, assets=None) -> dict:
+        if reached != "nothing":
+            out.mkdir()
+            RunDir.write_json(out / "config.json", cfg.to_dict())
+        if reached == "finished":  # Ctrl-C during the reference of --verify
+            RunDir.write_json(out / "summary.json", {"ok": True, "final_step": cfg.steps})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(orchestrator.controller, "run_job", interrupted)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--verify", "--out", str(out)])
+    assert result.exit_code == 130 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.splitlines() == {
+        "nothing": ["interrupted before the run started: nothing to resume; run the same command again"],
+        "prepared": ["interrupted: the run stopped; resume it with:", f"  raycheck run --resume --out '{out}' --verify"],
+        "finished": [f"interrupted: the run had finished ({out / 'summary.json'}); only its failure-free reference "
+                     "(--verify) was cut short"],
+    }[reached]
+
+
+def test_an_interrupted_run_logs_one_line_without_a_traceback(caplog):
+    from orchestrator.controller import log_failure
+
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as exc:
+        log_failure(exc)
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.levelname != "DEBUG"] == [
+        ("WARNING", "the run was interrupted (KeyboardInterrupt)", None)]

@@ -16,7 +16,7 @@ import torch
 from orchestrator.api import job_config
 from storage.units import describe_units, unit_of
 from training.assets import AssetMismatchError, read_assets
-from training.data import CausalLMEncoder, DataError, Split, make_encoder
+from training.data import CausalLMEncoder, DataError, Split, make_encoder, read_table
 from training.model import default_cache_dir, load_model, load_tokenizer, read_model_files, trainable_parameters
 from training.state import state_sha256
 
@@ -185,6 +185,21 @@ def test_bad_data_is_refused_with_one_message_each(tmp_path):
     q = tmp_path / "d.txt"
     assert refusal("x", name="d.txt") == f"data file {q}: unsupported type '.txt'; give a .jsonl, .csv or .parquet file"
 
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ('{"text": "a", "label": 0}\n' * 2 + '{"text": "a", label: 1}\n',
+     "line 3: not valid JSON: Expecting property name enclosed in double quotes (column 15)"),
+    ('{"text": "a", "label": 0}\n\n\n[1, 2]\n', "line 4: a JSON array, not an object"),  # blank lines count as lines
+    ('{"text": "a", "label": "positive"}\n' * 40000 + '{"text": "a", "label": 1}\n',  # past pyarrow's first block
+     "line 40001: field 'label' is a number, but a string on the lines before"),
+])
+def test_jsonl_errors_name_the_line_counted_from_1(tmp_path, text, why):
+    path = tmp_path / "d.jsonl"
+    path.write_text(text)
+    with pytest.raises(DataError) as info:
+        read_table(path)
+    assert str(info.value) == f"data file {path} cannot be read as JSONL: {why}"
 
 def test_causal_lm_loss_counts_completion_tokens_only(tmp_path):
     tok = load_tokenizer(default_cache_dir())

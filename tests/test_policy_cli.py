@@ -17,7 +17,8 @@ ARGS = ["--step-time", "5.6s", "--replay-time", "1s", "--snapshot-time", "930ms"
 
 
 @pytest.mark.parametrize("text, seconds", [("1.2s", 1.2), ("250ms", 0.25), ("5min", 300.0), ("3h", 10800.0),
-                                           ("2d", 172800.0), ("80us", 8e-5), ("1e3ms", 1.0), (" 2 H ", 7200.0)])
+                                           ("2d", 172800.0), ("80us", 8e-5), ("1e3ms", 1.0), (" 2 H ", 7200.0),
+                                           ("0", 0.0), ("0.0", 0.0)])
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
 
@@ -84,7 +85,10 @@ def test_policy_reports_an_infeasible_shadow_and_recommends_something_else():
 
 @pytest.mark.parametrize("extra, message", [
     (["--mtbf", "3"], "is not a duration"),
-    (["--mtbf", "3h", "--gpu-mtbf", "100d"], "give the job's --mtbf, or --gpus"),
+    (["--mtbf", "3h", "--gpu-mtbf", "100d"], "exclude each other: give one of them"),
+    (["--mtbf", "0"], "the MTBF must be > 0, got '0'"),
+    (["--mtbf", "0s"], "the MTBF must be > 0, got '0s'"),
+    (["--gpus", "8", "--gpu-mtbf", "0d"], "--gpu-mtbf: the MTBF must be > 0, got '0d'"),
     (["--mtbf", "3h", "--shadow-loss", "1.5"], "Invalid value for '--shadow-loss'"),
     ([], "give the job's --mtbf, or --gpus"),
 ])

@@ -143,6 +143,26 @@ def _copy_run(run: pathlib.Path, to: pathlib.Path, records: slice = slice(None),
     return to
 
 
+def test_a_moved_run_directory_replays_from_its_own_snapshots(made, tmp_path):
+    """Its ``config.json`` still names the old place: a store that lay inside the old run directory is
+    taken from inside the moved one; one that lay outside and is gone is refused, naming both paths."""
+    run, hashes = made
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved)
+    config = json.loads((moved / "config.json").read_text())
+    old = tmp_path / "old place"  # where the run was, and is no longer
+    RunDir.write_json(moved / "config.json", {**config, "out_dir": str(old), "storage": str(old / "snapshots")})
+    result = replay(moved, "--step", 5)
+    assert result.exit_code == 0, result.output
+    assert f"step 5: base snapshot of step 3 ({moved / 'snapshots'}/" in result.output
+    assert printed_sha256(result.output) == hashes[5]
+    gone = tmp_path / "elsewhere" / "store"
+    RunDir.write_json(moved / "config.json", {**config, "out_dir": str(old), "storage": str(gone)})
+    result = replay(moved, "--step", 5)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (f"error: the run's snapshot store {gone} (named in {moved / 'config.json'}) no longer "
+                                     f"exists, and it lay outside the run's directory ({old}), so it did not move with "
+                                     f"{moved}: put it back there, or set \"storage\" in config.json to where it is now")
 def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_path):
     run, _ = made
     before = sorted(p.name for p in (run / "snapshots").iterdir())

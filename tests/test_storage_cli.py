@@ -3,12 +3,14 @@
 import re
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from typer.testing import CliRunner
 
 from conftest import free_port
 from orchestrator.cli import app
+from storage.backend import Storage, StorageCredentialsError
 from storage.dcp_store import SUBFOLDER, ShardedStore
 from storage.snapshots import MANIFEST, SnapshotStore
 from storage.steplog import RECORD_BYTES, StepLogWriter, StepRecord
@@ -92,9 +94,27 @@ def test_inspect_and_verify_of_a_missing_bucket_say_so_and_exit_2(s3_endpoint):
         assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
         assert result.output.strip() == (f"error: cannot read snapshot store s3://{bucket}/run: bucket {bucket!r} does "
                                          "not exist; create it first, or check the bucket name and --s3-endpoint")
-    make_bucket(s3_endpoint, bucket)  # an existing bucket with nothing under the prefix is an empty store
+    make_bucket(s3_endpoint, bucket)  # an existing bucket with nothing under the prefix: no store, and said so
     result = CliRunner().invoke(app, ["inspect", f"s3://{bucket}/run", "--s3-endpoint", s3_endpoint])
-    assert result.exit_code == 0 and result.output.splitlines() == [f"s3://{bucket}/run: 0 committed snapshot(s)"]
+    assert result.exit_code == 2 and result.output.startswith(f"error: no snapshot store or run found at s3://{bucket}/run:")
+    SnapshotStore(Storage(f"s3://{bucket}/run", endpoint_url=s3_endpoint)).write(1, {"w": np.zeros(2, np.float32)})
+    result = CliRunner().invoke(app, ["inspect", f"s3://{bucket}/run", "--s3-endpoint", s3_endpoint])
+    assert result.exit_code == 0 and result.output.splitlines()[0] == f"s3://{bucket}/run: 1 committed snapshot(s)"
+
+
+def test_inspect_of_a_folder_that_holds_no_run_exits_2_saying_so(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a run")
+    for folder in (tmp_path / "empty", tmp_path / "other"):
+        result = CliRunner().invoke(app, ["inspect", str(folder)])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == (f"error: no snapshot store or run found at {folder}: it holds no snapshot index "
+                                         "(index.json), snapshot folder, step log (steplog.bin) or log segments; give a "
+                                         "run directory (the --out of raycheck run) or its snapshot store")
+    make_run(tmp_path / "run")  # a run directory and its snapshots folder are found
+    for folder in (tmp_path / "run", tmp_path / "run" / "snapshots"):
+        assert CliRunner().invoke(app, ["inspect", str(folder)]).exit_code == 0
 
 
 def test_inspect_and_verify_see_an_fsdp2_runs_sharded_checkpoints_and_name_a_damaged_file(tmp_path):
@@ -117,3 +137,39 @@ def test_inspect_and_verify_see_an_fsdp2_runs_sharded_checkpoints_and_name_a_dam
     assert f"ok   step        3  {SUBFOLDER}/{saved[0].folder}" in result.output
     assert f"BAD  step        6  {SUBFOLDER}/{saved[1].folder}" in result.output
     assert "__0_0.distcp" in result.output and "1 problem(s) found" in result.output
+
+
+def test_an_unreachable_endpoint_is_named_not_read_as_a_missing_bucket(monkeypatch):
+    """Given with --s3-endpoint, or only resolved by botocore (here from $AWS_ENDPOINT_URL_S3; AWS's own
+    endpoint when nothing is set): the endpoint is checked before the bucket and named."""
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    given = CliRunner().invoke(app, ["inspect", "s3://nope/x", "--s3-endpoint", down])
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", down)
+    resolved = CliRunner().invoke(app, ["inspect", "s3://nope/x"])
+    for result in (given, resolved):
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == (f"error: cannot read snapshot store s3://nope/x: storage endpoint {down} unreachable "
+                                         "(connection refused); check that the server runs and the endpoint URL "
+                                         "(--s3-endpoint or $AWS_ENDPOINT_URL)")
+
+
+def test_missing_credentials_fail_at_once_saying_how_to_give_them(s3_endpoint, tmp_path, monkeypatch, caplog):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "absent"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    how = ("no S3 credentials (Unable to locate credentials): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+           "AWS_SESSION_TOKEN for temporary credentials), or AWS_PROFILE naming a profile of ~/.aws/credentials")
+    result = CliRunner().invoke(app, ["inspect", "s3://some-bucket/run", "--s3-endpoint", s3_endpoint])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == ("error: cannot read snapshot store s3://some-bucket/run: check bucket s3://some-bucket "
+                                     f"failed after 1 try: {how}")
+    storage = Storage("s3://some-bucket/run", endpoint_url=s3_endpoint)
+    with pytest.raises(StorageCredentialsError) as raised:
+        storage.get("x")
+    assert str(raised.value) == f"get s3://some-bucket/run/x failed after 1 try: {how}"
+    assert "failed (try" not in caplog.text  # no retries
+    assert storage.breaker.state()["consecutive_failures"] == 0  # not an outage

@@ -16,6 +16,7 @@ Batches are a pure function of (run seed, step): replaying or resuming a run see
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 from dataclasses import dataclass
 
@@ -232,7 +233,8 @@ def read_table(path: str | pathlib.Path) -> pa.Table:
     """A JSONL (one object per line), CSV or Parquet file as a table, by its suffix.
 
     Raises:
-        DataError: another suffix, an empty file, or one the reader cannot parse.
+        DataError: another suffix, an empty file, or one the reader cannot parse (for JSONL, the first
+            bad line, counted from 1 as editors do).
     """
     path = pathlib.Path(path)
     reader = READERS.get(path.suffix.lower())
@@ -244,8 +246,34 @@ def read_table(path: str | pathlib.Path) -> pa.Table:
         raise DataError(f"data file {path} is empty: it has no rows")
     try:
         return reader(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"data file {path} cannot be read as {path.suffix.lstrip('.').upper()}: {str(exc)[:200]}") from exc
+    except (pa.ArrowInvalid, OSError) as exc:  # pyarrow's JSON "row N" is 0-based and counts within a block
+        why = (_first_bad_json_line(path) if reader is pjson.read_json else None) or str(exc)[:200]
+        raise DataError(f"data file {path} cannot be read as {path.suffix.lstrip('.').upper()}: {why}") from exc
+
+
+JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+
+
+def _first_bad_json_line(path: pathlib.Path) -> str | None:
+    """``line N: why`` for the first line of a JSONL file that pyarrow refuses: not JSON, not an object,
+    or a field whose type differs from its first value's (lines count from 1; blank lines are skipped,
+    as pyarrow skips them); None when every line passes these checks."""
+    types: dict[str, str] = {}
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return f"line {n}: not valid JSON: {exc.msg} (column {exc.colno})"
+            if not isinstance(row, dict):
+                return f"line {n}: a JSON {JSON_TYPES.get(type(row), 'null')}, not an object"
+            for key, value in row.items():
+                kind = JSON_TYPES.get(type(value))  # None: a null, which fits any type
+                if kind is not None and types.setdefault(key, kind) != kind:
+                    return f"line {n}: field {key!r} is a {kind}, but a {types[key]} on the lines before"
+    return None
 
 
 def _column(table: pa.Table, path, name: str, option: str) -> list:
