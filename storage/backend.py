@@ -514,11 +514,10 @@ class Storage:
         """Check that the store is usable (write, read back, delete a small object).
 
         Raises:
-            StorageUnreachableError: the endpoint cannot be reached (``check_reachable``, first).
+            StorageUnreachableError: the endpoint cannot be reached (``check_bucket`` checks it first).
             StorageError: failing; FileNotFoundError: e.g. a missing bucket;
             PermissionError: e.g. a 403. Each message names the store.
         """
-        self.check_reachable()
         self.check_bucket()
         name = f".raycheck-probe-{uuid.uuid4().hex[:8]}"
         try:

@@ -251,7 +251,7 @@ def read_table(path: str | pathlib.Path) -> pa.Table:
         raise DataError(f"data file {path} cannot be read as {path.suffix.lstrip('.').upper()}: {why}") from exc
 
 
-JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
 
 
 def _first_bad_json_line(path: pathlib.Path) -> str | None:
@@ -268,9 +268,9 @@ def _first_bad_json_line(path: pathlib.Path) -> str | None:
             except json.JSONDecodeError as exc:
                 return f"line {n}: not valid JSON: {exc.msg} (column {exc.colno})"
             if not isinstance(row, dict):
-                return f"line {n}: a JSON {JSON_TYPES.get(type(row), 'null')}, not an object"
+                return f"line {n}: a JSON {_JSON_TYPES.get(type(row), 'null')}, not an object"
             for key, value in row.items():
-                kind = JSON_TYPES.get(type(value))  # None: a null, which fits any type
+                kind = _JSON_TYPES.get(type(value))  # None: a null, which fits any type
                 if kind is not None and types.setdefault(key, kind) != kind:
                     return f"line {n}: field {key!r} is a {kind}, but a {types[key]} on the lines before"
     return None
