@@ -96,7 +96,8 @@ def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_
     assert result.exit_code == 1 and len(errors) == 1, result.output
     assert errors[0].startswith(f"error: training failed: ComponentStartError: the snapshot persister on node {node['node_ip']} "
                                 f"({node['node_id'][:12]}) cannot use storage s3://"), errors[0]
-    assert "NoCredentialsError" in errors[0] and "from the driver's environment (AWS_ACCESS_KEY_ID" in errors[0]
+    assert "StorageCredentialsError: check bucket s3://" in errors[0] and "failed after 1 try: no S3 credentials" in errors[0]
+    assert "from the driver's environment (AWS_ACCESS_KEY_ID" in errors[0]
     summary = json.loads((out / "summary.json").read_text())
     assert summary == {**summary, "ok": False, "phase": "failed", "error": errors[0].removeprefix("error: training failed: ")}
     assert summary["placement"]["persister"] == [{"node_id": node["node_id"], "node_ip": node["node_ip"]}]
