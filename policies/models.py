@@ -42,11 +42,19 @@ INTERVAL_STRATEGIES = (Strategy.FULL_SYNC, Strategy.FULL_ASYNC, Strategy.SHADOW)
 
 
 def _exp(x: float) -> float:
-    return math.exp(x) if x < 700 else math.inf
+    """e^x, or inf where it overflows a float (x > ~709.78): a waste that large is never chosen."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
 
 
 def _expm1(x: float) -> float:
-    return math.expm1(x) if x < 700 else math.inf
+    """e^x - 1, or inf where it overflows a float."""
+    try:
+        return math.expm1(x)
+    except OverflowError:
+        return math.inf
 
 
 def _positive(**values: float) -> None:
@@ -209,7 +217,7 @@ def differential_full_interval_steps(costs: MeasuredCosts, batch_steps: int = 1)
         raise ValueError(f"batch_steps must be >= 1, got {batch_steps}")
     per_full_s = costs.stall_s + costs.background_weight * costs.snapshot_s
     k = math.sqrt(2 * per_full_s * costs.mtbf_s / (costs.replay_step_s * costs.step_s))
-    return max(round(k / batch_steps), math.ceil(min_background_steps(costs) / batch_steps), 1) * batch_steps
+    return max(round(k / batch_steps), math.ceil(min_background_steps(costs) / batch_steps)) * batch_steps
 
 
 def waste_full_sync(costs: MeasuredCosts, interval_steps: int) -> float:
@@ -269,7 +277,7 @@ def _mean_exp(q: float, n: int) -> float:
     overflow a float (the replay then outlasts any failure-free stretch: no progress)."""
     if not q > 0:
         return 1.0
-    return math.expm1(q * n) / (n * math.expm1(q)) if q * n < 700 else math.inf
+    return _expm1(q * n) / (n * math.expm1(q))
 
 
 def waste_log_only(costs: MeasuredCosts, horizon_s: float) -> float:

@@ -52,6 +52,7 @@ def test_differential_full_interval_is_youngs_with_the_replay_rounded_to_whole_b
     c = costs(step_s=4.0, replay_step_s=0.5, stall_s=1.0, snapshot_s=15.0)  # k* = sqrt(2 * 16 * 3600 / 2) = 240
     assert differential_full_interval_steps(c) == differential_full_interval_steps(c, 5) == 240
     assert differential_full_interval_steps(c, 7) == 238  # round(240 / 7) = 34 batches
+    assert differential_full_interval_steps(c.replace(mtbf_s=915.0625)) == 121  # k* = 4 sqrt(M): an odd interval of single steps
     assert differential_full_interval_steps(c.replace(background_weight=0.0), 2) == round(math.sqrt(2 * 3600 / 2) / 2) * 2
     assert differential_full_interval_steps(c.replace(replay_step_s=2.0)) == 120  # 4x the replay: half the interval
     # a full write of 100 s cannot finish within fewer than 25 steps of 4 s, whatever the MTBF: 13 whole batches of 2

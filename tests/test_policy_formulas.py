@@ -113,6 +113,16 @@ def test_waste_shadow_to_first_order_by_hand():
     assert charged - 0.125 == pytest.approx(18.5 * LAMBDA + 2.5 * LAMBDA * 2.0 * 5.0 / 20.0 / 2.0, rel=1e-3)
 
 
+def test_a_waste_past_the_float_range_is_inf_not_an_overflow_error():
+    """lambda tau beyond ~709.78 overflows e^(lambda tau): the waste is inf, so no planner picks that interval; just
+    below it the waste is finite (a cut-off below the float range would call it inf)."""
+    far = costs(mtbf_s=1.0, restart_s=0.5, load_s=0.5, snapshot_s=0.5)  # lambda = 1 per second, D = 1 s
+    assert waste_full_sync(far, interval_steps=1000) == math.inf  # lambda (tau + C) = 2000.5
+    assert waste_full_async(far, interval_steps=1000) == math.inf
+    near = waste_full_sync(far, interval_steps=353)  # lambda (tau + C) = 706.5: e^1 (e^706.5 - 1) / 706 - 1
+    assert near == pytest.approx(math.e * math.expm1(706.5) / 706 - 1, rel=1e-12) and math.isfinite(near)
+
+
 def test_snapshot_schedule_bounds():
     every = SnapshotSchedule(every_steps=1, last_step=0)
     assert [s for s in range(1, 4) if every.take_if_due(s)] == [1, 2, 3]

@@ -18,8 +18,9 @@ from actors.persister import SnapshotPersister
 from orchestrator.cli import app
 from storage.backend import PreconditionFailedError, RetryPolicy, Storage, StorageError
 from storage.diffs import DiffStore
-from storage.manifest import RunIdentity, layout_of
-from storage.snapshots import INDEX, MANIFEST, FencedError, NoSnapshotError, SnapshotStore
+from storage.manifest import RunIdentity, layout_of, layout_sha256
+from storage.snapshots import INDEX, MANIFEST, FencedError, NoSnapshotError, SnapshotCorruptError, SnapshotStore
+from storage.tensor_files import save as st_save
 from tests.test_storage_contract import state
 from training.state import state_sha256
 
@@ -224,6 +225,22 @@ def test_load_latest_at_most_a_step_and_of_some_units_only(storage):
 
 
 # -- 2. a manifest that lies -----------------------------------------------------------------------
+def test_a_shard_that_verifies_but_holds_other_tensors_than_its_unit_lists_is_refused_by_name(storage):
+    """A consistent lie: the shard's bytes and sha256 match its manifest entry, but the tensors inside are others."""
+    store = SnapshotStore(storage)
+    info = store.write(1, state(1))
+    spec = info.manifest["units"]["norm"]
+    blob = st_save({"model.norm.weightX": np.zeros(4, np.float32)})
+    storage.put(spec["path"], blob)
+    rewrite_manifest(storage, info.folder, lambda m: {**m, "units": {
+        **m["units"], "norm": {**spec, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}})
+    lied = store.list()[-1]
+    assert store.verify(lied) == []  # every shard matches its manifest entry
+    with pytest.raises(SnapshotCorruptError, match=re.escape(
+            f"snapshot {info.folder}: unit norm holds other tensors than its manifest lists")):
+        store.load(lied)
+
+
 def test_a_manifest_that_lies_about_its_step_is_skipped_and_verify_reports_it(tmp_path):
     store = SnapshotStore(str(tmp_path))
     store.write(10, state(10))
@@ -379,9 +396,28 @@ def test_empty_and_partial_states_are_refused_at_write_and_a_wrong_layout_at_res
                                          r"tensor #3 is \['model.norm.weight'.*expected \['model.layers.1.mlp.up_proj.weight'"):
         run.write(2, {n: a for n, a in state(2).items() if not n.startswith("model.layers.1.")})
     other_model = layout_of({**full, "model.norm.weight": np.zeros(5, np.float32)})
-    with pytest.raises(NoSnapshotError, match="layout .5 tensors, [0-9a-f]{12}. differs from the model's .*a snapshot of another model"):
+    ours, theirs = layout_sha256(layout_of(full))[:12], layout_sha256(other_model)[:12]
+    with pytest.raises(NoSnapshotError, match=re.escape(
+            f"its layout (5 tensors, {ours}) differs from the model's (5 tensors, {theirs}): a snapshot of another model")):
         SnapshotStore(storage).load_latest(layout=other_model)
     assert SnapshotStore(storage).load_latest(layout=layout_of(full)).info.step == 1
+
+
+def test_load_latest_skips_a_newer_snapshot_of_another_layout_and_a_corrupt_one_and_logs_the_corrupt(storage, caplog):
+    full = state(1)
+    SnapshotStore(storage).write(1, full)
+    other = SnapshotStore(storage, layout=layout_of({**full, "model.norm.weight": np.zeros(5, np.float32)}))
+    foreign = other.write(2, {**state(2), "model.norm.weight": np.zeros(5, np.float32)})
+    bad = SnapshotStore(storage).write(3, state(3))
+    flip_shard(storage, bad.manifest["units"]["embed"]["path"])
+    store = SnapshotStore(storage, layout=layout_of(full))  # no layout passed to load_latest: the store's
+    with caplog.at_level(logging.WARNING, logger="storage.snapshots"):
+        got = store.load_latest()
+    assert (got.info.step, state_sha256(got.state)) == (1, state_sha256(full))
+    assert len(got.skipped) == 2 and "unit embed" in got.skipped[0] and "corrupt" in got.skipped[0]
+    assert got.skipped[1].startswith(f"snapshot {foreign.folder}: its layout (5 tensors, ")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "storage.snapshots"] == [
+        (logging.WARNING, f"skipping {got.skipped[0]}")]
 
 
 # -- 5. retention ----------------------------------------------------------------------------------
