@@ -122,7 +122,7 @@ def test_a_live_shadow_takes_the_replay_out_of_the_waste_and_its_interval_follow
     the model where every failure loses the shadow, and p = 0 leaves no failure for a snapshot to serve."""
     c, k = costs(mtbf_s=24 * HOUR), 1000
     lost, live = (MeasuredCosts(**{**c.__dict__, "shadow_loss_fraction": p}) for p in (1.0, 0.0))
-    lam, u = c.failure_rate_per_s, c.step_s + c.log_append_s
+    lam = c.failure_rate_per_s
     first_order = lambda p: c.snapshot_s / (k * c.step_s) + lam * (c.downtime_s + p * k / 2 * c.replay_step_s) + c.log_append_s
     assert waste_shadow(c, k) == waste_shadow(lost, k) == pytest.approx(first_order(1.0), rel=0.01)
     assert waste_shadow(live, k) == pytest.approx(first_order(0.0), rel=0.01)
