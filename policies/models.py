@@ -377,8 +377,6 @@ def optimal_interval_steps(strategy: Strategy, costs: MeasuredCosts) -> int:
     """
     if strategy not in INTERVAL_STRATEGIES:
         raise ValueError(f"{strategy} has no snapshot interval")
-    if strategy is Strategy.SHADOW:
-        check_shadow(costs)
     lo = 1 if strategy is Strategy.FULL_SYNC else min_background_steps(costs)
     hi = max(lo, math.ceil(50 * costs.mtbf_s / costs.step_s))
     waste = _WASTE[strategy]

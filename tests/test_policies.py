@@ -170,6 +170,20 @@ def test_the_optimal_interval_minimises_simulated_waste(strategy):
                 assert diff.mean() > 5 * se  # the test can tell intervals apart
 
 
+def test_the_optimum_search_spans_one_step_to_fifty_mtbfs_and_async_starts_at_its_shortest_feasible_interval():
+    assert min_background_steps(costs(snapshot_s=0.5)) == 1  # a write shorter than a step: every step
+    assert optimal_interval_steps(Strategy.FULL_SYNC, costs(step_s=100.0, snapshot_s=1.0, mtbf_s=200.0)) == 1
+    # a blocking checkpoint may come sooner than a background write could finish: 4 steps < 10
+    frail = costs(snapshot_s=10.0, mtbf_s=4.0, restart_s=1.0, load_s=1.0)
+    assert (optimal_interval_steps(Strategy.FULL_SYNC, frail), min_background_steps(frail)) == (4, 10)
+    assert optimal_interval_steps(Strategy.FULL_ASYNC, frail) == 10
+    # a live shadow that no failure loses: the waste falls with k up to the search's bound, 50 MTBFs of 2 s steps
+    live = MeasuredCosts(**{**costs(mtbf_s=24 * HOUR, step_s=2.0).__dict__, "shadow_loss_fraction": 0.0})
+    assert optimal_interval_steps(Strategy.SHADOW, live) == 50 * 24 * HOUR // 2
+    with pytest.raises(ValueError, match="^log-only has no snapshot interval$"):
+        optimal_interval_steps(Strategy.LOG_ONLY, live)
+
+
 def test_infeasible_inputs_raise_an_error_that_says_what_to_change():
     slow = costs(replay_step_s=1.2)
     for call in (lambda: shadow_interval_steps(slow), lambda: optimal_interval_steps(Strategy.SHADOW, slow),
