@@ -4,8 +4,10 @@ Source: ZOCheck (arXiv 2026), CPU-shadow checkpointing: the shadow re-executes e
 (perturbation round trip and update, ``training.zo.replay_step_``) off the training critical path,
 materialises consistent recovery images, and hands them to the snapshot persister.
 
-``ShadowReplayer`` is the plain logic (tested without Ray); ``ShadowActor`` is the thin Ray shell
-that runs it on a background thread and serves images through the object store.
+``ShadowReplayer`` replays the log; ``ShadowLoop`` runs it on a background thread, hands recovery
+images to the persister on the snapshot schedule and serves images and hashes (both plain, tested
+without Ray); ``ShadowActor`` is the thin Ray shell that builds them from a ``ShadowSpec`` and serves
+images through the object store.
 
 Sharded (``JobConfig.shadow_shards`` K > 1): K actors each hold and replay only the contiguous range
 of units ``actors.shards.split_units`` gives them (memory and replay work / K), start from their own
@@ -18,13 +20,16 @@ part of it has arrived (``actors.persister``); a recovery assembles the K images
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import ray
 import torch
 
@@ -161,6 +166,227 @@ class AlignedSchedule(SnapshotSchedule):
         return True
 
 
+class ImageSink(Protocol):
+    """Where a shadow hands its recovery images: ``actors.persister.SnapshotPersister`` (tests), or
+    ``NamedPersister``, the persister actor looked up by name (the actor). ``state`` / ``part``: ordered
+    name -> numpy array (a shard's part: its tensors only), not touched by the shadow afterwards.
+
+    Both methods raise ``LookupError`` when the sink cannot take an image now (no persister is
+    registered): the shadow skips that image and counts it.
+    """
+
+    def submit(self, step: int, state: "OrderedDict[str, np.ndarray]") -> None:
+        """Take the whole model's state after ``step`` steps."""
+
+    def submit_part(self, step: int, shard: int, shards: int, part: "OrderedDict[str, np.ndarray]") -> None:
+        """Take shard ``shard`` of ``shards``'s part of the state after ``step`` steps."""
+
+
+class ShadowLoop:
+    """The shadow's replay loop: replays ``replayer``'s log one record at a time, hands an image to
+    ``sink`` whenever a snapshot is due (the interval schedule, or a step asked for by
+    ``snapshot_at``), and serves images, hashes and its status. Plain logic, tested without Ray.
+
+    ``start`` runs the loop on a background thread until ``stop``; ``run_once`` is one round of it. An
+    exception in the loop stops it; it is surfaced by ``status()["error"]`` and by ``image``.
+
+    Args:
+        replayer: the replay state at its start step; that step counts as the last snapshot's (a
+            restore point is durable by construction).
+        sink: where images go (``ImageSink``: ``submit`` for the whole model, ``submit_part`` for a
+            shard); None: nowhere, and nothing is counted.
+        every_steps: the snapshot interval in steps (0: none by schedule; ``set_interval`` changes it).
+        shard: this shadow's shard number, 0-based.
+        shards: the shard count K; K > 1: the schedule is ``AlignedSchedule`` and images go to ``submit_part``.
+        poll_interval_s: seconds between log polls while records wait to be replayed, and the wait
+            before the next poll when none did.
+        clock: monotonic seconds (``time.monotonic``), for the poll interval and ``image``'s timeout.
+
+    Raises:
+        ValueError: ``every_steps`` < 0.
+    """
+
+    def __init__(self, replayer: ShadowReplayer, sink: ImageSink | None, every_steps: int, *, shard: int = 0,
+                 shards: int = 1, poll_interval_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
+        self.replayer = replayer
+        self.sink = sink
+        self.shard, self.shards = shard, shards
+        self.poll_interval_s = poll_interval_s
+        self.clock = clock
+        schedule = AlignedSchedule if shards > 1 else SnapshotSchedule
+        self.schedule = schedule(every_steps=every_steps, last_step=replayer.step)
+        self._requested_step: int | None = None  # snapshot_at
+        self._polled_s = -math.inf
+        self.snapshots_sent = 0
+        self.snapshots_skipped = 0
+        self.error: str | None = None
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Run the loop on a background thread (``run_once`` until ``stop``)."""
+        self._thread = threading.Thread(target=self._run, name="shadow-replay", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background thread (waits up to 10 s for its current round)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self.run_once():
+                    self._stopping.wait(self.poll_interval_s)
+        except Exception as exc:  # surfaced through status() and image(); never dies silently
+            log.exception("shadow replay stopped")
+            with self._cond:
+                self.error = f"{type(exc).__name__}: {exc}"
+                self._cond.notify_all()
+
+    def run_once(self) -> bool:
+        """One round of the loop: poll the log (when nothing waits, else at most every poll interval),
+        replay the oldest waiting record, and hand its image to the sink if a snapshot is due after it.
+        Returns whether a record was replayed.
+
+        Raises:
+            what the log source or the replay raises (e.g. ``StepLogGapError``).
+        """
+        if not self.replayer.waiting or self.clock() - self._polled_s >= self.poll_interval_s:
+            self.replayer.poll()  # e.g. a call to the log keeper: outside the lock
+            self._polled_s = self.clock()
+        with self._cond:
+            progressed = self.replayer.replay_one()
+            image = None
+            if progressed and self._due(self.replayer.step):
+                image = (self.replayer.step, copy_state(self.replayer.params))
+            self._cond.notify_all()
+        if image:
+            self._send(*image)
+        return progressed
+
+    def _due(self, step: int) -> bool:
+        """A snapshot is due after ``step`` steps: by the schedule, or requested (``snapshot_at``)."""
+        if step == self._requested_step:
+            self._requested_step = None
+            self.schedule.taken(step)
+            return True
+        return self.schedule.take_if_due(step)
+
+    def _send(self, step: int, state: "OrderedDict[str, np.ndarray]") -> None:
+        """Hand the image of ``step`` to the sink; one it cannot take now (a persister that died and
+        is being restarted) is skipped and counted: the step log still holds every step, and the
+        next snapshot is due soon."""
+        if self.sink is None:
+            return
+        try:
+            if self.shards > 1:
+                self.sink.submit_part(step, self.shard, self.shards, state)
+            else:
+                self.sink.submit(step, state)
+        except LookupError as exc:
+            log.warning("skipping the snapshot of step %d: %s", step, exc)
+            self.snapshots_skipped += 1
+            return
+        self.snapshots_sent += 1
+
+    def snapshot_now(self) -> int:
+        """Hand the current state to the sink now (e.g. the final state); returns its step."""
+        with self._cond:
+            step, state = self.replayer.step, copy_state(self.replayer.params)
+            self.schedule.taken(step)
+        self._send(step, state)
+        return step
+
+    def snapshot_at(self, step: int) -> bool:
+        """Hand the state after ``step`` steps to the sink: now if replayed exactly that far, else
+        once replay gets there (one request at a time: the newest wins). Every shard is asked for the
+        same step, so the parts complete one snapshot. False (nothing taken) when already past it."""
+        with self._cond:
+            if self.replayer.step > step:
+                return False
+            if self.replayer.step < step:
+                self._requested_step = step
+                return True
+            state = copy_state(self.replayer.params)
+            self.schedule.taken(step)
+        self._send(step, state)
+        return True
+
+    def set_interval(self, every_steps: int) -> None:
+        """Follow a new snapshot interval (the controller's cost-model plan), in steps: a snapshot is
+        due once the steps since the last one reach it (``policies.interval.snapshot_due``; with
+        shards, at the multiples of it: ``AlignedSchedule``).
+
+        Raises:
+            ValueError: ``every_steps`` < 0.
+        """
+        with self._cond:
+            self.schedule.set_interval(every_steps)
+
+    def status(self) -> dict:
+        """``shard``; ``step`` (replayed), ``log_end`` (steps in the log as of the last poll),
+        ``lag_steps``, ``replayed`` (records replayed by this loop), ``replay_seconds_per_step`` (None
+        before the first), ``snapshots_sent``, ``snapshots_skipped``, ``snapshot_every_steps``,
+        ``last_snapshot_step`` and ``error`` (None while the loop runs or has not failed)."""
+        r = self.replayer
+        with self._cond:
+            return {
+                "shard": self.shard,
+                "step": r.step,
+                "log_end": r.log_end,
+                "lag_steps": r.log_end - r.step,
+                "replayed": r.replayed,
+                "replay_seconds_per_step": r.replay_seconds / r.replayed if r.replayed else None,
+                "snapshots_sent": self.snapshots_sent,
+                "snapshots_skipped": self.snapshots_skipped,
+                "snapshot_every_steps": self.schedule.every_steps,
+                "last_snapshot_step": self.schedule.last_step,
+                "error": self.error,
+            }
+
+    def hashes(self) -> dict[int, str]:
+        """step -> ``state_sha256`` recorded at every ``hash_every`` steps (the replayer's setting)."""
+        with self._cond:
+            return dict(self.replayer.hashes)
+
+    def image(self, min_step: int, timeout_s: float) -> dict:
+        """A consistent copy of the state (a shard's: its tensors only) once at least ``min_step``
+        steps are replayed.
+
+        Returns ``{"step": int, "state": ordered name -> numpy array}``; through Ray it is put in the
+        object store, so the caller reads it zero-copy (copy before writing).
+
+        Raises:
+            TimeoutError: not caught up within ``timeout_s`` seconds.
+            RuntimeError: the loop stopped on an error (e.g. a gap in the log).
+        """
+        with self._cond:
+            deadline = self.clock() + timeout_s
+            while self.replayer.step < min_step and self.error is None:
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise TimeoutError(f"shadow at step {self.replayer.step}, {min_step} requested")
+                self._cond.wait(min(left, 1.0))
+            if self.error is not None:
+                raise RuntimeError(f"shadow replay failed: {self.error}")
+            return {"step": self.replayer.step, "state": copy_state(self.replayer.params)}
+
+    def state_sha256(self, step: int, timeout_s: float) -> str:
+        """The ``state_sha256`` of the state (a shard's: of its tensors) after exactly ``step`` steps
+        (waits until replayed, as ``image``).
+
+        Raises:
+            RuntimeError: already past ``step``; and what ``image`` raises.
+        """
+        image = self.image(step, timeout_s)
+        if image["step"] != step:
+            raise RuntimeError(f"shadow is at step {image['step']}, past {step}")
+        return state_sha256(image["state"])
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShadowSpec:
     """What a shadow actor needs to start: the model, the log (the log keeper's actor name
@@ -187,9 +413,33 @@ class ShadowSpec:
     then read from the model's files directly (``read_parameters``); None: the model is loaded."""
 
 
-class ShadowActor:
-    """Ray shell around ``ShadowReplayer``: starts from the newest verified snapshot (else the initial
-    weights), replays on a background thread, snapshots on the interval policy, serves images.
+class NamedPersister:
+    """The ``ImageSink`` of a shadow actor: the persister actor registered as ``name``, looked up at
+    each call so that a restarted persister is found; the calls return without waiting for it.
+
+    Raises:
+        LookupError: (both methods) no persister is registered as ``name`` (it died and is being restarted).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _actor(self):
+        try:
+            return ray.get_actor(self.name)
+        except ValueError as exc:
+            raise LookupError(f"no snapshot persister registered as {self.name!r}") from exc
+
+    def submit(self, step: int, state: "OrderedDict[str, np.ndarray]") -> None:
+        self._actor().submit.remote(step, state)
+
+    def submit_part(self, step: int, shard: int, shards: int, part: "OrderedDict[str, np.ndarray]") -> None:
+        self._actor().submit_part.remote(step, shard, shards, part)
+
+
+class ShadowActor(ShadowLoop):
+    """Ray shell around ``ShadowLoop``: loads the weights (its shard's) from the newest verified
+    snapshot, else the initial weights, follows the log ``spec`` names, and starts the loop.
 
     Create with ``ray.remote(ShadowActor).options(num_cpus=0, max_concurrency=4, name=...)``.
     """
@@ -216,159 +466,22 @@ class ShadowActor:
             log.warning("shadow starts from the initial weights: %s", exc)
             self.base = {"source": "initial", "step": 0}
         source = KeeperLogSource(RemoteKeeper(spec.log_keeper_name)) if spec.log_keeper_name else spec.log_path
-        self.replayer = ShadowReplayer(params, source, self.base["step"], spec.hash_every,
-                                       self.range if spec.shards > 1 else None)
-        schedule = AlignedSchedule if spec.shards > 1 else SnapshotSchedule
-        self.schedule = schedule(every_steps=spec.snapshot_every_steps, last_step=self.base["step"])
-        self._requested_step: int | None = None  # snapshot_at
-        self.snapshots_sent = 0
-        self.error: str | None = None
-        self.snapshots_skipped = 0
-        self._cond = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="shadow-replay", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        polled_s = 0.0
-        try:
-            while not self._stop:
-                if not self.replayer.waiting or time.monotonic() - polled_s >= self.spec.poll_interval_s:
-                    self.replayer.poll()  # a call to the log keeper: outside the lock, at most every poll interval while busy
-                    polled_s = time.monotonic()
-                with self._cond:
-                    progressed = self.replayer.replay_one()
-                    image = None
-                    if progressed and self._due(self.replayer.step):
-                        image = (self.replayer.step, copy_state(self.replayer.params))
-                    self._cond.notify_all()
-                if image:
-                    self._send(image)
-                if not progressed:
-                    time.sleep(self.spec.poll_interval_s)
-        except Exception as exc:  # surfaced through status() and image(); never dies silently
-            log.exception("shadow replay stopped")
-            with self._cond:
-                self.error = f"{type(exc).__name__}: {exc}"
-                self._cond.notify_all()
-
-    def _due(self, step: int) -> bool:
-        """A snapshot is due after ``step`` steps: by the schedule, or requested (``snapshot_at``)."""
-        if step == self._requested_step:
-            self._requested_step = None
-            self.schedule.taken(step)
-            return True
-        return self.schedule.take_if_due(step)
-
-    def _send(self, image: tuple) -> None:
-        """Hand ``image`` to the persister, looked up by name each time so that a restarted persister
-        is found; while none is registered (it died and is being restarted) the image is skipped
-        and counted: the step log still holds every step, and the next snapshot is due soon."""
-        if not self.spec.persister_name:
-            return
-        try:
-            persister = ray.get_actor(self.spec.persister_name)
-        except ValueError:
-            log.warning("no snapshot persister registered; skipping the snapshot of step %d", image[0])
-            self.snapshots_skipped += 1
-            return
-        if self.spec.shards > 1:
-            persister.submit_part.remote(image[0], self.spec.shard, self.spec.shards, image[1])
-        else:
-            persister.submit.remote(*image)
-        self.snapshots_sent += 1
-
-    def snapshot_now(self) -> int:
-        """Hand the current state to the persister now (e.g. the final state); returns its step."""
-        with self._cond:
-            image = (self.replayer.step, copy_state(self.replayer.params))
-            self.schedule.taken(self.replayer.step)
-        self._send(image)
-        return image[0]
-
-    def snapshot_at(self, step: int) -> bool:
-        """Hand the state after ``step`` steps to the persister: now if replayed exactly that far, else
-        once replay gets there (one request at a time: the newest wins). Every shard is asked for the
-        same step, so the parts complete one snapshot. False (nothing taken) when already past it."""
-        with self._cond:
-            if self.replayer.step > step:
-                return False
-            if self.replayer.step < step:
-                self._requested_step = step
-                return True
-            image = (step, copy_state(self.replayer.params))
-            self.schedule.taken(step)
-        self._send(image)
-        return True
-
-    def set_interval(self, every_steps: int) -> None:
-        """Follow a new snapshot interval (the controller's cost-model plan), in steps: a snapshot is
-        due once the steps since the last one reach it (``policies.interval.snapshot_due``)."""
-        with self._cond:
-            self.schedule.set_interval(every_steps)
+        replayer = ShadowReplayer(params, source, self.base["step"], spec.hash_every, self.range if spec.shards > 1 else None)
+        super().__init__(replayer, NamedPersister(spec.persister_name) if spec.persister_name else None,
+                         spec.snapshot_every_steps, shard=spec.shard, shards=spec.shards, poll_interval_s=spec.poll_interval_s)
+        self.start()
 
     def status(self) -> dict:
-        """Step, log end, lag (steps), replay seconds per step, base of this incarnation, error if any,
-        and what it holds: ``shard``, ``units``, ``elements``, its Ray ``actor_id``, and where it runs
-        (``node_id``, ``node_ip``)."""
-        r = self.replayer
-        with self._cond:
-            return {
-                "shard": self.spec.shard,
-                "units": self.range.describe(),
-                "elements": self.range.elements,
-                "actor_id": self.actor_id,
-                "step": r.step,
-                "log_end": r.log_end,
-                "lag_steps": r.log_end - r.step,
-                "replayed": r.replayed,
-                "replay_seconds_per_step": r.replay_seconds / r.replayed if r.replayed else None,
-                "base": self.base,
-                "snapshots_sent": self.snapshots_sent,
-                "snapshots_skipped": self.snapshots_skipped,
-                "snapshot_every_steps": self.schedule.every_steps,
-                "last_snapshot_step": self.schedule.last_step,
-                "started_unix_s": self.started_unix_s,
-                "error": self.error,
-                "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # differs under ATEN_CPU_CAPABILITY
-                **this_node(),
-            }
-
-    def hashes(self) -> dict[int, str]:
-        """state_sha256 recorded at every ``hash_every`` steps."""
-        with self._cond:
-            return dict(self.replayer.hashes)
-
-    def image(self, min_step: int, timeout_s: float) -> dict:
-        """A consistent copy of the state (a shard's: its tensors only) once at least ``min_step``
-        steps are replayed.
-
-        Returns ``{"step": int, "state": ordered name -> numpy array}``; Ray puts it in the object
-        store, so the caller reads it zero-copy (copy before writing).
-
-        Raises:
-            TimeoutError: not caught up within ``timeout_s``.
-            RuntimeError: replay stopped on an error (e.g. a gap in the log).
-        """
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self.replayer.step < min_step and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"shadow at step {self.replayer.step}, {min_step} requested")
-                self._cond.wait(min(left, 1.0))
-            if self.error is not None:
-                raise RuntimeError(f"shadow replay failed: {self.error}")
-            return {"step": self.replayer.step, "state": copy_state(self.replayer.params)}
-
-    def state_sha256(self, step: int, timeout_s: float) -> str:
-        """The hash of the state (a shard's: of its tensors) after exactly ``step`` steps (waits until
-        replayed; not past it)."""
-        image = self.image(step, timeout_s)
-        if image["step"] != step:
-            raise RuntimeError(f"shadow is at step {image['step']}, past {step}")
-        return state_sha256(image["state"])
-
-    def stop(self) -> None:
-        self._stop = True
-        self._thread.join(timeout=10)
+        """``ShadowLoop.status``, the ``base`` of this incarnation (``{"source": "snapshot" or
+        "initial", "step": int}``), what it holds (``units``, ``elements``), its Ray ``actor_id``,
+        ``started_unix_s``, ``cpu_capability`` and where it runs (``node_id``, ``node_ip``)."""
+        return {
+            **super().status(),
+            "units": self.range.describe(),
+            "elements": self.range.elements,
+            "actor_id": self.actor_id,
+            "base": self.base,
+            "started_unix_s": self.started_unix_s,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # differs under ATEN_CPU_CAPABILITY
+            **this_node(),
+        }
