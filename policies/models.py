@@ -180,12 +180,9 @@ def shadow_interval_steps(costs: MeasuredCosts) -> int:
     check_shadow(costs)
     charged = 2 * costs.background_weight * costs.snapshot_s * costs.mtbf_s
     replayed = costs.shadow_loss_fraction * costs.replay_step_s * costs.step_s
-    if charged == 0:
-        k = 0.0
-    elif replayed == 0:
-        k = math.ceil(50 * costs.mtbf_s / costs.step_s)
-    else:
-        k = math.sqrt(charged / replayed)
+    if charged == 0:  # snapshots cost the loop nothing: as often as a write can finish
+        return min_background_steps(costs)
+    k = math.ceil(50 * costs.mtbf_s / costs.step_s) if replayed == 0 else math.sqrt(charged / replayed)
     return max(round(k), min_background_steps(costs))
 
 

@@ -184,6 +184,24 @@ def test_the_optimum_search_spans_one_step_to_fifty_mtbfs_and_async_starts_at_it
         optimal_interval_steps(Strategy.LOG_ONLY, live)
 
 
+@pytest.mark.parametrize("strategy", [Strategy.FULL_SYNC, Strategy.FULL_ASYNC, Strategy.SHADOW])
+def test_the_optimum_search_finds_the_brute_force_minimum(strategy):
+    for changes in (dict(mtbf_s=300.0, snapshot_s=3.0), dict(mtbf_s=900.0, snapshot_s=2.0, replay_step_s=0.9),
+                    dict(mtbf_s=60.0, snapshot_s=1.0, restart_s=5.0, load_s=1.0), dict(mtbf_s=2000.0, snapshot_s=7.0)):
+        c = costs(**changes)
+        lo = 1 if strategy is Strategy.FULL_SYNC else min_background_steps(c)
+        brute = min(range(lo, 2000), key=lambda k: expected_waste(strategy, c, interval_steps=k))
+        assert optimal_interval_steps(strategy, c) == brute, changes
+
+
+def test_shadow_interval_without_a_snapshot_charge_is_the_shortest_a_write_allows_and_the_bound_counts_steps():
+    free = costs(background_weight=0.0, snapshot_s=3.0)
+    for p in (0.0, 1.0):
+        assert shadow_interval_steps(free.replace(shadow_loss_fraction=p)) == 3
+    live = costs(mtbf_s=24 * HOUR, step_s=2.0, shadow_loss_fraction=0.0)
+    assert shadow_interval_steps(live) == 50 * 24 * HOUR // 2
+
+
 def test_infeasible_inputs_raise_an_error_that_says_what_to_change():
     slow = costs(replay_step_s=1.2)
     for call in (lambda: shadow_interval_steps(slow), lambda: optimal_interval_steps(Strategy.SHADOW, slow),

@@ -177,6 +177,15 @@ def test_waste_shadow_exactly_at_a_high_failure_rate_by_hand():
     c = costs(replay_step_s=1.0, snapshot_s=4.0, restart_s=0.5, load_s=0.5, mtbf_s=1 / math.log(2))
     assert waste_shadow(c, 3) == pytest.approx(42 / math.log(2) - 1, rel=1e-12)
     assert waste_shadow(c.replace(background_weight=1.0), 3) == pytest.approx(42 / math.log(2) + 14 / 3 - 1, rel=1e-12)
+    # half the failures leave the shadow alive and replay its lag of 2 steps: E = 0.5 x 2^2 + 0.5 x 14 = 9; the lost
+    # write is charged for the other half only: 4 (1 / 3 + 0.5 x 3 x 4 / 6) / 2 = 8 / 3
+    half = c.replace(shadow_loss_fraction=0.5, live_replay_steps=2.0)
+    assert waste_shadow(half, 3) == pytest.approx(27 / math.log(2) - 1, rel=1e-12)
+    assert waste_shadow(half.replace(background_weight=1.0), 3) == pytest.approx(27 / math.log(2) + 8 / 3 - 1, rel=1e-12)
+    # a term of weight 0 stays 0 where its exponential overflows: a live lag of 1e9 steps when every failure loses
+    # the shadow, a 2000-step interval when none does (E = 1: seconds per step 3 x 2 / ln 2)
+    assert waste_shadow(c.replace(live_replay_steps=1e9), 3) == pytest.approx(42 / math.log(2) - 1, rel=1e-12)
+    assert waste_shadow(c.replace(shadow_loss_fraction=0.0), 2000) == pytest.approx(3 / math.log(2) - 1, rel=1e-12)
 
 
 def test_feasibility_bounds_and_their_messages():
