@@ -131,6 +131,11 @@ def test_snapshot_schedule_bounds():
     with pytest.raises(ValueError) as err:
         SnapshotSchedule(every_steps=-1)
     assert str(err.value) == "every_steps must be >= 0, got -1"
+    # a loop that skips steps (a shard, a postponed check): the gap counts from the step of the last snapshot taken
+    gaps = SnapshotSchedule(every_steps=3, last_step=0)
+    assert gaps.take_if_due(3) and gaps.last_step == 3 and gaps.due(6) and not gaps.due(5)
+    gaps.taken(5)  # on demand, outside the schedule
+    assert gaps.last_step == 5 and not gaps.due(7) and gaps.take_if_due(8)
 
 
 INITIAL = MeasuredCosts(step_s=1.0, replay_step_s=0.2, snapshot_s=10.0, restart_s=60.0, load_s=5.0, mtbf_s=3600.0)
