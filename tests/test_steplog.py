@@ -283,7 +283,11 @@ def test_read_prefix_returns_the_records_before_a_gap_and_the_gap(tmp_path):
     w.close()
     prefix = read_prefix(tmp_path / "log")
     assert (prefix.header["model"], prefix.records, prefix.torn_bytes) == ("x", [rec(i) for i in range(3)], 0)
-    assert isinstance(prefix.damage, StepLogGapError) and "is step 5, expected step 3" in str(prefix.damage)
+    assert isinstance(prefix.damage, StepLogGapError) and str(prefix.damage).startswith(
+        f"{tmp_path / 'log'}: record at byte ") and "is step 5, expected step 3" in str(prefix.damage)
+    (tmp_path / "header").write_bytes(b"RCLOGxx")
+    with pytest.raises(StepLogCorruptError, match=f"^{re.escape(str(tmp_path / 'header'))}: not a raycheck step log"):
+        read_prefix(tmp_path / "header")
     with pytest.raises(StepLogGapError):  # the strict readers are unchanged
         read_log(tmp_path / "log")
 
