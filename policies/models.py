@@ -274,7 +274,8 @@ def _mean_exp(q: float, n: int) -> float:
     overflow a float (the replay then outlasts any failure-free stretch: no progress)."""
     if not q > 0:
         return 1.0
-    return _expm1(q * n) / (n * math.expm1(q))
+    total = _expm1(q * n)  # finite only for q n < ~709.78, and then so is e^q - 1 (n >= 1)
+    return total / (n * math.expm1(q)) if total < math.inf else math.inf
 
 
 def waste_log_only(costs: MeasuredCosts, horizon_s: float) -> float:
