@@ -278,24 +278,54 @@ class LogKeeper:
         self._writer.close()
 
 
-class LogKeeperActor(LogKeeper):
-    """Ray shell: ``ray.remote(LogKeeperActor).options(num_cpus=0, max_concurrency=8, name=...)``, pinned to
-    the driver's node (``orchestrator.controller``). Mirrors on a thread every ``mirror_every_s``
-    seconds (unless every append commits to storage); ``status`` adds the node it runs on (``node_id``)."""
+class LogKeeperActor:
+    """Ray shell around a ``LogKeeper`` (``keeper``; the arguments are ``LogKeeper``'s):
+    ``ray.remote(LogKeeperActor).options(num_cpus=0, max_concurrency=8, name=...)``, pinned to the
+    driver's node (``orchestrator.controller``). Mirrors on a thread every ``mirror_every_s`` seconds
+    (unless every append commits to storage); ``status`` adds the node it runs on (``node_id``)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        self.keeper = LogKeeper(*args, **kwargs)
         self.node_id = ray.get_runtime_context().get_node_id()
-        if self.mirror_to is not None and not self.commit_to_storage:
+        if self.keeper.mirror_to is not None and not self.keeper.commit_to_storage:
             threading.Thread(target=self._mirror_loop, name="log-mirror", daemon=True).start()
 
     def _mirror_loop(self) -> None:
         while True:
-            time.sleep(self.mirror_every_s)
-            self.sync_mirror(final=False)
+            time.sleep(self.keeper.mirror_every_s)
+            self.keeper.sync_mirror(final=False)
+
+    def header(self) -> dict:
+        """``LogKeeper.header``."""
+        return self.keeper.header()
+
+    def end(self) -> int:
+        """``LogKeeper.end``."""
+        return self.keeper.end()
+
+    def append(self, record: StepRecord) -> int:
+        """``LogKeeper.append``."""
+        return self.keeper.append(record)
+
+    def append_many(self, records: Sequence[StepRecord]) -> int:
+        """``LogKeeper.append_many``."""
+        return self.keeper.append_many(records)
+
+    def records(self, start: int, limit: int = MAX_RECORDS_PER_CALL) -> list[StepRecord]:
+        """``LogKeeper.records``."""
+        return self.keeper.records(start, limit)
+
+    def wait_for(self, end: int, timeout_s: float) -> int:
+        """``LogKeeper.wait_for``."""
+        return self.keeper.wait_for(end, timeout_s)
+
+    def flush(self) -> dict:
+        """``LogKeeper.flush``, with the node it runs on (``node_id``) as ``status``."""
+        return {**self.keeper.flush(), "node_id": self.node_id}
 
     def status(self) -> dict:
-        return {**super().status(), "node_id": self.node_id}
+        """``LogKeeper.status`` and the node it runs on (``node_id``)."""
+        return {**self.keeper.status(), "node_id": self.node_id}
 
 
 class RemoteKeeper:

@@ -26,8 +26,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from orchestrator.cluster import this_node
 from storage.snapshots import SnapshotStore
+from training.node import this_node
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,9 @@ class SnapshotPersister:
         return self.status()
 
 
-class PersisterActor(SnapshotPersister):
-    """Ray shell: ``ray.remote(PersisterActor).options(num_cpus=0, max_concurrency=4, name=...)``.
+class PersisterActor:
+    """Ray shell around a ``SnapshotPersister`` of ``store``:
+    ``ray.remote(PersisterActor).options(num_cpus=0, max_concurrency=4, name=...)``.
 
     The constructor never touches storage, so a persister (re)started while storage is unreachable
     starts all the same: its status reports the outage (``last_error``, the breaker's ``storage``
@@ -168,16 +169,31 @@ class PersisterActor(SnapshotPersister):
     storage is the log keeper's: ``actors.log_keeper``.)
     """
 
+    def __init__(self, store: SnapshotStore) -> None:
+        self.persister = SnapshotPersister(store)
+
+    def submit(self, step: int, state: Mapping[str, np.ndarray]) -> None:
+        """``SnapshotPersister.submit``."""
+        self.persister.submit(step, state)
+
+    def submit_part(self, step: int, shard: int, shards: int, part: Mapping[str, np.ndarray]) -> None:
+        """``SnapshotPersister.submit_part``."""
+        self.persister.submit_part(step, shard, shards, part)
+
+    def flush(self, timeout_s: float) -> dict:
+        """``SnapshotPersister.flush``."""
+        return self.persister.flush(timeout_s)
+
     def check_storage(self) -> dict:
         """Probe the store from this actor's node (write, read back and delete a small object; the
-        controller asks once, at the run's start); returns ``orchestrator.cluster.this_node()``.
+        controller asks once, at the run's start); returns ``training.node.this_node()``.
 
         Raises:
             what ``storage.backend.Storage.probe`` raises, e.g. ``StorageError`` without credentials.
         """
-        self.store.storage.probe()
+        self.persister.store.storage.probe()
         return this_node()
 
     def status(self) -> dict:
         """``SnapshotPersister.status`` and where it runs (``node_id``, ``node_ip``)."""
-        return {**super().status(), **this_node()}
+        return {**self.persister.status(), **this_node()}

@@ -6,8 +6,8 @@ materialises consistent recovery images, and hands them to the snapshot persiste
 
 ``ShadowReplayer`` replays the log; ``ShadowLoop`` runs it on a background thread, hands recovery
 images to the persister on the snapshot schedule and serves images and hashes (both plain, tested
-without Ray); ``ShadowActor`` is the thin Ray shell that builds them from a ``ShadowSpec`` and serves
-images through the object store.
+without Ray); ``actors.shadow_actor.ShadowActor`` is the thin Ray shell that builds them from a
+``ShadowSpec`` and serves images through the object store.
 
 Sharded (``JobConfig.shadow_shards`` K > 1): K actors each hold and replay only the contiguous range
 of units ``actors.shards.split_units`` gives them (memory and replay work / K), start from their own
@@ -30,18 +30,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import ray
 import torch
 
-from actors.log_keeper import KeeperLogSource, RemoteKeeper
-from actors.shards import ShardRange, split_units
-from orchestrator.cluster import this_node
+from actors.shards import ShardRange
 from policies.interval import SnapshotSchedule
-from storage.manifest import layout_of
-from storage.snapshots import NoSnapshotError, SnapshotStore
+from storage.snapshots import SnapshotStore
 from storage.steplog import StepLogReader, StepRecord
-from training.assets import shipped_model
-from training.model import layout_sha256, load_model, materialise, model_dir, parameter_layout, read_parameters, trainable_parameters
+from training.model import layout_sha256, parameter_layout
 from training.state import copy_state, load_into, state_sha256
 from training.zo import check_dtype, check_generator, dtype_name, replay_step_
 
@@ -168,8 +163,9 @@ class AlignedSchedule(SnapshotSchedule):
 
 class ImageSink(Protocol):
     """Where a shadow hands its recovery images: ``actors.persister.SnapshotPersister`` (tests), or
-    ``NamedPersister``, the persister actor looked up by name (the actor). ``state`` / ``part``: ordered
-    name -> numpy array (a shard's part: its tensors only), not touched by the shadow afterwards.
+    ``actors.shadow_actor.NamedPersister``, the persister actor looked up by name (the actor).
+    ``state`` / ``part``: ordered name -> numpy array (a shard's part: its tensors only), not touched
+    by the shadow afterwards.
 
     Both methods raise ``LookupError`` when the sink cannot take an image now (no persister is
     registered): the shadow skips that image and counts it.
@@ -411,77 +407,3 @@ class ShadowSpec:
     layout: list | None = None
     """The step log header's parameter layout (``training.model.parameter_layout``): the initial weights are
     then read from the model's files directly (``read_parameters``); None: the model is loaded."""
-
-
-class NamedPersister:
-    """The ``ImageSink`` of a shadow actor: the persister actor registered as ``name``, looked up at
-    each call so that a restarted persister is found; the calls return without waiting for it.
-
-    Raises:
-        LookupError: (both methods) no persister is registered as ``name`` (it died and is being restarted).
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def _actor(self):
-        try:
-            return ray.get_actor(self.name)
-        except ValueError as exc:
-            raise LookupError(f"no snapshot persister registered as {self.name!r}") from exc
-
-    def submit(self, step: int, state: "OrderedDict[str, np.ndarray]") -> None:
-        self._actor().submit.remote(step, state)
-
-    def submit_part(self, step: int, shard: int, shards: int, part: "OrderedDict[str, np.ndarray]") -> None:
-        self._actor().submit_part.remote(step, shard, shards, part)
-
-
-class ShadowActor(ShadowLoop):
-    """Ray shell around ``ShadowLoop``: loads the weights (its shard's) from the newest verified
-    snapshot, else the initial weights, follows the log ``spec`` names, and starts the loop.
-
-    Create with ``ray.remote(ShadowActor).options(num_cpus=0, max_concurrency=4, name=...)``.
-    """
-
-    def __init__(self, spec: ShadowSpec) -> None:
-        torch.set_num_threads(1)
-        self.spec = spec
-        self.started_unix_s = time.time()
-        self.actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-        files = shipped_model(spec.shipped, spec.model)
-        folder = materialise(files, spec.cache_dir) if files is not None else model_dir(spec.model, spec.cache_dir)
-        params = read_parameters(folder, spec.layout, spec.dtype) if spec.layout else None
-        if params is None:
-            params = trainable_parameters(load_model(spec.model, spec.cache_dir, files, spec.dtype))
-        layout = layout_of(params)
-        self.range = split_units({n: p.numel() for n, p in params.items()}, spec.shards)[spec.shard]
-        if spec.shards > 1:  # keep only this shard's tensors: the rest of the model is freed
-            params = OrderedDict((n, params[n]) for n in self.range.names(list(params)))
-        try:
-            info, state, _ = spec.store.load_latest(layout=layout, units=list(self.range.units) if spec.shards > 1 else None)
-            load_into(params, state)
-            self.base = {"source": "snapshot", "step": info.step}
-        except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; replay the whole log
-            log.warning("shadow starts from the initial weights: %s", exc)
-            self.base = {"source": "initial", "step": 0}
-        source = KeeperLogSource(RemoteKeeper(spec.log_keeper_name)) if spec.log_keeper_name else spec.log_path
-        replayer = ShadowReplayer(params, source, self.base["step"], spec.hash_every, self.range if spec.shards > 1 else None)
-        super().__init__(replayer, NamedPersister(spec.persister_name) if spec.persister_name else None,
-                         spec.snapshot_every_steps, shard=spec.shard, shards=spec.shards, poll_interval_s=spec.poll_interval_s)
-        self.start()
-
-    def status(self) -> dict:
-        """``ShadowLoop.status``, the ``base`` of this incarnation (``{"source": "snapshot" or
-        "initial", "step": int}``), what it holds (``units``, ``elements``), its Ray ``actor_id``,
-        ``started_unix_s``, ``cpu_capability`` and where it runs (``node_id``, ``node_ip``)."""
-        return {
-            **super().status(),
-            "units": self.range.describe(),
-            "elements": self.range.elements,
-            "actor_id": self.actor_id,
-            "base": self.base,
-            "started_unix_s": self.started_unix_s,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # differs under ATEN_CPU_CAPABILITY
-            **this_node(),
-        }

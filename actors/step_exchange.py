@@ -127,9 +127,21 @@ def _bits(values: list[float]) -> bytes:
     return torch.tensor(values, dtype=torch.float64).numpy().tobytes()
 
 
-class StepExchangeActor(StepExchange):
-    """Ray shell: ``ray.remote(StepExchangeActor).options(num_cpus=0, max_concurrency=..., name=...)``;
-    its methods are the plain class's (async, so waiters do not block one another)."""
+class StepExchangeActor:
+    """Ray shell around a ``StepExchange`` (``plain_exchange``; the arguments are its):
+    ``ray.remote(StepExchangeActor).options(num_cpus=0, max_concurrency=..., name=...)``. Its methods are
+    async, so Ray runs it as an asyncio actor and waiters do not block one another."""
+
+    def __init__(self, world: int, keep_steps: int) -> None:
+        self.plain_exchange = StepExchange(world, keep_steps)
+
+    async def exchange(self, step: int, rank: int, part: list[float], timeout_s: float) -> list[float]:
+        """``StepExchange.exchange``."""
+        return await self.plain_exchange.exchange(step, rank, part, timeout_s)
+
+    async def barrier(self, name: str, rank: int, timeout_s: float) -> None:
+        """``StepExchange.barrier``."""
+        await self.plain_exchange.barrier(name, rank, timeout_s)
 
 
 class RemoteExchange:

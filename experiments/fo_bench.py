@@ -73,6 +73,7 @@ from policies.models import differential_full_interval_steps
 from storage.backend import Storage
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
+from storage.tensor_files import as_numpy
 from storage.units import group_by_unit, parameter_of
 from training.checkpointing import FullCheckpointer
 from training.data import PromptEncoder, Split, batch_indices, classification_loss, load_rotten_tomatoes
@@ -81,7 +82,7 @@ from training.fo import FOHyper, FOTrainer
 from training.layerwise import LayerwiseCheckpointer
 from training.overlapped import OverlappedCheckpointer
 from training.model import load_model, load_tokenizer
-from training.state import as_numpy, copy_state, state_sha256
+from training.state import copy_state, state_sha256
 
 STRATEGIES = ("full-async", "layerwise", "differential", "differential-topk", "overlapped-2", "overlapped-4")
 PAPERS = {"layerwise_bytes_ratio": 22.6, "layerwise_loss_deviation_pct": 0.54, "differential_overhead_pct": 3.1,

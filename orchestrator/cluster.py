@@ -38,14 +38,6 @@ NODE_ID_LABEL = "ray.io/node-id"
 """The label every Ray node carries with its own node id (label selectors match on it)."""
 
 
-def this_node() -> dict:
-    """``node_id`` (hex) and ``node_ip`` of the Ray node this process runs on (driver, worker or
-    actor); both None in a process not connected to Ray (e.g. a plain class under test)."""
-    if not ray.is_initialized():
-        return {"node_id": None, "node_ip": None}
-    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
-
-
 def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
     """The ``runtime_env`` of every actor and train worker a run starts: the storage settings of this
     (the driver's) environment (``storage.backend.storage_env``) plus ``env_vars``, so that they reach

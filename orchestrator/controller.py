@@ -47,7 +47,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.log_keeper import LogKeeperActor
 from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
-from orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, this_node, worker_need
+from orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, worker_need
 from orchestrator.config import JobConfig
 from orchestrator.group_timeline import GroupTimeline
 from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal, wait_for_previous_driver
@@ -64,6 +64,7 @@ from storage.units import describe_units
 from training.assets import ASSETS_KEY, Assets, read_assets, ship
 from training.faults import PARTS, fired_before, marker
 from training.model import is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
+from training.node import this_node
 from training.zo import GENERATOR, check_dtype, check_generator
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from storage.merge import (
     write_hf_export,
 )
 from storage.snapshots import NoSnapshotError, SnapshotCorruptError
-from training.model import MODEL_NAMES, default_cache_dir
+from training.model import MODEL_NAMES, default_cache_dir, model_folder
 
 
 def merge(
@@ -58,7 +58,9 @@ def merge(
     try:
         check_output(out_store)
         prepared = prepare_merge(sources, takes)
-        export = None if export_hf_dir is None else prepare_hf_export(prepared.state, export_hf_dir, model, cache_dir)
+        export = None
+        if export_hf_dir is not None:
+            export = prepare_hf_export(prepared.state, export_hf_dir, model, model_folder(model, cache_dir))
         result = commit_merge(prepared, out_store)
         committed = True
         for unit, name in result.unit_sources.items():

@@ -25,7 +25,7 @@ from storage.log_segments import read_segments
 from storage.manifest import RunIdentity, layout_of
 from storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from storage.steplog import StepLogCorruptError, StepLogError, StepLogGapError, StepRecord, read_prefix
-from training.model import default_cache_dir
+from training.model import default_cache_dir, model_folder
 
 EXIT_DAMAGED = 1
 EXIT_REFUSED = 2
@@ -326,7 +326,7 @@ def replay(
     store, a run's local store that is gone and lay outside its run directory, an unusable --to or
     --export-hf target."""
     from storage.merge import prepare_hf_export, write_hf_export
-    from training.state import as_numpy
+    from storage.tensor_files import as_numpy
 
     try:
         run = find_run(run_or_store, s3_endpoint)
@@ -341,7 +341,8 @@ def replay(
         params = initial_params(run, cache_dir)
         export = None
         if export_hf_dir is not None:  # checked before the replay; the views see the replayed values (in place)
-            export = prepare_hf_export({n: as_numpy(t) for n, t in params.items()}, export_hf_dir, run.header["model"], cache_dir)
+            export = prepare_hf_export({n: as_numpy(t) for n, t in params.items()}, export_hf_dir, run.header["model"],
+                                       model_folder(run.header["model"], cache_dir))
         replayed = rebuild_(params, run, step, from_initial)
         for line in _describe(replayed, run):
             typer.echo(line)

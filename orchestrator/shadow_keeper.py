@@ -32,7 +32,8 @@ from collections.abc import Callable
 import ray
 from ray.exceptions import RayActorError
 
-from actors.shadow import ShadowActor, ShadowSpec
+from actors.shadow import ShadowSpec
+from actors.shadow_actor import ShadowActor
 from actors.shards import assemble
 from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel

@@ -96,7 +96,7 @@ def layout_of(state: Mapping) -> list[list]:
 def _numpy(a) -> np.ndarray:
     if isinstance(a, np.ndarray):
         return a
-    from training.state import as_numpy  # imports torch: only for a state of tensors
+    from storage.tensor_files import as_numpy  # imports torch: only for a state of tensors
 
     return as_numpy(a)
 

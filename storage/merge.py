@@ -436,26 +436,25 @@ class HFExport:
 
 
 def prepare_hf_export(state: Mapping[str, np.ndarray], out_dir: str | pathlib.Path, model_name: str,
-                      cache_dir: pathlib.Path | None = None) -> HFExport:
-    """Check that ``state``'s parameters fit model ``model_name`` and that ``out_dir`` is new or
-    empty; writes nothing.
+                      model_source: str | pathlib.Path) -> HFExport:
+    """Check that ``state``'s parameters fit model ``model_name``, whose local folder is
+    ``model_source`` (``training.model.model_folder``: its config files and weights), and that
+    ``out_dir`` is new or empty; writes nothing.
 
     With tied embeddings the LM head is not exported (a snapshot's ``lm_head.weight``, if any, must
     equal the embedding). Optimizer state (``optim.*``) is dropped.
 
     Raises:
-        ValueError: an unknown model, or the parameters do not match the model's (names, shapes, dtypes).
+        ValueError: the parameters do not match the model's (names, shapes, dtypes).
         FileExistsError: ``out_dir`` is a file, or a folder that already holds files (say, another
             checkpoint's index and shards, which would stay beside the new weights).
     """
-    from training.model import model_folder  # imports torch: only when exporting
-
     folder = pathlib.Path(out_dir)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         held = sorted(p.name for p in folder.iterdir())[:4] if folder.is_dir() else []
         raise FileExistsError(f"{folder} is not an empty folder{f' (it holds {held}...)' if held else ''}: export into "
                               "a new or empty folder, so that no other checkpoint's files stay beside this one")
-    source = model_folder(model_name, cache_dir)
+    source = pathlib.Path(model_source)
     config = json.loads((source / "config.json").read_text())
     expected = _reference_tensors(source)
     params = {n: a for n, a in state.items() if parameter_of(n) is None}
@@ -517,16 +516,17 @@ def export_hf(
     store_uri: SnapshotStore | Storage | str,
     out_dir: str | pathlib.Path,
     model_name: str,
+    model_source: str | pathlib.Path,
     *,
     step: int | None = None,
-    cache_dir: pathlib.Path | None = None,
 ) -> pathlib.Path:
     """Write a snapshot's parameters as a Hugging Face folder that ``from_pretrained`` loads.
 
-    ``config.json`` (and ``generation_config.json`` when present) come from
-    ``training.model.model_folder(model_name)`` (a built-in name, a model folder or a cached model id); the weights go to ``model.safetensors``, parameters
-    only (optimizer state dropped), in the model's own tensor names (``prepare_hf_export``,
-    ``write_hf_export``). ``step`` picks a snapshot (default: the newest that verifies).
+    ``config.json`` (and ``generation_config.json`` when present) come from ``model_source``, the local
+    folder of model ``model_name`` (``training.model.model_folder``: a built-in name, a model folder or a
+    cached model id); the weights go to ``model.safetensors``, parameters only (optimizer state dropped),
+    in the model's own tensor names (``prepare_hf_export``, ``write_hf_export``). ``step`` picks a
+    snapshot (default: the newest that verifies).
 
     Raises:
         ValueError: the snapshot's parameters do not match the model's (names, shapes, dtypes).
@@ -541,4 +541,4 @@ def export_hf(
         if not infos:
             raise NoSnapshotError(f"no committed snapshot at step {step} in {store.storage.url()}")
         state = store.load(infos[-1])
-    return write_hf_export(prepare_hf_export(state, out_dir, model_name, cache_dir))
+    return write_hf_export(prepare_hf_export(state, out_dir, model_name, model_source))

@@ -1,10 +1,10 @@
 """Safetensors bytes <-> numpy arrays, bfloat16 included.
 
-numpy has no bfloat16, so a bfloat16 tensor travels through raycheck's numpy states (snapshots,
-shadow images, hashes) as its raw bits in a uint16 array (``BF16_BITS``; ``training.state.as_numpy``
-makes that view). A shard keeps the dtype as it is: such an array is written as a safetensors ``BF16``
-tensor, and a ``BF16`` tensor is read back as its uint16 bits (``F32`` and ``F16`` as float32 and
-float16 arrays). No parameter of a model is an unsigned 16-bit integer, so the bits are never mistaken.
+numpy has no bfloat16, so a bfloat16 tensor travels through raycheck's numpy states (snapshots, shadow
+images, hashes) as its raw bits in a uint16 array (``BF16_BITS``; ``as_numpy`` makes that view). A
+shard keeps the dtype as it is: such an array is written as a safetensors ``BF16`` tensor, and a
+``BF16`` tensor is read back as its uint16 bits (``F32`` and ``F16`` as float32 and float16 arrays). No
+parameter of a model is an unsigned 16-bit integer, so the bits are never mistaken.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def to_tensor(a: np.ndarray) -> torch.Tensor:
     return t.view(torch.bfloat16) if a.dtype == BF16_BITS else t
 
 
+def as_numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A numpy view (no copy) of a contiguous CPU tensor, or the array itself. numpy has no
+    bfloat16: a bfloat16 tensor is viewed as its raw bits, a ``BF16_BITS`` array (``to_tensor``'s inverse)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach()
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def save(arrays: Mapping[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
     """The safetensors bytes of ``arrays`` (``BF16_BITS`` arrays as ``BF16`` tensors)."""
     return _save_tensors({n: to_tensor(a) for n, a in arrays.items()}, metadata=metadata)
@@ -54,6 +63,4 @@ def load(blob: bytes) -> dict[str, np.ndarray]:
     Raises:
         safetensors.SafetensorError: ``blob`` is not a safetensors file.
     """
-    from training.state import as_numpy
-
     return {n: as_numpy(t) for n, t in _load_tensors(bytes(blob)).items()}

@@ -12,7 +12,7 @@ from storage.snapshots import SnapshotStore
 from storage.units import group_by_unit, parameter_of, unit_of
 from training.data import batch_indices
 from training.fo import FOHyper, FOTrainer
-from training.model import load_model
+from training.model import load_model, model_folder
 from training.state import copy_state, state_sha256
 
 BATCH = 8
@@ -161,7 +161,8 @@ def test_merged_first_order_checkpoint_loads_in_transformers_and_resumes(fo_chec
     merged = out.load_latest().state
     for unit, name in result.unit_sources.items():  # weights, both moments and the step count, bitwise
         assert unit_sha(merged, unit) == unit_sha(states[name], unit), unit
-    model = AutoModelForCausalLM.from_pretrained(export_hf(out, tmp_path / "hf", "tiny"), dtype=torch.float32)
+    folder = export_hf(out, tmp_path / "hf", "tiny", model_folder("tiny"))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     loaded = model.state_dict()
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"):
         assert np.array_equal(loaded[name].numpy(), merged[name]), name

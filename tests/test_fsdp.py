@@ -30,11 +30,12 @@ from orchestrator.config import JobConfig
 from storage.backend import Storage, StorageError
 from storage.dcp_store import ShardedStore
 from storage.manifest import RunIdentity
+from storage.tensor_files import as_numpy
 from training.data import PromptEncoder, batch_indices, load_rotten_tomatoes
 from training.fo import FOTrainer
 from training.model import load_model, load_tokenizer
 from training.sharded import ShardedCheckpointer, ShardedWriter, checkpoint_group, evaluate, full_state
-from training.state import as_numpy, state_sha256
+from training.state import state_sha256
 from test_fo import HYPER
 
 BATCH = 12  # divisible by 1, 2 and 3 ranks

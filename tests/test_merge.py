@@ -26,6 +26,7 @@ from storage.merge import (
 )
 from storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from storage.units import group_by_unit, parameter_of, unit_of
+from training.model import model_folder
 from training.state import state_sha256
 
 
@@ -125,7 +126,7 @@ def test_export_hf_loads_with_transformers_and_holds_the_merged_weights(tiny_sto
     out = SnapshotStore(str(tmp_path / "merged"))
     merge_snapshots([Source("A", a), Source("B", b, step=20)], [parse_take("0,norm:A"), parse_take("1,embed:B")], out)
     merged = out.load_latest().state
-    folder = export_hf(str(tmp_path / "merged"), tmp_path / "hf", "tiny")
+    folder = export_hf(str(tmp_path / "merged"), tmp_path / "hf", "tiny", model_folder("tiny"))
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     loaded = {n: t.detach().numpy() for n, t in model.state_dict().items()}
@@ -147,7 +148,7 @@ def test_export_hf_of_a_bfloat16_run_writes_bfloat16_weights_that_transformers_l
     bits = {n: torch.from_numpy(a).to(torch.bfloat16).view(torch.uint16).numpy() for n, a in tiny_state(7).items()}
     store = SnapshotStore(str(tmp_path / "bf16"))
     store.write(3, bits)
-    folder = export_hf(store, tmp_path / "hf", "tiny")
+    folder = export_hf(store, tmp_path / "hf", "tiny", model_folder("tiny"))
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
@@ -159,14 +160,14 @@ def test_export_hf_of_a_bfloat16_run_writes_bfloat16_weights_that_transformers_l
     mixed = {**bits, "model.norm.weight": tiny_state(7)["model.norm.weight"].astype(np.float16)}
     store.write(4, mixed)
     with pytest.raises(ValueError, match=r"snapshot mixes \['bfloat16', 'float16'\] parameters"):
-        export_hf(store, tmp_path / "hf2", "tiny")
+        export_hf(store, tmp_path / "hf2", "tiny", model_folder("tiny"))
 
 
 def test_export_hf_rejects_a_snapshot_of_another_model(tmp_path):
     store = memory_store()
     store.write(1, small_state(0))
     with pytest.raises(ValueError, match="does not match model tiny"):
-        export_hf(store, tmp_path / "hf", "tiny")
+        export_hf(store, tmp_path / "hf", "tiny", model_folder("tiny"))
 
 
 def test_merge_round_trip_on_every_backend(storage):
@@ -359,7 +360,7 @@ def test_merge_command_checks_the_model_and_the_export_folder_before_it_commits(
     assert sorted(files_under(tmp_path / "empty")) == ["config.json", "generation_config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
     with pytest.raises(FileExistsError, match="is not an empty folder"):
-        export_hf(str(out), tmp_path / "empty", "tiny")  # the API refuses the same way
+        export_hf(str(out), tmp_path / "empty", "tiny", model_folder("tiny"))  # the API refuses the same way
     assert sorted(files_under(tmp_path / "empty")) == ["config.json", "generation_config.json", "model.safetensors"]
 
 

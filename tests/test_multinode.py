@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from cluster import SPARE_GPU_NODE, mount_namespace
 from conftest import make_bucket
 from orchestrator.cli import app
-from orchestrator.cluster import alive_nodes, plan_placement, this_node
+from orchestrator.cluster import alive_nodes, plan_placement
 from orchestrator.config import JobConfig
 from orchestrator.controller import start_persister
 from orchestrator.run_dir import RunDir
@@ -29,6 +29,7 @@ from storage.backend import STORAGE_ENV, Storage
 from storage.log_segments import read_segments
 from storage.steplog import read_records
 from training.model import default_cache_dir
+from training.node import this_node
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 

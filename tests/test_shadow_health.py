@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from actors.shadow import ShadowActor, ShadowSpec
+from actors.shadow import ShadowSpec
+from actors.shadow_actor import ShadowActor
 from orchestrator.shadow_keeper import ShadowAction, decide, failure_reason
 from storage.snapshots import SnapshotStore
 from storage.steplog import StepLogWriter, StepRecord

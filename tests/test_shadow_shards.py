@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from actors.persister import ShardParts, SnapshotPersister
-from actors.shadow import AlignedSchedule, ShadowActor, ShadowReplayer, ShadowSpec
+from actors.shadow import AlignedSchedule, ShadowReplayer, ShadowSpec
+from actors.shadow_actor import ShadowActor
 from actors.shards import assemble, layout_elements, split_units
 from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.shadow_keeper import combined_status

@@ -1,6 +1,6 @@
 """The step exchange's logic (``actors.step_exchange.StepExchange``, without Ray): sums per step, kept
 parts for a re-executed step, a re-submission checked bitwise, barriers; and two workers stepping the
-tiny model through it in one process end with the bits of one worker."""
+tiny model through its Ray shell in one process end with the bits of one worker."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from actors.step_exchange import StepEvictedError, StepExchange, StepMismatchError
+from actors.step_exchange import StepEvictedError, StepExchange, StepExchangeActor, StepMismatchError
 from orchestrator.config import JobConfig
 from training.model import default_cache_dir, load_model, trainable_parameters
 from training.state import state_sha256
@@ -64,12 +64,13 @@ def test_a_barrier_once_met_stays_met():
 
 
 class ThreadExchange:
-    """The exchange's logic shared by threads: one event loop in a thread, each worker's call run on it."""
+    """The exchange's Ray shell (``StepExchangeActor``, without Ray) shared by threads: one event loop
+    in a thread, each worker's call run on it, as Ray runs an asyncio actor's calls."""
 
     def __init__(self, world: int) -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.exchange = StepExchange(world, keep_steps=8)
+        self.exchange = StepExchangeActor(world, keep_steps=8)
 
     def client(self, rank: int):
         def call(step: int, vec: torch.Tensor) -> torch.Tensor:

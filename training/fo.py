@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from storage.tensor_files import as_numpy
 from storage.units import parameter_of
 from training.data import PromptEncoder, Split
-from training.state import as_numpy, load_into
+from training.state import load_into
 from training.zo import decays
 
 OPTIM_SLOTS = ("exp_avg", "exp_avg_sq", "step")

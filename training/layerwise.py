@@ -41,8 +41,9 @@ from policies.interval import SnapshotSchedule
 from policies.layerwise import LayerwiseConfig, UnitStatus, relative_change, select_units
 from storage.background import BackgroundWriter, Postponements
 from storage.snapshots import SnapshotInfo, SnapshotStore
+from storage.tensor_files import as_numpy
 from storage.units import group_by_unit, parameter_of
-from training.state import StagingPool, as_numpy, copy_into
+from training.state import StagingPool, copy_into
 
 
 class LayerwiseCheckpointer:

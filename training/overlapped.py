@@ -35,9 +35,10 @@ import torch
 from policies.interval import SnapshotSchedule
 from storage.background import BackgroundWriter, Postponements
 from storage.snapshots import SnapshotStore
+from storage.tensor_files import as_numpy
 from storage.units import parameter_of
 from training.fo import FOHyper, replay_adamw_
-from training.state import StagingPool, as_numpy, copy_into
+from training.state import StagingPool, copy_into
 
 
 def balanced_chunks(sizes: Mapping[str, int], m: int) -> list[list[str]]:

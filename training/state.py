@@ -13,14 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-
-def as_numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
-    """A numpy view (no copy) of a contiguous CPU tensor, or the array itself. numpy has no
-    bfloat16: a bfloat16 tensor is viewed as its raw bits, a uint16 array (``storage.tensor_files``)."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    t = t.detach()
-    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+from storage.tensor_files import as_numpy
 
 
 def state_sha256(state: Mapping[str, torch.Tensor | np.ndarray]) -> str:

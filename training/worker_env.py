@@ -13,12 +13,12 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from orchestrator.cluster import this_node
 from orchestrator.config import JobConfig
 from orchestrator.journal import RunChannel
 from training.assets import ASSETS_KEY, fetch, shipped_model, splits
 from training.data import CausalLMEncoder, PromptEncoder, make_encoder
 from training.model import load_model, load_tokenizer, trainable_parameters
+from training.node import this_node
 
 
 @dataclass(frozen=True)
