@@ -158,6 +158,10 @@ def test_a_log_of_another_dtype_is_refused_by_every_replayer_and_resume(tmp_path
     with pytest.raises(DtypeMismatchError, match="held its parameters in float32; this one holds them in bfloat16.*--dtype float32"):
         ShadowReplayer(bf16, old)
     assert ShadowReplayer(fp32, old).step == 0
+    half = _log(tmp_path / "bf16.log", "bfloat16", bf16)  # the header's dtype is read, not assumed
+    with pytest.raises(DtypeMismatchError, match="held its parameters in bfloat16; this one holds them in float32.*--dtype bfloat16"):
+        ShadowReplayer(fp32, half)
+    assert ShadowReplayer(bf16, half).step == 0
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), dtype="bfloat16")
     with pytest.raises(DtypeMismatchError, match="float32"):
         from_storage(bf16, cfg, old, 0)

@@ -213,7 +213,10 @@ def test_replayers_refuse_a_log_of_another_generator_or_none(tmp_path):
     ok = _log(tmp_path / "ok", generator=GENERATOR)
     assert GENERATOR == noise.GENERATOR and "philox4x32-10" in GENERATOR and GENERATOR.endswith(":v1")
 
-    with pytest.raises(GeneratorMismatchError, match="names no generator .*old log.*torch.randn.* new run"):
+    with pytest.raises(GeneratorMismatchError, match=re.escape(
+            f"{old}: the step log names no generator (an old log, whose noise came from torch.randn); this replayer "
+            f"generates z with {GENERATOR!r} and cannot replay it exactly. Replay it with the raycheck version that wrote it, "
+            "or start a new run (new --out).")):
         ShadowReplayer(_params(), old)
     with pytest.raises(GeneratorMismatchError, match="written with generator 'torch-cpu-mt19937"):
         ShadowReplayer(_params(), other)
