@@ -175,7 +175,7 @@ def noise(seed: int, index: int, like: torch.Tensor) -> torch.Tensor:
     """z for parameter number ``index`` at step seed ``seed``: N(0, 1) with ``like``'s shape, dtype and
     device (``training.noise.gaussian``, float32, converted once when ``like`` has another dtype)."""
     z = noise_gen.gaussian(seed, index, like.numel(), like.device).view(like.shape)
-    return z if like.dtype == torch.float32 else z.to(like.dtype)
+    return z.to(like.dtype)  # ``z`` itself when ``like`` is float32
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
