@@ -442,11 +442,15 @@ class Controller:
             self.snapshot_interval[row["step"]] = self.cfg.snapshot_every
             return
         failures, _ = worker_failures_and_recoveries(events)
+        feasible = self.planner.infeasible is None
         record = self.planner.observe(row["step"], row, self.shadow.status, self.persister_status, recoveries(events), failures,
                                       elapsed_s=row["unix_s"] - self.t_start)
         if record is not None:
             self.shadow.set_interval(record.interval_steps)
             self.channel.event("replan", **record.to_dict())
+        if feasible and self.planner.infeasible:  # the first step of a spell, as the policy's warning
+            self.channel.event("plan_infeasible", step=row["step"], interval_steps=self.planner.every_steps,
+                               reason=self.planner.infeasible)
         if not self._calibration_requested and not self.persister_status.get("written"):
             # the policy needs a measured snapshot cost, not the assumed one: snapshot once early
             self._calibration_requested = True

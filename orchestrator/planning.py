@@ -35,6 +35,11 @@ class SnapshotPlanner:
     def every_steps(self) -> int:
         return self.policy.every_steps
 
+    @property
+    def infeasible(self) -> str | None:
+        """Why the plan is kept (``AdaptiveInterval.infeasible``), None while the measurements admit one."""
+        return self.policy.infeasible
+
     def observe(self, step: int, metric: dict, shadow: dict, persister: dict, recoveries: list[dict],
                 failures: int, elapsed_s: float) -> ReplanRecord | None:
         """One executed step's measurements; returns a re-plan when the interval changes."""

@@ -84,13 +84,16 @@ class AdaptiveInterval:
     follows it (``set_interval``), so snapshots fall by ``snapshot_due`` at each step's plan.
 
     Feed it with ``observe``; ``records`` lists the initial plan and every re-plan with its inputs
-    (``ReplanRecord.to_dict()`` for metrics), and each re-plan is logged at INFO.
+    (``ReplanRecord.to_dict()`` for metrics), and each re-plan is logged at INFO. ``infeasible`` is the
+    reason the plan is kept while the measurements admit none (``policies.costs.InfeasibleError``'s
+    message, e.g. a shadow that replays slower than a step), None while they do; the first observation of
+    each such spell is logged at WARNING.
     """
 
     def __init__(self, replanner: Replanner) -> None:
         self.replanner = replanner
         self.records: list[ReplanRecord] = [replanner.first_record]
-        self._infeasible = False
+        self.infeasible: str | None = None
 
     @property
     def every_steps(self) -> int:
@@ -106,9 +109,9 @@ class AdaptiveInterval:
             ValueError: an unknown measurement name or a negative value.
         """
         decision = self.replanner.update(step, measurements, failures=failures, elapsed_s=elapsed_s)
-        if decision.infeasible and not self._infeasible:
+        if decision.infeasible and self.infeasible is None:
             log.warning("keeping the %d-step interval: %s", self.every_steps, decision.infeasible)
-        self._infeasible = decision.infeasible is not None
+        self.infeasible = decision.infeasible
         if decision.record is not None:
             log.info("re-plan at step %d: %s; inputs %s", step, decision.record.reason, decision.record.inputs)
             self.records.append(decision.record)

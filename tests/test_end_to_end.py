@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 import time
 import urllib.request
 import uuid
@@ -242,7 +243,18 @@ def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive
     pids = {rank: [e["pid"] for e in started if e["rank"] == rank] for rank in (0, 1)}
     assert len(pids[0]) == 1  # rank 0 started once: its process survived both failures
     assert len(set(pids[1])) == len(pids[1]) == 3 and pids[0][0] not in pids[1]
-    assert s["snapshot_policy"] == "adaptive" and s["replans"] and s["replans"][0]["previous_interval_steps"] == 1
+    # The re-plan needs a shadow that keeps up: where the machine is so loaded that the tiny model's replay is
+    # measured slower than its step, the policy keeps its 1-step plan and says why, with the figures it measured.
+    assert s["snapshot_policy"] == "adaptive"
+    for e in (e for e in events if e["kind"] == "plan_infeasible"):
+        replay_s, step_s = map(float, re.search(r"replay_step_s=(\S+) s but training takes step_s=(\S+) s", e["reason"]).groups())
+        assert replay_s >= step_s, e
+    intervals = pq.read_table(pathlib.Path(s["config"]["out_dir"]) / "metrics.parquet").column("snapshot_interval_steps")
+    if not s["replans"]:
+        assert any(e["kind"] == "plan_infeasible" for e in events), "no re-plan and no reason given"
+        assert intervals.to_pylist() == [1] * 12
+        return
+    assert s["replans"][0]["previous_interval_steps"] == 1
     interval, expected = 1, []  # the interval in force at each step, from the re-plan events
     replans = {r["step"]: r for r in s["replans"]}
     for step in range(12):
@@ -250,7 +262,6 @@ def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive
             assert replans[step]["previous_interval_steps"] == interval
             interval = replans[step]["interval_steps"]
         expected.append(interval)
-    intervals = pq.read_table(pathlib.Path(s["config"]["out_dir"]) / "metrics.parquet").column("snapshot_interval_steps")
     assert intervals.to_pylist() == expected and len(set(expected)) > 1
 
 

@@ -38,3 +38,13 @@ def test_each_recovery_is_one_sample_and_failures_shrink_the_interval():
         planner.observe(step, row(5.0), shadow, persister, recs, failures=3, elapsed_s=60.0)
     assert planner.every_steps < calm
     assert planner.policy.replanner.estimates["restart_s"].count == 1
+
+
+def test_a_shadow_slower_than_a_step_keeps_the_plan_and_the_planner_says_why():
+    planner = SnapshotPlanner(mtbf_s=600.0)
+    first, persister = planner.every_steps, {"written": 1, "failed": 0, "write_seconds": 0.5}
+    for step in range(10):
+        assert planner.observe(step, row(0.5), {"replay_seconds_per_step": 0.8}, persister, [], failures=0,
+                               elapsed_s=0.5 * (step + 1)) is None
+    assert planner.every_steps == first
+    assert planner.infeasible.startswith("the shadow replays a step in replay_step_s=0.8 s but training takes step_s=0.5 s")

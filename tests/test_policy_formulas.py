@@ -156,10 +156,13 @@ def test_adaptive_interval_warns_once_per_infeasible_spell(caplog):
     policy = AdaptiveInterval(Replanner(INITIAL))
     k0 = policy.every_steps
     with caplog.at_level(logging.WARNING, logger="policies.interval"):
+        assert policy.infeasible is None
         reasons = [policy.observe(step, replay_step_s=1.5) for step in range(1, 8)]  # replay slower than a step
         assert reasons == [None] * 7 and policy.every_steps == k0
+        assert policy.infeasible.startswith("the shadow replays a step in replay_step_s=1.5 s but training takes step_s=1 s")
         for step in range(8, 40):  # feasible again: the estimate comes back under a step (it may re-plan)
             policy.observe(step, replay_step_s=0.2)
+        assert policy.infeasible is None
         for step in range(40, 48):  # a second spell (the estimate crosses a step once, re-planning on its way)
             policy.observe(step, replay_step_s=1.5)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
