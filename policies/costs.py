@@ -17,6 +17,10 @@ class InfeasibleError(ValueError):
     """The inputs admit no valid plan; the message says which input to change and how."""
 
 
+MAX_MTBF_STEPS = 1e12
+"""The largest MTBF ``MeasuredCosts`` takes, in steps: beyond it step counts stop being numbers a run reaches."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeasuredCosts:
     """Costs of one job, measured or assumed. All ``_s`` fields are seconds.
@@ -68,6 +72,9 @@ class MeasuredCosts:
         for name in ("background_weight", "shadow_loss_fraction"):
             if getattr(self, name) > 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.mtbf_s / self.step_s > MAX_MTBF_STEPS:  # the models' sums and searches run over k <= 50 MTBFs of steps
+            raise ValueError(f"mtbf_s={self.mtbf_s:g} s is {self.mtbf_s / self.step_s:.3g} steps of step_s={self.step_s:g} s; "
+                             f"the cost model takes at most {MAX_MTBF_STEPS:.0e} (no run is that long)")
         if self.accelerators < 1 or int(self.accelerators) != self.accelerators:
             raise ValueError(f"accelerators must be an integer >= 1, got {self.accelerators!r}")
 
