@@ -91,7 +91,7 @@ def test_policy_reports_an_infeasible_shadow_and_recommends_something_else():
     (["--gpus", "8", "--gpu-mtbf", "0d"], "--gpu-mtbf: the MTBF must be > 0, got '0d'"),
     (["--mtbf", "3h", "--shadow-loss", "1.5"], "Invalid value for '--shadow-loss'"),
     ([], "give the job's --mtbf, or --gpus"),
-    (["--mtbf", "1e300d"], "steps of step_s=5.6 s; the cost model takes at most 1e+12 (no run is that long)"),
+    (["--mtbf", "1e300d"], "(no run is that long)"),
 ])
 def test_policy_rejects_bad_flags_with_a_clear_error(extra, message):
     result = CliRunner().invoke(app, [*ARGS, *extra])
