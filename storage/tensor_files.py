@@ -9,6 +9,8 @@ parameter of a model is an unsigned 16-bit integer, so the bits are never mistak
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping
 
 import numpy as np
@@ -53,8 +55,13 @@ def save(arrays: Mapping[str, np.ndarray], metadata: dict[str, str] | None = Non
 
 
 def save_file(arrays: Mapping[str, np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:
-    """Write ``arrays`` as the safetensors file ``path`` (``BF16_BITS`` arrays as ``BF16`` tensors)."""
+    """Write ``arrays`` as the safetensors file ``path`` (``BF16_BITS`` arrays as ``BF16`` tensors), with the
+    permissions of any file this process creates (0666 less the umask; safetensors itself writes 0600, which
+    another user or a serving container cannot read)."""
     _save_tensor_file({n: to_tensor(a) for n, a in arrays.items()}, path, metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def load(blob: bytes) -> dict[str, np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import uuid
 
 import numpy as np
@@ -118,6 +119,12 @@ def test_newest_snapshot_is_the_default_step(tiny_stores, tmp_path):
     assert state_sha256(out.load_latest().state) == state_sha256(states["B30"])
 
 
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_export_hf_loads_with_transformers_and_holds_the_merged_weights(tiny_stores, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -128,6 +135,8 @@ def test_export_hf_loads_with_transformers_and_holds_the_merged_weights(tiny_sto
     merged = out.load_latest().state
     folder = export_hf(str(tmp_path / "merged"), tmp_path / "hf", "tiny", model_folder("tiny"))
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask()  # readable as any file of ours
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     loaded = {n: t.detach().numpy() for n, t in model.state_dict().items()}
     params = {n: a for n, a in merged.items() if parameter_of(n) is None}
