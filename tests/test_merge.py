@@ -385,7 +385,7 @@ def test_a_huge_layer_range_is_one_line_and_never_expanded(tiny_stores, tmp_path
     assert result.exit_code == 2
     assert result.output.splitlines() == [
         "error: cannot merge:",
-        f"  --take '0-3000000,embed,norm:A': layers 0-3000000 go beyond the reference layout (source A (step 10)), "
+        "  --take '0-3000000,embed,norm:A': layers 0-3000000 go beyond the reference layout (source A (step 10)), "
         "whose layers are 0-1"]
     assert peak_bytes < 50e6  # three million unit names would take hundreds of MB
     assert not (tmp_path / "merged").exists()
