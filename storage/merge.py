@@ -292,7 +292,8 @@ def _layout_difference(tensors: Mapping[str, dict], reference: Mapping[str, dict
     for name, ref in reference.items():
         got = tensors[name]
         if got["dtype"] != ref["dtype"] or list(got["shape"]) != list(ref["shape"]):
-            return f"{name} is {got['dtype']} {list(got['shape'])}, the reference has {ref['dtype']} {list(ref['shape'])}"
+            return (f"{name} is {dtype_name(got['dtype'])} {list(got['shape'])}, the reference has "
+                    f"{dtype_name(ref['dtype'])} {list(ref['shape'])}")
     return ""
 
 

@@ -247,8 +247,9 @@ def test_a_step_that_does_not_exist(small_sources):
 
 
 @pytest.mark.parametrize("other, expected", [
-    (small_state(9, up_shape=(4, 8)), r"model.layers.1.mlp.up_proj.weight is <f4 \[4, 8\], the reference has <f4 \[4, 4\]"),
-    (small_state(9, dtype=np.float16), r"model.layers.1.mlp.up_proj.weight is <f2 \[4, 4\], the reference has <f4 \[4, 4\]"),
+    (small_state(9, up_shape=(4, 8)), r"model.layers.1.mlp.up_proj.weight is float32 \[4, 8\], the reference has float32 \[4, 4\]"),
+    (small_state(9, dtype=np.float16), r"model.layers.1.mlp.up_proj.weight is float16 \[4, 4\], the reference has float32 \[4, 4\]"),
+    (small_state(9, dtype=np.uint16), r"model.layers.1.mlp.up_proj.weight is bfloat16 \[4, 4\], the reference has float32 \[4, 4\]"),
     ({k: v for k, v in small_state(9).items() if not k.startswith("optim.")}, r"missing tensors \['optim.exp_avg"),
 ])
 def test_layout_mismatch_names_unit_and_sources(small_sources, other, expected):
