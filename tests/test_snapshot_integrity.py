@@ -91,6 +91,7 @@ def test_a_persisted_shadow_image_records_the_run_identity():
 
 def test_a_writer_of_an_older_epoch_is_fenced_and_cannot_roll_the_index_back(storage):
     old = SnapshotStore(storage, identity=RUN_A)
+    assert old.run_epoch() == 0  # nothing claimed yet
     assert old.claim_epoch() == 1
     old.write(10, state(10))
     new = SnapshotStore(storage, identity=RUN_A)
@@ -108,6 +109,9 @@ def test_a_writer_of_an_older_epoch_is_fenced_and_cannot_roll_the_index_back(sto
     assert folders == {i.folder for i in new.list()} | {newer_attempt.split("/")[0]}  # the fenced step 20 is cleaned
     assert json.loads(storage.get(INDEX))["epochs"] == {"run-a": 2}
     assert SnapshotStore(storage, identity=RUN_B).claim_epoch() == 1  # epochs are per run
+    assert (SnapshotStore(storage, identity=RUN_A).run_epoch(), SnapshotStore(storage, identity=RUN_B).run_epoch()) == (2, 1)
+    with pytest.raises(ValueError, match="^run_epoch needs a run identity$"):
+        SnapshotStore(storage).run_epoch()
 
 
 def test_conditional_put_refuses_a_stale_expectation(storage):
