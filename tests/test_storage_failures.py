@@ -23,6 +23,9 @@ from storage.snapshots import SnapshotStore
 from training.state import state_sha256
 
 FAST = RetryPolicy(attempts=2, base_delay_s=0.01, timeout_s=2.0, max_consecutive_failures=2)
+# against a live server: few, quick retries, but no timeout that a loaded machine could reach (only the
+# hanging-endpoint tests are about a timeout)
+PATIENT = RetryPolicy(attempts=2, base_delay_s=0.01, timeout_s=60.0, max_consecutive_failures=2)
 
 
 def small_state(step: int) -> dict[str, np.ndarray]:
@@ -82,7 +85,7 @@ def test_unreachable_endpoint_names_it():
 
 
 def test_missing_bucket_is_a_clear_error_and_not_retried(s3_endpoint):
-    storage = Storage(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", retry=FAST, endpoint_url=s3_endpoint)
+    storage = Storage(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", retry=PATIENT, endpoint_url=s3_endpoint)
     with pytest.raises(FileNotFoundError, match="(?i)bucket"):
         storage.put("x", b"1")
     assert storage.breaker.consecutive_failures == 0
@@ -95,7 +98,7 @@ def test_s3_outage_during_persists_is_counted_and_the_restore_point_survives():
     endpoint = f"http://127.0.0.1:{port}"
     bucket = f"outage-{uuid.uuid4().hex[:8]}"  # moto keeps buckets across server instances in one process
     make_bucket(endpoint, bucket)
-    store = SnapshotStore(Storage(f"s3://{bucket}/run", retry=FAST, endpoint_url=endpoint), keep_last=1)
+    store = SnapshotStore(Storage(f"s3://{bucket}/run", retry=PATIENT, endpoint_url=endpoint), keep_last=1)
     persister = SnapshotPersister(store)
     persister.submit(1, small_state(1))
     assert persister.flush(30)["last_durable_step"] == 1
@@ -107,7 +110,7 @@ def test_s3_outage_during_persists_is_counted_and_the_restore_point_survives():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()  # storage is back: the restore point written before the outage still loads
     try:
-        fresh = SnapshotStore(Storage(f"s3://{bucket}/run", retry=FAST, endpoint_url=endpoint))
+        fresh = SnapshotStore(Storage(f"s3://{bucket}/run", retry=PATIENT, endpoint_url=endpoint))
         assert [i.step for i in fresh.list()] == [1]
         assert state_sha256(fresh.load_latest().state) == state_sha256(small_state(1))
     finally:
