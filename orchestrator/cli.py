@@ -54,7 +54,8 @@ def _refuse(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-OPTION_OF_FIELD = {"mtbf_s": "mtbf", "failures": "fail", "storage_options": "s3_endpoint", "start_timeout_s": "start_timeout"}
+OPTION_OF_FIELD = {"out_dir": "out", "mtbf_s": "mtbf", "elastic_resize_interval_s": "elastic_resize_interval", "failures": "fail",
+                   "storage_options": "s3_endpoint", "start_timeout_s": "start_timeout"}
 """``JobConfig`` fields whose ``raycheck run`` option has another name; any other field is its option."""
 RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures", "max_in_process_restarts", "worker_resource", "shadow_resource", "start_timeout_s")
 """Options that ``--resume`` takes from the command line over the run's ``config.json``: restart

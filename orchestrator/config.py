@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
 
+from policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
 from storage.backend import Storage, local_path
 from storage.manifest import RunIdentity
 from storage.snapshots import SnapshotStore
@@ -23,16 +24,11 @@ FailureHow = Literal["exit", "raise", "sigkill", "torn"]
 TARGETS = ("worker", "shadow", "both", "corrupt", "persister", "storage", "node")
 ALGOS = ("zo", "fo")
 STRATEGIES = {
-    "zo": ("shadow", "full-sync", "full-async", "log-only"),
-    "fo": ("full-sync", "full-async", "layerwise", "differential", "overlapped"),
+    "zo": (RunStrategy.SHADOW, RunStrategy.FULL_SYNC, RunStrategy.FULL_ASYNC, RunStrategy.LOG_ONLY),
+    "fo": (RunStrategy.FULL_SYNC, RunStrategy.FULL_ASYNC, RunStrategy.LAYERWISE, RunStrategy.DIFFERENTIAL, RunStrategy.OVERLAPPED),
 }
-"""Checkpointing strategies by algorithm. ``shadow``: step log + CPU shadow + snapshots (ours);
-``full-sync``: the worker blocks on a full-state save every ``snapshot_every`` steps;
-``full-async``: the worker blocks on a staging copy, a background thread writes it (torch DCP
-``async_save``, CheckFreq); ``log-only``: step log only, recovery replays it from the initial
-weights; ``layerwise``, ``differential`` and ``overlapped``: first-order strategies (LayerCheck, LowDiff,
-GoCkpt)."""
-DEFAULT_STRATEGY = {"zo": "shadow", "fo": "layerwise"}
+"""Checkpointing strategies by algorithm (each one: ``policies.strategies.RunStrategy``)."""
+DEFAULT_STRATEGY = {"zo": RunStrategy.SHADOW, "fo": RunStrategy.LAYERWISE}
 FO_PARALLELISMS = ("ddp", "fsdp2")
 """How first-order workers share the state: ``ddp`` (each holds all of it) or ``fsdp2`` (sharded, ``training.sharded``)."""
 HOWS = ("exit", "raise", "sigkill", "torn")
@@ -288,7 +284,7 @@ class JobConfig:
         if self.algo not in ALGOS:
             raise ValueError(f"algo {self.algo!r}: choose one of {', '.join(ALGOS)}")
         if not self.strategy:
-            object.__setattr__(self, "strategy", DEFAULT_STRATEGY[self.algo])
+            object.__setattr__(self, "strategy", DEFAULT_STRATEGY[self.algo].value)  # a plain str, as config.json holds it
         if self.strategy not in STRATEGIES[self.algo]:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
         if self.snapshot_policy not in ("fixed", "adaptive"):
@@ -453,13 +449,13 @@ class JobConfig:
         if self.fo_parallelism == "fsdp2" and self.algo != "fo":
             raise ValueError(f"fo_parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo {self.algo} "
                              "runs every worker on the whole state: leave fo_parallelism out or use algo fo")
-        if self.fo_parallelism == "fsdp2" and self.strategy not in ("full-sync", "full-async"):
+        if self.fo_parallelism == "fsdp2" and self.strategy not in FULL_STATE:
             raise ValueError(f"fo_parallelism fsdp2 (sharded state) needs strategy full-sync or full-async, not strategy "
                              f"{self.strategy}: layer-wise, differential and overlapped checkpoints of sharded state are not "
                              "supported yet")
-        if self.strategy in ("full-sync", "full-async", "layerwise", "overlapped") and self.snapshot_every < 1:
+        if self.strategy in (*FULL_STATE, RunStrategy.LAYERWISE, RunStrategy.OVERLAPPED) and self.snapshot_every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
-        if self.strategy == "overlapped" and self.overlap_chunks > self.snapshot_every >= 1:
+        if self.strategy == RunStrategy.OVERLAPPED and self.overlap_chunks > self.snapshot_every >= 1:
             raise ValueError(f"overlap_chunks ({self.overlap_chunks}) exceeds snapshot_every ({self.snapshot_every}): a snapshot is "
                              "staged over overlap_chunks steps, and its window must end before the next one is due; "
                              f"set overlap_chunks to at most {self.snapshot_every}")
@@ -512,12 +508,12 @@ class JobConfig:
     @property
     def uses_shadow(self) -> bool:
         """True when a CPU shadow replays the step log (strategy ``shadow``)."""
-        return self.strategy == "shadow"
+        return self.strategy == RunStrategy.SHADOW
 
     @property
     def uses_step_log(self) -> bool:
         """True when every step is appended to the durable step log (``shadow``, ``log-only``)."""
-        return self.algo == "zo" and self.strategy in ("shadow", "log-only")
+        return self.algo == "zo" and self.strategy in STEP_LOG
 
     @property
     def shadow_actor_options(self) -> dict:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from policies.compare import Option, compare, recommend
 from policies.costs import InfeasibleError, MeasuredCosts
+from policies.models import Strategy
 
 UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _ZERO = re.compile(r"^\s*(0+(\.0*)?|\.0+)\s*$")
@@ -93,7 +94,7 @@ def _costs(step: str, replay: str, snapshot: str, stall: str, log: str, restart:
 
 
 def _explain(best: Option, options: list[Option]) -> str:
-    classical = [o for o in options if o.rule in ("young", "daly") and o.strategy == "full-sync" and o.waste_ratio is not None]
+    classical = [o for o in options if o.rule in ("young", "daly") and o.strategy == Strategy.FULL_SYNC and o.waste_ratio is not None]
     line = (f"recommended: {best.strategy} ({best.rule} interval"
             + (f", every {best.interval_steps} steps = {format_duration(best.interval_s)}" if best.interval_steps else "")
             + f"): expected overhead {best.overhead_pct:.2f}%, {best.wasted_h_per_day:.2f} h wasted per day")

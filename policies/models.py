@@ -23,18 +23,21 @@ from collections.abc import Callable
 from enum import StrEnum
 
 from policies.costs import InfeasibleError, MeasuredCosts
+from policies.strategies import RunStrategy
 
 
 class Strategy(StrEnum):
-    """How a job makes its progress durable."""
+    """How a job makes its progress durable: the run strategies (``policies.strategies.RunStrategy``,
+    the same values) that this cost model has a closed form for. An enum of its own, not the run's:
+    a strategy here has a waste model, and reading results accepts these only."""
 
-    FULL_SYNC = "full-sync"
+    FULL_SYNC = RunStrategy.FULL_SYNC.value
     """Training stops while a full-state checkpoint is written; lost work is recomputed."""
-    FULL_ASYNC = "full-async"
+    FULL_ASYNC = RunStrategy.FULL_ASYNC.value
     """Training stalls for a staging copy; the write runs in the background."""
-    LOG_ONLY = "log-only"
+    LOG_ONLY = RunStrategy.LOG_ONLY.value
     """Every step is logged; recovery replays the whole log from the initial weights."""
-    SHADOW = "shadow"
+    SHADOW = RunStrategy.SHADOW.value
     """Every step is logged; a CPU shadow replays it and snapshots every k steps (ZOCheck)."""
 
 

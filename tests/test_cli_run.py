@@ -227,6 +227,8 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
      "splits --batch-size evenly over the workers; leave --micro-batch-size out or use algo zo"),
     (["--algo", "fo", "--workers", "3"], "error: --batch-size (8) must be divisible by workers (3)"),
     (["--workers", "3"], "error: --batch-size (8) must be divisible by workers (3), or set --micro-batch-size"),
+    (["--workers", "2", "--min-workers", "1", "--elastic-resize-interval", "0"],
+     "error: --elastic-resize-interval must be a finite number > 0, got 0.0"),
     (["--fo-parallelism", "fsdp2"], "error: --fo-parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo zo "
      "runs every worker on the whole state: leave --fo-parallelism out or use algo fo"),
     (["--algo", "fo", "--strategy", "overlapped", "--overlap-chunks", "20", "--snapshot-every", "4"],

@@ -1,7 +1,11 @@
+import json
+
 import pytest
 
-from orchestrator.config import FailureSpec, JobConfig
+from orchestrator.config import STRATEGIES, FailureSpec, JobConfig
 from orchestrator.controller import Phase, event_line, next_phase
+from policies.models import Strategy
+from policies.strategies import RunStrategy
 
 
 def test_failure_spec_parsing():
@@ -33,6 +37,26 @@ def test_job_config_validation_names_the_field():
     assert JobConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.trajectory_sha256() == cfg.replace(failures=(), out_dir="/elsewhere").trajectory_sha256()
     assert cfg.trajectory_sha256() != cfg.replace(seed=1).trajectory_sha256()
+
+
+def test_every_run_strategy_belongs_to_an_algorithm_and_the_cost_model_models_some_of_them():
+    assert sorted(set(STRATEGIES["zo"]) | set(STRATEGIES["fo"])) == sorted(RunStrategy)
+    assert [RunStrategy(s) for s in Strategy] == [RunStrategy.FULL_SYNC, RunStrategy.FULL_ASYNC, RunStrategy.LOG_ONLY,
+                                                  RunStrategy.SHADOW]
+
+
+@pytest.mark.parametrize(("algo", "strategy"), [("zo", ""), ("fo", ""), ("fo", "overlapped"), ("zo", RunStrategy.LOG_ONLY)])
+def test_a_strategy_is_kept_as_its_string_and_config_json_round_trips(algo, strategy):
+    """The default and a name given as a string stay plain strings (``config.json`` and summaries hold them;
+    the Python API may pass a ``RunStrategy``); the saved configuration loads back equal, and as the same JSON."""
+    cfg = JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", algo=algo, strategy=strategy)
+    assert cfg.strategy == (strategy or {"zo": "shadow", "fo": "layerwise"}[algo])
+    assert type(cfg.strategy) is type(strategy)  # the default too: a str, not a RunStrategy
+    saved = json.dumps(cfg.to_dict(), sort_keys=True)
+    assert json.loads(saved)["strategy"] == str(cfg.strategy)
+    loaded = JobConfig.from_dict(json.loads(saved))
+    assert loaded == cfg and type(loaded.strategy) is str
+    assert json.dumps(loaded.to_dict(), sort_keys=True) == saved
 
 
 def test_controller_transitions():

@@ -28,6 +28,7 @@ import time
 
 from orchestrator.config import JobConfig
 from policies.layerwise import LayerwiseConfig
+from policies.strategies import FULL_STATE, RunStrategy
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
 from training import sharded as sharded_fo
@@ -46,11 +47,11 @@ from training.worker_env import mean_over_workers, record_start, worker_env
 def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer):
     """The strategy's checkpointer (``after_step(steps_done, state) -> seconds blocked``, ``close()``)."""
     config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy}
-    if cfg.strategy in ("full-sync", "full-async"):
-        return FullCheckpointer(store, cfg.snapshot_every, cfg.strategy == "full-async", config)
-    if cfg.strategy == "overlapped":
+    if cfg.strategy in FULL_STATE:
+        return FullCheckpointer(store, cfg.snapshot_every, cfg.strategy == RunStrategy.FULL_ASYNC, config)
+    if cfg.strategy == RunStrategy.OVERLAPPED:
         return OverlappedCheckpointer(store, cfg.snapshot_every, cfg.overlap_chunks, trainer.hyper, trainer.applied_gradients, config)
-    if cfg.strategy == "layerwise":
+    if cfg.strategy == RunStrategy.LAYERWISE:
         policy = LayerwiseConfig(threshold=cfg.layer_threshold, staleness_bound_steps=cfg.layer_staleness_steps,
                                  max_bytes_per_step=cfg.layer_max_bytes_per_check)
         return LayerwiseCheckpointer(store, cfg.snapshot_every, policy, config)
@@ -63,7 +64,7 @@ def durable_steps(cfg: JobConfig) -> int:
     gradient records after it for ``differential``."""
     store = cfg.snapshot_store()
     base = max((i.step for i in store.list()), default=0)
-    return DiffStore(store.storage).durable_end(base) if cfg.strategy == "differential" else base
+    return DiffStore(store.storage).durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
 
 
 def restore(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
@@ -72,7 +73,7 @@ def restore(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
     ``replay_seconds``, ``seconds``, ``skipped`` (and ``exact`` for ``differential``)."""
     t0 = time.perf_counter()
     result = from_storage(trainer.state_view(), cfg, None, None)
-    if cfg.strategy == "differential":
+    if cfg.strategy == RunStrategy.DIFFERENTIAL:
         t1 = time.perf_counter()
         replay = DiffStore(store.storage).replay(result["base_step"], trainer.replay_gradients)
         result.update(replayed_steps=replay.replayed_steps, replay_seconds=time.perf_counter() - t1, exact=replay.exact)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from policies.strategies import RunStrategy
 from storage.backend import Storage
 from storage.dcp_store import ShardedStore
 from storage.manifest import RunIdentity
@@ -134,7 +135,7 @@ def sharded_checkpointer(cfg, trainer, group: dist.ProcessGroup) -> ShardedCheck
     """Every rank's checkpointer for ``cfg.strategy`` (full-sync or full-async) under FSDP2."""
     writer = ShardedWriter(sharded_store(cfg), trainer.state_view(), group)
     config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy, "fo_parallelism": "fsdp2"}
-    return ShardedCheckpointer(writer, cfg.snapshot_every, cfg.strategy == "full-async", config)
+    return ShardedCheckpointer(writer, cfg.snapshot_every, cfg.strategy == RunStrategy.FULL_ASYNC, config)
 
 
 def durable_steps(cfg) -> int:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from actors.log_keeper import RemoteKeeper
 from actors.step_exchange import RemoteExchange
+from policies.strategies import RunStrategy
 from storage.steplog import StepLogWriter, StepRecord
 from training.checkpointing import FullCheckpointer
 from training.data import batch_id, batch_indices
@@ -70,7 +71,7 @@ def train_loop_per_worker(config: dict) -> None:
         resuming = faults.fired() or log_end > 0
     else:  # full-state baselines: progress is durable at the newest committed checkpoint only
         writer, log_end = None, None
-        checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot_every, cfg.strategy == "full-async",
+        checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot_every, cfg.strategy == RunStrategy.FULL_ASYNC,
                                         {"trajectory_sha256": cfg.trajectory_sha256()}) if rank == 0 else None
         faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0),
                                flush=checkpointer.flush if checkpointer is not None else None)
