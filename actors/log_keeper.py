@@ -320,7 +320,7 @@ class LogKeeperActor:
         return self.keeper.wait_for(end, timeout_s)
 
     def flush(self) -> dict:
-        """``LogKeeper.flush``, with the node it runs on (``node_id``) as ``status``."""
+        """``LogKeeper.flush`` (its status), with the node it runs on (``node_id``) as ``status`` has it."""
         return {**self.keeper.flush(), "node_id": self.node_id}
 
     def status(self) -> dict:

@@ -10,7 +10,6 @@ parameter of a model is an unsigned 16-bit integer, so the bits are never mistak
 from __future__ import annotations
 
 import os
-
 from collections.abc import Mapping
 
 import numpy as np
