@@ -112,6 +112,12 @@ def min_background_steps(costs: MeasuredCosts) -> int:
     return max(1, math.ceil(costs.snapshot_s / costs.step_s - 1e-9))
 
 
+def search_bound_steps(costs: MeasuredCosts) -> int:
+    """The longest interval the model considers, in steps: 50 MTBFs of training (at most 5e13 steps, since
+    ``MeasuredCosts`` takes at most ``MAX_MTBF_STEPS``)."""
+    return math.ceil(50 * costs.mtbf_s / costs.step_s)
+
+
 def check_background(costs: MeasuredCosts, interval_steps: int) -> None:
     """Raise unless a background snapshot (``snapshot_s``) fits in ``interval_steps`` steps.
 
@@ -174,7 +180,7 @@ def shadow_interval_steps(costs: MeasuredCosts) -> int:
     that loses the shadow (a share p, ``shadow_loss_fraction``) costs on average (k / 2) r of replay
     plus restart and load. The sum is minimal at k* = sqrt(2 w S / (lambda p r t_s)); with r = t_s,
     w = 1 and p = 1 this is Young's interval. With p = 0 no failure needs a snapshot: k* is the bound
-    ``optimal_interval_steps`` searches up to, 50 MTBFs of steps. The result is raised to
+    ``optimal_interval_steps`` searches up to, ``search_bound_steps``. The result is raised to
     ``min_background_steps`` so that a snapshot finishes before the next is due.
 
     Raises:
@@ -185,7 +191,7 @@ def shadow_interval_steps(costs: MeasuredCosts) -> int:
     replayed = costs.shadow_loss_fraction * costs.replay_step_s * costs.step_s
     if charged == 0:  # snapshots cost the loop nothing: as often as a write can finish
         return min_background_steps(costs)
-    k = math.ceil(50 * costs.mtbf_s / costs.step_s) if replayed == 0 else math.sqrt(charged / replayed)
+    k = search_bound_steps(costs) if replayed == 0 else math.sqrt(charged / replayed)
     return max(round(k), min_background_steps(costs))
 
 
@@ -379,7 +385,7 @@ def optimal_interval_steps(strategy: Strategy, costs: MeasuredCosts) -> int:
     if strategy not in INTERVAL_STRATEGIES:
         raise ValueError(f"{strategy} has no snapshot interval")
     lo = 1 if strategy is Strategy.FULL_SYNC else min_background_steps(costs)
-    hi = max(lo, math.ceil(50 * costs.mtbf_s / costs.step_s))
+    hi = max(lo, search_bound_steps(costs))
     waste = _WASTE[strategy]
     while hi - lo > 2:
         third = (hi - lo) // 3
