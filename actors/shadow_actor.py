@@ -1,6 +1,7 @@
 """The shadow's Ray shell: ``ShadowActor`` builds the plain replay loop (``actors.shadow.ShadowLoop``)
 from a ``actors.shadow.ShadowSpec`` and serves it over Ray; ``NamedPersister`` is the loop's image sink
-in the actor, the persister actor looked up by name.
+in the actor, the persister actor looked up by name; ``find_shards`` looks up the shadow's shard actors
+by the names the run's journal publishes (for workers and the failure injector).
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import ray
 import torch
 
+from actors.journal import RunChannel
 from actors.log_keeper import KeeperLogSource, RemoteKeeper
 from actors.shadow import ShadowLoop, ShadowReplayer, ShadowSpec
 from actors.shards import split_units
@@ -126,3 +129,27 @@ class ShadowActor:
     def hashes(self) -> dict[int, str]:
         """``ShadowLoop.hashes``."""
         return self.loop.hashes()
+
+
+def find_shards(run: RunChannel, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None) -> list | None:
+    """Every shard's current handle (named by the shadow pointer in the journal ``run``), in shard order,
+    or None unless all of them answer within ``timeout_s``. ``alive(handle)`` decides whether a found
+    handle counts (default: it is registered)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pointer = run.shadow_pointer() or {}
+        handles = []
+        for entry in pointer.get("shards") or ([pointer] if "name" in pointer else []):
+            try:
+                handle = ray.get_actor(entry["name"], namespace=namespace)
+            except ValueError:
+                break
+            if alive is not None and not alive(handle):
+                break
+            handles.append(handle)
+        else:
+            if handles:
+                return handles
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.5)

@@ -14,8 +14,8 @@ import argparse
 import json
 import sys
 
+from job.config import FailureSpec
 from orchestrator.api import job_config, run_job
-from orchestrator.config import FailureSpec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator.config import STRATEGIES, FailureSpec, JobConfig
-from orchestrator.run_dir import RunDir
 from experiments.results import recovery_rows, run_row, shard_rows
+from job.config import STRATEGIES, FailureSpec, JobConfig
+from job.run_dir import RunDir
 
 
 @dataclass(frozen=True, kw_only=True)

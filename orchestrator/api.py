@@ -16,7 +16,7 @@ import pathlib
 import uuid
 from typing import Callable
 
-from orchestrator.config import JobConfig
+from job.config import JobConfig
 from training.assets import Assets, read_assets
 from training.model import default_cache_dir
 

@@ -14,17 +14,16 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.config import FailureSpec, JobConfig
+from job.config import PROMPT, FailureSpec, JobConfig
+from job.run_dir import RunDir
 from orchestrator.experiment_cli import experiment
 from orchestrator.merge_cli import merge
 from orchestrator.policy_cli import parse_duration, policy
 from orchestrator.replay_cli import replay
-from orchestrator.run_dir import RunDir
 from orchestrator.schedule import parse_schedule
 from orchestrator.storage_cli import inspect, verify
 from orchestrator.stored_config import StoredConfigError, load_config
 from storage.backend import local_path
-from training.data import PROMPT
 from training.model import MODEL_NAMES, default_cache_dir
 
 app = typer.Typer(

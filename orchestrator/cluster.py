@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
+
+if TYPE_CHECKING:
+    from job.config import JobConfig
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 """The driver's environment defaults (a variable already set wins): no usage stats, no auth token for
@@ -46,6 +50,12 @@ def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
     from storage.backend import storage_env
 
     return {"env_vars": {**storage_env(), **(env_vars or {})}}
+
+
+def shadow_actor_options(cfg: JobConfig) -> dict:
+    """Extra ``.options(...)`` of a shadow actor of run ``cfg``: its ``runtime_env`` (the driver's storage
+    settings and ``cfg.shadow_env``, ``runtime_env``)."""
+    return {"runtime_env": runtime_env(cfg.shadow_env)}
 
 
 @dataclass(frozen=True)

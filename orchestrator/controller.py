@@ -44,17 +44,18 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.journal import RunChannel
 from actors.log_keeper import LogKeeperActor
 from actors.persister import PersisterActor
 from actors.shadow import ShadowSpec
+from job.config import JobConfig
+from job.run_dir import RunDir
 from orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, worker_need
-from orchestrator.config import JobConfig
 from orchestrator.group_timeline import GroupTimeline
-from orchestrator.journal import RunChannel, RunRecord, claims_in, start_journal, wait_for_previous_driver
+from orchestrator.journal import RunRecord, claims_in, start_journal, wait_for_previous_driver
 from orchestrator.metrics import RunMetrics
 from orchestrator.planning import SnapshotPlanner
 from orchestrator.replica_groups import ReplicaGroupsConfig
-from orchestrator.run_dir import RunDir
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from orchestrator.stored_config import save_config
 from orchestrator.summary import durability, recoveries, recovery_of_event, write_metrics

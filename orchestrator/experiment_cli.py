@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.config import STRATEGIES
 from experiments.harness import FAILURE_KINDS
+from job.config import STRATEGIES
 from training.model import default_cache_dir
 
 

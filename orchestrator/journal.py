@@ -1,16 +1,6 @@
-"""The run's journal: every message a worker or actor sends the driver, through Ray (no shared file).
-
-Workers, the shadow keeper and the failure injector run on any node of a cluster, and the nodes need
-not share a disk. So nothing but the driver writes the run directory: the others send their events
-and metric rows, claim failure markers and publish the shadow's actor names through ``RunChannel``,
-a client of one ``JournalActor`` that the controller starts on its own node (``start_journal``).
-The driver drains it incrementally (``RunRecord.drain``: two cursors, never the whole history) into
-``events.jsonl`` and ``metrics.jsonl`` and keeps the rows it has seen in memory.
-
-Ordering: the actor runs one call at a time (``max_concurrency=1``), and Ray runs the calls of one
-caller in the order it submits them, so each process's events and metric rows keep their order;
-``RunChannel.event`` waits for the journal's acknowledgement (a failure event is recorded before the
-process that emits it dies), and a metric row sent before an acknowledged event is recorded before it.
+"""The driver's side of the run's journal (``actors.journal``): it starts the journal actor on its
+own node (``start_journal``), drains it into the run directory (``RunRecord``) and, before a start,
+waits until no actor of an earlier driver of the run is alive (``wait_for_previous_driver``).
 
 A resumed driver starts a new journal (the old one died with the old driver) and seeds it with the
 failure markers its ``events.jsonl`` names (``claims_in``), then (once the log keeper tells the
@@ -22,92 +12,13 @@ fire again.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.run_dir import RunDir
-
-if TYPE_CHECKING:  # the journal actor's process imports no torch (``orchestrator.config`` does)
-    from orchestrator.config import JobConfig
-
-CALL_TIMEOUT_S = 120.0
-"""How long a caller waits for the journal's answer (it lives on the driver's node; an answer that
-takes longer means the driver's node is gone, and the caller fails)."""
-
-
-class Journal:
-    """The run's message board (plain logic; ``JournalActor`` serves it through Ray).
-
-    ``events`` and ``metrics`` are append-only lists of dict rows, each with ``unix_s`` (seconds since
-    the epoch, set here when the sender did not). Failure markers are strings (``"<failure index>.<part>"``,
-    ``training.faults``) claimed at most once. The shadow pointer is the dict of ``ShadowKeeper._publish``.
-    """
-
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-        self.metrics: list[dict] = []
-        self._claims: dict[str, None] = {}  # insertion-ordered set
-        self._shadow: dict | None = None
-
-    @staticmethod
-    def _stamped(row: dict) -> dict:
-        return row if "unix_s" in row else {**row, "unix_s": time.time()}
-
-    def event(self, row: dict) -> None:
-        """Append an event row (``kind`` plus its fields)."""
-        self.events.append(self._stamped(row))
-
-    def metric(self, row: dict) -> None:
-        """Append a metric row (one per executed step)."""
-        self.metrics.append(self._stamped(row))
-
-    def since(self, events_cursor: int, metrics_cursor: int) -> tuple[list[dict], list[dict]]:
-        """The events and metric rows after the first ``events_cursor`` and ``metrics_cursor`` (the
-        counts a reader has already taken), in the order they were appended.
-
-        Raises:
-            ValueError: a cursor is negative or past the end (it must be a count of rows taken from this journal).
-        """
-        for name, cursor, rows in (("events", events_cursor, self.events), ("metrics", metrics_cursor, self.metrics)):
-            if not 0 <= cursor <= len(rows):
-                raise ValueError(f"{name} cursor {cursor} is outside 0..{len(rows)}: pass the number of rows already taken")
-        return self.events[events_cursor:], self.metrics[metrics_cursor:]
-
-    def claim(self, marker: str) -> bool:
-        """Claim ``marker``; True for the first caller only (test-and-set)."""
-        if marker in self._claims:
-            return False
-        self._claims[marker] = None
-        return True
-
-    def claimed(self, marker: str) -> bool:
-        return marker in self._claims
-
-    def claims(self) -> list[str]:
-        """Every claimed marker, in claim order."""
-        return list(self._claims)
-
-    def publish_shadow(self, pointer: dict) -> None:
-        """Replace the shadow pointer (``{"shards": [{shard, name, incarnation}, ...]}``, plus ``name``
-        and ``incarnation`` for one shard)."""
-        self._shadow = dict(pointer)
-
-    def shadow_pointer(self) -> dict | None:
-        """The last published shadow pointer, or None before the first."""
-        return self._shadow
-
-    def seed(self, claims: list[str], shadow_pointer: dict | None = None) -> None:
-        """Start from a previous driver's state: its claimed markers (and shadow pointer, when given)."""
-        for marker in claims:
-            self.claim(marker)
-        if shadow_pointer is not None:
-            self.publish_shadow(shadow_pointer)
-
-
-class JournalActor(Journal):
-    """The Ray actor shell of ``Journal`` (started by ``start_journal``)."""
+from actors.journal import CALL_TIMEOUT_S, JournalActor, RunChannel
+from job.config import JobConfig
+from job.run_dir import RunDir
 
 
 class RunActiveError(RuntimeError):
@@ -157,58 +68,6 @@ def start_journal(cfg: JobConfig, claims: list[str]):
         name=cfg.journal_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=1, scheduling_strategy=here).remote()
     ray.get(handle.seed.remote(list(claims)), timeout=CALL_TIMEOUT_S)
     return handle
-
-
-class RunChannel:
-    """A client of the run's journal, for any process of the run on any node (looked up by name on
-    first use, so building one needs no Ray). Calls wait at most ``CALL_TIMEOUT_S`` for an answer.
-
-    Raises (every call): ValueError when the journal is not running; ray.exceptions.RayActorError /
-    GetTimeoutError when it died or does not answer.
-    """
-
-    def __init__(self, cfg: JobConfig) -> None:
-        self.name, self.namespace = cfg.journal_name, cfg.namespace
-        self._handle = None
-
-    @property
-    def handle(self):
-        if self._handle is None:
-            self._handle = ray.get_actor(self.name, namespace=self.namespace)
-        return self._handle
-
-    def _call(self, method: str, *args):
-        return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
-
-    def event(self, kind: str, **fields) -> None:
-        """Record an event (``unix_s`` now unless given); returns once the journal has it."""
-        self._call("event", {"kind": kind, **fields, "unix_s": fields.get("unix_s", time.time())})
-
-    def metric(self, **row) -> None:
-        """Send a metric row (``unix_s`` now unless given) without waiting; recorded in order with this
-        process's other calls."""
-        self.handle.metric.remote({**row, "unix_s": row.get("unix_s", time.time())})
-
-    def claim(self, marker: str) -> bool:
-        """Claim a failure marker; True for the first caller in the run only."""
-        return self._call("claim", marker)
-
-    def claimed(self, marker: str) -> bool:
-        return self._call("claimed", marker)
-
-    def any_claimed(self) -> bool:
-        """True once any failure has fired in this run (a worker start is then a restart)."""
-        return bool(self._call("claims"))
-
-    def shadow_pointer(self) -> dict | None:
-        return self._call("shadow_pointer")
-
-    def since(self, events_cursor: int, metrics_cursor: int) -> tuple[list[dict], list[dict]]:
-        """``Journal.since`` (the driver's drain)."""
-        return self._call("since", events_cursor, metrics_cursor)
-
-    def publish_shadow(self, pointer: dict) -> None:
-        self._call("publish_shadow", pointer)
 
 
 def claims_in(events: list[dict]) -> list[str]:

@@ -102,7 +102,7 @@ def _refuse_unlogged(run_dir: pathlib.Path) -> None:
     """Raise ``ReplayError`` when the run in ``run_dir`` logs no steps by design (its ``config.json``:
     ``JobConfig.uses_step_log`` is false, e.g. every ``--algo fo`` run), so its empty step log has
     nothing to replay; return when there is no readable configuration (the log speaks for itself)."""
-    from orchestrator.config import JobConfig
+    from job.config import JobConfig
 
     try:
         cfg = JobConfig.from_dict(json.loads((run_dir / "config.json").read_text()))

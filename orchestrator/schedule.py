@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from orchestrator.config import FailureSpec
+from job.config import FailureSpec
 
 KINDS = ("poisson", "weibull")
 

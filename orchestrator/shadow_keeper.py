@@ -9,10 +9,10 @@ tail. Each shard has its own incarnation counter and its own restart budget of
 ``JobConfig.max_shadow_restarts`` (``decide``); past it ``poll`` raises ``ShadowFailedError``.
 
 Each incarnation gets its own actor name (``<shadow_name>-<n>``; sharded ``<shadow_name>-s<shard>-<n>``),
-published as the shadow pointer in the run's journal (``orchestrator.journal``: ``shards``, one
+published as the shadow pointer in the run's journal (``actors.journal``: ``shards``, one
 ``{shard, name, incarnation}`` per shard, and for K = 1 also ``name`` and ``incarnation``) where workers
-look them up (``find_shards``); reusing one name would make a restart wait until Ray releases the dead
-incarnation's name. A dead shard is restarted only while no worker recovery is pending (the
+look them up (``actors.shadow_actor.find_shards``); reusing one name would make a restart wait until
+Ray releases the dead incarnation's name. A dead shard is restarted only while no worker recovery is pending (the
 controller says so): a recovering worker must see the shadow as it was at the failure, and a new
 incarnation starts from the newest snapshot plus the log tail anyway.
 
@@ -32,11 +32,12 @@ from collections.abc import Callable
 import ray
 from ray.exceptions import RayActorError
 
+from actors.journal import RunChannel
 from actors.shadow import ShadowSpec
 from actors.shadow_actor import ShadowActor
 from actors.shards import assemble
-from orchestrator.config import JobConfig
-from orchestrator.journal import RunChannel
+from job.config import JobConfig
+from orchestrator.cluster import shadow_actor_options
 from training.state import state_sha256
 
 
@@ -114,7 +115,7 @@ class ShardKeeper:
         """Start the next incarnation and publish its name (returns before it is ready)."""
         self.incarnation += 1
         self.actor = ray.remote(ShadowActor).options(
-            name=self.name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4, **self.placement, **self.cfg.shadow_actor_options
+            name=self.name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=4, **self.placement, **shadow_actor_options(self.cfg)
         ).remote(self.spec)
         self._publish()
         self._status_ref = None
@@ -339,26 +340,3 @@ class ShadowKeeper:
             if shard.actor is not None:
                 ray.kill(shard.actor, no_restart=True)
 
-
-def find_shards(run: RunChannel, namespace: str, timeout_s: float, alive: Callable[[object], bool] | None = None) -> list | None:
-    """Every shard's current handle (named by the shadow pointer in the journal ``run``), in shard order,
-    or None unless all of them answer within ``timeout_s``. ``alive(handle)`` decides whether a found
-    handle counts (default: it is registered)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pointer = run.shadow_pointer() or {}
-        handles = []
-        for entry in pointer.get("shards") or ([pointer] if "name" in pointer else []):
-            try:
-                handle = ray.get_actor(entry["name"], namespace=namespace)
-            except ValueError:
-                break
-            if alive is not None and not alive(handle):
-                break
-            handles.append(handle)
-        else:
-            if handles:
-                return handles
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.5)

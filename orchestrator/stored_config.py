@@ -13,7 +13,7 @@ import json
 import logging
 import pathlib
 
-from orchestrator.config import JobConfig, default_scratch_dir
+from job.config import JobConfig, default_scratch_dir
 from storage.backend import Storage
 from storage.log_segments import read_segments
 from storage.steplog import StepLogError

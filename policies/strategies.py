@@ -1,6 +1,6 @@
 """The names of the checkpointing strategies a run can use (``JobConfig.strategy``, ``raycheck run --strategy``).
 
-One place for their spellings: the configuration (``orchestrator.config.STRATEGIES``: which strategies
+One place for their spellings: the configuration (``job.config.STRATEGIES``: which strategies
 each algorithm takes), the workers that pick a checkpointer by it and the cost model
 (``policies.models.Strategy``, the strategies it has a closed form for) all name them from here. The
 values are the strings that ``config.json`` files, summaries and metrics hold.

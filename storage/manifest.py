@@ -35,7 +35,7 @@ class RunIdentityError(ValueError):
 @dataclass(frozen=True)
 class RunIdentity:
     """The run a snapshot belongs to: ``run_id`` and the hash of its trajectory settings
-    (``orchestrator.config.JobConfig.trajectory_sha256``). Recorded in every manifest; a restore
+    (``job.config.JobConfig.trajectory_sha256``). Recorded in every manifest; a restore
     takes only its own run's snapshots (and a merge result)."""
 
     run_id: str

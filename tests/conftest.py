@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from experiments.s3_server import free_port  # noqa: F401  (re-exported for the tests)
-from orchestrator.config import default_scratch_dir
+from job.config import default_scratch_dir
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

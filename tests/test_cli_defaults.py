@@ -12,9 +12,9 @@ import typer
 from typer.testing import CliRunner
 
 import orchestrator.api
+from job.config import JobConfig
 from orchestrator.api import job_config
 from orchestrator.cli import app, option
-from orchestrator.config import JobConfig
 
 NOT_FIELDS = {
     "overwrite": "what to do with an existing run directory, not part of the run",

@@ -15,10 +15,10 @@ import uuid
 import pytest
 from typer.testing import CliRunner
 
+from job.config import JobConfig
+from job.run_dir import RunDir
 from orchestrator.cli import app
-from orchestrator.config import JobConfig
 from orchestrator.controller import prepare
-from orchestrator.run_dir import RunDir
 from training.model import default_cache_dir
 
 

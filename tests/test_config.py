@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from orchestrator.config import STRATEGIES, FailureSpec, JobConfig
+from job.config import STRATEGIES, FailureSpec, JobConfig
 from orchestrator.controller import Phase, event_line, next_phase
 from policies.models import Strategy
 from policies.strategies import RunStrategy

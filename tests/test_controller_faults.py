@@ -17,9 +17,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from conftest import free_port
-from orchestrator.config import JobConfig
+from job.config import JobConfig
+from job.run_dir import RunDir
 from orchestrator.controller import Controller
-from orchestrator.run_dir import RunDir
 from storage.steplog import StepLogWriter, StepRecord, read_header
 from training.model import default_cache_dir
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from job.config import JobConfig
 from orchestrator.cli import app
-from orchestrator.config import JobConfig
+from orchestrator.cluster import shadow_actor_options
 from storage.backend import storage_env
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "device-check"
@@ -63,8 +64,8 @@ def test_device_and_shadow_env_are_validated_and_only_a_gpu_device_changes_the_t
     assert cpu.trajectory_sha256() == JobConfig(**base, shadow_env={"X": "1"}).trajectory_sha256()
     assert cuda.trajectory_sha256() != cpu.trajectory_sha256()
     assert JobConfig.from_dict(cuda.to_dict()) == cuda
-    assert cpu.shadow_actor_options == {"runtime_env": {"env_vars": storage_env()}} and storage_env()  # conftest sets keys
-    assert JobConfig(**base, shadow_env={"ATEN_CPU_CAPABILITY": "default"}).shadow_actor_options == {
+    assert shadow_actor_options(cpu) == {"runtime_env": {"env_vars": storage_env()}} and storage_env()  # conftest sets keys
+    assert shadow_actor_options(JobConfig(**base, shadow_env={"ATEN_CPU_CAPABILITY": "default"})) == {
         "runtime_env": {"env_vars": {**storage_env(), "ATEN_CPU_CAPABILITY": "default"}}}
     for bad, message in [(dict(device="tpu"), "device 'tpu': choose one of cpu, cuda"),
                          (dict(device="cuda", algo="fo"), "device cuda runs the ZO worker only"),

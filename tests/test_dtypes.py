@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 from actors.shadow import ShadowReplayer
 from experiments.dtype_residue import main as residue_main
 from experiments.dtype_residue import round_trip_residue, step_memory_bytes
+from job.config import JobConfig
+from job.run_dir import RunDir
 from orchestrator.cli import app
-from orchestrator.config import JobConfig
 from orchestrator.controller import prepare
 from orchestrator.replay_cli import LoggedRun, initial_params
-from orchestrator.run_dir import RunDir
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError, SnapshotStore
 from storage.steplog import StepLogWriter

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from job.config import JobConfig
 from orchestrator.cluster import Placement
-from orchestrator.config import JobConfig
 from orchestrator.controller import Controller
 from orchestrator.replica_groups import ReplicaGroupsBackend, ReplicaGroupsConfig
 

@@ -12,9 +12,9 @@ import ray
 
 from cluster import LocalCluster, NodeSpec
 from conftest import make_bucket
-from orchestrator.config import FailureSpec, JobConfig
+from job.config import FailureSpec, JobConfig
+from job.run_dir import RunDir
 from orchestrator.controller import Controller, reference_config
-from orchestrator.run_dir import RunDir
 from training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain, pytest.mark.multinode]

@@ -20,12 +20,12 @@ from typer.testing import CliRunner
 
 from conftest import free_port, make_bucket
 from experiments.s3_server import LocalS3Server
+from job.config import FailureSpec, JobConfig
+from job.run_dir import RunDir
 from orchestrator.cli import app
-from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
-from orchestrator.run_dir import RunDir
-from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN
 from orchestrator.schedule import failure_schedule, parse_schedule
+from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN
 from storage.log_segments import read_segments
 from storage.snapshots import SnapshotStore
 from storage.steplog import read_records

@@ -97,7 +97,7 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
     import pytest
 
     from experiments.harness import PRESETS, job_config
-    from orchestrator.config import STRATEGIES
+    from job.config import STRATEGIES
 
     preset = PRESETS["full"]
     for strategy in STRATEGIES["zo"]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 
-from orchestrator.config import JobConfig
+from actors.journal import RunChannel
+from job.config import JobConfig
+from job.run_dir import RunDir
 from orchestrator.controller import Controller, PersisterFailedError, log_failure
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
-from orchestrator.journal import RunChannel
-from orchestrator.run_dir import RunDir
 from storage.steplog import StepLogWriter
 
 

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from conftest import free_port
-from orchestrator.config import FailureSpec, JobConfig
+from job.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from storage.merge import Source, merge_snapshots, parse_take
 from storage.snapshots import SnapshotStore

@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 import typer
 
 from conftest import free_port
+from job.config import JobConfig
 from orchestrator.cli import resume_config
-from orchestrator.config import JobConfig
 from storage.backend import Storage, StorageError
 from storage.dcp_store import ShardedStore
 from storage.manifest import RunIdentity

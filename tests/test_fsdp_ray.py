@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from job.config import FailureSpec, JobConfig
 from orchestrator.cli import resume_config
-from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import Controller
 from test_fo_ray import cluster  # noqa: F401 (the fixture: a local Ray cluster for this module)
 from training.model import default_cache_dir

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.config import JobConfig
+from job.config import JobConfig
+from training.data import batch_indices
 from training.groups import example_groups, group_vector, groups_of_rank, reduce_groups
 from training.model import default_cache_dir, load_model, trainable_parameters
 from training.state import state_sha256
 from training.worker import timed_append, zo_step_
-from training.data import batch_indices
 from training.zo import ZOHyper, noise, perturb_all_, step_seed
 
 

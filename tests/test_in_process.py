@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from orchestrator.config import JobConfig
+from job.config import JobConfig
 from storage.steplog import StepLogWriter, StepRecord
 from training.faults import InjectedWorkerFailure
 from training.in_process import StepFailure, decide

@@ -17,7 +17,7 @@ import pytest
 
 import storage.backend as backend
 import storage.files as files
-from orchestrator.run_dir import RunDir
+from job.run_dir import RunDir
 from storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer
 from storage.files import atomic_write, write_synced
 
@@ -91,7 +91,7 @@ def test_a_failed_chunk_sync_leaves_no_object_and_the_previous_one_intact(tmp_pa
 KILLED_MID_PUT = """
 import os, sys
 import storage.backend as backend
-from orchestrator.run_dir import RunDir
+from job.run_dir import RunDir
 from storage.backend import Storage
 
 real, synced = os.fdatasync, []

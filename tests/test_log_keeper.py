@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, LogKeeper, read_range
 from conftest import make_bucket
+from job.config import JobConfig
 from orchestrator.cli import app
-from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, reference_config
 from orchestrator.summary import durability
 from storage.backend import Storage, StorageUnavailableError

@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 
 from cluster import SPARE_GPU_NODE, mount_namespace
 from conftest import make_bucket
+from job.config import JobConfig
+from job.run_dir import RunDir
 from orchestrator.cli import app
 from orchestrator.cluster import alive_nodes, plan_placement
-from orchestrator.config import JobConfig
 from orchestrator.controller import start_persister
-from orchestrator.run_dir import RunDir
 from orchestrator.summary import recoveries as summary_recoveries
 from storage.backend import STORAGE_ENV, Storage
 from storage.log_segments import read_segments

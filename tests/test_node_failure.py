@@ -13,8 +13,8 @@ import uuid
 import psutil
 import pytest
 
+from job.config import FailureSpec, JobConfig
 from orchestrator.cluster import Node
-from orchestrator.config import FailureSpec, JobConfig
 from orchestrator.controller import check_node_failures
 from training.faults import node_processes
 

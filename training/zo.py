@@ -100,6 +100,7 @@ from dataclasses import dataclass
 
 import torch
 
+from job.config import DTYPE_NAMES
 from training import noise as noise_gen
 
 GENERATOR = noise_gen.GENERATOR
@@ -108,9 +109,8 @@ GENERATOR = noise_gen.GENERATOR
 _SEED_MASK = (1 << 63) - 1
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The parameter dtypes a ZO run may hold and perturb its weights in (``JobConfig.dtype``), by the name
-the step log header records (key ``dtype``)."""
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+"""The torch dtype of each name in ``job.config.DTYPE_NAMES`` (the step log header's ``dtype``)."""
 
 
 class DtypeMismatchError(ValueError):

@@ -16,8 +16,6 @@ from policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
 from storage.backend import Storage, local_path
 from storage.manifest import RunIdentity
 from storage.snapshots import SnapshotStore
-from training.data import LABEL_WORDS, PROMPT, TASKS
-from training.zo import DTYPES
 
 FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
@@ -35,6 +33,14 @@ HOWS = ("exit", "raise", "sigkill", "torn")
 DURABILITIES = ("process", "node", "cluster")
 """Fault domains a step record survives before its update (``training.rank0_log``)."""
 DEVICES = ("cpu", "cuda")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The parameter dtypes a ZO run may hold and perturb its weights in (``JobConfig.dtype``), by the name
+the step log header records (key ``dtype``); ``training.zo.DTYPES`` maps each to its torch dtype."""
+TASKS = ("classification", "causal-lm")
+"""What a run trains (``JobConfig.task``; ``training.data``)."""
+PROMPT = "Review: {text}\nSentiment:"
+LABEL_WORDS = (" negative", " positive")  # label 0 = rotten, 1 = fresh
+"""Classification's default prompt and label words (the Rotten Tomatoes snippets, ``training.data``)."""
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """An environment variable name (``shadow_env`` keys)."""
 SEED_LIMIT = 2**64
@@ -237,7 +243,7 @@ class JobConfig:
     step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
     the device is part of the trajectory (``trajectory_sha256``) when it is not ``cpu``."""
     dtype: str = "float32"
-    """The dtype the ZO workers hold and perturb the parameters in (``training.zo.DTYPES``: float32,
+    """The dtype the ZO workers hold and perturb the parameters in (``DTYPE_NAMES``: float32,
     bfloat16, float16); the shadow, recoveries, snapshots and ``raycheck replay`` use the same one (the
     step log header records it). Part of the trajectory (``trajectory_sha256``) when it is not float32."""
     shadow_env: dict = field(default_factory=dict)
@@ -365,8 +371,8 @@ class JobConfig:
             raise ValueError(f"device {self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.device != "cpu" and self.algo != "zo":
             raise ValueError(f"device {self.device} runs the ZO worker only (algo zo), not algo {self.algo}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
         if self.dtype != "float32" and self.algo != "zo":
             raise ValueError(f"dtype {self.dtype} is for the ZO path (algo zo) only: algo {self.algo} (AdamW, its moments and "
                              "gradient records) trains in float32; leave dtype out or use algo zo")
@@ -516,14 +522,6 @@ class JobConfig:
         return self.algo == "zo" and self.strategy in STEP_LOG
 
     @property
-    def shadow_actor_options(self) -> dict:
-        """Extra ``.options(...)`` of a shadow actor: its ``runtime_env`` (the driver's storage settings
-        and ``shadow_env``, ``orchestrator.cluster.runtime_env``)."""
-        from orchestrator.cluster import runtime_env
-
-        return {"runtime_env": runtime_env(self.shadow_env)}
-
-    @property
     def injected_worker_failures(self) -> int:
         """How many of ``failures`` end a train worker (``worker``, ``both``, ``node``)."""
         return sum(1 for f in self.failures if f.target in ("worker", "both", "node"))
@@ -538,7 +536,7 @@ class JobConfig:
 
     @property
     def journal_name(self) -> str:
-        """The run's journal actor (``orchestrator.journal``)."""
+        """The run's journal actor (``actors.journal``)."""
         return f"raycheck-journal-{self.run_id}"
 
     @property
