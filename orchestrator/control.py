@@ -255,7 +255,7 @@ def component_actions(limits: Limits, shadow: ShadowStatus | None = None, persis
                       log_keeper: LogKeeperStatus | None = None, recovery_pending: bool = False) -> tuple[Action, ...]:
     """The repairs the component snapshots call for, shadow shards first, then the persister, then the
     log keeper; when one is beyond repair, only its ``FailRun`` (the first such)."""
-    decided = [shard_action(s, len(shadow.shards) > 1, limits.max_shadow_restarts, recovery_pending) for s in shadow.shards] if shadow else []
+    decided: list[Action | None] = [shard_action(s, len(shadow.shards) > 1, limits.max_shadow_restarts, recovery_pending) for s in shadow.shards] if shadow else []
     decided.append(persister_action(persister, limits.max_persister_restarts) if persister else None)
     decided.append(log_keeper_action(log_keeper) if log_keeper else None)
     actions = tuple(a for a in decided if a is not None)

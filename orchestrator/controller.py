@@ -1,11 +1,15 @@
 """The controller: starts the log keeper, shadow and persister, runs Ray Train, watches, repairs, summarises.
 
-States (``Phase``): INITIALISING -> RUNNING <-> RECOVERING -> FINISHED | FAILED. The driver runs
-``TorchTrainer.fit`` on a thread and, on its own thread, follows the run's event and metric streams
-(drained from the run's journal actor into the run directory, which only the driver writes:
-``orchestrator.journal``): it prints progress, restarts a dead shadow (from the newest snapshot plus
-the log tail) once no worker recovery needs it, and at the end compares the shadow's state hash with
-the worker's.
+The driver runs ``TorchTrainer.fit`` on a thread and, on its own thread, loops every 0.5 s: it polls
+the shadow keeper, the persister and the log keeper, drains the run's event and metric streams (from
+the run's journal actor into the run directory, which only the driver writes: ``orchestrator.journal``)
+and prints progress, bundles what it saw into an ``orchestrator.control.Observation`` of frozen
+snapshots, and executes what ``orchestrator.control.step`` decides: phase events, the restart of a
+dead shadow shard (from the newest snapshot plus the log tail, once no worker recovery needs it) or of
+a dead persister, each within its budget, or the end of the run (``FAILURES``: the error of a component
+beyond repair). The states (``orchestrator.control``): Initialising -> Running <-> Recovering ->
+Finished | Failed. At the end it compares the shadow's state hash with the worker's and writes
+``summary.json`` (``orchestrator.summary.run_summary``).
 
 Durability never depends on Ray Train's checkpoint registration (a hard crash can drop the newest
 reported checkpoint): workers restore from the shadow or from storage + the step log themselves.
@@ -22,7 +26,8 @@ Storage at start: the driver claims its writer epoch in the snapshot index befor
 is unreachable at start does not start (``raycheck run`` refuses it with exit 2 after its probe; if
 storage goes in between, the claim fails the run). Once claimed, an outage is ridden out: the
 persister, even one (re)started during it, reports it and retries; a dead persister is restarted at
-most ``JobConfig.max_persister_restarts`` times (``may_restart_persister``).
+most ``JobConfig.max_persister_restarts`` times (``orchestrator.control.persister_action``). The train
+workers' restart budget, ``JobConfig.max_worker_failures``, is Ray Train's (``FailureConfig``).
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection
+from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
-from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # what ray.train exports (Ray Train v2)
+from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.journal import RunChannel
@@ -200,9 +206,10 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
     the step log with everything replay needs in its header. An existing step log is kept when its
     trajectory matches (a resumed run), else ``ResumeMismatchError``; one written with another noise
     generator raises ``GeneratorMismatchError``, one in another parameter dtype ``DtypeMismatchError``."""
-    tokenizer_dir(cfg.cache_dir)
+    cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else None
+    tokenizer_dir(cache_dir)
     if is_builtin(cfg.model):
-        model_dir(cfg.model, cfg.cache_dir)
+        model_dir(cfg.model, cache_dir)
     if run.step_log.exists():
         header = read_header(run.step_log)
         found = header.get("trajectory_sha256")
@@ -212,7 +219,7 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         check_generator(header, str(run.step_log))
         return
     run.write_json(run.root / "config.json", cfg.to_dict())
-    model = load_model(cfg.model, cfg.cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
+    model = load_model(cfg.model, cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
     units = describe_units(model)
     if not units.recognised:
         log.warning("the unit layout of %s (%s) is not recognised: each module is its own checkpoint unit (%d units)",
@@ -271,7 +278,7 @@ class Controller:
         self.cfg = cfg
         self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
         self.channel = RunChannel(cfg)
-        self.journal = None  # the journal actor's handle once started
+        self.journal: Any = None  # the journal actor's handle once started
         self.record = RunRecord(self.run_dir)
         self.echo = echo
         self.state: State = Initialising()
@@ -281,7 +288,7 @@ class Controller:
         self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" and cfg.uses_shadow else None
         self.snapshot_interval: dict[int, int] = {}
         self.metrics = RunMetrics(cfg.run_id, cfg.strategy)
-        self.persister = None
+        self.persister: Any = None  # the persister actor's handle once started
         self.persister_status: dict = {}
         self.persister_restarts = 0
         self.config_stored = False
@@ -289,7 +296,7 @@ class Controller:
         self.placement: Placement | None = None
         self.placed: dict = {"driver": None, "persister": []}
         """Where the driver and each persister incarnation ran (``this_node()``); ``_placement`` adds the rest."""
-        self.log_keeper = None
+        self.log_keeper: Any = None  # the log keeper actor's handle once started
         self.log_keeper_status: dict = {}
         self._calibration_requested = False
         self._printed_steps = 0
@@ -298,6 +305,16 @@ class Controller:
     @property
     def phase(self) -> Phase:
         return self.state.phase
+
+    def _planned(self) -> Placement:
+        """The placement plan (``_run`` makes it before anything is placed).
+
+        Raises:
+            RuntimeError: none is planned yet.
+        """
+        if self.placement is None:
+            raise RuntimeError("no placement is planned yet")
+        return self.placement
 
     @property
     def limits(self) -> Limits:
@@ -320,7 +337,7 @@ class Controller:
         try:
             self._placed_persister(ray.get(self.persister.status.remote(), timeout=timeout_s))
         except (RayActorError, GetTimeoutError) as exc:
-            raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
+            raise start_failure(what, exc, timeout_s, self._planned().replica) from exc
         try:
             ray.get(self.persister.check_storage.remote(), timeout=timeout_s)
         except (ray.exceptions.RayTaskError, GetTimeoutError) as exc:  # the probe raised, or hung
@@ -330,7 +347,7 @@ class Controller:
                 return
             raise storage_failure(what, self.placed["persister"][-1], self.cfg.storage, cause) from exc
         except RayActorError as exc:  # it died
-            raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
+            raise start_failure(what, exc, timeout_s, self._planned().replica) from exc
 
     def _placed_persister(self, status: dict) -> None:
         """Record the node of a persister incarnation from its first status."""
@@ -399,7 +416,7 @@ class Controller:
             seconds = by_event[i].get("seconds") if i in by_event else None
             lines.append((e["unix_s"], event_line(e, seconds)))
             self.metrics.event(e, seconds)
-            if e["kind"] == "failure" and e["target"] == "storage":
+            if e["kind"] == "failure" and e["target"] == "storage" and self.storage_outage is not None:  # set when one is due
                 self.storage_outage(e["seconds"])
         self._seen_events = len(events)
         rows = self.record.metrics
@@ -421,7 +438,7 @@ class Controller:
 
     def _plan(self, row: dict, events: list[dict]) -> None:
         """Feed the cost-model policy with this step's measurements; apply and record a re-plan."""
-        if self.planner is None:
+        if self.planner is None or self.shadow is None:  # the adaptive policy plans a shadow's snapshots
             self.snapshot_interval[row["step"]] = self.cfg.snapshot_every
             return
         failures, _ = worker_failures_and_recoveries(events)
@@ -499,7 +516,7 @@ class Controller:
         for action in actions:
             if isinstance(action, EmitPhase):  # every transition is an event (and a progress line)
                 self.channel.event("phase", phase=action.phase.value)
-            elif isinstance(action, RestartShadow):
+            elif isinstance(action, RestartShadow) and self.shadow is not None:  # decided from the shadow's status
                 self.shadow.restart(action.shard)
             elif isinstance(action, RestartPersister):
                 self._restart_persister(action.reason)
@@ -520,14 +537,15 @@ class Controller:
             scaling_config=ScalingConfig(num_workers=(cfg.min_workers, cfg.workers) if cfg.elastic else cfg.workers,
                                          elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s,
                                          use_gpu=cfg.device == "cuda",
-                                         resources_per_worker=self.placement.worker_resources,
-                                         label_selector=self.placement.worker_label_selector),
+                                         resources_per_worker=self._planned().worker_resources,
+                                         label_selector=self._planned().worker_label_selector),
             run_config=RunConfig(
                 name=f"raycheck-{self.cfg.run_id}",
                 storage_path=str(pathlib.Path(self.cfg.out_dir).resolve() / "ray_train"),
                 failure_config=FailureConfig(max_failures=self.cfg.max_worker_failures),
                 worker_runtime_env=runtime_env(),
-                callbacks=[GroupTimeline(self.cfg)],  # the controller's side of the recovery breakdown
+                # the controller's side of the recovery breakdown; Ray annotates UserCallback, and takes any RayTrainCallback
+                callbacks=[GroupTimeline(self.cfg)],  # type: ignore[list-item]
             ),
         )
 
@@ -656,19 +674,20 @@ class Controller:
         fired = fired_before(cfg.failures, durable)  # even when the run directory was lost
         ray.get(self.journal.seed.remote(fired))
         check_node_failures(cfg, nodes, self.placed["driver"]["node_id"], fired=[*claims_in(self.record.events), *fired])
+        shadow = None
         if cfg.uses_shadow:
-            self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=self.placement.replica)
-            self.shadow.start()
+            self.shadow = shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=self._planned().replica)
+            shadow.start()
         if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
             rows = self.record.metrics
             self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
         self._await_persister()
-        if cfg.uses_shadow:
+        if shadow is not None:
             try:
-                self.shadow.wait_ready(timeout_s=cfg.start_timeout_s)
+                shadow.wait_ready(timeout_s=cfg.start_timeout_s)
             except (RayActorError, GetTimeoutError) as exc:
-                raise start_failure("the shadow", exc, cfg.start_timeout_s, self.placement.replica) from exc
-            self.echo(f"[raycheck] shadow ready at step {self.shadow.status['step']}")
+                raise start_failure("the shadow", exc, cfg.start_timeout_s, self._planned().replica) from exc
+            self.echo(f"[raycheck] shadow ready at step {shadow.status['step']}")
         self.echo(f"[raycheck] training {cfg.steps} steps ({cfg.algo}, strategy {cfg.strategy})")
 
         outcome: dict = {}
@@ -703,9 +722,9 @@ class Controller:
         return Observation(workers=worker_group_status(running, outcome, self.record.events), persister=persister,
                            shadow=shadow, log_keeper=keeper)
 
-    def _finish_shadow(self, ok: bool, mean_step_s: float | None) -> dict:
+    def _finish_shadow(self, shadow: ShadowKeeper, ok: bool, mean_step_s: float | None) -> dict:
         """The shadow's final state hash (after a last snapshot of the final state) and its figures."""
-        cfg, shadow = self.cfg, self.shadow
+        cfg = self.cfg
         sha = None
         if ok:
             shadow.ensure_alive(timeout_s=600)
@@ -731,7 +750,7 @@ class Controller:
         cfg, run = self.cfg, self.run_dir
         rows = write_metrics(self.record.metrics, {"shadow_lag_steps": self.shadow_lag, "snapshot_interval_steps": self.snapshot_interval},
                              run.root / "metrics.parquet")
-        shadow = self._finish_shadow(outcome.get("ok", False), mean_step_seconds(rows)) if self.shadow else {}
+        shadow = self._finish_shadow(self.shadow, outcome.get("ok", False), mean_step_seconds(rows)) if self.shadow else {}
         persisted = self._flush()
         return run_summary(Collected(
             ok=outcome.get("ok", False), error=outcome.get("error"), events=self.record.events, executions=self.record.metrics, rows=rows,
