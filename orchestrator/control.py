@@ -126,47 +126,51 @@ class Limits:
     """The run's restart budgets (``JobConfig``'s fields of the same names; -1: unlimited)."""
 
     max_shadow_restarts: int
+    """Per shard."""
     max_persister_restarts: int
     max_worker_failures: int
+    """Ray Train's (``FailureConfig.max_failures``): the controller hands it on, ``fit`` enforces it."""
 
 
 # -- states -----------------------------------------------------------------------------------------
 
+class _State:
+    """A state of the run; each subclass names its ``phase``."""
+
+    phase: ClassVar[Phase]
+
+    def __init_subclass__(cls, phase: Phase, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.phase = phase
+
+
 @dataclass(frozen=True)
-class Initialising:
+class Initialising(_State, phase=Phase.INITIALISING):
     """Components started, ``fit`` not yet observed."""
 
-    phase: ClassVar[Phase] = Phase.INITIALISING
-
 
 @dataclass(frozen=True)
-class Running:
+class Running(_State, phase=Phase.RUNNING):
     """Training, no worker failure without its recovery."""
 
-    phase: ClassVar[Phase] = Phase.RUNNING
-
 
 @dataclass(frozen=True)
-class Recovering:
+class Recovering(_State, phase=Phase.RECOVERING):
     """``failures_pending`` worker failures (>= 1) have no recovery yet."""
 
     failures_pending: int
-    phase: ClassVar[Phase] = Phase.RECOVERING
 
 
 @dataclass(frozen=True)
-class Finished:
+class Finished(_State, phase=Phase.FINISHED):
     """``fit`` returned without an error."""
 
-    phase: ClassVar[Phase] = Phase.FINISHED
-
 
 @dataclass(frozen=True)
-class Failed:
+class Failed(_State, phase=Phase.FAILED):
     """The run failed: ``fit`` raised, or a component is beyond repair (``reason`` says which and why)."""
 
     reason: str | None
-    phase: ClassVar[Phase] = Phase.FAILED
 
 
 State = Union[Initialising, Running, Recovering, Finished, Failed]
