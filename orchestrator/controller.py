@@ -1,11 +1,15 @@
 """The controller: starts the log keeper, shadow and persister, runs Ray Train, watches, repairs, summarises.
 
-States (``Phase``): INITIALISING -> RUNNING <-> RECOVERING -> FINISHED | FAILED. The driver runs
-``TorchTrainer.fit`` on a thread and, on its own thread, follows the run's event and metric streams
-(drained from the run's journal actor into the run directory, which only the driver writes:
-``orchestrator.journal``): it prints progress, restarts a dead shadow (from the newest snapshot plus
-the log tail) once no worker recovery needs it, and at the end compares the shadow's state hash with
-the worker's.
+The driver runs ``TorchTrainer.fit`` on a thread and, on its own thread, loops every 0.5 s: it polls
+the shadow keeper, the persister and the log keeper, drains the run's event and metric streams (from
+the run's journal actor into the run directory, which only the driver writes: ``orchestrator.journal``)
+and prints progress, bundles what it saw into an ``orchestrator.control.Observation`` of frozen
+snapshots, and executes what ``orchestrator.control.step`` decides: phase events, the restart of a
+dead shadow shard (from the newest snapshot plus the log tail, once no worker recovery needs it) or of
+a dead persister, each within its budget, or the end of the run (``FAILURES``: the error of a component
+beyond repair). The states (``orchestrator.control``): Initialising -> Running <-> Recovering ->
+Finished | Failed. At the end it compares the shadow's state hash with the worker's and writes
+``summary.json`` (``orchestrator.summary.run_summary``).
 
 Durability never depends on Ray Train's checkpoint registration (a hard crash can drop the newest
 reported checkpoint): workers restore from the shadow or from storage + the step log themselves.
@@ -22,12 +26,12 @@ Storage at start: the driver claims its writer epoch in the snapshot index befor
 is unreachable at start does not start (``raycheck run`` refuses it with exit 2 after its probe; if
 storage goes in between, the claim fails the run). Once claimed, an outage is ridden out: the
 persister, even one (re)started during it, reports it and retries; a dead persister is restarted at
-most ``JobConfig.max_persister_restarts`` times (``may_restart_persister``).
+most ``JobConfig.max_persister_restarts`` times (``orchestrator.control.persister_action``). The train
+workers' restart budget, ``JobConfig.max_worker_failures``, is Ray Train's (``FailureConfig``).
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import math
@@ -37,11 +41,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection
+from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
-from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # what ray.train exports (Ray Train v2)
+from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.journal import RunChannel
@@ -51,6 +56,9 @@ from actors.shadow import ShadowSpec
 from job.config import JobConfig
 from job.run_dir import RunDir
 from orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, worker_need
+from orchestrator.control import (Action, EmitPhase, Failed, FailRun, Initialising, Limits, LogKeeperStatus, Observation, Phase,
+                                  PersisterStatus, RestartPersister, RestartShadow, State, Stop, component_actions, step,
+                                  worker_failures_and_recoveries, worker_group_status)
 from orchestrator.group_timeline import GroupTimeline
 from orchestrator.journal import RunRecord, claims_in, start_journal, wait_for_previous_driver
 from orchestrator.metrics import RunMetrics
@@ -58,7 +66,7 @@ from orchestrator.planning import SnapshotPlanner
 from orchestrator.replica_groups import ReplicaGroupsConfig
 from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from orchestrator.stored_config import save_config
-from orchestrator.summary import durability, recoveries, recovery_of_event, write_metrics
+from orchestrator.summary import Collected, mean_step_seconds, recoveries, recovery_of_event, run_summary, write_metrics
 from storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from storage.steplog import StepLogWriter, read_header
 from storage.units import describe_units
@@ -71,38 +79,8 @@ from training.zo import GENERATOR, check_dtype, check_generator
 log = logging.getLogger(__name__)
 
 
-class Phase(enum.Enum):
-    INITIALISING = "initialising"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    FINISHED = "finished"
-    FAILED = "failed"
-
-
-def next_phase(phase: Phase, worker_failures: int, recoveries_seen: int, fit_done: bool, fit_ok: bool) -> Phase:
-    """Pure transition function of the controller."""
-    if fit_done:
-        return Phase.FINISHED if fit_ok else Phase.FAILED
-    if worker_failures > recoveries_seen:
-        return Phase.RECOVERING
-    return Phase.RUNNING
-
-
 class PersisterFailedError(RuntimeError):
     """The snapshot persister died more often than ``JobConfig.max_persister_restarts`` allows."""
-
-
-def may_restart_persister(restarts_used: int, max_restarts: int) -> bool:
-    """Whether a dead snapshot persister gets another incarnation (pure): ``restarts_used`` restarts
-    so far in this run (each started incarnation counts, whether or not it came up), against
-    ``max_restarts`` (-1: unlimited)."""
-    return max_restarts < 0 or restarts_used < max_restarts
-
-
-def worker_failures_and_recoveries(events: list[dict]) -> tuple[int, int]:
-    """Counts of worker failures and of worker recoveries in an event stream."""
-    failures = sum(1 for e in events if e["kind"] == "failure" and e["target"] == "worker")
-    return failures, sum(1 for e in events if e["kind"] == "recovery")
 
 
 def event_line(event: dict, recovery_seconds: float | None = None) -> str:
@@ -201,6 +179,10 @@ def storage_failure(what: str, node: dict, uri: str, cause: BaseException) -> Co
         f"({', '.join(STORAGE_ENV)}): set them there (a credentials file on the driver's machine does not travel)")
 
 
+FAILURES: dict[str, type[RuntimeError]] = {"shadow": ShadowFailedError, "persister": PersisterFailedError,
+                                           "log_keeper": LogKeeperFailedError}
+"""The error of a run that ``orchestrator.control.FailRun`` ends, by component."""
+
 EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, LogKeeperFailedError, ComponentStartError)
 """Failures a run is built to report (a restart budget spent): their message says it all."""
 
@@ -224,9 +206,10 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
     the step log with everything replay needs in its header. An existing step log is kept when its
     trajectory matches (a resumed run), else ``ResumeMismatchError``; one written with another noise
     generator raises ``GeneratorMismatchError``, one in another parameter dtype ``DtypeMismatchError``."""
-    tokenizer_dir(cfg.cache_dir)
+    cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else None
+    tokenizer_dir(cache_dir)
     if is_builtin(cfg.model):
-        model_dir(cfg.model, cfg.cache_dir)
+        model_dir(cfg.model, cache_dir)
     if run.step_log.exists():
         header = read_header(run.step_log)
         found = header.get("trajectory_sha256")
@@ -236,7 +219,7 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         check_generator(header, str(run.step_log))
         return
     run.write_json(run.root / "config.json", cfg.to_dict())
-    model = load_model(cfg.model, cfg.cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
+    model = load_model(cfg.model, cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
     units = describe_units(model)
     if not units.recognised:
         log.warning("the unit layout of %s (%s) is not recognised: each module is its own checkpoint unit (%d units)",
@@ -295,16 +278,17 @@ class Controller:
         self.cfg = cfg
         self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
         self.channel = RunChannel(cfg)
-        self.journal = None  # the journal actor's handle once started
+        self.journal: Any = None  # the journal actor's handle once started
         self.record = RunRecord(self.run_dir)
         self.echo = echo
-        self.phase = Phase.INITIALISING
+        self.state: State = Initialising()
+        """Where the run stands (``orchestrator.control``); ``phase`` is its phase."""
         self.shadow_lag: dict[int, int] = {}
         self.shadow: ShadowKeeper | None = None
         self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" and cfg.uses_shadow else None
         self.snapshot_interval: dict[int, int] = {}
         self.metrics = RunMetrics(cfg.run_id, cfg.strategy)
-        self.persister = None
+        self.persister: Any = None  # the persister actor's handle once started
         self.persister_status: dict = {}
         self.persister_restarts = 0
         self.config_stored = False
@@ -312,11 +296,31 @@ class Controller:
         self.placement: Placement | None = None
         self.placed: dict = {"driver": None, "persister": []}
         """Where the driver and each persister incarnation ran (``this_node()``); ``_placement`` adds the rest."""
-        self.log_keeper = None
+        self.log_keeper: Any = None  # the log keeper actor's handle once started
         self.log_keeper_status: dict = {}
         self._calibration_requested = False
         self._printed_steps = 0
         self._seen_events = 0
+
+    @property
+    def phase(self) -> Phase:
+        return self.state.phase
+
+    def _planned(self) -> Placement:
+        """The placement plan (``_run`` makes it before anything is placed).
+
+        Raises:
+            RuntimeError: none is planned yet.
+        """
+        if self.placement is None:
+            raise RuntimeError("no placement is planned yet")
+        return self.placement
+
+    @property
+    def limits(self) -> Limits:
+        """The run's restart budgets."""
+        cfg = self.cfg
+        return Limits(cfg.max_shadow_restarts, cfg.max_persister_restarts, cfg.max_worker_failures)
 
     def _start_persister(self):
         return start_persister(self.cfg, self.placement)
@@ -333,7 +337,7 @@ class Controller:
         try:
             self._placed_persister(ray.get(self.persister.status.remote(), timeout=timeout_s))
         except (RayActorError, GetTimeoutError) as exc:
-            raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
+            raise start_failure(what, exc, timeout_s, self._planned().replica) from exc
         try:
             ray.get(self.persister.check_storage.remote(), timeout=timeout_s)
         except (ray.exceptions.RayTaskError, GetTimeoutError) as exc:  # the probe raised, or hung
@@ -343,7 +347,7 @@ class Controller:
                 return
             raise storage_failure(what, self.placed["persister"][-1], self.cfg.storage, cause) from exc
         except RayActorError as exc:  # it died
-            raise start_failure(what, exc, timeout_s, self.placement.replica) from exc
+            raise start_failure(what, exc, timeout_s, self._planned().replica) from exc
 
     def _placed_persister(self, status: dict) -> None:
         """Record the node of a persister incarnation from its first status."""
@@ -375,21 +379,17 @@ class Controller:
             self.channel.event("log_adopted", steps=self.log_keeper_status["adopted_steps"], storage=self.cfg.storage)
         return self.log_keeper_status["end"]
 
-    def _poll_log_keeper(self, method: str = "status", timeout_s: float = 30) -> dict:
+    def _poll_log_keeper(self, method: str = "status", timeout_s: float = 30) -> LogKeeperStatus:
         """Refresh ``log_keeper_status`` (``status``, or ``flush``: a final mirror round); a keeper
-        that does not answer in ``timeout_s`` seconds keeps its last status (logged).
-
-        Raises:
-            LogKeeperFailedError: the keeper died.
-        """
+        that does not answer in ``timeout_s`` seconds keeps its last status (logged). Returns the
+        keeper's snapshot (``died``: it is dead)."""
         try:
             self.log_keeper_status = ray.get(getattr(self.log_keeper, method).remote(), timeout=timeout_s)
         except RayActorError as exc:
-            raise LogKeeperFailedError(f"the step log keeper died: {last_line(exc)}; {self.run_dir.step_log} and rank 0's "
-                                       "local log keep the steps: resume with --resume") from exc
+            return LogKeeperStatus(str(self.run_dir.step_log), died=last_line(exc))
         except GetTimeoutError as exc:
             log.warning("the step log keeper did not answer %s: %s", method, exc)
-        return self.log_keeper_status
+        return LogKeeperStatus(str(self.run_dir.step_log))
 
     def _mirror_status(self) -> dict:
         """The step log mirror's fields of the keeper's status (``log_mirrored_steps``, ``log_mirror_error``)."""
@@ -405,8 +405,8 @@ class Controller:
         )
 
     # -- monitoring ---------------------------------------------------------------------------
-    def _follow(self) -> tuple[int, int]:
-        """Drain the journal, print new events and steps; returns (worker failures, recoveries) so far."""
+    def _follow(self) -> None:
+        """Drain the journal, print new events and steps."""
         self.record.drain(self.channel)
         events = self.record.events
         self.metrics.recoveries(recoveries(events, self.record.metrics))
@@ -416,7 +416,7 @@ class Controller:
             seconds = by_event[i].get("seconds") if i in by_event else None
             lines.append((e["unix_s"], event_line(e, seconds)))
             self.metrics.event(e, seconds)
-            if e["kind"] == "failure" and e["target"] == "storage":
+            if e["kind"] == "failure" and e["target"] == "storage" and self.storage_outage is not None:  # set when one is due
                 self.storage_outage(e["seconds"])
         self._seen_events = len(events)
         rows = self.record.metrics
@@ -435,11 +435,10 @@ class Controller:
         for _, line in sorted(lines, key=lambda x: x[0]):
             self.echo(line)
         self._printed_steps = len(rows)
-        return worker_failures_and_recoveries(events)
 
     def _plan(self, row: dict, events: list[dict]) -> None:
         """Feed the cost-model policy with this step's measurements; apply and record a re-plan."""
-        if self.planner is None:
+        if self.planner is None or self.shadow is None:  # the adaptive policy plans a shadow's snapshots
             self.snapshot_interval[row["step"]] = self.cfg.snapshot_every
             return
         failures, _ = worker_failures_and_recoveries(events)
@@ -459,35 +458,36 @@ class Controller:
             self.channel.event("calibration_snapshot", step=row["step"] + 1)
         self.snapshot_interval[row["step"]] = self.planner.every_steps
 
-    def _poll_persister(self, method: str = "status", *args, timeout_s: float = 30) -> dict:
-        """Refresh ``persister_status`` (``status`` or ``flush``). A persister that does not answer
-        is reported in the status, never fatal: snapshots are an optimisation over the step log."""
+    def _poll_persister(self, method: str = "status", *args, timeout_s: float = 30) -> PersisterStatus:
+        """Refresh ``persister_status`` (``status`` or ``flush``); returns the persister's snapshot
+        (``died``: it is dead). A persister that does not answer is reported in ``persister_status``,
+        never fatal: snapshots are an optimisation over the step log."""
         try:
             self.persister_status = ray.get(getattr(self.persister, method).remote(*args), timeout=timeout_s)
         except ActorDiedError as exc:
-            self._restart_persister(exc)
-            return self.persister_status
+            return PersisterStatus(self.persister_restarts, died=type(exc).__name__)
         except (RayActorError, GetTimeoutError) as exc:
             log.warning("snapshot persister did not answer %s: %s", method, exc)
             self.persister_status = {**self.persister_status, "unavailable": f"{type(exc).__name__}: {exc}"[:300]}
-            return self.persister_status
+            return PersisterStatus(self.persister_restarts)
         self.metrics.storage({**self.persister_status, **self._mirror_status()}, self._printed_steps)
+        return PersisterStatus(self.persister_restarts)
+
+    def _flush(self, keeper: bool = True) -> dict:
+        """A final flush of the persister (its pending write) and, with ``keeper``, of the log keeper (a
+        last mirror round), repairing or failing as ``orchestrator.control.component_actions`` decides;
+        returns ``persister_status``."""
+        persister = self._poll_persister("flush", 600, timeout_s=660)
+        keeper_status = self._poll_log_keeper("flush", timeout_s=660) if keeper and self.log_keeper is not None else None
+        self._act(component_actions(self.limits, persister=persister, log_keeper=keeper_status))
         return self.persister_status
 
-    def _restart_persister(self, exc: Exception) -> None:
-        """Start a new persister (same name) after one died, at most ``cfg.max_persister_restarts``
-        times (``may_restart_persister``); the shadow then snapshots at once, so durability in
-        storage resumes without waiting for the next interval. A new persister starts even while
-        storage is unreachable (it reports that in its status and retries).
-
-        Raises:
-            PersisterFailedError: the budget is spent (the run then fails with its summary).
-        """
-        if not may_restart_persister(self.persister_restarts, self.cfg.max_persister_restarts):
-            raise PersisterFailedError(
-                f"the snapshot persister died after {self.persister_restarts} restarts (max_persister_restarts "
-                f"{self.cfg.max_persister_restarts}): {type(exc).__name__}; the step log holds every step: "
-                "resume with --resume, with a larger --max-persister-restarts if the persister keeps dying")
+    def _restart_persister(self, reason: str) -> None:
+        """Start a new persister (same name) after one died (``reason``: the error type); the shadow then
+        snapshots at once, so durability in storage resumes without waiting for the next interval. A
+        new persister starts even while storage is unreachable (it reports that in its status and
+        retries). One whose name Ray has not released yet is not counted: the next poll sees the old
+        one dead again and retries."""
         t0 = time.time()
         try:
             self.persister = self._start_persister()
@@ -500,18 +500,29 @@ class Controller:
         except (RayActorError, GetTimeoutError) as err:  # it died starting: the next poll sees it dead
             log.warning("the restarted snapshot persister did not answer (%s)", err)
             return
-        self.channel.event("persister_restart", reason=f"{type(exc).__name__}"[:100], seconds=time.time() - t0)
+        self.channel.event("persister_restart", reason=reason[:100], seconds=time.time() - t0)
         if self.shadow is not None:
             try:
                 self.shadow.snapshot_now(timeout_s=600)
             except (RayActorError, GetTimeoutError) as err:  # a dead shadow is restarted by its keeper
                 log.warning("shadow did not snapshot after the persister restart: %s", err)
 
-    def _recovery_pending(self) -> bool:
-        """True while a worker failure has no recovery yet (the journal drained first: fresh)."""
-        self.record.drain(self.channel)
-        failures, recovered = worker_failures_and_recoveries(self.record.events)
-        return failures > recovered
+    def _act(self, actions: tuple[Action, ...]) -> bool:
+        """Execute ``actions`` (``orchestrator.control.step``'s) in order; returns whether one was ``Stop``.
+
+        Raises:
+            ShadowFailedError, PersisterFailedError, LogKeeperFailedError: a ``FailRun`` of that component.
+        """
+        for action in actions:
+            if isinstance(action, EmitPhase):  # every transition is an event (and a progress line)
+                self.channel.event("phase", phase=action.phase.value)
+            elif isinstance(action, RestartShadow) and self.shadow is not None:  # decided from the shadow's status
+                self.shadow.restart(action.shard)
+            elif isinstance(action, RestartPersister):
+                self._restart_persister(action.reason)
+            elif isinstance(action, FailRun):
+                raise FAILURES[action.component](action.reason)
+        return any(isinstance(action, Stop) for action in actions)
 
     def _trainer(self) -> TorchTrainer:
         if self.cfg.algo == "fo":
@@ -526,14 +537,15 @@ class Controller:
             scaling_config=ScalingConfig(num_workers=(cfg.min_workers, cfg.workers) if cfg.elastic else cfg.workers,
                                          elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s,
                                          use_gpu=cfg.device == "cuda",
-                                         resources_per_worker=self.placement.worker_resources,
-                                         label_selector=self.placement.worker_label_selector),
+                                         resources_per_worker=self._planned().worker_resources,
+                                         label_selector=self._planned().worker_label_selector),
             run_config=RunConfig(
                 name=f"raycheck-{self.cfg.run_id}",
                 storage_path=str(pathlib.Path(self.cfg.out_dir).resolve() / "ray_train"),
                 failure_config=FailureConfig(max_failures=self.cfg.max_worker_failures),
                 worker_runtime_env=runtime_env(),
-                callbacks=[GroupTimeline(self.cfg)],  # the controller's side of the recovery breakdown
+                # the controller's side of the recovery breakdown; Ray annotates UserCallback, and takes any RayTrainCallback
+                callbacks=[GroupTimeline(self.cfg)],  # type: ignore[list-item]
             ),
         )
 
@@ -632,7 +644,7 @@ class Controller:
     def _failure_summary(self, exc: BaseException) -> dict:
         """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error, and what
         is known of the shadow (``shadow_shards``: each shard's figures as last seen, no step-time ratio)."""
-        self.phase = Phase.FAILED
+        self.state = Failed(f"{type(exc).__name__}: {exc}")
         self._last_event("phase", phase=self.phase.value, error=f"{type(exc).__name__}: {exc}"[:500])
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "final_step": None, "state_sha256": None,
                 "shadow_equal": None, "bitwise_equal": None,
@@ -662,19 +674,20 @@ class Controller:
         fired = fired_before(cfg.failures, durable)  # even when the run directory was lost
         ray.get(self.journal.seed.remote(fired))
         check_node_failures(cfg, nodes, self.placed["driver"]["node_id"], fired=[*claims_in(self.record.events), *fired])
+        shadow = None
         if cfg.uses_shadow:
-            self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=self.placement.replica)
-            self.shadow.start()
+            self.shadow = shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=self._planned().replica)
+            shadow.start()
         if durable or self.record.events:  # a driver re-run of the same run id: the workers restore
             rows = self.record.metrics
             self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
         self._await_persister()
-        if cfg.uses_shadow:
+        if shadow is not None:
             try:
-                self.shadow.wait_ready(timeout_s=cfg.start_timeout_s)
+                shadow.wait_ready(timeout_s=cfg.start_timeout_s)
             except (RayActorError, GetTimeoutError) as exc:
-                raise start_failure("the shadow", exc, cfg.start_timeout_s, self.placement.replica) from exc
-            self.echo(f"[raycheck] shadow ready at step {self.shadow.status['step']}")
+                raise start_failure("the shadow", exc, cfg.start_timeout_s, self._planned().replica) from exc
+            self.echo(f"[raycheck] shadow ready at step {shadow.status['step']}")
         self.echo(f"[raycheck] training {cfg.steps} steps ({cfg.algo}, strategy {cfg.strategy})")
 
         outcome: dict = {}
@@ -690,32 +703,34 @@ class Controller:
         thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
         thread.start()
         while True:
-            done = not thread.is_alive()
-            failures, recovered = self._follow()
-            phase = next_phase(self.phase, failures, recovered, done, outcome.get("ok", False))
-            if phase is not self.phase:  # every transition is an event (and a progress line)
-                self.phase = phase
-                self.channel.event("phase", phase=phase.value)
-            if self.shadow:
-                self.shadow.poll(may_restart=lambda: not self._recovery_pending())
-            self._poll_persister()
-            if self.log_keeper is not None:
-                self._poll_log_keeper()
-            if done:
+            self.state, actions = step(self.state, self._observe(thread.is_alive(), outcome), self.limits)
+            if self._act(actions):
                 break
             time.sleep(0.5)
         self._follow()
         return self._finish(outcome)
 
-    def _finish_shadow(self, ok: bool, mean_step_s: float | None) -> dict:
+    def _observe(self, running: bool, outcome: dict) -> Observation:
+        """Poll every component (never blocking long) and drain the journal: one ``Observation``.
+        ``running`` is sampled before the drain, so that a finished ``fit`` is seen with its events; the
+        shadow is polled before the drain, so that a worker failure announced before the shadow was
+        killed is seen with it (its restart then waits for the recovery)."""
+        shadow = self.shadow.observe() if self.shadow else None
+        persister = self._poll_persister()
+        keeper = self._poll_log_keeper() if self.log_keeper is not None else None
+        self._follow()
+        return Observation(workers=worker_group_status(running, outcome, self.record.events), persister=persister,
+                           shadow=shadow, log_keeper=keeper)
+
+    def _finish_shadow(self, shadow: ShadowKeeper, ok: bool, mean_step_s: float | None) -> dict:
         """The shadow's final state hash (after a last snapshot of the final state) and its figures."""
-        cfg, shadow = self.cfg, self.shadow
+        cfg = self.cfg
         sha = None
         if ok:
             shadow.ensure_alive(timeout_s=600)
             sha = shadow.state_sha256(cfg.steps, cfg.recovery_timeout_s)
             shadow.refresh_status(timeout_s=60)
-            durable = self._poll_persister("flush", 600, timeout_s=660).get("last_durable_step")
+            durable = self._flush(keeper=False).get("last_durable_step")
             if cfg.snapshot_every and shadow.status["step"] > (durable or 0):  # e.g. its write failed in an outage
                 shadow.snapshot_now(timeout_s=600)  # the final state, so storage ends complete
         replay_s = shadow.status.get("replay_seconds_per_step")
@@ -730,50 +745,18 @@ class Controller:
         }
 
     def _finish(self, outcome: dict) -> dict:
+        """The end of a run whose ``fit`` returned (``outcome``: ``ok``, ``error``): ``metrics.parquet``,
+        the shadow's final figures, the last flushes, and the summary (``orchestrator.summary.run_summary``)."""
         cfg, run = self.cfg, self.run_dir
-        events = self.record.events
-        final = next((e for e in reversed(events) if e["kind"] == "final"), {})
         rows = write_metrics(self.record.metrics, {"shadow_lag_steps": self.shadow_lag, "snapshot_interval_steps": self.snapshot_interval},
                              run.root / "metrics.parquet")
-        step_s = [r["step_seconds"] for r in rows]
-        block_s = [r["checkpoint_block_seconds"] for r in rows]
-        mean_step_s = sum(step_s) / len(step_s) if step_s else None
-        shadow = self._finish_shadow(outcome.get("ok", False), mean_step_s) if self.shadow else {}
-        persisted = self._poll_persister("flush", 600, timeout_s=660)
-        if self.log_keeper is not None:
-            self._poll_log_keeper("flush", timeout_s=660)
-        recs = recoveries(events, self.record.metrics)
-        summary = {
-            "ok": outcome.get("ok", False),
-            "error": outcome.get("error"),
-            "final_step": final.get("step"),
-            "state_sha256": final.get("state_sha256"),
-            "shadow_state_sha256": None,
-            "shadow_equal": shadow["shadow_state_sha256"] is not None and shadow["shadow_state_sha256"] == final.get("state_sha256") if shadow else None,
-            "reference_state_sha256": None,
-            "bitwise_equal": None,
-            "failures": [{k: e[k] for k in ("step", "target", "how")} for e in events if e["kind"] == "failure"],
-            "recoveries": recs,
-            "lost_steps": sum(r.get("lost_steps", 0) for r in recs),
-            "torn_tails_cut": [e for e in events if e["kind"] == "torn_tail_cut"],
-            "accuracy_before": next((e["value"] for e in events if e["kind"] == "accuracy"), None),
-            "accuracy_after": final.get("accuracy_after"),
-            "eval_metric": "loss" if cfg.task == "causal-lm" else "accuracy",  # what accuracy_before/after hold
-            "mean_step_seconds": mean_step_s,
-            "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
-            "checkpoint_block_seconds_total": sum(block_s),
-            "mean_checkpoint_block_seconds": sum(block_s) / len(block_s) if block_s else None,
-            "worker_checkpoints": final.get("checkpoints"),
-            "worker_cpu_capability": final.get("cpu_capability"),
-            **shadow,
-            "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
-            "snapshots": {**persisted, **self._mirror_status()},
-            "durability": durability(cfg.durability, self.log_keeper_status, events) if self.log_keeper else None,
-            "replans": [e for e in events if e["kind"] == "replan"],
-            "resumes": [e for e in events if e["kind"] == "resume"],
-            **self._summary_base(),
-        }
-        return summary
+        shadow = self._finish_shadow(self.shadow, outcome.get("ok", False), mean_step_seconds(rows)) if self.shadow else {}
+        persisted = self._flush()
+        return run_summary(Collected(
+            ok=outcome.get("ok", False), error=outcome.get("error"), events=self.record.events, executions=self.record.metrics, rows=rows,
+            shadow=shadow, persisted=persisted, mirror=self._mirror_status(),
+            keeper=self.log_keeper_status if self.log_keeper else None, durability_level=cfg.durability, task=cfg.task,
+            base=self._summary_base()))
 
 
 def run_job(cfg: JobConfig, verify: bool = False, echo: Callable[[str], None] = print, assets: Assets | None = None) -> dict:

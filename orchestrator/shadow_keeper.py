@@ -6,7 +6,9 @@ stopped on an error (the actor still answers, with ``error`` in its status, but 
 nothing more): either way the keeper kills it and starts a new incarnation of that shard ALONE (the
 other shards keep their actors and state), from its own units of the newest snapshot plus the log
 tail. Each shard has its own incarnation counter and its own restart budget of
-``JobConfig.max_shadow_restarts`` (``decide``); past it ``poll`` raises ``ShadowFailedError``.
+``JobConfig.max_shadow_restarts``. The keeper observes and restarts; whether to restart is decided by
+``orchestrator.control.shard_action`` (in the driver's loop by ``orchestrator.control.step``); past the
+budget the run fails with ``ShadowFailedError``.
 
 Each incarnation gets its own actor name (``<shadow_name>-<n>``; sharded ``<shadow_name>-s<shard>-<n>``),
 published as the shadow pointer in the run's journal (``actors.journal``: ``shards``, one
@@ -25,7 +27,6 @@ could host a train worker, on a cluster of two or more nodes).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from collections.abc import Callable
 
@@ -38,20 +39,8 @@ from actors.shadow_actor import ShadowActor
 from actors.shards import assemble
 from job.config import JobConfig
 from orchestrator.cluster import shadow_actor_options
+from orchestrator.control import FailRun, ShadowStatus, ShardStatus, shard_action
 from training.state import state_sha256
-
-
-class ShadowAction(enum.Enum):
-    """What the keeper does with the shadow after a status poll."""
-
-    KEEP = "keep"
-    """It answered and its replay thread runs."""
-    WAIT = "wait"
-    """It failed, but a restart must wait (a worker recovery needs the shadow as it was)."""
-    RESTART = "restart"
-    """It failed: kill it and start the next incarnation."""
-    GIVE_UP = "give_up"
-    """It failed and the restart budget is spent."""
 
 
 class ShadowFailedError(RuntimeError):
@@ -66,22 +55,6 @@ def failure_reason(status: dict | None) -> str | None:
     if status.get("error") is not None:
         return f"replay thread died: {status['error']}"
     return None
-
-
-def decide(status: dict | None, restarts_used: int, max_restarts: int, may_restart: Callable[[], bool]) -> ShadowAction:
-    """The keeper's decision after a poll (pure).
-
-    Args:
-        status: the shadow's ``ShadowActor.status()``, or None when its actor is dead.
-        restarts_used: restarts so far in this run.
-        max_restarts: the budget (-1: unlimited).
-        may_restart: asked only when the shadow has failed and the budget allows a restart.
-    """
-    if failure_reason(status) is None:
-        return ShadowAction.KEEP
-    if 0 <= max_restarts <= restarts_used:
-        return ShadowAction.GIVE_UP
-    return ShadowAction.RESTART if may_restart() else ShadowAction.WAIT
 
 
 class ShardKeeper:
@@ -131,20 +104,15 @@ class ShardKeeper:
         self._seen(ray.get(self.actor.status.remote(), timeout=timeout_s))
         return self.status
 
-    def poll(self, may_restart: Callable[[], bool]) -> None:
-        """Refresh ``status`` if an answer is in; restart a failed shard (``decide``).
-
-        ``may_restart`` is asked only after the failure is seen: a failure injector announces a worker
-        failure before it kills the shadow, so asking later cannot miss that announcement.
-
-        Raises:
-            ShadowFailedError: the shard failed and ``cfg.max_shadow_restarts`` restarts are spent.
-        """
+    def observe(self) -> ShardStatus:
+        """Refresh ``status`` if an answer is in (never blocks); the shard's snapshot: its restarts so
+        far and, when this answer says it failed (``failure_reason``), the first reason seen since its
+        last restart."""
         if self._status_ref is None:
             self._status_ref = self.actor.status.remote()
         ready, _ = ray.wait([self._status_ref], timeout=0)
         if not ready:
-            return
+            return ShardStatus(self.spec.shard, self.incarnation)
         ref, self._status_ref = self._status_ref, None
         try:
             status = ray.get(ref)
@@ -154,18 +122,17 @@ class ShardKeeper:
             self._seen(status)
             if self._restarted is not None:  # a restarted incarnation has answered
                 self._record_restart(*self._restarted)
-        action = decide(status, self.incarnation, self.cfg.max_shadow_restarts, may_restart)
-        self.alive = action is ShadowAction.KEEP
-        if action is ShadowAction.KEEP:
-            return
-        self._failed = self._failed or (time.time(), failure_reason(status))
-        if action is ShadowAction.WAIT:
-            return
-        ray.kill(self.actor, no_restart=True)  # an actor whose replay thread died still holds memory and CPU
-        if action is ShadowAction.GIVE_UP:
-            what = "the shadow" if self.spec.shards == 1 else f"shadow shard {self.spec.shard}"
-            raise ShadowFailedError(f"{what} failed after {self.incarnation} restarts (max_shadow_restarts "
-                                    f"{self.cfg.max_shadow_restarts}): {self._failed[1]}")
+        reason = failure_reason(status)
+        self.alive = reason is None
+        if reason is None:
+            return ShardStatus(self.spec.shard, self.incarnation)
+        self._failed = self._failed or (time.time(), reason)
+        return ShardStatus(self.spec.shard, self.incarnation, failure=self._failed[1])
+
+    def restart(self) -> None:
+        """Kill the current incarnation (an actor whose replay thread died still holds memory and CPU)
+        and start the next; its ``shadow_restart`` event is recorded once it answers."""
+        ray.kill(self.actor, no_restart=True)
         self._restarted, self._failed = self._failed, None
         self.start()
 
@@ -244,17 +211,17 @@ class ShadowKeeper:
             shard.wait_ready(timeout_s)
         return self.status
 
-    def poll(self, may_restart: Callable[[], bool]) -> None:
-        """``ShardKeeper.poll`` of every shard: a failed shard is restarted alone.
+    def observe(self) -> ShadowStatus:
+        """``ShardKeeper.observe`` of every shard (never blocks)."""
+        return ShadowStatus(tuple(shard.observe() for shard in self.shards))
 
-        Raises:
-            ShadowFailedError: a shard failed and its ``cfg.max_shadow_restarts`` restarts are spent.
-        """
-        for shard in self.shards:
-            shard.poll(may_restart)
+    def restart(self, shard: int) -> None:
+        """Restart shard ``shard`` alone (``ShardKeeper.restart``)."""
+        self.shards[shard].restart()
 
     def ensure_alive(self, timeout_s: float) -> None:
-        """Block until every shard answers, restarting a dead one (e.g. killed in the last step).
+        """Block until every shard answers, restarting a failed one (e.g. killed in the last step) within
+        its budget (``orchestrator.control.shard_action``, no worker recovery pending).
 
         Raises:
             TimeoutError: not every shard answered within ``timeout_s``.
@@ -266,7 +233,12 @@ class ShadowKeeper:
         while not self.alive:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no shadow answered within {timeout_s:g} s")
-            self.poll(may_restart=lambda: True)
+            for status in self.observe().shards:
+                action = shard_action(status, len(self.shards) > 1, self.cfg.max_shadow_restarts, recovery_pending=False)
+                if isinstance(action, FailRun):
+                    raise ShadowFailedError(action.reason)
+                if action is not None:
+                    self.restart(action.shard)
             time.sleep(0.1)
 
     def set_interval(self, every_steps: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -212,3 +213,81 @@ def write_metrics(executions: list[dict], per_step: dict[str, dict[int, int]], p
     pq.write_table(table, path)
     return ordered
 
+
+
+def mean_step_seconds(rows: list[dict]) -> float | None:
+    """The mean ``step_seconds`` of the metric rows ``rows`` (None without any)."""
+    return sum(r["step_seconds"] for r in rows) / len(rows) if rows else None
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What the controller collected by the end of a run whose ``fit`` returned."""
+
+    ok: bool
+    """Whether ``fit`` returned without an error."""
+    error: str | None
+    """``<ErrorType>: message`` of a ``fit`` that raised."""
+    events: list[dict]
+    """The run's event stream, in time order."""
+    executions: list[dict]
+    """The metric rows as received (a step run twice appears twice)."""
+    rows: list[dict]
+    """One metric row per step (``write_metrics``'s)."""
+    shadow: dict
+    """The shadow's final figures (``shadow_state_sha256``, ``shadow_shards``, ...); empty without a shadow."""
+    persisted: dict
+    """The snapshot persister's status after its final flush."""
+    mirror: dict
+    """The step log mirror's fields of the log keeper's status (``log_mirror*``)."""
+    keeper: dict | None
+    """The log keeper's last status; None when the run had no log keeper."""
+    durability_level: str
+    """``JobConfig.durability``."""
+    task: str
+    """``JobConfig.task``."""
+    base: dict
+    """The fields known whatever happened (phase, restarts, placement, configuration, ...), last in the summary."""
+
+
+def run_summary(c: Collected) -> dict:
+    """The ``summary.json`` of a run whose ``fit`` returned (pure): the worker's final state and
+    accuracy (its ``final`` event), whether the shadow's state hash equals the worker's, failures,
+    recoveries (``recoveries``), lost steps, step and checkpoint-block times (seconds), snapshot and
+    durability figures, re-plans and resumes, then ``c.base``. ``reference_state_sha256`` and
+    ``bitwise_equal`` are None (``orchestrator.controller.run_job`` fills them with ``verify``)."""
+    events, rows = c.events, c.rows
+    final = next((e for e in reversed(events) if e["kind"] == "final"), {})
+    block_s = [r["checkpoint_block_seconds"] for r in rows]
+    recs = recoveries(events, c.executions)
+    shadow_sha = c.shadow.get("shadow_state_sha256")
+    return {
+        "ok": c.ok,
+        "error": c.error,
+        "final_step": final.get("step"),
+        "state_sha256": final.get("state_sha256"),
+        "shadow_state_sha256": None,
+        "shadow_equal": shadow_sha is not None and shadow_sha == final.get("state_sha256") if c.shadow else None,
+        "reference_state_sha256": None,
+        "bitwise_equal": None,
+        "failures": [{k: e[k] for k in ("step", "target", "how")} for e in events if e["kind"] == "failure"],
+        "recoveries": recs,
+        "lost_steps": sum(r.get("lost_steps", 0) for r in recs),
+        "torn_tails_cut": [e for e in events if e["kind"] == "torn_tail_cut"],
+        "accuracy_before": next((e["value"] for e in events if e["kind"] == "accuracy"), None),
+        "accuracy_after": final.get("accuracy_after"),
+        "eval_metric": "loss" if c.task == "causal-lm" else "accuracy",  # what accuracy_before/after hold
+        "mean_step_seconds": mean_step_seconds(rows),
+        "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
+        "checkpoint_block_seconds_total": sum(block_s),
+        "mean_checkpoint_block_seconds": sum(block_s) / len(block_s) if block_s else None,
+        "worker_checkpoints": final.get("checkpoints"),
+        "worker_cpu_capability": final.get("cpu_capability"),
+        **c.shadow,
+        "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
+        "snapshots": {**c.persisted, **c.mirror},
+        "durability": durability(c.durability_level, c.keeper, events) if c.keeper is not None else None,
+        "replans": [e for e in events if e["kind"] == "replan"],
+        "resumes": [e for e in events if e["kind"] == "resume"],
+        **c.base,
+    }

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from job.config import STRATEGIES, FailureSpec, JobConfig
-from orchestrator.controller import Phase, event_line, next_phase
+from orchestrator.controller import event_line
 from policies.models import Strategy
 from policies.strategies import RunStrategy
 
@@ -57,14 +57,6 @@ def test_a_strategy_is_kept_as_its_string_and_config_json_round_trips(algo, stra
     loaded = JobConfig.from_dict(json.loads(saved))
     assert loaded == cfg and type(loaded.strategy) is str
     assert json.dumps(loaded.to_dict(), sort_keys=True) == saved
-
-
-def test_controller_transitions():
-    assert next_phase(Phase.INITIALISING, 0, 0, False, False) is Phase.RUNNING
-    assert next_phase(Phase.RUNNING, 1, 0, False, False) is Phase.RECOVERING
-    assert next_phase(Phase.RECOVERING, 1, 1, False, False) is Phase.RUNNING
-    assert next_phase(Phase.RUNNING, 1, 1, True, True) is Phase.FINISHED
-    assert next_phase(Phase.RECOVERING, 2, 1, True, False) is Phase.FAILED
 
 
 def test_progress_lines_print_floats_to_3_significant_digits_and_leave_the_event_whole():

@@ -25,7 +25,8 @@ from conftest import free_port, make_bucket
 from experiments.s3_server import LocalS3Server
 from job.config import JobConfig
 from orchestrator.cli import app
-from orchestrator.controller import Controller, PersisterFailedError, may_restart_persister
+from orchestrator.control import within_budget
+from orchestrator.controller import Controller, PersisterFailedError
 from storage.backend import RetryPolicy, Storage, StorageUnreachableError
 from storage.log_segments import read_segments
 from storage.manifest import RunIdentity
@@ -168,9 +169,9 @@ def test_a_persister_and_log_keeper_started_while_storage_is_unreachable_report_
 
 # -- 4. the persister's restart budget ------------------------------------------------------------
 def test_the_persister_restart_budget_is_a_pure_decision_validated_up_front(tmp_path):
-    assert [may_restart_persister(used, 2) for used in range(4)] == [True, True, False, False]
-    assert not may_restart_persister(0, 0)
-    assert all(may_restart_persister(used, -1) for used in (0, 1, 10_000))
+    assert [within_budget(used, 2) for used in range(4)] == [True, True, False, False]
+    assert not within_budget(0, 0)
+    assert all(within_budget(used, -1) for used in (0, 1, 10_000))
     with pytest.raises(ValueError, match=r"^max_persister_restarts must be >= 0, or -1 for unlimited, got -2$"):
         JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", max_persister_restarts=-2)
     assert JobConfig.from_dict({**JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny").to_dict(),

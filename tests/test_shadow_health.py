@@ -11,7 +11,8 @@ import torch
 
 from actors.shadow import ShadowSpec
 from actors.shadow_actor import ShadowActor
-from orchestrator.shadow_keeper import ShadowAction, decide, failure_reason
+from orchestrator.control import FailRun, RestartShadow, ShardStatus, shard_action
+from orchestrator.shadow_keeper import failure_reason
 from storage.snapshots import SnapshotStore
 from storage.steplog import StepLogWriter, StepRecord
 from training.model import default_cache_dir, layout_sha256, parameter_layout, trainable_parameters
@@ -21,10 +22,6 @@ from training.zo import GENERATOR
 def record(step: int) -> StepRecord:
     return StepRecord(step=step, seed=900 + step, projected_grad=0.37, loss_plus=0.7, loss_minus=0.69,
                       lr=1e-3, eps=1e-3, weight_decay=0.0, batch_id=step)
-
-
-def never_asked() -> bool:
-    raise AssertionError("may_restart asked although no restart is possible")
 
 
 @pytest.fixture()
@@ -53,18 +50,22 @@ def test_a_shadow_whose_replay_thread_died_reports_it_and_the_keeper_restarts_it
         torch.set_num_threads(threads)
     assert status["step"] == 0 and status["error"].startswith("StepLogGapError")  # the gap is seen before step 0 is replayed
     assert failure_reason(status) == f"replay thread died: {status['error']}"
-    assert decide(status, restarts_used=0, max_restarts=10, may_restart=lambda: True) is ShadowAction.RESTART
+    failed = ShardStatus(shard=0, restarts=0, failure=failure_reason(status))
+    assert shard_action(failed, sharded=False, max_restarts=10, recovery_pending=False) == RestartShadow(0)
 
 
 def test_the_keeper_decision_bounds_restarts_and_waits_for_a_pending_recovery():
     healthy = {"step": 5, "error": None}
     assert failure_reason(healthy) is None and failure_reason(None) == "actor died"
-    assert decide(healthy, 0, 10, never_asked) is ShadowAction.KEEP
-    assert decide(None, 3, 10, lambda: True) is ShadowAction.RESTART
-    assert decide(None, 3, 10, lambda: False) is ShadowAction.WAIT  # a worker recovery needs the shadow as it was
-    assert decide({"error": "x"}, 10, 10, never_asked) is ShadowAction.GIVE_UP
-    assert decide(None, 0, 0, never_asked) is ShadowAction.GIVE_UP
-    assert decide(None, 10**6, -1, lambda: True) is ShadowAction.RESTART  # -1: unlimited
+    assert shard_action(ShardStatus(0, 0, failure_reason(healthy)), False, 10, recovery_pending=False) is None
+    dead = ShardStatus(0, 3, failure_reason(None))
+    assert shard_action(dead, False, 10, recovery_pending=False) == RestartShadow(0)
+    assert shard_action(dead, False, 10, recovery_pending=True) is None  # a worker recovery needs the shadow as it was
+    assert shard_action(ShardStatus(1, 10, failure_reason({"error": "x"})), True, 10, recovery_pending=True) == FailRun(
+        "shadow", "shadow shard 1 failed after 10 restarts (max_shadow_restarts 10): replay thread died: x")
+    assert shard_action(ShardStatus(0, 0, "actor died"), False, 0, recovery_pending=False) == FailRun(
+        "shadow", "the shadow failed after 0 restarts (max_shadow_restarts 0): actor died")
+    assert shard_action(ShardStatus(0, 10**6, "actor died"), False, -1, recovery_pending=False) == RestartShadow(0)  # -1: unlimited
 
 
 def test_the_driver_writes_a_failed_summary_and_exits_non_zero_when_the_run_raises(tmp_path, monkeypatch):

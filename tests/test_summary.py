@@ -1,6 +1,9 @@
 """``orchestrator.summary.recoveries``: each recovery's timings and the work it lost or must redo."""
 
-from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN, breakdown, recoveries, recovery_of_event
+import dataclasses
+
+from orchestrator.summary import (BREAKDOWN, IN_PROCESS_BREAKDOWN, Collected, breakdown, mean_step_seconds, recoveries,
+                                  recovery_of_event, run_summary)
 
 
 def test_recoveries_count_lost_and_recomputed_steps_against_the_failure_they_answer():
@@ -152,3 +155,36 @@ def test_a_resume_starts_afresh_its_restore_answers_no_earlier_failure_and_every
     assert [(r.get("failure_step"), r.get("seconds")) for r in rows] == [(5, 10.0), (None, None), (None, None)]
     by_event = recovery_of_event(events)
     assert sorted(by_event) == [1, 3, 5] and [by_event[i] for i in (1, 3, 5)] == rows
+
+
+def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
+    events = [
+        {"kind": "accuracy", "value": 0.5, "unix_s": 1.0},
+        {"kind": "failure", "target": "worker", "step": 2, "how": "raise", "durable_steps": 2, "unix_s": 10.0},
+        {"kind": "recovery", "at_step": 2, "restored_step": 2, "source": "object_store", "base_step": 2, "replayed_steps": 0,
+         "seconds": 1.0, "load_seconds": 0.5, "replay_seconds": 0.25, "unix_s": 14.0},
+        {"kind": "step_log", "node_id": "n0", "unix_s": 15.0},
+        {"kind": "final", "step": 4, "state_sha256": "ab", "accuracy_after": 0.75, "checkpoints": 3, "cpu_capability": "avx2"},
+    ]
+    rows = [{"step": s, "step_seconds": 1.5 + s, "checkpoint_block_seconds": 0.25, "log_append_seconds": 0.125} for s in range(4)]
+    rows[3]["state_sha256"] = "ab"
+    collected = Collected(ok=True, error=None, events=events, executions=rows, rows=rows,
+                          shadow={"shadow_state_sha256": "ab", "shadow_shards": []}, persisted={"written": 2},
+                          mirror={"log_mirrored_steps": 4}, keeper={"node_id": "k"}, durability_level="node", task="classification",
+                          base={"phase": "finished", "dtype": "float32"})
+    summary = run_summary(collected)
+    assert summary == {
+        "ok": True, "error": None, "final_step": 4, "state_sha256": "ab", "shadow_state_sha256": "ab", "shadow_equal": True,
+        "reference_state_sha256": None, "bitwise_equal": None, "failures": [{"step": 2, "target": "worker", "how": "raise"}],
+        "recoveries": recoveries(events, rows), "lost_steps": 0, "torn_tails_cut": [], "accuracy_before": 0.5,
+        "accuracy_after": 0.75, "eval_metric": "accuracy", "mean_step_seconds": 3.0, "mean_log_append_seconds": 0.125,
+        "checkpoint_block_seconds_total": 1.0, "mean_checkpoint_block_seconds": 0.25, "worker_checkpoints": 3,
+        "worker_cpu_capability": "avx2", "shadow_shards": [], "worker_hashes": {"4": "ab"},
+        "snapshots": {"written": 2, "log_mirrored_steps": 4},
+        "durability": {"level": "node", "keeper_node_id": "k", "rank0_node_ids": ["n0"], "node_held": True},
+        "replans": [], "resumes": [], "phase": "finished", "dtype": "float32"}
+    assert list(summary)[:4] == ["ok", "error", "final_step", "state_sha256"] and list(summary)[-2:] == ["phase", "dtype"]
+    # no shadow, no log keeper: those fields are None, and nothing else changes
+    bare = run_summary(dataclasses.replace(collected, shadow={}, keeper=None))
+    assert (bare["shadow_equal"], bare["shadow_state_sha256"], bare["durability"]) == (None, None, None)
+    assert mean_step_seconds([]) is None
