@@ -54,7 +54,7 @@ def test_the_signature_check_tells_a_drifted_method(tmp_path):
     that returned None and took None for no limit, as ``FullCheckpointer``'s once did)."""
 
     class Drifted(FullCheckpointer):
-        def flush(self, timeout_s: float | None = None) -> None:
+        def flush(self, timeout_s: float | None = None) -> None:  # type: ignore[override]  # the drift under test
             super().flush(600.0 if timeout_s is None else timeout_s)
 
     drifted = Drifted(SnapshotStore(str(tmp_path)), 1, asynchronous=False)

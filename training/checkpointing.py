@@ -171,7 +171,7 @@ class FullCheckpointer:
             TimeoutError: the write did not finish within ``timeout_s`` seconds.
             storage.backend.StorageError: the write failed.
         """
-        if self.postponed.due_since is not None:
+        if self.postponed.due_since is not None and self._last is not None:  # postponed: a step was seen
             self._take(*self._last)
         if self._writer is not None and not self._writer.close(timeout_s):
             raise TimeoutError(f"the background checkpoint write did not finish within {timeout_s} s")
