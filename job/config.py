@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
-from storage.backend import Storage, local_path
+from storage.backend import Storage, local_path, node_local
 from storage.manifest import RunIdentity
 from storage.snapshots import SnapshotStore
 
@@ -359,9 +359,8 @@ class JobConfig:
 
     def _check_node_failures(self) -> None:
         """A ``node`` failure loses whatever rank 0's node stored itself: refuse a storage on a local path."""
-        local = "://" not in self.storage or self.storage.startswith(("file://", "memory://"))
         for f in self.failures:
-            if f.target == "node" and local:
+            if f.target == "node" and node_local(self.storage):
                 raise ValueError(f"failure {f.step}:node takes down rank 0's node with every file on it, but storage "
                                  f"{self.storage!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
 

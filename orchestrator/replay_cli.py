@@ -80,7 +80,7 @@ def find_run(uri: str, s3_endpoint: str = "") -> LoggedRun:
             or have a gap (a local log's damage past its header is kept in ``LoggedRun.damage``).
         OSError: storage cannot be read.
     """
-    local = pathlib.Path(uri.removeprefix("file://")) if "://" not in uri or uri.startswith("file://") else None
+    local = local_path(uri)
     if local is not None and (local / "steplog.bin").is_file():
         log = read_prefix(local / "steplog.bin")  # a torn tail is not a step
         if not log.records:
@@ -118,7 +118,7 @@ def _refuse_unlogged(run_dir: pathlib.Path) -> None:
 def _no_log_message(uri: str) -> str:
     """The refusal for ``uri`` holding no log: which stores hold one, and what to give instead (the run
     directory whose snapshots these are, when ``uri`` is a run's ``snapshots`` folder)."""
-    local = pathlib.Path(uri.removeprefix("file://")) if "://" not in uri or uri.startswith("file://") else None
+    local = local_path(uri)
     parent = local.parent if local is not None and (local.parent / "steplog.bin").is_file() else None
     instead = f", here {parent}" if parent is not None else ""
     return (f"no run at {uri}: it holds no step log (steplog.bin) and no mirrored log segments (log/segment-*.bin; "

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from storage.backend import Storage
+from storage.backend import Storage, local_path
 from storage.dcp_store import SUBFOLDER, ShardedStore
 from storage.log_segments import PREFIX, read_segments
 from storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
@@ -26,8 +26,9 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
     when it cannot be used: a missing folder or bucket, an unreadable store, or, with ``create`` (a
     store to write), one that fails a write probe (``Storage.probe``, which leaves nothing behind).
     Only ``create`` makes a missing local folder."""
-    if "://" not in uri and (pathlib.Path(uri) / "snapshots").is_dir():
-        uri = str(pathlib.Path(uri) / "snapshots")  # a run directory
+    folder = local_path(uri)
+    if folder is not None and (folder / "snapshots").is_dir():
+        uri = str(folder / "snapshots")  # a run directory
     try:
         store = SnapshotStore(Storage(uri, create=create, **({"endpoint_url": s3_endpoint} if s3_endpoint else {})))
         store.storage.check_bucket()  # the endpoint, then the bucket
@@ -66,8 +67,8 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
 
 def _local_log(uri: str) -> pathlib.Path | None:
     """The step log of the run directory ``uri`` (its ``steplog.bin``); None when there is none."""
-    local = pathlib.Path(uri) / "steplog.bin"
-    return local if "://" not in uri and local.is_file() else None
+    folder = local_path(uri)
+    return folder / "steplog.bin" if folder is not None and (folder / "steplog.bin").is_file() else None
 
 
 def _holds_a_run(uri: str, stores: list[SnapshotStore]) -> bool:

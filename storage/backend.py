@@ -122,12 +122,25 @@ def _missing_credentials(exc: BaseException) -> bool:
     return isinstance(exc, (NoCredentialsError, PartialCredentialsError))
 
 
+def split_uri(uri: str) -> tuple[str, str]:
+    """``(scheme, rest)`` of a storage URI: ``s3://bucket/prefix`` -> ``("s3", "bucket/prefix")``; a
+    plain path is ``file``: ``/a/b`` and ``file:///a/b`` -> ``("file", "/a/b")``. The one place a
+    storage URI is taken apart (the scheme is not checked here: ``Storage`` refuses unsupported ones)."""
+    scheme, sep, rest = uri.partition("://")
+    return (scheme, rest) if sep else ("file", uri)
+
+
 def local_path(uri: str) -> pathlib.Path | None:
     """The absolute local folder that a storage URI names (a path, or a ``file://`` URI); None for any
     other scheme (``s3://``, ``memory://``: storage that is not this machine's disk)."""
-    if "://" in uri and not uri.startswith("file://"):
-        return None
-    return pathlib.Path(uri.removeprefix("file://")).resolve()
+    scheme, rest = split_uri(uri)
+    return pathlib.Path(rest).resolve() if scheme == "file" else None
+
+
+def node_local(uri: str) -> bool:
+    """Whether the storage at ``uri`` lives on one node only (a path, ``file://``, ``memory://``: lost
+    with that node or process), unlike ``s3://``, which every node reaches."""
+    return split_uri(uri)[0] in ("file", "memory")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,7 +356,7 @@ class Storage:
     def __init__(self, uri: str, *, retry: RetryPolicy = RetryPolicy(), create: bool = True,
                  write_chunk_bytes: int | None = LOCAL_WRITE_CHUNK_BYTES, write_rate_bytes_per_s: float | None = None,
                  **options) -> None:
-        protocol, _, rest = uri.partition("://") if "://" in uri else ("file", "", uri)
+        protocol, rest = split_uri(uri)
         if protocol not in self.SCHEMES:
             raise ValueError(f"{uri!r}: unsupported storage scheme {protocol!r}; use one of {', '.join(self.SCHEMES)}")
         if write_chunk_bytes is not None and write_chunk_bytes < 1:

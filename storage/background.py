@@ -70,8 +70,9 @@ class BackgroundWriter:
                     self._unfinished -= 1
                     self._idle.notify_all()
 
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until every submitted job has finished; False if ``timeout_s`` passed first."""
+    def drain(self, timeout_s: float | None) -> bool:
+        """Wait until every submitted job has finished; False if ``timeout_s`` seconds passed first
+        (None: no limit; 0: only ask whether it has)."""
         with self._idle:
             return self._idle.wait_for(lambda: self._unfinished == 0, timeout=timeout_s)
 

@@ -1,9 +1,11 @@
-"""Worker-side full-state checkpoints: the baselines raycheck is measured against.
+"""Worker-side checkpointers: their interface (``Checkpointer``) and full-state checkpoints, the
+baselines raycheck is measured against.
 
 ``full-sync``: every ``every`` steps the training loop stops, writes the whole state and returns
 once the snapshot is committed (a blocking ``torch.save`` / ``safetensors`` save).
 ``full-async``: every ``every`` steps the loop stops only for a staging copy of the state (the
-device-to-host copy; on CPU a memory copy) and a background thread writes the copy (torch DCP
+device-to-host copy; on CPU a memory copy) and a background thread
+(``storage.background.BackgroundWriter``, one job at a time) writes the copy (torch DCP
 ``async_save``; CheckFreq, Mohan et al., FAST'21, section 4). The staging copy goes into one reused
 buffer set (``training.state.copy_into``: no fresh allocation, no page faults after the first). A new
 checkpoint that comes due while the previous write is still running waits for it first (CheckFreq's
@@ -18,17 +20,51 @@ A failure loses the steps after the last committed checkpoint: they are recomput
 
 from __future__ import annotations
 
-import threading
+import functools
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from policies.interval import SnapshotSchedule
+from storage.background import BackgroundWriter, Postponements
 from storage.snapshots import SnapshotStore
-from storage.background import Postponements
 from training.state import copy_into
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """What a training loop calls on its checkpointer (``training.fo_worker``; the ZO full-state
+    baselines of ``training.worker``): ``FullCheckpointer`` (and ``training.sharded.ShardedCheckpointer``),
+    ``training.layerwise.LayerwiseCheckpointer``, ``training.differential.DiffCheckpointer`` and
+    ``training.overlapped.OverlappedCheckpointer`` implement it (structurally: none inherits from it).
+    """
+
+    @property
+    def bytes(self) -> int:
+        """Bytes committed to storage so far (a write still running is not counted)."""
+
+    def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
+        """Called by the loop after each step, ``steps_done`` (>= 1) the steps done so far; takes what
+        is due after that step (staging a copy of ``state()``, the live training state by name, called
+        only when something is copied). Returns the seconds the training loop was blocked (0.0 when
+        nothing was taken).
+        """
+
+    def flush(self, timeout_s: float = 600.0) -> bool:
+        """Wait until every write handed to the background has finished (committed or failed); False
+        when ``timeout_s`` seconds passed first. What a failed write does is the checkpointer's
+        (``FullCheckpointer`` raises its error; the others report it in ``close``'s ``errors``).
+        """
+
+    def close(self, timeout_s: float = 600.0) -> dict:
+        """Take what is still due or postponed at the last step, wait for every write (``timeout_s``
+        seconds: the checkpointer says what a longer wait does) and stop the background thread. Returns
+        the checkpointer's statistics, at least ``checkpoints`` (committed), ``bytes`` and ``last_step``
+        (the newest committed state's step; None: none).
+        """
 
 
 class FullCheckpointer:
@@ -45,8 +81,9 @@ class FullCheckpointer:
 
     Raises:
         ValueError: ``every`` < 1.
-        storage.backend.StorageError: from ``after_step`` (synchronous) or ``close`` (a failed
-            background write), so a checkpoint that did not commit is never silent.
+        storage.backend.StorageError: from ``after_step`` (synchronous, or the next checkpoint after a
+            failed background write), ``flush`` or ``close`` (a failed background write), so a
+            checkpoint that did not commit is never silent.
     """
 
     def __init__(self, store: SnapshotStore, every: int, asynchronous: bool, config: Mapping | None = None,
@@ -62,8 +99,8 @@ class FullCheckpointer:
         self.write_seconds: list[float] = []
         self.stage_seconds: list[float] = []
         self.copy_seconds: list[float] = []
-        self._writer: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._writer = BackgroundWriter("async-checkpoint", max_pending=1) if asynchronous else None
+        self._error: BaseException | None = None  # of the last background write, raised by ``_wait``
         self._buffers: dict[str, np.ndarray] = {}  # the staging copy, reused (held by the write until it ends)
         self.postponed = Postponements()
         self._last: tuple[int, Callable[[], Mapping[str, torch.Tensor]]] | None = None  # the loop's last step and state
@@ -80,15 +117,15 @@ class FullCheckpointer:
         self.bytes += info.bytes
         self.last_step = step
 
-    def _wait(self, timeout_s: float | None = None) -> None:
-        if self._writer is not None:
-            self._writer.join(timeout_s)
-            if self._writer.is_alive():
-                raise TimeoutError(f"the background checkpoint write did not finish within {timeout_s} s")
-            self._writer = None
+    def _wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background write (None: no limit); False on timeout, else raise its error if
+        it failed."""
+        if self._writer is not None and not self._writer.drain(timeout_s):
+            return False
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        return True
 
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
         """Checkpoint the state after ``steps_done`` steps when it is due (with ``postpone_when_busy``,
@@ -97,7 +134,7 @@ class FullCheckpointer:
         self._last = (steps_done, state)
         if not self.schedule.due(steps_done):
             return 0.0
-        if self.postpone_when_busy and self._writer is not None and self._writer.is_alive():
+        if self.postpone_when_busy and not self._wait(0.0):  # the previous write is still running
             self.postponed.postpone(steps_done)
             return 0.0
         return self._take(steps_done, state)
@@ -109,29 +146,35 @@ class FullCheckpointer:
         self._wait()
         t1 = time.perf_counter()
         staged = copy_into(self._buffers, state())
-        if not self.asynchronous:
+        if self._writer is None:  # full-sync: written on the loop's thread
             self._write(steps_done, staged)
             self._wait()
             return time.perf_counter() - t0
         self.copy_seconds.append(time.perf_counter() - t1)
         self.stage_seconds.append(time.perf_counter() - t0)
-        self._writer = threading.Thread(target=self._write, args=(steps_done, staged), name="async-checkpoint", daemon=True)
-        self._writer.start()
-        return time.perf_counter() - t0
+        self._writer.submit(functools.partial(self._write, steps_done, staged), f"checkpoint at step {steps_done}")
+        return time.perf_counter() - t0  # the queue is empty (the previous write has finished): no wait
 
-    def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until the background write (if any) has committed; raises its error if it failed, and
-        ``TimeoutError`` after ``timeout_s`` seconds (None: no limit)."""
-        self._wait(timeout_s)
+    def flush(self, timeout_s: float = 600.0) -> bool:
+        """Wait until the background write (if any) has committed; raises its error if it failed;
+        False after ``timeout_s`` seconds."""
+        return self._wait(timeout_s)
 
-    def close(self) -> dict:
+    def close(self, timeout_s: float = 600.0) -> dict:
         """Take a checkpoint still postponed at the last step (from the final state), wait for the
-        background write; returns ``checkpoints``, ``bytes``, ``last_step``, ``write_seconds`` (per
-        checkpoint), ``stage_seconds`` (per staged copy: the loop's whole stall, the wait for the previous
-        write included), ``copy_seconds`` (per staged copy: the copy alone), ``postponed_checks`` and
-        ``postponed_steps``."""
-        if self.postponed.due_since is not None:
+        background write and stop its thread; returns ``checkpoints``, ``bytes``, ``last_step``,
+        ``write_seconds`` (per checkpoint), ``stage_seconds`` (per staged copy: the loop's whole stall,
+        the wait for the previous write included), ``copy_seconds`` (per staged copy: the copy alone),
+        ``postponed_checks`` and ``postponed_steps``.
+
+        Raises:
+            TimeoutError: the write did not finish within ``timeout_s`` seconds.
+            storage.backend.StorageError: the write failed.
+        """
+        if self.postponed.due_since is not None and self._last is not None:  # postponed: a step was seen
             self._take(*self._last)
+        if self._writer is not None and not self._writer.close(timeout_s):
+            raise TimeoutError(f"the background checkpoint write did not finish within {timeout_s} s")
         self._wait()
         return {"checkpoints": self.checkpoints, "bytes": self.bytes, "last_step": self.last_step,
                 "write_seconds": list(self.write_seconds), "stage_seconds": list(self.stage_seconds),

@@ -25,8 +25,8 @@ from training.state import copy_state
 
 
 class DiffCheckpointer:
-    """Differential checkpoints (the module docstring; same interface as
-    ``training.checkpointing.FullCheckpointer``).
+    """Differential checkpoints (the module docstring; a
+    ``training.checkpointing.Checkpointer``).
 
     Args:
         snapshots: the run's snapshot store (full checkpoints).

@@ -32,7 +32,7 @@ from policies.strategies import FULL_STATE, RunStrategy
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
 from training import sharded as sharded_fo
-from training.checkpointing import FullCheckpointer
+from training.checkpointing import Checkpointer, FullCheckpointer
 from training.data import batch_indices
 from training.differential import DiffCheckpointer
 from training.faults import FaultInjector
@@ -44,8 +44,8 @@ from training.state import state_sha256
 from training.worker_env import mean_over_workers, record_start, worker_env
 
 
-def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer):
-    """The strategy's checkpointer (``after_step(steps_done, state) -> seconds blocked``, ``close()``)."""
+def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Checkpointer:
+    """Rank 0's checkpointer for ``cfg.strategy`` (unsharded state)."""
     config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy}
     if cfg.strategy in FULL_STATE:
         return FullCheckpointer(store, cfg.snapshot_every, cfg.strategy == RunStrategy.FULL_ASYNC, config)
@@ -67,7 +67,7 @@ def durable_steps(cfg: JobConfig) -> int:
     return DiffStore(store.storage).durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
 
 
-def restore(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
+def restore_first_order(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
     """Load the newest durable state into ``trainer`` (see the module docstring); returns the
     ``recovery`` event's fields: ``source``, ``base_step``, ``replayed_steps``, ``load_seconds``,
     ``replay_seconds``, ``seconds``, ``skipped`` (and ``exact`` for ``differential``)."""
@@ -93,13 +93,14 @@ def train_loop_per_worker(config: dict) -> None:
     group = sharded_fo.checkpoint_group() if sharded else None
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
     store = cfg.snapshot_store()
-    ckpt = sharded_fo.sharded_checkpointer(cfg, trainer, group) if sharded else checkpointer(cfg, store, trainer) if rank == 0 else None
+    ckpt: Checkpointer | None = (sharded_fo.sharded_checkpointer(cfg, trainer, group) if sharded
+                                 else checkpointer(cfg, store, trainer) if rank == 0 else None)
     durable = (lambda: sharded_fo.durable_steps(cfg)) if sharded else (lambda: durable_steps(cfg))
     faults = FaultInjector(cfg, run, rank, world, durable_steps=durable, flush=ckpt.flush if ckpt else None)
 
     result = None
     if faults.fired() or durable() > 0:
-        result = sharded_fo.restore(trainer, cfg, group) if sharded else restore(trainer, cfg, store)
+        result = sharded_fo.restore_sharded(trainer, cfg, group) if sharded else restore_first_order(trainer, cfg, store)
         if isinstance(ckpt, LayerwiseCheckpointer) and result["source"] == "storage":
             ckpt.resume(next(i for i in reversed(store.list()) if i.step == result["base_step"]), trainer.state_view())
     accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None

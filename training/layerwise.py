@@ -47,8 +47,8 @@ from training.state import StagingPool, copy_into
 
 
 class LayerwiseCheckpointer:
-    """Layer-wise adaptive checkpoints every ``every`` steps (same interface as
-    ``training.checkpointing.FullCheckpointer``).
+    """Layer-wise adaptive checkpoints every ``every`` steps (a
+    ``training.checkpointing.Checkpointer``).
 
     At a check the training loop only stages a copy of the state (as an asynchronous full checkpoint
     does); the background thread measures each unit's change, selects units and commits the composite.

@@ -110,8 +110,8 @@ class _Window:
 
 
 class OverlappedCheckpointer:
-    """GoCkpt-style overlapped snapshots every ``every`` steps (the module docstring; same interface as
-    ``training.checkpointing.FullCheckpointer``).
+    """GoCkpt-style overlapped snapshots every ``every`` steps (the module docstring; a
+    ``training.checkpointing.Checkpointer``).
 
     Args:
         store: the run's snapshots.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -127,7 +127,7 @@ class ShardedCheckpointer(FullCheckpointer):
     """``FullCheckpointer`` on every rank under FSDP2: it stages a copy of this rank's rows
     (``local_view``) and writes through a ``ShardedWriter``; ``bytes`` counts this rank's files."""
 
-    def after_step(self, steps_done: int, state) -> float:
+    def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
         return super().after_step(steps_done, lambda: local_view(state()))
 
 
@@ -143,7 +143,7 @@ def durable_steps(cfg) -> int:
     return max((i.step for i in sharded_store(cfg).list()), default=0)
 
 
-def restore(trainer, cfg, group: dist.ProcessGroup) -> dict:
+def restore_sharded(trainer, cfg, group: dist.ProcessGroup) -> dict:
     """Load the newest committed sharded checkpoint into ``trainer`` at this world size (a collective);
     returns the ``recovery`` event's fields (``source`` ``storage``, or ``initial`` with the initial
     weights kept when none loads; ``base_step``, ``replayed_steps`` 0, ``load_seconds``,
