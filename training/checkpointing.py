@@ -21,14 +21,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from policies.interval import SnapshotSchedule
-from storage.snapshots import SnapshotStore
 from storage.background import Postponements
 from training.state import copy_into
+
+
+class _Committed(Protocol):
+    @property
+    def bytes(self) -> int: ...
+
+
+class CheckpointWriter(Protocol):
+    """Where ``FullCheckpointer`` commits: a ``storage.snapshots.SnapshotStore``, or a
+    ``training.sharded.ShardedWriter`` under FSDP2; ``write`` returns once committed, with the bytes written."""
+
+    def write(self, step: int, state: Mapping[str, np.ndarray], /, config: Mapping | None = None) -> _Committed: ...
 
 
 class FullCheckpointer:
@@ -49,7 +61,7 @@ class FullCheckpointer:
             background write), so a checkpoint that did not commit is never silent.
     """
 
-    def __init__(self, store: SnapshotStore, every: int, asynchronous: bool, config: Mapping | None = None,
+    def __init__(self, store: CheckpointWriter, every: int, asynchronous: bool, config: Mapping | None = None,
                  postpone_when_busy: bool = False) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
@@ -130,7 +142,7 @@ class FullCheckpointer:
         checkpoint), ``stage_seconds`` (per staged copy: the loop's whole stall, the wait for the previous
         write included), ``copy_seconds`` (per staged copy: the copy alone), ``postponed_checks`` and
         ``postponed_steps``."""
-        if self.postponed.due_since is not None:
+        if self.postponed.due_since is not None and self._last is not None:  # postponed by after_step, which sets _last
             self._take(*self._last)
         self._wait()
         return {"checkpoints": self.checkpoints, "bytes": self.bytes, "last_step": self.last_step,
