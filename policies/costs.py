@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 
 class InfeasibleError(ValueError):

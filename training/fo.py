@@ -35,8 +35,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch

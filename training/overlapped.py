@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import TypedDict
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 import torch
