@@ -1,4 +1,4 @@
-# raycheck: `make run` runs the main job on the embedded default; `make test` runs the tests.
+# raycheck: `make run` runs the main job on the embedded default; `make test` type-checks the packages (mypy) and runs the tests.
 VENV := .venv
 STAMP := $(VENV)/.installed
 RUN_ARGS ?= --model smollm2-135m --steps 50 --fail 20:worker --fail 30:shadow --fail 40:both --snapshot-policy adaptive --mtbf 10min --verify --overwrite --out runs/default
@@ -15,6 +15,7 @@ run: $(STAMP)
 	$(VENV)/bin/raycheck run $(RUN_ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q --durations=25
 
 # Mutation check of the core (not part of `make test`; about 30 min on 2 loaded cores, see docs/testing.md).

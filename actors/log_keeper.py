@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 
 import ray
+from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from storage.backend import Storage, StorageUnreachableError
@@ -254,6 +255,8 @@ class LogKeeper:
     def _mirror(self) -> SegmentMirror:
         """The mirror to ``mirror_to``, built on first use (it lists the segments there)."""
         if self.mirror is None:
+            if self.mirror_to is None:
+                raise ValueError("this log keeper mirrors to no storage (mirror_to None)")
             self.mirror = SegmentMirror(self.mirror_to, self.path, max_age_s=self.mirror_every_s)
         return self.mirror
 
@@ -339,7 +342,7 @@ class RemoteKeeper:
 
     def __init__(self, name: str, namespace: str | None = None, timeout_s: float = 120.0) -> None:
         self.name, self.namespace, self.timeout_s = name, namespace, timeout_s
-        self._handle = None
+        self._handle: ActorHandle | None = None
 
     def _call(self, method: str, *args, timeout_s: float | None = None):
         if self._handle is None:

@@ -171,10 +171,10 @@ class ImageSink(Protocol):
     registered): the shadow skips that image and counts it.
     """
 
-    def submit(self, step: int, state: "OrderedDict[str, np.ndarray]") -> None:
+    def submit(self, step: int, state: dict[str, np.ndarray]) -> None:
         """Take the whole model's state after ``step`` steps."""
 
-    def submit_part(self, step: int, shard: int, shards: int, part: "OrderedDict[str, np.ndarray]") -> None:
+    def submit_part(self, step: int, shard: int, shards: int, part: dict[str, np.ndarray]) -> None:
         """Take shard ``shard`` of ``shards``'s part of the state after ``step`` steps."""
 
 
@@ -271,7 +271,7 @@ class ShadowLoop:
             return True
         return self.schedule.take_if_due(step)
 
-    def _send(self, step: int, state: "OrderedDict[str, np.ndarray]") -> None:
+    def _send(self, step: int, state: dict[str, np.ndarray]) -> None:
         """Hand the image of ``step`` to the sink; one it cannot take now (a persister that died and
         is being restarted) is skipped and counted: the step log still holds every step, and the
         next snapshot is due soon."""

@@ -10,6 +10,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import ray
@@ -46,10 +47,10 @@ class NamedPersister:
         except ValueError as exc:
             raise LookupError(f"no snapshot persister registered as {self.name!r}") from exc
 
-    def submit(self, step: int, state: "OrderedDict[str, np.ndarray]") -> None:
+    def submit(self, step: int, state: dict[str, np.ndarray]) -> None:
         self._actor().submit.remote(step, state)
 
-    def submit_part(self, step: int, shard: int, shards: int, part: "OrderedDict[str, np.ndarray]") -> None:
+    def submit_part(self, step: int, shard: int, shards: int, part: dict[str, np.ndarray]) -> None:
         self._actor().submit_part.remote(step, shard, shards, part)
 
 
@@ -77,7 +78,7 @@ class ShadowActor:
         try:
             info, state, _ = spec.store.load_latest(layout=layout, units=list(self.range.units) if spec.shards > 1 else None)
             load_into(params, state)
-            self.base = {"source": "snapshot", "step": info.step}
+            self.base: dict[str, Any] = {"source": "snapshot", "step": info.step}
         except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; replay the whole log
             log.warning("shadow starts from the initial weights: %s", exc)
             self.base = {"source": "initial", "step": 0}

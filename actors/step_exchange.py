@@ -100,7 +100,10 @@ class StepExchange:
         except asyncio.TimeoutError as exc:
             missing = sorted(set(range(self.world)) - set(self._parts.get(step, {})))
             raise TimeoutError(f"step {step}: ranks {missing} put nothing in {timeout_s} s") from exc
-        return self.total(step)
+        total = self.total(step)
+        if total is None:  # complete, then evicted before this wait resumed
+            raise StepEvictedError(f"step {step} completed but was evicted before rank {rank} read it: raise keep_steps")
+        return total
 
     async def barrier(self, name: str, rank: int, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until every rank has arrived at barrier ``name``; a barrier once
@@ -153,7 +156,7 @@ class RemoteExchange:
         self.rank, self.timeout_s = rank, timeout_s
 
     def __call__(self, step: int, vec: torch.Tensor) -> torch.Tensor:
-        total = ray.get(self.actor.exchange.remote(step, self.rank, vec.flatten().tolist(), self.timeout_s))
+        total: list[float] = ray.get(self.actor.exchange.remote(step, self.rank, vec.flatten().tolist(), self.timeout_s))
         return torch.tensor(total, dtype=torch.float64).view(vec.shape)
 
     def barrier(self, name: str) -> None:

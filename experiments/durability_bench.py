@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -80,7 +81,7 @@ def blocked_per_step_s(level: str, folder: pathlib.Path, records: int, s3: Local
     folder.mkdir(parents=True)
     storage = Storage(s3.uri(f"{folder.name}/"), endpoint_url=s3.endpoint) if level == "cluster" else None
     name = f"durability-bench-{uuid.uuid4().hex[:8]}"
-    actor = ray.remote(LogKeeperActor).options(name=name, num_cpus=0, max_concurrency=8, runtime_env=runtime_env()).remote(
+    actor: Any = ray.remote(LogKeeperActor).options(name=name, num_cpus=0, max_concurrency=8, runtime_env=runtime_env()).remote(
         str(folder / "keeper.bin"), header=HEADER, mirror_to=storage, commit_to_storage=storage is not None)
     keeper = RemoteKeeper(name)
     opened = open_local_log(folder / "local.bin", keeper)
@@ -91,7 +92,7 @@ def blocked_per_step_s(level: str, folder: pathlib.Path, records: int, s3: Local
             commit(record(step))
         if ready is not None:
             ready.set()
-        blocked = []
+        blocked: list[float] = []
         for step in itertools.count(WARMUP_RECORDS):
             if len(blocked) >= records and (until is None or until()):
                 break
@@ -191,7 +192,8 @@ def snapshot_load(folder: pathlib.Path, records: int, rounds: int, s3: LocalS3Se
     summary, "writers": {name: summary + snapshots_written, write_mb_s (mean over rounds),
     dirty_max_mb, dirty_mean_mb}}``."""
     per_round = max(records // rounds, 1)
-    quiet, runs = [], {name: [] for name in chosen}
+    quiet: list[float] = []
+    runs: dict[str, list[dict]] = {name: [] for name in chosen}
     for r in range(rounds):
         quiet += blocked_per_step_s("process", folder / f"quiet-{r}", per_round, s3, gap_s=STEP_GAP_S)
         for i, (name, make_storage) in enumerate(chosen.items()):

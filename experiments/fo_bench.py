@@ -60,6 +60,7 @@ import pathlib
 import shutil
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -403,7 +404,7 @@ def layerwise_deviation(args, points: list[int], store: SnapshotStore, reference
                 seed["eval_noise_floor"] = eval_loss(trainer.model, encoder, eval_split, evaluate)
         print(f"[fo_bench] layer-wise restart at {point}: {seed}", flush=True)
         seeds.append(seed)
-    out = {"seeds": seeds}
+    out: dict[str, Any] = {"seeds": seeds}
     if evaluate is not None:
         ff = [s["eval_failure_free"] for s in seeds]
         out["eval"] = deviation_stats(ff, [s["eval_restarted"] for s in seeds])

@@ -18,6 +18,8 @@ import json
 import pathlib
 import shutil
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,10 @@ from training.state import state_sha256
 BATCH = 4
 
 
-def _timed(fn, group) -> tuple[object, float]:
+T = TypeVar("T")
+
+
+def _timed(fn: Callable[[], T], group) -> tuple[T, float]:
     """``fn()`` between two barriers: its result and the seconds the slowest rank took."""
     dist.barrier(group)
     t0 = time.perf_counter()
@@ -65,7 +70,7 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, mode: str, sou
 
 
 def _gather(value: int, group) -> list[int]:
-    values = [None] * dist.get_world_size(group)
+    values = [0] * dist.get_world_size(group)  # all_gather_object fills each
     dist.all_gather_object(values, value, group=group)
     return values
 

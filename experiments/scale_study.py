@@ -69,6 +69,8 @@ def study(models_billion: list[float], accelerators: list[int], sim_mtbfs: float
             options = {(str(o.strategy), o.rule): o for o in compare(costs, horizon_s=assumptions.log_only_horizon_s)}
             for key in STUDIED:
                 o = options[key]
+                if o.overhead_pct is None:
+                    raise ValueError(f"{key[0]}/{key[1]} is infeasible for a {params:g}B model on {n} accelerators: {o.error}")
                 log_only = o.interval_steps is None
                 horizon_s = assumptions.log_only_horizon_s if log_only else sim_mtbfs * costs.mtbf_s
                 runs = max(1, round(sim_mtbfs * costs.mtbf_s / horizon_s)) if log_only else 1
@@ -77,7 +79,7 @@ def study(models_billion: list[float], accelerators: list[int], sim_mtbfs: float
                 rows.append({
                     "model": f"{params:g}B", "snapshot_gb": round(params * assumptions.bytes_per_param, 1),
                     "accelerators": n, "job_mtbf_h": round(costs.mtbf_s / 3600, 2), "strategy": key[0], "rule": key[1],
-                    "interval_steps": o.interval_steps, "interval_min": None if log_only else round(o.interval_s / 60, 2),
+                    "interval_steps": o.interval_steps, "interval_min": None if o.interval_s is None else round(o.interval_s / 60, 2),
                     "analytic_pct": round(o.overhead_pct, 3), "simulated_pct": round(100 * sims[0].waste_ratio, 3),
                     "weibull07_pct": round(100 * sims[1].waste_ratio, 3),
                     "simulated_h_per_day": round(24 * sims[0].waste_ratio / (1 + sims[0].waste_ratio), 3),

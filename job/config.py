@@ -75,7 +75,7 @@ class FailureSpec:
     """
 
     step: int
-    target: FailureTarget = "worker"
+    target: FailureTarget | str = "worker"
     how: FailureHow | str = "exit"
 
     def __post_init__(self) -> None:

@@ -385,16 +385,16 @@ def run(
         if not resuming:
             raise _refuse(option_names(str(exc))) from exc
         cfg = None  # e.g. --workers 3 with the default --batch-size: resume_config judges what applies to the run
-    if not resume and cfg.device == "cuda":
+    if not resume and cfg is not None and cfg.device == "cuda":
         _require_cuda()
-    if not resuming and any(f.target == "storage" for f in cfg.failures):
+    if cfg is not None and not resuming and any(f.target == "storage" for f in cfg.failures):
         from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
     replaced = [] if resume else _entries_to_replace(out, overwrite)
     if resume:
         given = _given_options(ctx)
-        if storage and not resuming:  # a new run directory: everything from the storage
+        if storage and not resuming and cfg is not None:  # a new run directory: everything from the storage
             saved = _stored_config(cfg, out, scratch_dir)
             given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
         else:
@@ -402,6 +402,8 @@ def run(
         cfg, notes = resume_config(saved, given)
         for line in notes:
             typer.echo(line, err=True)
+    if cfg is None:  # refused options are let through only when resuming, and resume_config replaced them
+        raise RuntimeError("no job configuration to run")
     cfg, assets = _checked_job(cfg)
     for p in replaced:  # every check has passed: only now is the old run deleted
         shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -454,7 +456,7 @@ SHORT_HELP = {
 }
 """One line per command for ``raycheck --help`` (click cuts a longer first sentence with "...")."""
 for _command in app.registered_commands:
-    _command.short_help = _command.short_help or SHORT_HELP.get(_command.callback.__name__)
+    _command.short_help = _command.short_help or SHORT_HELP.get(getattr(_command.callback, "__name__", ""))
 
 if __name__ == "__main__":
     app()

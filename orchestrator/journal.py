@@ -12,6 +12,7 @@ fire again.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -64,7 +65,7 @@ def start_journal(cfg: JobConfig, claims: list[str]):
         ray.exceptions.GetTimeoutError: it did not start within ``CALL_TIMEOUT_S``.
     """
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    handle = ray.remote(JournalActor).options(
+    handle: Any = ray.remote(JournalActor).options(  # Any: ray types a handle's methods as Never
         name=cfg.journal_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=1, scheduling_strategy=here).remote()
     ray.get(handle.seed.remote(list(claims)), timeout=CALL_TIMEOUT_S)
     return handle

@@ -73,10 +73,16 @@ class RunMetrics:
         self.recoveries_emitted = 0
 
     def _set(self, name: str, value: float, **tags) -> None:
-        self.series[name].set(value, tags={**self.tags, **tags})
+        series = self.series[name]
+        if not isinstance(series, Gauge):
+            raise TypeError(f"{name} is a counter: it is incremented, not set")
+        series.set(value, tags={**self.tags, **tags})
 
     def _inc(self, name: str, value: float, **tags) -> None:
-        self.series[name].inc(value, tags={**self.tags, **tags})
+        series = self.series[name]
+        if not isinstance(series, Counter):
+            raise TypeError(f"{name} is a gauge: it is set, not incremented")
+        series.inc(value, tags={**self.tags, **tags})
 
     def step(self, row: dict, shadow_lag: int, interval: int) -> None:
         self._inc("steps", 1.0)

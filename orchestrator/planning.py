@@ -7,12 +7,22 @@ time, log-append time, restart and load times of recoveries, failures and elapse
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from policies.costs import MeasuredCosts
 from policies.interval import AdaptiveInterval
 from policies.models import Strategy
 from policies.replan import ReplanRecord, Replanner
 
-INITIAL_COSTS = dict(step_s=5.0, replay_step_s=0.05, snapshot_s=5.0, restart_s=20.0, load_s=2.0)
+class _InitialCosts(TypedDict):
+    step_s: float
+    replay_step_s: float
+    snapshot_s: float
+    restart_s: float
+    load_s: float
+
+
+INITIAL_COSTS = _InitialCosts(step_s=5.0, replay_step_s=0.05, snapshot_s=5.0, restart_s=20.0, load_s=2.0)
 """Costs assumed until measured (seconds; about SmolLM2-135M on 2 CPU cores, with a replay time
 small enough to be feasible for any step time). Each is replaced by its robust estimate after three
 samples; the MTBF comes from the configuration and the failures seen."""

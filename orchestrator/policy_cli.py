@@ -72,9 +72,12 @@ def _costs(step: str, replay: str, snapshot: str, stall: str, log: str, restart:
     if mtbf is not None and gpu_mtbf is not None:
         raise typer.BadParameter("--mtbf (the job's) and --gpu-mtbf (one accelerator's, with --gpus) exclude each other: "
                                  "give one of them", param_hint="--mtbf")
-    if mtbf is None and gpu_mtbf is None:
+    if gpu_mtbf is not None:
+        flag, text = "--gpu-mtbf", gpu_mtbf
+    elif mtbf is not None:
+        flag, text = "--mtbf", mtbf
+    else:
         raise typer.BadParameter("give the job's --mtbf, or --gpus with the per-accelerator --gpu-mtbf", param_hint="--mtbf")
-    flag, text = ("--mtbf", mtbf) if gpu_mtbf is None else ("--gpu-mtbf", gpu_mtbf)
     mtbf_s = _seconds(flag, text)
     if not mtbf_s > 0:
         raise typer.BadParameter(f"the MTBF must be > 0, got {text!r}", param_hint=flag)
@@ -94,12 +97,14 @@ def _costs(step: str, replay: str, snapshot: str, stall: str, log: str, restart:
 
 
 def _explain(best: Option, options: list[Option]) -> str:
-    classical = [o for o in options if o.rule in ("young", "daly") and o.strategy == Strategy.FULL_SYNC and o.waste_ratio is not None]
+    classical = [(o.waste_ratio, o) for o in options
+                 if o.rule in ("young", "daly") and o.strategy == Strategy.FULL_SYNC and o.waste_ratio is not None]
+    interval_s = best.interval_s
     line = (f"recommended: {best.strategy} ({best.rule} interval"
-            + (f", every {best.interval_steps} steps = {format_duration(best.interval_s)}" if best.interval_steps else "")
+            + (f", every {best.interval_steps} steps = {format_duration(interval_s)}" if best.interval_steps and interval_s is not None else "")
             + f"): expected overhead {best.overhead_pct:.2f}%, {best.wasted_h_per_day:.2f} h wasted per day")
     if classical:
-        ref = min(classical, key=lambda o: o.waste_ratio)
+        ref = min(classical, key=lambda wo: wo[0])[1]
         line += f"; full-sync at {ref.rule.capitalize()}'s interval: {_fmt(ref.overhead_pct)}%"
     return line
 
@@ -150,7 +155,7 @@ def policy(
         rows = [{k: _finite(v) if isinstance(v, float) else v for k, v in o.to_dict().items()} for o in options]
         typer.echo(json.dumps({"costs": costs.to_dict(), "options": rows,
                                "recommended": None if best is None else rows[options.index(best)],
-                               "explanation": problem or _explain(best, options)}, indent=2))
+                               "explanation": problem if best is None else _explain(best, options)}, indent=2))
     else:
         _print_table(costs, options, best)
     if problem:
@@ -165,7 +170,7 @@ def _print_table(costs: MeasuredCosts, options: list[Option], best: Option | Non
                   f"restart + load {format_duration(costs.downtime_s)}", highlight=False)
     table = Table("strategy", "interval rule", "steps", "interval", "overhead %", "wasted h/day", "")
     for o in options:
-        interval = ("-", "-") if o.interval_steps is None else (str(o.interval_steps), format_duration(o.interval_s))
+        interval = ("-", "-") if o.interval_s is None else (str(o.interval_steps), format_duration(o.interval_s))
         table.add_row(str(o.strategy), o.rule, *interval, _fmt(o.overhead_pct), _fmt(o.wasted_h_per_day), _note(o, best))
     console.print(table)
     for error in dict.fromkeys(o.error for o in options if o.error):

@@ -203,13 +203,15 @@ def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":
 
     check_generator(run.header, run.log_url)
     model, recorded = run.header.get("model"), run.header.get("model_sha256")
+    if not isinstance(model, str):
+        raise ReplayError(f"{run.log_url}: the log's header names no model")
     try:
         found = None if is_builtin(model) else read_model_files(model, cache_dir).sha256
     except ValueError as exc:  # not a built-in name, nor a folder or cached id on this machine
         raise ReplayError(f"{run.log_url}: the run's model is not here: {exc}") from exc
     if recorded and found != recorded:
         raise ReplayError(f"{run.log_url}: model {model} has changed since the run (model_sha256 {recorded[:12]}... in the "
-                          f"log, {found[:12]}... now): replay with the run's original model files")
+                          f"log, {f'{found[:12]}...' if found else 'a built-in model'} now): replay with the run's original model files")
     dtype = run.header.get("dtype", "float32")
     if dtype not in DTYPES:
         raise ReplayError(f"{run.log_url}: parameter dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -246,8 +248,11 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
 
     check_step(run, step)
     store, own = (None, []) if from_initial else own_snapshots(run)
-    base, skipped = None, []
+    base: SnapshotInfo | None = None
+    skipped: list[str] = []
     for info in reversed([i for i in own if i.step <= step]):
+        if store is None:  # own_snapshots gives a store with every snapshot
+            raise ReplayError(f"{run.log_url}: snapshot {info.folder} without a store")
         try:
             load_into(params, store.load(info))
             base = info
@@ -286,7 +291,7 @@ def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
     from training.state import state_sha256
 
     base = (f"snapshot of step {replayed.base_step} ({run.storage.url(replayed.base.folder)})"
-            if replayed.base is not None else "the initial weights")
+            if replayed.base is not None and run.storage is not None else "the initial weights")
     steps = (f"replayed steps {replayed.base_step}..{replayed.step - 1} ({replayed.replayed_steps})"
              if replayed.replayed_steps else "nothing to replay")
     return [*_notes(run), *(f"skipped: {s}" for s in replayed.skipped),

@@ -14,8 +14,10 @@ barriers through it (``training.worker``).
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import ray
+from ray.train.backend import BackendConfig
 from ray.train.torch.config import TorchConfig, _TorchBackend
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -55,9 +57,11 @@ class ReplicaGroupsBackend(_TorchBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.exchange = None
+        self.exchange: Any = None  # the actor handle (ray types a handle's methods as Never)
 
-    def on_start(self, worker_group, backend_config: ReplicaGroupsConfig) -> None:
+    def on_start(self, worker_group, backend_config: BackendConfig) -> None:
+        if not isinstance(backend_config, ReplicaGroupsConfig):
+            raise TypeError(f"the replica groups backend needs a ReplicaGroupsConfig, got a {type(backend_config).__name__}")
         if self.exchange is None:
             here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
             self.exchange = ray.remote(StepExchangeActor).options(
@@ -70,6 +74,9 @@ class ReplicaGroupsBackend(_TorchBackend):
             start(worker_group, backend_config)
             return
         assert isinstance(worker_group, WorkerGroup)
+        groups = worker_group.get_replica_groups()
+        if groups is None:
+            raise RuntimeError("the worker group has no replica groups (has_replica_groups is set: Ray Train makes them)")
         with ThreadPoolExecutor() as pool:
-            for done in [pool.submit(start, rg, backend_config) for rg in worker_group.get_replica_groups()]:
+            for done in [pool.submit(start, rg, backend_config) for rg in groups]:
                 done.result()

@@ -38,7 +38,8 @@ def failure_schedule(kind: str, mtbf_steps: float, steps: int, seed: int, target
     if not mtbf_steps > 0 or not shape > 0:
         raise ValueError(f"need mtbf_steps > 0 and shape > 0, got {mtbf_steps!r} and {shape!r}")
     rng = np.random.default_rng(seed)
-    at, out = 0.0, []
+    at = 0.0
+    out: list[FailureSpec] = []
     while True:
         if kind == "poisson":
             at += rng.exponential(mtbf_steps)
@@ -60,9 +61,10 @@ def parse_schedule(text: str, steps: int, seed: int) -> tuple[FailureSpec, ...]:
     parts = text.split(":")
     try:
         if parts[0] == "poisson" and len(parts) in (2, 3):
-            return failure_schedule("poisson", float(parts[1]), steps, seed, *parts[2:])
+            return failure_schedule("poisson", float(parts[1]), steps, seed, target=parts[2] if len(parts) == 3 else "worker")
         if parts[0] == "weibull" and len(parts) in (3, 4):
-            return failure_schedule("weibull", float(parts[1]), steps, seed, *parts[3:], shape=float(parts[2]))
+            return failure_schedule("weibull", float(parts[1]), steps, seed, target=parts[3] if len(parts) == 4 else "worker",
+                                    shape=float(parts[2]))
     except ValueError as exc:
         raise ValueError(f"bad failure schedule {text!r}: {exc}") from exc
     raise ValueError(f"bad failure schedule {text!r}: expected poisson:MTBF_STEPS[:TARGET] or "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
@@ -66,13 +67,13 @@ class ShardKeeper:
                  placement: dict | None = None) -> None:
         self.cfg, self.run, self.spec, self._publish = cfg, run, spec, publish
         self.incarnation = -1
-        self.actor = None
+        self.actor: Any = None  # the actor handle, None until started (ray types a handle's methods as Never)
         self.status: dict = {}
         self.restarts = restarts
         self.actor_ids: list[str] = []
         self.placements: list[dict] = []
         """``actor_id``, ``node_id``, ``node_ip`` of every incarnation that answered."""
-        self._status_ref = None
+        self._status_ref: ray.ObjectRef | None = None
         self._failed: tuple[float, str] | None = None  # (unix seconds, reason) of a failure not yet restarted
         self._restarted: tuple[float, str] | None = None  # the same, restarted, until the new incarnation answers
         self.alive = False
@@ -285,7 +286,7 @@ class ShadowKeeper:
             return ray.get(self.shards[0].actor.state_sha256.remote(step, timeout_s), timeout=timeout_s + 30)
         images = ray.get([s.actor.image.remote(step, timeout_s) for s in self.shards], timeout=timeout_s + 30)
         state, problem = assemble(images, step)
-        if problem:
+        if state is None:
             raise RuntimeError(problem)
         return state_sha256(state)
 

@@ -7,7 +7,7 @@ import datetime
 import logging
 import pathlib
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -30,7 +30,8 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
     if folder is not None and (folder / "snapshots").is_dir():
         uri = str(folder / "snapshots")  # a run directory
     try:
-        store = SnapshotStore(Storage(uri, create=create, **({"endpoint_url": s3_endpoint} if s3_endpoint else {})))
+        options: dict[str, Any] = {"endpoint_url": s3_endpoint} if s3_endpoint else {}
+        store = SnapshotStore(Storage(uri, create=create, **options))
         store.storage.check_bucket()  # the endpoint, then the bucket
         if create:
             store.storage.probe()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -94,7 +95,7 @@ def breakdown(failure_unix_s: float, stamps: dict, chain: tuple = BREAKDOWN) -> 
     return parts, clamped
 
 
-def first_step_unix_s(recovery: dict, executions: list[dict], before_unix_s: float = math.inf) -> float | None:
+def first_step_unix_s(recovery: dict, executions: Sequence[dict], before_unix_s: float = math.inf) -> float | None:
     """When the first step after ``recovery`` (a ``recovery`` event) was done: the ``unix_s`` of the
     first of ``executions`` (metric rows in time order) of its restored step stamped after it and
     before ``before_unix_s`` (the next worker failure); None when there is none (not yet, or that
@@ -110,7 +111,7 @@ def group_stamps(events: list[dict], after_unix_s: float, before_unix_s: float) 
     return {k: v for k, v in groups[-1].items() if k.endswith("_unix_s")} if groups else {}
 
 
-def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
+def recoveries(events: list[dict], executions: Sequence[dict] = ()) -> list[dict]:
     """Each worker recovery with its timings (seconds) and the failure it answers: one per failure and
     restored step (with replica groups every rank that restores records it; the first one counts). A
     ``resume`` event (a new driver) starts afresh: the restores after it answer the resume, not an
@@ -137,10 +138,12 @@ def recoveries(events: list[dict], executions: list[dict] = ()) -> list[dict]:
     return list({id(row): row for row in recovery_of_event(events, executions).values()}.values())
 
 
-def recovery_of_event(events: list[dict], executions: list[dict] = ()) -> dict[int, dict]:
+def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> dict[int, dict]:
     """The index in ``events`` of each ``recovery`` event -> its row of ``recoveries`` (the ranks of a
     group restoring the same step share one row)."""
-    out, last_failure, boundary, rows = {}, None, None, {}
+    out: dict[int, dict] = {}
+    rows: dict[tuple[int, int], dict] = {}
+    last_failure, boundary = None, None
     failures_unix_s = [e["unix_s"] for e in events if e["kind"] == "failure" and e["target"] == "worker"]
     for i, e in enumerate(events):
         if e["kind"] == "failure" and e["target"] == "worker":
@@ -171,8 +174,9 @@ def recovery_of_event(events: list[dict], executions: list[dict] = ()) -> dict[i
     return out
 
 
-def _breakdown_fields(failure: dict, recovery: dict, events: list[dict], executions: list[dict], next_failure_unix_s: float) -> dict:
+def _breakdown_fields(failure: dict, recovery: dict, events: list[dict], executions: Sequence[dict], next_failure_unix_s: float) -> dict:
     first_step = first_step_unix_s(recovery, executions, next_failure_unix_s)
+    chain: tuple[tuple[str, str], ...]
     if recovery.get("path") == "in_process":  # its own stamps only: no worker group started
         stamps, chain = {**recovery, "first_step_unix_s": first_step}, IN_PROCESS_BREAKDOWN
     else:
@@ -257,7 +261,7 @@ def run_summary(c: Collected) -> dict:
     durability figures, re-plans and resumes, then ``c.base``. ``reference_state_sha256`` and
     ``bitwise_equal`` are None (``orchestrator.controller.run_job`` fills them with ``verify``)."""
     events, rows = c.events, c.rows
-    final = next((e for e in reversed(events) if e["kind"] == "final"), {})
+    final: dict = next((e for e in reversed(events) if e["kind"] == "final"), {})
     block_s = [r["checkpoint_block_seconds"] for r in rows]
     recs = recoveries(events, c.executions)
     shadow_sha = c.shadow.get("shadow_state_sha256")

@@ -122,10 +122,10 @@ def recommend(options: list[Option]) -> Option:
             wasteful one, its waste ratio, and what to change).
         InfeasibleError: no option is feasible (the errors of each are joined).
     """
-    feasible = [o for o in options if o.waste_ratio is not None]
+    feasible = [(o.waste_ratio, i, o) for i, o in enumerate(options) if o.waste_ratio is not None]
     if not feasible:
         raise InfeasibleError("; ".join(f"{o.strategy}/{o.rule}: {o.error}" for o in options))
-    best = min(feasible, key=lambda o: o.waste_ratio)
+    best = min(feasible, key=lambda wio: wio[:2])[2]
     if not best.makes_progress:
         raise NoProgressError(
             f"no strategy makes progress with these costs: the least wasteful, {best.strategy}/{best.rule}, "

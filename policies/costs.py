@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 class InfeasibleError(ValueError):
@@ -96,7 +97,8 @@ class MeasuredCosts:
         """Restart plus load: the fixed part of every recovery."""
         return self.restart_s + self.load_s
 
-    def replace(self, **changes: float) -> "MeasuredCosts":
+    def replace(self, **changes: Any) -> "MeasuredCosts":
+        """A copy with the fields ``changes`` names (field -> value of the field's type) replaced."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, float]:

@@ -144,23 +144,22 @@ def select_units(config: LayerwiseConfig, units: Sequence[UnitStatus]) -> Layerw
         if u.unit in seen:
             raise ValueError(f"unit {u.unit!r} appears twice in the unit status")
         seen.add(u.unit)
-    indexed = list(enumerate(units))
-    never = [u for _, u in indexed if u.staleness_steps is None]
+    never = [u for u in units if u.staleness_steps is None]
+    persisted = [(i, u.staleness_steps, u) for i, u in enumerate(units) if u.staleness_steps is not None]
     stale = sorted(
-        ((i, u) for i, u in indexed if u.staleness_steps is not None and u.staleness_steps >= config.staleness_bound_steps),
-        key=lambda iu: (-iu[1].staleness_steps, -iu[1].relative_change, iu[0]),
+        ((i, s, u) for i, s, u in persisted if s >= config.staleness_bound_steps),
+        key=lambda isu: (-isu[1], -isu[2].relative_change, isu[0]),
     )
     changed = sorted(
-        ((i, u) for i, u in indexed
-         if u.staleness_steps is not None and u.staleness_steps < config.staleness_bound_steps
-         and u.relative_change > config.threshold),
-        key=lambda iu: (-iu[1].relative_change, -iu[1].staleness_steps, iu[0]),
+        ((i, s, u) for i, s, u in persisted
+         if s < config.staleness_bound_steps and u.relative_change > config.threshold),
+        key=lambda isu: (-isu[2].relative_change, -isu[1], isu[0]),
     )
     selected = [Selected(u.unit, Reason.FORCED_FIRST, u.bytes) for u in never]
-    selected += [Selected(u.unit, Reason.STALENESS_BOUND, u.bytes) for _, u in stale]
+    selected += [Selected(u.unit, Reason.STALENESS_BOUND, u.bytes) for _, _, u in stale]
     spent = sum(s.bytes for s in selected)
     deferred: list[str] = []
-    for _, u in changed:
+    for _, _, u in changed:
         if deferred or (config.max_bytes_per_step and spent + u.bytes > config.max_bytes_per_step):
             deferred.append(u.unit)
             continue

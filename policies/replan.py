@@ -109,7 +109,7 @@ class Replanner:
 
     def estimated_costs(self) -> MeasuredCosts:
         """The initial costs with every well-sampled measurement and the MTBF estimate in place."""
-        changes = {n: e.value for n, e in self.estimates.items() if e.count >= self.min_samples}
+        changes = {n: e.value for n, e in self.estimates.items() if e.count >= self.min_samples and e.value is not None}
         mtbf_s = (self.prior_failures * self.initial.mtbf_s + self.elapsed_s) / (self.prior_failures + self.failures)
         return self.initial.replace(**changes, mtbf_s=mtbf_s)
 

@@ -212,24 +212,26 @@ def simulate(strategy: Strategy, costs: MeasuredCosts, *, horizon_s: float, inte
     """
     if not horizon_s > 0 or runs < 1:
         raise ValueError(f"horizon_s must be > 0 and runs >= 1, got {horizon_s!r}, {runs!r}")
-    if strategy is not Strategy.LOG_ONLY and interval_steps is None:
-        raise ValueError(f"{strategy} needs interval_steps")
-    k = None if strategy is Strategy.LOG_ONLY else interval_steps
-    if strategy is Strategy.SHADOW:
-        check_shadow(costs, k)
-    elif strategy is Strategy.FULL_ASYNC:
-        check_background(costs, k)
-    elif strategy is Strategy.FULL_SYNC and k < 1:
-        raise ValueError(f"interval_steps must be >= 1, got {k}")
+    k: int | None = None
+    if strategy is not Strategy.LOG_ONLY:
+        if interval_steps is None:
+            raise ValueError(f"{strategy} needs interval_steps")
+        k = interval_steps
+        if strategy is Strategy.SHADOW:
+            check_shadow(costs, k)
+        elif strategy is Strategy.FULL_ASYNC:
+            check_background(costs, k)
+        elif strategy is Strategy.FULL_SYNC and k < 1:
+            raise ValueError(f"interval_steps must be >= 1, got {k}")
     steps = max(1, round(horizon_s / costs.step_s))
     gaps = _Gaps(failures, costs.mtbf_s, seed)
     lost = _shadow_losses(1.0 if strategy is Strategy.LOG_ONLY else costs.shadow_loss_fraction, seed)
-    one_run: Callable[[], _Run] = {
-        Strategy.FULL_SYNC: lambda: _run_checkpoints(costs, k, steps, gaps, asynchronous=False),
-        Strategy.FULL_ASYNC: lambda: _run_checkpoints(costs, k, steps, gaps, asynchronous=True),
-        Strategy.LOG_ONLY: lambda: _run_logged(costs, None, steps, gaps, lost),
-        Strategy.SHADOW: lambda: _run_logged(costs, k, steps, gaps, lost),
-    }[strategy]
+    one_run: Callable[[], _Run]
+    if strategy in (Strategy.FULL_SYNC, Strategy.FULL_ASYNC) and k is not None:  # k: set for both, checked above
+        interval, asynchronous = k, strategy is Strategy.FULL_ASYNC
+        one_run = lambda: _run_checkpoints(costs, interval, steps, gaps, asynchronous=asynchronous)  # noqa: E731
+    else:  # log-only (k None) or shadow
+        one_run = lambda: _run_logged(costs, k, steps, gaps, lost)  # noqa: E731
     done = [one_run() for _ in range(runs)]
     return SimResult(
         strategy=strategy, interval_steps=k, runs=runs, failures=sum(d.failures for d in done),

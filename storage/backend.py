@@ -101,17 +101,18 @@ def unreachable_reason(exc: BaseException) -> str | None:
     from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
 
     reason, seen = None, set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, ConnectionRefusedError):
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, ConnectionRefusedError):
             return "connection refused"
-        if isinstance(exc, socket.gaierror):
+        if isinstance(link, socket.gaierror):
             return "host not found"
-        if isinstance(exc, ConnectTimeoutError):
+        if isinstance(link, ConnectTimeoutError):
             reason = "connect timed out"
-        elif isinstance(exc, EndpointConnectionError):
+        elif isinstance(link, EndpointConnectionError):
             reason = reason or "cannot connect"
-        exc = exc.__cause__ or exc.__context__
+        link = link.__cause__ or link.__context__
     return reason
 
 
@@ -401,7 +402,8 @@ class Storage:
             )
         probe = admission is Admission.PROBE
         attempts = 1 if probe else self.retry.attempts
-        delay, last = self.retry.base_delay_s, None
+        delay = self.retry.base_delay_s
+        last: Exception  # set by every try that does not return (attempts >= 1)
         for attempt in range(1, attempts + 1):
             future = self._pool.submit(fn, *args)
             try:

@@ -58,7 +58,7 @@ def _first_failure(exc: CheckpointException) -> str:
 class _Buffer(io.BytesIO):
     """A write stream that keeps its bytes after DCP closes it."""
 
-    _closed_value: bytes | None = None
+    _closed_value = b""
 
     def close(self) -> None:
         if not self.closed:
@@ -183,17 +183,20 @@ class ShardedStore(SnapshotStore):
                 nothing is committed. FencedError: a newer incarnation owns the run (rank 0).
         """
         rank = dist.get_rank(group)
-        folder = [self._attempt_folder(step) if rank == 0 else None]
-        dist.broadcast_object_list(folder, group=group, group_src=0)
-        folder = folder[0]
+        box = [self._attempt_folder(step) if rank == 0 else None]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        folder = box[0]
+        if folder is None:
+            raise RuntimeError(f"rank {rank}: rank 0 broadcast no checkpoint folder for step {step}")
         writer = FileSystemWriter(folder, sync_files=False)  # Storage.put syncs; DCP's fsync would sync the machine
-        writer.fs = fs = _StorageFS(self.storage)
+        fs = _StorageFS(self.storage)
+        writer.fs = fs  # type: ignore[assignment]  # torch types fs as its FileSystem; any FileSystemBase is supported
         try:
             dcp.save(dict(state), storage_writer=writer, process_group=group)
         except CheckpointException as exc:
             raise StorageError(f"sharded checkpoint of step {step} in {self.storage.url(folder)} not written, nothing committed "
                                f"(the previous one stays the newest): {_first_failure(exc)}") from exc
-        files = [None] * dist.get_world_size(group)
+        files: list[dict[str, tuple[int, str]]] = [{}] * dist.get_world_size(group)  # all_gather_object fills each
         dist.all_gather_object(files, fs.written, group=group)
         rank_bytes = sum(n for n, _ in fs.written.values())
         if rank != 0:
@@ -223,14 +226,14 @@ class ShardedStore(SnapshotStore):
                 tried.append(f"sharded checkpoint {info.folder}: another layout (another model)")
                 continue
             units = sorted(info.manifest["units"])
-            problems = [None] * world
-            dist.all_gather_object(problems, self.verify_units(info, units[rank::world]), group=group)
-            problems = [p for ps in problems for p in ps]
+            per_rank: list[list[str]] = [[]] * world  # all_gather_object fills each
+            dist.all_gather_object(per_rank, self.verify_units(info, units[rank::world]), group=group)
+            problems = [p for ps in per_rank for p in ps]
             if problems:
                 tried.append(f"sharded checkpoint {info.folder} in {self.storage.url()}: {'; '.join(problems)}")
                 continue
             reader = FileSystemReader(info.folder)
-            reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})
+            reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})  # type: ignore[assignment]  # as in save
             try:
                 dcp.load(dict(state), storage_reader=reader, process_group=group)
             except CheckpointException as exc:  # the files verified a moment ago: changed since, or another layout

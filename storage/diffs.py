@@ -32,6 +32,7 @@ the commit record first and the batch after it (so a crash in between leaves an 
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import logging
@@ -203,7 +204,7 @@ class DiffStore:
             log.warning("diff batch skipped: %s", problem)
         return sorted(batches, key=lambda b: (b.first_step, b.last_step))
 
-    def read(self, batch: DiffBatch) -> list[tuple[int, dict[str, np.ndarray]]]:
+    def read(self, batch: DiffBatch) -> builtins.list[tuple[int, dict[str, np.ndarray]]]:
         """The verified records of ``batch``, decoded to dense float32 gradients, in step order.
 
         Raises:
@@ -233,11 +234,12 @@ class DiffStore:
             raise DiffCorruptError(f"{where}: lacks tensor {exc}") from exc
         return records
 
-    def chain(self, from_step: int, batches: Sequence[DiffBatch] | None = None) -> list[DiffBatch]:
+    def chain(self, from_step: int, batches: Sequence[DiffBatch] | None = None) -> builtins.list[DiffBatch]:
         """Committed batches that together hold steps ``from_step, from_step + 1, ...`` without a gap,
         as far as they go (the longest reaching batch at each point)."""
         batches = self.list() if batches is None else batches
-        out, step = [], from_step
+        out: builtins.list[DiffBatch] = []
+        step = from_step
         while True:
             covering = [b for b in batches if b.first_step <= step <= b.last_step]
             if not covering:

@@ -51,7 +51,8 @@ def read_segments(storage: Storage) -> tuple[dict | None, list[StepRecord]]:
         StepLogCorruptError: a segment fails a checksum, or headers differ between segments.
         StepLogGapError: a step is missing between segments.
     """
-    header, records = None, []
+    header: dict | None = None
+    records: list[StepRecord] = []
     for first, (last, name) in sorted(_segments(storage).items()):
         if first > len(records):
             raise StepLogGapError(

@@ -32,6 +32,7 @@ sha256 of every shard before parsing it.
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import hashlib
 import itertools
@@ -39,9 +40,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -153,10 +154,10 @@ class SnapshotStore:
         ``storage.backend.StorageError`` when the index cannot be written."""
         if self.identity is None:
             raise ValueError("claim_epoch needs a run identity")
-        start = self.epoch
+        start, run_id = self.epoch, self.identity.run_id
 
         def bump(index: _Index) -> list[dict]:
-            self.epoch = max(start, index.epochs.get(self.identity.run_id, 0)) + 1
+            self.epoch = max(start, index.epochs.get(run_id, 0)) + 1
             return index.entries
 
         self._update_index(bump)
@@ -239,25 +240,29 @@ class SnapshotStore:
             problems.append(f"step {step} is older than the newest committed snapshot (step {base.step})")
         referenced = [u for u in layout if u not in new_units]
         for unit in referenced:
-            spec = base.manifest["units"].get(unit) if base is not None else None
-            if spec is None:
+            if base is None or base.manifest["units"].get(unit) is None:
                 problems.append(f"unit {unit} is not in the new tensors and has no committed version to reference")
-            elif list(spec["tensors"]) != layout[unit]:
+            elif list(base.manifest["units"][unit]["tensors"]) != layout[unit]:
                 problems.append(f"unit {unit}: the committed version ({base.folder}) holds other tensors than the layout")
         if problems:
             raise ValueError("cannot write the composite snapshot of step %d:\n  %s" % (step, "\n  ".join(problems)))
-        rewrite = self._failing_units(base, referenced) if base is not None else {}
-        if rewrite and full_state is None:
-            raise ValueError(f"cannot reference the committed shards of step {base.step}: " + "; ".join(rewrite.values()))
-        for unit, problem in rewrite.items():
-            log.warning("rewriting unit %s instead of referencing a shard that failed verification: %s", unit, problem)
-        state = {**changed, **{n: full_state[n] for u in rewrite for n in layout[u]}}
-        committed = {n: t for u in base.manifest["units"].values() for n, t in u["tensors"].items()} if base else {}
+        state = dict(changed)
+        base_units: dict[str, dict] = {}
+        if base is not None:
+            base_units = base.manifest["units"]
+            rewrite = self._failing_units(base, referenced)
+            if rewrite and full_state is None:
+                raise ValueError(f"cannot reference the committed shards of step {base.step}: " + "; ".join(rewrite.values()))
+            for unit, problem in rewrite.items():
+                log.warning("rewriting unit %s instead of referencing a shard that failed verification: %s", unit, problem)
+            if full_state is not None:
+                state.update({n: full_state[n] for u in rewrite for n in layout[u]})
+        committed = {n: t for u in base_units.values() for n, t in u["tensors"].items()}
         self._check_layout(step, [[n, state[n].dtype.str, list(state[n].shape)] if n in state
                                   else [n, committed[n]["dtype"], committed[n]["shape"]] for n in names])
         folder = self._attempt_folder(step)
         written = self._put_units(folder, state, group_by_unit(state), step, {})
-        units = {u: written[u] if u in written else base.manifest["units"][u] for u in layout}
+        units = {u: written[u] if u in written else base_units[u] for u in layout}
         return self._commit(folder, step, list(names), config, units)
 
     def _failing_units(self, base: SnapshotInfo, units: list[str]) -> dict[str, str]:
@@ -315,7 +320,7 @@ class SnapshotStore:
     def _commit(self, folder: str, step: int, names: list[str], config: Mapping | None,
                 units: dict[str, dict]) -> SnapshotInfo:
         """Write the manifest (after every shard), then the index (the commit point), then retain."""
-        manifest = {
+        manifest: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "step": step,
             "created_unix_s": time.time(),
@@ -504,10 +509,14 @@ class SnapshotStore:
         index), malformed, or lies about its step, and (with an identity) another run's, is skipped;
         ``skipped`` names each with the reason. Never raises for what the store holds (only
         ``storage.backend.StorageError`` when storage fails)."""
-        infos, foreign = [], []
+        infos: list[SnapshotInfo] = []
+        foreign: list[str] = []
         for info in self._list_all():
             reason = self._foreign(info)
-            (foreign if reason else infos).append(reason or info)
+            if reason:
+                foreign.append(reason)
+            else:
+                infos.append(info)
         for problem in self.skipped:
             log.warning("snapshot skipped: %s", problem)
         for reason in foreign:
@@ -523,11 +532,12 @@ class SnapshotStore:
         who = f"foreign run {run['run_id']} (trajectory {run['trajectory_sha256'][:12]})" if run else "no run identity"
         return f"{info.folder}: {who}, not run {self.identity.run_id} (trajectory {self.identity.trajectory_sha256[:12]})"
 
-    def verify(self, info: SnapshotInfo) -> list[str]:
+    def verify(self, info: SnapshotInfo) -> builtins.list[str]:
         """Problems with ``info``'s shards (empty when every size and sha256 matches)."""
         return [problem for _, problem in self._read_units(info) if problem]
 
-    def _read_units(self, info: SnapshotInfo, units: list[str] | None = None):
+    def _read_units(self, info: SnapshotInfo, units: builtins.list[str] | None = None) -> Iterator[tuple[bytes | None, str | None]]:
+        """(shard bytes, None) per unit of ``info`` (default all) whose shard verifies, else (None, problem)."""
         for unit in info.manifest["units"] if units is None else units:
             spec = info.manifest["units"][unit]
             try:
@@ -545,7 +555,7 @@ class SnapshotStore:
             else:
                 yield blob, None
 
-    def load_units(self, info: SnapshotInfo, units: list[str]) -> dict[str, np.ndarray]:
+    def load_units(self, info: SnapshotInfo, units: builtins.list[str]) -> dict[str, np.ndarray]:
         """The verified tensors of ``units`` of ``info`` (name -> array).
 
         Raises:
@@ -554,7 +564,7 @@ class SnapshotStore:
         """
         tensors: dict[str, np.ndarray] = {}
         for unit, (blob, problem) in zip(units, self._read_units(info, units)):
-            if problem:
+            if blob is None:
                 raise SnapshotCorruptError(f"snapshot {info.folder} in {self.storage.url()}: unit {unit}, {problem}")
             loaded = st_load(blob)
             if set(loaded) != set(info.manifest["units"][unit]["tensors"]):
@@ -562,7 +572,7 @@ class SnapshotStore:
             tensors.update(loaded)
         return tensors
 
-    def load(self, info: SnapshotInfo, units: list[str] | None = None) -> dict[str, np.ndarray]:
+    def load(self, info: SnapshotInfo, units: builtins.list[str] | None = None) -> dict[str, np.ndarray]:
         """The verified state of ``info`` in canonical order (only the tensors of ``units`` when given,
         e.g. a shadow shard's part; default every unit).
 
@@ -572,8 +582,8 @@ class SnapshotStore:
         tensors = self.load_units(info, list(info.manifest["units"]) if units is None else units)
         return {n: tensors[n] for n in info.manifest["names"] if n in tensors}
 
-    def load_latest(self, max_step: int | None = None, layout: list[list] | None = None,
-                    units: list[str] | None = None) -> Loaded:
+    def load_latest(self, max_step: int | None = None, layout: builtins.list[builtins.list] | None = None,
+                    units: builtins.list[str] | None = None) -> Loaded:
         """The newest snapshot (at most ``max_step``) that verifies and has ``layout`` (default: the
         store's; ``storage.manifest.layout_of`` of the model restored into). Snapshots that are
         corrupt, malformed, foreign or of another layout are skipped, logged and listed in

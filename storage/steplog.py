@@ -92,7 +92,7 @@ def _encode_header(header: dict) -> bytes:
     return MAGIC + _CRC.pack(len(body)) + body + _CRC.pack(zlib.crc32(body))
 
 
-def decode_header(data: bytes, path: pathlib.Path) -> tuple[dict, int]:
+def decode_header(data: bytes, path: str | os.PathLike) -> tuple[dict, int]:
     """The header of a step log's bytes ``data`` (read from ``path``, named in errors): (header, byte
     offset of the first record).
 
@@ -115,7 +115,7 @@ def decode_header(data: bytes, path: pathlib.Path) -> tuple[dict, int]:
     return header, end
 
 
-def _records(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> Iterator[tuple[StepRecord, int]]:
+def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int) -> Iterator[tuple[StepRecord, int]]:
     """Decode records from byte ``offset`` of ``data``, numbered from ``first_step``: yields (record,
     byte offset just past it). Stops at a torn tail: a partial record, or a record that fails its
     checksum and is followed only by zero bytes (or nothing).
@@ -146,7 +146,7 @@ def _records(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> I
         yield rec, offset
 
 
-def scan_records(data: bytes, offset: int, path: pathlib.Path, first_step: int) -> tuple[list[StepRecord], int]:
+def scan_records(data: bytes, offset: int, path: str | os.PathLike, first_step: int) -> tuple[list[StepRecord], int]:
     """Decode the records of step log bytes ``data`` from byte ``offset`` on, the first being step
     ``first_step`` (``path`` is named in errors); returns (records, byte offset just past the last
     good record). A torn last record ends the scan without an error (``_records``).

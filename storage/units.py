@@ -105,8 +105,8 @@ def describe_units(model) -> UnitLayout:
     params = dict(model.named_parameters())
     expected = {n: kind_of.get(n.rsplit(".", 1)[0], "norm") for n in params}
     recognised = bool(layers) and all(unit_of(n) == u for n, u in expected.items())
-    first_name = {}
-    tied = {}
+    first_name: dict[int, str] = {}
+    tied: dict[str, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         key = p.data_ptr()
         if key in first_name and first_name[key] != n:

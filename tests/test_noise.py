@@ -230,6 +230,20 @@ def test_replayers_refuse_a_log_of_another_generator_or_none(tmp_path):
     check_generator({"generator": GENERATOR}, "here")  # the matching generator passes
 
 
+def test_a_restore_before_any_logged_step_replays_nothing_when_no_copy_of_the_log_exists(tmp_path, monkeypatch):
+    """log_end 0, no local log, no keeper, empty segments: the restore keeps the initial weights (it
+    used to fail on the missing header)."""
+    class NoKeeper:
+        def __init__(self, *args) -> None:
+            raise ValueError("no keeper registered")
+
+    monkeypatch.setattr("training.recovery.RemoteKeeper", NoKeeper)
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), storage=f"memory://{tmp_path.name}")
+    params = _params()
+    result = from_storage(params, cfg, None, 0)
+    assert (result["source"], result["base_step"], result["replayed_steps"], result["log_source"]) == ("initial", 0, 0, "segments")
+    assert params["w"].abs().sum().item() == 0.0
+
 def test_resume_refuses_an_old_log_of_the_same_trajectory_with_one_error_line(tmp_path):
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny")
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))

@@ -228,6 +228,8 @@ def test_missed_wasted_target_names_our_largest_term():
             "replay ~0.167 (20/2 steps x 1 s per failure)") in why
     assert f"restart + load alone bounds the ratio at {cell['full-async']['waste_ratio']:.3g} / 0.183" in why
     assert rt.why_wasted(cell["shadow"], {**cell["full-async"], "ratio": 2e6}, costs, run("shadow"), 1e6) is None
+    assert rt.why_wasted(cell["shadow"], cell["full-async"], None, run("shadow"), 1e6) == (  # used to raise AttributeError
+        f"shadow at MTBF {cell['full-async']['mtbf_s']:.3g} s: its costs were not measured (a run and a recovery of it are needed)")
 
 
 def test_write_report_files_parse_and_headlines(tmp_path):

@@ -14,6 +14,7 @@ import hashlib
 import pathlib
 from dataclasses import dataclass
 
+from job.config import JobConfig
 from training.data import Split, load_data_file, load_rotten_tomatoes, make_encoder
 from training.model import ModelFiles, is_builtin, load_tokenizer, read_model_files
 
@@ -43,7 +44,7 @@ def file_sha256(path: str | pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def _checked(cfg, field: str, found: str, what: str) -> dict:
+def _checked(cfg: JobConfig, field: str, found: str, what: str) -> dict:
     """``{field: found}``, or ``AssetMismatchError`` when ``cfg`` already records another hash (a resume)."""
     recorded = getattr(cfg, field)
     if recorded and recorded != found:
@@ -53,7 +54,7 @@ def _checked(cfg, field: str, found: str, what: str) -> dict:
     return {field: found}
 
 
-def read_assets(cfg):
+def read_assets(cfg: JobConfig) -> tuple[JobConfig, Assets]:
     """Read and check ``cfg``'s model folder and data file on the driver.
 
     Args:

@@ -30,7 +30,6 @@ import torch
 
 from policies.interval import SnapshotSchedule
 from storage.background import BackgroundWriter, Postponements
-from storage.snapshots import SnapshotStore
 from training.state import copy_into
 
 
@@ -67,6 +66,18 @@ class Checkpointer(Protocol):
         """
 
 
+class _Committed(Protocol):
+    @property
+    def bytes(self) -> int: ...
+
+
+class CheckpointWriter(Protocol):
+    """Where ``FullCheckpointer`` commits: a ``storage.snapshots.SnapshotStore``, or a
+    ``training.sharded.ShardedWriter`` under FSDP2; ``write`` returns once committed, with the bytes written."""
+
+    def write(self, step: int, state: Mapping[str, np.ndarray], /, config: Mapping | None = None) -> _Committed: ...
+
+
 class FullCheckpointer:
     """Full-state checkpoints every ``every`` steps, blocking (``asynchronous=False``) or staged.
 
@@ -86,7 +97,7 @@ class FullCheckpointer:
             checkpoint that did not commit is never silent.
     """
 
-    def __init__(self, store: SnapshotStore, every: int, asynchronous: bool, config: Mapping | None = None,
+    def __init__(self, store: CheckpointWriter, every: int, asynchronous: bool, config: Mapping | None = None,
                  postpone_when_busy: bool = False) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
@@ -171,7 +182,7 @@ class FullCheckpointer:
             TimeoutError: the write did not finish within ``timeout_s`` seconds.
             storage.backend.StorageError: the write failed.
         """
-        if self.postponed.due_since is not None and self._last is not None:  # postponed: a step was seen
+        if self.postponed.due_since is not None and self._last is not None:  # postponed by after_step, which sets _last
             self._take(*self._last)
         if self._writer is not None and not self._writer.close(timeout_s):
             raise TimeoutError(f"the background checkpoint write did not finish within {timeout_s} s")

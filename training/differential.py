@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -22,6 +23,18 @@ from storage.background import BackgroundWriter
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
 from training.state import copy_state
+
+
+class _Stats(TypedDict):
+    checkpoints: int
+    bytes: int
+    full_bytes: int
+    diff_bytes: int
+    batches: int
+    last_step: int | None
+    last_full_step: int | None
+    write_seconds: list[float]
+    deleted_objects: int
 
 
 class DiffCheckpointer:
@@ -53,8 +66,8 @@ class DiffCheckpointer:
         self.config = dict(config or {})
         self._pending: list[tuple[int, dict[str, np.ndarray]]] = []
         self._writer = BackgroundWriter("differential-checkpoint", max_pending)
-        self.stats = {"checkpoints": 0, "bytes": 0, "full_bytes": 0, "diff_bytes": 0, "batches": 0, "last_step": None,
-                      "last_full_step": None, "write_seconds": [], "deleted_objects": 0}
+        self.stats: _Stats = {"checkpoints": 0, "bytes": 0, "full_bytes": 0, "diff_bytes": 0, "batches": 0, "last_step": None,
+                              "last_full_step": None, "write_seconds": [], "deleted_objects": 0}
 
     @property
     def bytes(self) -> int:

@@ -36,6 +36,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,6 +89,11 @@ class _LabelScorer(torch.nn.Module):
     it: the same loss as ``training.data.label_logits`` (softmax over the two label words), without
     the [B, T, vocab] logits. Causal attention makes the right padding harmless.
     """
+
+    lm: Any
+    """A ``transformers`` causal LM: its decoder stack ``.model`` and its ``.lm_head`` (any architecture)."""
+    label_ids: torch.Tensor
+    """The label words' token ids, [2] int64 (a buffer)."""
 
     def __init__(self, lm: torch.nn.Module, label_ids: list[int]) -> None:
         super().__init__()
@@ -185,8 +191,16 @@ class FOTrainer:
         parameter name -> float32 tensor of the parameter's shape. ``compute_gradients`` drops them
         (``zero_grad(set_to_none=True)``), so each step's gradients are new tensors that no later step
         writes: a reference keeps this step's gradients (``training.overlapped`` relies on it). Copy
-        them to hand them to another process."""
-        return OrderedDict((n, p.grad) for n, p in self.named.items())
+        them to hand them to another process.
+
+        Raises:
+            RuntimeError: a parameter has no gradient (no step applied yet)."""
+        grads: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for n, p in self.named.items():
+            if p.grad is None:
+                raise RuntimeError(f"parameter {n} has no gradient: applied_gradients is for after apply_gradients")
+            grads[n] = p.grad
+        return grads
 
     def replay_gradients(self, grads: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """One AdamW step with recorded gradients (``applied_gradients`` of an earlier step), no clipping

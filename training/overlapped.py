@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -99,6 +100,8 @@ class _Window:
     """Every tensor name of the state, canonical order."""
     buffers: dict[str, np.ndarray]
     """The staging buffer set the chunks are copied into (given back once the snapshot is written)."""
+    plan: list[dict[str, list[str]]]
+    """The chunks (``OverlappedCheckpointer.plan``), staged in this order."""
     staged: dict[str, np.ndarray] = field(default_factory=dict)
     gradients: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """``gradients[i]``: what step ``start_step + i`` applied to the parameters of chunks 0..i."""
@@ -107,6 +110,15 @@ class _Window:
     def chunks_staged(self) -> int:
         """Chunks staged: the first at the start, one more with each later step (which adds its gradients)."""
         return len(self.gradients) + 1
+
+
+class _Stats(TypedDict):
+    checkpoints: int
+    bytes: int
+    last_step: int | None
+    write_seconds: list[float]
+    catch_up_seconds: list[float]
+    stage_seconds: list[float]
 
 
 class OverlappedCheckpointer:
@@ -150,8 +162,8 @@ class OverlappedCheckpointer:
         """Bytes of each chunk (known from the first snapshot on)."""
         self.last_submitted_step: int | None = None
         """The step of the newest snapshot whose chunks are all staged (handed to the writer thread)."""
-        self.stats = {"checkpoints": 0, "bytes": 0, "last_step": None, "write_seconds": [], "catch_up_seconds": [],
-                      "stage_seconds": []}
+        self.stats: _Stats = {"checkpoints": 0, "bytes": 0, "last_step": None, "write_seconds": [], "catch_up_seconds": [],
+                              "stage_seconds": []}
 
     @property
     def bytes(self) -> int:
@@ -184,7 +196,7 @@ class OverlappedCheckpointer:
             live = state()
             window.gradients.append(self._held_gradients(window))
         self._stage(window, window.chunks_staged - 1, live)
-        if window.chunks_staged == len(self._plan):
+        if window.chunks_staged == len(window.plan):
             self._submit(window, steps_done)
         blocked = time.perf_counter() - t0
         self.stats["stage_seconds"].append(blocked)
@@ -197,13 +209,13 @@ class OverlappedCheckpointer:
         if self._plan is None:
             self._plan = self.plan(live)
             self.chunk_bytes = [_nbytes(live, _tensors(chunk)) for chunk in self._plan]
-        self._window = _Window(start_step=step, names=list(live), buffers=buffers)
+        self._window = _Window(start_step=step, names=list(live), buffers=buffers, plan=self._plan)
         return self._window
 
     def _held_gradients(self, window: _Window) -> dict[str, torch.Tensor]:
         """References to the last step's gradients of the chunks staged so far (no copy)."""
         grads = self.gradients()
-        held = {p: grads[p] for chunk in self._plan[:window.chunks_staged] for p in chunk}
+        held = {p: grads[p] for chunk in window.plan[:window.chunks_staged] for p in chunk}
         previous = window.gradients[-1] if window.gradients else {}
         reused = [p for p, g in previous.items() if g.numel() and g.data_ptr() == held[p].data_ptr()]
         if reused:
@@ -212,7 +224,7 @@ class OverlappedCheckpointer:
         return held
 
     def _stage(self, window: _Window, index: int, live: Mapping[str, torch.Tensor]) -> None:
-        window.staged.update(copy_into(window.buffers, {n: live[n] for n in _tensors(self._plan[index])}))
+        window.staged.update(copy_into(window.buffers, {n: live[n] for n in _tensors(window.plan[index])}))
 
     def _submit(self, window: _Window, step: int) -> None:
         """Queue the catch-up and the commit of ``window`` as the snapshot of ``step``; close the window."""
@@ -229,7 +241,7 @@ class OverlappedCheckpointer:
     def _write(self, window: _Window, step: int) -> None:
         """On the writer thread: bring each chunk to ``step`` (replay the steps after it was staged), commit."""
         t0 = time.perf_counter()
-        for index, chunk in enumerate(self._plan):
+        for index, chunk in enumerate(window.plan):
             later = window.gradients[index:]  # the steps after chunk ``index`` was staged
             if later:
                 replay_adamw_({n: window.staged[n] for n in _tensors(chunk)},
@@ -255,15 +267,17 @@ class OverlappedCheckpointer:
         ``catch_up_seconds`` (per snapshot), ``stage_seconds`` (per staging step), ``chunks`` (m used),
         ``chunk_bytes`` (per chunk), ``postponed_checks``, ``postponed_steps``, ``errors`` and
         ``finished``."""
-        buffers = self._pool.take(timeout_s) if self._window is None and self.postponed.due_since is not None else None
-        if buffers is not None:
-            self._stage(self._open(self._last_step_seen, self._state(), buffers), 0, self._state())
-        window = self._window
-        if window is not None:
-            live = self._state()
-            for index in range(window.chunks_staged, len(self._plan)):
-                self._stage(window, index, live)
-            self._submit(window, window.start_step + len(window.gradients))
+        state = self._state
+        if state is not None:  # after_step has run: a window may be open, a snapshot postponed
+            buffers = self._pool.take(timeout_s) if self._window is None and self.postponed.due_since is not None else None
+            if buffers is not None:
+                self._stage(self._open(self._last_step_seen, state(), buffers), 0, state())
+            window = self._window
+            if window is not None:
+                live = state()
+                for index in range(window.chunks_staged, len(window.plan)):
+                    self._stage(window, index, live)
+                self._submit(window, window.start_step + len(window.gradients))
         finished = self._writer.close(timeout_s)
         return {**self.stats, "write_seconds": list(self.stats["write_seconds"]),
                 "catch_up_seconds": list(self.stats["catch_up_seconds"]), "stage_seconds": list(self.stats["stage_seconds"]),

@@ -136,8 +136,9 @@ class KeeperSender:
                 return
         end = self._deliver([record])
         with self._cond:
-            self._raise_if_failed()
-            self.acked = end
+            self._raise_if_failed()  # None from _deliver: error is set
+            if end is not None:
+                self.acked = end
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:

@@ -50,7 +50,7 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
         log.warning("shadow cannot serve step %d (%s); falling back to storage", log_end, type(exc).__name__)
         return None
     state, problem = assemble(images, log_end)
-    if problem:
+    if state is None:
         log.warning("%s; falling back to storage", problem)
         return None
     load_into(params, state)
@@ -58,10 +58,11 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
             "load_seconds": time.perf_counter() - t0, "replay_seconds": 0.0, "state_loaded_unix_s": time.time()}
 
 
-def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict, list[StepRecord], str]:
+def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict | None, list[StepRecord], str]:
     """(header, records ``start..end - 1``, where they came from) of the run's step log, from the first
     of these that holds ``end`` steps: ``local_log`` (rank 0's node-local log; None elsewhere), the log
     keeper (``cfg.log_keeper_name``), the log segments in the run's storage (``cfg.remote_storage``).
+    The header is None when the segments hold no log (``end`` 0: nothing to replay).
 
     Raises:
         StepLogGapError: none of them holds ``end`` steps (each one's reason is named).
@@ -115,8 +116,9 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
     result = {"source": source, "base_step": base, "replayed_steps": 0, "skipped": skipped, "state_loaded_unix_s": time.time()}
     if log_end is not None:
         header, records, result["log_source"] = log_tail(cfg, local_log, base, log_end)
-        check_generator(header, f"the step log ({result['log_source']})")
-        check_dtype(header, cfg.dtype, f"the step log ({result['log_source']})")
+        if header is not None:  # None: no log written yet, nothing to replay or check
+            check_generator(header, f"the step log ({result['log_source']})")
+            check_dtype(header, cfg.dtype, f"the step log ({result['log_source']})")
         result["replayed_steps"] = replay_records_(params, records)
     return {**result, "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 
@@ -137,7 +139,7 @@ def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log,
     restored state belongs to step ``base_step + replayed_steps``.
     """
     t0, began_unix_s = time.perf_counter(), time.time()
-    result = (from_shadow(params, cfg, log_end) if cfg.uses_shadow else None) or from_storage(params, cfg, local_log, log_end, initial)
+    result = (from_shadow(params, cfg, log_end) if cfg.uses_shadow and log_end is not None else None) or from_storage(params, cfg, local_log, log_end, initial)
     result["seconds"] = time.perf_counter() - t0
     result["restore_began_unix_s"] = began_unix_s
     return result

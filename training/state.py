@@ -26,7 +26,7 @@ def state_sha256(state: Mapping[str, torch.Tensor | np.ndarray]) -> str:
     for name, t in state.items():
         a = np.ascontiguousarray(as_numpy(t))
         h.update(f"{name}|{a.dtype.str}|{a.shape}\n".encode())
-        h.update(memoryview(a).cast("B"))
+        h.update(a.data.cast("B"))
     return h.hexdigest()
 
 

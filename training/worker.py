@@ -67,10 +67,11 @@ def train_loop_per_worker(config: dict) -> None:
         writer = open_rank0_log(cfg, keeper, run) if rank == 0 else None
         barrier("log-opened")  # rank 0's log equals the keeper's before anyone reads its length
         log_end = keeper.end()
+        sender = KeeperSender(keeper, log_end, wait=cfg.durability != "process") if writer is not None else None
         checkpointer = None
         resuming = faults.fired() or log_end > 0
     else:  # full-state baselines: progress is durable at the newest committed checkpoint only
-        writer, log_end = None, None
+        writer, sender, log_end = None, None, None
         checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot_every, cfg.strategy == RunStrategy.FULL_ASYNC,
                                         {"trajectory_sha256": cfg.trajectory_sha256()}) if rank == 0 else None
         faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0),
@@ -81,8 +82,7 @@ def train_loop_per_worker(config: dict) -> None:
     params = trainable_parameters(model.to(worker_device(cfg.device)))
     step = record_start(env, restored)
 
-    sender = KeeperSender(keeper, log_end, wait=cfg.durability != "process") if writer is not None else None
-    commit = replicated_append(writer, sender) if writer is not None else timed_append(None)
+    commit = replicated_append(writer, sender) if writer is not None and sender is not None else timed_append(None)
     restarts = 0  # in-process restarts of this process
     while step < cfg.steps:
         try:
@@ -93,9 +93,9 @@ def train_loop_per_worker(config: dict) -> None:
             block_s = checkpointer.after_step(step + 1, lambda: on_cpu(params)) if checkpointer is not None else append_s
             if rank == 0:
                 loss_plus, loss_minus = record.loss_plus, record.loss_minus
-                row = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
-                           projected_grad=record.projected_grad, step_seconds=step_s, log_append_seconds=append_s,
-                           checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and checkpointer.schedule.last_step == step + 1)
+                row: dict[str, object] = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
+                                              projected_grad=record.projected_grad, step_seconds=step_s, log_append_seconds=append_s,
+                                              checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and checkpointer.schedule.last_step == step + 1)
                 if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
                     row["state_sha256"] = state_sha256(on_cpu(params))  # the state after step + 1 steps
                 run.metric(**row)
@@ -108,7 +108,7 @@ def train_loop_per_worker(config: dict) -> None:
             if not decision.restart:
                 raise
             restarts += 1
-            if writer is not None:  # made equal to the keeper's, as a replacement's is
+            if writer is not None and sender is not None:  # made equal to the keeper's, as a replacement's is
                 writer, sender = reopen_rank0_log(cfg, keeper, run, writer, sender)
                 log_end = keeper.end()
             elif checkpointer is not None:
@@ -119,7 +119,7 @@ def train_loop_per_worker(config: dict) -> None:
             step = restored["base_step"] + restored["replayed_steps"]
             if checkpointer is not None:
                 checkpointer.schedule.taken(step)  # the interval counts from the restore, as in a replacement worker
-            commit = replicated_append(writer, sender) if writer is not None else timed_append(None)
+            commit = replicated_append(writer, sender) if writer is not None and sender is not None else timed_append(None)
             run.event("recovery", rank=rank, at_step=step, restored_step=step, path="in_process", pid=os.getpid(),
                       detected_unix_s=detected_unix_s, **restored)
 
@@ -130,7 +130,7 @@ def train_loop_per_worker(config: dict) -> None:
             final["accuracy_after"] = encoder.evaluate(model, held_out, cfg.eval_samples)
         if checkpointer is not None:
             final["checkpoints"] = checkpointer.close()
-        if writer is not None:
+        if writer is not None and sender is not None:
             sender.close()  # the keeper holds every step before the run counts as done
             writer.close()
         run.event("final", **final)

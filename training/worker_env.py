@@ -16,7 +16,7 @@ import torch.distributed as dist
 from actors.journal import RunChannel
 from job.config import JobConfig
 from training.assets import ASSETS_KEY, fetch, shipped_model, splits
-from training.data import CausalLMEncoder, PromptEncoder, make_encoder
+from training.data import CausalLMEncoder, PromptEncoder, Split, make_encoder
 from training.model import load_model, load_tokenizer, trainable_parameters
 from training.node import this_node
 
@@ -40,8 +40,8 @@ class WorkerEnv:
     stamps: dict[str, float]
     model: torch.nn.Module
     encoder: PromptEncoder | CausalLMEncoder
-    train: object
-    held_out: object
+    train: Split
+    held_out: Split
     initial_weights: Callable[[], "OrderedDict[str, torch.Tensor]"]
 
 
