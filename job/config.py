@@ -10,7 +10,7 @@ import pathlib
 import re
 import tempfile
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
 from storage.backend import Storage, local_path
@@ -120,8 +120,6 @@ class ZOConfig:
     """MeZO learning rate, constant."""
     eps: float = 1e-3
     """MeZO perturbation scale."""
-    weight_decay: float = 0.0
-    """Weight decay of the matrices (>= 0)."""
     micro_batch_size: int = 0
     """Examples per example group (``training.groups``): the step's batch is scored in groups of this many
     examples, each group one forward pass whichever worker computes it, so the losses do not depend
@@ -131,8 +129,6 @@ class ZOConfig:
     def __post_init__(self) -> None:
         _require_positive("zo.lr", self.lr)
         _require_positive("zo.eps", self.eps)
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"zo.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.micro_batch_size < 0:
             raise ValueError(f"zo.micro_batch_size must be >= 0 (0: batch_size / workers), got {self.micro_batch_size}")
 
@@ -328,6 +324,16 @@ class OldConfigError(ValueError):
     """A configuration in the flat form of raycheck before its components (``JobConfig.from_dict``)."""
 
 
+def refuse_flat(d: dict) -> None:
+    """Raise ``OldConfigError`` (one line) when ``d``, a configuration as ``config.json`` holds it, is in
+    the flat form of raycheck before its components: its ``storage`` is a string, the URI (the flat form
+    always held one there)."""
+    if isinstance(d.get("storage"), str):
+        raise OldConfigError("configuration written by an older raycheck (flat fields such as storage, snapshot_every); "
+                             "this raycheck reads only the nested form (storage.uri, snapshot.every_steps): resume the run "
+                             "with the raycheck that started it, or start it anew")
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     """Everything a run needs: run-level fields, and one frozen component per concern (``COMPONENTS``:
@@ -378,6 +384,8 @@ class JobConfig:
     workers: int = 1
     torch_threads: int = 1
     """Torch threads per worker, fixed so forward passes are reproducible across restarts."""
+    weight_decay: float = 0.0
+    """Weight decay of the matrices (>= 0), in both optimisers (MeZO's update, AdamW's decoupled decay)."""
     zo: ZOConfig = field(default_factory=ZOConfig)
     fo: FOConfig = field(default_factory=FOConfig)
     layerwise: LayerwiseConfig = field(default_factory=LayerwiseConfig)
@@ -420,14 +428,14 @@ class JobConfig:
     """When a step's record counts as durable (before its update): ``process`` (fsynced in rank 0's
     node-local log; sent to the log keeper without waiting) or ``node`` (also acknowledged by the log
     keeper on the driver's node; survives the loss of rank 0's node when that is another node) or
-    ``cluster`` (also in the remote ``storage.uri`` as a log segment, uploaded by the keeper with group
+    ``cluster`` (also in the remote storage, ``JobConfig.storage``, as a log segment, uploaded by the keeper with group
     commit; survives the loss of every node)."""
     scratch_dir: str = ""
     """Node-local directory of rank 0's own step log (never the run directory); empty: a per-run
     directory under the system temp directory (``default_scratch_dir``)."""
     extra: dict = field(default_factory=dict)
 
-    TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "zo.lr", "zo.eps", "zo.weight_decay", "workers",
+    TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "zo.lr", "zo.eps", "weight_decay", "workers",
                   "torch_threads", "fo.lr", "fo.max_grad_norm")
     """The paths of the fields that determine the trajectory (``trajectory_sha256`` adds the conditional ones)."""
 
@@ -450,6 +458,8 @@ class JobConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         for name in ("eval_samples", "hash_every_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
@@ -648,20 +658,28 @@ class JobConfig:
                 ``storage`` a string, the URI).
             ValueError, TypeError: a field no run can use, or an unknown one.
         """
-        if isinstance(d.get("storage"), str):  # the flat form always holds the storage URI there
-            raise OldConfigError("configuration written by an older raycheck (flat fields such as storage, snapshot_every); "
-                                 "this raycheck reads only the nested form (storage.uri, snapshot.every_steps): resume the run "
-                                 "with the raycheck that started it, or start it anew")
+        refuse_flat(d)
         return cls(**d)
 
     def replace(self, **changes: object) -> "JobConfig":
-        """A copy with ``changes``: run-level fields by name, and a component by name as a dict of the
-        fields to change in it (the others kept) or as a whole component, e.g.
-        ``cfg.replace(steps=5, layerwise={"threshold": 0.1})``."""
+        """A copy with ``changes``: run-level fields by name; a component by name, as a dict of the
+        fields to change in it (the others kept) or as a whole component; or a component's field by its
+        path. E.g. ``cfg.replace(steps=5, layerwise={"threshold": 0.1})``, or
+        ``cfg.replace(**{"faults.max_shadow_restarts": 3})``.
+
+        Raises:
+            TypeError: an unknown field; ValueError: a value no run can use.
+        """
+        nested: dict[str, object] = {}
         for name, value in changes.items():
+            component, _, leaf = name.rpartition(".")
+            if component:
+                name, value = component, {leaf: value}
             if name in COMPONENTS and isinstance(value, dict):
-                changes[name] = dataclasses.replace(getattr(self, name), **value)
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+                current: Any = nested.get(name, getattr(self, name))
+                value = dataclasses.replace(current, **value)
+            nested[name] = value
+        return dataclasses.replace(self, **nested)  # type: ignore[arg-type]
 
     def snapshot_store(self) -> SnapshotStore:
         """The run's snapshot store (built fresh: safe to call in any process): it writes and restores

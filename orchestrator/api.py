@@ -56,7 +56,7 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
 
         params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
         split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
-    if cfg.remote_storage:  # a local store is made by the run: checking it here would leave a folder behind
+    if cfg.storage.remote:  # a local store is made by the run: checking it here would leave a folder behind
         cfg.snapshot_store().storage.probe()
     return cfg, assets
 

@@ -6,7 +6,7 @@ stopped on an error (the actor still answers, with ``error`` in its status, but 
 nothing more): either way the keeper kills it and starts a new incarnation of that shard ALONE (the
 other shards keep their actors and state), from its own units of the newest snapshot plus the log
 tail. Each shard has its own incarnation counter and its own restart budget of
-``JobConfig.max_shadow_restarts`` (``decide``); past it ``poll`` raises ``ShadowFailedError``.
+``JobConfig.faults.max_shadow_restarts`` (``decide``); past it ``poll`` raises ``ShadowFailedError``.
 
 Each incarnation gets its own actor name (``<shadow_name>-<n>``; sharded ``<shadow_name>-s<shard>-<n>``),
 published as the shadow pointer in the run's journal (``actors.journal``: ``shards``, one
@@ -55,7 +55,7 @@ class ShadowAction(enum.Enum):
 
 
 class ShadowFailedError(RuntimeError):
-    """The shadow failed more often than ``JobConfig.max_shadow_restarts`` allows."""
+    """The shadow failed more often than ``JobConfig.faults.max_shadow_restarts`` allows."""
 
 
 def failure_reason(status: dict | None) -> str | None:
@@ -138,7 +138,7 @@ class ShardKeeper:
         failure before it kills the shadow, so asking later cannot miss that announcement.
 
         Raises:
-            ShadowFailedError: the shard failed and ``cfg.max_shadow_restarts`` restarts are spent.
+            ShadowFailedError: the shard failed and ``cfg.faults.max_shadow_restarts`` restarts are spent.
         """
         if self._status_ref is None:
             self._status_ref = self.actor.status.remote()
@@ -154,7 +154,7 @@ class ShardKeeper:
             self._seen(status)
             if self._restarted is not None:  # a restarted incarnation has answered
                 self._record_restart(*self._restarted)
-        action = decide(status, self.incarnation, self.cfg.max_shadow_restarts, may_restart)
+        action = decide(status, self.incarnation, self.cfg.faults.max_shadow_restarts, may_restart)
         self.alive = action is ShadowAction.KEEP
         if action is ShadowAction.KEEP:
             return
@@ -165,7 +165,7 @@ class ShardKeeper:
         if action is ShadowAction.GIVE_UP:
             what = "the shadow" if self.spec.shards == 1 else f"shadow shard {self.spec.shard}"
             raise ShadowFailedError(f"{what} failed after {self.incarnation} restarts (max_shadow_restarts "
-                                    f"{self.cfg.max_shadow_restarts}): {self._failed[1]}")
+                                    f"{self.cfg.faults.max_shadow_restarts}): {self._failed[1]}")
         self._restarted, self._failed = self._failed, None
         self.start()
 
@@ -248,7 +248,7 @@ class ShadowKeeper:
         """``ShardKeeper.poll`` of every shard: a failed shard is restarted alone.
 
         Raises:
-            ShadowFailedError: a shard failed and its ``cfg.max_shadow_restarts`` restarts are spent.
+            ShadowFailedError: a shard failed and its ``cfg.faults.max_shadow_restarts`` restarts are spent.
         """
         for shard in self.shards:
             shard.poll(may_restart)

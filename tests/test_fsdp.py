@@ -176,7 +176,7 @@ def test_fsdp2_is_refused_with_strategies_and_algorithms_it_does_not_support(tmp
                          (dict(fo_parallelism="zero3"), "fo_parallelism 'zero3': choose one of ddp, fsdp2")):
         with pytest.raises(ValueError, match=expected):
             fo_config(tmp_path, **kw)
-    assert fo_config(tmp_path, fo_parallelism="fsdp2", strategy="full-async").fo_parallelism == "fsdp2"
+    assert fo_config(tmp_path, fo_parallelism="fsdp2", strategy="full-async").fo.parallelism == "fsdp2"
 
 
 def test_resume_changes_the_worker_count_of_an_fsdp2_run_only(tmp_path, capsys):

@@ -26,7 +26,7 @@ CPU = Node("cpu", "10.0.0.4", {"CPU": 1.0, "replica": 8.0})
 
 def node_cfg(tmp_path: pathlib.Path, **fields) -> JobConfig:
     return JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=8,
-                     failures=(FailureSpec.parse("3:node"),), **{"storage": "s3://bucket/run", **fields})
+                     **{"storage": "s3://bucket/run", **fields}, faults={"failures": (FailureSpec.parse("3:node"),)})
 
 
 def test_a_node_failure_parses_and_is_refused_where_the_run_could_not_survive_it(tmp_path):

@@ -323,12 +323,12 @@ def test_a_mezo_step_trains_a_causal_lm_on_its_completion_loss(tmp_path):
     params = trainable_parameters(model)
     train = assets.data[0]
     before = state_sha256(params)
-    record, _ = zo_step_(params, model, encoder, train, cfg, 0, 0, 1, ZOHyper(lr=cfg.lr, eps=cfg.eps),
+    record, _ = zo_step_(params, model, encoder, train, cfg, 0, 0, 1, ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps),
                          fail=lambda: None, commit=lambda r: 0.0)
     assert state_sha256(params) != before and record.loss_plus != record.loss_minus
     fresh = load_model(cfg.model, cfg.cache_dir, assets.model)
     p = trainable_parameters(fresh)
     zs = [noise(step_seed(cfg.seed, 0), i, t) for i, t in enumerate(p.values())]
-    perturb_all_(p, zs, cfg.eps)  # the step's +eps z, on a fresh copy of the initial weights
+    perturb_all_(p, zs, cfg.zo.eps)  # the step's +eps z, on a fresh copy of the initial weights
     idx = batch_indices(cfg.seed, 0, cfg.batch_size, len(train))
     assert encoder.loss(fresh, train, idx) == record.loss_plus
