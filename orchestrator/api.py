@@ -24,7 +24,8 @@ from training.model import default_cache_dir
 def job_config(out_dir: str | pathlib.Path, **fields) -> JobConfig:
     """A ``JobConfig`` with the run directory ``out_dir`` made absolute, a new 8-hex-digit run id and the
     default model cache (``training.model.default_cache_dir``) unless given; any ``JobConfig`` field
-    may be passed (``model``, ``data``, ``task``, ``steps``, ``failures``, ...).
+    may be passed (``model``, ``data``, ``task``, ``steps``, ...; a component such as ``faults`` as its
+    dataclass or as a dict of its fields, e.g. ``faults={"failures": (FailureSpec(step=3),)}``).
 
     Raises:
         ValueError: a setting no run can use (the message names the field).

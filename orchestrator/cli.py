@@ -75,7 +75,8 @@ run resumed on another cluster is placed there)."""
 
 
 def parameter(path: str) -> str:
-    """The ``raycheck run`` parameter of the ``JobConfig`` field ``path``, e.g. ``layer_threshold``."""
+    """The ``raycheck run`` parameter that fills the ``JobConfig`` field ``path``: its entry in
+    ``OPTION_OF_FIELD``, else the path's last name."""
     return OPTION_OF_FIELD.get(path, path.split(".")[-1])
 
 
@@ -109,7 +110,7 @@ def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig
 
     Returns:
         ``saved`` with the ``RESUME_BUDGETS`` given (a notice for each one that changes) and, for a
-        ``fo_parallelism`` fsdp2 run, ``workers`` (its state reshards), and a warning line naming every
+        ``fo.parallelism`` fsdp2 run, ``workers`` (its state reshards), and a warning line naming every
         given option that ``--resume`` ignores (none when there is none).
 
     Raises:

@@ -66,7 +66,7 @@ def load_config(uri: str, storage_options: dict, out_dir: pathlib.Path, cache_di
         scratch_dir: rank 0's node-local directory; empty: the default for ``out_dir`` and the run id.
 
     Returns:
-        The saved configuration with these fields replaced by the arguments (``storage`` by ``uri`` and ``storage_options``).
+        The saved configuration with these fields replaced by the arguments (``storage`` by ``uri`` and ``storage.options``).
 
     Raises:
         StoredConfigError: no ``CONFIG_OBJECT`` in ``uri`` (not the run's storage URI), a damaged one,

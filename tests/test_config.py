@@ -173,7 +173,7 @@ def test_the_trajectory_hash_covers_the_trajectory_paths_only():
 
 
 def test_a_config_in_the_flat_form_of_an_older_raycheck_is_refused_in_one_line(tmp_path):
-    flat = {"out_dir": "/tmp/x", "cache_dir": "/tmp/c", "storage": "/tmp/x/snapshots", "snapshot_every": 10, "lr": 1e-6}
+    flat = {"storage": "/tmp/x/snapshots", "snapshot_every": 10, "lr": 1e-6, "fo_lr": 1e-5}  # as config.json held them
     with pytest.raises(OldConfigError) as err:
         JobConfig.from_dict(flat)
     assert str(err.value).startswith("configuration written by an older raycheck") and "\n" not in str(err.value)

@@ -49,7 +49,7 @@ def test_every_process_gets_the_drivers_storage_settings_and_nothing_else(monkey
 
 def test_the_worker_group_gets_the_placement_and_the_runs_failure_budget_not_the_injected_count(tmp_path):
     """Ray Train's worker group (``Controller._trainer``, built without Ray) restarts at most
-    ``max_worker_failures`` times, whatever the injected failures: a real run's budget must not depend on them."""
+    ``faults.max_worker_failures`` times, whatever the injected failures: a real run's budget must not depend on them."""
     from job.config import FailureSpec, JobConfig
     from orchestrator.controller import Controller
 

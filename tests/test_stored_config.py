@@ -110,7 +110,7 @@ def test_resume_from_the_bucket_alone_starts_the_saved_run_in_the_new_directory(
 
 
 def test_a_configuration_in_the_flat_form_of_an_older_raycheck_is_refused_in_one_line(tmp_path, bucket, s3_endpoint):
-    flat = {"out_dir": "/old", "cache_dir": "/c", "run_id": "stored", "storage": bucket, "storage_options": {}, "snapshot_every": 10}
+    flat = {"run_id": "stored", "storage": bucket, "storage_options": {}, "snapshot_every": 10}  # as config.json held them
     Storage(bucket, endpoint_url=s3_endpoint).put(CONFIG_OBJECT, json.dumps(flat).encode())
     with pytest.raises(StoredConfigError) as err:
         load_config(bucket, {"endpoint_url": s3_endpoint}, tmp_path / "new", tmp_path / "cache")

@@ -154,7 +154,7 @@ class FaultInjector:
     def _settle_snapshots(self):
         """Wait until the shadow (its shards returned; None without one) has replayed every durable step
         and the persister, and this rank's checkpointer, have committed what they were handed. Without
-        ``settle_failures`` only wait for a live shadow (a restarted one may still be starting)."""
+        ``faults.settle_failures`` only wait for a live shadow (a restarted one may still be starting)."""
         if not self.cfg.faults.settle_failures:
             return self._live_shadow() if self.cfg.uses_shadow else None
         self.flush()

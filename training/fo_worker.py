@@ -8,11 +8,11 @@ Strategies (rank 0 persists; ``cfg.snapshot_store()`` holds every checkpoint):
   ``full-sync`` / ``full-async``: ``training.checkpointing.FullCheckpointer`` every ``snapshot_every``.
   ``layerwise``: ``training.layerwise.LayerwiseCheckpointer`` every ``snapshot_every`` (LayerCheck).
   ``differential``: ``training.differential.DiffCheckpointer`` (LowDiff): gradient records every
-  step, a full checkpoint every ``diff_full_every``.
+  step, a full checkpoint every ``differential.full_every_steps``.
   ``overlapped``: ``training.overlapped.OverlappedCheckpointer`` (GoCkpt) every ``snapshot_every``:
-  staged in ``overlap_chunks`` chunks over as many steps, caught up to one consistent step.
+  staged in ``overlapped.chunks`` chunks over as many steps, caught up to one consistent step.
 
-``fo_parallelism`` fsdp2 (``training.sharded``): the state is sharded over the workers (FSDP2); every
+``fo.parallelism`` fsdp2 (``training.sharded``): the state is sharded over the workers (FSDP2); every
 rank runs the checkpointer (full-sync / full-async, each writing its rows through torch DCP), the
 restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
 
