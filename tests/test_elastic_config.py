@@ -39,6 +39,6 @@ def test_min_workers_is_refused_where_the_losses_would_depend_on_the_worker_coun
         JobConfig(**base, elastic={"min_workers": 3})
     with pytest.raises(ValueError, match="min_workers 1 \\(elastic\\) needs algo zo with a step log .* \\(this run: fo layerwise\\)"):
         JobConfig(**base, algo="fo", elastic={"min_workers": 1})
-    with pytest.raises(ValueError, match="elastic_resize_interval_s must be a finite number > 0"):
+    with pytest.raises(ValueError, match="elastic.resize_interval_s must be a finite number > 0"):
         JobConfig(**base, elastic={"min_workers": 1, "resize_interval_s": 0})
-    assert not JobConfig(**base, elastic={"min_workers": 2}).elastic and JobConfig(**base, elastic={"min_workers": 1}).elastic
+    assert not JobConfig(**base, elastic={"min_workers": 2}).is_elastic and JobConfig(**base, elastic={"min_workers": 1}).is_elastic

@@ -74,9 +74,9 @@ def test_micro_batch_size_is_checked_and_sets_the_trajectory_hash_instead_of_the
     base = dict(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", batch_size=8)
     assert JobConfig(**base).example_group_size == 8 and JobConfig(**base, workers=2).example_group_size == 4
     with pytest.raises(ValueError, match=r"batch_size 8 in micro-batches of 8 gives 1 example group\(s\), fewer than workers \(2\): "
-                                         "set micro_batch_size to at most 4"):
+                                         "set zo.micro_batch_size to at most 4"):
         JobConfig(**base, workers=2, zo={"micro_batch_size": 8})
-    with pytest.raises(ValueError, match=r"batch_size \(8\) must be a multiple of micro_batch_size \(3\)"):
+    with pytest.raises(ValueError, match=r"batch_size \(8\) must be a multiple of zo.micro_batch_size \(3\)"):
         JobConfig(**base, zo={"micro_batch_size": 3})
     with pytest.raises(ValueError, match="micro_batch_size must be >= 0"):
         JobConfig(**base, zo={"micro_batch_size": -1})

@@ -171,10 +171,10 @@ def test_the_persister_restart_budget_is_a_pure_decision_validated_up_front(tmp_
     assert [may_restart_persister(used, 2) for used in range(4)] == [True, True, False, False]
     assert not may_restart_persister(0, 0)
     assert all(may_restart_persister(used, -1) for used in (0, 1, 10_000))
-    with pytest.raises(ValueError, match=r"^max_persister_restarts must be >= 0, or -1 for unlimited, got -2$"):
+    with pytest.raises(ValueError, match=r"^faults.max_persister_restarts must be >= 0, or -1 for unlimited, got -2$"):
         JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", faults={"max_persister_restarts": -2})
     assert JobConfig.from_dict({**JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny").to_dict(),
-                                "max_persister_restarts": 0}).faults.max_persister_restarts == 0
+                                "faults": {"max_persister_restarts": 0}}).faults.max_persister_restarts == 0
     result = cli("run", "--model", "tiny", "--out", str(tmp_path / "run"), "--max-persister-restarts", "-2")
     assert result.exit_code == 2, result.output
     assert result.output.splitlines() == ["error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"]
