@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from policies.layerwise import LayerwiseConfig
 from policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
 from storage.backend import Storage, local_path
 from storage.manifest import RunIdentity
@@ -153,28 +154,6 @@ class FOConfig:
             raise ValueError(f"fo.max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         if self.parallelism not in FO_PARALLELISMS:
             raise ValueError(f"fo.parallelism {self.parallelism!r}: choose one of {', '.join(FO_PARALLELISMS)}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerwiseConfig:
-    """Strategy ``layerwise``: which units a check (every ``snapshot.every_steps`` steps) rewrites."""
-
-    threshold: float = 1e-3
-    """A unit is rewritten at a check when its weights' relative change since its persisted version,
-    ||w - w_p|| / ||w_p||, exceeds this (dimensionless). Default from a measurement: see docs/first-order.md."""
-    staleness_steps: int = 100
-    """A unit whose persisted version is this many steps old is rewritten whatever its change (bounds
-    how old a restored unit can be)."""
-    max_bytes_per_check: int = 0
-    """Bytes of units written per check, forced units included (they are written even over it); units
-    over the threshold that do not fit wait for a later check (0: no limit)."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.threshold) and self.threshold >= 0):
-            raise ValueError(f"layerwise.threshold must be a finite relative change >= 0, got {self.threshold}")
-        _require_at_least("layerwise", self, ("staleness_steps",), 1)
-        if self.max_bytes_per_check < 0:
-            raise ValueError(f"layerwise.max_bytes_per_check must be >= 0 (0: no limit), got {self.max_bytes_per_check}")
 
 
 @dataclass(frozen=True, kw_only=True)

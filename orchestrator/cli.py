@@ -57,7 +57,7 @@ def _refuse(message: str) -> typer.Exit:
 OPTION_OF_FIELD = {
     "out_dir": "out", "hash_every_steps": "hash_every",
     "fo.lr": "fo_lr", "fo.max_grad_norm": "fo_max_grad_norm", "fo.parallelism": "fo_parallelism",
-    "layerwise.threshold": "layer_threshold", "layerwise.staleness_steps": "layer_staleness_steps",
+    "layerwise.threshold": "layer_threshold", "layerwise.staleness_bound_steps": "layer_staleness_steps",
     "layerwise.max_bytes_per_check": "layer_max_bytes_per_check",
     "differential.full_every_steps": "diff_full_every", "differential.batch_steps": "diff_batch_steps",
     "differential.topk": "diff_topk", "overlapped.chunks": "overlap_chunks",
@@ -394,7 +394,7 @@ def run(
             batch_size=batch_size, seq_len=seq_len, seed=seed, workers=workers, torch_threads=torch_threads,
             weight_decay=weight_decay, zo=ZOConfig(lr=lr, eps=eps, micro_batch_size=micro_batch_size),
             fo=FOConfig(lr=fo_lr, max_grad_norm=fo_max_grad_norm, parallelism=fo_parallelism),
-            layerwise=LayerwiseConfig(threshold=layer_threshold, staleness_steps=layer_staleness_steps,
+            layerwise=LayerwiseConfig(threshold=layer_threshold, staleness_bound_steps=layer_staleness_steps,
                                       max_bytes_per_check=layer_max_bytes_per_check),
             differential=DifferentialConfig(full_every_steps=diff_full_every, batch_steps=diff_batch_steps, topk=diff_topk),
             overlapped=OverlappedConfig(chunks=overlap_chunks),

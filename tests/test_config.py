@@ -128,7 +128,7 @@ def test_a_storage_failure_is_refused_before_an_existing_run_is_touched(tmp_path
     ("faults.recovery_timeout_s", 0.0, "faults.recovery_timeout_s must be a finite number > 0, got 0.0"),
     ("fo.lr", -1.0, "fo.lr must be a finite number > 0, got -1.0"),
     ("overlapped.chunks", 0, "overlapped.chunks must be >= 1, got 0"),
-    ("layerwise.staleness_steps", 0, "layerwise.staleness_steps must be >= 1, got 0"),
+    ("layerwise.staleness_bound_steps", 0, "layerwise.staleness_bound_steps must be >= 1, got 0"),
     ("differential.topk", 1.5, "differential.topk must be in [0, 1] (0: exact records), got 1.5"),
     ("faults.max_worker_failures", -2, "faults.max_worker_failures must be >= 0, or -1 for unlimited, got -2"),
     ("elastic.resize_interval_s", 0.0, "elastic.resize_interval_s must be a finite number > 0, got 0.0"),
@@ -148,8 +148,8 @@ def test_nonsense_values_are_refused_naming_the_field(path, value, message):
 def test_components_are_built_from_dicts_replaced_by_dict_or_path_and_read_by_path():
     cfg = JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", layerwise={"threshold": 0.1}, faults={"max_shadow_restarts": 2})
     assert cfg.layerwise == LayerwiseConfig(threshold=0.1) and cfg.faults.max_shadow_restarts == 2
-    changed = cfg.replace(steps=5, layerwise={"staleness_steps": 7}, **{"faults.max_worker_failures": 4, "faults.settle_failures": True})
-    assert (changed.steps, changed.layerwise.threshold, changed.layerwise.staleness_steps) == (5, 0.1, 7)  # the others kept
+    changed = cfg.replace(steps=5, layerwise={"staleness_bound_steps": 7}, **{"faults.max_worker_failures": 4, "faults.settle_failures": True})
+    assert (changed.steps, changed.layerwise.threshold, changed.layerwise.staleness_bound_steps) == (5, 0.1, 7)  # the others kept
     assert (changed.get("faults.max_shadow_restarts"), changed.get("faults.max_worker_failures"), changed.faults.settle_failures) == (2, 4, True)
     assert dataclasses.replace(cfg, layerwise=dataclasses.replace(cfg.layerwise, threshold=0.2)).get("layerwise.threshold") == 0.2
     assert cfg.replace(snapshot=SnapshotConfig(every_steps=3)).snapshot == SnapshotConfig(every_steps=3)

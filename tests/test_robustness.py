@@ -283,7 +283,9 @@ def test_a_persister_restarted_during_an_outage_comes_up_and_its_spent_budget_fa
     server = LocalS3Server().start()
     server.create_bucket()
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=4,
-                    strategy="log-only", eval_samples=0, run_id=f"budget-{uuid.uuid4().hex[:6]}", storage={"uri": server.uri("run"), "options": {"endpoint_url": server.endpoint}}, faults={"max_persister_restarts": 1})
+                    strategy="log-only", eval_samples=0, run_id=f"budget-{uuid.uuid4().hex[:6]}",
+                    storage={"uri": server.uri("run"), "options": {"endpoint_url": server.endpoint}},
+                    faults={"max_persister_restarts": 1})
     restarted, release = threading.Event(), threading.Event()
     trainer = PersisterKiller(cfg, server, restarted, release)
     restart = Controller._restart_persister

@@ -52,9 +52,7 @@ def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer):
     if cfg.strategy == RunStrategy.OVERLAPPED:
         return OverlappedCheckpointer(store, cfg.snapshot.every_steps, cfg.overlapped.chunks, trainer.hyper, trainer.applied_gradients, config)
     if cfg.strategy == RunStrategy.LAYERWISE:
-        policy = LayerwiseConfig(threshold=cfg.layerwise.threshold, staleness_bound_steps=cfg.layerwise.staleness_steps,
-                                 max_bytes_per_step=cfg.layerwise.max_bytes_per_check)
-        return LayerwiseCheckpointer(store, cfg.snapshot.every_steps, policy, config)
+        return LayerwiseCheckpointer(store, cfg.snapshot.every_steps, cfg.layerwise, config)
     return DiffCheckpointer(store, DiffStore(store.storage), trainer.applied_gradients, cfg.differential.full_every_steps,
                             cfg.differential.batch_steps, cfg.differential.topk, config)
 
