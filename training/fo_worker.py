@@ -27,7 +27,6 @@ from __future__ import annotations
 import time
 
 from job.config import JobConfig
-from policies.layerwise import LayerwiseConfig
 from policies.strategies import FULL_STATE, RunStrategy
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
