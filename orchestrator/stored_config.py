@@ -66,7 +66,8 @@ def load_config(uri: str, storage_options: dict, out_dir: pathlib.Path, cache_di
         scratch_dir: rank 0's node-local directory; empty: the default for ``out_dir`` and the run id.
 
     Returns:
-        The saved configuration with these fields replaced by the arguments (``storage`` by ``uri`` and ``storage.options``).
+        The saved configuration with ``out_dir``, ``cache_dir``, ``scratch_dir`` and its storage (URI
+        and options) replaced by the arguments.
 
     Raises:
         StoredConfigError: no ``CONFIG_OBJECT`` in ``uri`` (not the run's storage URI), a damaged one,

@@ -317,7 +317,7 @@ def test_a_mezo_step_trains_a_causal_lm_on_its_completion_loss(tmp_path):
 
     folder = gpt2_folder(tmp_path / "gpt2")
     data = write_rows(tmp_path / "qa.jsonl", [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(10)])
-    cfg, assets = read_assets(cfg_for(tmp_path, model=str(folder), data=str(data), task="causal-lm", lr=1e-3))
+    cfg, assets = read_assets(cfg_for(tmp_path, model=str(folder), data=str(data), task="causal-lm", zo={"lr": 1e-3}))
     model = load_model(cfg.model, cfg.cache_dir, assets.model)
     encoder = make_encoder(cfg, load_tokenizer(cfg.cache_dir, assets.model))
     params = trainable_parameters(model)
