@@ -420,7 +420,7 @@ class JobConfig:
 
     DATA_TRAJECTORY = ("model_sha256", "data_sha256", "task", "text_column", "label_column", "label_words",
                        "prompt_template", "prompt_column", "completion_column")
-    """Trajectory fields counted only when not at their defaults (existing runs keep their hashes)."""
+    """Trajectory fields counted only away from their defaults (at a default, a field adds nothing to the hash)."""
 
     def __post_init__(self) -> None:
         for name, kind in COMPONENTS.items():  # a dict (config.json, a caller's shorthand) becomes its component
