@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from job.config import FailureSpec
+from job.config import FailureSpec, FaultConfig, SnapshotConfig, ZOConfig
 from orchestrator.api import job_config, run_job
 
 
@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     fields = dict(model=args.model, data=args.data, task="classification", text_column="text", label_column="label",
-                  label_words="negative,positive", steps=args.steps, batch_size=4, seq_len=32, lr=1e-4, eval_samples=8,
-                  snapshot_every=2, dtype=args.dtype, failures=(FailureSpec(step=args.fail_step, target="worker"),))
+                  label_words="negative,positive", steps=args.steps, batch_size=4, seq_len=32, eval_samples=8, dtype=args.dtype,
+                  zo=ZOConfig(lr=1e-4), snapshot=SnapshotConfig(every_steps=2),
+                  faults=FaultConfig(failures=(FailureSpec(step=args.fail_step, target="worker"),)))
     if args.cache_dir:
         fields["cache_dir"] = args.cache_dir
     cfg = job_config(args.out, **fields)

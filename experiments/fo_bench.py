@@ -172,7 +172,7 @@ def make_checkpointer(name: str, root: pathlib.Path, trainer: FOTrainer, args):
     if name.startswith(OVERLAPPED):
         return store, OverlappedCheckpointer(store, args.every, int(name[len(OVERLAPPED):]), trainer.hyper, trainer.applied_gradients)
     if name == "layerwise":
-        policy = LayerwiseConfig(threshold=args.threshold, staleness_bound_steps=args.staleness, max_bytes_per_step=args.max_bytes)
+        policy = LayerwiseConfig(threshold=args.threshold, staleness_bound_steps=args.staleness, max_bytes_per_check=args.max_bytes)
         return store, LayerwiseCheckpointer(store, args.every, policy)
     topk = args.topk if name == "differential-topk" else 0.0
     return store, DiffCheckpointer(store, DiffStore(store.storage), trainer.applied_gradients, args.full_every, args.batch_steps, topk)

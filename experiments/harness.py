@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from experiments.results import recovery_rows, run_row, shard_rows
-from job.config import STRATEGIES, FailureSpec, JobConfig
+from job.config import STRATEGIES, FailureSpec, FaultConfig, JobConfig, SnapshotConfig
 from job.run_dir import RunDir
 
 
@@ -67,10 +67,10 @@ def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str,
         raise ValueError(f"failure kind {failure_kind!r}: choose one of {', '.join(FAILURE_KINDS)}")
     return JobConfig(
         out_dir=str(out), cache_dir=cache_dir, model=preset.model, steps=preset.steps, batch_size=preset.batch_size,
-        strategy=strategy, snapshot_every=preset.interval_steps,
-        snapshot_policy="adaptive" if strategy == "shadow" else "fixed", mtbf_s=preset.mtbf_s,
-        failures=tuple(FailureSpec(step=s, how=failure_kind) for s in preset.failure_steps) if failures else (),
-        eval_samples=0, run_id=f"{strategy}-{uuid.uuid4().hex[:6]}",
+        strategy=strategy, eval_samples=0, run_id=f"{strategy}-{uuid.uuid4().hex[:6]}",
+        snapshot=SnapshotConfig(every_steps=preset.interval_steps, policy="adaptive" if strategy == "shadow" else "fixed",
+                                mtbf_s=preset.mtbf_s),
+        faults=FaultConfig(failures=tuple(FailureSpec(step=s, how=failure_kind) for s in preset.failure_steps) if failures else ()),
     )
 
 

@@ -10,8 +10,9 @@ import pathlib
 import re
 import tempfile
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from policies.layerwise import LayerwiseConfig
 from policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
 from storage.backend import Storage, local_path, node_local
 from storage.manifest import RunIdentity
@@ -105,9 +106,221 @@ class FailureSpec:
         return cls(step=int(parts[0]), **dict(zip(("target", "how"), parts[1:])))
 
 
+def _require_at_least(owner: str, component: object, names: tuple[str, ...], low: int) -> None:
+    """Raise ``ValueError`` naming ``owner.name`` for the first of ``names`` on ``component`` below ``low``."""
+    for name in names:
+        if getattr(component, name) < low:
+            raise ValueError(f"{owner}.{name} must be >= {low}, got {getattr(component, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZOConfig:
+    """MeZO (algo ``zo``): the zeroth-order optimiser and how a step's batch is split."""
+
+    lr: float = 1e-6
+    """MeZO learning rate, constant."""
+    eps: float = 1e-3
+    """MeZO perturbation scale."""
+    micro_batch_size: int = 0
+    """Examples per example group (``training.groups``): the step's batch is scored in groups of this many
+    examples, each group one forward pass whichever worker computes it, so the losses do not depend
+    on the worker count (docs/elastic.md). ``batch_size`` must be a multiple, with at least ``workers`` groups.
+    0: ``batch_size // workers`` (one group per worker; one worker scores the whole batch at once)."""
+
+    def __post_init__(self) -> None:
+        _require_positive("zo.lr", self.lr)
+        _require_positive("zo.eps", self.eps)
+        if self.micro_batch_size < 0:
+            raise ValueError(f"zo.micro_batch_size must be >= 0 (0: batch_size / workers), got {self.micro_batch_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FOConfig:
+    """First-order training (algo ``fo``): AdamW and how the workers share the state."""
+
+    lr: float = 1e-5
+    """AdamW learning rate, constant."""
+    max_grad_norm: float = 1.0
+    """Clip the global L2 norm of the gradients to this before each AdamW step (0: no clipping)."""
+    parallelism: str = "ddp"
+    """``ddp`` (every worker holds the whole state; DDP averages the gradients) or ``fsdp2`` (FSDP2
+    ``fully_shard``: parameters and moments split over the workers, checkpoints written per rank with
+    torch DCP and resharded on load, so a ``--resume`` may change ``workers``; strategies full-sync and
+    full-async only; ``training.sharded``)."""
+
+    def __post_init__(self) -> None:
+        _require_positive("fo.lr", self.lr)
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise ValueError(f"fo.max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        if self.parallelism not in FO_PARALLELISMS:
+            raise ValueError(f"fo.parallelism {self.parallelism!r}: choose one of {', '.join(FO_PARALLELISMS)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DifferentialConfig:
+    """Strategy ``differential``: full checkpoints and per-step gradient records between them."""
+
+    full_every_steps: int = 50
+    """Steps between full checkpoints (LowDiff's F)."""
+    batch_steps: int = 5
+    """Per-step gradient records written together as one object."""
+    topk: float = 0.0
+    """0 for exact records (bitwise recovery); in (0, 1] the fraction of each gradient's elements kept
+    (top-k by magnitude; approximate recovery)."""
+
+    def __post_init__(self) -> None:
+        _require_at_least("differential", self, ("full_every_steps", "batch_steps"), 1)
+        if not 0 <= self.topk <= 1:
+            raise ValueError(f"differential.topk must be in [0, 1] (0: exact records), got {self.topk}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlappedConfig:
+    """Strategy ``overlapped`` (``training.overlapped``)."""
+
+    chunks: int = 4
+    """m, the chunks (balanced by bytes) a snapshot is staged in, one per step over m consecutive steps;
+    1 is a one-shot staged copy."""
+
+    def __post_init__(self) -> None:
+        _require_at_least("overlapped", self, ("chunks",), 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotConfig:
+    """When snapshots (checkpoints) are taken and how many are kept."""
+
+    every_steps: int = 10
+    """Fixed snapshot interval in steps (0: log-only); ignored when ``policy`` is adaptive."""
+    policy: str = "fixed"
+    """``fixed`` (every ``every_steps`` steps) or ``adaptive`` (the cost model's optimum for the
+    costs measured while the job runs, re-planned as they change: ``policies.replan``)."""
+    mtbf_s: float = 3600.0
+    """Assumed mean time between failures of the job, seconds, for the adaptive policy (refined by
+    the failures it sees)."""
+    keep: int = 3
+    """Complete snapshots kept in the storage."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError(f"snapshot.every_steps must be >= 0 (0: off), got {self.every_steps}")
+        if self.policy not in ("fixed", "adaptive"):
+            raise ValueError(f"snapshot.policy {self.policy!r}: choose fixed or adaptive")
+        if not self.mtbf_s > 0:
+            raise ValueError(f"snapshot.mtbf_s must be > 0, got {self.mtbf_s}")
+        _require_at_least("snapshot", self, ("keep",), 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageConfig:
+    """Where snapshots (and, remote, the step log's segments and the stored config) go."""
+
+    uri: str = ""
+    """Snapshot storage URI (a path, ``file://``, ``s3://bucket/prefix``); empty: ``<out_dir>/snapshots``."""
+    options: dict = field(default_factory=dict)
+    """Backend options, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``; credentials come from the
+    standard AWS environment variables."""
+
+    @property
+    def remote(self) -> bool:
+        """True when snapshots leave this machine (the step log is then mirrored there too)."""
+        return local_path(self.uri) is None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """Injected failures, and the budgets and timeouts of recovering from any failure."""
+
+    failures: tuple[FailureSpec, ...] = ()
+    """Failures to inject (``FailureSpec``)."""
+    settle_failures: bool = False
+    """Before each injected failure, wait until the shadow has replayed every durable step and every
+    snapshot and background checkpoint handed on is committed (``training.faults``), so that which
+    source serves a recovery depends on the failure steps alone, not on machine speed. For tests and
+    reproducible failure experiments; a real failure does not wait, so the default is off."""
+    max_shadow_restarts: int = 10
+    """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails
+    (-1: unlimited); with several shards, each shard has this budget of its own."""
+    max_persister_restarts: int = 10
+    """Restarts of a dead snapshot persister before the run fails (-1: unlimited; ``orchestrator.controller``)."""
+    max_worker_failures: int = 10
+    """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
+    before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
+    max_in_process_restarts: int = 3
+    """ZO (ignored by ``algo`` fo), one worker: in-process restarts per worker process (``training.in_process``): a step that raises
+    is rolled back to the freshest complete state in the same process and re-executed, without a Ray Train
+    restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
+    recovery_timeout_s: float = 600.0
+    """Seconds a recovery may take before the run fails."""
+    start_timeout_s: float = 300.0
+    """Seconds the snapshot persister and each shadow shard may take to start (be placed on a node and
+    construct) before the run fails, naming the component."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures"):
+            if getattr(self, name) < -1:
+                raise ValueError(f"faults.{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
+        if self.max_in_process_restarts < 0:
+            raise ValueError(f"faults.max_in_process_restarts must be >= 0 (0: off), got {self.max_in_process_restarts}")
+        _require_positive("faults.recovery_timeout_s", self.recovery_timeout_s)
+        _require_positive("faults.start_timeout_s", self.start_timeout_s)
+        if -1 < self.max_worker_failures < self.injected_worker_failures:
+            raise ValueError(f"{self.injected_worker_failures} injected worker failures exceed faults.max_worker_failures "
+                             f"{self.max_worker_failures}: raise --max-worker-failures (-1: unlimited)")
+
+    @property
+    def injected_worker_failures(self) -> int:
+        """How many of ``failures`` end a train worker (``worker``, ``both``, ``node``)."""
+        return sum(1 for f in self.failures if f.target in ("worker", "both", "node"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticConfig:
+    """ZO with a step log: the worker count may shrink when a node is lost and grow back (docs/elastic.md)."""
+
+    min_workers: int = 0
+    """Fewest train workers the run goes on with (Ray Train elastic ``ScalingConfig(num_workers=(min_workers,
+    workers))``): when a node is lost and no replacement can be placed, training continues on fewer workers
+    and grows back to ``workers`` when the cluster can place them; the trajectory stays the same bits
+    (``zo.micro_batch_size``). 0: a fixed ``workers``."""
+    resize_interval_s: float = 60.0
+    """With ``min_workers``: seconds between Ray Train's checks whether more workers can be placed
+    (``ScalingConfig.elastic_resize_monitor_interval_s``)."""
+
+    def __post_init__(self) -> None:
+        _require_positive("elastic.resize_interval_s", self.resize_interval_s)
+        if self.min_workers < 0:
+            raise ValueError(f"elastic.min_workers must be >= 0 (0: a fixed worker count), got {self.min_workers}")
+
+
+COMPONENTS = {"zo": ZOConfig, "fo": FOConfig, "layerwise": LayerwiseConfig, "differential": DifferentialConfig,
+              "overlapped": OverlappedConfig, "snapshot": SnapshotConfig, "storage": StorageConfig, "faults": FaultConfig,
+              "elastic": ElasticConfig}
+"""``JobConfig``'s components by field name: each a frozen dataclass that validates its own fields."""
+
+
+class OldConfigError(ValueError):
+    """A configuration in the flat form of raycheck before its components (``JobConfig.from_dict``)."""
+
+
+def refuse_flat(d: dict) -> None:
+    """Raise ``OldConfigError`` (one line) when ``d``, a configuration as ``config.json`` holds it, is in
+    the flat form of raycheck before its components: its ``storage`` is a string, the URI (the flat form
+    always held one there)."""
+    if isinstance(d.get("storage"), str):
+        raise OldConfigError("configuration written by an older raycheck (flat fields such as storage, snapshot_every); "
+                             "this raycheck reads only the nested form (storage.uri, snapshot.every_steps): resume the run "
+                             "with the raycheck that started it, or start it anew")
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
-    """Everything a run needs. Fields that change the training trajectory are listed in ``TRAJECTORY``."""
+    """Everything a run needs: run-level fields, and one frozen component per concern (``COMPONENTS``:
+    ``zo``, ``fo``, ``layerwise``, ``differential``, ``overlapped``, ``snapshot``, ``storage``, ``faults``,
+    ``elastic``), each validating its own fields; the checks across components are here. A field is named
+    by its path, e.g. ``layerwise.threshold`` (``get``). Fields that change the training trajectory are
+    listed in ``TRAJECTORY``. A component may be given as a dict of its fields (the others at their
+    defaults), as ``config.json`` holds it; ``replace`` takes dicts of changes."""
 
     out_dir: str
     """Run directory: step log, snapshots (by default), events, metrics, summary."""
@@ -143,101 +356,33 @@ class JobConfig:
     strategy: str = ""
     """How progress is made durable: one of ``STRATEGIES[algo]``; empty: ``shadow`` for ``zo``,
     ``layerwise`` for ``fo``."""
-    # -- first-order (algo "fo"): AdamW and the layer-wise / differential strategies ------------------
-    fo_lr: float = 1e-5
-    """AdamW learning rate, constant (``lr`` is MeZO's)."""
-    fo_max_grad_norm: float = 1.0
-    """Clip the global L2 norm of the gradients to this before each AdamW step (0: no clipping)."""
-    fo_parallelism: str = "ddp"
-    """``ddp`` (every worker holds the whole state; DDP averages the gradients) or ``fsdp2`` (FSDP2
-    ``fully_shard``: parameters and moments split over the workers, checkpoints written per rank with
-    torch DCP and resharded on load, so a ``--resume`` may change ``workers``; strategies full-sync and
-    full-async only; ``training.sharded``)."""
-    layer_threshold: float = 1e-3
-    """Strategy ``layerwise``: a unit is rewritten at a check (every ``snapshot_every`` steps) when its
-    weights' relative change since its persisted version, ||w - w_p|| / ||w_p||, exceeds this
-    (dimensionless). Default from a measurement: see docs/first-order.md."""
-    layer_staleness_steps: int = 100
-    """Strategy ``layerwise``: a unit whose persisted version is this many steps old is rewritten
-    whatever its change (bounds how old a restored unit can be)."""
-    layer_max_bytes_per_check: int = 0
-    """Strategy ``layerwise``: bytes of units written per check, forced units included (they are written
-    even over it); units over the threshold that do not fit wait for a later check (0: no limit)."""
-    diff_full_every: int = 50
-    """Strategy ``differential``: steps between full checkpoints (LowDiff's F)."""
-    diff_batch_steps: int = 5
-    """Strategy ``differential``: per-step gradient records written together as one object."""
-    diff_topk: float = 0.0
-    """Strategy ``differential``: 0 for exact records (bitwise recovery); in (0, 1] the fraction of
-    each gradient's elements kept (top-k by magnitude; approximate recovery)."""
-    overlap_chunks: int = 4
-    """Strategy ``overlapped``: m, the chunks (balanced by bytes) a snapshot is staged in, one per step
-    over m consecutive steps (``training.overlapped``); 1 is a one-shot staged copy."""
     steps: int = 50
     batch_size: int = 8
     seq_len: int = 32
     seed: int = 0
-    lr: float = 1e-6
-    eps: float = 1e-3
-    weight_decay: float = 0.0
     workers: int = 1
-    micro_batch_size: int = 0
-    """ZO: examples per example group (``training.groups``): the step's batch is scored in groups of this many
-    examples, each group one forward pass whichever worker computes it, so the losses do not depend
-    on the worker count (docs/elastic.md). ``batch_size`` must be a multiple, with at least ``workers`` groups.
-    0: ``batch_size // workers`` (one group per worker; one worker scores the whole batch at once)."""
-    min_workers: int = 0
-    """ZO with a step log: fewest train workers the run goes on with (Ray Train elastic
-    ``ScalingConfig(num_workers=(min_workers, workers))``): when a node is lost and no replacement can be
-    placed, training continues on fewer workers and grows back to ``workers`` when the cluster can place
-    them; the trajectory stays the same bits (``micro_batch_size``, docs/elastic.md). 0: a fixed ``workers``."""
-    elastic_resize_interval_s: float = 60.0
-    """With ``min_workers``: seconds between Ray Train's checks whether more workers can be placed
-    (``ScalingConfig.elastic_resize_monitor_interval_s``)."""
     torch_threads: int = 1
     """Torch threads per worker, fixed so forward passes are reproducible across restarts."""
-    snapshot_every: int = 10
-    """Fixed shadow snapshot interval in steps (0: log-only); ignored when ``snapshot_policy`` is adaptive."""
-    snapshot_policy: str = "fixed"
-    """``fixed`` (every ``snapshot_every`` steps) or ``adaptive`` (the cost model's optimum for the
-    costs measured while the job runs, re-planned as they change: ``policies.replan``)."""
-    mtbf_s: float = 3600.0
-    """Assumed mean time between failures of the job, seconds, for the adaptive policy (refined by
-    the failures it sees)."""
-    keep_snapshots: int = 3
-    storage: str = ""
-    """Snapshot storage URI (a path, ``file://``, ``s3://bucket/prefix``); empty: ``<out_dir>/snapshots``."""
-    storage_options: dict = field(default_factory=dict)
-    """Backend options, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``; credentials come from the
-    standard AWS environment variables."""
-    failures: tuple[FailureSpec, ...] = ()
+    weight_decay: float = 0.0
+    """Weight decay of the matrices (>= 0), in both optimisers (MeZO's update, AdamW's decoupled decay)."""
+    zo: ZOConfig = field(default_factory=ZOConfig)
+    fo: FOConfig = field(default_factory=FOConfig)
+    layerwise: LayerwiseConfig = field(default_factory=LayerwiseConfig)
+    differential: DifferentialConfig = field(default_factory=DifferentialConfig)
+    overlapped: OverlappedConfig = field(default_factory=OverlappedConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     eval_samples: int = 200
     """Held-out snippets scored before and after training (0 skips evaluation)."""
-    hash_every: int = 0
+    hash_every_steps: int = 0
     """Record the worker's and shadow's state sha256 every this many steps (0: only at the end)."""
     run_id: str = "run"
     writer_epoch: int = 0
     """This driver incarnation's writer epoch in the snapshot index (``SnapshotStore.claim_epoch``, set
     by the controller at each start and ``--resume``); writers of an older one are fenced."""
     namespace: str = "raycheck"
-    recovery_timeout_s: float = 600.0
-    max_persister_restarts: int = 10
-    """Restarts of a dead snapshot persister before the run fails (-1: unlimited; ``orchestrator.controller``)."""
-    settle_failures: bool = False
-    """Before each injected failure, wait until the shadow has replayed every durable step and every
-    snapshot and background checkpoint handed on is committed (``training.faults``), so that which
-    source serves a recovery depends on the failure steps alone, not on machine speed. For tests and
-    reproducible failure experiments; a real failure does not wait, so the default is off."""
-    max_shadow_restarts: int = 10
-    """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails
-    (-1: unlimited); with several shards, each shard has this budget of its own."""
-    max_worker_failures: int = 10
-    """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
-    before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
-    max_in_process_restarts: int = 3
-    """ZO (ignored by ``algo`` fo), one worker: in-process restarts per worker process (``training.in_process``): a step that raises
-    is rolled back to the freshest complete state in the same process and re-executed, without a Ray Train
-    restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
     device: str = "cpu"
     """Where the ZO workers compute: ``cpu`` or ``cuda`` (one GPU per worker, Ray Train ``use_gpu``). The
     step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
@@ -258,60 +403,78 @@ class JobConfig:
     shadow_resource: str = ""
     """A Ray custom resource each shadow shard and the snapshot persister ask one unit of; empty: on
     a cluster of two or more nodes, off every node that could host a train worker (``plan_placement``)."""
-    start_timeout_s: float = 300.0
-    """Seconds the snapshot persister and each shadow shard may take to start (be placed on a node and
-    construct) before the run fails, naming the component."""
     durability: str = "node"
     """When a step's record counts as durable (before its update): ``process`` (fsynced in rank 0's
     node-local log; sent to the log keeper without waiting) or ``node`` (also acknowledged by the log
     keeper on the driver's node; survives the loss of rank 0's node when that is another node) or
-    ``cluster`` (also in the remote ``storage`` as a log segment, uploaded by the keeper with group
+    ``cluster`` (also in the remote storage, ``JobConfig.storage``, as a log segment, uploaded by the keeper with group
     commit; survives the loss of every node)."""
     scratch_dir: str = ""
     """Node-local directory of rank 0's own step log (never the run directory); empty: a per-run
     directory under the system temp directory (``default_scratch_dir``)."""
     extra: dict = field(default_factory=dict)
 
-    TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "lr", "eps", "weight_decay", "workers", "torch_threads",
-                  "fo_lr", "fo_max_grad_norm")
+    TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "zo.lr", "zo.eps", "weight_decay", "workers",
+                  "torch_threads", "fo.lr", "fo.max_grad_norm")
+    """The paths of the fields that determine the trajectory (``trajectory_sha256`` adds the conditional ones)."""
 
     DATA_TRAJECTORY = ("model_sha256", "data_sha256", "task", "text_column", "label_column", "label_words",
                        "prompt_template", "prompt_column", "completion_column")
-    """Trajectory fields counted only when not at their defaults (existing runs keep their hashes)."""
+    """Trajectory fields counted only away from their defaults (at a default, a field adds nothing to the hash)."""
 
     def __post_init__(self) -> None:
+        for name, kind in COMPONENTS.items():  # a dict (config.json, a caller's shorthand) becomes its component
+            if isinstance(getattr(self, name), dict):
+                given = dict(getattr(self, name))
+                if name == "faults":
+                    given["failures"] = tuple(f if isinstance(f, FailureSpec) else FailureSpec(**f) for f in given.get("failures", ()))
+                object.__setattr__(self, name, kind(**given))
         if not self.model:
             raise ValueError("model is empty: give smollm2-135m, tiny, a model folder or a cached model id")
         self._check_data()
-        for name in ("steps", "batch_size", "seq_len", "workers", "torch_threads", "keep_snapshots"):
+        for name in ("steps", "batch_size", "seq_len", "workers", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        self._check_zo()
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        for name in ("eval_samples", "hash_every_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.algo not in ALGOS:
             raise ValueError(f"algo {self.algo!r}: choose one of {', '.join(ALGOS)}")
         if not self.strategy:
             object.__setattr__(self, "strategy", DEFAULT_STRATEGY[self.algo].value)  # a plain str, as config.json holds it
         if self.strategy not in STRATEGIES[self.algo]:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
-        if self.snapshot_policy not in ("fixed", "adaptive"):
-            raise ValueError(f"snapshot_policy {self.snapshot_policy!r}: choose fixed or adaptive")
-        for name in ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures"):
-            if getattr(self, name) < -1:
-                raise ValueError(f"{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
-        if self.max_in_process_restarts < 0:
-            raise ValueError(f"max_in_process_restarts must be >= 0 (0: off), got {self.max_in_process_restarts}")
-        if -1 < self.max_worker_failures < self.injected_worker_failures:
-            raise ValueError(f"{self.injected_worker_failures} injected worker failures exceed max_worker_failures "
-                             f"{self.max_worker_failures}: raise --max-worker-failures (-1: unlimited)")
         if self.shadow_shards < 1:
             raise ValueError(f"shadow_shards must be >= 1, got {self.shadow_shards}")
         if self.shadow_shards > 1 and not self.uses_shadow:
             raise ValueError(f"shadow_shards {self.shadow_shards} needs strategy shadow (this run: {self.strategy})")
-        if not self.mtbf_s > 0:
-            raise ValueError(f"mtbf_s must be > 0, got {self.mtbf_s}")
         self._check_groups()
         self._check_elastic()
-        for f in self.failures:
+        self._check_failures()
+        if not self.storage.uri:
+            object.__setattr__(self, "storage", dataclasses.replace(self.storage, uri=str(pathlib.Path(self.out_dir) / "snapshots")))
+        self._check_node_failures()
+        if self.durability not in DURABILITIES:
+            raise ValueError(f"durability {self.durability!r}: choose one of {', '.join(DURABILITIES)}")
+        if self.durability == "cluster" and not self.storage.remote:
+            raise ValueError(f"durability cluster needs a remote storage (s3://BUCKET/PREFIX) to put each step record in "
+                             f"before its update, not the local path {self.storage.uri} (or choose durability node)")
+        if not self.scratch_dir:
+            object.__setattr__(self, "scratch_dir", default_scratch_dir(self.out_dir, self.run_id))
+        run_dir, scratch = pathlib.Path(self.out_dir).absolute(), pathlib.Path(self.scratch_dir).absolute()
+        if scratch == run_dir or run_dir in scratch.parents:  # rank 0's log would be the log keeper's file
+            raise ValueError(f"scratch_dir {self.scratch_dir} is inside the run directory {self.out_dir}: rank 0's "
+                             "node-local step log must live elsewhere (e.g. leave --scratch-dir out for the default)")
+        self._check_fo()
+        self._check_runtime()
+
+    def _check_failures(self) -> None:
+        """Validate the injected failures against the run: its steps, strategy, shards and workers."""
+        for f in self.faults.failures:
             if f.step >= self.steps:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
             if f.target in ("shadow", "both") and not self.uses_shadow:
@@ -324,22 +487,6 @@ class JobConfig:
             if f.how == "torn" and self.workers > 1:
                 raise ValueError(f"failure {f.step}:worker:torn tears rank 0's step-log append, but worker failures hit the last "
                                  f"rank ({self.workers - 1}), which has no log writer: use workers=1 or another HOW")
-        if not self.storage:
-            object.__setattr__(self, "storage", str(pathlib.Path(self.out_dir) / "snapshots"))
-        self._check_node_failures()
-        if self.durability not in DURABILITIES:
-            raise ValueError(f"durability {self.durability!r}: choose one of {', '.join(DURABILITIES)}")
-        if self.durability == "cluster" and not self.remote_storage:
-            raise ValueError(f"durability cluster needs a remote storage (s3://BUCKET/PREFIX) to put each step record in "
-                             f"before its update, not the local path {self.storage} (or choose durability node)")
-        if not self.scratch_dir:
-            object.__setattr__(self, "scratch_dir", default_scratch_dir(self.out_dir, self.run_id))
-        run_dir, scratch = pathlib.Path(self.out_dir).absolute(), pathlib.Path(self.scratch_dir).absolute()
-        if scratch == run_dir or run_dir in scratch.parents:  # rank 0's log would be the log keeper's file
-            raise ValueError(f"scratch_dir {self.scratch_dir} is inside the run directory {self.out_dir}: rank 0's "
-                             "node-local step log must live elsewhere (e.g. leave --scratch-dir out for the default)")
-        self._check_fo()
-        self._check_runtime()
 
     def _check_data(self) -> None:
         """Validate the task and its columns, label words and prompt template (not the file: the driver
@@ -359,10 +506,10 @@ class JobConfig:
 
     def _check_node_failures(self) -> None:
         """A ``node`` failure loses whatever rank 0's node stored itself: refuse a storage on a local path."""
-        for f in self.failures:
-            if f.target == "node" and node_local(self.storage):
+        for f in self.faults.failures:
+            if f.target == "node" and node_local(self.storage.uri):
                 raise ValueError(f"failure {f.step}:node takes down rank 0's node with every file on it, but storage "
-                                 f"{self.storage!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
+                                 f"{self.storage.uri!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
 
     def _check_runtime(self) -> None:
         """Validate ``device``, ``dtype`` (both ZO only) and ``shadow_env`` (which needs a strategy with a shadow)."""
@@ -382,103 +529,92 @@ class JobConfig:
         if self.shadow_env and not self.uses_shadow:
             raise ValueError(f"shadow_env is set, but strategy {self.strategy} has no shadow")
 
-    def _check_zo(self) -> None:
-        """Validate the run seed, MeZO's hyper-parameters and the counters no run can use below 0."""
-        if not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
-        _require_positive("lr", self.lr)
-        _require_positive("eps", self.eps)
-        _require_positive("recovery_timeout_s", self.recovery_timeout_s)
-        _require_positive("start_timeout_s", self.start_timeout_s)
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
-        for name in ("snapshot_every", "eval_samples", "hash_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
-
     def _check_groups(self) -> None:
-        """Validate ``micro_batch_size`` (ZO only) against ``batch_size`` and ``workers`` (``example_group_size``)."""
-        if self.micro_batch_size < 0:
-            raise ValueError(f"micro_batch_size must be >= 0 (0: batch_size / workers), got {self.micro_batch_size}")
-        if self.micro_batch_size and self.algo != "zo":
-            raise ValueError(f"micro_batch_size is for the ZO path (algo zo) only: algo {self.algo} splits batch_size evenly "
-                             "over the workers; leave micro_batch_size out or use algo zo")
-        if not self.micro_batch_size:
+        """Validate ``zo.micro_batch_size`` (ZO only) against ``batch_size`` and ``workers`` (``example_group_size``)."""
+        micro = self.zo.micro_batch_size
+        if micro and self.algo != "zo":
+            raise ValueError(f"zo.micro_batch_size is for the ZO path (algo zo) only: algo {self.algo} splits batch_size evenly "
+                             "over the workers; leave zo.micro_batch_size out or use algo zo")
+        if not micro:
             if self.batch_size % self.workers:
                 raise ValueError(f"batch_size ({self.batch_size}) must be divisible by workers ({self.workers})"
-                                 + (", or set micro_batch_size" if self.algo == "zo" else ""))
+                                 + (", or set zo.micro_batch_size" if self.algo == "zo" else ""))
             return
-        if self.batch_size % self.micro_batch_size:
-            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})")
-        if self.batch_size // self.micro_batch_size < self.workers:
-            raise ValueError(f"batch_size {self.batch_size} in micro-batches of {self.micro_batch_size} gives "
-                             f"{self.batch_size // self.micro_batch_size} example group(s), fewer than workers ({self.workers}): "
-                             f"set micro_batch_size to at most {self.batch_size // self.workers}")
+        if self.batch_size % micro:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of zo.micro_batch_size ({micro})")
+        if self.batch_size // micro < self.workers:
+            raise ValueError(f"batch_size {self.batch_size} in micro-batches of {micro} gives "
+                             f"{self.batch_size // micro} example group(s), fewer than workers ({self.workers}): "
+                             f"set zo.micro_batch_size to at most {self.batch_size // self.workers}")
 
     def _check_elastic(self) -> None:
-        """Validate ``min_workers`` and ``elastic_resize_interval_s``."""
-        _require_positive("elastic_resize_interval_s", self.elastic_resize_interval_s)
-        if not 0 <= self.min_workers <= self.workers:
-            raise ValueError(f"min_workers must be in [1, workers ({self.workers})], or 0 for a fixed worker count, got {self.min_workers}")
-        if self.elastic and not (self.algo == "zo" and self.uses_step_log):
-            raise ValueError(f"min_workers {self.min_workers} (elastic) needs algo zo with a step log (strategy shadow or "
+        """Validate ``elastic.min_workers`` against ``workers``, ``algo`` and ``strategy``."""
+        min_workers = self.elastic.min_workers
+        if not min_workers <= self.workers:
+            raise ValueError(f"elastic.min_workers must be in [1, workers ({self.workers})], or 0 for a fixed worker count, got {min_workers}")
+        if self.is_elastic and not (self.algo == "zo" and self.uses_step_log):
+            raise ValueError(f"elastic.min_workers {min_workers} (elastic) needs algo zo with a step log (strategy shadow or "
                              f"log-only): only their losses do not depend on the worker count (this run: {self.algo} {self.strategy})")
 
     @property
-    def elastic(self) -> bool:
-        """The worker count may change during the run (``min_workers`` below ``workers``)."""
-        return 0 < self.min_workers < self.workers
+    def is_elastic(self) -> bool:
+        """The worker count may change during the run (``elastic.min_workers`` below ``workers``)."""
+        return 0 < self.elastic.min_workers < self.workers
 
     @property
     def example_group_size(self) -> int:
-        """Examples per example group of a ZO step (``training.groups``): ``micro_batch_size``, else
+        """Examples per example group of a ZO step (``training.groups``): ``zo.micro_batch_size``, else
         ``batch_size // workers``."""
-        return self.micro_batch_size or self.batch_size // self.workers
+        return self.zo.micro_batch_size or self.batch_size // self.workers
 
     def _check_fo(self) -> None:
-        """Validate the first-order fields (``fo_*``, ``layer_*``, ``diff_*``)."""
-        _require_positive("fo_lr", self.fo_lr)
-        if not (math.isfinite(self.fo_max_grad_norm) and self.fo_max_grad_norm >= 0):
-            raise ValueError(f"fo_max_grad_norm must be >= 0 (0: no clipping), got {self.fo_max_grad_norm}")
-        if not (math.isfinite(self.layer_threshold) and self.layer_threshold >= 0):
-            raise ValueError(f"layer_threshold must be a finite relative change >= 0, got {self.layer_threshold}")
-        for name in ("layer_staleness_steps", "diff_full_every", "diff_batch_steps", "overlap_chunks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.layer_max_bytes_per_check < 0:
-            raise ValueError(f"layer_max_bytes_per_check must be >= 0 (0: no limit), got {self.layer_max_bytes_per_check}")
-        if not 0 <= self.diff_topk <= 1:
-            raise ValueError(f"diff_topk must be in [0, 1] (0: exact records), got {self.diff_topk}")
-        if self.fo_parallelism not in FO_PARALLELISMS:
-            raise ValueError(f"fo_parallelism {self.fo_parallelism!r}: choose one of {', '.join(FO_PARALLELISMS)}")
-        if self.fo_parallelism == "fsdp2" and self.algo != "fo":
-            raise ValueError(f"fo_parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo {self.algo} "
-                             "runs every worker on the whole state: leave fo_parallelism out or use algo fo")
-        if self.fo_parallelism == "fsdp2" and self.strategy not in FULL_STATE:
-            raise ValueError(f"fo_parallelism fsdp2 (sharded state) needs strategy full-sync or full-async, not strategy "
+        """Validate ``fo.parallelism`` and the strategies' intervals against the algorithm and the strategy."""
+        every = self.snapshot.every_steps
+        if self.fo.parallelism == "fsdp2" and self.algo != "fo":
+            raise ValueError(f"fo.parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo {self.algo} "
+                             "runs every worker on the whole state: leave fo.parallelism out or use algo fo")
+        if self.fo.parallelism == "fsdp2" and self.strategy not in FULL_STATE:
+            raise ValueError(f"fo.parallelism fsdp2 (sharded state) needs strategy full-sync or full-async, not strategy "
                              f"{self.strategy}: layer-wise, differential and overlapped checkpoints of sharded state are not "
                              "supported yet")
-        if self.strategy in (*FULL_STATE, RunStrategy.LAYERWISE, RunStrategy.OVERLAPPED) and self.snapshot_every < 1:
-            raise ValueError(f"strategy {self.strategy} checkpoints every snapshot_every steps: it must be >= 1, got {self.snapshot_every}")
-        if self.strategy == RunStrategy.OVERLAPPED and self.overlap_chunks > self.snapshot_every >= 1:
-            raise ValueError(f"overlap_chunks ({self.overlap_chunks}) exceeds snapshot_every ({self.snapshot_every}): a snapshot is "
-                             "staged over overlap_chunks steps, and its window must end before the next one is due; "
-                             f"set overlap_chunks to at most {self.snapshot_every}")
+        if self.strategy in (*FULL_STATE, RunStrategy.LAYERWISE, RunStrategy.OVERLAPPED) and every < 1:
+            raise ValueError(f"strategy {self.strategy} checkpoints every snapshot.every_steps steps: it must be >= 1, got {every}")
+        if self.strategy == RunStrategy.OVERLAPPED and self.overlapped.chunks > every >= 1:
+            raise ValueError(f"overlapped.chunks ({self.overlapped.chunks}) exceeds snapshot.every_steps ({every}): a snapshot is "
+                             "staged over overlapped.chunks steps, and its window must end before the next one is due; "
+                             f"set overlapped.chunks to at most {every}")
+
+    def get(self, path: str) -> object:
+        """The field at ``path``: a run-level name (``steps``) or ``component.name`` (``layerwise.threshold``).
+
+        Raises:
+            AttributeError: no such field.
+        """
+        value: object = self
+        for name in path.split("."):
+            value = getattr(value, name)
+        return value
+
+    @classmethod
+    def field_paths(cls) -> tuple[str, ...]:
+        """Every field's path, run-level names and each component's ``component.name``, in declaration order."""
+        return tuple(f"{f.name}.{c.name}" if f.name in COMPONENTS else f.name
+                     for f in dataclasses.fields(cls) for c in (dataclasses.fields(COMPONENTS[f.name]) if f.name in COMPONENTS else [f]))
 
     def trajectory_sha256(self) -> str:
-        """Hash of the fields that determine the trajectory: equal hashes, comparable runs. ``device``
-        counts only when it is not ``cpu``, ``dtype`` only when it is not ``float32``, ``fo_parallelism``
-        only when it is not ``ddp`` (and then ``workers`` does not count: a run resumes at another), and
-        ``DATA_TRAJECTORY`` fields (the model's and data's content hashes, the task) only away from their
-        defaults, so the hashes of existing runs stay as they were. With ``micro_batch_size`` set, the
-        example groups replace ``workers``: runs of one trajectory on any worker count share a hash."""
-        values = {k: getattr(self, k) for k in self.TRAJECTORY}
-        if self.micro_batch_size:  # the groups, not the worker count, set the losses (training.groups)
+        """Hash of the fields that determine the trajectory, keyed by path: equal hashes, comparable runs.
+        ``device`` counts only when it is not ``cpu``, ``dtype`` only when it is not ``float32``,
+        ``fo.parallelism`` only when it is not ``ddp`` (and then ``workers`` does not count: a run resumes
+        at another), and ``DATA_TRAJECTORY`` fields (the model's and data's content hashes, the task) only
+        away from their defaults. With ``zo.micro_batch_size`` set, the example groups replace ``workers``:
+        runs of one trajectory on any worker count share a hash."""
+        values = {path: self.get(path) for path in self.TRAJECTORY}
+        if self.zo.micro_batch_size:  # the groups, not the worker count, set the losses (training.groups)
             values.pop("workers")
-            values["micro_batch_size"] = self.micro_batch_size
-        if self.fo_parallelism != "ddp":  # sharded state reshards: the worker count may change within the run
+            values["zo.micro_batch_size"] = self.zo.micro_batch_size
+        if self.fo.parallelism != "ddp":  # sharded state reshards: the worker count may change within the run
             values.pop("workers", None)
-            values["fo_parallelism"] = self.fo_parallelism
+            values["fo.parallelism"] = self.fo.parallelism
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         values.update({k: getattr(self, k) for k in self.DATA_TRAJECTORY if getattr(self, k) != defaults[k]})
         if self.device != "cpu":
@@ -488,27 +624,46 @@ class JobConfig:
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict:
+        """The nested form (``config.json``): run-level fields, and each component as a dict of its fields."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "JobConfig":
-        d = dict(d)
-        d["failures"] = tuple(FailureSpec(**f) for f in d.get("failures", ()))
+        """The configuration ``to_dict`` gave.
+
+        Raises:
+            OldConfigError: ``d`` is in the flat form of raycheck before its components (its
+                ``storage`` a string, the URI).
+            ValueError, TypeError: a field no run can use, or an unknown one.
+        """
+        refuse_flat(d)
         return cls(**d)
 
-    def replace(self, **changes) -> "JobConfig":
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: object) -> "JobConfig":
+        """A copy with ``changes``: run-level fields by name; a component by name, as a dict of the
+        fields to change in it (the others kept) or as a whole component; or a component's field by its
+        path. E.g. ``cfg.replace(steps=5, layerwise={"threshold": 0.1})``, or
+        ``cfg.replace(**{"faults.max_shadow_restarts": 3})``.
+
+        Raises:
+            TypeError: an unknown field; ValueError: a value no run can use.
+        """
+        nested: dict[str, object] = {}
+        for name, value in changes.items():
+            component, _, leaf = name.rpartition(".")
+            if component:
+                name, value = component, {leaf: value}
+            if name in COMPONENTS and isinstance(value, dict):
+                current: Any = nested.get(name, getattr(self, name))
+                value = dataclasses.replace(current, **value)
+            nested[name] = value
+        return dataclasses.replace(self, **nested)  # type: ignore[arg-type]
 
     def snapshot_store(self) -> SnapshotStore:
         """The run's snapshot store (built fresh: safe to call in any process): it writes and restores
         only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``."""
-        return SnapshotStore(Storage(self.storage, **self.storage_options), keep_last=self.keep_snapshots,
+        return SnapshotStore(Storage(self.storage.uri, **self.storage.options), keep_last=self.snapshot.keep,
                              identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch)
-
-    @property
-    def remote_storage(self) -> bool:
-        """True when snapshots leave this machine (the step log is then mirrored there too)."""
-        return local_path(self.storage) is None
 
     @property
     def uses_shadow(self) -> bool:
@@ -519,11 +674,6 @@ class JobConfig:
     def uses_step_log(self) -> bool:
         """True when every step is appended to the durable step log (``shadow``, ``log-only``)."""
         return self.algo == "zo" and self.strategy in STEP_LOG
-
-    @property
-    def injected_worker_failures(self) -> int:
-        """How many of ``failures`` end a train worker (``worker``, ``both``, ``node``)."""
-        return sum(1 for f in self.failures if f.target in ("worker", "both", "node"))
 
     @property
     def shadow_name(self) -> str:
@@ -547,7 +697,7 @@ class JobConfig:
         """Each train worker is its own Ray Train replica group, so a failure replaces only the failed
         worker (``orchestrator.replica_groups``): ZO runs with a step log and more than one worker, not elastic
         (Ray 2.60 restarts the whole group on a resize: its replica groups and elastic scaling are not integrated)."""
-        return self.algo == "zo" and self.uses_step_log and self.workers > 1 and not self.elastic
+        return self.algo == "zo" and self.uses_step_log and self.workers > 1 and not self.is_elastic
 
     @property
     def exchange_name(self) -> str:

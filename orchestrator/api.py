@@ -24,7 +24,8 @@ from training.model import default_cache_dir
 def job_config(out_dir: str | pathlib.Path, **fields) -> JobConfig:
     """A ``JobConfig`` with the run directory ``out_dir`` made absolute, a new 8-hex-digit run id and the
     default model cache (``training.model.default_cache_dir``) unless given; any ``JobConfig`` field
-    may be passed (``model``, ``data``, ``task``, ``steps``, ``failures``, ...).
+    may be passed (``model``, ``data``, ``task``, ``steps``, ...; a component such as ``faults`` as its
+    dataclass or as a dict of its fields, e.g. ``faults={"failures": (FailureSpec(step=3),)}``).
 
     Raises:
         ValueError: a setting no run can use (the message names the field).
@@ -56,7 +57,7 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
 
         params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
         split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
-    if cfg.remote_storage:  # a local store is made by the run: checking it here would leave a folder behind
+    if cfg.storage.remote:  # a local store is made by the run: checking it here would leave a folder behind
         cfg.snapshot_store().storage.probe()
     return cfg, assets
 

@@ -14,7 +14,8 @@ from typing import Annotated
 
 import typer
 
-from job.config import PROMPT, FailureSpec, JobConfig
+from job.config import (PROMPT, DifferentialConfig, ElasticConfig, FailureSpec, FaultConfig, FOConfig, JobConfig, LayerwiseConfig,
+                        OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
 from job.run_dir import RunDir
 from orchestrator.experiment_cli import experiment
 from orchestrator.merge_cli import merge
@@ -53,26 +54,48 @@ def _refuse(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-OPTION_OF_FIELD = {"out_dir": "out", "mtbf_s": "mtbf", "elastic_resize_interval_s": "elastic_resize_interval", "failures": "fail",
-                   "storage_options": "s3_endpoint", "start_timeout_s": "start_timeout"}
-"""``JobConfig`` fields whose ``raycheck run`` option has another name; any other field is its option."""
-RESUME_BUDGETS = ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures", "max_in_process_restarts", "worker_resource", "shadow_resource", "start_timeout_s")
-"""Options that ``--resume`` takes from the command line over the run's ``config.json``: restart
+OPTION_OF_FIELD = {
+    "out_dir": "out", "hash_every_steps": "hash_every",
+    "fo.lr": "fo_lr", "fo.max_grad_norm": "fo_max_grad_norm", "fo.parallelism": "fo_parallelism",
+    "layerwise.threshold": "layer_threshold", "layerwise.staleness_bound_steps": "layer_staleness_steps",
+    "layerwise.max_bytes_per_check": "layer_max_bytes_per_check",
+    "differential.full_every_steps": "diff_full_every", "differential.batch_steps": "diff_batch_steps",
+    "differential.topk": "diff_topk", "overlapped.chunks": "overlap_chunks",
+    "snapshot.every_steps": "snapshot_every", "snapshot.policy": "snapshot_policy", "snapshot.mtbf_s": "mtbf",
+    "snapshot.keep": "keep_snapshots", "storage.uri": "storage", "storage.options": "s3_endpoint",
+    "faults.failures": "fail", "faults.start_timeout_s": "start_timeout", "elastic.resize_interval_s": "elastic_resize_interval",
+}
+"""``JobConfig`` field paths whose ``raycheck run`` option has another name (the names users' scripts
+use); any other field's option is its last name (``zo.lr``: ``--lr``)."""
+RESUME_BUDGETS = ("faults.max_shadow_restarts", "faults.max_persister_restarts", "faults.max_worker_failures",
+                  "faults.max_in_process_restarts", "worker_resource", "shadow_resource", "faults.start_timeout_s")
+"""Fields (paths) that ``--resume`` takes from the command line over the run's ``config.json``: restart
 budgets and placement, not part of the trajectory (a run that spent one resumes with a larger one; a
 run resumed on another cluster is placed there)."""
-RESUME_OPTIONS = ("out", "resume", "verify", *RESUME_BUDGETS)
+
+
+def parameter(path: str) -> str:
+    """The ``raycheck run`` parameter that fills the ``JobConfig`` field ``path``: its entry in
+    ``OPTION_OF_FIELD``, else the path's last name."""
+    return OPTION_OF_FIELD.get(path, path.split(".")[-1])
+
+
+RESUME_OPTIONS = ("out", "resume", "verify", *(parameter(path) for path in RESUME_BUDGETS))
 """``raycheck run`` options that apply to a ``--resume``; any other one given is ignored, with a warning."""
 
 
 def option(name: str) -> str:
-    """The ``raycheck run`` option of the parameter or ``JobConfig`` field ``name``, e.g. ``--shadow-env``."""
-    return "--" + OPTION_OF_FIELD.get(name, name).replace("_", "-")
+    """The ``raycheck run`` option of the parameter or ``JobConfig`` field path ``name``, e.g. ``--shadow-env``."""
+    return "--" + parameter(name).replace("_", "-")
 
 
 def option_names(message: str) -> str:
     """``message`` (a ``JobConfig`` refusal) with the fields that are ``raycheck run`` options named as
-    the options: a leading field (``lr must be ...``) and any snake_case one, and ``strategy NAME``."""
-    fields = set(signature(run).parameters) | set(OPTION_OF_FIELD)
+    the options: a field path (``zo.lr must be ...``), a leading field (``steps must be ...``) and any
+    snake_case one, and ``strategy NAME``."""
+    paths = set(JobConfig.field_paths())
+    fields = set(signature(run).parameters) | paths
+    message = re.sub(r"\b[a-z]+\.[a-z][a-z0-9_]*\b", lambda m: option(m[0]) if m[0] in paths else m[0], message)
     message = re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", lambda m: option(m[0]) if m[0] in fields else m[0], message)
     message = re.sub(r"^[a-z]+\b", lambda m: option(m[0]) if m[0] in fields else m[0], message)
     return re.sub(r"(?<![-\w])strategy (?=[a-z-]+ )", "--strategy ", message)
@@ -87,7 +110,7 @@ def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig
 
     Returns:
         ``saved`` with the ``RESUME_BUDGETS`` given (a notice for each one that changes) and, for a
-        ``fo_parallelism`` fsdp2 run, ``workers`` (its state reshards), and a warning line naming every
+        ``fo.parallelism`` fsdp2 run, ``workers`` (its state reshards), and a warning line naming every
         given option that ``--resume`` ignores (none when there is none).
 
     Raises:
@@ -95,13 +118,13 @@ def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig
             ``--workers`` differs from the run's and its state does not reshard; the new worker count
             does not divide the batch.
     """
-    budgets = {name: given[name] for name in RESUME_BUDGETS if name in given}
+    budgets = {path: given[parameter(path)] for path in RESUME_BUDGETS if parameter(path) in given}
     if "workers" in given and given["workers"] != saved.workers:
-        if saved.fo_parallelism != "fsdp2":
+        if saved.fo.parallelism != "fsdp2":
             raise _refuse(f"--resume --workers {given['workers']}: the run has {saved.workers} worker(s) and its state does not "
                           "reshard (only an --algo fo --fo-parallelism fsdp2 run changes its worker count); leave --workers out")
         budgets["workers"] = given["workers"]
-    notes = [f"--resume: {name} {getattr(saved, name)} -> {value}" for name, value in budgets.items() if getattr(saved, name) != value]
+    notes = [f"--resume: {parameter(path)} {saved.get(path)} -> {value}" for path, value in budgets.items() if saved.get(path) != value]
     if "dtype" in given and given["dtype"] != saved.dtype:
         raise _refuse(f"--resume --dtype {given['dtype']}: the run holds its parameters in {saved.dtype} (its step log "
                       f"and snapshots are {saved.dtype}); resume it with --dtype {saved.dtype} or leave --dtype out")
@@ -128,11 +151,13 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
                       "add --storage URI (and --s3-endpoint)")
     try:
         cfg = JobConfig.from_dict(json.loads(saved.read_text()))
+    except OldConfigError as exc:
+        raise _refuse(f"{saved}: {exc}") from exc
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
         raise _refuse(f"{saved} is damaged ({type(exc).__name__}: {exc}); this run cannot be resumed") from exc
     if pathlib.Path(cfg.out_dir).resolve() != out.resolve():
         raise _refuse(f"{out} is a copy of the run directory {cfg.out_dir} (its config.json names that one, and its "
-                      f"storage {cfg.storage}): resume the run with --out {cfg.out_dir}")
+                      f"storage {cfg.storage.uri}): resume the run with --out {cfg.out_dir}")
     summary = RunDir.read_json(out / "summary.json")
     if summary and summary.get("ok") and summary.get("final_step") == cfg.steps:
         typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
@@ -146,20 +171,20 @@ reaches the storage and where it keeps its files (the run's other settings come 
 
 
 def _stored_config(given: JobConfig, out: pathlib.Path, scratch_dir: str) -> JobConfig:
-    """The configuration of the run whose storage is ``given.storage`` (the ``--storage`` given, with
+    """The configuration of the run whose storage is ``given.storage.uri`` (the ``--storage`` given, with
     ``--s3-endpoint``), to resume it in the new directory ``out``, empty or holding only a ``reference/``
     (exit 2 when it cannot be)."""
-    if not given.remote_storage:
-        raise _refuse(f"--storage {given.storage} is local: only remote storage (s3://) holds the run's step log and "
+    if not given.storage.remote:
+        raise _refuse(f"--storage {given.storage.uri} is local: only remote storage (s3://) holds the run's step log and "
                       "configuration; resume with --out of the run's directory")
     if out.exists() and any(p.name != "reference" for p in out.iterdir()):  # a reference put there for --verify is kept
         raise _refuse(f"{out} is not empty and holds no run (no config.json): resume from the storage into an empty or new --out")
     try:
-        return load_config(given.storage, given.storage_options, out.resolve(), pathlib.Path(given.cache_dir), scratch_dir)
+        return load_config(given.storage.uri, given.storage.options, out.resolve(), pathlib.Path(given.cache_dir), scratch_dir)
     except StoredConfigError as exc:
         raise _refuse(str(exc)) from exc
     except OSError as exc:  # StorageError, or a local path that is a file
-        raise _refuse(f"snapshot storage {given.storage} is not usable: {exc}") from exc
+        raise _refuse(f"snapshot storage {given.storage.uri} is not usable: {exc}") from exc
 
 
 def parse_env(pairs: list[str], option: str) -> dict[str, str]:
@@ -195,7 +220,7 @@ def _checked_job(cfg: JobConfig):
     except ValueError as exc:
         raise _refuse(option_names(str(exc))) from exc
     except OSError as exc:
-        raise _refuse(f"snapshot storage {cfg.storage} is not usable: {exc}") from exc
+        raise _refuse(f"snapshot storage {cfg.storage.uri} is not usable: {exc}") from exc
 
 
 def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path]:
@@ -348,8 +373,8 @@ def run(
                                                       "workers on the nodes offering it).")] = "",
     shadow_resource: Annotated[str, typer.Option(help="Ray custom resource each shadow shard and the snapshot persister ask one "
                                                       "unit of. Default: on 2+ nodes, off every node that can host a train worker.")] = "",
-    start_timeout_s: Annotated[float, typer.Option("--start-timeout", min=1, help="Seconds the persister and each shadow "
-                                                                                   "shard may take to start before the run fails.")] = 300.0,
+    start_timeout: Annotated[float, typer.Option(min=1, help="Seconds the persister and each shadow "
+                                                            "shard may take to start before the run fails.")] = 300.0,
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
     from orchestrator.api import run_job
@@ -365,20 +390,22 @@ def run(
             out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=_model_arg(model), data=data and str(pathlib.Path(data).resolve()),
             task=task, text_column=text_column, label_column=label_column, label_words=label_words,
             prompt_template=prompt_template.replace("\\n", "\n"),
-            prompt_column=prompt_column, completion_column=completion_column, algo=algo, strategy=strategy, fo_lr=fo_lr,
-            fo_max_grad_norm=fo_max_grad_norm, fo_parallelism=fo_parallelism, layer_threshold=layer_threshold, layer_staleness_steps=layer_staleness_steps,
-            layer_max_bytes_per_check=layer_max_bytes_per_check, diff_full_every=diff_full_every, diff_batch_steps=diff_batch_steps,
-            diff_topk=diff_topk, overlap_chunks=overlap_chunks, steps=steps,
-            batch_size=batch_size, seq_len=seq_len, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed,
-            workers=workers, micro_batch_size=micro_batch_size, min_workers=min_workers,
-            elastic_resize_interval_s=parse_duration(elastic_resize_interval), torch_threads=torch_threads, failures=failures, snapshot_every=snapshot_every,
-            snapshot_policy=snapshot_policy, mtbf_s=parse_duration(mtbf),
-            keep_snapshots=keep_snapshots, max_persister_restarts=max_persister_restarts, storage=_storage_uri(storage),
-            storage_options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
-            eval_samples=eval_samples, hash_every=hash_every, max_shadow_restarts=max_shadow_restarts, max_worker_failures=max_worker_failures,
-            max_in_process_restarts=max_in_process_restarts, shadow_shards=shadow_shards,
-            settle_failures=settle_failures, device=device, dtype=dtype, shadow_env=parse_env(shadow_env, "--shadow-env"),
-            worker_resource=worker_resource, shadow_resource=shadow_resource, start_timeout_s=start_timeout_s,
+            prompt_column=prompt_column, completion_column=completion_column, algo=algo, strategy=strategy, steps=steps,
+            batch_size=batch_size, seq_len=seq_len, seed=seed, workers=workers, torch_threads=torch_threads,
+            weight_decay=weight_decay, zo=ZOConfig(lr=lr, eps=eps, micro_batch_size=micro_batch_size),
+            fo=FOConfig(lr=fo_lr, max_grad_norm=fo_max_grad_norm, parallelism=fo_parallelism),
+            layerwise=LayerwiseConfig(threshold=layer_threshold, staleness_bound_steps=layer_staleness_steps,
+                                      max_bytes_per_check=layer_max_bytes_per_check),
+            differential=DifferentialConfig(full_every_steps=diff_full_every, batch_steps=diff_batch_steps, topk=diff_topk),
+            overlapped=OverlappedConfig(chunks=overlap_chunks),
+            snapshot=SnapshotConfig(every_steps=snapshot_every, policy=snapshot_policy, mtbf_s=parse_duration(mtbf), keep=keep_snapshots),
+            storage=StorageConfig(uri=_storage_uri(storage), options={"endpoint_url": s3_endpoint} if s3_endpoint else {}),
+            faults=FaultConfig(failures=failures, settle_failures=settle_failures, max_shadow_restarts=max_shadow_restarts,
+                               max_persister_restarts=max_persister_restarts, max_worker_failures=max_worker_failures,
+                               max_in_process_restarts=max_in_process_restarts, start_timeout_s=start_timeout),
+            elastic=ElasticConfig(min_workers=min_workers, resize_interval_s=parse_duration(elastic_resize_interval)),
+            eval_samples=eval_samples, hash_every_steps=hash_every, shadow_shards=shadow_shards, device=device, dtype=dtype,
+            shadow_env=parse_env(shadow_env, "--shadow-env"), worker_resource=worker_resource, shadow_resource=shadow_resource,
             durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],
         )
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
@@ -387,7 +414,7 @@ def run(
         cfg = None  # e.g. --workers 3 with the default --batch-size: resume_config judges what applies to the run
     if not resume and cfg is not None and cfg.device == "cuda":
         _require_cuda()
-    if cfg is not None and not resuming and any(f.target == "storage" for f in cfg.failures):
+    if cfg is not None and not resuming and any(f.target == "storage" for f in cfg.faults.failures):
         from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")

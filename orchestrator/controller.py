@@ -26,8 +26,8 @@ Storage at start: the driver claims its writer epoch in the snapshot index befor
 is unreachable at start does not start (``raycheck run`` refuses it with exit 2 after its probe; if
 storage goes in between, the claim fails the run). Once claimed, an outage is ridden out: the
 persister, even one (re)started during it, reports it and retries; a dead persister is restarted at
-most ``JobConfig.max_persister_restarts`` times (``orchestrator.control.persister_action``). The train
-workers' restart budget, ``JobConfig.max_worker_failures``, is Ray Train's (``FailureConfig``).
+most ``JobConfig.faults.max_persister_restarts`` times (``orchestrator.control.persister_action``). The train
+workers' restart budget, ``JobConfig.faults.max_worker_failures``, is Ray Train's (``FailureConfig``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 
 
 class PersisterFailedError(RuntimeError):
-    """The snapshot persister died more often than ``JobConfig.max_persister_restarts`` allows."""
+    """The snapshot persister died more often than ``JobConfig.faults.max_persister_restarts`` allows."""
 
 
 def event_line(event: dict, recovery_seconds: float | None = None) -> str:
@@ -143,7 +143,7 @@ def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, 
         ValueError: ``cfg`` has a ``node`` failure and the cluster has one node, or the driver's node
             can host a train worker, or fewer than two other nodes can.
     """
-    node_failures = [f"{f.step}:node" for i, f in enumerate(cfg.failures)
+    node_failures = [f"{f.step}:node" for i, f in enumerate(cfg.faults.failures)
                      if f.target == "node" and not set(marker(i, part) for part in PARTS["node"]) <= set(fired)]
     if not node_failures:
         return
@@ -267,7 +267,7 @@ class Controller:
 
     def __init__(self, cfg: JobConfig, echo: Callable[[str], None] = print,
                  storage_outage: Callable[[float], None] | None = None, assets: Assets | None = None) -> None:
-        if storage_outage is None and any(f.target == "storage" for f in cfg.failures):
+        if storage_outage is None and any(f.target == "storage" for f in cfg.faults.failures):
             raise ValueError(STORAGE_OUTAGE_NEEDS_SERVER)
         self.storage_outage = storage_outage
         if assets is None:  # read and checked here, on the driver, before anything starts
@@ -285,7 +285,7 @@ class Controller:
         """Where the run stands (``orchestrator.control``); ``phase`` is its phase."""
         self.shadow_lag: dict[int, int] = {}
         self.shadow: ShadowKeeper | None = None
-        self.planner = SnapshotPlanner(cfg.mtbf_s) if cfg.snapshot_policy == "adaptive" and cfg.uses_shadow else None
+        self.planner = SnapshotPlanner(cfg.snapshot.mtbf_s) if cfg.snapshot.policy == "adaptive" and cfg.uses_shadow else None
         self.snapshot_interval: dict[int, int] = {}
         self.metrics = RunMetrics(cfg.run_id, cfg.strategy)
         self.persister: Any = None  # the persister actor's handle once started
@@ -320,7 +320,7 @@ class Controller:
     def limits(self) -> Limits:
         """The run's restart budgets."""
         cfg = self.cfg
-        return Limits(cfg.max_shadow_restarts, cfg.max_persister_restarts, cfg.max_worker_failures)
+        return Limits(cfg.faults.max_shadow_restarts, cfg.faults.max_persister_restarts, cfg.faults.max_worker_failures)
 
     def _start_persister(self):
         return start_persister(self.cfg, self.placement)
@@ -329,11 +329,11 @@ class Controller:
         """Wait until the first persister has started and can use storage from its node.
 
         Raises:
-            ComponentStartError: it was not placed within ``cfg.start_timeout_s``, its constructor
+            ComponentStartError: it was not placed within ``cfg.faults.start_timeout_s``, its constructor
                 raised, or its storage probe failed (e.g. no credentials on its node). Storage that is
                 unreachable (an outage) is logged, not fatal: the persister retries through its breaker.
         """
-        what, timeout_s = "the snapshot persister", self.cfg.start_timeout_s
+        what, timeout_s = "the snapshot persister", self.cfg.faults.start_timeout_s
         try:
             self._placed_persister(ray.get(self.persister.status.remote(), timeout=timeout_s))
         except (RayActorError, GetTimeoutError) as exc:
@@ -345,7 +345,7 @@ class Controller:
             if isinstance(cause, StorageUnreachableError):  # an outage, not a setting: it retries through its breaker
                 log.warning("the snapshot persister cannot reach storage yet (%s); training goes on, snapshots wait", cause)
                 return
-            raise storage_failure(what, self.placed["persister"][-1], self.cfg.storage, cause) from exc
+            raise storage_failure(what, self.placed["persister"][-1], self.cfg.storage.uri, cause) from exc
         except RayActorError as exc:  # it died
             raise start_failure(what, exc, timeout_s, self._planned().replica) from exc
 
@@ -357,7 +357,7 @@ class Controller:
         """Start the log keeper over the run directory's step log, pinned to this (the driver's) node,
         mirroring to and (when its log lacks steps) resuming from the run's remote storage; returns
         before it is ready (``_await_log_keeper``)."""
-        storage = self.cfg.snapshot_store().storage if self.cfg.remote_storage else None
+        storage = self.cfg.snapshot_store().storage if self.cfg.storage.remote else None
         self.log_keeper = ray.remote(LogKeeperActor).options(
             name=self.cfg.log_keeper_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
@@ -376,7 +376,7 @@ class Controller:
         except (RayActorError, GetTimeoutError) as exc:
             raise LogKeeperFailedError(f"the step log keeper could not start on the driver's node: {last_line(exc)}") from exc
         if self.log_keeper_status["adopted_steps"]:
-            self.channel.event("log_adopted", steps=self.log_keeper_status["adopted_steps"], storage=self.cfg.storage)
+            self.channel.event("log_adopted", steps=self.log_keeper_status["adopted_steps"], storage=self.cfg.storage.uri)
         return self.log_keeper_status["end"]
 
     def _poll_log_keeper(self, method: str = "status", timeout_s: float = 30) -> LogKeeperStatus:
@@ -399,7 +399,7 @@ class Controller:
         return ShadowSpec(
             model=self.cfg.model, cache_dir=self.cfg.cache_dir, dtype=self.cfg.dtype, log_keeper_name=self.cfg.log_keeper_name,
             store=self.cfg.snapshot_store(), persister_name=self.cfg.persister_name,
-            snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot_every, hash_every=self.cfg.hash_every,
+            snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot.every_steps, hash_every=self.cfg.hash_every_steps,
             layout=read_header(self.run_dir.step_log)["layout"],
             shipped=self.shipped,
         )
@@ -439,7 +439,7 @@ class Controller:
     def _plan(self, row: dict, events: list[dict]) -> None:
         """Feed the cost-model policy with this step's measurements; apply and record a re-plan."""
         if self.planner is None or self.shadow is None:  # the adaptive policy plans a shadow's snapshots
-            self.snapshot_interval[row["step"]] = self.cfg.snapshot_every
+            self.snapshot_interval[row["step"]] = self.cfg.snapshot.every_steps
             return
         failures, _ = worker_failures_and_recoveries(events)
         feasible = self.planner.infeasible is None
@@ -534,15 +534,15 @@ class Controller:
             train_loop_per_worker=train_loop_per_worker,
             train_loop_config={**cfg.to_dict(), ASSETS_KEY: self.shipped},
             torch_config=ReplicaGroupsConfig(cfg.exchange_name, cfg.namespace, cfg.workers) if cfg.replica_groups else None,
-            scaling_config=ScalingConfig(num_workers=(cfg.min_workers, cfg.workers) if cfg.elastic else cfg.workers,
-                                         elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s,
+            scaling_config=ScalingConfig(num_workers=(cfg.elastic.min_workers, cfg.workers) if cfg.is_elastic else cfg.workers,
+                                         elastic_resize_monitor_interval_s=cfg.elastic.resize_interval_s,
                                          use_gpu=cfg.device == "cuda",
                                          resources_per_worker=self._planned().worker_resources,
                                          label_selector=self._planned().worker_label_selector),
             run_config=RunConfig(
                 name=f"raycheck-{self.cfg.run_id}",
                 storage_path=str(pathlib.Path(self.cfg.out_dir).resolve() / "ray_train"),
-                failure_config=FailureConfig(max_failures=self.cfg.max_worker_failures),
+                failure_config=FailureConfig(max_failures=self.cfg.faults.max_worker_failures),
                 worker_runtime_env=runtime_env(),
                 # the controller's side of the recovery breakdown; Ray annotates UserCallback, and takes any RayTrainCallback
                 callbacks=[GroupTimeline(self.cfg)],  # type: ignore[list-item]
@@ -603,7 +603,7 @@ class Controller:
             "shadow_restarts": self.shadow.restarts if self.shadow else None,
             "persister_restarts": self.persister_restarts,
             "config_stored": self.config_stored,
-            "snapshot_policy": cfg.snapshot_policy,
+            "snapshot_policy": cfg.snapshot.policy,
             "wall_seconds": time.time() - self.t_start,
             "trajectory_sha256": cfg.trajectory_sha256(),
             "placement": self._placement(),
@@ -639,7 +639,7 @@ class Controller:
             self.config_stored = save_config(self.cfg)
         except StorageError as exc:
             log.warning("the configuration could not be put in %s (%s): until a later start stores it, this run "
-                        "resumes from its run directory only, not from the bucket alone", self.cfg.storage, exc)
+                        "resumes from its run directory only, not from the bucket alone", self.cfg.storage.uri, exc)
 
     def _failure_summary(self, exc: BaseException) -> dict:
         """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error, and what
@@ -653,7 +653,7 @@ class Controller:
     def _run(self) -> dict:
         cfg = self.cfg
         self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
-        if cfg.remote_storage:  # beside the log segments: --resume --storage URI needs nothing else
+        if cfg.storage.remote:  # beside the log segments: --resume --storage URI needs nothing else
             self._store_config()
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.shipped = ship(self.assets)
@@ -671,7 +671,7 @@ class Controller:
             self._start_log_keeper()
         self.persister = self._start_persister()
         durable = self._await_log_keeper() if cfg.uses_step_log else 0
-        fired = fired_before(cfg.failures, durable)  # even when the run directory was lost
+        fired = fired_before(cfg.faults.failures, durable)  # even when the run directory was lost
         ray.get(self.journal.seed.remote(fired))
         check_node_failures(cfg, nodes, self.placed["driver"]["node_id"], fired=[*claims_in(self.record.events), *fired])
         shadow = None
@@ -684,9 +684,9 @@ class Controller:
         self._await_persister()
         if shadow is not None:
             try:
-                shadow.wait_ready(timeout_s=cfg.start_timeout_s)
+                shadow.wait_ready(timeout_s=cfg.faults.start_timeout_s)
             except (RayActorError, GetTimeoutError) as exc:
-                raise start_failure("the shadow", exc, cfg.start_timeout_s, self._planned().replica) from exc
+                raise start_failure("the shadow", exc, cfg.faults.start_timeout_s, self._planned().replica) from exc
             self.echo(f"[raycheck] shadow ready at step {shadow.status['step']}")
         self.echo(f"[raycheck] training {cfg.steps} steps ({cfg.algo}, strategy {cfg.strategy})")
 
@@ -728,10 +728,10 @@ class Controller:
         sha = None
         if ok:
             shadow.ensure_alive(timeout_s=600)
-            sha = shadow.state_sha256(cfg.steps, cfg.recovery_timeout_s)
+            sha = shadow.state_sha256(cfg.steps, cfg.faults.recovery_timeout_s)
             shadow.refresh_status(timeout_s=60)
             durable = self._flush(keeper=False).get("last_durable_step")
-            if cfg.snapshot_every and shadow.status["step"] > (durable or 0):  # e.g. its write failed in an outage
+            if cfg.snapshot.every_steps and shadow.status["step"] > (durable or 0):  # e.g. its write failed in an outage
                 shadow.snapshot_now(timeout_s=600)  # the final state, so storage ends complete
         replay_s = shadow.status.get("replay_seconds_per_step")
         return {
@@ -793,7 +793,7 @@ def reference_config(cfg: JobConfig) -> JobConfig:
     ``<out_dir>/reference``, with local storage (so durability ``cluster`` becomes ``node``), no
     failures, no evaluation, its own run id and its own rank-0 scratch directory."""
     return cfg.replace(
-        out_dir=str(pathlib.Path(cfg.out_dir) / "reference"), storage="", failures=(), eval_samples=0, run_id=f"{cfg.run_id}-ref",
+        out_dir=str(pathlib.Path(cfg.out_dir) / "reference"), eval_samples=0, run_id=f"{cfg.run_id}-ref",
         durability="node" if cfg.durability == "cluster" else cfg.durability,
-        scratch_dir=str(pathlib.Path(cfg.scratch_dir) / "reference"),
+        scratch_dir=str(pathlib.Path(cfg.scratch_dir) / "reference"), storage={"uri": ""}, faults={"failures": ()},
     )

@@ -19,6 +19,7 @@ from typing import Annotated
 
 import typer
 
+from job.config import OldConfigError, refuse_flat
 from orchestrator.storage_cli import EndpointOpt, open_store
 from storage.backend import Storage, local_path
 from storage.log_segments import read_segments
@@ -135,7 +136,10 @@ def _run_storage(run_dir: pathlib.Path, s3_endpoint: str) -> Storage | None:
     if saved.is_file():
         try:
             config = json.loads(saved.read_text())
-            stored, out_dir, options = config["storage"], config["out_dir"], dict(config.get("storage_options") or {})
+            refuse_flat(config)
+            stored, out_dir, options = config["storage"]["uri"], config["out_dir"], dict(config["storage"].get("options") or {})
+        except OldConfigError as exc:
+            raise ReplayError(f"{saved}: {exc}") from exc
         except (ValueError, KeyError, TypeError) as exc:
             raise ReplayError(f"{saved} is damaged ({type(exc).__name__}: {exc}); pass the snapshot store URI "
                               "(it holds the mirrored log when storage was remote)") from exc

@@ -6,7 +6,7 @@ stopped on an error (the actor still answers, with ``error`` in its status, but 
 nothing more): either way the keeper kills it and starts a new incarnation of that shard ALONE (the
 other shards keep their actors and state), from its own units of the newest snapshot plus the log
 tail. Each shard has its own incarnation counter and its own restart budget of
-``JobConfig.max_shadow_restarts``. The keeper observes and restarts; whether to restart is decided by
+``JobConfig.faults.max_shadow_restarts``. The keeper observes and restarts; whether to restart is decided by
 ``orchestrator.control.shard_action`` (in the driver's loop by ``orchestrator.control.step``); past the
 budget the run fails with ``ShadowFailedError``.
 
@@ -45,7 +45,7 @@ from training.state import state_sha256
 
 
 class ShadowFailedError(RuntimeError):
-    """The shadow failed more often than ``JobConfig.max_shadow_restarts`` allows."""
+    """The shadow failed more often than ``JobConfig.faults.max_shadow_restarts`` allows."""
 
 
 def failure_reason(status: dict | None) -> str | None:
@@ -235,7 +235,7 @@ class ShadowKeeper:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no shadow answered within {timeout_s:g} s")
             for status in self.observe().shards:
-                action = shard_action(status, len(self.shards) > 1, self.cfg.max_shadow_restarts, recovery_pending=False)
+                action = shard_action(status, len(self.shards) > 1, self.cfg.faults.max_shadow_restarts, recovery_pending=False)
                 if isinstance(action, FailRun):
                     raise ShadowFailedError(action.reason)
                 if action is not None:

@@ -13,7 +13,7 @@ import json
 import logging
 import pathlib
 
-from job.config import JobConfig, default_scratch_dir
+from job.config import JobConfig, OldConfigError, default_scratch_dir, refuse_flat
 from storage.backend import Storage
 from storage.log_segments import read_segments
 from storage.steplog import StepLogError
@@ -29,9 +29,10 @@ class StoredConfigError(ValueError):
 
 
 def stored_config(cfg: JobConfig) -> dict:
-    """``cfg.to_dict()`` without ``storage_options`` (an endpoint, and whatever else a caller put
+    """``cfg.to_dict()`` without ``JobConfig.storage``'s options (an endpoint, and whatever else a caller put
     there, credentials included, never leaves this machine through the storage)."""
-    return {**cfg.to_dict(), "storage_options": {}}
+    saved = cfg.to_dict()
+    return {**saved, "storage": {**saved["storage"], "options": {}}}
 
 
 def save_config(cfg: JobConfig) -> bool:
@@ -42,7 +43,7 @@ def save_config(cfg: JobConfig) -> bool:
     Raises:
         storage.backend.StorageError: the storage failed after its retries.
     """
-    storage = Storage(cfg.storage, **cfg.storage_options)
+    storage = Storage(cfg.storage.uri, **cfg.storage.options)
     try:
         held = json.loads(storage.get(CONFIG_OBJECT)).get("run_id")
     except (FileNotFoundError, ValueError, AttributeError):  # none yet, or a damaged one: (re)placed
@@ -65,10 +66,12 @@ def load_config(uri: str, storage_options: dict, out_dir: pathlib.Path, cache_di
         scratch_dir: rank 0's node-local directory; empty: the default for ``out_dir`` and the run id.
 
     Returns:
-        The saved configuration with these five fields replaced by the arguments.
+        The saved configuration with ``out_dir``, ``cache_dir``, ``scratch_dir`` and its storage (URI
+        and options) replaced by the arguments.
 
     Raises:
         StoredConfigError: no ``CONFIG_OBJECT`` in ``uri`` (not the run's storage URI), a damaged one,
+            one in the flat form of an older raycheck (``job.config.refuse_flat``),
             or log segments of another run or trajectory (or unreadable ones) beside it.
         storage.backend.StorageError: the storage cannot be read (``StorageUnreachableError`` at once
             when its endpoint takes no connection).
@@ -84,9 +87,12 @@ def load_config(uri: str, storage_options: dict, out_dir: pathlib.Path, cache_di
                                 "the run was started with (s3://BUCKET/PREFIX), or --out of its run directory")
     try:
         saved = json.loads(storage.get(CONFIG_OBJECT))
-        cfg = JobConfig.from_dict({**saved, "out_dir": str(out_dir), "cache_dir": str(cache_dir), "storage": uri,
-                                   "storage_options": dict(storage_options),
+        refuse_flat(saved)
+        cfg = JobConfig.from_dict({**saved, "out_dir": str(out_dir), "cache_dir": str(cache_dir),
+                                   "storage": {"uri": uri, "options": dict(storage_options)},
                                    "scratch_dir": scratch_dir or default_scratch_dir(str(out_dir), saved["run_id"])})
+    except OldConfigError as exc:
+        raise StoredConfigError(f"{storage.url(CONFIG_OBJECT)}: {exc}") from exc
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
         raise StoredConfigError(f"{storage.url(CONFIG_OBJECT)} is damaged ({type(exc).__name__}: {exc}); this run cannot be resumed") from exc
     _check_log(storage, cfg)

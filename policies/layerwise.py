@@ -2,10 +2,11 @@
 
 Updates are non-uniform across transformer layers, so LayerCheck persists only the units (embeddings,
 one transformer layer, final norm, LM head: ``storage.units.unit_of``) whose change since their last
-persisted version exceeds a threshold, spreads the writes over steps with a per-step byte budget,
+persisted version exceeds a threshold, spreads the writes over checks with a per-check byte budget,
 and bounds every unit's staleness so that a composite recovery state is never older than the bound.
 
-The rule (``select_units``), applied once per step to a frozen status of every unit:
+The rule (``select_units``), applied at each check (a step the checkpointer checks at) to a frozen
+status of every unit:
 
 1. Units never persisted (``staleness_steps=None``) are forced: taken first, in input order
    (reason ``FORCED_FIRST``); a composite state needs a version of every unit.
@@ -13,8 +14,8 @@ The rule (``select_units``), applied once per step to a frozen status of every u
    taken next, oldest first (ties: larger change first, then input order) (``STALENESS_BOUND``).
 3. Units whose relative change is strictly over ``threshold`` are taken by decreasing change (ties:
    staler first, then input order) while they fit in what the forced units left of
-   ``max_bytes_per_step`` (``THRESHOLD``). The first one that does not fit ends the step: it and
-   the rest are ``deferred`` to a later step (where the staleness bound forces them at the latest).
+   ``max_bytes_per_check`` (``THRESHOLD``). The first one that does not fit ends the check: it and
+   the rest are ``deferred`` to a later check (where the staleness bound forces them at the latest).
 
 Forced units are taken even when they alone exceed the budget; their bytes count against it.
 Pure: no torch, no Ray, no I/O; counters and measurements are passed in.
@@ -32,32 +33,31 @@ import numpy as np
 
 @dataclass(frozen=True, kw_only=True)
 class LayerwiseConfig:
-    """Settings of the selection rule.
+    """Settings of the selection rule: strategy ``layerwise``'s component of the job's configuration
+    (``job.config.JobConfig``, field ``layerwise``), whose checks come every ``snapshot.every_steps`` steps.
+    A refusal names the field by its path there (``layerwise.threshold``)."""
 
-    Attributes:
-        threshold: relative change (||w - w_persisted|| / ||w_persisted||, dimensionless, >= 0) a
-            unit must exceed to be persisted before its staleness bound.
-        staleness_bound_steps: a unit whose last persisted version is this many steps old or older
-            is persisted regardless of its change (>= 1).
-        max_bytes_per_step: bytes of unit shards to write per step, forced units included
-            (0 = unlimited).
-    """
-
-    threshold: float
-    staleness_bound_steps: int
-    max_bytes_per_step: int = 0
+    threshold: float = 1e-3
+    """Relative change (||w - w_persisted|| / ||w_persisted||, dimensionless, >= 0) a unit must exceed to
+    be persisted before its staleness bound. Default from a measurement: see docs/first-order.md."""
+    staleness_bound_steps: int = 100
+    """A unit whose last persisted version is this many steps old or older is persisted regardless of its
+    change (>= 1; bounds how old a restored unit can be)."""
+    max_bytes_per_check: int = 0
+    """Bytes of unit shards written per check, forced units included (they are written even over it);
+    units over the threshold that do not fit wait for a later check (0: no limit)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
-            raise ValueError(f"threshold must be a number, got {self.threshold!r}")
+            raise ValueError(f"layerwise.threshold must be a number, got {self.threshold!r}")
         if not (math.isfinite(self.threshold) and self.threshold >= 0):
-            raise ValueError(f"threshold must be a finite relative change >= 0, got {self.threshold}")
-        for name, low in (("staleness_bound_steps", 1), ("max_bytes_per_step", 0)):
+            raise ValueError(f"layerwise.threshold must be a finite relative change >= 0, got {self.threshold}")
+        for name, low in (("staleness_bound_steps", 1), ("max_bytes_per_check", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+                raise ValueError(f"layerwise.{name} must be an integer, got {value!r}")
             if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+                raise ValueError(f"layerwise.{name} must be >= {low}, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +160,7 @@ def select_units(config: LayerwiseConfig, units: Sequence[UnitStatus]) -> Layerw
     spent = sum(s.bytes for s in selected)
     deferred: list[str] = []
     for _, _, u in changed:
-        if deferred or (config.max_bytes_per_step and spent + u.bytes > config.max_bytes_per_step):
+        if deferred or (config.max_bytes_per_check and spent + u.bytes > config.max_bytes_per_check):
             deferred.append(u.unit)
             continue
         selected.append(Selected(u.unit, Reason.THRESHOLD, u.bytes))

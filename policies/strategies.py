@@ -32,6 +32,6 @@ class RunStrategy(StrEnum):
 
 FULL_STATE = (RunStrategy.FULL_SYNC, RunStrategy.FULL_ASYNC)
 """The strategies that write the whole state at each checkpoint (the only ones for sharded state,
-``JobConfig.fo_parallelism`` fsdp2)."""
+``JobConfig.fo.parallelism`` fsdp2)."""
 STEP_LOG = (RunStrategy.SHADOW, RunStrategy.LOG_ONLY)
 """The strategies that append every step to a durable step log (ZO)."""

@@ -1,12 +1,11 @@
 """``raycheck run``'s defaults are ``JobConfig``'s (the one place they live), checked without Ray.
 
 The options repeat the defaults by hand, so that ``raycheck run --help`` shows them; these tests fail
-on any option whose default differs from the field it fills, and on an option or a field that is new
-and not accounted for here."""
+on any option whose default differs from the field it fills, and on an option or a field (a path, e.g.
+``layerwise.threshold``, whose option keeps its old name ``--layer-threshold``) that is new and not
+accounted for here."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import typer
 from typer.testing import CliRunner
@@ -20,7 +19,7 @@ NOT_FIELDS = {
     "overwrite": "what to do with an existing run directory, not part of the run",
     "resume": "continue the run in --out (its config.json), not part of the run",
     "verify": "run the failure-free reference too, not part of the run",
-    "fail_schedule": "random failures, drawn into JobConfig.failures with --fail",
+    "fail_schedule": "random failures, drawn into JobConfig.faults.failures with --fail",
     "fail_seed": "the seed of --fail-schedule's draw",
 }
 """``raycheck run`` options that fill no ``JobConfig`` field of their own, and why."""
@@ -31,10 +30,10 @@ NO_OPTION = {
     "run_id": "a new one per run (--resume keeps the saved one)",
     "writer_epoch": "set by the controller at each start",
     "namespace": "the Ray namespace; the Python API may set it",
-    "recovery_timeout_s": "the Python API and the tests may set it",
+    "faults.recovery_timeout_s": "the Python API and the tests may set it",
     "extra": "free-form, for the Python API",
 }
-"""``JobConfig`` fields that ``raycheck run`` has no option for, and why."""
+"""``JobConfig`` fields (paths) that ``raycheck run`` has no option for, and why."""
 
 
 def run_options() -> dict[str, str]:
@@ -45,14 +44,14 @@ def run_options() -> dict[str, str]:
 
 def test_every_option_fills_one_field_or_is_listed_and_every_field_has_an_option_or_is_listed():
     options = run_options()
-    field_of = {option(f.name): f.name for f in dataclasses.fields(JobConfig)}
+    field_of = {option(path): path for path in JobConfig.field_paths()}
     assert {name for name, opt in options.items() if opt not in field_of} == set(NOT_FIELDS)
     assert set(field_of.values()) - {field_of[opt] for opt in options.values() if opt in field_of} == set(NO_OPTION)
 
 
 def test_the_options_defaults_are_the_fields_defaults(tmp_path, monkeypatch):
     """The configuration ``raycheck run --out DIR`` builds (stopped at ``check_job``, before anything
-    is read or written) is ``JobConfig``'s defaults: units converted (``--mtbf 1h`` is ``mtbf_s`` 3600),
+    is read or written) is ``JobConfig``'s defaults: units converted (``--mtbf 1h`` is ``snapshot.mtbf_s`` 3600),
     ``--cache-dir`` the default cache, the new run id aside."""
     built = []
 

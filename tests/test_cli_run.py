@@ -94,7 +94,7 @@ def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
     out = tmp_path / "run"
     cfg = prepared_run(out)
     RunDir.write_json(out / "summary.json", {"ok": False, "final_step": None})
-    other = cfg.replace(lr=cfg.lr * 2)
+    other = cfg.replace(zo={"lr": cfg.zo.lr * 2})
     RunDir.write_json(out / "config.json", other.to_dict())
     before = tree_sha256(out)
     result = resume(out)
@@ -102,7 +102,7 @@ def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
     assert f"error: {out / 'steplog.bin'} belongs to another trajectory ({cfg.trajectory_sha256()}); use a new --out" in result.output
     assert "Traceback" not in result.output
     assert tree_sha256(out) == before
-    assert json.loads((out / "config.json").read_text())["lr"] == other.lr
+    assert json.loads((out / "config.json").read_text())["zo"]["lr"] == other.zo.lr
 
 
 @pytest.mark.parametrize("workers", ["3", "4"])
@@ -188,10 +188,10 @@ def test_resume_takes_the_restart_budgets_given_on_the_command_line_and_warns_ab
     saved ones (a notice each); any other option given is named in one warning line and ignored."""
     from orchestrator.cli import resume_config
 
-    saved = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, max_persister_restarts=1)
+    saved = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, faults={"max_persister_restarts": 1})
     cfg, notes = resume_config(saved, {"out": tmp_path, "resume": True, "max_persister_restarts": 5, "max_shadow_restarts": 10,
                                        "steps": 9, "lr": 1.0})
-    assert (cfg.max_persister_restarts, cfg.max_shadow_restarts, cfg.steps, cfg.lr) == (5, 10, 6, saved.lr)
+    assert (cfg.faults.max_persister_restarts, cfg.faults.max_shadow_restarts, cfg.steps, cfg.zo.lr) == (5, 10, 6, saved.zo.lr)
     assert notes == ["--resume: max_persister_restarts 1 -> 5",
                      "warning: --resume continues the run with the settings in its config.json; ignored: --steps, --lr"]
     assert resume_config(saved, {"out": tmp_path, "resume": True, "verify": True}) == (saved, [])
@@ -201,7 +201,7 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
     import orchestrator.controller
 
     out = tmp_path / "run"
-    prepared_run(out, max_persister_restarts=1)
+    prepared_run(out, faults={"max_persister_restarts": 1})
     seen = []
 
     def finished(cfg, verify, echo, assets=None) -> dict:
@@ -211,7 +211,7 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
     monkeypatch.setattr(orchestrator.controller, "run_job", finished)
     result = CliRunner().invoke(app, ["run", "--resume", "--max-persister-restarts", "5", "--out", str(out)])
     assert result.exit_code == 1, result.output
-    assert [c.max_persister_restarts for c in seen] == [5], result.output
+    assert [c.faults.max_persister_restarts for c in seen] == [5], result.output
     assert "--resume: max_persister_restarts 1 -> 5" in result.output
 
 

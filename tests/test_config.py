@@ -1,8 +1,9 @@
+import dataclasses
 import json
 
 import pytest
 
-from job.config import STRATEGIES, FailureSpec, JobConfig
+from job.config import COMPONENTS, STRATEGIES, FailureSpec, JobConfig, LayerwiseConfig, OldConfigError, SnapshotConfig
 from orchestrator.controller import event_line
 from policies.models import Strategy
 from policies.strategies import RunStrategy
@@ -26,16 +27,16 @@ def test_failure_spec_parsing():
 
 def test_job_config_validation_names_the_field():
     base = dict(out_dir="/tmp/x", cache_dir="/tmp/c")
-    assert JobConfig(**base).storage == "/tmp/x/snapshots"
+    assert JobConfig(**base).storage.uri == "/tmp/x/snapshots"
     with pytest.raises(ValueError, match="model is empty: give smollm2-135m, tiny, a model folder or a cached model id"):
         JobConfig(**base, model="")  # a folder or cached id is checked by the driver (training.assets.read_assets)
     with pytest.raises(ValueError, match="divisible by workers"):
         JobConfig(**base, batch_size=7, workers=2)
     with pytest.raises(ValueError, match="past the last step"):
-        JobConfig(**base, steps=10, failures=(FailureSpec(step=10),))
-    cfg = JobConfig(**base, failures=(FailureSpec(step=3, target="shadow"),))
+        JobConfig(**base, steps=10, faults={"failures": (FailureSpec(step=10),)})
+    cfg = JobConfig(**base, faults={"failures": (FailureSpec(step=3, target="shadow"),)})
     assert JobConfig.from_dict(cfg.to_dict()) == cfg
-    assert cfg.trajectory_sha256() == cfg.replace(failures=(), out_dir="/elsewhere").trajectory_sha256()
+    assert cfg.trajectory_sha256() == cfg.replace(out_dir="/elsewhere", faults={"failures": ()}).trajectory_sha256()
     assert cfg.trajectory_sha256() != cfg.replace(seed=1).trajectory_sha256()
 
 
@@ -72,21 +73,21 @@ def test_progress_lines_print_floats_to_3_significant_digits_and_leave_the_event
 def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():
     base = dict(out_dir="/tmp/x", cache_dir="/tmp/c", steps=10)
     with pytest.raises(ValueError, match="kills the shadow, which only strategy shadow has"):
-        JobConfig(**base, strategy="full-async", failures=(FailureSpec(step=3, target="both"),))
+        JobConfig(**base, strategy="full-async", faults={"failures": (FailureSpec(step=3, target="both"),)})
     with pytest.raises(ValueError, match="has no step log"):
-        JobConfig(**base, strategy="full-sync", failures=(FailureSpec(step=3, how="torn"),))
+        JobConfig(**base, strategy="full-sync", faults={"failures": (FailureSpec(step=3, how="torn"),)})
     with pytest.raises(ValueError, match="must be >= 1, got 0"):
-        JobConfig(**base, strategy="full-sync", snapshot_every=0)
-    with pytest.raises(ValueError, match="strategy overlapped checkpoints every snapshot_every steps: it must be >= 1, got 0"):
-        JobConfig(**base, algo="fo", strategy="overlapped", snapshot_every=0)
-    with pytest.raises(ValueError, match=r"^overlap_chunks \(20\) exceeds snapshot_every \(4\): .* set overlap_chunks to at most 4$"):
-        JobConfig(**base, algo="fo", strategy="overlapped", overlap_chunks=20, snapshot_every=4)
-    assert JobConfig(**base, algo="fo", strategy="overlapped", overlap_chunks=4, snapshot_every=4).overlap_chunks == 4
-    with pytest.raises(ValueError, match=r"^micro_batch_size is for the ZO path \(algo zo\) only: algo fo splits batch_size"):
-        JobConfig(**base, algo="fo", micro_batch_size=2)
+        JobConfig(**base, strategy="full-sync", snapshot={"every_steps": 0})
+    with pytest.raises(ValueError, match="strategy overlapped checkpoints every snapshot.every_steps steps: it must be >= 1, got 0"):
+        JobConfig(**base, algo="fo", strategy="overlapped", snapshot={"every_steps": 0})
+    with pytest.raises(ValueError, match=r"^overlapped.chunks \(20\) exceeds snapshot.every_steps \(4\): .* set overlapped.chunks to at most 4$"):
+        JobConfig(**base, algo="fo", strategy="overlapped", overlapped={"chunks": 20}, snapshot={"every_steps": 4})
+    assert JobConfig(**base, algo="fo", strategy="overlapped", overlapped={"chunks": 4}, snapshot={"every_steps": 4}).overlapped.chunks == 4
+    with pytest.raises(ValueError, match=r"^zo.micro_batch_size is for the ZO path \(algo zo\) only: algo fo splits batch_size"):
+        JobConfig(**base, algo="fo", zo={"micro_batch_size": 2})
     with pytest.raises(ValueError, match=r"outage in seconds, e.g. 3:storage:20 \(got none\)"):
         FailureSpec.parse("3:storage")
-    assert JobConfig(**base, strategy="log-only", snapshot_every=0, failures=(FailureSpec(step=3, how="torn"),)).uses_step_log
+    assert JobConfig(**base, strategy="log-only", snapshot={"every_steps": 0}, faults={"failures": (FailureSpec(step=3, how="torn"),)}).uses_step_log
 
 
 def test_a_storage_failure_is_refused_before_an_existing_run_is_touched(tmp_path):
@@ -102,37 +103,91 @@ def test_a_storage_failure_is_refused_before_an_existing_run_is_touched(tmp_path
     assert (out / "steplog.bin").read_bytes() == b"keep me"
 
 
-@pytest.mark.parametrize("field, value, message", [
+@pytest.mark.parametrize("path, value, message", [
     ("seed", -1, "seed must be an integer in [0, 2**64), got -1"),
     ("seed", 2**64, "seed must be an integer in [0, 2**64), got 18446744073709551616"),
-    ("lr", -1e-6, "lr must be a finite number > 0, got -1e-06"),
-    ("lr", 0.0, "lr must be a finite number > 0, got 0.0"),
-    ("lr", float("nan"), "lr must be a finite number > 0, got nan"),
-    ("eps", 0.0, "eps must be a finite number > 0, got 0.0"),
-    ("eps", float("inf"), "eps must be a finite number > 0, got inf"),
+    ("zo.lr", -1e-6, "zo.lr must be a finite number > 0, got -1e-06"),
+    ("zo.lr", 0.0, "zo.lr must be a finite number > 0, got 0.0"),
+    ("zo.lr", float("nan"), "zo.lr must be a finite number > 0, got nan"),
+    ("zo.eps", 0.0, "zo.eps must be a finite number > 0, got 0.0"),
+    ("zo.eps", float("inf"), "zo.eps must be a finite number > 0, got inf"),
     ("weight_decay", -0.1, "weight_decay must be a finite number >= 0, got -0.1"),
     ("steps", 0, "steps must be >= 1, got 0"),
-    ("keep_snapshots", 0, "keep_snapshots must be >= 1, got 0"),
-    ("snapshot_every", -1, "snapshot_every must be >= 0 (0: off), got -1"),
+    ("snapshot.keep", 0, "snapshot.keep must be >= 1, got 0"),
+    ("snapshot.every_steps", -1, "snapshot.every_steps must be >= 0 (0: off), got -1"),
     ("eval_samples", -5, "eval_samples must be >= 0 (0: off), got -5"),
-    ("hash_every", -1, "hash_every must be >= 0 (0: off), got -1"),
-    ("recovery_timeout_s", 0.0, "recovery_timeout_s must be a finite number > 0, got 0.0"),
-    ("fo_lr", -1.0, "fo_lr must be a finite number > 0, got -1.0"),
-    ("overlap_chunks", 0, "overlap_chunks must be >= 1, got 0"),
+    ("hash_every_steps", -1, "hash_every_steps must be >= 0 (0: off), got -1"),
+    ("faults.recovery_timeout_s", 0.0, "faults.recovery_timeout_s must be a finite number > 0, got 0.0"),
+    ("fo.lr", -1.0, "fo.lr must be a finite number > 0, got -1.0"),
+    ("overlapped.chunks", 0, "overlapped.chunks must be >= 1, got 0"),
+    ("layerwise.staleness_bound_steps", 0, "layerwise.staleness_bound_steps must be >= 1, got 0"),
+    ("differential.topk", 1.5, "differential.topk must be in [0, 1] (0: exact records), got 1.5"),
+    ("faults.max_worker_failures", -2, "faults.max_worker_failures must be >= 0, or -1 for unlimited, got -2"),
+    ("elastic.resize_interval_s", 0.0, "elastic.resize_interval_s must be a finite number > 0, got 0.0"),
 ])
-def test_nonsense_values_are_refused_naming_the_field(field, value, message):
+def test_nonsense_values_are_refused_naming_the_field(path, value, message):
+    """A component refuses its own nonsense (built alone or in ``JobConfig``), naming the field by its path."""
+    component, _, name = path.rpartition(".")
     with pytest.raises(ValueError) as err:
-        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", **{field: value})
+        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", **({component: {name: value}} if component else {name: value}))
     assert str(err.value) == message
+    if component:
+        with pytest.raises(ValueError) as alone:
+            COMPONENTS[component](**{name: value})
+        assert str(alone.value) == message
+
+
+def test_components_are_built_from_dicts_replaced_by_dict_or_path_and_read_by_path():
+    cfg = JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", layerwise={"threshold": 0.1}, faults={"max_shadow_restarts": 2})
+    assert cfg.layerwise == LayerwiseConfig(threshold=0.1) and cfg.faults.max_shadow_restarts == 2
+    changed = cfg.replace(steps=5, layerwise={"staleness_bound_steps": 7}, **{"faults.max_worker_failures": 4, "faults.settle_failures": True})
+    assert (changed.steps, changed.layerwise.threshold, changed.layerwise.staleness_bound_steps) == (5, 0.1, 7)  # the others kept
+    assert (changed.get("faults.max_shadow_restarts"), changed.get("faults.max_worker_failures"), changed.faults.settle_failures) == (2, 4, True)
+    assert dataclasses.replace(cfg, layerwise=dataclasses.replace(cfg.layerwise, threshold=0.2)).get("layerwise.threshold") == 0.2
+    assert cfg.replace(snapshot=SnapshotConfig(every_steps=3)).snapshot == SnapshotConfig(every_steps=3)
+    with pytest.raises(ValueError, match="layerwise.threshold must be a finite relative change >= 0"):
+        cfg.replace(**{"layerwise.threshold": -1.0})
+    with pytest.raises(TypeError):
+        cfg.replace(layerwise={"treshold": 0.1})
+    paths = JobConfig.field_paths()
+    assert {"zo.lr", "fo.lr", "snapshot.every_steps", "storage.uri", "faults.failures", "elastic.min_workers"} <= set(paths)
+    assert all(cfg.get(p) is not None for p in paths) and len(set(paths)) == len(paths)
+
+
+def test_the_trajectory_hash_covers_the_trajectory_paths_only():
+    cfg = JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c")
+    for path, value in [("zo.lr", 2e-6), ("zo.eps", 2e-3), ("weight_decay", 0.1), ("fo.lr", 1e-4), ("fo.max_grad_norm", 0.5),
+                        ("seed", 1), ("steps", 9), ("workers", 2), ("zo.micro_batch_size", 4)]:
+        assert cfg.replace(**{path: value}).trajectory_sha256() != cfg.trajectory_sha256(), path
+    for path, value in [("snapshot.every_steps", 5), ("layerwise.threshold", 0.5), ("differential.full_every_steps", 7),
+                        ("faults.max_shadow_restarts", 1), ("storage.uri", "/elsewhere"), ("hash_every_steps", 2)]:
+        assert cfg.replace(**{path: value}).trajectory_sha256() == cfg.trajectory_sha256(), path
+
+
+def test_a_config_in_the_flat_form_of_an_older_raycheck_is_refused_in_one_line(tmp_path):
+    flat = {"storage": "/tmp/x/snapshots", "snapshot_every": 10, "lr": 1e-6, "fo_lr": 1e-5}  # as config.json held them
+    with pytest.raises(OldConfigError) as err:
+        JobConfig.from_dict(flat)
+    assert str(err.value).startswith("configuration written by an older raycheck") and "\n" not in str(err.value)
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({**flat, "out_dir": str(out)}))
+    result = CliRunner().invoke(app, ["run", "--resume", "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.output == f"error: {out / 'config.json'}: {err.value}\n"
 
 
 def test_a_torn_append_is_refused_where_the_failing_rank_has_no_log_writer():
-    base = dict(out_dir="/tmp/x", cache_dir="/tmp/c", steps=10, failures=(FailureSpec(step=3, how="torn"),))
+    base = dict(out_dir="/tmp/x", cache_dir="/tmp/c", steps=10, faults={"failures": (FailureSpec(step=3, how="torn"),)})
     with pytest.raises(ValueError, match=r"3:worker:torn tears rank 0's step-log append, but worker failures hit the last "
                                          r"rank \(1\), which has no log writer: use workers=1"):
         JobConfig(**base, workers=2)
-    assert JobConfig(**base, workers=1).failures[0].how == "torn"
-    assert JobConfig(**{**base, "failures": (FailureSpec(step=3, how="exit"),)}, workers=2).workers == 2
+    assert JobConfig(**base, workers=1).faults.failures[0].how == "torn"
+    assert JobConfig(**{**base, "faults": {"failures": (FailureSpec(step=3, how="exit"),)}}, workers=2).workers == 2
 
 
 NONSENSE = [

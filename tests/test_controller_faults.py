@@ -67,7 +67,7 @@ def dead(name: str) -> bool:
 def test_a_shadow_that_keeps_failing_is_restarted_within_its_budget_then_the_run_fails_with_a_summary(
         cluster, tmp_path, monkeypatch):
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=4, eval_samples=0,
-                    max_shadow_restarts=1, run_id=f"gap-{uuid.uuid4().hex[:6]}")
+                    run_id=f"gap-{uuid.uuid4().hex[:6]}", faults={"max_shadow_restarts": 1})
     release = threading.Event()
     gapped = tmp_path / "gapped.bin"
     spec = Controller._shadow_spec

@@ -42,11 +42,11 @@ def worker_run(dtype: str, data, encoder, tmp_path) -> tuple["OrderedDict[str, t
     """``STEPS`` MeZO steps of the tiny model in ``dtype`` by the worker's own step (``zo_step_``: z, the
     round trip, the two forward passes, the update); returns its parameters and the logged records."""
     cfg = JobConfig(out_dir=str(tmp_path / dtype), cache_dir=str(default_cache_dir()), model="tiny", dtype=dtype,
-                    lr=1e-3, eps=1e-3, weight_decay=0.01, batch_size=4)
+                    batch_size=4, weight_decay=0.01, zo={"lr": 1e-3, "eps": 1e-3})
     model = load_model("tiny", dtype=dtype)
     params = trainable_parameters(model)
     records = []
-    hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    hyper = ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay)
     for step in range(STEPS):
         zo_step_(params, model, encoder, data[0], cfg, step, 0, 1, hyper, fail=lambda: None,
                  commit=lambda record: records.append(record) or 0.0)

@@ -46,13 +46,18 @@ def test_a_run_shrinks_to_one_worker_grows_back_to_two_and_stays_exact(elastic_c
     bucket = "rc-elastic"
     make_bucket(s3_endpoint, bucket)
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=10, batch_size=8,
-                    micro_batch_size=4, workers=2, min_workers=1, elastic_resize_interval_s=2.0, hash_every=2,
-                    eval_samples=0, snapshot_every=3, lr=1e-4, settle_failures=True, durability="node",
-                    failures=(FailureSpec.parse("3:node"),), worker_resource="train", shadow_resource="replica",
-                    storage=f"s3://{bucket}/run", storage_options={"endpoint_url": s3_endpoint}, run_id="elastic")
+                    workers=2, hash_every_steps=2,
+                    eval_samples=0, durability="node",
+                    worker_resource="train", shadow_resource="replica",
+                    run_id="elastic",
+                    zo={"micro_batch_size": 4, "lr": 1e-4},
+                    elastic={"min_workers": 1, "resize_interval_s": 2.0},
+                    snapshot={"every_steps": 3},
+                    faults={"settle_failures": True, "failures": (FailureSpec.parse("3:node"),)},
+                    storage={"uri": f"s3://{bucket}/run", "options": {"endpoint_url": s3_endpoint}})
     ray.init(address=elastic_cluster.address, namespace="raycheck", log_to_driver=False)
     try:
-        ref = Controller(reference_config(cfg).replace(min_workers=0), echo=lambda _: None).run()
+        ref = Controller(reference_config(cfg).replace(elastic={"min_workers": 0}), echo=lambda _: None).run()
     finally:
         ray.shutdown()
     assert ref["ok"], ref["error"]

@@ -49,14 +49,15 @@ def cluster():
     ray.shutdown()
 
 
-SETTINGS = dict(model="tiny", steps=12, batch_size=8, micro_batch_size=4, seq_len=32, lr=1e-4, eval_samples=16, hash_every=2,
-                snapshot_every=3, settle_failures=True)  # each recovery source follows from the failure steps alone
-"""Two example groups of 4 per step (``micro_batch_size``): the same trajectory at one worker or two (docs/elastic.md)."""
+SETTINGS = dict(model="tiny", steps=12, batch_size=8, seq_len=32, eval_samples=16, hash_every_steps=2, zo={"micro_batch_size": 4, "lr": 1e-4},
+                snapshot={"every_steps": 3}, faults={"settle_failures": True})  # each recovery source follows from the failure steps alone
+"""Two example groups of 4 per step (``zo.micro_batch_size``): the same trajectory at one worker or two (docs/elastic.md)."""
 
 
 def job(tmp_path_factory, name: str, failures: str = "", outage=None, **kw) -> dict:
-    settings = dict(SETTINGS, run_id=name, failures=tuple(FailureSpec.parse(f) for f in failures.split()))
-    cfg = JobConfig(out_dir=str(tmp_path_factory.mktemp(name)), cache_dir=str(default_cache_dir()), **{**settings, **kw})
+    """Run ``SETTINGS`` with ``failures`` and ``kw`` (``JobConfig.replace``: a component's dict merges)."""
+    cfg = JobConfig(out_dir=str(tmp_path_factory.mktemp(name)), cache_dir=str(default_cache_dir()), run_id=name, **SETTINGS).replace(
+        **{"faults.failures": tuple(FailureSpec.parse(f) for f in failures.split())}, **kw)
     with driver_appends() as appended:
         summary = Controller(cfg, echo=lambda _: None, storage_outage=outage).run()
     assert summary["ok"], summary["error"]
@@ -229,8 +230,8 @@ def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive
     same way. The adaptive policy assumes an MTBF of 1 s: it starts at 1 step between snapshots and must re-plan, since every second the job
     runs without a failure contradicts that MTBF (policies.replan: (M0 + elapsed) / (1 + failures))."""
     ref = reference
-    s = job(tmp_path_factory, "two", "6:worker:exit 9:worker:raise", workers=2, eval_samples=0, snapshot_policy="adaptive",
-            mtbf_s=1.0)
+    s = job(tmp_path_factory, "two", "6:worker:exit 9:worker:raise", workers=2, eval_samples=0,
+            snapshot={"policy": "adaptive", "mtbf_s": 1.0})
     assert s["state_sha256"] == ref["state_sha256"] and s["worker_hashes"] == ref["worker_hashes"] and s["shadow_equal"]
     assert len(set(ref["worker_hashes"].values())) == 6  # after steps 2, 4, ..., 12: the state moved
     assert s["trajectory_sha256"] == ref["trajectory_sha256"]  # one trajectory, whatever the worker count
@@ -270,8 +271,8 @@ def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_fa
     bucket = f"rc-{uuid.uuid4().hex[:12]}"
     make_bucket(s3_endpoint, bucket)
     uri = f"s3://{bucket}/run"
-    s = job(tmp_path_factory, "s3", "7:corrupt 7:both", storage=uri, storage_options={"endpoint_url": s3_endpoint},
-            keep_snapshots=10, durability="cluster")  # keep the corrupt snapshot for `raycheck verify` to find
+    s = job(tmp_path_factory, "s3", "7:corrupt 7:both", storage={"uri": uri, "options": {"endpoint_url": s3_endpoint}},
+            snapshot={"keep": 10}, durability="cluster")  # keep the corrupt snapshot for `raycheck verify` to find
     assert_exact(s, reference)
     committed = s["durability"]
     assert committed["level"] == "cluster" and committed["uploaded_steps"] == 12 and 1 <= committed["uploads"] <= 12
@@ -395,7 +396,7 @@ def test_persister_kill_and_a_20s_s3_outage_are_exact_and_storage_resumes(refere
             server.start()
 
         s = job(tmp_path_factory, "outage", f"3:persister 4:storage:{OUTAGE_S:g} 9:worker", outage=outage_until_back,
-                storage=server.uri("run"), storage_options={"endpoint_url": server.endpoint})
+                storage={"uri": server.uri("run"), "options": {"endpoint_url": server.endpoint}})
         assert_exact(s, reference)
         assert [f["target"] for f in s["failures"]] == ["persister", "storage", "worker"]
         assert s["persister_restarts"] == 1 and outages_s == [OUTAGE_S]

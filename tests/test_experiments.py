@@ -102,9 +102,9 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
     preset = PRESETS["full"]
     for strategy in STRATEGIES["zo"]:
         cfg = job_config(preset, strategy, tmp_path / strategy, "/cache", failure_kind="raise")
-        assert [(f.step, f.target, f.how) for f in cfg.failures] == [(12, "worker", "raise"), (24, "worker", "raise")]
-    assert [f.how for f in job_config(preset, "shadow", tmp_path, "/cache").failures] == ["exit", "exit"]
-    assert job_config(preset, "shadow", tmp_path, "/cache", failures=False, failure_kind="raise").failures == ()
+        assert [(f.step, f.target, f.how) for f in cfg.faults.failures] == [(12, "worker", "raise"), (24, "worker", "raise")]
+    assert [f.how for f in job_config(preset, "shadow", tmp_path, "/cache").faults.failures] == ["exit", "exit"]
+    assert job_config(preset, "shadow", tmp_path, "/cache", failures=False, failure_kind="raise").faults.failures == ()
     with pytest.raises(ValueError, match="failure kind 'sigkill': choose one of exit, raise"):
         job_config(preset, "shadow", tmp_path, "/cache", failure_kind="sigkill")
 

@@ -33,15 +33,16 @@ def cluster():
 
 
 def fo_job(out: pathlib.Path, name: str, failures: str = "", **kw) -> dict:
-    settings = dict(model="tiny", algo="fo", settle_failures=True, steps=10, batch_size=8, seq_len=32, fo_lr=1e-3, eval_samples=16, hash_every=2,
-                    run_id=name, failures=tuple(FailureSpec.parse(f) for f in failures.split()))
-    cfg = JobConfig(out_dir=str(out), cache_dir=str(default_cache_dir()), **{**settings, **kw})
+    """Run a first-order job with ``failures`` and ``kw`` (``JobConfig.replace``: a component's dict merges)."""
+    cfg = JobConfig(out_dir=str(out), cache_dir=str(default_cache_dir()), model="tiny", algo="fo", steps=10, batch_size=8, seq_len=32,
+                    eval_samples=16, hash_every_steps=2, run_id=name, fo={"lr": 1e-3}).replace(
+        **{"faults.settle_failures": True, "faults.failures": tuple(FailureSpec.parse(f) for f in failures.split())}, **kw)
     summary = Controller(cfg, echo=lambda _: None).run()
     assert summary["ok"], summary["error"]
     return summary
 
 
-DDP = dict(workers=2, diff_full_every=4, diff_batch_steps=2)
+DDP = dict(workers=2, differential={"full_every_steps": 4, "batch_steps": 2})
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_two_ddp_workers_with_full_state_baselines_recover_bitwise(ddp_reference
     ``tests/test_staging.py``; its restore is this one). Overlapped in 2 chunks (GoCkpt): the snapshot begun after step 6 is the state after
     step 7 (its first chunk caught up with step 6's DDP-averaged gradients), nothing recomputed; the one
     begun after the last step is completed by ``close``."""
-    failed = fo_job(tmp_path, f"fo-{strategy}", "7:worker", strategy=strategy, snapshot_every=3, overlap_chunks=2, **DDP)
+    failed = fo_job(tmp_path, f"fo-{strategy}", "7:worker", strategy=strategy, snapshot={"every_steps": 3}, overlapped={"chunks": 2}, **DDP)
     assert_bitwise(failed, ddp_reference)
     assert [(r["source"], r["failure_step"], r["restored_step"], r["lost_steps"], r["recompute_steps"])
             for r in failed["recoveries"]] == [("storage", 7, restored, 0, 7 - restored)]
@@ -91,8 +92,8 @@ def test_a_merged_checkpoint_resumes_and_layerwise_recovery_restores_the_composi
         sources.append(Source(name, store))
     out = tmp_path / "run"
     merge_snapshots(sources, [parse_take("0,embed:A"), parse_take("1,norm:B")], SnapshotStore(str(out / "snapshots")))
-    summary = fo_job(out, "fo-merged", "9:worker", strategy="layerwise", steps=12, snapshot_every=2, layer_threshold=0.01,
-                     layer_staleness_steps=4)
+    summary = fo_job(out, "fo-merged", "9:worker", strategy="layerwise", steps=12, snapshot={"every_steps": 2},
+                     layerwise={"threshold": 0.01, "staleness_bound_steps": 4})
     first, second = summary["recoveries"]
     assert (first["source"], first["base_step"], first["restored_step"]) == ("storage", 6, 6)  # started from the merge
     assert "failure_step" not in first

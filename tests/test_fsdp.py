@@ -170,20 +170,20 @@ def fo_config(tmp_path, **kw) -> JobConfig:
 
 
 def test_fsdp2_is_refused_with_strategies_and_algorithms_it_does_not_support(tmp_path):
-    for kw, expected in ((dict(fo_parallelism="fsdp2"), "strategy layerwise"),
-                         (dict(fo_parallelism="fsdp2", strategy="differential"), "strategy differential"),
-                         (dict(fo_parallelism="fsdp2", algo="zo"), r"^fo_parallelism fsdp2 \(sharded state\) is a first-order option \(algo fo\); algo zo"),
-                         (dict(fo_parallelism="zero3"), "fo_parallelism 'zero3': choose one of ddp, fsdp2")):
+    for kw, expected in ((dict(fo={"parallelism": "fsdp2"}), "strategy layerwise"),
+                         (dict(fo={"parallelism": "fsdp2"}, strategy="differential"), "strategy differential"),
+                         (dict(fo={"parallelism": "fsdp2"}, algo="zo"), r"^fo.parallelism fsdp2 \(sharded state\) is a first-order option \(algo fo\); algo zo"),
+                         (dict(fo={"parallelism": "zero3"}), "fo.parallelism 'zero3': choose one of ddp, fsdp2")):
         with pytest.raises(ValueError, match=expected):
             fo_config(tmp_path, **kw)
-    assert fo_config(tmp_path, fo_parallelism="fsdp2", strategy="full-async").fo_parallelism == "fsdp2"
+    assert fo_config(tmp_path, fo={"parallelism": "fsdp2"}, strategy="full-async").fo.parallelism == "fsdp2"
 
 
 def test_resume_changes_the_worker_count_of_an_fsdp2_run_only(tmp_path, capsys):
     """An fsdp2 run's identity (trajectory hash) leaves the worker count out, so its checkpoints stay
     its own at another count; a ddp run keeps its count, and a count that does not divide the batch is
     refused, each with one line."""
-    sharded = fo_config(tmp_path, fo_parallelism="fsdp2", strategy="full-sync", workers=2, batch_size=8)
+    sharded = fo_config(tmp_path, fo={"parallelism": "fsdp2"}, strategy="full-sync", workers=2, batch_size=8)
     cfg, notes = resume_config(sharded, {"workers": 1})
     assert (cfg.workers, notes) == (1, ["--resume: workers 2 -> 1"])
     assert cfg.trajectory_sha256() == sharded.trajectory_sha256()

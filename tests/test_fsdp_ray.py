@@ -18,10 +18,11 @@ def test_two_fsdp2_workers_recover_from_sharded_checkpoints_and_the_run_resumes_
     """Rank 1 dies during step 5: both ranks restore the 2-rank checkpoint of step 3 (resharded to the
     same 2 ranks) and finish. Then ``--resume --workers 1`` of the same run restores the newest 2-rank
     checkpoint (step 6) at 1 rank, bitwise the state the 2-worker run hashed after 6 steps, and finishes."""
-    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo="fo", fo_parallelism="fsdp2",
-                    strategy="full-async", snapshot_every=3, settle_failures=True, steps=8, batch_size=8, seq_len=32,
-                    fo_lr=1e-3, eval_samples=16, hash_every=1, workers=2, run_id="fsdp2-ray",
-                    failures=(FailureSpec.parse("5:worker"),))
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo="fo", strategy="full-async", steps=8, batch_size=8, seq_len=32,
+                    eval_samples=16, hash_every_steps=1, workers=2, run_id="fsdp2-ray",
+                    fo={"parallelism": "fsdp2", "lr": 1e-3},
+                    snapshot={"every_steps": 3},
+                    faults={"settle_failures": True, "failures": (FailureSpec.parse("5:worker"),)})
     first = Controller(cfg, echo=lambda _: None).run()
     assert first["ok"], first["error"]
     [recovery] = first["recoveries"]

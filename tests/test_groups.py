@@ -74,15 +74,15 @@ def test_micro_batch_size_is_checked_and_sets_the_trajectory_hash_instead_of_the
     base = dict(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", batch_size=8)
     assert JobConfig(**base).example_group_size == 8 and JobConfig(**base, workers=2).example_group_size == 4
     with pytest.raises(ValueError, match=r"batch_size 8 in micro-batches of 8 gives 1 example group\(s\), fewer than workers \(2\): "
-                                         "set micro_batch_size to at most 4"):
-        JobConfig(**base, workers=2, micro_batch_size=8)
-    with pytest.raises(ValueError, match=r"batch_size \(8\) must be a multiple of micro_batch_size \(3\)"):
-        JobConfig(**base, micro_batch_size=3)
+                                         "set zo.micro_batch_size to at most 4"):
+        JobConfig(**base, workers=2, zo={"micro_batch_size": 8})
+    with pytest.raises(ValueError, match=r"batch_size \(8\) must be a multiple of zo.micro_batch_size \(3\)"):
+        JobConfig(**base, zo={"micro_batch_size": 3})
     with pytest.raises(ValueError, match="micro_batch_size must be >= 0"):
-        JobConfig(**base, micro_batch_size=-1)
-    grouped = {w: JobConfig(**base, workers=w, micro_batch_size=2).trajectory_sha256() for w in (1, 2, 4)}
+        JobConfig(**base, zo={"micro_batch_size": -1})
+    grouped = {w: JobConfig(**base, workers=w, zo={"micro_batch_size": 2}).trajectory_sha256() for w in (1, 2, 4)}
     assert len(set(grouped.values())) == 1  # one trajectory on any worker count
-    assert grouped[1] != JobConfig(**base, micro_batch_size=4).trajectory_sha256()
+    assert grouped[1] != JobConfig(**base, zo={"micro_batch_size": 4}).trajectory_sha256()
     assert JobConfig(**base).trajectory_sha256() != JobConfig(**base, workers=2).trajectory_sha256()
 
 
@@ -92,7 +92,7 @@ def states_after(cfg: JobConfig, data, encoder, steps: int) -> list[str]:
     params = trainable_parameters(model)
     hashes = []
     for step in range(steps):
-        zo_step_(params, model, encoder, data[0], cfg, step, 0, 1, ZOHyper(lr=cfg.lr, eps=cfg.eps),
+        zo_step_(params, model, encoder, data[0], cfg, step, 0, 1, ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps),
                  fail=lambda: None, commit=timed_append(None))
         hashes.append(state_sha256(params))
     return hashes
@@ -102,11 +102,11 @@ def test_the_groups_decide_the_trajectory_so_the_worker_count_check_can_fail(tmp
     """Before example groups a one-worker run scored the batch as one group and a two-worker run as two:
     different trajectories. One group (``micro_batch_size`` 8) against two (4) gives other state bits
     from the first step, so the Ray test's 1-worker = 2-worker comparison (the two-worker test of tests/test_end_to_end.py) can fail."""
-    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", steps=2, lr=1e-3, batch_size=8)
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", steps=2, batch_size=8, zo={"lr": 1e-3})
     one_group = states_after(cfg, data, encoder, 2)
-    two_groups = states_after(cfg.replace(micro_batch_size=4), data, encoder, 2)
+    two_groups = states_after(cfg.replace(zo={"micro_batch_size": 4}), data, encoder, 2)
     assert one_group[0] != two_groups[0] and one_group[1] != two_groups[1]
-    assert states_after(cfg.replace(micro_batch_size=4), data, encoder, 2) == two_groups  # deterministic
+    assert states_after(cfg.replace(zo={"micro_batch_size": 4}), data, encoder, 2) == two_groups  # deterministic
 
 
 def test_one_group_per_worker_keeps_the_losses_of_the_split_before_groups(tmp_path, data, encoder):
@@ -115,12 +115,12 @@ def test_one_group_per_worker_keeps_the_losses_of_the_split_before_groups(tmp_pa
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", steps=1, batch_size=8, workers=2)
     model = load_model("tiny")
     params = trainable_parameters(model)
-    record, _ = zo_step_(params, model, encoder, data[0], cfg.replace(workers=1, micro_batch_size=4), 0, 0, 1,
-                         ZOHyper(lr=cfg.lr, eps=cfg.eps), fail=lambda: None, commit=timed_append(None))
+    record, _ = zo_step_(params, model, encoder, data[0], cfg.replace(workers=1, zo={"micro_batch_size": 4}), 0, 0, 1,
+                         ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps), fail=lambda: None, commit=timed_append(None))
     fresh = load_model("tiny")
     fresh_params = trainable_parameters(fresh)
     idx = batch_indices(cfg.seed, 0, cfg.batch_size, len(data[0]))
     zs = [noise(step_seed(cfg.seed, 0), i, p) for i, p in enumerate(fresh_params.values())]
-    perturb_all_(fresh_params, zs, cfg.eps)
+    perturb_all_(fresh_params, zs, cfg.zo.eps)
     old = torch.tensor([encoder.loss(fresh, data[0], idx[r::2]) for r in range(2)], dtype=torch.float64)
     assert record.loss_plus == float(old.sum() / 2)

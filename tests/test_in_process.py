@@ -41,8 +41,8 @@ def test_off_several_workers_and_fatal_errors_go_to_ray_train():
 
 
 def test_a_negative_budget_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"^max_in_process_restarts must be >= 0 \(0: off\), got -1$"):
-        JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", max_in_process_restarts=-1)
+    with pytest.raises(ValueError, match=r"^faults.max_in_process_restarts must be >= 0 \(0: off\), got -1$"):
+        JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", faults={"max_in_process_restarts": -1})
 
 
 def _initial() -> "OrderedDict[str, torch.Tensor]":

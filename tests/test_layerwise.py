@@ -15,7 +15,7 @@ def unit(name: str, change: float = 0.0, stale: int | None = 1, size: int = 100)
 
 
 def cfg(threshold: float = 0.01, bound: int = 10, budget: int = 0) -> LayerwiseConfig:
-    return LayerwiseConfig(threshold=threshold, staleness_bound_steps=bound, max_bytes_per_step=budget)
+    return LayerwiseConfig(threshold=threshold, staleness_bound_steps=bound, max_bytes_per_check=budget)
 
 
 def test_nothing_changed_nothing_written():
@@ -99,8 +99,8 @@ def test_infinite_change_is_over_any_threshold():
     (dict(threshold="0.1"), "threshold"),
     (dict(staleness_bound_steps=0), "staleness_bound_steps"),
     (dict(staleness_bound_steps=2.5), "staleness_bound_steps"),
-    (dict(max_bytes_per_step=-1), "max_bytes_per_step"),
-    (dict(max_bytes_per_step=True), "max_bytes_per_step"),
+    (dict(max_bytes_per_check=-1), "max_bytes_per_check"),
+    (dict(max_bytes_per_check=True), "max_bytes_per_check"),
 ])
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -77,7 +77,7 @@ def test_the_byte_budget_spreads_writes_over_checks(encoder, data, tmp_path):
     store = SnapshotStore(str(tmp_path), keep_last=10)
     layer_bytes = sum(a.nbytes for n, a in copy_state(make_trainer(encoder).state_view()).items()
                       if n in group_by_unit(make_trainer(encoder).state_view())["layer.000"])
-    policy = LayerwiseConfig(threshold=0.0, staleness_bound_steps=1000, max_bytes_per_step=layer_bytes + 1000)
+    policy = LayerwiseConfig(threshold=0.0, staleness_bound_steps=1000, max_bytes_per_check=layer_bytes + 1000)
     _, stats, _ = run(encoder, data, store, 8, policy)
     written = [sorted(u for u, s in i.manifest["units"].items() if s["step"] == i.step) for i in store.list()[1:]]
     assert all(len(w) == 1 for w in written[:2]) and written[0] != written[1]  # one unit per check, round robin-ish

@@ -186,10 +186,10 @@ def test_durability_is_validated_and_the_default_scratch_dir_is_per_run_and_outs
         "error: --durability cluster needs a remote storage (s3://BUCKET/PREFIX) to put each step record in before its "
         f"update, not the local path {tmp_path / 'run' / 'snapshots'} (or choose durability node)")
     assert not (tmp_path / "run").exists()
-    remote = JobConfig(out_dir=str(tmp_path / "a"), durability="cluster", storage="s3://b/p", **base)
+    remote = JobConfig(out_dir=str(tmp_path / "a"), durability="cluster", **base, storage={"uri": "s3://b/p"})
     assert remote.durability == "cluster"
     ref = reference_config(remote)  # --verify's reference stores locally: cluster cannot hold there, node does
-    assert (ref.durability, ref.remote_storage, ref.trajectory_sha256()) == ("node", False, remote.trajectory_sha256())
+    assert (ref.durability, ref.storage.remote, ref.trajectory_sha256()) == ("node", False, remote.trajectory_sha256())
 
     a, b = JobConfig(out_dir=str(tmp_path / "a"), **base), JobConfig(out_dir=str(tmp_path / "b"), **base)
     assert a.durability == "node" and a.log_keeper_name == "raycheck-log-keeper-r1"
@@ -290,7 +290,7 @@ def test_a_bucket_holding_another_runs_log_fails_the_run_at_the_keepers_start_wi
     bucket = f"rc-other-{uuid.uuid4().hex[:8]}"
     make_bucket(s3_endpoint, bucket)
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=4, eval_samples=0,
-                    storage=f"s3://{bucket}/run", storage_options={"endpoint_url": s3_endpoint}, run_id=f"o-{uuid.uuid4().hex[:6]}")
+                    run_id=f"o-{uuid.uuid4().hex[:6]}", storage={"uri": f"s3://{bucket}/run", "options": {"endpoint_url": s3_endpoint}})
     other = keeper_with(tmp_path / "other.bin", 2, mirror_to=cfg.snapshot_store().storage)
     assert other.flush()["log_mirrored_steps"] == 2
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="raycheck")

@@ -74,7 +74,7 @@ def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_
     secret = f"secret-{uuid.uuid4().hex}"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     cfg = JobConfig(out_dir=str(tmp_path / "probe"), cache_dir=str(default_cache_dir()), model="tiny", strategy="log-only",
-                    storage=bucket_uri(s3_endpoint), storage_options={"endpoint_url": s3_endpoint}, run_id="probe")
+                    run_id="probe", storage={"uri": bucket_uri(s3_endpoint), "options": {"endpoint_url": s3_endpoint}})
     placement = plan_placement(alive_nodes(), driver_node_id=this_node()["node_id"], workers=1, use_gpu=False,
                                replica_resource="replica")
     persister = start_persister(cfg, placement)

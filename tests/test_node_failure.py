@@ -26,7 +26,7 @@ CPU = Node("cpu", "10.0.0.4", {"CPU": 1.0, "replica": 8.0})
 
 def node_cfg(tmp_path: pathlib.Path, **fields) -> JobConfig:
     return JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=8,
-                     failures=(FailureSpec.parse("3:node"),), **{"storage": "s3://bucket/run", **fields})
+                     **{"storage": {"uri": "s3://bucket/run"}, **fields}, faults={"failures": (FailureSpec.parse("3:node"),)})
 
 
 def test_a_node_failure_parses_and_is_refused_where_the_run_could_not_survive_it(tmp_path):
@@ -36,11 +36,11 @@ def test_a_node_failure_parses_and_is_refused_where_the_run_could_not_survive_it
     for storage in ("", str(tmp_path / "snapshots"), f"file://{tmp_path}"):
         with pytest.raises(ValueError, match=r"^failure 3:node takes down rank 0's node with every file on it, but storage "
                                              r".* is node-local: give --storage a URI every node reaches \(s3://BUCKET/PREFIX\)$"):
-            node_cfg(tmp_path, storage=storage)
+            node_cfg(tmp_path, storage={"uri": storage})
 
     cfg = node_cfg(tmp_path, worker_resource="train")
     check_node_failures(cfg, [HEAD, GPU_A, GPU_B, CPU], driver_node_id="head")  # accepted: returns
-    check_node_failures(node_cfg(tmp_path).replace(failures=()), [HEAD], driver_node_id="head")  # no node failure: any cluster
+    check_node_failures(node_cfg(tmp_path).replace(faults={"failures": ()}), [HEAD], driver_node_id="head")  # no node failure: any cluster
     with pytest.raises(ValueError, match="which on a one-node cluster is the driver's: the run would end with it"):
         check_node_failures(cfg, [GPU_A], driver_node_id="gpu-a")
     with pytest.raises(ValueError, match=r"would take down the driver's node, which can host a train worker \(it offers "

@@ -238,7 +238,7 @@ def test_a_restore_before_any_logged_step_replays_nothing_when_no_copy_of_the_lo
             raise ValueError("no keeper registered")
 
     monkeypatch.setattr("training.recovery.RemoteKeeper", NoKeeper)
-    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), storage=f"memory://{tmp_path.name}")
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), storage={"uri": f"memory://{tmp_path.name}"})
     params = _params()
     result = from_storage(params, cfg, None, 0)
     assert (result["source"], result["base_step"], result["replayed_steps"], result["log_source"]) == ("initial", 0, 0, "segments")

@@ -242,7 +242,7 @@ def test_default_configs_keep_their_trajectory_hash(tmp_path):
     """The new fields count only away from their defaults: an existing run's hash is unchanged."""
     cfg = cfg_for(tmp_path, model="tiny", seed=3)
     assert cfg.trajectory_sha256() == __import__("hashlib").sha256(json.dumps(
-        {k: getattr(cfg, k) for k in cfg.TRAJECTORY}, sort_keys=True).encode()).hexdigest()
+        {path: cfg.get(path) for path in cfg.TRAJECTORY}, sort_keys=True).encode()).hexdigest()
 
 
 def test_the_cli_refuses_bad_data_with_exit_2_before_anything_is_touched(tmp_path):
@@ -317,18 +317,18 @@ def test_a_mezo_step_trains_a_causal_lm_on_its_completion_loss(tmp_path):
 
     folder = gpt2_folder(tmp_path / "gpt2")
     data = write_rows(tmp_path / "qa.jsonl", [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(10)])
-    cfg, assets = read_assets(cfg_for(tmp_path, model=str(folder), data=str(data), task="causal-lm", lr=1e-3))
+    cfg, assets = read_assets(cfg_for(tmp_path, model=str(folder), data=str(data), task="causal-lm", zo={"lr": 1e-3}))
     model = load_model(cfg.model, cfg.cache_dir, assets.model)
     encoder = make_encoder(cfg, load_tokenizer(cfg.cache_dir, assets.model))
     params = trainable_parameters(model)
     train = assets.data[0]
     before = state_sha256(params)
-    record, _ = zo_step_(params, model, encoder, train, cfg, 0, 0, 1, ZOHyper(lr=cfg.lr, eps=cfg.eps),
+    record, _ = zo_step_(params, model, encoder, train, cfg, 0, 0, 1, ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps),
                          fail=lambda: None, commit=lambda r: 0.0)
     assert state_sha256(params) != before and record.loss_plus != record.loss_minus
     fresh = load_model(cfg.model, cfg.cache_dir, assets.model)
     p = trainable_parameters(fresh)
     zs = [noise(step_seed(cfg.seed, 0), i, t) for i, t in enumerate(p.values())]
-    perturb_all_(p, zs, cfg.eps)  # the step's +eps z, on a fresh copy of the initial weights
+    perturb_all_(p, zs, cfg.zo.eps)  # the step's +eps z, on a fresh copy of the initial weights
     idx = batch_indices(cfg.seed, 0, cfg.batch_size, len(train))
     assert encoder.loss(fresh, train, idx) == record.loss_plus

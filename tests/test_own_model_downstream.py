@@ -38,7 +38,7 @@ def made(tmp_path_factory):
     folder = gpt2_folder(root / "my-gpt2")
     data = write_rows(root / "reviews.jsonl", reviews(20))
     cfg, assets = read_assets(job_config(root / "run", model=str(folder), data=str(data), steps=STEPS, batch_size=4,
-                                         lr=1e-3, run_id="gpt2"))
+                                         run_id="gpt2", zo={"lr": 1e-3}))
     pathlib.Path(cfg.out_dir).mkdir()
     prepare(cfg, RunDir(pathlib.Path(cfg.out_dir)))
     model = load_model(cfg.model, cfg.cache_dir, assets.model)
@@ -47,7 +47,7 @@ def made(tmp_path_factory):
     hashes = {0: state_sha256(params)}
     writer = StepLogWriter.open(RunDir(pathlib.Path(cfg.out_dir)).step_log)
     for step in range(STEPS):
-        zo_step_(params, model, encoder, assets.data[0], cfg, step, 0, 1, ZOHyper(lr=cfg.lr, eps=cfg.eps),
+        zo_step_(params, model, encoder, assets.data[0], cfg, step, 0, 1, ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps),
                  fail=lambda: None, commit=timed_append(writer))
         hashes[step + 1] = state_sha256(params)
         if step + 1 == SNAPSHOT_STEP:

@@ -43,15 +43,15 @@ STEPS, SNAPSHOT_STEP = 6, 3
 def made(tmp_path_factory, encoder, data) -> tuple[pathlib.Path, dict[int, str]]:
     """(run directory, state sha256 after each step 0..STEPS) of a run made by the worker's step."""
     out = tmp_path_factory.mktemp("run")
-    cfg = JobConfig(out_dir=str(out), cache_dir=str(default_cache_dir()), model="tiny", steps=STEPS, lr=1e-3,
-                    weight_decay=0.01, run_id="replayed")
+    cfg = JobConfig(out_dir=str(out), cache_dir=str(default_cache_dir()), model="tiny", steps=STEPS, weight_decay=0.01,
+                    run_id="replayed", zo={"lr": 1e-3})
     prepare(cfg, RunDir(out))
     model = load_model("tiny")
     params = trainable_parameters(model)
     hashes = {0: state_sha256(params)}
     writer = StepLogWriter.open(RunDir(out).step_log)
     for step in range(STEPS):
-        zo_step_(params, model, encoder, data[0], cfg, step, 0, 1, ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay),
+        zo_step_(params, model, encoder, data[0], cfg, step, 0, 1, ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay),
                  fail=lambda: None, commit=timed_append(writer))
         hashes[step + 1] = state_sha256(params)
         if step + 1 == SNAPSHOT_STEP:
@@ -139,7 +139,7 @@ def _copy_run(run: pathlib.Path, to: pathlib.Path, records: slice = slice(None),
         writer.append(rec)
     writer.close()
     config = json.loads((to / "config.json").read_text())
-    RunDir.write_json(to / "config.json", {**config, "storage": str(to / "snapshots"), "out_dir": str(to)})
+    RunDir.write_json(to / "config.json", {**config, "out_dir": str(to), "storage": {"uri": str(to / "snapshots")}})
     return to
 
 
@@ -151,13 +151,13 @@ def test_a_moved_run_directory_replays_from_its_own_snapshots(made, tmp_path):
     shutil.copytree(run, moved)
     config = json.loads((moved / "config.json").read_text())
     old = tmp_path / "old place"  # where the run was, and is no longer
-    RunDir.write_json(moved / "config.json", {**config, "out_dir": str(old), "storage": str(old / "snapshots")})
+    RunDir.write_json(moved / "config.json", {**config, "out_dir": str(old), "storage": {"uri": str(old / "snapshots")}})
     result = replay(moved, "--step", 5)
     assert result.exit_code == 0, result.output
     assert f"step 5: base snapshot of step 3 ({moved / 'snapshots'}/" in result.output
     assert printed_sha256(result.output) == hashes[5]
     gone = tmp_path / "elsewhere" / "store"
-    RunDir.write_json(moved / "config.json", {**config, "out_dir": str(old), "storage": str(gone)})
+    RunDir.write_json(moved / "config.json", {**config, "out_dir": str(old), "storage": {"uri": str(gone)}})
     result = replay(moved, "--step", 5)
     assert result.exit_code == 2, result.output
     assert result.output.strip() == (f"error: the run's snapshot store {gone} (named in {moved / 'config.json'}) no longer "

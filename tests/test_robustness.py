@@ -172,10 +172,10 @@ def test_the_persister_restart_budget_is_a_pure_decision_validated_up_front(tmp_
     assert [within_budget(used, 2) for used in range(4)] == [True, True, False, False]
     assert not within_budget(0, 0)
     assert all(within_budget(used, -1) for used in (0, 1, 10_000))
-    with pytest.raises(ValueError, match=r"^max_persister_restarts must be >= 0, or -1 for unlimited, got -2$"):
-        JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", max_persister_restarts=-2)
+    with pytest.raises(ValueError, match=r"^faults.max_persister_restarts must be >= 0, or -1 for unlimited, got -2$"):
+        JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", faults={"max_persister_restarts": -2})
     assert JobConfig.from_dict({**JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny").to_dict(),
-                                "max_persister_restarts": 0}).max_persister_restarts == 0
+                                "faults": {"max_persister_restarts": 0}}).faults.max_persister_restarts == 0
     result = cli("run", "--model", "tiny", "--out", str(tmp_path / "run"), "--max-persister-restarts", "-2")
     assert result.exit_code == 2, result.output
     assert result.output.splitlines() == ["error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"]
@@ -284,9 +284,9 @@ def test_a_persister_restarted_during_an_outage_comes_up_and_its_spent_budget_fa
     server = LocalS3Server().start()
     server.create_bucket()
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=4,
-                    strategy="log-only", eval_samples=0, storage=server.uri("run"),
-                    storage_options={"endpoint_url": server.endpoint}, max_persister_restarts=1,
-                    run_id=f"budget-{uuid.uuid4().hex[:6]}")
+                    strategy="log-only", eval_samples=0, run_id=f"budget-{uuid.uuid4().hex[:6]}",
+                    storage={"uri": server.uri("run"), "options": {"endpoint_url": server.endpoint}},
+                    faults={"max_persister_restarts": 1})
     restarted, release = threading.Event(), threading.Event()
     trainer = PersisterKiller(cfg, server, restarted, release)
     restart = Controller._restart_persister
@@ -315,4 +315,4 @@ def test_a_persister_restarted_during_an_outage_comes_up_and_its_spent_budget_fa
         "ActorDiedError; the step log holds every step: resume with --resume, with a larger --max-persister-restarts "
         "if the persister keeps dying")
     saved = JobConfig.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
-    assert saved.max_persister_restarts == 1  # --resume continues under the same budget
+    assert saved.faults.max_persister_restarts == 1  # --resume continues under the same budget

@@ -170,7 +170,7 @@ def test_shard_settings_are_validated():
     with pytest.raises(ValueError, match="^shadow_shards must be >= 1, got 0$"):
         JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", shadow_shards=0)
     with pytest.raises(ValueError, match="names shard 2, but the shadow has 2 shard"):
-        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", shadow_shards=2, failures=(FailureSpec.parse("3:shadow:2"),))
+        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", shadow_shards=2, faults={"failures": (FailureSpec.parse("3:shadow:2"),)})
     with pytest.raises(ValueError, match="selects a shard by its number"):
         FailureSpec(step=3, target="shadow", how="sigkill")
 

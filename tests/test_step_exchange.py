@@ -84,9 +84,9 @@ def test_two_workers_through_the_exchange_end_with_the_bits_of_one_worker(tmp_pa
     """Two ranks, each its own copy of the tiny model, in two threads, sum their example groups through
     the exchange: after every step their state equals the one-worker run's (sha256 of every tensor)."""
     torch.set_num_threads(1)
-    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", lr=1e-3, batch_size=8,
-                    micro_batch_size=2, steps=3)
-    hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps)
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", batch_size=8,
+                    steps=3, zo={"lr": 1e-3, "micro_batch_size": 2})
+    hyper = ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps)
 
     def steps(rank: int, world: int, exchange, out: dict, model) -> None:
         params = trainable_parameters(model)

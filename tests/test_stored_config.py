@@ -16,7 +16,7 @@ from job.config import FailureSpec, JobConfig, default_scratch_dir
 from job.run_dir import RunDir
 from orchestrator.cli import app
 from orchestrator.controller import prepare
-from orchestrator.stored_config import CONFIG_OBJECT, load_config, save_config
+from orchestrator.stored_config import CONFIG_OBJECT, StoredConfigError, load_config, save_config
 from storage.backend import Storage
 from storage.log_segments import SegmentMirror
 from storage.steplog import StepLogWriter, StepRecord
@@ -35,8 +35,10 @@ def bucket(s3_endpoint) -> str:
 
 
 def run_config(tmp_path: pathlib.Path, uri: str, endpoint: str, **kw) -> JobConfig:
+    """The stored run's configuration, ``kw`` replaced (``JobConfig.replace``: a component's dict merges)."""
     return JobConfig(out_dir=str(tmp_path / "old"), cache_dir=str(default_cache_dir()), model="tiny", steps=6, run_id="stored",
-                     storage=uri, storage_options={"endpoint_url": endpoint}, failures=(FailureSpec.parse("2:both"),), **kw)
+                     storage={"uri": uri, "options": {"endpoint_url": endpoint}},
+                     faults={"failures": (FailureSpec.parse("2:both"),)}).replace(**kw)
 
 
 def mirror_a_log(cfg: JobConfig, tmp_path: pathlib.Path, steps: int = 1) -> None:
@@ -47,9 +49,9 @@ def mirror_a_log(cfg: JobConfig, tmp_path: pathlib.Path, steps: int = 1) -> None
     writer = StepLogWriter.open(out / "steplog.bin")
     for step in range(steps):
         writer.append(StepRecord(step=step, seed=7 + step, projected_grad=0.25, loss_plus=0.7, loss_minus=0.69,
-                                 lr=cfg.lr, eps=cfg.eps, weight_decay=0.0, batch_id=step))
+                                 lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=0.0, batch_id=step))
     writer.close()
-    SegmentMirror(Storage(cfg.storage, **cfg.storage_options), out / "steplog.bin").sync(final=True)
+    SegmentMirror(Storage(cfg.storage.uri, **cfg.storage.options), out / "steplog.bin").sync(final=True)
 
 
 def resume_from(uri: str, endpoint: str, out: pathlib.Path, *extra: str):
@@ -57,14 +59,14 @@ def resume_from(uri: str, endpoint: str, out: pathlib.Path, *extra: str):
 
 
 def test_the_configuration_round_trips_through_the_bucket_without_credentials(tmp_path, bucket, s3_endpoint):
-    cfg = run_config(tmp_path, bucket, s3_endpoint).replace(storage_options={"endpoint_url": s3_endpoint, "key": "any", "secret": SECRET})
+    cfg = run_config(tmp_path, bucket, s3_endpoint).replace(storage={"options": {"endpoint_url": s3_endpoint, "key": "any", "secret": SECRET}})
     assert save_config(cfg)
     raw = Storage(bucket, endpoint_url=s3_endpoint).get(CONFIG_OBJECT)
-    assert SECRET.encode() not in raw and s3_endpoint.encode() not in raw and json.loads(raw)["storage_options"] == {}
+    assert SECRET.encode() not in raw and s3_endpoint.encode() not in raw and json.loads(raw)["storage"]["options"] == {}
     new = tmp_path / "new"
     loaded = load_config(bucket, {"endpoint_url": s3_endpoint}, new, tmp_path / "cache")
-    assert loaded == cfg.replace(out_dir=str(new), cache_dir=str(tmp_path / "cache"), storage_options={"endpoint_url": s3_endpoint},
-                                 scratch_dir=default_scratch_dir(str(new), "stored"))
+    assert loaded == cfg.replace(out_dir=str(new), cache_dir=str(tmp_path / "cache"), scratch_dir=default_scratch_dir(str(new), "stored"),
+                                 storage={"options": {"endpoint_url": s3_endpoint}})
     assert loaded.trajectory_sha256() == cfg.trajectory_sha256()
 
 
@@ -89,7 +91,7 @@ def test_failures_due_before_the_durable_step_count_as_fired():
 def test_resume_from_the_bucket_alone_starts_the_saved_run_in_the_new_directory(tmp_path, bucket, s3_endpoint, monkeypatch):
     import orchestrator.controller
 
-    cfg = run_config(tmp_path, bucket, s3_endpoint, max_persister_restarts=1)
+    cfg = run_config(tmp_path, bucket, s3_endpoint, faults={"max_persister_restarts": 1})
     mirror_a_log(cfg, tmp_path, steps=2)
     save_config(cfg)
     seen = []
@@ -103,8 +105,17 @@ def test_resume_from_the_bucket_alone_starts_the_saved_run_in_the_new_directory(
     result = resume_from(bucket, s3_endpoint, new, "--max-persister-restarts", "5")
     assert result.exit_code == 1, result.output
     assert "ignored" not in result.output and "--resume: max_persister_restarts 1 -> 5" in result.output
-    assert seen == [cfg.replace(out_dir=str(new.resolve()), max_persister_restarts=5,
-                                scratch_dir=default_scratch_dir(str(new.resolve()), "stored"))]
+    assert seen == [cfg.replace(out_dir=str(new.resolve()), scratch_dir=default_scratch_dir(str(new.resolve()), "stored"),
+                                faults={"max_persister_restarts": 5})]
+
+
+def test_a_configuration_in_the_flat_form_of_an_older_raycheck_is_refused_in_one_line(tmp_path, bucket, s3_endpoint):
+    flat = {"run_id": "stored", "storage": bucket, "storage_options": {}, "snapshot_every": 10}  # as config.json held them
+    Storage(bucket, endpoint_url=s3_endpoint).put(CONFIG_OBJECT, json.dumps(flat).encode())
+    with pytest.raises(StoredConfigError) as err:
+        load_config(bucket, {"endpoint_url": s3_endpoint}, tmp_path / "new", tmp_path / "cache")
+    assert str(err.value).startswith(f"{bucket}/{CONFIG_OBJECT}: configuration written by an older raycheck (flat fields")
+    assert "\n" not in str(err.value)
 
 
 def test_a_bucket_without_a_run_is_refused(tmp_path, bucket, s3_endpoint):

@@ -4,7 +4,7 @@ Each ``FailureSpec`` fires once per run: before acting, the acting rank claims a
 (``"<index>.<part>"``) in the run's journal (``actors.journal``; the failure event names it), so
 a restarted worker that re-executes the same step does not fail again, nor does a resumed driver's.
 
-With ``JobConfig.settle_failures`` a failure hits a settled run, so that what a scenario recovers from depends on its failure steps
+With ``JobConfig.faults.settle_failures`` a failure hits a settled run, so that what a scenario recovers from depends on its failure steps
 only, never on how fast a machine is: a shadow kill or a corrupted snapshot waits until the shadow
 has replayed every durable step and every snapshot it handed on (and every checkpoint a worker
 wrote in the background) is committed; a worker failure waits until the checkpointers' background
@@ -154,12 +154,12 @@ class FaultInjector:
     def _settle_snapshots(self):
         """Wait until the shadow (its shards returned; None without one) has replayed every durable step
         and the persister, and this rank's checkpointer, have committed what they were handed. Without
-        ``settle_failures`` only wait for a live shadow (a restarted one may still be starting)."""
-        if not self.cfg.settle_failures:
+        ``faults.settle_failures`` only wait for a live shadow (a restarted one may still be starting)."""
+        if not self.cfg.faults.settle_failures:
             return self._live_shadow() if self.cfg.uses_shadow else None
         self.flush()
         shadow = self._live_shadow() if self.cfg.uses_shadow else None
-        timeout_s = self.cfg.recovery_timeout_s
+        timeout_s = self.cfg.faults.recovery_timeout_s
         try:
             handed = None  # the step of the newest image every shard took for the persister
             if shadow is not None:  # it takes each due image as it replays the step
@@ -182,10 +182,10 @@ class FaultInjector:
         """Every rank, before failure ``index`` kills a worker: commit the background checkpoint
         writes (rank 0's), find a live shadow (target ``worker``), then meet at a barrier so the
         failing rank dies only after all that."""
-        if not self.cfg.settle_failures or self.run.claimed(marker(index, "worker")):  # off, or fired before
+        if not self.cfg.faults.settle_failures or self.run.claimed(marker(index, "worker")):  # off, or fired before
             return
         self.flush()
-        if self.cfg.failures[index].target in ("worker", "node") and self.cfg.uses_shadow and self.rank == 0:
+        if self.cfg.faults.failures[index].target in ("worker", "node") and self.cfg.uses_shadow and self.rank == 0:
             self._live_shadow()
         if self.world > 1:
             self.barrier(f"settle-{index}")
@@ -244,7 +244,7 @@ class FaultInjector:
         """Inject the failures due at ``step`` (may not return). ``writer``: rank 0's step log writer."""
         if step == self.hold_step and self.rank == 0 and self.run.claim("held"):
             self._hold(step)
-        for i, f in enumerate(self.cfg.failures):
+        for i, f in enumerate(self.cfg.faults.failures):
             if f.step != step:
                 continue
             if f.target == "persister" and self.rank == 0 and self._claim(i, "persister"):

@@ -8,11 +8,11 @@ Strategies (rank 0 persists; ``cfg.snapshot_store()`` holds every checkpoint):
   ``full-sync`` / ``full-async``: ``training.checkpointing.FullCheckpointer`` every ``snapshot_every``.
   ``layerwise``: ``training.layerwise.LayerwiseCheckpointer`` every ``snapshot_every`` (LayerCheck).
   ``differential``: ``training.differential.DiffCheckpointer`` (LowDiff): gradient records every
-  step, a full checkpoint every ``diff_full_every``.
+  step, a full checkpoint every ``differential.full_every_steps``.
   ``overlapped``: ``training.overlapped.OverlappedCheckpointer`` (GoCkpt) every ``snapshot_every``:
-  staged in ``overlap_chunks`` chunks over as many steps, caught up to one consistent step.
+  staged in ``overlapped.chunks`` chunks over as many steps, caught up to one consistent step.
 
-``fo_parallelism`` fsdp2 (``training.sharded``): the state is sharded over the workers (FSDP2); every
+``fo.parallelism`` fsdp2 (``training.sharded``): the state is sharded over the workers (FSDP2); every
 rank runs the checkpointer (full-sync / full-async, each writing its rows through torch DCP), the
 restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import time
 
 from job.config import JobConfig
-from policies.layerwise import LayerwiseConfig
 from policies.strategies import FULL_STATE, RunStrategy
 from storage.diffs import DiffStore
 from storage.snapshots import SnapshotStore
@@ -48,15 +47,13 @@ def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Ch
     """Rank 0's checkpointer for ``cfg.strategy`` (unsharded state)."""
     config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy}
     if cfg.strategy in FULL_STATE:
-        return FullCheckpointer(store, cfg.snapshot_every, cfg.strategy == RunStrategy.FULL_ASYNC, config)
+        return FullCheckpointer(store, cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC, config)
     if cfg.strategy == RunStrategy.OVERLAPPED:
-        return OverlappedCheckpointer(store, cfg.snapshot_every, cfg.overlap_chunks, trainer.hyper, trainer.applied_gradients, config)
+        return OverlappedCheckpointer(store, cfg.snapshot.every_steps, cfg.overlapped.chunks, trainer.hyper, trainer.applied_gradients, config)
     if cfg.strategy == RunStrategy.LAYERWISE:
-        policy = LayerwiseConfig(threshold=cfg.layer_threshold, staleness_bound_steps=cfg.layer_staleness_steps,
-                                 max_bytes_per_step=cfg.layer_max_bytes_per_check)
-        return LayerwiseCheckpointer(store, cfg.snapshot_every, policy, config)
-    return DiffCheckpointer(store, DiffStore(store.storage), trainer.applied_gradients, cfg.diff_full_every,
-                            cfg.diff_batch_steps, cfg.diff_topk, config)
+        return LayerwiseCheckpointer(store, cfg.snapshot.every_steps, cfg.layerwise, config)
+    return DiffCheckpointer(store, DiffStore(store.storage), trainer.applied_gradients, cfg.differential.full_every_steps,
+                            cfg.differential.batch_steps, cfg.differential.topk, config)
 
 
 def durable_steps(cfg: JobConfig) -> int:
@@ -90,8 +87,8 @@ def train_loop_per_worker(config: dict) -> None:
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     if not isinstance(encoder, PromptEncoder):  # JobConfig refuses task causal-lm with algo fo
         raise ValueError(f"algo fo trains a classification task (a PromptEncoder), got a {type(encoder).__name__}")
-    hyper = FOHyper(lr=cfg.fo_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo_max_grad_norm)
-    sharded = cfg.fo_parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
+    hyper = FOHyper(lr=cfg.fo.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo.max_grad_norm)
+    sharded = cfg.fo.parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
     group = sharded_fo.checkpoint_group() if sharded else None
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
     store = cfg.snapshot_store()
@@ -117,7 +114,7 @@ def train_loop_per_worker(config: dict) -> None:
         [loss] = mean_over_workers([loss], world)
         step_s = time.perf_counter() - t0
         block_s = ckpt.after_step(step + 1, trainer.state_view) if ckpt else 0.0
-        hashed = cfg.hash_every and (step + 1) % cfg.hash_every == 0 and (rank == 0 or sharded)
+        hashed = cfg.hash_every_steps and (step + 1) % cfg.hash_every_steps == 0 and (rank == 0 or sharded)
         digest = state_sha256(sharded_fo.full_state(trainer.state_view())) if hashed else None  # weights + optimizer
         if rank == 0:
             row = dict(step=step, loss=loss, step_seconds=step_s, checkpoint_block_seconds=block_s, log_append_seconds=0.0,

@@ -38,7 +38,7 @@ class StepFailure:
         world: train workers in the run (Ray Train's world size).
         error: the class of the exception the step raised.
         restarts_done: in-process restarts this process has done already.
-        max_restarts: ``JobConfig.max_in_process_restarts`` (0: the warm path is off).
+        max_restarts: ``JobConfig.faults.max_in_process_restarts`` (0: the warm path is off).
     """
 
     world: int

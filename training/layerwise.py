@@ -58,7 +58,7 @@ class LayerwiseCheckpointer:
     Args:
         store: the run's snapshots.
         every: steps between checks (>= 1).
-        policy: threshold, staleness bound (steps) and byte budget per check (``max_bytes_per_step``).
+        policy: threshold, staleness bound (steps) and byte budget per check (``max_bytes_per_check``).
         config: recorded in each manifest.
         max_pending: staged checks that may wait behind the running one (bounds staging memory: the
             checkpointer holds ``max_pending + 1`` copies of the state).

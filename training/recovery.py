@@ -45,7 +45,7 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
         return None
     t0 = time.perf_counter()  # load: the shards' catch-up to log_end (if any) and the object-store transfers
     try:
-        images = ray.get([s.image.remote(log_end, cfg.recovery_timeout_s) for s in shards], timeout=cfg.recovery_timeout_s + 30)
+        images = ray.get([s.image.remote(log_end, cfg.faults.recovery_timeout_s) for s in shards], timeout=cfg.faults.recovery_timeout_s + 30)
     except (RayActorError, RayTaskError, GetTimeoutError) as exc:
         log.warning("shadow cannot serve step %d (%s); falling back to storage", log_end, type(exc).__name__)
         return None
@@ -61,7 +61,7 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
 def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict | None, list[StepRecord], str]:
     """(header, records ``start..end - 1``, where they came from) of the run's step log, from the first
     of these that holds ``end`` steps: ``local_log`` (rank 0's node-local log; None elsewhere), the log
-    keeper (``cfg.log_keeper_name``), the log segments in the run's storage (``cfg.remote_storage``).
+    keeper (``cfg.log_keeper_name``), the log segments in the run's storage (``cfg.storage.remote``).
     The header is None when the segments hold no log (``end`` 0: nothing to replay).
 
     Raises:
@@ -78,11 +78,11 @@ def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict | No
         return keeper.header(), read_range(keeper, start, end), "keeper"
     except (ValueError, RayActorError, GetTimeoutError, StepLogGapError) as exc:
         reasons.append(f"the log keeper: {type(exc).__name__}: {exc}")
-    if cfg.remote_storage:
+    if cfg.storage.remote:
         header, records = read_segments(cfg.snapshot_store().storage)
         if len(records) >= end:
             return header, records[start:end], "segments"
-        reasons.append(f"the segments in {cfg.storage} hold {len(records)}")
+        reasons.append(f"the segments in {cfg.storage.uri} hold {len(records)}")
     raise StepLogGapError(f"no copy of the step log holds the {end} durable steps: {'; '.join(reasons)}")
 
 

@@ -119,7 +119,7 @@ class ShardedWriter:
 
 def sharded_store(cfg) -> ShardedStore:
     """The sharded checkpoints of run ``cfg`` (a ``JobConfig``): its identity and writer epoch."""
-    return ShardedStore(Storage(cfg.storage, **cfg.storage_options), keep_last=cfg.keep_snapshots,
+    return ShardedStore(Storage(cfg.storage.uri, **cfg.storage.options), keep_last=cfg.snapshot.keep,
                         identity=RunIdentity(cfg.run_id, cfg.trajectory_sha256()), epoch=cfg.writer_epoch)
 
 
@@ -135,7 +135,7 @@ def sharded_checkpointer(cfg, trainer, group: dist.ProcessGroup) -> ShardedCheck
     """Every rank's checkpointer for ``cfg.strategy`` (full-sync or full-async) under FSDP2."""
     writer = ShardedWriter(sharded_store(cfg), trainer.state_view(), group)
     config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy, "fo_parallelism": "fsdp2"}
-    return ShardedCheckpointer(writer, cfg.snapshot_every, cfg.strategy == RunStrategy.FULL_ASYNC, config)
+    return ShardedCheckpointer(writer, cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC, config)
 
 
 def durable_steps(cfg) -> int:

@@ -58,8 +58,8 @@ def train_loop_per_worker(config: dict) -> None:
     cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)  # on the CPU until the restore is done
-    hyper = ZOHyper(lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    exchange = RemoteExchange(cfg.exchange_name, cfg.namespace, rank, cfg.recovery_timeout_s) if cfg.replica_groups else None
+    hyper = ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay)
+    exchange = RemoteExchange(cfg.exchange_name, cfg.namespace, rank, cfg.faults.recovery_timeout_s) if cfg.replica_groups else None
     barrier = barrier_of(exchange, world)
     if cfg.uses_step_log:
         keeper = RemoteKeeper(cfg.log_keeper_name, cfg.namespace)
@@ -72,7 +72,7 @@ def train_loop_per_worker(config: dict) -> None:
         resuming = faults.fired() or log_end > 0
     else:  # full-state baselines: progress is durable at the newest committed checkpoint only
         writer, sender, log_end = None, None, None
-        checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot_every, cfg.strategy == RunStrategy.FULL_ASYNC,
+        checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC,
                                         {"trajectory_sha256": cfg.trajectory_sha256()}) if rank == 0 else None
         faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0),
                                flush=checkpointer.flush if checkpointer is not None else None)
@@ -96,13 +96,13 @@ def train_loop_per_worker(config: dict) -> None:
                 row: dict[str, object] = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
                                               projected_grad=record.projected_grad, step_seconds=step_s, log_append_seconds=append_s,
                                               checkpoint_block_seconds=block_s, checkpoint_due=checkpointer is not None and checkpointer.schedule.last_step == step + 1)
-                if cfg.hash_every and (step + 1) % cfg.hash_every == 0:
+                if cfg.hash_every_steps and (step + 1) % cfg.hash_every_steps == 0:
                     row["state_sha256"] = state_sha256(on_cpu(params))  # the state after step + 1 steps
                 run.metric(**row)
             step += 1
         except Exception as exc:
             detected_unix_s = time.time()
-            decision = decide(StepFailure(world=world, error=type(exc), restarts_done=restarts, max_restarts=cfg.max_in_process_restarts))
+            decision = decide(StepFailure(world=world, error=type(exc), restarts_done=restarts, max_restarts=cfg.faults.max_in_process_restarts))
             run.event("in_process_restart" if decision.restart else "in_process_refused", rank=rank, step=step,
                       error=f"{type(exc).__name__}: {exc}"[:300], reason=decision.reason)
             if not decision.restart:
@@ -212,18 +212,18 @@ def zo_step_(
     groups = example_groups(idx, cfg.example_group_size)
     mine = groups_of_rank(len(groups), rank, world)
     zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
-    perturb_all_(params, zs, cfg.eps)
+    perturb_all_(params, zs, cfg.zo.eps)
     plus = [encoder.loss_terms(model, train, groups[g]) for g in mine]
     fail()
-    perturb_all_(params, zs, -2 * cfg.eps)
+    perturb_all_(params, zs, -2 * cfg.zo.eps)
     minus = [encoder.loss_terms(model, train, groups[g]) for g in mine]
-    perturb_all_(params, zs, cfg.eps)
+    perturb_all_(params, zs, cfg.zo.eps)
     summed = (exchange or (lambda _, vec: sum_over_workers(vec, world)))(step, group_vector(len(groups), mine, plus, minus))
     loss_plus, loss_minus = reduce_groups(summed)
-    grad = (loss_plus - loss_minus) / (2 * cfg.eps)
+    grad = (loss_plus - loss_minus) / (2 * cfg.zo.eps)
     record = StepRecord(
         step=step, seed=seed, projected_grad=grad, loss_plus=loss_plus, loss_minus=loss_minus,
-        lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, batch_id=batch_id(idx),
+        lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay, batch_id=batch_id(idx),
     )
     committed_s = commit(record)
     update_all_(params, zs, grad, hyper)
