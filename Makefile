@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=25
 
 # Mutation check of the core (not part of `make test`; about 30 min on 2 loaded cores, see docs/testing.md).
-# Settings in pyproject.toml [tool.mutmut]; MUTANTS='training.zo.*' limits it to matching mutants.
+# Settings in pyproject.toml [tool.mutmut]; MUTANTS='raycheck.training.zo.*' limits it to matching mutants.
 MUTANTS ?=
 mutate: $(STAMP)
 	rm -rf mutants
@@ -27,10 +27,10 @@ mutate: $(STAMP)
 	env -u PYTHONPATH $(VENV)/bin/mutmut results --all true | $(VENV)/bin/python scripts/mutation_score.py
 
 bench: $(STAMP)
-	$(VENV)/bin/python -m experiments.log_cost
-	$(VENV)/bin/python -m experiments.persist_throughput
-	$(VENV)/bin/python -m experiments.noise_bench
-	$(VENV)/bin/python -m experiments.durability_bench --snapshot-load
+	$(VENV)/bin/python -m raycheck.experiments.log_cost
+	$(VENV)/bin/python -m raycheck.experiments.persist_throughput
+	$(VENV)/bin/python -m raycheck.experiments.noise_bench
+	$(VENV)/bin/python -m raycheck.experiments.durability_bench --snapshot-load
 
 experiment: $(STAMP)
 	$(VENV)/bin/raycheck experiment --out runs/experiment

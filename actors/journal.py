@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import ray
 
 if TYPE_CHECKING:  # the journal actor's process imports no torch (``job.config`` does)
-    from job.config import JobConfig
+    from raycheck.job.config import JobConfig
 
 CALL_TIMEOUT_S = 120.0
 """How long a caller waits for the journal's answer (it lives on the driver's node; an answer that

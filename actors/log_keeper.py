@@ -33,9 +33,9 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from storage.backend import Storage, StorageUnreachableError
-from storage.log_segments import SegmentMirror, read_segments
-from storage.steplog import (
+from raycheck.storage.backend import Storage, StorageUnreachableError
+from raycheck.storage.log_segments import SegmentMirror, read_segments
+from raycheck.storage.steplog import (
     RECORD_BYTES,
     StepLogConflictError,
     StepLogGapError,

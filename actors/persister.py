@@ -26,8 +26,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from storage.snapshots import SnapshotStore
-from training.node import this_node
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.training.node import this_node
 
 log = logging.getLogger(__name__)
 

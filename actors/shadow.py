@@ -32,13 +32,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from actors.shards import ShardRange
-from policies.interval import SnapshotSchedule
-from storage.snapshots import SnapshotStore
-from storage.steplog import StepLogReader, StepRecord
-from training.model import layout_sha256, parameter_layout
-from training.state import copy_state, load_into, state_sha256
-from training.zo import check_dtype, check_generator, dtype_name, replay_step_
+from raycheck.actors.shards import ShardRange
+from raycheck.policies.interval import SnapshotSchedule
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.steplog import StepLogReader, StepRecord
+from raycheck.training.model import layout_sha256, parameter_layout
+from raycheck.training.state import copy_state, load_into, state_sha256
+from raycheck.training.zo import check_dtype, check_generator, dtype_name, replay_step_
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,16 @@ import numpy as np
 import ray
 import torch
 
-from actors.journal import RunChannel
-from actors.log_keeper import KeeperLogSource, RemoteKeeper
-from actors.shadow import ShadowLoop, ShadowReplayer, ShadowSpec
-from actors.shards import split_units
-from storage.manifest import layout_of
-from storage.snapshots import NoSnapshotError
-from training.assets import shipped_model
-from training.model import load_model, materialise, model_dir, read_parameters, trainable_parameters
-from training.node import this_node
-from training.state import load_into
+from raycheck.actors.journal import RunChannel
+from raycheck.actors.log_keeper import KeeperLogSource, RemoteKeeper
+from raycheck.actors.shadow import ShadowLoop, ShadowReplayer, ShadowSpec
+from raycheck.actors.shards import split_units
+from raycheck.storage.manifest import layout_of
+from raycheck.storage.snapshots import NoSnapshotError
+from raycheck.training.assets import shipped_model
+from raycheck.training.model import load_model, materialise, model_dir, read_parameters, trainable_parameters
+from raycheck.training.node import this_node
+from raycheck.training.state import load_into
 
 log = logging.getLogger(__name__)
 

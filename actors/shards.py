@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from storage.units import group_by_unit
+from raycheck.storage.units import group_by_unit
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import argparse
 import json
 import sys
 
-from job.config import FailureSpec, FaultConfig, SnapshotConfig, ZOConfig
-from orchestrator.api import job_config, run_job
+from raycheck.job.config import FailureSpec, FaultConfig, SnapshotConfig, ZOConfig
+from raycheck.orchestrator.api import job_config, run_job
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ rounded to the half dtype before the add), as other MeZO code does it, for compa
 memory a worker holds per step: the parameters and the step's z (one tensor per parameter, in the
 parameters' dtype), bytes.
 
-    python -m experiments.dtype_residue [--models smollm2-135m tiny] [--eps 1e-3] [--step 0]
+    python -m raycheck.experiments.dtype_residue [--models smollm2-135m tiny] [--eps 1e-3] [--step 0]
 
 Prints a Markdown table (the one in docs/dtypes.md) and returns the rows.
 """
@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from training.model import load_model, trainable_parameters
-from training.zo import DTYPES, noise, perturb_, step_seed
+from raycheck.training.model import load_model, trainable_parameters
+from raycheck.training.zo import DTYPES, noise, perturb_, step_seed
 
 _BITS = {4: torch.int32, 2: torch.int16}
 """An integer dtype of each element size, to compare tensors bit for bit (-0.0 is not 0.0 here)."""

@@ -23,7 +23,7 @@ rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray clus
 
 Prints a table of median, mean and p99 (microseconds) and the ratios staging copy / level.
 
-    python -m experiments.durability_bench [--records 300] [--copies 5] [--snapshot-load] [--dir DIR]
+    python -m raycheck.experiments.durability_bench [--records 300] [--copies 5] [--snapshot-load] [--dir DIR]
         [--load-rounds 3] [--chunk-bytes N ...] [--write-rate-mb-s R ...]
 """
 
@@ -44,17 +44,17 @@ from typing import Any
 
 import ray
 
-from actors.log_keeper import LogKeeperActor, RemoteKeeper
-from experiments.log_cost import percentile
-from experiments.s3_server import LocalS3Server
-from orchestrator.cluster import runtime_env
-from storage.backend import LOCAL_WRITE_CHUNK_BYTES, Storage
-from storage.snapshots import SnapshotStore
-from storage.steplog import StepRecord
-from training.model import load_model, trainable_parameters
-from training.rank0_log import KeeperSender, open_local_log, replicated_append
-from training.state import copy_state
-from training.worker import on_cpu
+from raycheck.actors.log_keeper import LogKeeperActor, RemoteKeeper
+from raycheck.experiments.log_cost import percentile
+from raycheck.experiments.s3_server import LocalS3Server
+from raycheck.orchestrator.cluster import runtime_env
+from raycheck.storage.backend import LOCAL_WRITE_CHUNK_BYTES, Storage
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.steplog import StepRecord
+from raycheck.training.model import load_model, trainable_parameters
+from raycheck.training.rank0_log import KeeperSender, open_local_log, replicated_append
+from raycheck.training.state import copy_state
+from raycheck.training.worker import on_cpu
 
 LEVELS = ("process", "node", "cluster")
 WARMUP_RECORDS = 20

@@ -41,13 +41,13 @@ Printed beside the papers' figures (``docs/algorithms.md``): LayerCheck (arXiv 2
 bytes and post-restart loss within 0.54%; LowDiff (SC'25) under 3.1% runtime overhead with
 per-iteration differential checkpoints; GoCkpt (arXiv:2511.07035) -86.7% training interruption time. Results: ``fo_bench.json`` and ``fo_bench_steps.parquet``.
 
-    python -m experiments.fo_bench --model tiny --restart-at 110 --post-restart 100
-    python -m experiments.fo_bench --model smollm2-135m --batch-size 4 --strategies layerwise --restart-at 40 \
+    python -m raycheck.experiments.fo_bench --model tiny --restart-at 110 --post-restart 100
+    python -m raycheck.experiments.fo_bench --model smollm2-135m --batch-size 4 --strategies layerwise --restart-at 40 \
         --seeds 3 --seed-gap 30 --post-restart 30 --eval-size 128 --noise-floor
-    python -m experiments.fo_bench --model smollm2-135m --batch-size 4 --strategies full-async,differential \
+    python -m raycheck.experiments.fo_bench --model smollm2-135m --batch-size 4 --strategies full-async,differential \
         --full-every 0 --batch-steps 2 --record-budget-gb 16 --restart-at 70 --post-restart 0
-    python -m experiments.fo_bench --model smollm2-135m --batch-size 4 --restart-at 20 --strategies full-async,layerwise
-    python -m experiments.fo_bench --model tiny --strategies full-async,overlapped-2,overlapped-4 --restart-at 50 --post-restart 0
+    python -m raycheck.experiments.fo_bench --model smollm2-135m --batch-size 4 --restart-at 20 --strategies full-async,layerwise
+    python -m raycheck.experiments.fo_bench --model tiny --strategies full-async,overlapped-2,overlapped-4 --restart-at 50 --post-restart 0
 """
 
 from __future__ import annotations
@@ -67,23 +67,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from experiments.report_tables import mean_ci
-from policies.costs import MeasuredCosts
-from policies.layerwise import LayerwiseConfig, relative_change
-from policies.models import differential_full_interval_steps
-from storage.backend import Storage
-from storage.diffs import DiffStore
-from storage.snapshots import SnapshotStore
-from storage.tensor_files import as_numpy
-from storage.units import group_by_unit, parameter_of
-from training.checkpointing import FullCheckpointer
-from training.data import PromptEncoder, Split, batch_indices, classification_loss, load_rotten_tomatoes
-from training.differential import DiffCheckpointer
-from training.fo import FOHyper, FOTrainer
-from training.layerwise import LayerwiseCheckpointer
-from training.overlapped import OverlappedCheckpointer
-from training.model import load_model, load_tokenizer
-from training.state import copy_state, state_sha256
+from raycheck.experiments.report_tables import mean_ci
+from raycheck.policies.costs import MeasuredCosts
+from raycheck.policies.layerwise import LayerwiseConfig, relative_change
+from raycheck.policies.models import differential_full_interval_steps
+from raycheck.storage.backend import Storage
+from raycheck.storage.diffs import DiffStore
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.tensor_files import as_numpy
+from raycheck.storage.units import group_by_unit, parameter_of
+from raycheck.training.checkpointing import FullCheckpointer
+from raycheck.training.data import PromptEncoder, Split, batch_indices, classification_loss, load_rotten_tomatoes
+from raycheck.training.differential import DiffCheckpointer
+from raycheck.training.fo import FOHyper, FOTrainer
+from raycheck.training.layerwise import LayerwiseCheckpointer
+from raycheck.training.overlapped import OverlappedCheckpointer
+from raycheck.training.model import load_model, load_tokenizer
+from raycheck.training.state import copy_state, state_sha256
 
 STRATEGIES = ("full-async", "layerwise", "differential", "differential-topk", "overlapped-2", "overlapped-4")
 PAPERS = {"layerwise_bytes_ratio": 22.6, "layerwise_loss_deviation_pct": 0.54, "differential_overhead_pct": 3.1,

@@ -8,7 +8,7 @@ restore every saved checkpoint (file verification + DCP's resharded read), and t
 compared bitwise with the saved one (``state_sha256`` re-gathered). Figures: bytes each rank wrote,
 save seconds, restore seconds; ``fsdp_bench.json`` under ``--out``.
 
-    python -m experiments.fsdp_bench --model smollm2-135m --workers 1 2 --out /tmp/fsdp-bench
+    python -m raycheck.experiments.fsdp_bench --model smollm2-135m --workers 1 2 --out /tmp/fsdp-bench
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from experiments.s3_server import free_port
-from storage.dcp_store import ShardedStore
-from training.data import PromptEncoder, batch_indices, load_rotten_tomatoes
-from training.fo import FOHyper, FOTrainer
-from training.model import load_model, load_tokenizer
-from training.sharded import checkpoint_group, full_state
-from training.state import state_sha256
+from raycheck.experiments.s3_server import free_port
+from raycheck.storage.dcp_store import ShardedStore
+from raycheck.training.data import PromptEncoder, batch_indices, load_rotten_tomatoes
+from raycheck.training.fo import FOHyper, FOTrainer
+from raycheck.training.model import load_model, load_tokenizer
+from raycheck.training.sharded import checkpoint_group, full_state
+from raycheck.training.state import state_sha256
 
 BATCH = 4
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from experiments.results import recovery_rows, run_row, shard_rows
-from job.config import STRATEGIES, FailureSpec, FaultConfig, JobConfig, SnapshotConfig
-from job.run_dir import RunDir
+from raycheck.experiments.results import recovery_rows, run_row, shard_rows
+from raycheck.job.config import STRATEGIES, FailureSpec, FaultConfig, JobConfig, SnapshotConfig
+from raycheck.job.run_dir import RunDir
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +88,7 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
     with ``shadow`` among the strategies also ``shards.parquet``: replay over step time per shard of
     its 1-shard shadow and of one extra short failure-free run with 2 shards (``shard_run_steps``).
     """
-    from orchestrator.controller import Controller
+    from raycheck.orchestrator.controller import Controller
 
     out.mkdir(parents=True, exist_ok=True)
 
@@ -129,7 +129,7 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
 def _sharded_run(preset: Preset, out: pathlib.Path, cache_dir: str, echo: Callable[[str], None],
                  quiet: Callable[[str], None]) -> list[dict]:
     """The extra failure-free ``shadow`` run with ``shadow_shards=2``; returns its ``shard_rows``."""
-    from orchestrator.controller import Controller
+    from raycheck.orchestrator.controller import Controller
 
     echo(f"[experiment] shadow with 2 shards, {preset.shard_run_steps} steps, no failures ...")
     cfg = job_config(preset, "shadow", out / "runs" / "shadow-2shards", cache_dir, failures=False).replace(

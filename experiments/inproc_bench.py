@@ -6,7 +6,7 @@ The two run alternately, one ``raycheck run`` each (its own local Ray cluster), 
 hits both alike. From each run's ``summary.json``: failure -> restored and failure -> first step done
 (seconds), and the breakdown (``orchestrator.summary``); per kind the means, and the ratio exit / raise.
 
-    python -m experiments.inproc_bench --runs 3 --steps 8 --fail-step 3 --out /tmp/inproc-bench
+    python -m raycheck.experiments.inproc_bench --runs 3 --steps 8 --fail-step 3 --out /tmp/inproc-bench
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import statistics
 import subprocess
 import sys
 
-from orchestrator.summary import BREAKDOWN
+from raycheck.orchestrator.summary import BREAKDOWN
 
 KINDS = ("raise", "exit")
 
 
 def run_once(out: pathlib.Path, how: str, steps: int, fail_step: int, model: str) -> dict:
     """One ``raycheck run`` with a worker failure of ``how``; its one recovery row of ``summary.json``."""
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--model", model, "--steps", str(steps),
+    cmd = [sys.executable, "-m", "raycheck.orchestrator.cli", "run", "--model", model, "--steps", str(steps),
            "--fail", f"{fail_step}:worker:{how}", "--out", str(out), "--overwrite"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     summary = json.loads((out / "summary.json").read_text())

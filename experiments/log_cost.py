@@ -5,7 +5,7 @@ Measures, in one process and one run: the median and p99 of a durable 76-byte st
 perturbation passes), and the median blocking time of ``torch.save`` + fsync of the full parameter
 state (the synchronous full checkpoint the step log replaces). Prints ratios.
 
-    python -m experiments.log_cost [--model smollm2-135m] [--appends 500] [--steps 3] [--saves 3]
+    python -m raycheck.experiments.log_cost [--model smollm2-135m] [--appends 500] [--steps 3] [--saves 3]
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from storage.steplog import StepLogWriter, StepRecord
-from training.data import PromptEncoder, batch_indices, classification_loss, load_rotten_tomatoes
-from training.model import load_model, load_tokenizer, trainable_parameters
-from training.zo import noise, perturb_all_, step_seed
+from raycheck.storage.steplog import StepLogWriter, StepRecord
+from raycheck.training.data import PromptEncoder, batch_indices, classification_loss, load_rotten_tomatoes
+from raycheck.training.model import load_model, load_tokenizer, trainable_parameters
+from raycheck.training.zo import noise, perturb_all_, step_seed
 
 
 def percentile(values: list[float], q: float) -> float:

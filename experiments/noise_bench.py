@@ -8,7 +8,7 @@ alternating, ``--reps`` times each; and, to show which part is the floor, the in
 (``training.noise.philox`` over the counters of every element, built before the timing). Prints the
 median seconds of each and the ratio to ``torch.randn`` (target: at most 2x).
 
-    python -m experiments.noise_bench [--reps 5] [--threads N]
+    python -m raycheck.experiments.noise_bench [--reps 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from training.noise import philox, split_key
-from training.model import trainable_parameters
-from training.zo import derive_seed, noise, step_seed
+from raycheck.training.noise import philox, split_key
+from raycheck.training.model import trainable_parameters
+from raycheck.training.zo import derive_seed, noise, step_seed
 
 SMOLLM2_135M: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)

@@ -6,7 +6,7 @@ one after another (local raw writes are followed by an fsync, so both sides are 
 ``SnapshotStore.write`` (per-unit safetensors serialisation, sha256 of every shard, atomic puts, the
 manifest and the index). Prints MB/s for both and the ratio ours / raw (the target is >= 0.8).
 
-    python -m experiments.persist_throughput [--model smollm2-135m] [--repeats 2] [--dir /tmp]
+    python -m raycheck.experiments.persist_throughput [--model smollm2-135m] [--repeats 2] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import uuid
 import fsspec
 from safetensors.numpy import save as st_save
 
-from storage.backend import Storage
-from storage.snapshots import SnapshotStore
-from storage.units import group_by_unit
-from training.model import load_model, trainable_parameters
-from training.state import copy_state
+from raycheck.storage.backend import Storage
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.units import group_by_unit
+from raycheck.training.model import load_model, trainable_parameters
+from raycheck.training.state import copy_state
 
 
 def raw_write(fs, root: str, blobs: list[bytes], local: bool) -> None:

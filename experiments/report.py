@@ -31,7 +31,7 @@ Sources: J. W. Young, CACM 17(9), 1974 and J. T. Daly, FGCS 22(3), 2006 (the che
 and the paper's numbers (vs asynchronous full-state: 219.7x lower checkpoint overhead, 1.55x lower
 recovery latency, 21.3x lower end-to-end wasted time).
 
-    python -m experiments.report RESULTS_DIR [--seeds 3] [--min-failures 10] [--mtbf-s 200 2000 20000]
+    python -m raycheck.experiments.report RESULTS_DIR [--seeds 3] [--min-failures 10] [--mtbf-s 200 2000 20000]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from experiments.report_tables import (
+from raycheck.experiments.report_tables import (
     GRID_DECADES,
     GRID_MIN_DOWNTIMES,
     GRID_MIN_STEPS,
@@ -71,7 +71,7 @@ from experiments.report_tables import (
     recovery_table,
     wasted_table,
 )
-from policies.models import Strategy
+from raycheck.policies.models import Strategy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,7 +422,7 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
 
 
 def main(argv: list[str] | None = None) -> Report:
-    """``python -m experiments.report RESULTS_DIR ...``: write the report and print its summary."""
+    """``python -m raycheck.experiments.report RESULTS_DIR ...``: write the report and print its summary."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results_dir", type=pathlib.Path)
     ap.add_argument("--mtbf-s", type=float, nargs="+", default=None,

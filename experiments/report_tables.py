@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from experiments.results import BREAKDOWN_PREFIX
-from orchestrator.summary import BREAKDOWN, RAY_TRAIN_COMPONENTS
-from policies.costs import InfeasibleError, MeasuredCosts
-from policies.models import Strategy, expected_waste, optimal_interval_steps
-from policies.simulate import SimResult, simulate
+from raycheck.experiments.results import BREAKDOWN_PREFIX
+from raycheck.orchestrator.summary import BREAKDOWN, RAY_TRAIN_COMPONENTS
+from raycheck.policies.costs import InfeasibleError, MeasuredCosts
+from raycheck.policies.models import Strategy, expected_waste, optimal_interval_steps
+from raycheck.policies.simulate import SimResult, simulate
 
 OURS = Strategy.SHADOW
 BASELINES = (Strategy.FULL_SYNC, Strategy.FULL_ASYNC, Strategy.LOG_ONLY)

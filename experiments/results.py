@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from storage.steplog import RECORD_BYTES
+from raycheck.storage.steplog import RECORD_BYTES
 
 LOG_STRATEGIES = ("shadow", "log-only")
 

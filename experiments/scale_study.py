@@ -6,7 +6,7 @@ log-only over one day of training), predicts the waste in closed form (``policie
 simulates it (``policies.simulate``, exponential failures, and Weibull with shape 0.7 for bursty
 failures). Writes ``scale_study.csv`` and ``scale_study.png`` and prints the table.
 
-    python -m experiments.scale_study [--out runs/scale_study] [--accelerators 1024 16384] [--models 7 70]
+    python -m raycheck.experiments.scale_study [--out runs/scale_study] [--accelerators 1024 16384] [--models 7 70]
 
 Assumptions (edit ``Assumptions`` to change them):
 - Failures: 419 unexpected interruptions in 54 days on 16,384 GPUs (about one every 3.1 h), so each
@@ -24,9 +24,9 @@ import csv
 import pathlib
 from dataclasses import dataclass
 
-from policies.compare import compare
-from policies.costs import MeasuredCosts
-from policies.simulate import Exponential, Weibull, simulate
+from raycheck.policies.compare import compare
+from raycheck.policies.costs import MeasuredCosts
+from raycheck.policies.simulate import Exponential, Weibull, simulate
 
 STUDIED = (("full-sync", "daly"), ("full-async", "optimal"), ("log-only", "none"), ("shadow", "young"), ("shadow", "optimal"))
 

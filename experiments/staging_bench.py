@@ -7,7 +7,7 @@ first ``copy_into`` allocates its arrays (it is a fresh copy too) and is reporte
 fresh copy is dropped before the next round, so its memory goes back to the allocator (and large
 arrays to the OS, which is where the page faults of the next fresh copy come from).
 
-    python -m experiments.staging_bench --model smollm2-135m --rounds 5
+    python -m raycheck.experiments.staging_bench --model smollm2-135m --rounds 5
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from training.data import PromptEncoder
-from training.fo import FOHyper, FOTrainer
-from training.model import load_model, load_tokenizer
-from training.state import copy_into, copy_state
+from raycheck.training.data import PromptEncoder
+from raycheck.training.fo import FOHyper, FOTrainer
+from raycheck.training.model import load_model, load_tokenizer
+from raycheck.training.state import copy_into, copy_state
 
 
 def timed(fn) -> float:

@@ -12,11 +12,11 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from policies.layerwise import LayerwiseConfig
-from policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
-from storage.backend import Storage, local_path, node_local
-from storage.manifest import RunIdentity
-from storage.snapshots import SnapshotStore
+from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
+from raycheck.storage.backend import Storage, local_path, node_local
+from raycheck.storage.manifest import RunIdentity
+from raycheck.storage.snapshots import SnapshotStore
 
 FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]

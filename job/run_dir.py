@@ -8,7 +8,7 @@ import os
 import pathlib
 from dataclasses import dataclass
 
-from storage.files import atomic_write
+from raycheck.storage.files import atomic_write
 
 
 @dataclass(frozen=True)

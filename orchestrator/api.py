@@ -1,7 +1,7 @@
 """The Python API: build a configuration, run it, get the summary: for a driver script of your own
 (e.g. under ``ray job submit``). ``raycheck run`` is a thin layer over it.
 
-    from orchestrator.api import job_config, run_job
+    from raycheck.orchestrator.api import job_config, run_job
 
     cfg = job_config("runs/mine", model="/models/my-gpt2", data="train.jsonl", steps=100)
     summary = run_job(cfg, verify=True)
@@ -16,9 +16,9 @@ import pathlib
 import uuid
 from typing import Callable
 
-from job.config import JobConfig
-from training.assets import Assets, read_assets
-from training.model import default_cache_dir
+from raycheck.job.config import JobConfig
+from raycheck.training.assets import Assets, read_assets
+from raycheck.training.model import default_cache_dir
 
 
 def job_config(out_dir: str | pathlib.Path, **fields) -> JobConfig:
@@ -52,8 +52,8 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
     """
     cfg, assets = read_assets(cfg)
     if cfg.shadow_shards > 1:
-        from actors.shards import split_units
-        from training.model import load_model, trainable_parameters
+        from raycheck.actors.shards import split_units
+        from raycheck.training.model import load_model, trainable_parameters
 
         params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
         split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
@@ -73,7 +73,7 @@ def run_job(cfg: JobConfig, *, verify: bool = False, echo: Callable[[str], None]
     Raises:
         ValueError, OSError: see ``check_job`` (raised before the cluster starts).
     """
-    from orchestrator.controller import run_job as run_controller
+    from raycheck.orchestrator.controller import run_job as run_controller
 
     if assets is None:
         cfg, assets = check_job(cfg)

@@ -14,18 +14,18 @@ from typing import Annotated
 
 import typer
 
-from job.config import (PROMPT, DifferentialConfig, ElasticConfig, FailureSpec, FaultConfig, FOConfig, JobConfig, LayerwiseConfig,
+from raycheck.job.config import (PROMPT, DifferentialConfig, ElasticConfig, FailureSpec, FaultConfig, FOConfig, JobConfig, LayerwiseConfig,
                         OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
-from job.run_dir import RunDir
-from orchestrator.experiment_cli import experiment
-from orchestrator.merge_cli import merge
-from orchestrator.policy_cli import parse_duration, policy
-from orchestrator.replay_cli import replay
-from orchestrator.schedule import parse_schedule
-from orchestrator.storage_cli import inspect, verify
-from orchestrator.stored_config import StoredConfigError, load_config
-from storage.backend import local_path
-from training.model import MODEL_NAMES, default_cache_dir
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.experiment_cli import experiment
+from raycheck.orchestrator.merge_cli import merge
+from raycheck.orchestrator.policy_cli import parse_duration, policy
+from raycheck.orchestrator.replay_cli import replay
+from raycheck.orchestrator.schedule import parse_schedule
+from raycheck.orchestrator.storage_cli import inspect, verify
+from raycheck.orchestrator.stored_config import StoredConfigError, load_config
+from raycheck.storage.backend import local_path
+from raycheck.training.model import MODEL_NAMES, default_cache_dir
 
 app = typer.Typer(
     help="raycheck: fault-tolerant fine-tuning on Ray: MeZO with a durable step log, a CPU shadow and exact recovery; "
@@ -213,7 +213,7 @@ def _model_arg(model: str) -> str:
 def _checked_job(cfg: JobConfig):
     """``orchestrator.api.check_job``: model, data, shards and storage checked before training starts
     (exit 2 with one line: a wrong model, bad data, endpoint, bucket or credentials)."""
-    from orchestrator.api import check_job
+    from raycheck.orchestrator.api import check_job
 
     try:
         return check_job(cfg)
@@ -377,9 +377,9 @@ def run(
                                                             "shard may take to start before the run fails.")] = 300.0,
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
-    from orchestrator.api import run_job
-    from orchestrator.controller import ResumeMismatchError
-    from training.zo import DtypeMismatchError, GeneratorMismatchError
+    from raycheck.orchestrator.api import run_job
+    from raycheck.orchestrator.controller import ResumeMismatchError
+    from raycheck.training.zo import DtypeMismatchError, GeneratorMismatchError
 
     resuming = resume and (out / "config.json").is_file()  # the run's config.json decides, not the options typed
     try:
@@ -415,7 +415,7 @@ def run(
     if not resume and cfg is not None and cfg.device == "cuda":
         _require_cuda()
     if cfg is not None and not resuming and any(f.target == "storage" for f in cfg.faults.failures):
-        from orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
+        from raycheck.orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
     replaced = [] if resume else _entries_to_replace(out, overwrite)

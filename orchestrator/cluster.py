@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import ray
 
 if TYPE_CHECKING:
-    from job.config import JobConfig
+    from raycheck.job.config import JobConfig
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 """The driver's environment defaults (a variable already set wins): no usage stats, no auth token for
@@ -47,7 +47,7 @@ def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
     (the driver's) environment (``storage.backend.storage_env``) plus ``env_vars``, so that they reach
     processes on any node (a node's own environment has none of them on a real cluster). Ray keeps
     runtime environments in its own session state; raycheck never writes them to the run directory."""
-    from storage.backend import storage_env
+    from raycheck.storage.backend import storage_env
 
     return {"env_vars": {**storage_env(), **(env_vars or {})}}
 

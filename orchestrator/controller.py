@@ -49,32 +49,32 @@ from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # w
 from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.journal import RunChannel
-from actors.log_keeper import LogKeeperActor
-from actors.persister import PersisterActor
-from actors.shadow import ShadowSpec
-from job.config import JobConfig
-from job.run_dir import RunDir
-from orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, worker_need
-from orchestrator.control import (Action, EmitPhase, Failed, FailRun, Initialising, Limits, LogKeeperStatus, Observation, Phase,
+from raycheck.actors.journal import RunChannel
+from raycheck.actors.log_keeper import LogKeeperActor
+from raycheck.actors.persister import PersisterActor
+from raycheck.actors.shadow import ShadowSpec
+from raycheck.job.config import JobConfig
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, worker_need
+from raycheck.orchestrator.control import (Action, EmitPhase, Failed, FailRun, Initialising, Limits, LogKeeperStatus, Observation, Phase,
                                   PersisterStatus, RestartPersister, RestartShadow, State, Stop, component_actions, step,
                                   worker_failures_and_recoveries, worker_group_status)
-from orchestrator.group_timeline import GroupTimeline
-from orchestrator.journal import RunRecord, claims_in, start_journal, wait_for_previous_driver
-from orchestrator.metrics import RunMetrics
-from orchestrator.planning import SnapshotPlanner
-from orchestrator.replica_groups import ReplicaGroupsConfig
-from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
-from orchestrator.stored_config import save_config
-from orchestrator.summary import Collected, mean_step_seconds, recoveries, recovery_of_event, run_summary, write_metrics
-from storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
-from storage.steplog import StepLogWriter, read_header
-from storage.units import describe_units
-from training.assets import ASSETS_KEY, Assets, read_assets, ship
-from training.faults import PARTS, fired_before, marker
-from training.model import is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
-from training.node import this_node
-from training.zo import GENERATOR, check_dtype, check_generator
+from raycheck.orchestrator.group_timeline import GroupTimeline
+from raycheck.orchestrator.journal import RunRecord, claims_in, start_journal, wait_for_previous_driver
+from raycheck.orchestrator.metrics import RunMetrics
+from raycheck.orchestrator.planning import SnapshotPlanner
+from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
+from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
+from raycheck.orchestrator.stored_config import save_config
+from raycheck.orchestrator.summary import Collected, mean_step_seconds, recoveries, recovery_of_event, run_summary, write_metrics
+from raycheck.storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
+from raycheck.storage.steplog import StepLogWriter, read_header
+from raycheck.storage.units import describe_units
+from raycheck.training.assets import ASSETS_KEY, Assets, read_assets, ship
+from raycheck.training.faults import PARTS, fired_before, marker
+from raycheck.training.model import is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
+from raycheck.training.node import this_node
+from raycheck.training.zo import GENERATOR, check_dtype, check_generator
 
 log = logging.getLogger(__name__)
 
@@ -526,9 +526,9 @@ class Controller:
 
     def _trainer(self) -> TorchTrainer:
         if self.cfg.algo == "fo":
-            from training.fo_worker import train_loop_per_worker
+            from raycheck.training.fo_worker import train_loop_per_worker
         else:
-            from training.worker import train_loop_per_worker
+            from raycheck.training.worker import train_loop_per_worker
         cfg = self.cfg
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,

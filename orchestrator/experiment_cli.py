@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from experiments.harness import FAILURE_KINDS
-from job.config import STRATEGIES
-from training.model import default_cache_dir
+from raycheck.experiments.harness import FAILURE_KINDS
+from raycheck.job.config import STRATEGIES
+from raycheck.training.model import default_cache_dir
 
 
 def experiment(
@@ -32,10 +32,10 @@ def experiment(
     The default preset fine-tunes SmolLM2-135M (30 steps, failures at steps 12 and 24, checkpoint
     interval 10; about 21 min on 2 cores); --quick uses the tiny model.
     """
-    from experiments.harness import PRESETS, run_experiment
-    from experiments.report import write_report
-    from orchestrator.cluster import connect
-    from training.model import model_folder
+    from raycheck.experiments.harness import PRESETS, run_experiment
+    from raycheck.experiments.report import write_report
+    from raycheck.orchestrator.cluster import connect
+    from raycheck.training.model import model_folder
 
     unknown = sorted(set(strategy) - set(STRATEGIES["zo"]))
     if unknown:

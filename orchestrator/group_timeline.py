@@ -26,8 +26,8 @@ import time
 from ray.exceptions import RayError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-from actors.journal import RunChannel
-from job.config import JobConfig
+from raycheck.actors.journal import RunChannel
+from raycheck.job.config import JobConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.journal import CALL_TIMEOUT_S, JournalActor, RunChannel
-from job.config import JobConfig
-from job.run_dir import RunDir
+from raycheck.actors.journal import CALL_TIMEOUT_S, JournalActor, RunChannel
+from raycheck.job.config import JobConfig
+from raycheck.job.run_dir import RunDir
 
 
 class RunActiveError(RuntimeError):

@@ -9,9 +9,9 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.storage_cli import EndpointOpt, open_store
-from storage.backend import local_path
-from storage.merge import (
+from raycheck.orchestrator.storage_cli import EndpointOpt, open_store
+from raycheck.storage.backend import local_path
+from raycheck.storage.merge import (
     MergeError,
     Source,
     check_output,
@@ -22,8 +22,8 @@ from storage.merge import (
     prepare_merge,
     write_hf_export,
 )
-from storage.snapshots import NoSnapshotError, SnapshotCorruptError
-from training.model import MODEL_NAMES, default_cache_dir, model_folder
+from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError
+from raycheck.training.model import MODEL_NAMES, default_cache_dir, model_folder
 
 
 def merge(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ray.util.metrics import Counter, Gauge
 
-from orchestrator.summary import BREAKDOWN
+from raycheck.orchestrator.summary import BREAKDOWN
 
 TAGS = ("run", "strategy")
 

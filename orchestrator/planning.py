@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from policies.costs import MeasuredCosts
-from policies.interval import AdaptiveInterval
-from policies.models import Strategy
-from policies.replan import ReplanRecord, Replanner
+from raycheck.policies.costs import MeasuredCosts
+from raycheck.policies.interval import AdaptiveInterval
+from raycheck.policies.models import Strategy
+from raycheck.policies.replan import ReplanRecord, Replanner
 
 class _InitialCosts(TypedDict):
     step_s: float

@@ -11,9 +11,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from policies.compare import Option, compare, recommend
-from policies.costs import InfeasibleError, MeasuredCosts
-from policies.models import Strategy
+from raycheck.policies.compare import Option, compare, recommend
+from raycheck.policies.costs import InfeasibleError, MeasuredCosts
+from raycheck.policies.models import Strategy
 
 UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _ZERO = re.compile(r"^\s*(0+(\.0*)?|\.0+)\s*$")

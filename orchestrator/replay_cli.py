@@ -19,14 +19,14 @@ from typing import Annotated
 
 import typer
 
-from job.config import OldConfigError, refuse_flat
-from orchestrator.storage_cli import EndpointOpt, open_store
-from storage.backend import Storage, local_path
-from storage.log_segments import read_segments
-from storage.manifest import RunIdentity, layout_of
-from storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
-from storage.steplog import StepLogCorruptError, StepLogError, StepLogGapError, StepRecord, read_prefix
-from training.model import default_cache_dir, model_folder
+from raycheck.job.config import OldConfigError, refuse_flat
+from raycheck.orchestrator.storage_cli import EndpointOpt, open_store
+from raycheck.storage.backend import Storage, local_path
+from raycheck.storage.log_segments import read_segments
+from raycheck.storage.manifest import RunIdentity, layout_of
+from raycheck.storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.storage.steplog import StepLogCorruptError, StepLogError, StepLogGapError, StepRecord, read_prefix
+from raycheck.training.model import default_cache_dir, model_folder
 
 EXIT_DAMAGED = 1
 EXIT_REFUSED = 2
@@ -103,7 +103,7 @@ def _refuse_unlogged(run_dir: pathlib.Path) -> None:
     """Raise ``ReplayError`` when the run in ``run_dir`` logs no steps by design (its ``config.json``:
     ``JobConfig.uses_step_log`` is false, e.g. every ``--algo fo`` run), so its empty step log has
     nothing to replay; return when there is no readable configuration (the log speaks for itself)."""
-    from job.config import JobConfig
+    from raycheck.job.config import JobConfig
 
     try:
         cfg = JobConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
@@ -202,8 +202,8 @@ def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":
             its dtype is unknown, or its parameter layout differs from the model's.
         training.zo.GeneratorMismatchError: the log was written with another noise generator.
     """
-    from training.model import is_builtin, layout_sha256, load_model, parameter_layout, read_model_files, trainable_parameters
-    from training.zo import DTYPES, check_generator
+    from raycheck.training.model import is_builtin, layout_sha256, load_model, parameter_layout, read_model_files, trainable_parameters
+    from raycheck.training.zo import DTYPES, check_generator
 
     check_generator(run.header, run.log_url)
     model, recorded = run.header.get("model"), run.header.get("model_sha256")
@@ -247,8 +247,8 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
     Raises:
         ReplayError: ``step`` is not in the log, or only other runs' snapshots are in the store.
     """
-    from training.state import load_into
-    from training.zo import replay_records_
+    from raycheck.training.state import load_into
+    from raycheck.training.zo import replay_records_
 
     check_step(run, step)
     store, own = (None, []) if from_initial else own_snapshots(run)
@@ -271,7 +271,7 @@ def write_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> Snaps
     """Commit ``replayed`` to ``target`` as a snapshot of ``run`` (its identity), at the run's current
     writer epoch there (a new epoch would fence a live driver of the run) and deleting none of its
     snapshots (no retention). Raises ``FencedError`` when the run's epoch changed meanwhile."""
-    from training.state import copy_state
+    from raycheck.training.state import copy_state
 
     out = SnapshotStore(target, keep_last=sys.maxsize, identity=run.identity, layout=layout_of(replayed.params))
     out.epoch = out.run_epoch()
@@ -292,7 +292,7 @@ def _notes(run: LoggedRun) -> list[str]:
 
 def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
     """What ``replay`` prints: the run, the base, the replayed steps, the hash (last line)."""
-    from training.state import state_sha256
+    from raycheck.training.state import state_sha256
 
     base = (f"snapshot of step {replayed.base_step} ({run.storage.url(replayed.base.folder)})"
             if replayed.base is not None and run.storage is not None else "the initial weights")
@@ -334,8 +334,8 @@ def replay(
     past the log's end, a log of another noise generator or model, only other runs' snapshots in the
     store, a run's local store that is gone and lay outside its run directory, an unusable --to or
     --export-hf target."""
-    from storage.merge import prepare_hf_export, write_hf_export
-    from storage.tensor_files import as_numpy
+    from raycheck.storage.merge import prepare_hf_export, write_hf_export
+    from raycheck.storage.tensor_files import as_numpy
 
     try:
         run = find_run(run_or_store, s3_endpoint)

@@ -22,7 +22,7 @@ from ray.train.torch.config import TorchConfig, _TorchBackend
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.step_exchange import StepExchangeActor
+from raycheck.actors.step_exchange import StepExchangeActor
 
 EXCHANGE_KEEP_STEPS = 1024
 """Complete steps whose parts the step exchange keeps: a replacement restored at the durable step re-executes

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from job.config import FailureSpec
+from raycheck.job.config import FailureSpec
 
 KINDS = ("poisson", "weibull")
 

@@ -34,14 +34,14 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from actors.journal import RunChannel
-from actors.shadow import ShadowSpec
-from actors.shadow_actor import ShadowActor
-from actors.shards import assemble
-from job.config import JobConfig
-from orchestrator.cluster import shadow_actor_options
-from orchestrator.control import FailRun, ShadowStatus, ShardStatus, shard_action
-from training.state import state_sha256
+from raycheck.actors.journal import RunChannel
+from raycheck.actors.shadow import ShadowSpec
+from raycheck.actors.shadow_actor import ShadowActor
+from raycheck.actors.shards import assemble
+from raycheck.job.config import JobConfig
+from raycheck.orchestrator.cluster import shadow_actor_options
+from raycheck.orchestrator.control import FailRun, ShadowStatus, ShardStatus, shard_action
+from raycheck.training.state import state_sha256
 
 
 class ShadowFailedError(RuntimeError):

@@ -11,11 +11,11 @@ from typing import Annotated, Any
 
 import typer
 
-from storage.backend import Storage, local_path
-from storage.dcp_store import SUBFOLDER, ShardedStore
-from storage.log_segments import PREFIX, read_segments
-from storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
-from storage.steplog import StepLogError, read_log
+from raycheck.storage.backend import Storage, local_path
+from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
+from raycheck.storage.log_segments import PREFIX, read_segments
+from raycheck.storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
+from raycheck.storage.steplog import StepLogError, read_log
 
 UriArg = Annotated[str, typer.Argument(metavar="URI", help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
 EndpointOpt = Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL).")]

@@ -13,10 +13,10 @@ import json
 import logging
 import pathlib
 
-from job.config import JobConfig, OldConfigError, default_scratch_dir, refuse_flat
-from storage.backend import Storage
-from storage.log_segments import read_segments
-from storage.steplog import StepLogError
+from raycheck.job.config import JobConfig, OldConfigError, default_scratch_dir, refuse_flat
+from raycheck.storage.backend import Storage
+from raycheck.storage.log_segments import read_segments
+from raycheck.storage.steplog import StepLogError
 
 log = logging.getLogger(__name__)
 

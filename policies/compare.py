@@ -6,8 +6,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.costs import InfeasibleError, MeasuredCosts
-from policies.models import (
+from raycheck.policies.costs import InfeasibleError, MeasuredCosts
+from raycheck.policies.models import (
     Strategy,
     checkfreq_interval_steps,
     daly_interval_s,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from policies.replan import ReplanRecord, Replanner
+from raycheck.policies.replan import ReplanRecord, Replanner
 
 log = logging.getLogger(__name__)
 

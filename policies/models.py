@@ -22,8 +22,8 @@ import math
 from collections.abc import Callable
 from enum import StrEnum
 
-from policies.costs import InfeasibleError, MeasuredCosts
-from policies.strategies import RunStrategy
+from raycheck.policies.costs import InfeasibleError, MeasuredCosts
+from raycheck.policies.strategies import RunStrategy
 
 
 class Strategy(StrEnum):

@@ -12,8 +12,8 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from policies.costs import InfeasibleError, MeasuredCosts
-from policies.models import Strategy, expected_waste, optimal_interval_steps
+from raycheck.policies.costs import InfeasibleError, MeasuredCosts
+from raycheck.policies.models import Strategy, expected_waste, optimal_interval_steps
 
 MEASURED = ("step_s", "replay_step_s", "snapshot_s", "stall_s", "log_append_s", "restart_s", "load_s")
 """The ``MeasuredCosts`` fields a running job can measure (seconds); the MTBF comes from counters."""

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.costs import MeasuredCosts
-from policies.models import Strategy, check_background, check_shadow
+from raycheck.policies.costs import MeasuredCosts
+from raycheck.policies.models import Strategy, check_background, check_shadow
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ def main() -> None:
         name, sep, status = line.strip().rpartition(": ")
         if not sep or "__mutmut_" not in name:
             continue
-        module = name.rsplit(".", 1)[0]  # "training.zo.x_derive_seed__mutmut_3" -> "training.zo"
+        module = name.rsplit(".", 1)[0]  # "raycheck.training.zo.x_derive_seed__mutmut_3" -> "raycheck.training.zo"
         by_module[module][status] += 1
         if status not in KILLED and status != UNCHECKED:
             survivors.append(f"{name}: {status}")
@@ -31,7 +31,7 @@ def main() -> None:
         killed = sum(counts[s] for s in KILLED)
         n = sum(counts.values()) - counts[UNCHECKED]
         others = ", ".join(f"{s} {c}" for s, c in sorted(counts.items()) if s not in KILLED)
-        print(f"{module:<18} {killed:>4} / {n:<4} killed = {100 * killed / max(n, 1):5.1f}%   {others}")
+        print(f"{module:<28} {killed:>4} / {n:<4} killed = {100 * killed / max(n, 1):5.1f}%   {others}")
     print("\nnot killed:", *survivors, sep="\n  ")
 
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from storage.files import atomic_write
+from raycheck.storage.files import atomic_write
 
 log = logging.getLogger(__name__)
 

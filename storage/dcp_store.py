@@ -38,9 +38,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
-from storage.backend import Storage, StorageError
-from storage.manifest import folder_step, layout_sha256
-from storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.storage.backend import Storage, StorageError
+from raycheck.storage.manifest import folder_step, layout_sha256
+from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
 
 SUBFOLDER = "sharded"
 FORMAT = "raycheck-dcp-1"

@@ -47,7 +47,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from storage.backend import Storage
+from raycheck.storage.backend import Storage
 
 log = logging.getLogger(__name__)
 

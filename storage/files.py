@@ -9,7 +9,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from storage.backend import WritePacer
+    from raycheck.storage.backend import WritePacer
 
 
 def write_synced(fd: int, data: bytes | memoryview, chunk_bytes: int | None, pacer: WritePacer | None = None) -> None:

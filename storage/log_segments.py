@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 import time
 
-from storage.backend import Storage
-from storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogGapError, StepRecord, decode_header, scan_records
+from raycheck.storage.backend import Storage
+from raycheck.storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogGapError, StepRecord, decode_header, scan_records
 
 PREFIX = "log/"
 _NAME = re.compile(r"^log/segment-(\d{10})-(\d{10})\.bin$")

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from storage.units import group_by_unit
+from raycheck.storage.units import group_by_unit
 
 FORMAT_VERSION = 3
 """Manifest and index format (3: run identity, layout hash, manifest sha256 and writer epochs in the index)."""
@@ -96,7 +96,7 @@ def layout_of(state: Mapping) -> list[list]:
 def _numpy(a) -> np.ndarray:
     if isinstance(a, np.ndarray):
         return a
-    from storage.tensor_files import as_numpy  # imports torch: only for a state of tensors
+    from raycheck.storage.tensor_files import as_numpy  # imports torch: only for a state of tensors
 
     return as_numpy(a)
 
@@ -112,7 +112,7 @@ def other_layout(theirs: list[list], ours: list[list]) -> str:
     float32)``), else ``a snapshot of another model``."""
     if [[n, s] for n, _, s in theirs] != [[n, s] for n, _, s in ours]:
         return "a snapshot of another model"
-    from storage.tensor_files import dtype_name  # imports torch: only for this message
+    from raycheck.storage.tensor_files import dtype_name  # imports torch: only for this message
 
     names = [sorted({dtype_name(d) for _, d, _ in layout}) for layout in (theirs, ours)]
     return f"a snapshot of another dtype ({', '.join(names[0])}; the model is {', '.join(names[1])})"

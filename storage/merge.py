@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 from safetensors import safe_open
 
-from storage.backend import Storage
-from storage.snapshots import NoSnapshotError, SnapshotInfo, SnapshotStore
-from storage.tensor_files import FLOAT_DTYPES, dtype_name, save_file
-from storage.units import parameter_of, unit_of
+from raycheck.storage.backend import Storage
+from raycheck.storage.snapshots import NoSnapshotError, SnapshotInfo, SnapshotStore
+from raycheck.storage.tensor_files import FLOAT_DTYPES, dtype_name, save_file
+from raycheck.storage.units import parameter_of, unit_of
 
 _LAYER_UNIT = re.compile(r"^layer\.(\d+)$")
 log = logging.getLogger(__name__)

@@ -46,10 +46,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from storage.backend import PreconditionFailedError, Storage, StorageError
-from storage.tensor_files import load as st_load
-from storage.tensor_files import save as st_save
-from storage.manifest import (
+from raycheck.storage.backend import PreconditionFailedError, Storage, StorageError
+from raycheck.storage.tensor_files import load as st_load
+from raycheck.storage.tensor_files import save as st_save
+from raycheck.storage.manifest import (
     FOLDER,
     FORMAT_VERSION,
     RunIdentity,
@@ -64,7 +64,7 @@ from storage.manifest import (
     other_layout,
     shard_path,
 )
-from storage.units import group_by_unit
+from raycheck.storage.units import group_by_unit
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import astuple, dataclass
 
-from storage.files import atomic_write
+from raycheck.storage.files import atomic_write
 
 MAGIC = b"RCSTEPLG"
 FORMAT_VERSION = 1

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from experiments.s3_server import free_port
+from raycheck.experiments.s3_server import free_port
 
 BIN = pathlib.Path(sys.executable).parent
 HEALTH_CHECK_ENV = {"RAY_health_check_initial_delay_ms": "0", "RAY_health_check_period_ms": "1000",

@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-from experiments.s3_server import free_port  # noqa: F401  (re-exported for the tests)
-from job.config import default_scratch_dir
+from raycheck.experiments.s3_server import free_port  # noqa: F401  (re-exported for the tests)
+from raycheck.job.config import default_scratch_dir
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -20,22 +20,22 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")  # so that actors and 
 
 @pytest.fixture(scope="session")
 def data():
-    from training.data import load_rotten_tomatoes
+    from raycheck.training.data import load_rotten_tomatoes
 
     return load_rotten_tomatoes()
 
 
 @pytest.fixture(scope="session")
 def encoder():
-    from training.data import PromptEncoder
-    from training.model import load_tokenizer
+    from raycheck.training.data import PromptEncoder
+    from raycheck.training.model import load_tokenizer
 
     return PromptEncoder(load_tokenizer(), seq_len=32)
 
 
 @pytest.fixture()
 def tiny_model():
-    from training.model import load_model
+    from raycheck.training.model import load_model
 
     return load_model("tiny")
 
@@ -43,7 +43,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible server (moto) on 127.0.0.1 for the whole session."""
-    from experiments.s3_server import LocalS3Server
+    from raycheck.experiments.s3_server import LocalS3Server
 
     server = LocalS3Server().start()
     yield server.endpoint
@@ -61,7 +61,7 @@ def storage(request, tmp_path):
     """A fresh, empty ``Storage`` of each backend."""
     import uuid
 
-    from storage.backend import Storage
+    from raycheck.storage.backend import Storage
 
     if request.param == "file":
         return Storage(str(tmp_path / "store"))

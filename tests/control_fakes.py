@@ -8,7 +8,7 @@ through ``orchestrator.control.worker_group_status``), and the installed package
 
 from __future__ import annotations
 
-from orchestrator.control import (Action, LogKeeperStatus, Observation, PersisterStatus, RestartPersister, RestartShadow, ShadowStatus,
+from raycheck.orchestrator.control import (Action, LogKeeperStatus, Observation, PersisterStatus, RestartPersister, RestartShadow, ShadowStatus,
                                   ShardStatus, WorkerGroupStatus, worker_group_status)
 
 

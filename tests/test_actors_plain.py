@@ -5,14 +5,14 @@ import threading
 import numpy as np
 import pytest
 
-from actors.persister import SnapshotPersister
-from actors.shadow import ShadowReplayer
-from storage.backend import RetryPolicy, Storage
-from storage.snapshots import SnapshotStore
-from storage.steplog import StepLogGapError, StepLogWriter, StepRecord
-from training.model import layout_sha256, parameter_layout, trainable_parameters
-from training.state import copy_state, load_into, state_sha256
-from training.zo import GENERATOR, ZOHyper, noise, perturb_all_, update_all_
+from raycheck.actors.persister import SnapshotPersister
+from raycheck.actors.shadow import ShadowReplayer
+from raycheck.storage.backend import RetryPolicy, Storage
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.steplog import StepLogGapError, StepLogWriter, StepRecord
+from raycheck.training.model import layout_sha256, parameter_layout, trainable_parameters
+from raycheck.training.state import copy_state, load_into, state_sha256
+from raycheck.training.zo import GENERATOR, ZOHyper, noise, perturb_all_, update_all_
 
 
 def header(params):

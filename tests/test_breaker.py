@@ -9,7 +9,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from conftest import free_port, make_bucket
-from storage.backend import Admission, CircuitBreaker, RetryPolicy, Storage, StorageError, StorageUnavailableError
+from raycheck.storage.backend import Admission, CircuitBreaker, RetryPolicy, Storage, StorageError, StorageUnavailableError
 
 
 class Clock:

@@ -9,16 +9,16 @@ import inspect
 import pytest
 import torch
 
-from policies.layerwise import LayerwiseConfig
-from storage.backend import StorageError
-from storage.diffs import DiffStore
-from storage.snapshots import SnapshotStore
+from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.storage.backend import StorageError
+from raycheck.storage.diffs import DiffStore
+from raycheck.storage.snapshots import SnapshotStore
 from test_fo import HYPER
-from training.checkpointing import Checkpointer, FullCheckpointer
-from training.differential import DiffCheckpointer
-from training.layerwise import LayerwiseCheckpointer
-from training.overlapped import OverlappedCheckpointer
-from training.sharded import ShardedCheckpointer
+from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
+from raycheck.training.differential import DiffCheckpointer
+from raycheck.training.layerwise import LayerwiseCheckpointer
+from raycheck.training.overlapped import OverlappedCheckpointer
+from raycheck.training.sharded import ShardedCheckpointer
 
 METHODS = ("after_step", "flush", "close")
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-import orchestrator.api
-from job.config import JobConfig
-from orchestrator.api import job_config
-from orchestrator.cli import app, option
+import raycheck.orchestrator.api
+from raycheck.job.config import JobConfig
+from raycheck.orchestrator.api import job_config
+from raycheck.orchestrator.cli import app, option
 
 NOT_FIELDS = {
     "overwrite": "what to do with an existing run directory, not part of the run",
@@ -25,7 +25,7 @@ NOT_FIELDS = {
 """``raycheck run`` options that fill no ``JobConfig`` field of their own, and why."""
 
 NO_OPTION = {
-    "model_sha256": "set by the driver from the model's files (orchestrator.api.check_job)",
+    "model_sha256": "set by the driver from the model's files (raycheck.orchestrator.api.check_job)",
     "data_sha256": "set by the driver from the data file",
     "run_id": "a new one per run (--resume keeps the saved one)",
     "writer_epoch": "set by the controller at each start",
@@ -59,7 +59,7 @@ def test_the_options_defaults_are_the_fields_defaults(tmp_path, monkeypatch):
         built.append(cfg)
         raise ValueError("stopped before check_job")
 
-    monkeypatch.setattr(orchestrator.api, "check_job", stop)
+    monkeypatch.setattr(raycheck.orchestrator.api, "check_job", stop)
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["run", "--out", str(out)])
     assert result.output.strip() == "error: stopped before check_job"

@@ -15,11 +15,11 @@ import uuid
 import pytest
 from typer.testing import CliRunner
 
-from job.config import JobConfig
-from job.run_dir import RunDir
-from orchestrator.cli import app
-from orchestrator.controller import prepare
-from training.model import default_cache_dir
+from raycheck.job.config import JobConfig
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.controller import prepare
+from raycheck.training.model import default_cache_dir
 
 
 def tree_sha256(root: pathlib.Path) -> dict[str, str]:
@@ -122,13 +122,13 @@ def test_resume_on_another_worker_count_is_refused_first_when_the_state_does_not
 def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
     """The exit code's logic alone (the run itself is replaced): a shadow run whose persister never
     reported a status (it could not start) has no durable snapshot, so the run exits 4, not 0."""
-    import orchestrator.controller
+    import raycheck.orchestrator.controller
 
     def finished(cfg, verify, echo, assets=None) -> dict:
         return {"ok": True, "error": None, "strategy": cfg.strategy, "final_step": cfg.steps, "lost_steps": 0,
                 "shadow_equal": True, "bitwise_equal": None, "snapshots": {}}
 
-    monkeypatch.setattr(orchestrator.controller, "run_job", finished)
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", finished)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "8", "--out", str(tmp_path / "run")])
     assert result.exit_code == 4, result.output
     assert ("error: the last snapshot (step None) is not durable: the snapshot persister never reported a status. "
@@ -186,7 +186,7 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
 def test_resume_takes_the_restart_budgets_given_on_the_command_line_and_warns_about_the_rest(tmp_path):
     """The restart budgets are not part of the trajectory: given with ``--resume`` they replace the
     saved ones (a notice each); any other option given is named in one warning line and ignored."""
-    from orchestrator.cli import resume_config
+    from raycheck.orchestrator.cli import resume_config
 
     saved = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, faults={"max_persister_restarts": 1})
     cfg, notes = resume_config(saved, {"out": tmp_path, "resume": True, "max_persister_restarts": 5, "max_shadow_restarts": 10,
@@ -198,7 +198,7 @@ def test_resume_takes_the_restart_budgets_given_on_the_command_line_and_warns_ab
 
 
 def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatch):
-    import orchestrator.controller
+    import raycheck.orchestrator.controller
 
     out = tmp_path / "run"
     prepared_run(out, faults={"max_persister_restarts": 1})
@@ -208,7 +208,7 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
         seen.append(cfg)
         return {"ok": False, "error": "stop here"}
 
-    monkeypatch.setattr(orchestrator.controller, "run_job", finished)
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", finished)
     result = CliRunner().invoke(app, ["run", "--resume", "--max-persister-restarts", "5", "--out", str(out)])
     assert result.exit_code == 1, result.output
     assert [c.faults.max_persister_restarts for c in seen] == [5], result.output
@@ -246,7 +246,7 @@ def test_configuration_errors_name_the_options_typed(tmp_path, args, message):
 def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, monkeypatch, reached):
     """Ctrl-C (the run's own handling replaced: it writes the summary and re-raises): no traceback, exit
     130, and the ``--resume`` command for a run that started and did not finish."""
-    import orchestrator.controller
+    import raycheck.orchestrator.controller
 
     out = tmp_path / "my run"  # a space: the printed command quotes it
 
@@ -258,7 +258,7 @@ def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, m
             RunDir.write_json(out / "summary.json", {"ok": True, "final_step": cfg.steps})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(orchestrator.controller, "run_job", interrupted)
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", interrupted)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--verify", "--out", str(out)])
     assert result.exit_code == 130 and isinstance(result.exception, SystemExit), result.output
     assert result.output.splitlines() == {
@@ -270,7 +270,7 @@ def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, m
 
 
 def test_an_interrupted_run_logs_one_line_without_a_traceback(caplog):
-    from orchestrator.controller import log_failure
+    from raycheck.orchestrator.controller import log_failure
 
     try:
         raise KeyboardInterrupt

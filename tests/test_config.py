@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from job.config import COMPONENTS, STRATEGIES, FailureSpec, JobConfig, LayerwiseConfig, OldConfigError, SnapshotConfig
-from orchestrator.controller import event_line
-from policies.models import Strategy
-from policies.strategies import RunStrategy
+from raycheck.job.config import COMPONENTS, STRATEGIES, FailureSpec, JobConfig, LayerwiseConfig, OldConfigError, SnapshotConfig
+from raycheck.orchestrator.controller import event_line
+from raycheck.policies.models import Strategy
+from raycheck.policies.strategies import RunStrategy
 
 
 def test_failure_spec_parsing():
@@ -93,7 +93,7 @@ def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():
 def test_a_storage_failure_is_refused_before_an_existing_run_is_touched(tmp_path):
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from raycheck.orchestrator.cli import app
 
     out = tmp_path / "run"
     out.mkdir()
@@ -171,7 +171,7 @@ def test_a_config_in_the_flat_form_of_an_older_raycheck_is_refused_in_one_line(t
     assert str(err.value).startswith("configuration written by an older raycheck") and "\n" not in str(err.value)
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from raycheck.orchestrator.cli import app
 
     out = tmp_path / "run"
     out.mkdir()
@@ -204,7 +204,7 @@ def test_the_cli_refuses_nonsense_with_one_line_and_exit_2_touching_nothing(tmp_
     import ray
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from raycheck.orchestrator.cli import app
 
     existing = tmp_path / "existing"
     existing.mkdir()

@@ -4,7 +4,7 @@ time over fake components (``tests/control_fakes.py``), each iteration's exact n
 from __future__ import annotations
 
 from control_fakes import FakeRun
-from orchestrator.control import (EmitPhase, Failed, FailRun, Finished, Initialising, Limits, Phase, Recovering, RestartPersister,
+from raycheck.orchestrator.control import (EmitPhase, Failed, FailRun, Finished, Initialising, Limits, Phase, Recovering, RestartPersister,
                                   RestartShadow, Running, State, Stop, step)
 
 LIMITS = Limits(max_shadow_restarts=2, max_persister_restarts=2, max_worker_failures=10)

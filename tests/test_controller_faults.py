@@ -17,11 +17,11 @@ import ray
 from ray.exceptions import RayActorError
 
 from conftest import free_port
-from job.config import JobConfig
-from job.run_dir import RunDir
-from orchestrator.controller import Controller
-from storage.steplog import StepLogWriter, StepRecord, read_header
-from training.model import default_cache_dir
+from raycheck.job.config import JobConfig
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.controller import Controller
+from raycheck.storage.steplog import StepLogWriter, StepRecord, read_header
+from raycheck.training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray]
 

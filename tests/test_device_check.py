@@ -13,10 +13,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from job.config import JobConfig
-from orchestrator.cli import app
-from orchestrator.cluster import shadow_actor_options
-from storage.backend import storage_env
+from raycheck.job.config import JobConfig
+from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.cluster import shadow_actor_options
+from raycheck.storage.backend import storage_env
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "device-check"
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from storage.backend import Storage
-from storage.diffs import DiffCorruptError, DiffGapError, DiffStore, topk_decode, topk_encode
-from storage.snapshots import SnapshotStore
+from raycheck.storage.backend import Storage
+from raycheck.storage.diffs import DiffCorruptError, DiffGapError, DiffStore, topk_decode, topk_encode
+from raycheck.storage.snapshots import SnapshotStore
 from test_fo import make_trainer, train
-from training.differential import DiffCheckpointer
-from training.state import state_sha256
+from raycheck.training.differential import DiffCheckpointer
+from raycheck.training.state import state_sha256
 
 STEPS = 12
 

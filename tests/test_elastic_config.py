@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from job.config import JobConfig
-from orchestrator.cluster import Placement
-from orchestrator.controller import Controller
-from orchestrator.replica_groups import ReplicaGroupsBackend, ReplicaGroupsConfig
+from raycheck.job.config import JobConfig
+from raycheck.orchestrator.cluster import Placement
+from raycheck.orchestrator.controller import Controller
+from raycheck.orchestrator.replica_groups import ReplicaGroupsBackend, ReplicaGroupsConfig
 
 
 def trainer_for(cfg: JobConfig):

@@ -12,10 +12,10 @@ import ray
 
 from cluster import LocalCluster, NodeSpec
 from conftest import make_bucket
-from job.config import FailureSpec, JobConfig
-from job.run_dir import RunDir
-from orchestrator.controller import Controller, reference_config
-from training.model import default_cache_dir
+from raycheck.job.config import FailureSpec, JobConfig
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.controller import Controller, reference_config
+from raycheck.training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain, pytest.mark.multinode]
 

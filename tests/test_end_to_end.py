@@ -19,18 +19,18 @@ import ray
 from typer.testing import CliRunner
 
 from conftest import free_port, make_bucket
-from experiments.s3_server import LocalS3Server
-from job.config import FailureSpec, JobConfig
-from job.run_dir import RunDir
-from orchestrator.cli import app
-from orchestrator.controller import Controller
-from orchestrator.schedule import failure_schedule, parse_schedule
-from orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN
-from storage.log_segments import read_segments
-from storage.snapshots import SnapshotStore
-from storage.steplog import read_records
-from training.model import default_cache_dir
-from training.state import state_sha256
+from raycheck.experiments.s3_server import LocalS3Server
+from raycheck.job.config import FailureSpec, JobConfig
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.controller import Controller
+from raycheck.orchestrator.schedule import failure_schedule, parse_schedule
+from raycheck.orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN
+from raycheck.storage.log_segments import read_segments
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.steplog import read_records
+from raycheck.training.model import default_cache_dir
+from raycheck.training.state import state_sha256
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 OUTAGE_S = 20.0  # long enough for the breaker to open (three failed operations of about 4 s each)

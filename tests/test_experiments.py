@@ -1,5 +1,5 @@
 def test_log_cost_benchmark_runs_and_reports_ratios(capsys):
-    from experiments.log_cost import main
+    from raycheck.experiments.log_cost import main
 
     r = main(["--model", "tiny", "--appends", "20", "--steps", "1", "--saves", "1"])
     assert r["append_over_step"] == r["append_median_s"] / r["step_median_s"] > 0
@@ -20,7 +20,7 @@ def _row(step: int, t: float, block: float, due: bool = False, append: float = 0
 
 def test_full_sync_row_counts_every_execution_and_recovery_splits_latency():
     """Steps 0-4 run, the worker dies in step 4, restarts from the checkpoint at 3 and re-runs step 3."""
-    from experiments.results import recovery_rows, run_row
+    from raycheck.experiments.results import recovery_rows, run_row
 
     executions = [_row(0, 1.0, 0), _row(1, 2.0, 0), _row(2, 3.0, 0.2, due=True), _row(3, 4.0, 0),
                   _row(3, 20.0, 0), _row(4, 21.0, 0), _row(5, 22.0, 0.3, due=True)]
@@ -38,8 +38,8 @@ def test_full_sync_row_counts_every_execution_and_recovery_splits_latency():
 
 
 def test_shadow_row_counts_log_appends_as_durable_points_and_the_log_bytes():
-    from experiments.results import run_row
-    from storage.steplog import RECORD_BYTES
+    from raycheck.experiments.results import run_row
+    from raycheck.storage.steplog import RECORD_BYTES
 
     executions = [_row(s, float(s), 0.001, append=0.001) for s in range(6)]
     summary = _summary("shadow", snapshots={"written": 2, "write_seconds": 3.0, "bytes_written": 5000},
@@ -53,7 +53,7 @@ def test_shadow_row_counts_log_appends_as_durable_points_and_the_log_bytes():
 def test_free_port_never_hands_out_a_port_twice(monkeypatch):
     """The kernel may offer the same free port to two binds in a row (the first caller has not bound it
     yet); ``free_port`` must then look again, or one ``ray start`` gets one port for two servers."""
-    import experiments.s3_server as s3_server
+    import raycheck.experiments.s3_server as s3_server
 
     offered = iter([41001, 41001, 41002])
 
@@ -76,7 +76,7 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch):
 
 
 def test_recovery_rows_carry_the_summary_breakdown_as_columns():
-    from experiments.results import recovery_rows
+    from raycheck.experiments.results import recovery_rows
 
     executions = [_row(3, 4.0, 0), _row(4, 30.0, 0)]
     summary = _summary("shadow", recoveries=[{"breakdown": {"detection_s": 0.5, "log_setup+state_transfer_s": 1.25},
@@ -96,8 +96,8 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
     """``--failure-kind raise``: the preset's failure steps, each a ``worker:raise``, for every strategy."""
     import pytest
 
-    from experiments.harness import PRESETS, job_config
-    from job.config import STRATEGIES
+    from raycheck.experiments.harness import PRESETS, job_config
+    from raycheck.job.config import STRATEGIES
 
     preset = PRESETS["full"]
     for strategy in STRATEGIES["zo"]:
@@ -112,7 +112,7 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
 def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from raycheck.orchestrator.cli import app
 
     result = CliRunner().invoke(app, ["experiment", "--failure-kind", "sigkill", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown failure kind 'sigkill': choose from exit, raise" in result.output
@@ -123,7 +123,7 @@ def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
 
 def test_inproc_bench_table_lists_each_path_s_components_in_breakdown_order():
     """An in-process recovery has no Ray Train component: its cells are '-', and a mean over none is '-'."""
-    from experiments.inproc_bench import table
+    from raycheck.experiments.inproc_bench import table
 
     def rec(breakdown: dict, seconds: float, first: float) -> dict:
         return {"breakdown": breakdown, "seconds": seconds, "first_step_seconds": first}

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import logging
 
-from actors.journal import RunChannel
-from job.config import JobConfig
-from job.run_dir import RunDir
-from orchestrator.controller import Controller, PersisterFailedError, log_failure
-from orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
-from storage.steplog import StepLogWriter
+from raycheck.actors.journal import RunChannel
+from raycheck.job.config import JobConfig
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.controller import Controller, PersisterFailedError, log_failure
+from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
+from raycheck.storage.steplog import StepLogWriter
 
 
 def test_an_expected_failure_is_one_line_and_an_unexpected_one_keeps_its_traceback(caplog):
-    caplog.set_level(logging.DEBUG, logger="orchestrator.controller")
+    caplog.set_level(logging.DEBUG, logger="raycheck.orchestrator.controller")
     for exc in (ShadowFailedError("shard 1 failed after 2 restarts"), PersisterFailedError("the persister died")):
         caplog.clear()
         log_failure(exc)

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from storage.merge import MergeError, Source, export_hf, merge_snapshots, parse_take
-from storage.snapshots import SnapshotStore
-from storage.units import group_by_unit, parameter_of, unit_of
-from training.data import batch_indices
-from training.fo import FOHyper, FOTrainer
-from training.model import load_model, model_folder
-from training.state import copy_state, state_sha256
+from raycheck.storage.merge import MergeError, Source, export_hf, merge_snapshots, parse_take
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.units import group_by_unit, parameter_of, unit_of
+from raycheck.training.data import batch_indices
+from raycheck.training.fo import FOHyper, FOTrainer
+from raycheck.training.model import load_model, model_folder
+from raycheck.training.state import copy_state, state_sha256
 
 BATCH = 8
 HYPER = FOHyper(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
@@ -136,8 +136,8 @@ def test_a_composite_state_resumes_with_each_units_own_step_count(encoder, data)
 @pytest.fixture(scope="module")
 def fo_checkpoints(tmp_path_factory):
     """Two first-order runs of the tiny model (seeds 0 and 1) with full checkpoints at steps 4 and 6."""
-    from training.data import PromptEncoder, load_rotten_tomatoes
-    from training.model import load_tokenizer
+    from raycheck.training.data import PromptEncoder, load_rotten_tomatoes
+    from raycheck.training.model import load_tokenizer
 
     encoder, split = PromptEncoder(load_tokenizer(), seq_len=32), load_rotten_tomatoes()[0]
     root = tmp_path_factory.mktemp("fo-merge")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import fo_bench
-from training.fo import FOHyper, FOTrainer
-from training.model import load_model
-from training.state import state_sha256
+from raycheck.experiments import fo_bench
+from raycheck.training.fo import FOHyper, FOTrainer
+from raycheck.training.model import load_model
+from raycheck.training.state import state_sha256
 
 
 def test_deviation_stats_are_relative_per_seed_with_a_student_t_interval():

@@ -14,13 +14,13 @@ import pytest
 import ray
 
 from conftest import free_port
-from job.config import FailureSpec, JobConfig
-from orchestrator.controller import Controller
-from storage.merge import Source, merge_snapshots, parse_take
-from storage.snapshots import SnapshotStore
+from raycheck.job.config import FailureSpec, JobConfig
+from raycheck.orchestrator.controller import Controller
+from raycheck.storage.merge import Source, merge_snapshots, parse_take
+from raycheck.storage.snapshots import SnapshotStore
 from test_fo import make_trainer, train
-from training.model import default_cache_dir
-from training.state import copy_state
+from raycheck.training.model import default_cache_dir
+from raycheck.training.state import copy_state
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 

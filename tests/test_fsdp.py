@@ -25,17 +25,17 @@ import torch.multiprocessing as mp
 import typer
 
 from conftest import free_port
-from job.config import JobConfig
-from orchestrator.cli import resume_config
-from storage.backend import Storage, StorageError
-from storage.dcp_store import ShardedStore
-from storage.manifest import RunIdentity
-from storage.tensor_files import as_numpy
-from training.data import PromptEncoder, batch_indices, load_rotten_tomatoes
-from training.fo import FOTrainer
-from training.model import load_model, load_tokenizer
-from training.sharded import ShardedCheckpointer, ShardedWriter, checkpoint_group, evaluate, full_state
-from training.state import state_sha256
+from raycheck.job.config import JobConfig
+from raycheck.orchestrator.cli import resume_config
+from raycheck.storage.backend import Storage, StorageError
+from raycheck.storage.dcp_store import ShardedStore
+from raycheck.storage.manifest import RunIdentity
+from raycheck.storage.tensor_files import as_numpy
+from raycheck.training.data import PromptEncoder, batch_indices, load_rotten_tomatoes
+from raycheck.training.fo import FOTrainer
+from raycheck.training.model import load_model, load_tokenizer
+from raycheck.training.sharded import ShardedCheckpointer, ShardedWriter, checkpoint_group, evaluate, full_state
+from raycheck.training.state import state_sha256
 from test_fo import HYPER
 
 BATCH = 12  # divisible by 1, 2 and 3 ranks

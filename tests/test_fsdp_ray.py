@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from job.config import FailureSpec, JobConfig
-from orchestrator.cli import resume_config
-from orchestrator.controller import Controller
+from raycheck.job.config import FailureSpec, JobConfig
+from raycheck.orchestrator.cli import resume_config
+from raycheck.orchestrator.controller import Controller
 from test_fo_ray import cluster  # noqa: F401 (the fixture: a local Ray cluster for this module)
-from training.model import default_cache_dir
+from raycheck.training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from orchestrator.metrics import SERIES, prometheus_names
+from raycheck.orchestrator.metrics import SERIES, prometheus_names
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "grafana" / "raycheck.json"
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from job.config import JobConfig
-from training.data import batch_indices
-from training.groups import example_groups, group_vector, groups_of_rank, reduce_groups
-from training.model import default_cache_dir, load_model, trainable_parameters
-from training.state import state_sha256
-from training.worker import timed_append, zo_step_
-from training.zo import ZOHyper, noise, perturb_all_, step_seed
+from raycheck.job.config import JobConfig
+from raycheck.training.data import batch_indices
+from raycheck.training.groups import example_groups, group_vector, groups_of_rank, reduce_groups
+from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
+from raycheck.training.state import state_sha256
+from raycheck.training.worker import timed_append, zo_step_
+from raycheck.training.zo import ZOHyper, noise, perturb_all_, step_seed
 
 
 def summed_over_ranks(terms: dict[int, tuple[tuple[float, float], tuple[float, float]]], world: int) -> torch.Tensor:

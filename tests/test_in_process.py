@@ -8,14 +8,14 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from job.config import JobConfig
-from storage.steplog import StepLogWriter, StepRecord
-from training.faults import InjectedWorkerFailure
-from training.in_process import StepFailure, decide
-from training.model import layout_sha256, parameter_layout
-from training.recovery import restore
-from training.state import state_sha256
-from training.zo import GENERATOR
+from raycheck.job.config import JobConfig
+from raycheck.storage.steplog import StepLogWriter, StepRecord
+from raycheck.training.faults import InjectedWorkerFailure
+from raycheck.training.in_process import StepFailure, decide
+from raycheck.training.model import layout_sha256, parameter_layout
+from raycheck.training.recovery import restore
+from raycheck.training.state import state_sha256
+from raycheck.training.zo import GENERATOR
 
 
 def failure(**kw) -> StepFailure:

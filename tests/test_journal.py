@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from actors.journal import Journal
-from job.run_dir import RunDir
-from orchestrator.journal import RunRecord, claims_in
+from raycheck.actors.journal import Journal
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.journal import RunRecord, claims_in
 
 
 def test_rows_keep_their_order_and_cursors_return_only_what_is_new():
@@ -98,9 +98,9 @@ def test_the_actor_keeps_each_senders_order_and_serves_claims_and_the_pointer_to
     import ray
 
     from conftest import free_port
-    from actors.journal import RunChannel
-    from job.config import JobConfig
-    from orchestrator.journal import RunActiveError, run_actors, start_journal, wait_for_previous_driver
+    from raycheck.actors.journal import RunChannel
+    from raycheck.job.config import JobConfig
+    from raycheck.orchestrator.journal import RunActiveError, run_actors, start_journal, wait_for_previous_driver
 
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", run_id="journal-actor")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, namespace=cfg.namespace, _metrics_export_port=free_port())

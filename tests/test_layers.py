@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKERS = ("training.worker", "training.fo_worker", "training.recovery", "training.faults", "training.worker_env",
@@ -27,6 +28,7 @@ PACKAGES = sorted({pattern.split(".")[0] for pattern in RANK})
 def rank(module: str) -> int:
     """The layer of ``module``: that of the longest ``RANK`` pattern matching it or a package above it;
     -1 for a module outside the packages (the standard library, third parties)."""
+    module = module.removeprefix("raycheck.")  # the installed name of each package (``raycheck/__init__.py``)
     parents = [".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)]
     matching = [p for p in RANK if any(fnmatch.fnmatchcase(name, p) for name in parents)]
     return RANK[max(matching, key=len)] if matching else -1
@@ -91,3 +93,17 @@ def test_no_module_imports_a_layer_above_its_own():
     sources = package_sources()
     assert {"job.config", "training.worker", "orchestrator.cli"} <= sources.keys()
     assert sorted(upward(sources)) == [], "an upward import: import downward (docs/architecture.md, Layers)"
+
+
+def test_every_import_of_the_packages_goes_through_the_raycheck_namespace():
+    """A bare ``import storage.x`` would load a second copy of the module beside ``raycheck.storage.x``
+    (two ``SnapshotStore`` classes, two loggers), and installed it would not import at all. Checked in
+    the packages, the tests, the example and the scripts (``scripts/device-check`` runs Python inline)."""
+    files = [f for package in PACKAGES for f in sorted((ROOT / package).rglob("*.py"))]
+    files += [*sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "examples").rglob("*.py")),
+              *sorted((ROOT / "scripts").glob("*.py"))]
+    bare = sorted(f"{f.relative_to(ROOT)}: {name}" for f in files for name in imported(f.read_text())
+                  if name.split(".")[0] in PACKAGES)
+    inline = re.compile(rf"\s*(from|import) ({'|'.join(PACKAGES)})\b")
+    bare += [line.strip() for line in (ROOT / "scripts" / "device-check").read_text().splitlines() if inline.match(line)]
+    assert bare == []

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from policies.layerwise import LayerwiseConfig, Reason, UnitStatus, relative_change, select_units
+from raycheck.policies.layerwise import LayerwiseConfig, Reason, UnitStatus, relative_change, select_units
 
 
 def unit(name: str, change: float = 0.0, stale: int | None = 1, size: int = 100) -> UnitStatus:

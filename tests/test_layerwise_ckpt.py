@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.layerwise import LayerwiseConfig
-from storage.backend import Storage
-from storage.snapshots import SnapshotStore
-from storage.units import group_by_unit
+from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.storage.backend import Storage
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.units import group_by_unit
 from test_fo import make_trainer, train, unit_sha
-from training.layerwise import LayerwiseCheckpointer
-from training.state import copy_state
+from raycheck.training.layerwise import LayerwiseCheckpointer
+from raycheck.training.state import copy_state
 
 UNITS = ["embed", "layer.000", "layer.001", "norm"]
 

@@ -15,11 +15,11 @@ import sys
 import numpy as np
 import pytest
 
-import storage.backend as backend
-import storage.files as files
-from job.run_dir import RunDir
-from storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer
-from storage.files import atomic_write, write_synced
+import raycheck.storage.backend as backend
+import raycheck.storage.files as files
+from raycheck.job.run_dir import RunDir
+from raycheck.storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer
+from raycheck.storage.files import atomic_write, write_synced
 
 ONE_TRY = RetryPolicy(attempts=1)
 
@@ -90,9 +90,9 @@ def test_a_failed_chunk_sync_leaves_no_object_and_the_previous_one_intact(tmp_pa
 
 KILLED_MID_PUT = """
 import os, sys
-import storage.backend as backend
-from job.run_dir import RunDir
-from storage.backend import Storage
+import raycheck.storage.backend as backend
+from raycheck.job.run_dir import RunDir
+from raycheck.storage.backend import Storage
 
 real, synced = os.fdatasync, []
 def gate(fd):
@@ -188,7 +188,7 @@ def test_write_settings_travel_with_a_pickled_store_and_bad_ones_are_refused(tmp
 
 
 def test_the_benchmark_compares_the_one_go_writer_the_chunked_ones_and_the_cpu_work_alone(tmp_path):
-    from experiments.durability_bench import writers
+    from raycheck.experiments.durability_bench import writers
 
     chosen = writers([LOCAL_WRITE_CHUNK_BYTES, 1 << 20], [50])
     assert list(chosen) == ["one-go", "chunked", "chunks of 1 MiB", "chunked, capped at 50 MB/s", "no disk (memory://)"]

@@ -13,17 +13,17 @@ import pytest
 import ray
 from typer.testing import CliRunner
 
-from actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, LogKeeper, read_range
+from raycheck.actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, LogKeeper, read_range
 from conftest import make_bucket
-from job.config import JobConfig
-from orchestrator.cli import app
-from orchestrator.controller import Controller, reference_config
-from orchestrator.summary import durability
-from storage.backend import Storage, StorageUnavailableError
-from storage.log_segments import read_segments, segment_name
-from storage.steplog import StepLogConflictError, StepLogGapError, StepLogWriter, StepRecord, read_header, read_records
-from training.model import default_cache_dir
-from training.rank0_log import KeeperSender, KeeperUnreachableError, open_local_log, replicated_append
+from raycheck.job.config import JobConfig
+from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.controller import Controller, reference_config
+from raycheck.orchestrator.summary import durability
+from raycheck.storage.backend import Storage, StorageUnavailableError
+from raycheck.storage.log_segments import read_segments, segment_name
+from raycheck.storage.steplog import StepLogConflictError, StepLogGapError, StepLogWriter, StepRecord, read_header, read_records
+from raycheck.training.model import default_cache_dir
+from raycheck.training.rank0_log import KeeperSender, KeeperUnreachableError, open_local_log, replicated_append
 
 HEADER = {"run_id": "k", "trajectory_sha256": "t" * 64, "layout_sha256": "l" * 64, "generator": "g", "log_id": "a"}
 

@@ -12,9 +12,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from orchestrator.merge_cli import merge as merge_command
-from storage.backend import Storage, StorageError
-from storage.merge import (
+from raycheck.orchestrator.merge_cli import merge as merge_command
+from raycheck.storage.backend import Storage, StorageError
+from raycheck.storage.merge import (
     MergeError,
     Source,
     Take,
@@ -25,16 +25,16 @@ from storage.merge import (
     parse_take,
     plan_merge,
 )
-from storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
-from storage.units import group_by_unit, parameter_of, unit_of
-from training.model import model_folder
-from training.state import state_sha256
+from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.storage.units import group_by_unit, parameter_of, unit_of
+from raycheck.training.model import model_folder
+from raycheck.training.state import state_sha256
 
 
 def tiny_state(perturb_seed: int | None = None) -> dict[str, np.ndarray]:
     """The tiny model's parameters, with Adam-like optimizer state for every layer and the norm;
     perturbed by a seeded noise when ``perturb_seed`` is given."""
-    from training.model import load_model, trainable_parameters
+    from raycheck.training.model import load_model, trainable_parameters
 
     params = {n: t.numpy().copy() for n, t in trainable_parameters(load_model("tiny")).items()}
     rng = np.random.default_rng(perturb_seed)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.model import default_cache_dir, load_model, model_dir, parameter_layout, read_parameters, trainable_parameters
-from training.state import state_sha256
+from raycheck.training.model import default_cache_dir, load_model, model_dir, parameter_layout, read_parameters, trainable_parameters
+from raycheck.training.state import state_sha256
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -13,10 +13,10 @@ import uuid
 import psutil
 import pytest
 
-from job.config import FailureSpec, JobConfig
-from orchestrator.cluster import Node
-from orchestrator.controller import check_node_failures
-from training.faults import node_processes
+from raycheck.job.config import FailureSpec, JobConfig
+from raycheck.orchestrator.cluster import Node
+from raycheck.orchestrator.controller import check_node_failures
+from raycheck.training.faults import node_processes
 
 HEAD = Node("head", "10.0.0.1", {"driver": 1.0})
 GPU_A = Node("gpu-a", "10.0.0.2", {"CPU": 2.0, "train": 2.0})

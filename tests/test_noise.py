@@ -16,17 +16,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from actors.shadow import ShadowReplayer
-from job.config import JobConfig
-from job.run_dir import RunDir
-from orchestrator.cli import app
-from orchestrator.controller import prepare
-from storage.steplog import StepLogWriter, StepRecord
-from training import noise
-from training.model import default_cache_dir, layout_sha256, parameter_layout
-from training.recovery import from_storage
-from training.zo import GENERATOR, GeneratorMismatchError, check_generator, step_seed
-from training.zo import noise as zo_noise
+from raycheck.actors.shadow import ShadowReplayer
+from raycheck.job.config import JobConfig
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.controller import prepare
+from raycheck.storage.steplog import StepLogWriter, StepRecord
+from raycheck.training import noise
+from raycheck.training.model import default_cache_dir, layout_sha256, parameter_layout
+from raycheck.training.recovery import from_storage
+from raycheck.training.zo import GENERATOR, GeneratorMismatchError, check_generator, step_seed
+from raycheck.training.zo import noise as zo_noise
 
 # Random123 (D. E. Shaw Research), tests/kat_vectors at commit 9545ff6413f258be2f04c1d319d99aaef7521150,
 # the three "philox4x32 10" lines: counter (4 words), key (2 words), expected output (4 words).
@@ -122,8 +122,8 @@ import hashlib, json, os, sys
 from collections import OrderedDict
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-from training import zo
-from training.state import state_sha256
+from raycheck.training import zo
+from raycheck.training.state import state_sha256
 
 def five_steps(make_noise):
     zo.noise = make_noise
@@ -237,7 +237,7 @@ def test_a_restore_before_any_logged_step_replays_nothing_when_no_copy_of_the_lo
         def __init__(self, *args) -> None:
             raise ValueError("no keeper registered")
 
-    monkeypatch.setattr("training.recovery.RemoteKeeper", NoKeeper)
+    monkeypatch.setattr("raycheck.training.recovery.RemoteKeeper", NoKeeper)
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), storage={"uri": f"memory://{tmp_path.name}"})
     params = _params()
     result = from_storage(params, cfg, None, 0)

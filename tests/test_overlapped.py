@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from storage.snapshots import SnapshotStore
-from storage.units import parameter_of
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.units import parameter_of
 from test_fo import BATCH, HYPER, make_trainer, train
-from training.data import batch_indices
-from training.overlapped import OverlappedCheckpointer, balanced_chunks
-from training.fo import replay_adamw_
-from training.state import copy_state, state_sha256
+from raycheck.training.data import batch_indices
+from raycheck.training.overlapped import OverlappedCheckpointer, balanced_chunks
+from raycheck.training.fo import replay_adamw_
+from raycheck.training.state import copy_state, state_sha256
 
 STEPS, EVERY = 12, 4
 

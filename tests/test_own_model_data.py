@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from orchestrator.api import job_config
-from storage.units import describe_units, unit_of
-from training.assets import AssetMismatchError, read_assets
-from training.data import CausalLMEncoder, DataError, Split, make_encoder, read_table
-from training.model import default_cache_dir, load_model, load_tokenizer, read_model_files, trainable_parameters
-from training.state import state_sha256
+from raycheck.orchestrator.api import job_config
+from raycheck.storage.units import describe_units, unit_of
+from raycheck.training.assets import AssetMismatchError, read_assets
+from raycheck.training.data import CausalLMEncoder, DataError, Split, make_encoder, read_table
+from raycheck.training.model import default_cache_dir, load_model, load_tokenizer, read_model_files, trainable_parameters
+from raycheck.training.state import state_sha256
 
 VOCAB = 49152  # SmolLM2's tokenizer (the folder has none of its own)
 
@@ -248,7 +248,7 @@ def test_default_configs_keep_their_trajectory_hash(tmp_path):
 def test_the_cli_refuses_bad_data_with_exit_2_before_anything_is_touched(tmp_path):
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from raycheck.orchestrator.cli import app
 
     rows = reviews(12)
     rows[2]["label"] = "maybe"
@@ -283,7 +283,7 @@ def test_a_model_id_resolves_offline_from_the_local_hugging_face_cache(tmp_path,
 
 
 def test_a_worker_never_falls_back_to_the_driver_s_folder_path(tmp_path):
-    from training.assets import shipped_model
+    from raycheck.training.assets import shipped_model
 
     assert shipped_model({"model": None, "data": None}, "tiny") is None  # built in: each node builds its own
     with pytest.raises(RuntimeError, match=f"model {tmp_path} was not shipped by the driver"):
@@ -311,9 +311,9 @@ def test_causal_lm_files_load_as_prompt_completion_or_plain_text(tmp_path):
 def test_a_mezo_step_trains_a_causal_lm_on_its_completion_loss(tmp_path):
     """The worker's own step (``training.worker.zo_step_``) on a prompt/completion file: its
     first loss is the encoder's completion loss at +eps z (rebuilt on a fresh copy), and the weights move."""
-    from training.data import batch_indices
-    from training.worker import zo_step_
-    from training.zo import ZOHyper, noise, perturb_all_, step_seed
+    from raycheck.training.data import batch_indices
+    from raycheck.training.worker import zo_step_
+    from raycheck.training.zo import ZOHyper, noise, perturb_all_, step_seed
 
     folder = gpt2_folder(tmp_path / "gpt2")
     data = write_rows(tmp_path / "qa.jsonl", [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(10)])

@@ -14,19 +14,19 @@ import pytest
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from actors.shadow import ShadowReplayer
-from job.run_dir import RunDir
-from orchestrator.api import job_config
-from orchestrator.cli import app
-from orchestrator.controller import prepare
-from storage.steplog import StepLogWriter, read_header
+from raycheck.actors.shadow import ShadowReplayer
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.api import job_config
+from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.controller import prepare
+from raycheck.storage.steplog import StepLogWriter, read_header
 from test_own_model_data import gpt2_folder, reviews, write_rows
-from training.assets import read_assets
-from training.data import make_encoder
-from training.model import load_model, load_tokenizer, trainable_parameters
-from training.state import copy_state, state_sha256
-from training.worker import timed_append, zo_step_
-from training.zo import ZOHyper
+from raycheck.training.assets import read_assets
+from raycheck.training.data import make_encoder
+from raycheck.training.model import load_model, load_tokenizer, trainable_parameters
+from raycheck.training.state import copy_state, state_sha256
+from raycheck.training.worker import timed_append, zo_step_
+from raycheck.training.zo import ZOHyper
 
 STEPS, SNAPSHOT_STEP = 4, 2
 
@@ -108,8 +108,8 @@ def test_the_experiment_runs_every_strategy_on_a_model_folder_and_refuses_a_miss
     ``raycheck run``, tested above and in ``test_own_model_ray.py``); a model that is not here: exit 2."""
     import dataclasses
 
-    import experiments.harness as harness
-    import orchestrator.cluster as cluster
+    import raycheck.experiments.harness as harness
+    import raycheck.orchestrator.cluster as cluster
 
     class Started(Exception):
         """Stands in for the experiment's runs: this test checks what they are given."""

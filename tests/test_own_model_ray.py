@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from test_own_model_data import gpt2_folder, reviews, write_rows
-from training.model import read_model_files
+from raycheck.training.model import read_model_files
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 

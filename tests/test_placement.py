@@ -3,8 +3,8 @@ storage settings every process gets (``runtime_env``)."""
 
 from __future__ import annotations
 
-from orchestrator.cluster import NODE_ID_LABEL, Node, Placement, plan_placement, runtime_env
-from storage.backend import STORAGE_ENV
+from raycheck.orchestrator.cluster import NODE_ID_LABEL, Node, Placement, plan_placement, runtime_env
+from raycheck.storage.backend import STORAGE_ENV
 
 HEAD = Node("head", "10.0.0.1", {"driver": 1.0})
 GPU = Node("gpu", "10.0.0.2", {"CPU": 8.0, "GPU": 2.0, "train": 2.0})
@@ -50,8 +50,8 @@ def test_every_process_gets_the_drivers_storage_settings_and_nothing_else(monkey
 def test_the_worker_group_gets_the_placement_and_the_runs_failure_budget_not_the_injected_count(tmp_path):
     """Ray Train's worker group (``Controller._trainer``, built without Ray) restarts at most
     ``faults.max_worker_failures`` times, whatever the injected failures: a real run's budget must not depend on them."""
-    from job.config import FailureSpec, JobConfig
-    from orchestrator.controller import Controller
+    from raycheck.job.config import FailureSpec, JobConfig
+    from raycheck.orchestrator.controller import Controller
 
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", faults={"failures": (FailureSpec.parse("2:worker"),)})
     for budget in (10, -1, 3):

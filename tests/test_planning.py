@@ -1,8 +1,8 @@
 """The controller's feed of measured costs into the cost-model policy."""
 
-from orchestrator.planning import INITIAL_COSTS, SnapshotPlanner
-from policies.costs import MeasuredCosts
-from policies.models import Strategy, optimal_interval_steps
+from raycheck.orchestrator.planning import INITIAL_COSTS, SnapshotPlanner
+from raycheck.policies.costs import MeasuredCosts
+from raycheck.policies.models import Strategy, optimal_interval_steps
 
 
 def row(step_s: float) -> dict:

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from policies.costs import InfeasibleError, MeasuredCosts
-from policies.models import (
+from raycheck.policies.costs import InfeasibleError, MeasuredCosts
+from raycheck.policies.models import (
     INTERVAL_STRATEGIES,
     Strategy,
     checkfreq_interval_steps,
@@ -23,7 +23,7 @@ from policies.models import (
     waste_shadow,
     young_interval_s,
 )
-from policies.simulate import Exponential, Weibull, simulate
+from raycheck.policies.simulate import Exponential, Weibull, simulate
 
 MIN, HOUR = 60.0, 3600.0
 

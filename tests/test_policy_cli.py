@@ -8,9 +8,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.policy_cli import app, format_duration, parse_duration
-from policies.costs import MeasuredCosts
-from policies.models import Strategy, optimal_interval_steps, waste_shadow
+from raycheck.orchestrator.policy_cli import app, format_duration, parse_duration
+from raycheck.policies.costs import MeasuredCosts
+from raycheck.policies.models import Strategy, optimal_interval_steps, waste_shadow
 
 ARGS = ["--step-time", "5.6s", "--replay-time", "1s", "--snapshot-time", "930ms", "--stall-time", "60ms",
         "--restart-time", "1min", "--load-time", "1s", "--log-time", "76us"]
@@ -100,7 +100,7 @@ def test_policy_rejects_bad_flags_with_a_clear_error(extra, message):
 
 
 def test_scale_study_writes_the_table_and_the_plot(tmp_path, capsys):
-    from experiments.scale_study import STUDIED, main
+    from raycheck.experiments.scale_study import STUDIED, main
 
     rows = main(["--out", str(tmp_path), "--accelerators", "1024", "16384", "--models", "7", "--sim-mtbfs", "1500"])
     with (tmp_path / "scale_study.csv").open() as fh:

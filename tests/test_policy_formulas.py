@@ -15,9 +15,9 @@ import re
 
 import pytest
 
-from policies.costs import InfeasibleError, MeasuredCosts
-from policies.interval import AdaptiveInterval, SnapshotSchedule
-from policies.models import (
+from raycheck.policies.costs import InfeasibleError, MeasuredCosts
+from raycheck.policies.interval import AdaptiveInterval, SnapshotSchedule
+from raycheck.policies.models import (
     Strategy,
     checkfreq_interval_steps,
     daly_interval_s,
@@ -30,7 +30,7 @@ from policies.models import (
     waste_shadow,
     young_interval_s,
 )
-from policies.replan import Replanner
+from raycheck.policies.replan import Replanner
 
 LAMBDA = 1e-6  # failures per second: MTBF 1e6 s
 
@@ -144,7 +144,7 @@ INITIAL = MeasuredCosts(step_s=1.0, replay_step_s=0.2, snapshot_s=10.0, restart_
 def test_adaptive_interval_passes_the_failure_counters_and_logs_each_replan(caplog):
     policy = AdaptiveInterval(Replanner(INITIAL, threshold=0.2, prior_failures=1.0))
     k0 = policy.every_steps
-    with caplog.at_level(logging.INFO, logger="policies.interval"):
+    with caplog.at_level(logging.INFO, logger="raycheck.policies.interval"):
         record = policy.observe(500, failures=9, elapsed_s=6000.0)  # 10 failures in 9600 s: MTBF 960 s
     assert policy.replanner.estimated_costs().mtbf_s == 960.0
     assert record is not None and policy.every_steps == record.interval_steps < k0
@@ -155,7 +155,7 @@ def test_adaptive_interval_passes_the_failure_counters_and_logs_each_replan(capl
 def test_adaptive_interval_warns_once_per_infeasible_spell(caplog):
     policy = AdaptiveInterval(Replanner(INITIAL))
     k0 = policy.every_steps
-    with caplog.at_level(logging.WARNING, logger="policies.interval"):
+    with caplog.at_level(logging.WARNING, logger="raycheck.policies.interval"):
         assert policy.infeasible is None
         reasons = [policy.observe(step, replay_step_s=1.5) for step in range(1, 8)]  # replay slower than a step
         assert reasons == [None] * 7 and policy.every_steps == k0
@@ -226,7 +226,7 @@ def test_expected_waste_dispatches_with_its_arguments():
 
 def test_adaptive_interval_warns_when_its_very_first_estimate_is_infeasible(caplog):
     policy = AdaptiveInterval(Replanner(INITIAL, min_samples=1))
-    with caplog.at_level(logging.WARNING, logger="policies.interval"):
+    with caplog.at_level(logging.WARNING, logger="raycheck.policies.interval"):
         assert policy.observe(1, replay_step_s=1.5) is None
     [warning] = [r.getMessage() for r in caplog.records]
     assert warning.startswith(f"keeping the {policy.every_steps}-step interval: the shadow replays a step in replay_step_s=1.5 s")

@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from policies.costs import InfeasibleError, MeasuredCosts
-from policies.interval import AdaptiveInterval, SnapshotSchedule, snapshot_due
-from policies.models import Strategy, optimal_interval_steps
-from policies.replan import Replanner, RobustEwma
+from raycheck.policies.costs import InfeasibleError, MeasuredCosts
+from raycheck.policies.interval import AdaptiveInterval, SnapshotSchedule, snapshot_due
+from raycheck.policies.models import Strategy, optimal_interval_steps
+from raycheck.policies.replan import Replanner, RobustEwma
 
 INITIAL = MeasuredCosts(step_s=1.0, replay_step_s=0.2, snapshot_s=10.0, restart_s=60.0, load_s=5.0, mtbf_s=3600.0)
 
@@ -100,7 +100,7 @@ def test_replanner_state_round_trips_through_json():
 def test_adaptive_interval_follows_the_replanner_and_keeps_records(caplog):
     policy = AdaptiveInterval(Replanner(INITIAL, threshold=0.2))
     k0 = policy.every_steps
-    with caplog.at_level(logging.INFO, logger="policies.interval"):
+    with caplog.at_level(logging.INFO, logger="raycheck.policies.interval"):
         changes = [r for step in range(1, 20) if (r := policy.observe(step, replay_step_s=0.8)) is not None]
     assert len(changes) == 1 and policy.every_steps == changes[0].interval_steps < k0
     assert [r.interval_steps for r in policy.records] == [k0, policy.every_steps]

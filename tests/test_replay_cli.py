@@ -22,19 +22,19 @@ import torch
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from job.config import JobConfig
-from job.run_dir import RunDir
-from orchestrator.cli import app
-from orchestrator.controller import prepare
-from storage.backend import Storage
-from storage.log_segments import SegmentMirror
-from storage.manifest import RunIdentity
-from storage.snapshots import SnapshotStore
-from storage.steplog import RECORD_BYTES, StepLogWriter, read_log
-from training.model import default_cache_dir, load_model, trainable_parameters
-from training.state import copy_state, state_sha256
-from training.worker import timed_append, zo_step_
-from training.zo import ZOHyper
+from raycheck.job.config import JobConfig
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.controller import prepare
+from raycheck.storage.backend import Storage
+from raycheck.storage.log_segments import SegmentMirror
+from raycheck.storage.manifest import RunIdentity
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, read_log
+from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
+from raycheck.training.state import copy_state, state_sha256
+from raycheck.training.worker import timed_append, zo_step_
+from raycheck.training.zo import ZOHyper
 
 STEPS, SNAPSHOT_STEP = 6, 3
 

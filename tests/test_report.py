@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from experiments import report as rp
-from experiments import report_tables as rt
-from policies.models import Strategy
+from raycheck.experiments import report as rp
+from raycheck.experiments import report_tables as rt
+from raycheck.policies.models import Strategy
 
 NAN = math.nan
 STEP_S, APPEND_S, STALL_S, SYNC_S, PERSIST_S, REPLAY_S = 5.6, 80e-6, 0.06, 0.93, 2.0, 1.0
@@ -308,7 +308,7 @@ def test_experiment_report_only_rebuilds_the_report_from_existing_results(tmp_pa
     """``raycheck experiment --report-only``: no run, no Ray; the report comes from the Parquet files in --out."""
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from raycheck.orchestrator.cli import app
 
     runner = CliRunner()
     result = runner.invoke(app, ["experiment", "--report-only", "--out", str(tmp_path)])

@@ -19,21 +19,21 @@ import ray
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
-from actors.log_keeper import LogKeeper
-from actors.persister import PersisterActor
+from raycheck.actors.log_keeper import LogKeeper
+from raycheck.actors.persister import PersisterActor
 from conftest import free_port, make_bucket
-from experiments.s3_server import LocalS3Server
-from job.config import JobConfig
-from orchestrator.cli import app
-from orchestrator.control import within_budget
-from orchestrator.controller import Controller, PersisterFailedError
-from storage.backend import RetryPolicy, Storage, StorageUnreachableError
-from storage.log_segments import read_segments
-from storage.manifest import RunIdentity
-from storage.snapshots import INDEX, MANIFEST, NoSnapshotError, SnapshotStore
-from storage.steplog import StepLogWriter, StepRecord, read_records
-from training.model import default_cache_dir
-from training.state import state_sha256
+from raycheck.experiments.s3_server import LocalS3Server
+from raycheck.job.config import JobConfig
+from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.control import within_budget
+from raycheck.orchestrator.controller import Controller, PersisterFailedError
+from raycheck.storage.backend import RetryPolicy, Storage, StorageUnreachableError
+from raycheck.storage.log_segments import read_segments
+from raycheck.storage.manifest import RunIdentity
+from raycheck.storage.snapshots import INDEX, MANIFEST, NoSnapshotError, SnapshotStore
+from raycheck.storage.steplog import StepLogWriter, StepRecord, read_records
+from raycheck.training.model import default_cache_dir
+from raycheck.training.state import state_sha256
 
 IDENTITY = RunIdentity("a1b2c3d4", "f" * 12 + "0" * 52)
 
@@ -240,7 +240,7 @@ def test_every_positional_argument_has_an_upper_case_metavar_in_its_usage_line()
 def test_make_bench_runs_every_benchmark():
     done = subprocess.run(["make", "-n", "bench"], capture_output=True, text=True, check=True, timeout=60)
     for module in ("log_cost", "persist_throughput", "noise_bench"):
-        assert f"-m experiments.{module}\n" in done.stdout, done.stdout
+        assert f"-m raycheck.experiments.{module}\n" in done.stdout, done.stdout
 
 
 # -- 3 and 4 in a running job (Ray) ----------------------------------------------------------------

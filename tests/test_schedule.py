@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from orchestrator.schedule import failure_schedule, parse_schedule
+from raycheck.orchestrator.schedule import failure_schedule, parse_schedule
 
 
 def test_schedules_are_seeded_and_reproducible():

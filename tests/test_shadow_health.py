@@ -9,14 +9,14 @@ import os
 import pytest
 import torch
 
-from actors.shadow import ShadowSpec
-from actors.shadow_actor import ShadowActor
-from orchestrator.control import FailRun, RestartShadow, ShardStatus, shard_action
-from orchestrator.shadow_keeper import failure_reason
-from storage.snapshots import SnapshotStore
-from storage.steplog import StepLogWriter, StepRecord
-from training.model import default_cache_dir, layout_sha256, parameter_layout, trainable_parameters
-from training.zo import GENERATOR
+from raycheck.actors.shadow import ShadowSpec
+from raycheck.actors.shadow_actor import ShadowActor
+from raycheck.orchestrator.control import FailRun, RestartShadow, ShardStatus, shard_action
+from raycheck.orchestrator.shadow_keeper import failure_reason
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.steplog import StepLogWriter, StepRecord
+from raycheck.training.model import default_cache_dir, layout_sha256, parameter_layout, trainable_parameters
+from raycheck.training.zo import GENERATOR
 
 
 def record(step: int) -> StepRecord:
@@ -72,13 +72,13 @@ def test_the_driver_writes_a_failed_summary_and_exits_non_zero_when_the_run_rais
     import ray
     from typer.testing import CliRunner
 
-    import orchestrator.controller
-    from orchestrator.cli import app
+    import raycheck.orchestrator.controller
+    from raycheck.orchestrator.cli import app
 
     def cluster_fails(*args, **kwargs):
         raise RuntimeError("injected: the cluster did not start")
 
-    monkeypatch.setattr(orchestrator.controller, "connect", cluster_fails)
+    monkeypatch.setattr(raycheck.orchestrator.controller, "connect", cluster_fails)
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--eval-samples", "0", "--out", str(out)])
     assert result.exit_code == 1, result.output

@@ -11,11 +11,11 @@ from collections import OrderedDict
 
 import pytest
 
-from actors.shadow import ShadowLoop, ShadowReplayer
-from storage.steplog import StepRecord
-from training.model import layout_sha256, load_model, parameter_layout, trainable_parameters
-from training.state import state_sha256
-from training.zo import GENERATOR
+from raycheck.actors.shadow import ShadowLoop, ShadowReplayer
+from raycheck.storage.steplog import StepRecord
+from raycheck.training.model import layout_sha256, load_model, parameter_layout, trainable_parameters
+from raycheck.training.state import state_sha256
+from raycheck.training.zo import GENERATOR
 
 STEPS = 8
 

@@ -13,17 +13,17 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from actors.persister import ShardParts, SnapshotPersister
-from actors.shadow import AlignedSchedule, ShadowReplayer, ShadowSpec
-from actors.shadow_actor import ShadowActor
-from actors.shards import assemble, layout_elements, split_units
-from job.config import FailureSpec, JobConfig
-from orchestrator.shadow_keeper import combined_status
-from storage.snapshots import SnapshotStore
-from storage.steplog import StepLogWriter, StepRecord
-from training.model import default_cache_dir, layout_sha256, parameter_layout, trainable_parameters
-from training.state import copy_state, state_sha256
-from training.zo import GENERATOR
+from raycheck.actors.persister import ShardParts, SnapshotPersister
+from raycheck.actors.shadow import AlignedSchedule, ShadowReplayer, ShadowSpec
+from raycheck.actors.shadow_actor import ShadowActor
+from raycheck.actors.shards import assemble, layout_elements, split_units
+from raycheck.job.config import FailureSpec, JobConfig
+from raycheck.orchestrator.shadow_keeper import combined_status
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.steplog import StepLogWriter, StepRecord
+from raycheck.training.model import default_cache_dir, layout_sha256, parameter_layout, trainable_parameters
+from raycheck.training.state import copy_state, state_sha256
+from raycheck.training.zo import GENERATOR
 
 
 def record(step: int) -> StepRecord:
@@ -179,8 +179,8 @@ def test_the_experiment_reports_replay_over_step_per_shard_for_one_and_two_shard
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from experiments.report import write_report
-    from experiments.results import shard_rows
+    from raycheck.experiments.report import write_report
+    from raycheck.experiments.results import shard_rows
     from test_report import GRID, all_runs, standard_recoveries, write
 
     def summary(run_id: str, figures: list[tuple]) -> dict:

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from actors.persister import SnapshotPersister
-from orchestrator.cli import app
-from storage.backend import PreconditionFailedError, RetryPolicy, Storage, StorageError
-from storage.diffs import DiffStore
-from storage.manifest import RunIdentity, layout_of, layout_sha256
-from storage.snapshots import INDEX, MANIFEST, FencedError, NoSnapshotError, SnapshotCorruptError, SnapshotStore
-from storage.tensor_files import save as st_save
+from raycheck.actors.persister import SnapshotPersister
+from raycheck.orchestrator.cli import app
+from raycheck.storage.backend import PreconditionFailedError, RetryPolicy, Storage, StorageError
+from raycheck.storage.diffs import DiffStore
+from raycheck.storage.manifest import RunIdentity, layout_of, layout_sha256
+from raycheck.storage.snapshots import INDEX, MANIFEST, FencedError, NoSnapshotError, SnapshotCorruptError, SnapshotStore
+from raycheck.storage.tensor_files import save as st_save
 from tests.test_storage_contract import state
-from training.state import state_sha256
+from raycheck.training.state import state_sha256
 
 RUN_A = RunIdentity("run-a", "a" * 64)
 RUN_B = RunIdentity("run-b", "b" * 64)
@@ -176,7 +176,7 @@ class RacedStorage(Storage):
 
 
 def test_a_writer_that_loses_the_index_race_rereads_it_and_commits_after_the_winner(storage, caplog):
-    caplog.set_level(logging.INFO, logger="storage.snapshots")
+    caplog.set_level(logging.INFO, logger="raycheck.storage.snapshots")
     uri, options = storage.uri, storage.options
     other = SnapshotStore(Storage(uri, **options), identity=RUN_B)
     won = []
@@ -333,7 +333,7 @@ def test_every_damaged_manifest_is_skipped_with_its_reason_and_the_listing_goes_
                                  f"{folders[2]}/{MANIFEST}: unreadable (Expecting property name enclosed in double quotes: "
                                  "line 1 column 2 (char 1))"]
     assert len(store.skipped) == 4 and store.skipped[3].startswith(f"{folders[3]}/{MANIFEST}: malformed: step 25 differs")
-    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "storage.snapshots"] == [(logging.WARNING, f"snapshot skipped: {p}") for p in store.skipped]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "raycheck.storage.snapshots"] == [(logging.WARNING, f"snapshot skipped: {p}") for p in store.skipped]
 
 
 def test_a_manifest_with_many_problems_is_reported_by_its_first_three(storage):
@@ -361,9 +361,9 @@ def test_a_foreign_snapshot_is_named_with_both_runs_and_one_without_identity_say
     anonymous = SnapshotStore(storage).write(2, state(2))
     foreign = SnapshotStore(storage).list()[0].folder
     run = SnapshotStore(storage, identity=RunIdentity("run-a", "fedcba9876543210" * 4))
-    with caplog.at_level(logging.INFO, logger="storage.snapshots"):
+    with caplog.at_level(logging.INFO, logger="raycheck.storage.snapshots"):
         assert run.list() == []
-    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "storage.snapshots"] == [(logging.INFO, f"snapshot skipped: {p}") for p in run.skipped]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "raycheck.storage.snapshots"] == [(logging.INFO, f"snapshot skipped: {p}") for p in run.skipped]
     assert run.skipped == [f"{foreign}: foreign run run-b (trajectory 0123456789ab), not run run-a (trajectory fedcba987654)",
                            f"{anonymous.folder}: no run identity, not run run-a (trajectory fedcba987654)"]
 
@@ -415,12 +415,12 @@ def test_load_latest_skips_a_newer_snapshot_of_another_layout_and_a_corrupt_one_
     bad = SnapshotStore(storage).write(3, state(3))
     flip_shard(storage, bad.manifest["units"]["embed"]["path"])
     store = SnapshotStore(storage, layout=layout_of(full))  # no layout passed to load_latest: the store's
-    with caplog.at_level(logging.WARNING, logger="storage.snapshots"):
+    with caplog.at_level(logging.WARNING, logger="raycheck.storage.snapshots"):
         got = store.load_latest()
     assert (got.info.step, state_sha256(got.state)) == (1, state_sha256(full))
     assert len(got.skipped) == 2 and "unit embed" in got.skipped[0] and "corrupt" in got.skipped[0]
     assert got.skipped[1].startswith(f"snapshot {foreign.folder}: its layout (5 tensors, ")
-    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "storage.snapshots"] == [
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "raycheck.storage.snapshots"] == [
         (logging.WARNING, f"skipping {got.skipped[0]}")]
 
 
@@ -500,7 +500,7 @@ class UndeletableStorage(Storage):
 def test_a_delete_that_fails_is_logged_with_its_path_and_error_and_the_index_is_already_rewritten(storage, caplog):
     store = SnapshotStore(UndeletableStorage(storage.uri, **storage.options), keep_last=1)
     first = store.write(1, state(1))
-    with caplog.at_level(logging.WARNING, logger="storage.snapshots"):
+    with caplog.at_level(logging.WARNING, logger="raycheck.storage.snapshots"):
         second = store.write(2, state(2))
     path = f"{first.folder}/{MANIFEST}"
     assert f"retention could not delete {path}: {path}: read-only" in caplog.messages
@@ -657,7 +657,7 @@ def test_a_failed_manifest_put_leaves_the_index_equal_to_the_listing(storage):
 
 
 def test_a_run_config_builds_a_store_of_its_identity_and_epoch_and_a_stale_persister_is_fenced(tmp_path):
-    from job.config import JobConfig
+    from raycheck.job.config import JobConfig
 
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), model="tiny", run_id="r1")
     stale = cfg.snapshot_store()
@@ -727,7 +727,7 @@ def test_a_composite_rewrites_exactly_the_referenced_units_whose_shards_fail_and
     assert str(info.value) == ("cannot reference the committed shards of step 4: "
                                f"{paths['norm']}: sha256 differs from the manifest (corrupt); "
                                f"{paths['lm_head']}: sha256 differs from the manifest (corrupt)")
-    with caplog.at_level(logging.WARNING, logger="storage.snapshots"):
+    with caplog.at_level(logging.WARNING, logger="raycheck.storage.snapshots"):
         info6 = store.write_units(6, changed, list(full), config={"lr": 2.0}, full_state={**full, **changed})
     assert [r.getMessage() for r in caplog.records] == [
         f"rewriting unit {u} instead of referencing a shard that failed verification: {paths[u]}: sha256 differs from "

@@ -9,13 +9,13 @@ import threading
 import numpy as np
 import pytest
 
-from policies.layerwise import LayerwiseConfig
-from storage.snapshots import SnapshotStore
+from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.storage.snapshots import SnapshotStore
 from test_fo import HYPER, make_trainer, train
-from training.checkpointing import FullCheckpointer
-from training.layerwise import LayerwiseCheckpointer
-from training.overlapped import OverlappedCheckpointer
-from training.state import StagingPool, copy_into, state_sha256
+from raycheck.training.checkpointing import FullCheckpointer
+from raycheck.training.layerwise import LayerwiseCheckpointer
+from raycheck.training.overlapped import OverlappedCheckpointer
+from raycheck.training.state import StagingPool, copy_into, state_sha256
 
 GATE_TIMEOUT_S = 60.0
 

@@ -10,12 +10,12 @@ import threading
 import pytest
 import torch
 
-from actors.step_exchange import StepEvictedError, StepExchange, StepExchangeActor, StepMismatchError
-from job.config import JobConfig
-from training.model import default_cache_dir, load_model, trainable_parameters
-from training.state import state_sha256
-from training.worker import timed_append, zo_step_
-from training.zo import ZOHyper
+from raycheck.actors.step_exchange import StepEvictedError, StepExchange, StepExchangeActor, StepMismatchError
+from raycheck.job.config import JobConfig
+from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
+from raycheck.training.state import state_sha256
+from raycheck.training.worker import timed_append, zo_step_
+from raycheck.training.zo import ZOHyper
 
 
 def run(coro):

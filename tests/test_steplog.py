@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from storage import steplog
-from storage.steplog import (
+from raycheck.storage import steplog
+from raycheck.storage.steplog import (
     RECORD_BYTES,
     StepLogBusyError,
     StepLogCorruptError,

@@ -9,11 +9,11 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from conftest import free_port
-from orchestrator.cli import app
-from storage.backend import Storage, StorageCredentialsError
-from storage.dcp_store import SUBFOLDER, ShardedStore
-from storage.snapshots import MANIFEST, SnapshotStore
-from storage.steplog import RECORD_BYTES, StepLogWriter, StepRecord
+from raycheck.orchestrator.cli import app
+from raycheck.storage.backend import Storage, StorageCredentialsError
+from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
+from raycheck.storage.snapshots import MANIFEST, SnapshotStore
+from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, StepRecord
 
 
 def make_run(root):

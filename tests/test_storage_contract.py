@@ -9,11 +9,11 @@ import pathlib
 import numpy as np
 import pytest
 
-from storage.backend import Storage
-from storage.log_segments import SegmentMirror, read_segments, segment_name
-from storage.snapshots import INDEX, MANIFEST, NoSnapshotError, SnapshotCorruptError, SnapshotStore
-from storage.steplog import StepLogGapError, StepLogWriter, StepRecord
-from training.state import state_sha256
+from raycheck.storage.backend import Storage
+from raycheck.storage.log_segments import SegmentMirror, read_segments, segment_name
+from raycheck.storage.snapshots import INDEX, MANIFEST, NoSnapshotError, SnapshotCorruptError, SnapshotStore
+from raycheck.storage.steplog import StepLogGapError, StepLogWriter, StepRecord
+from raycheck.training.state import state_sha256
 
 
 def state(step: int) -> dict[str, np.ndarray]:

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from moto.server import ThreadedMotoServer
 
-from actors.persister import SnapshotPersister
+from raycheck.actors.persister import SnapshotPersister
 from conftest import free_port, make_bucket
-from storage.backend import RetryPolicy, Storage, StorageError, StorageTimeoutError, StorageUnavailableError
-from storage.snapshots import SnapshotStore
-from training.state import state_sha256
+from raycheck.storage.backend import RetryPolicy, Storage, StorageError, StorageTimeoutError, StorageUnavailableError
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.training.state import state_sha256
 
 FAST = RetryPolicy(attempts=2, base_delay_s=0.01, timeout_s=2.0, max_consecutive_failures=2)
 # against a live server: few, quick retries, but no timeout that a loaded machine could reach (only the
@@ -119,8 +119,8 @@ def test_s3_outage_during_persists_is_counted_and_the_restore_point_survives():
 
 WRITER = """
 import sys, threading, numpy as np
-from storage.backend import Storage
-from storage.snapshots import SnapshotStore
+from raycheck.storage.backend import Storage
+from raycheck.storage.snapshots import SnapshotStore
 
 FIRST = threading.Lock()  # shard puts run on several threads: exactly one of them reports
 

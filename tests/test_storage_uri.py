@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from storage.backend import Storage, local_path, node_local, split_uri
+from raycheck.storage.backend import Storage, local_path, node_local, split_uri
 
 
 @pytest.mark.parametrize("uri, parts, local, one_node", [

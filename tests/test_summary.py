@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from orchestrator.summary import (BREAKDOWN, IN_PROCESS_BREAKDOWN, Collected, breakdown, mean_step_seconds, recoveries,
+from raycheck.orchestrator.summary import (BREAKDOWN, IN_PROCESS_BREAKDOWN, Collected, breakdown, mean_step_seconds, recoveries,
                                   recovery_of_event, run_summary)
 
 

@@ -5,10 +5,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from training.data import batch_indices, classification_loss
-from training.model import trainable_parameters
-from training.state import copy_state, load_into, state_sha256
-from training.zo import (
+from raycheck.training.data import batch_indices, classification_loss
+from raycheck.training.model import trainable_parameters
+from raycheck.training.state import copy_state, load_into, state_sha256
+from raycheck.training.zo import (
     ZOHyper, decays, derive_seed, noise, perturb_, perturb_all_, replay_step_, step_seed, update_, update_all_,
 )
 

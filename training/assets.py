@@ -14,9 +14,9 @@ import hashlib
 import pathlib
 from dataclasses import dataclass
 
-from job.config import JobConfig
-from training.data import Split, load_data_file, load_rotten_tomatoes, make_encoder
-from training.model import ModelFiles, is_builtin, load_tokenizer, read_model_files
+from raycheck.job.config import JobConfig
+from raycheck.training.data import Split, load_data_file, load_rotten_tomatoes, make_encoder
+from raycheck.training.model import ModelFiles, is_builtin, load_tokenizer, read_model_files
 
 ASSETS_KEY = "assets"
 """The train loop config's key of the shipped references (``ship``); not a ``JobConfig`` field."""

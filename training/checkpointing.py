@@ -28,9 +28,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from policies.interval import SnapshotSchedule
-from storage.background import BackgroundWriter, Postponements
-from training.state import copy_into
+from raycheck.policies.interval import SnapshotSchedule
+from raycheck.storage.background import BackgroundWriter, Postponements
+from raycheck.training.state import copy_into
 
 
 @runtime_checkable

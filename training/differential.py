@@ -18,11 +18,11 @@ from typing import TypedDict
 import numpy as np
 import torch
 
-from policies.interval import SnapshotSchedule
-from storage.background import BackgroundWriter
-from storage.diffs import DiffStore
-from storage.snapshots import SnapshotStore
-from training.state import copy_state
+from raycheck.policies.interval import SnapshotSchedule
+from raycheck.storage.background import BackgroundWriter
+from raycheck.storage.diffs import DiffStore
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.training.state import copy_state
 
 
 class _Stats(TypedDict):

@@ -30,10 +30,10 @@ import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from actors.journal import RunChannel
-from actors.shadow_actor import find_shards
-from job.config import JobConfig
-from storage.steplog import StepLogWriter
+from raycheck.actors.journal import RunChannel
+from raycheck.actors.shadow_actor import find_shards
+from raycheck.job.config import JobConfig
+from raycheck.storage.steplog import StepLogWriter
 
 
 def raylet_of(pid: int) -> psutil.Process:

@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from storage.tensor_files import as_numpy
-from storage.units import parameter_of
-from training.data import PromptEncoder, Split
-from training.state import load_into
-from training.zo import decays
+from raycheck.storage.tensor_files import as_numpy
+from raycheck.storage.units import parameter_of
+from raycheck.training.data import PromptEncoder, Split
+from raycheck.training.state import load_into
+from raycheck.training.zo import decays
 
 OPTIM_SLOTS = ("exp_avg", "exp_avg_sq", "step")
 """Optimizer-state slots in the training state, in this order: ``optim.<slot>.<parameter name>``."""
@@ -127,7 +127,7 @@ class FOTrainer:
         model.requires_grad_(True)
         scorer = _LabelScorer(model, encoder.label_ids)
         if sharded:  # before the parameters are taken: fully_shard replaces them with DTensors
-            from training.sharded import shard_scorer
+            from raycheck.training.sharded import shard_scorer
 
             shard_scorer(scorer)
         self.named = OrderedDict(model.named_parameters())

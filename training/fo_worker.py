@@ -26,21 +26,21 @@ from __future__ import annotations
 
 import time
 
-from job.config import JobConfig
-from policies.strategies import FULL_STATE, RunStrategy
-from storage.diffs import DiffStore
-from storage.snapshots import SnapshotStore
-from training import sharded as sharded_fo
-from training.checkpointing import Checkpointer, FullCheckpointer
-from training.data import PromptEncoder, batch_indices
-from training.differential import DiffCheckpointer
-from training.faults import FaultInjector
-from training.fo import FOHyper, FOTrainer
-from training.layerwise import LayerwiseCheckpointer
-from training.overlapped import OverlappedCheckpointer
-from training.recovery import from_storage
-from training.state import state_sha256
-from training.worker_env import mean_over_workers, record_start, worker_env
+from raycheck.job.config import JobConfig
+from raycheck.policies.strategies import FULL_STATE, RunStrategy
+from raycheck.storage.diffs import DiffStore
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.training import sharded as sharded_fo
+from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
+from raycheck.training.data import PromptEncoder, batch_indices
+from raycheck.training.differential import DiffCheckpointer
+from raycheck.training.faults import FaultInjector
+from raycheck.training.fo import FOHyper, FOTrainer
+from raycheck.training.layerwise import LayerwiseCheckpointer
+from raycheck.training.overlapped import OverlappedCheckpointer
+from raycheck.training.recovery import from_storage
+from raycheck.training.state import state_sha256
+from raycheck.training.worker_env import mean_over_workers, record_start, worker_env
 
 
 def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Checkpointer:

@@ -37,13 +37,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from policies.interval import SnapshotSchedule
-from policies.layerwise import LayerwiseConfig, UnitStatus, relative_change, select_units
-from storage.background import BackgroundWriter, Postponements
-from storage.snapshots import SnapshotInfo, SnapshotStore
-from storage.tensor_files import as_numpy
-from storage.units import group_by_unit, parameter_of
-from training.state import StagingPool, copy_into
+from raycheck.policies.interval import SnapshotSchedule
+from raycheck.policies.layerwise import LayerwiseConfig, UnitStatus, relative_change, select_units
+from raycheck.storage.background import BackgroundWriter, Postponements
+from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
+from raycheck.storage.tensor_files import as_numpy
+from raycheck.storage.units import group_by_unit, parameter_of
+from raycheck.training.state import StagingPool, copy_into
 
 
 class LayerwiseCheckpointer:

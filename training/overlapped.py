@@ -33,13 +33,13 @@ from typing import TypedDict
 import numpy as np
 import torch
 
-from policies.interval import SnapshotSchedule
-from storage.background import BackgroundWriter, Postponements
-from storage.snapshots import SnapshotStore
-from storage.tensor_files import as_numpy
-from storage.units import parameter_of
-from training.fo import FOHyper, replay_adamw_
-from training.state import StagingPool, copy_into
+from raycheck.policies.interval import SnapshotSchedule
+from raycheck.storage.background import BackgroundWriter, Postponements
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.tensor_files import as_numpy
+from raycheck.storage.units import parameter_of
+from raycheck.training.fo import FOHyper, replay_adamw_
+from raycheck.training.state import StagingPool, copy_into
 
 
 def balanced_chunks(sizes: Mapping[str, int], m: int) -> list[list[str]]:

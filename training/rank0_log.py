@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.log_keeper import MAX_RECORDS_PER_CALL, read_range
-from storage.steplog import StepLogError, StepLogWriter, StepRecord, read_header, read_records
+from raycheck.actors.log_keeper import MAX_RECORDS_PER_CALL, read_range
+from raycheck.storage.steplog import StepLogError, StepLogWriter, StepRecord, read_header, read_records
 
 log = logging.getLogger(__name__)
 

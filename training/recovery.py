@@ -21,17 +21,17 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from actors.journal import RunChannel
-from actors.log_keeper import RemoteKeeper, read_range
-from actors.shadow_actor import find_shards
-from actors.shards import assemble
-from job.config import JobConfig
-from storage.log_segments import read_segments
-from storage.manifest import layout_of
-from storage.snapshots import NoSnapshotError
-from storage.steplog import StepLogGapError, StepRecord, read_header, read_records
-from training.state import load_into
-from training.zo import check_dtype, check_generator, replay_records_
+from raycheck.actors.journal import RunChannel
+from raycheck.actors.log_keeper import RemoteKeeper, read_range
+from raycheck.actors.shadow_actor import find_shards
+from raycheck.actors.shards import assemble
+from raycheck.job.config import JobConfig
+from raycheck.storage.log_segments import read_segments
+from raycheck.storage.manifest import layout_of
+from raycheck.storage.snapshots import NoSnapshotError
+from raycheck.storage.steplog import StepLogGapError, StepRecord, read_header, read_records
+from raycheck.training.state import load_into
+from raycheck.training.zo import check_dtype, check_generator, replay_records_
 
 log = logging.getLogger(__name__)
 

@@ -34,13 +34,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from policies.strategies import RunStrategy
-from storage.backend import Storage
-from storage.dcp_store import ShardedStore
-from storage.manifest import RunIdentity
-from storage.snapshots import NoSnapshotError
-from training.checkpointing import FullCheckpointer
-from training.state import state_sha256
+from raycheck.policies.strategies import RunStrategy
+from raycheck.storage.backend import Storage
+from raycheck.storage.dcp_store import ShardedStore
+from raycheck.storage.manifest import RunIdentity
+from raycheck.storage.snapshots import NoSnapshotError
+from raycheck.training.checkpointing import FullCheckpointer
+from raycheck.training.state import state_sha256
 
 def shard_scorer(scorer: torch.nn.Module) -> None:
     """``fully_shard`` each decoder layer of ``scorer.lm`` (``lm.model.layers``), then ``scorer`` itself (the

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from storage.tensor_files import as_numpy
+from raycheck.storage.tensor_files import as_numpy
 
 
 def state_sha256(state: Mapping[str, torch.Tensor | np.ndarray]) -> str:

@@ -27,21 +27,21 @@ import ray
 import torch
 import torch.distributed as dist
 
-from actors.log_keeper import RemoteKeeper
-from actors.step_exchange import RemoteExchange
-from policies.strategies import RunStrategy
-from storage.steplog import StepLogWriter, StepRecord
-from training.checkpointing import FullCheckpointer
-from training.data import batch_id, batch_indices
-from training.faults import FaultInjector
-from training.groups import Exchange, example_groups, group_vector, groups_of_rank, reduce_groups
-from training.model import trainable_parameters
-from training.in_process import StepFailure, decide
-from training.rank0_log import KeeperSender, KeeperUnreachableError, local_log_path, open_local_log, replicated_append
-from training.recovery import restore
-from training.state import state_sha256
-from training.worker_env import record_start, sum_over_workers, worker_env
-from training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
+from raycheck.actors.log_keeper import RemoteKeeper
+from raycheck.actors.step_exchange import RemoteExchange
+from raycheck.policies.strategies import RunStrategy
+from raycheck.storage.steplog import StepLogWriter, StepRecord
+from raycheck.training.checkpointing import FullCheckpointer
+from raycheck.training.data import batch_id, batch_indices
+from raycheck.training.faults import FaultInjector
+from raycheck.training.groups import Exchange, example_groups, group_vector, groups_of_rank, reduce_groups
+from raycheck.training.model import trainable_parameters
+from raycheck.training.in_process import StepFailure, decide
+from raycheck.training.rank0_log import KeeperSender, KeeperUnreachableError, local_log_path, open_local_log, replicated_append
+from raycheck.training.recovery import restore
+from raycheck.training.state import state_sha256
+from raycheck.training.worker_env import record_start, sum_over_workers, worker_env
+from raycheck.training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
 
 
 def barrier_of(exchange: RemoteExchange | None, world: int) -> Callable[[str], None]:

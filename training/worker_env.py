@@ -13,12 +13,12 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from actors.journal import RunChannel
-from job.config import JobConfig
-from training.assets import ASSETS_KEY, fetch, shipped_model, splits
-from training.data import CausalLMEncoder, PromptEncoder, Split, make_encoder
-from training.model import load_model, load_tokenizer, trainable_parameters
-from training.node import this_node
+from raycheck.actors.journal import RunChannel
+from raycheck.job.config import JobConfig
+from raycheck.training.assets import ASSETS_KEY, fetch, shipped_model, splits
+from raycheck.training.data import CausalLMEncoder, PromptEncoder, Split, make_encoder
+from raycheck.training.model import load_model, load_tokenizer, trainable_parameters
+from raycheck.training.node import this_node
 
 
 @dataclass(frozen=True)

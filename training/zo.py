@@ -100,8 +100,8 @@ from dataclasses import dataclass
 
 import torch
 
-from job.config import DTYPE_NAMES
-from training import noise as noise_gen
+from raycheck.job.config import DTYPE_NAMES
+from raycheck.training import noise as noise_gen
 
 GENERATOR = noise_gen.GENERATOR
 """Recorded in the step log header (key ``generator``); a replayer refuses a log written with another."""
