@@ -11,7 +11,9 @@ exponential inter-arrival times); a failure kills the job's processes, including
 any snapshot still being written, except that for the shadow a share 1 - p of the failures
 (``MeasuredCosts.shadow_loss_fraction`` = p) leave the shadow alive: those take its live image and
 replay only ``live_replay_steps``. Recovery costs D = restart_s + load_s plus any replay, and a
-failure during recovery starts the recovery again. The building block, used throughout: the
+failure during recovery starts the recovery again. A shadow that a failure lost restarts from the
+newest durable snapshot when training resumes and catches up while training goes on (``waste_shadow``);
+until it has, a failure replays its remaining lag. The building block, used throughout: the
 expected wall-clock time until a window of w seconds passes without a failure is
 (e^(lambda w) - 1) / lambda (Daly 2006, the complete cost model).
 """
@@ -135,11 +137,13 @@ def check_background(costs: MeasuredCosts, interval_steps: int) -> None:
 
 
 def check_shadow(costs: MeasuredCosts, interval_steps: int | None = None) -> None:
-    """Raise unless the shadow keeps up with training (and, given an interval, its snapshots fit).
+    """Raise unless the shadow keeps up with training (and, given an interval, its snapshots fit and a
+    restarted shadow catches up: ``catch_up_ratio`` < 1).
 
     Raises:
-        InfeasibleError: ``replay_step_s >= step_s`` (the shadow's lag grows without bound), or a
-            snapshot does not finish within ``interval_steps`` steps.
+        InfeasibleError: ``replay_step_s >= step_s`` (the shadow's lag grows without bound), a
+            snapshot does not finish within ``interval_steps`` steps, or the catch-up after a failure
+            that loses the shadow outlasts the MTBF (says the longest interval that catches up).
     """
     if costs.replay_step_s >= costs.step_s:
         raise InfeasibleError(
@@ -147,8 +151,69 @@ def check_shadow(costs: MeasuredCosts, interval_steps: int | None = None) -> Non
             f"step_s={costs.step_s:g} s: its lag grows without bound; make replay faster than a step "
             f"(fused replay, a sharded shadow on more CPUs) or use full-async snapshots"
         )
-    if interval_steps is not None:
-        check_background(costs, interval_steps)
+    if interval_steps is None:
+        return
+    check_background(costs, interval_steps)
+    ratio = catch_up_ratio(costs, interval_steps)
+    if ratio >= 1:
+        longest = longest_shadow_interval_steps(costs)
+        shorter = f"snapshot every <= {longest} steps, " if longest >= min_background_steps(costs) else ""
+        raise InfeasibleError(
+            f"a shadow restarted from its snapshot (every {interval_steps} steps) catches up at "
+            f"{1 - costs.replay_step_s / _step_with_append_s(costs):.3g} steps per replayed step "
+            f"(replay_step_s={costs.replay_step_s:g} s against step_s={costs.step_s:g} s): its expected catch-up of "
+            f"{ratio * costs.mtbf_s:.3g} s outlasts mtbf_s={costs.mtbf_s:g} s, so it is almost always behind; "
+            f"{shorter}make replay faster (fused replay, a sharded shadow on more CPUs) or use full-async snapshots"
+        )
+
+
+def _step_with_append_s(costs: MeasuredCosts) -> float:
+    """u = step_s + log_append_s: one step of the log-based strategies, in seconds."""
+    return costs.step_s + costs.log_append_s
+
+
+def catch_up_s_per_step(costs: MeasuredCosts) -> float:
+    """Seconds a restarted shadow needs to make up one step of lag while training goes on.
+
+    The shadow replays a step in r = ``replay_step_s`` while training logs one every u = ``step_s`` +
+    ``log_append_s``, so its lag shrinks by 1 - r / u steps per replayed step: a lag of L steps takes
+    L r / (1 - r / u) = L c seconds, c = r u / (u - r). Needs r < ``step_s`` (``check_shadow``).
+    """
+    u = _step_with_append_s(costs)
+    return costs.replay_step_s * u / (u - costs.replay_step_s)
+
+
+def mean_lost_replay_steps(costs: MeasuredCosts, interval_steps: int) -> float:
+    """E[j]: steps a failure that loses a caught-up shadow replays, on average, with a snapshot every
+    ``interval_steps`` (k) steps: (k - 1) / 2 from the last snapshot, plus k while the newest one is
+    not durable yet (a share delta / (k u) of the cycle, delta = min(r + S, k u)): (k - 1) / 2 + delta / u."""
+    u = _step_with_append_s(costs)
+    return (interval_steps - 1) / 2 + min(shadow_lag_s(costs), interval_steps * u) / u
+
+
+def catch_up_ratio(costs: MeasuredCosts, interval_steps: int) -> float:
+    """rho: the expected catch-up of a shadow restarted after a failure that loses it, over the MTBF;
+    0 when no failure loses it (``shadow_loss_fraction`` 0). To first order rho = c E[j] / M: the
+    replay such a failure leaves (``mean_lost_replay_steps`` E[j]) times ``catch_up_s_per_step`` c; with
+    its snapshots durable S after it replays them, exactly rho = lambda c (E[j] - S / u) + c (e^(lambda S) - 1) / u.
+    At rho >= 1 the replay after such failures grows without bound (``waste_shadow``): the shadow is infeasible."""
+    if costs.shadow_loss_fraction == 0:
+        return 0.0
+    lam, u, c = costs.failure_rate_per_s, _step_with_append_s(costs), catch_up_s_per_step(costs)
+    excess = mean_lost_replay_steps(costs, interval_steps) - costs.snapshot_s / u
+    return lam * c * excess + c * _expm1(lam * costs.snapshot_s) / u
+
+
+def longest_shadow_interval_steps(costs: MeasuredCosts) -> int:
+    """The longest interval, in steps, at which a restarted shadow catches up (``catch_up_ratio`` < 1),
+    at most ``search_bound_steps``; 0 when none does. Requires r < ``step_s`` (``check_shadow``)."""
+    lo, hi = 0, search_bound_steps(costs)  # the ratio grows with the interval: bisect on it
+    if catch_up_ratio(costs, hi) < 1:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if catch_up_ratio(costs, mid) < 1 else (lo, mid)
+    return lo
 
 
 def checkfreq_interval_steps(costs: MeasuredCosts, max_overhead: float = 0.035) -> int:
@@ -181,7 +246,10 @@ def shadow_interval_steps(costs: MeasuredCosts) -> int:
     plus restart and load. The sum is minimal at k* = sqrt(2 w S / (lambda p r t_s)); with r = t_s,
     w = 1 and p = 1 this is Young's interval. With p = 0 no failure needs a snapshot: k* is the bound
     ``optimal_interval_steps`` searches up to, ``search_bound_steps``. The result is raised to
-    ``min_background_steps`` so that a snapshot finishes before the next is due.
+    ``min_background_steps`` so that a snapshot finishes before the next is due. A restarted shadow's
+    catch-up (``waste_shadow``) adds a waste of second order in lambda, so it does not move this
+    first-order optimum (nor is it checked here: ``check_shadow`` with an interval does); where r is
+    close to t_s that term is large, and ``optimal_interval_steps`` minimises the whole waste.
 
     Raises:
         InfeasibleError: ``replay_step_s >= step_s``.
@@ -279,9 +347,9 @@ def _log_based_waste(costs: MeasuredCosts, mean_exp_replay: float, charge_per_st
 
 
 def _mean_exp(q: float, n: int) -> float:
-    """(1/n) sum_{i<n} e^(q i), the mean of e^(q j) for j uniform on 0..n-1; inf once e^(q n) would
-    overflow a float (the replay then outlasts any failure-free stretch: no progress)."""
-    if not q > 0:
+    """(1/n) sum_{i<n} e^(q i), the mean of e^(q j) for j uniform on 0..n-1, for any real q; inf once
+    e^(q n) would overflow a float (the replay then outlasts any failure-free stretch: no progress)."""
+    if q == 0:
         return 1.0
     total = _expm1(q * n)  # finite only for q n < ~709.78, and then so is e^q - 1 (n >= 1)
     return total / (n * math.expm1(q)) if total < math.inf else math.inf
@@ -309,39 +377,118 @@ def shadow_lag_s(costs: MeasuredCosts) -> float:
     return costs.replay_step_s + costs.snapshot_s
 
 
+def _lost_replay_mgf(costs: MeasuredCosts, k: int, s: float) -> float:
+    """E[e^(s j)] for the replay j of a failure that loses a caught-up shadow (``waste_shadow``), any real s:
+    (1/k) sum_{i<k} e^(s i) + (e^(s k) - 1) / (k u) integral_0^delta e^(s floor(phi/u)) dphi."""
+    u = _step_with_append_s(costs)
+    delta = min(shadow_lag_s(costs), k * u)
+    whole = math.floor(delta / u)
+    rest = delta - whole * u  # 0 when the lag is whole steps: then e^(s whole) may be inf, and 0 x inf is nan
+    lag_integral = u * whole * _mean_exp(s, whole) + (rest * _exp(s * whole) if rest > 0 else 0.0) if whole else delta
+    return _mean_exp(s, k) + _expm1(s * k) * lag_integral / (k * u)
+
+
+class _CatchUp:
+    """The replays at a failure with a snapshot every ``k`` steps, given restarted shadows (``waste_shadow``).
+
+    R, in steps: the replay a failure would need if it lost the shadow. After a failure that leaves the
+    shadow alive it is caught up: R = J (MGF beta, ``_lost_replay_mgf``). After one that lost it with a
+    replay L, the shadow restarts L steps behind and its snapshots become durable S after it replays
+    them: a failure tau seconds later finds R = L + tau / u while tau < S (probability 1 - pi,
+    pi = e^(-lambda S)), else R = J + (L - E)^+, E = (tau - S) / c exponential of rate a = lambda c
+    (memoryless). With e(s) = (1 - pi) E[e^(s tau / u) | tau < S] = lambda (e^(b S) - 1) / b, b = s / u - lambda,
+    the stationary MGF of R is
+    E[e^(s R)] = beta(s) ((1 - p)(a + s) + s K) / Den(s),  Den(s) = (a + s)(1 - p e(s)) - p pi a beta(s),
+    inf where Den(s) <= 0; K = p pi E[e^(-a R)] is Den'(0) = pi (1 - rho) for p = 1 (``catch_up_ratio``),
+    and for p < 1 makes the numerator vanish at the root of Den in (-a, 0) (bisected). The shadow's
+    own lag at a failure, (L - tau / c)^+ after a lost one (else 0), has the MGF
+    (1 - p) + p (a E[e^(s R)] + s E[e^(-a R)]) / (a + s) and is 0 with probability 1 - p + p E[e^(-a R)].
+    """
+
+    def __init__(self, costs: MeasuredCosts, k: int) -> None:
+        self.costs, self.k = costs, k
+        self.p, self.lam = costs.shadow_loss_fraction, costs.failure_rate_per_s
+        self.a = self.lam * catch_up_s_per_step(costs)
+        self.pi = math.exp(-self.lam * costs.snapshot_s)
+        if self.p == 1:
+            self.K = self.pi * (1 - catch_up_ratio(costs, k))
+        else:
+            lo, hi = -1.0, 0.0  # Den(a x) is < 0 at x = -1 and a (1 - p) > 0 at x = 0
+            while (mid := (lo + hi) / 2) not in (lo, hi):
+                lo, hi = (mid, hi) if self._den(self.a * mid) < 0 else (lo, mid)
+            self.K = -(1 - self.p) * (1 + hi) / hi
+
+    def _den(self, s: float) -> float:
+        b, snap = s / _step_with_append_s(self.costs) - self.lam, self.costs.snapshot_s
+        early = self.lam * (_expm1(b * snap) / b if b else snap)
+        return (self.a + s) * (1 - self.p * early) - self.p * self.pi * self.a * _lost_replay_mgf(self.costs, self.k, s)
+
+    def replay_mgf(self, s: float) -> float:
+        """E[e^(s R)]."""
+        den = self._den(s)
+        numerator = (1 - self.p) * (self.a + s) + s * self.K
+        return _lost_replay_mgf(self.costs, self.k, s) * numerator / den if den > 0 else math.inf
+
+    def shadow_lag_mgf(self, s: float) -> tuple[float, float]:
+        """(E[e^(s W)], P(W = 0)) for the lag W of the shadow itself at a failure."""
+        if self.p == 0:
+            return 1.0, 1.0
+        tail = self.K / (self.p * self.pi)  # E[e^(-a R)]
+        return 1 - self.p + self.p * (self.a * self.replay_mgf(s) + s * tail) / (self.a + s), 1 - self.p + self.p * tail
+
+
 def waste_shadow(costs: MeasuredCosts, interval_steps: int) -> float:
     """Expected waste ratio of the CPU shadow with a snapshot every ``interval_steps`` steps.
 
     Source: ZOCheck (arXiv 2026) and the shadow model of ``docs/algorithms.md``, taken to exponential failures
     exactly except for the snapshot's durability lag, which is averaged (error of order lambda
-    times that lag), and for a failure during a recovery, which repeats the recovery of the first one.
-    A failure that loses the shadow (a share p, ``shadow_loss_fraction``) at phase phi of the k-step
-    cycle (phi uniform on [0, k u)) replays j = floor(phi / u) steps from the last snapshot, plus k more
+    times that lag), for a failure during a recovery, which repeats the recovery of the first one,
+    and for the phase of a restarted shadow's snapshots, below.
+    A failure that loses a caught-up shadow (a share p, ``shadow_loss_fraction``) at phase phi of the k-step
+    cycle (phi uniform on [0, k u)) replays j = J = floor(phi / u) steps from the last snapshot, plus k more
     when phi falls in the first delta = r + S seconds after a snapshot step, before that snapshot is
-    durable; a snapshot lost that way is written again during recovery (charged once more). So
-    E_lost[e^(lambda r j)] = (1/k) sum_{i<k} e^(lambda r i)
-                             + (e^(lambda r k) - 1) / (k u) integral_0^delta e^(lambda r floor(phi/u)) dphi.
-    A failure that leaves the shadow alive replays j = ``live_replay_steps`` (its image is live; its
-    snapshots in flight survive), so E[e^(lambda r j)] = p E_lost + (1 - p) e^(lambda r j_live); the
-    charge per step is w S (1/k + p (e^(lambda u) - 1) min(S, k u) / (k u)), and ``_log_based_waste``
-    does the rest. To first order in lambda this is ``docs/algorithms.md``'s
-    w S / (k t_s) + lambda (D + p (k / 2) r + (1 - p) j_live r), minimal at ``shadow_interval_steps``.
+    durable; a snapshot lost that way is written again later (charged once more). So
+    beta(s) = E[e^(s J)] = (1/k) sum_{i<k} e^(s i)
+                           + (e^(s k) - 1) / (k u) integral_0^delta e^(s floor(phi/u)) dphi.
+    Catch-up (``actors.shadow.ShadowLoop``): the workers recover from that snapshot; the shadow restarts
+    from it when training resumes, L = j steps behind, and takes L c seconds (``catch_up_s_per_step``,
+    c = r u / (u - r)) to catch up, taking the snapshots of the multiples of k as it replays them: late,
+    not skipped, each durable S after. A failure tau seconds later that loses the shadow again replays
+    R = L + tau / u while tau < S (no snapshot of the catch-up durable yet), else J + (L - (tau - S) / c)^+
+    (J for the phase of the newest durable snapshot, as if uniform); one that leaves it alive replays the
+    shadow's own lag (L - tau / c)^+ in place of j_live = ``live_replay_steps``, after which the shadow
+    has caught up. ``_CatchUp`` solves this chain (a queue fed by the failures that lose the shadow and
+    emptied by the others) for the MGFs E[e^(q R)] and E[e^(q W)] of the lost and the live replays, and
+    P0 = P(W = 0); it is stable for ``catch_up_ratio`` rho < 1, and the shadow is infeasible otherwise.
+    With q = lambda r,
+    E[e^(q j)] = p E[e^(q R)] + (1 - p) (E[e^(q W)] + P0 (e^(q j_live) - 1));
+    the charge per step is w S (1/k + p (e^(lambda u) - 1) min(S, k u) / (k u)), and ``_log_based_waste``
+    does the rest. Neglected besides: the phase of the snapshots a restarted shadow takes (its first is
+    k steps past its restore point, not uniformly placed, so early in a catch-up R is shorter than
+    modelled: off by up to 5%, mostly high, where catch-ups fill much of the MTBF), the shadow's own restart
+    before it replays, queueing at the persister while a catch-up passes snapshot steps every k r
+    seconds, and 0 < W < j_live (a live failure then replays j_live). To first order in lambda this is
+    ``docs/algorithms.md``'s w S / (k t_s) + lambda (D + p (k / 2) r + (1 - p) j_live r), minimal at
+    ``shadow_interval_steps``; the catch-up adds lambda^2 r p (c E[J^2] + p S^2 / u) / 2 (a catch-up of
+    the mean square replay, and failures within S of a restart), which is of second order in lambda
+    but large when r / u is close to 1: ``optimal_interval_steps`` minimises the whole waste.
 
     Raises:
-        InfeasibleError: the shadow does not keep up, or a snapshot does not fit in the interval.
+        InfeasibleError: the shadow does not keep up, a snapshot does not fit in the interval, or a
+            restarted shadow does not catch up (``check_shadow``).
     """
     check_shadow(costs, interval_steps)
     lam, k, r, p = costs.failure_rate_per_s, interval_steps, costs.replay_step_s, costs.shadow_loss_fraction
-    u = costs.step_s + costs.log_append_s
+    u = _step_with_append_s(costs)
     q = lam * r
-    mean_exp = (1 - p) * _exp(q * costs.live_replay_steps) if p < 1 else 0.0  # (a term of weight 0 may be inf)
+    lags = _CatchUp(costs, k)
+    mean_exp = 0.0
+    if p < 1:  # (a term of weight 0 may be inf)
+        live, caught_up = lags.shadow_lag_mgf(q)
+        mean_exp = (1 - p) * (live + caught_up * _expm1(q * costs.live_replay_steps))
     lost_write = 0.0
     if p > 0:
-        delta = min(shadow_lag_s(costs), k * u)
-        whole = math.floor(delta / u)
-        rest = delta - whole * u  # 0 when the lag is whole steps: then e^(q whole) may be inf, and 0 x inf is nan
-        lag_integral = u * whole * _mean_exp(q, whole) + (rest * _exp(q * whole) if rest > 0 else 0.0) if whole else delta
-        mean_exp += p * (_mean_exp(q, k) + _expm1(q * k) * lag_integral / (k * u))
+        mean_exp += p * lags.replay_mgf(q)
         lost_write = p * _expm1(lam * u) * min(costs.snapshot_s, k * u) / (k * u)
     charge = costs.background_weight * costs.snapshot_s * (1 / k + lost_write)
     return _log_based_waste(costs, mean_exp, charge)
@@ -376,7 +523,8 @@ def optimal_interval_steps(strategy: Strategy, costs: MeasuredCosts) -> int:
     """The interval, in steps, that minimises the closed-form waste of ``strategy``.
 
     Each waste is unimodal in k (a falling snapshot term plus a rising loss term), so an integer
-    ternary search between the smallest feasible interval and 50 MTBFs finds the minimum.
+    ternary search between the smallest feasible interval and 50 MTBFs (for the shadow, at most
+    ``longest_shadow_interval_steps``) finds the minimum.
 
     Raises:
         ValueError: ``strategy`` has no interval (log-only).
@@ -386,6 +534,11 @@ def optimal_interval_steps(strategy: Strategy, costs: MeasuredCosts) -> int:
         raise ValueError(f"{strategy} has no snapshot interval")
     lo = 1 if strategy is Strategy.FULL_SYNC else min_background_steps(costs)
     hi = max(lo, search_bound_steps(costs))
+    if strategy is Strategy.SHADOW:  # no longer than a restarted shadow catches up
+        check_shadow(costs)
+        hi = min(hi, longest_shadow_interval_steps(costs))
+        if hi < lo:
+            check_shadow(costs, lo)  # raises: not even the shortest interval catches up
     waste = _WASTE[strategy]
     while hi - lo > 2:
         third = (hi - lo) // 3

@@ -5,12 +5,15 @@ out event by event: failures (exponential or Weibull inter-arrival times in wall
 a renewal process started afresh with each run), recoveries that a failure restarts, steps,
 snapshot captures and the moments snapshots become durable. Between two failures the schedule is
 deterministic, so the simulator jumps from failure to failure and counts what completed in
-between. For the shadow it follows the running code: a snapshot is taken when the shadow has
-replayed a multiple of k steps, a failure that loses the shadow kills the snapshot being written,
-and the catch-up replay during recovery takes the snapshots it passes again. Each failure loses
+between. For the shadow it follows the running code (``actors.shadow.ShadowLoop``): a snapshot is
+taken when the shadow has replayed a multiple of k steps, and a failure that loses the shadow kills
+the snapshot being written. The workers recover from the newest durable snapshot; the shadow then
+restarts from it while training goes on, replays the log behind it (its lag shrinking by
+1 - r / u steps per replayed step) and takes the snapshots it passes, late. Each failure loses
 the shadow with probability ``MeasuredCosts.shadow_loss_fraction``; one that does not (a worker
-alone) is recovered from the live image in restart + load + ``live_replay_steps`` replays, while
-the shadow goes on replaying and snapshotting.
+alone) is recovered from the live image in restart + load + the replay of ``live_replay_steps``
+or, while a restarted shadow is still behind, of its lag, while the shadow goes on replaying and
+snapshotting.
 
 Seeded: the i-th failure gap depends only on the seed, and so does whether the i-th failure loses
 the shadow (a second stream, drawn only when the share is strictly between 0 and 1), so intervals
@@ -123,63 +126,71 @@ def _run_checkpoints(costs: MeasuredCosts, k: int, steps: int, gaps: _Gaps, asyn
 
 
 def _run_logged(costs: MeasuredCosts, k: int | None, steps: int, gaps: _Gaps, lost: Callable[[], bool]) -> _Run:
-    """Every step logged; with k, a shadow snapshot every k steps (else log-only: replay from 0). A
-    failure for which ``lost()`` is false leaves the shadow alive: the recovery takes its image and
-    replays ``live_replay_steps``, and its snapshots in flight go on."""
+    """Every step logged; with k, a shadow snapshot every k steps (else log-only: replay from 0).
+
+    Training resumes at time t from step n; the shadow has then replayed ``shadow`` <= n steps and
+    replays step m > shadow by t + max((m - shadow) r, (m - n) u + r) (it replays in order, each step
+    once it is logged), snapshotting the multiples of k it passes (durable S later). A failure for
+    which ``lost()`` is false leaves the shadow alive: the recovery takes its image once it has
+    replayed its lag (at least ``live_replay_steps``), and its snapshots in flight go on. One that
+    loses it recovers the workers from the newest durable snapshot; the shadow restarts from that
+    snapshot when training resumes and catches up while training goes on."""
     u, r, snap = costs.step_s + costs.log_append_s, costs.replay_step_s, costs.snapshot_s
     charge = costs.background_weight * snap
-    live_s = costs.downtime_s + costs.live_replay_steps * r
     run = _Run()
     t, next_fail = 0.0, gaps()
-    n = durable = 0
+    n = durable = shadow = snapped = 0  # snapped: the last multiple of k the shadow has snapshotted
     pending: list[tuple[int, float]] = []  # (snapshot step, time it becomes durable)
+
+    def replayed(at: float, upto: int) -> int:
+        """Steps the shadow has replayed by time ``at`` (of the ``upto`` logged)."""
+        behind = shadow + math.floor((at - t) / r)
+        return min(upto, behind, max(n, n + math.floor((at - t - r) / u)))
+
     while True:
         finish = t + (steps - n) * u
         if next_fail >= finish:
             if k:
-                run.charged_s += charge * ((steps - 1) // k - n // k)
+                run.charged_s += charge * ((steps - 1) // k - snapped // k)
             run.wall_s = finish
             return run
         failed_at = next_fail
         reached = n + math.floor((failed_at - t) / u)
         durable = max([durable] + [m for m, at in pending if at <= failed_at])
         shadow_lost = lost()
-        if k and not shadow_lost:  # the shadow replays every logged step and snapshots on its grid
-            taken = [(m, t + (m - n) * u + r + snap) for m in _multiples(k, n, reached)]
+        if k and not shadow_lost:  # the shadow goes on replaying every logged step and snapshots on its grid
+            taken = [(m, t + max((m - shadow) * r, (m - n) * u + r) + snap) for m in _multiples(k, snapped, reached)]
             run.charged_s += charge * len(taken)
             pending = [(m, at) for m, at in pending if at > failed_at] + taken
-        elif k and reached // k > n // k:
-            last = reached // k * k
-            captured = reached // k - n // k - (failed_at < t + (last - n) * u + r)
-            run.charged_s += charge * captured
-            for m in range(last, n, -k):
-                if t + (m - n) * u + r + snap <= failed_at:
-                    durable = max(durable, m)
-                    break
-        n, t = reached, failed_at
+            snapped = reached // k * k
+        elif k:  # the snapshots it took before it died count; the newest durable one is the restore point
+            newest = replayed(failed_at, reached) // k * k
+            run.charged_s += charge * (max(0, newest - snapped) // k)
+            written = replayed(failed_at - snap, reached) // k * k
+            if written > snapped:
+                durable = max(durable, written)
         run.failures += 1
-        next_fail = t + gaps()
+        next_fail = failed_at + gaps()
         while not shadow_lost:  # recovery from the live image; a failure restarts it (and may lose the shadow)
-            if next_fail >= t + live_s:
-                t += live_s
+            behind = reached - shadow - math.floor((failed_at - t) / r)  # a restarted shadow's lag; <= 0 once caught up
+            live_s = costs.downtime_s + max(costs.live_replay_steps, behind) * r
+            if next_fail >= failed_at + live_s:
+                t, n = failed_at + live_s, reached
+                shadow = reached  # it has replayed the whole log by now
                 break
             durable = max([durable] + [m for m, at in pending if at <= next_fail])
-            t = next_fail
+            failed_at = next_fail
             run.failures += 1
-            next_fail = t + gaps()
+            next_fail = failed_at + gaps()
             shadow_lost = lost()
         if shadow_lost:
             pending = []  # the shadow is gone, and its snapshots in flight with it
+            n, t = reached, failed_at
         while shadow_lost:  # recovery: restart, load the durable snapshot, replay to n; a failure restarts it
-            catch_up = [(m, t + costs.downtime_s + (m - durable) * r) for m in _multiples(k, durable, n)]
             end = t + costs.downtime_s + (n - durable) * r
             if next_fail >= end:
-                run.charged_s += charge * len(catch_up)
-                pending = [(m, at + snap) for m, at in catch_up]
-                t = end
+                t, shadow, snapped = end, durable, durable  # the shadow restarts from the snapshot, behind
                 break
-            run.charged_s += charge * sum(at < next_fail for _, at in catch_up)
-            durable = max([durable] + [m for m, at in catch_up if at + snap <= next_fail])
             t = next_fail
             run.failures += 1
             next_fail = t + gaps()

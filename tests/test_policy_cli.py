@@ -83,6 +83,19 @@ def test_policy_reports_an_infeasible_shadow_and_recommends_something_else():
     assert out["recommended"]["strategy"] in ("full-sync", "full-async")
 
 
+def test_policy_does_not_recommend_a_shadow_that_catches_up_for_hours_between_failures():
+    """Replay 1.19 s against a 1.2 s step: a restarted shadow gains 1/120 step per replayed step; with an MTBF
+    of 1 h it is still catching up when the next failure comes, at every interval a 30 s snapshot allows."""
+    args = ["--step-time", "1.2s", "--replay-time", "1.19s", "--snapshot-time", "30s", "--restart-time", "5min",
+            "--load-time", "30s", "--mtbf", "1h"]
+    out = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
+    shadow = [o for o in out["options"] if o["strategy"] == "shadow"]
+    assert len(shadow) == 2 and all(o["waste_ratio"] is None and "outlasts mtbf_s=3600 s" in o["error"] for o in shadow)
+    assert out["recommended"]["strategy"] == "full-async"
+    table = " ".join(CliRunner().invoke(app, args).output.split())
+    assert "shadow/optimal infeasible: a shadow restarted from its snapshot (every 25 steps) catches up at 0.00833 steps" in table
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--mtbf", "3"], "is not a duration"),
     (["--mtbf", "3h", "--gpu-mtbf", "100d"], "exclude each other: give one of them"),
@@ -136,8 +149,9 @@ def test_policy_says_that_no_strategy_makes_progress_when_failures_outpace_recov
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
     lines = result.output.splitlines()
-    assert lines[-1].startswith("error: no strategy makes progress with these costs: the least wasteful, shadow/optimal, "
-                                "expects 1.48e+131 wasted seconds per productive second (at most 100 counts as progress)")
+    # (the shadow, 1.48e+131 before its catch-up was modelled, cannot catch up between failures 1 s apart: infeasible)
+    assert lines[-1].startswith("error: no strategy makes progress with these costs: the least wasteful, full-sync/daly, "
+                                "expects 1.16e+135 wasted seconds per productive second (at most 100 counts as progress)")
     rows = [line for line in lines if line.startswith("│")]
     assert len(rows) == 7 and all(row.rstrip(" │").endswith(("no progress", "infeasible (below)")) for row in rows)
     assert "recommended" not in result.output and max(len(line) for line in lines[:-1]) <= 120  # no 130-digit percentages

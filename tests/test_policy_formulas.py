@@ -173,27 +173,31 @@ def test_adaptive_interval_warns_once_per_infeasible_spell(caplog):
 
 
 def test_waste_shadow_exactly_at_a_high_failure_rate_by_hand():
-    """lambda = ln 2 per second makes every exponential a power of 2, so the exact formula is worked by hand.
+    """lambda = ln 2 per second makes most exponentials powers of 2, so the exact formula is worked by hand.
 
-    r = 1 s, so q = lambda r = ln 2; u = step = 2 s, so e^(lambda u) - 1 = 3; D = 1 s, so e^(lambda D) = 2.
-    k = 3: the mean of e^(q j) over j = 0, 1, 2 is 7 / 3. A snapshot is durable delta = r + S = 5 s after its
-    step: the integral of e^(q floor(phi / u)) over [0, 5) is 2 (1 + 2) + 1 x 4 = 10, weighted by
-    (e^(q k) - 1) / (k u) = 7 / 6: E[e^(q j)] = 7 / 3 + 35 / 3 = 14. Seconds per step 3 x 2 x 14 / ln 2,
-    over a 2 s step: waste = 42 / ln 2 - 1. Charging the 4 s snapshot at w = 1 adds
-    w S (1 / k + 3 x min(S, k u) / (k u)) / t = 4 (1 / 3 + 2) / 2 = 14 / 3.
+    r = 1 s, so q = lambda r = ln 2; u = step = 4 s, so e^(lambda u) - 1 = 15; D = 1 s, so e^(lambda D) = 2.
+    k = 1: a snapshot is durable delta = r + S = 2 s after its step, half of the 4 s cycle, so J is 0 or 1,
+    each with probability 1/2: beta(q) = 1/2 + 2/2 = 3/2, E[J] = 1/2.
+    Catch-up (every failure loses the shadow, p = 1): c = r u / (u - r) = 4/3 s per step of lag, a = lambda c;
+    the snapshot write S = 1 s gives pi = e^(-lambda S) = 1/2, and rho = lambda c (E[J] - S / u) + c (e^(lambda S) - 1) / u
+    = ln 2 / 3 + 1 / 3. e(q) = lambda (e^(b S) - 1) / b with b = q / u - lambda = -3 ln 2 / 4: e(q) = 4/3 (1 - 2^(-3/4)).
+    Den(q) = (a + q)(1 - e(q)) - pi a beta(q) = ln 2 (4/9) (7 x 2^(-3/4) - 4), K = pi (1 - rho) = (2 - ln 2) / 6,
+    E[e^(q R)] = beta(q) q K / Den(q) = 9 (2 - ln 2) / (16 (7 x 2^(-3/4) - 4)) (about 4.53: the catch-up, near
+    critical here, more than triples the replay's 3/2). Seconds per step 15 x 2 x E / ln 2, over a 4 s step.
+    Charging the 1 s snapshot at w = 1 adds w S (1 / k + 15 x min(S, k u) / (k u)) / t = (1 + 15 / 4) / 4 = 19 / 16.
     """
-    c = costs(replay_step_s=1.0, snapshot_s=4.0, restart_s=0.5, load_s=0.5, mtbf_s=1 / math.log(2))
-    assert waste_shadow(c, 3) == pytest.approx(42 / math.log(2) - 1, rel=1e-12)
-    assert waste_shadow(c.replace(background_weight=1.0), 3) == pytest.approx(42 / math.log(2) + 14 / 3 - 1, rel=1e-12)
-    # half the failures leave the shadow alive and replay its lag of 2 steps: E = 0.5 x 2^2 + 0.5 x 14 = 9; the lost
-    # write is charged for the other half only: 4 (1 / 3 + 0.5 x 3 x 4 / 6) / 2 = 8 / 3
-    half = c.replace(shadow_loss_fraction=0.5, live_replay_steps=2.0)
-    assert waste_shadow(half, 3) == pytest.approx(27 / math.log(2) - 1, rel=1e-12)
-    assert waste_shadow(half.replace(background_weight=1.0), 3) == pytest.approx(27 / math.log(2) + 8 / 3 - 1, rel=1e-12)
+    c = costs(step_s=4.0, replay_step_s=1.0, snapshot_s=1.0, restart_s=0.5, load_s=0.5, mtbf_s=1 / math.log(2))
+    mean_exp = 9 * (2 - math.log(2)) / (16 * (7 * 2 ** -0.75 - 4))
+    exact = 30 * mean_exp / (4 * math.log(2)) - 1
+    assert waste_shadow(c, 1) == pytest.approx(exact, rel=1e-12)
+    assert waste_shadow(c.replace(background_weight=1.0), 1) == pytest.approx(exact + 19 / 16, rel=1e-12)
     # a term of weight 0 stays 0 where its exponential overflows: a live lag of 1e9 steps when every failure loses
-    # the shadow, a 2000-step interval when none does (E = 1: seconds per step 3 x 2 / ln 2)
-    assert waste_shadow(c.replace(live_replay_steps=1e9), 3) == pytest.approx(42 / math.log(2) - 1, rel=1e-12)
-    assert waste_shadow(c.replace(shadow_loss_fraction=0.0), 2000) == pytest.approx(3 / math.log(2) - 1, rel=1e-12)
+    # the shadow, a 2000-step interval when none does (E = 1: seconds per step 15 x 2 / ln 2, over 4 s; nothing to catch up)
+    assert waste_shadow(c.replace(live_replay_steps=1e9), 1) == pytest.approx(exact, rel=1e-12)
+    assert waste_shadow(c.replace(shadow_loss_fraction=0.0), 2000) == pytest.approx(7.5 / math.log(2) - 1, rel=1e-12)
+    # half the failures leave the shadow alive (a lag of 2 steps, or the restarted shadow's, if longer): in between
+    half = waste_shadow(c.replace(shadow_loss_fraction=0.5, live_replay_steps=2.0), 1)
+    assert 7.5 / math.log(2) - 1 < half < exact
 
 
 def test_feasibility_bounds_and_their_messages():
