@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from raycheck.job.config import (PROMPT, DifferentialConfig, ElasticConfig, FailureSpec, FaultConfig, FOConfig, JobConfig, LayerwiseConfig,
-                        OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
+                                 OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.experiment_cli import experiment
 from raycheck.orchestrator.merge_cli import merge

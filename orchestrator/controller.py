@@ -57,8 +57,8 @@ from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, worker_need
 from raycheck.orchestrator.control import (Action, EmitPhase, Failed, FailRun, Initialising, Limits, LogKeeperStatus, Observation, Phase,
-                                  PersisterStatus, RestartPersister, RestartShadow, State, Stop, component_actions, step,
-                                  worker_failures_and_recoveries, worker_group_status)
+                                           PersisterStatus, RestartPersister, RestartShadow, State, Stop, component_actions, step,
+                                           worker_failures_and_recoveries, worker_group_status)
 from raycheck.orchestrator.group_timeline import GroupTimeline
 from raycheck.orchestrator.journal import RunRecord, claims_in, start_journal, wait_for_previous_driver
 from raycheck.orchestrator.metrics import RunMetrics
@@ -66,7 +66,8 @@ from raycheck.orchestrator.planning import SnapshotPlanner
 from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
 from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from raycheck.orchestrator.stored_config import save_config
-from raycheck.orchestrator.summary import Collected, mean_step_seconds, recoveries, recovery_of_event, run_summary, write_metrics
+from raycheck.orchestrator.summary import (Collected, failed_summary, mean_step_seconds, recoveries, recovery_of_event, run_summary,
+                                           write_metrics)
 from raycheck.storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from raycheck.storage.steplog import StepLogWriter, read_header
 from raycheck.storage.units import describe_units
@@ -643,12 +644,11 @@ class Controller:
 
     def _failure_summary(self, exc: BaseException) -> dict:
         """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error, and what
-        is known of the shadow (``shadow_shards``: each shard's figures as last seen, no step-time ratio)."""
-        self.state = Failed(f"{type(exc).__name__}: {exc}")
-        self._last_event("phase", phase=self.phase.value, error=f"{type(exc).__name__}: {exc}"[:500])
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "final_step": None, "state_sha256": None,
-                "shadow_equal": None, "bitwise_equal": None,
-                "shadow_shards": self.shadow.shard_figures(None) if self.shadow else None, **self._summary_base()}
+        is known of the shadow (``orchestrator.summary.failed_summary``)."""
+        error = f"{type(exc).__name__}: {exc}"
+        self.state = Failed(error)
+        self._last_event("phase", phase=self.phase.value, error=error[:500])
+        return failed_summary(error, self.shadow.shard_figures(None) if self.shadow else None, self._summary_base())
 
     def _run(self) -> dict:
         cfg = self.cfg

@@ -295,3 +295,11 @@ def run_summary(c: Collected) -> dict:
         "resumes": [e for e in events if e["kind"] == "resume"],
         **c.base,
     }
+
+
+def failed_summary(error: str, shadow_shards: list[dict] | None, base: dict) -> dict:
+    """The ``summary.json`` of a run that raised (pure): ``ok`` false, ``error`` (``<ErrorType>: message``),
+    no final state or hashes, what is known of the shadow (``shadow_shards``: each shard's figures as
+    last seen; None without a shadow), then ``base`` (``Collected.base``'s fields)."""
+    return {"ok": False, "error": error, "final_step": None, "state_sha256": None, "shadow_equal": None,
+            "bitwise_equal": None, "shadow_shards": shadow_shards, **base}

@@ -1,11 +1,11 @@
 """The controller's decision core (``orchestrator.control``), no Ray: ``step`` driven one iteration at a
-time over fake components (``tests/control_fakes.py``), each iteration's exact next state and actions."""
+time over fake components (``orchestrator.control_fakes``), each iteration's exact next state and actions."""
 
 from __future__ import annotations
 
-from control_fakes import FakeRun
+from raycheck.orchestrator.control_fakes import FakeRun
 from raycheck.orchestrator.control import (EmitPhase, Failed, FailRun, Finished, Initialising, Limits, Phase, Recovering, RestartPersister,
-                                  RestartShadow, Running, State, Stop, step)
+                                           RestartShadow, Running, State, Stop, step)
 
 LIMITS = Limits(max_shadow_restarts=2, max_persister_restarts=2, max_worker_failures=10)
 

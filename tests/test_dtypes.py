@@ -28,7 +28,7 @@ from raycheck.training.recovery import from_storage
 from raycheck.training.state import copy_state, load_into
 from raycheck.training.worker import zo_step_
 from raycheck.training.zo import (DTYPES, GENERATOR, DtypeMismatchError, ZOHyper, noise, perturb_, replay_records_, step_seed,
-                         update_)
+                                  update_)
 
 STEPS = 3
 

@@ -3,7 +3,7 @@
 import dataclasses
 
 from raycheck.orchestrator.summary import (BREAKDOWN, IN_PROCESS_BREAKDOWN, Collected, breakdown, mean_step_seconds, recoveries,
-                                  recovery_of_event, run_summary)
+                                           failed_summary, recovery_of_event, run_summary)
 
 
 def test_recoveries_count_lost_and_recomputed_steps_against_the_failure_they_answer():
@@ -188,3 +188,13 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
     bare = run_summary(dataclasses.replace(collected, shadow={}, keeper=None))
     assert (bare["shadow_equal"], bare["shadow_state_sha256"], bare["durability"]) == (None, None, None)
     assert mean_step_seconds([]) is None
+
+
+def test_the_failed_summary_is_a_pure_function_of_the_error_the_shadow_and_the_base():
+    shards = [{"shard": 0, "step": 7}]
+    base = {"phase": "failed", "persister_restarts": 2}
+    assert failed_summary("PersisterFailedError: budget spent", shards, base) == {
+        "ok": False, "error": "PersisterFailedError: budget spent", "final_step": None, "state_sha256": None,
+        "shadow_equal": None, "bitwise_equal": None, "shadow_shards": [{"shard": 0, "step": 7}],
+        "phase": "failed", "persister_restarts": 2}
+    assert list(failed_summary("E: x", None, base))[-2:] == ["phase", "persister_restarts"]

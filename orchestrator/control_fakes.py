@@ -1,15 +1,14 @@
 """Fakes of what the controller polls, for driving ``orchestrator.control.step`` without Ray: each keeps
-the state of one component and returns the frozen snapshot that ``orchestrator.control`` defines for it.
+the state of one component and returns the frozen snapshot that ``orchestrator.control`` defines for it
+(the worker group's through ``orchestrator.control.worker_group_status``, as the controller builds it).
 
-They live here, beside the tests, not in ``orchestrator/control.py``: the interfaces they fake are the
-snapshot types of that module, which the fakes build exactly as the controller does (the worker group
-through ``orchestrator.control.worker_group_status``), and the installed package carries no test code.
-"""
+They live next to the interfaces they fake, so a change of a snapshot type meets its fake in the same
+package (and under the type checker); ``tests/test_control.py`` drives the state machine with them."""
 
 from __future__ import annotations
 
 from raycheck.orchestrator.control import (Action, LogKeeperStatus, Observation, PersisterStatus, RestartPersister, RestartShadow, ShadowStatus,
-                                  ShardStatus, WorkerGroupStatus, worker_group_status)
+                                           ShardStatus, WorkerGroupStatus, worker_group_status)
 
 
 class FakeWorkerGroup:
