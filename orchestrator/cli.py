@@ -24,6 +24,7 @@ from raycheck.orchestrator.replay_cli import replay
 from raycheck.orchestrator.schedule import parse_schedule
 from raycheck.orchestrator.storage_cli import inspect, verify
 from raycheck.orchestrator.stored_config import StoredConfigError, load_config
+from raycheck.policies.costs import InfeasibleError
 from raycheck.storage.backend import local_path
 from raycheck.training.model import MODEL_NAMES, default_cache_dir
 
@@ -438,6 +439,9 @@ def run(
         summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
     except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched
         raise _refuse(str(exc)) from exc
+    except InfeasibleError as exc:  # the adaptive policy's first plan, made before anything in the run directory is touched
+        raise _refuse(f"--snapshot-policy adaptive has no snapshot plan for the assumed costs (--mtbf {cfg.snapshot.mtbf_s:g} s): "
+                      f"{exc}") from exc
     except KeyboardInterrupt as exc:  # Ctrl-C: the run has written its summary and killed its actors
         raise _interrupted(out, verify, cfg.steps) from exc
     keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",

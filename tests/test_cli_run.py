@@ -278,3 +278,16 @@ def test_an_interrupted_run_logs_one_line_without_a_traceback(caplog):
         log_failure(exc)
     assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.levelname != "DEBUG"] == [
         ("WARNING", "the run was interrupted (KeyboardInterrupt)", None)]
+
+
+def test_an_adaptive_run_whose_assumed_costs_admit_no_plan_is_refused_in_one_line(tmp_path):
+    """With the assumed costs (``orchestrator.planning.INITIAL_COSTS``) and an MTBF of 1 s, a shadow restarted
+    after a failure would need longer to catch up than the time between failures (``policies.models.check_shadow``):
+    the adaptive policy has no first plan. The run is refused before Ray starts, with exit 2 and no run directory."""
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "2", "--eval-samples", "0",
+                                      "--snapshot-policy", "adaptive", "--mtbf", "1s", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: --snapshot-policy adaptive has no snapshot plan for the assumed costs "
+                                    "(--mtbf 1 s): a shadow restarted from its snapshot (every 1 steps) catches up")
+    assert result.output.count("\n") == 1 and not out.exists()

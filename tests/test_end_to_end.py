@@ -227,11 +227,11 @@ def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive
     ``orchestrator.replica_groups``): rank 0's process goes on through the failure, waiting at the step
     exchange until the replacement has restored step 6 from the shadow. At step 9 rank 1 raises: with two
     workers that is not restarted in process (rank 0 waits in the step's exchange), so it is replaced the
-    same way. The adaptive policy assumes an MTBF of 1 s: it starts at 1 step between snapshots and must re-plan, since every second the job
+    same way. The adaptive policy assumes an MTBF of 2 s: it starts at 1 step between snapshots and must re-plan, since every second the job
     runs without a failure contradicts that MTBF (policies.replan: (M0 + elapsed) / (1 + failures))."""
     ref = reference
     s = job(tmp_path_factory, "two", "6:worker:exit 9:worker:raise", workers=2, eval_samples=0,
-            snapshot={"policy": "adaptive", "mtbf_s": 1.0})
+            snapshot={"policy": "adaptive", "mtbf_s": 2.0})
     assert s["state_sha256"] == ref["state_sha256"] and s["worker_hashes"] == ref["worker_hashes"] and s["shadow_equal"]
     assert len(set(ref["worker_hashes"].values())) == 6  # after steps 2, 4, ..., 12: the state moved
     assert s["trajectory_sha256"] == ref["trajectory_sha256"]  # one trajectory, whatever the worker count
