@@ -429,6 +429,8 @@ class JobConfig:
                 if name == "faults":
                     given["failures"] = tuple(f if isinstance(f, FailureSpec) else FailureSpec(**f) for f in given.get("failures", ()))
                 object.__setattr__(self, name, kind(**given))
+            elif not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name} must be a {kind.__name__} or a dict of its fields, got {type(getattr(self, name)).__name__}")
         if not self.model:
             raise ValueError("model is empty: give smollm2-135m, tiny, a model folder or a cached model id")
         self._check_data()

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from raycheck.job.config import COMPONENTS, STRATEGIES, FailureSpec, JobConfig, LayerwiseConfig, OldConfigError, SnapshotConfig
+from raycheck.job.config import COMPONENTS, STRATEGIES, FailureSpec, FaultConfig, JobConfig, LayerwiseConfig, OldConfigError, SnapshotConfig
 from raycheck.orchestrator.controller import event_line
 from raycheck.policies.models import Strategy
 from raycheck.policies.strategies import RunStrategy
@@ -219,3 +219,9 @@ def test_the_cli_refuses_nonsense_with_one_line_and_exit_2_touching_nothing(tmp_
         assert result.stdout == ""
     assert {p.name: p.read_bytes() for p in existing.iterdir()} == before
     assert not missing.exists() and not ray.is_initialized()
+
+
+@pytest.mark.parametrize("value, got", [(5, "int"), (None, "NoneType"), (FaultConfig(), "FaultConfig")])
+def test_a_component_of_the_wrong_type_is_refused_naming_the_field(tmp_path, value, got):
+    with pytest.raises(ValueError, match=rf"^zo must be a ZOConfig or a dict of its fields, got {got}$"):
+        JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), zo=value)

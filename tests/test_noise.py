@@ -143,6 +143,7 @@ print(json.dumps({
     "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
     "z": hashlib.sha256(z.numpy().tobytes()).hexdigest(), "replay": five_steps(zo.noise),
     "old_z": hashlib.sha256(old.numpy().tobytes()).hexdigest(), "old_replay": five_steps(randn),
+    "bare": sorted(m for m in sys.modules if m.split(".")[0] in ("training", "storage", "policies", "job")),
 }))
 """
 
@@ -177,6 +178,14 @@ def test_same_bits_under_default_and_best_cpu_kernels_and_one_or_two_threads(pro
     assert default["capability"] == "DEFAULT" and (best["threads"], one["threads"], default["threads"]) == (2, 1, 2)
     assert best["z"] == one["z"] == default["z"] == sha256(zo_noise(step_seed(0, 7), 3, torch.empty(1_000_000)))
     assert best["replay"] == one["replay"] == default["replay"]
+
+
+def test_the_compiled_generator_loads_under_its_package_name_only(probes):
+    """numba caches the compiled kernels next to ``training/noise.py`` and keys the cache by the file's
+    path, time and size, not by the module's name: a cache written before the packages moved under
+    ``raycheck.*`` loaded a second copy of the module as a bare ``training.noise`` (the repository root is
+    on these processes' path; outside it the load fails). No probe may load a bare package."""
+    assert {name: p["bare"] for name, p in probes.items()} == dict.fromkeys(probes, [])
 
 
 def test_old_torch_randn_noise_differs_between_cpu_kernels(probes):

@@ -37,6 +37,13 @@ multiply-add becomes an FMA (``tests/test_noise.py`` checks the machine code has
 The same steps written as separate torch tensor ops (``gaussian_torch``, used on CUDA and as the
 reference) round every op into a tensor in memory, where no compiler can fuse across kernels; the tests
 check both give the same bits.
+
+The kernels are compiled once per machine and cached next to this file (numba ``cache=True``,
+``__pycache__/noise.*.nbi``/``.nbc``). numba keys that cache by this file's path, modification time and
+size, not by the module's name, and the cached code refers to the module by the name it had when it was
+compiled; so a change of the package's name must come with a change of this file (as the move under
+``raycheck.*`` did), or the old cache loads a second copy under the old name
+(``tests/test_noise.py::test_the_compiled_generator_loads_under_its_package_name_only``).
 """
 
 from __future__ import annotations
