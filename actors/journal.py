@@ -5,8 +5,8 @@ not share a disk. So nothing but the driver writes the run directory: the others
 and metric rows, claim failure markers and publish the shadow's actor names through ``RunChannel``,
 a client of one ``JournalActor`` that the controller starts on its own node
 (``orchestrator.journal.start_journal``). The driver drains it incrementally
-(``orchestrator.journal.RunRecord.drain``: two cursors, never the whole history) into
-``events.jsonl`` and ``metrics.jsonl`` and keeps the rows it has seen in memory.
+(``orchestrator.journal.RunRecord.drain``: two cursors, never the whole history) into the run
+directory, and keeps the rows it has seen in memory; this module touches no file.
 
 Ordering: the actor runs one call at a time (``max_concurrency=1``), and Ray runs the calls of one
 caller in the order it submits them, so each process's events and metric rows keep their order;
