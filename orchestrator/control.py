@@ -232,7 +232,8 @@ def shard_action(shard: ShardStatus, sharded: bool, max_restarts: int, recovery_
     if not within_budget(shard.restarts, max_restarts):
         what = f"shadow shard {shard.shard}" if sharded else "the shadow"
         return FailRun("shadow", f"{what} failed after {shard.restarts} restarts (max_shadow_restarts {max_restarts}): "
-                                 f"{shard.failure}")
+                                 f"{shard.failure}; the step log holds every step: resume with --resume, with a larger "
+                                 "--max-shadow-restarts if the shadow keeps failing")
     return None if recovery_pending else RestartShadow(shard.shard)
 
 

@@ -63,6 +63,10 @@ def test_a_shadow_that_dies_while_a_worker_recovers_is_restarted_after_the_recov
     assert run.shadow.restarts == [1]
 
 
+RESUME_HINT = ("; the step log holds every step: resume with --resume, with a larger --max-shadow-restarts "
+               "if the shadow keeps failing")
+
+
 def test_a_shadow_that_dies_while_running_is_restarted_at_once_then_fails_the_run_past_its_budget():
     run = FakeRun()
     state, _ = iterate(run, Initialising())
@@ -72,7 +76,7 @@ def test_a_shadow_that_dies_while_running_is_restarted_at_once_then_fails_the_ru
         assert run.shadow.restarts == [used + 1]
     run.shadow.kill(reason="replay thread died: StepLogGapError")
     run.workers.fail()  # a spent budget fails the run whatever else this iteration saw
-    reason = "the shadow failed after 2 restarts (max_shadow_restarts 2): replay thread died: StepLogGapError"
+    reason = "the shadow failed after 2 restarts (max_shadow_restarts 2): replay thread died: StepLogGapError" + RESUME_HINT
     assert iterate(run, state) == (Failed(reason), (FailRun("shadow", reason),))
 
 
@@ -85,7 +89,7 @@ def test_a_failed_shard_is_restarted_alone_and_named_in_the_failure():
     run.shadow.kill(1)
     run.shadow.kill(2)
     state, actions = iterate(run, state, Limits(max_shadow_restarts=1, max_persister_restarts=2, max_worker_failures=10))
-    reason = "shadow shard 1 failed after 1 restarts (max_shadow_restarts 1): actor died"
+    reason = "shadow shard 1 failed after 1 restarts (max_shadow_restarts 1): actor died" + RESUME_HINT
     assert (state, actions) == (Failed(reason), (FailRun("shadow", reason),))
 
 
