@@ -203,10 +203,12 @@ def log_failure(exc: BaseException) -> None:
 
 
 def prepare(cfg: JobConfig, run: RunDir) -> None:
-    """Convert the model once, save the configuration (``config.json``, for ``--resume``) and create
-    the step log with everything replay needs in its header. An existing step log is kept when its
-    trajectory matches (a resumed run), else ``ResumeMismatchError``; one written with another noise
-    generator raises ``GeneratorMismatchError``, one in another parameter dtype ``DtypeMismatchError``."""
+    """Convert the model once, save the configuration (``config.json``, for ``--resume``; a resumed run
+    saves it again, with the options ``--resume`` took from the command line, e.g. a larger restart
+    budget) and create the step log with everything replay needs in its header. An existing step log is
+    kept when its trajectory matches (a resumed run), else ``ResumeMismatchError``; one written with
+    another noise generator raises ``GeneratorMismatchError``, one in another parameter dtype
+    ``DtypeMismatchError``; none of them touches ``config.json``."""
     cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else None
     tokenizer_dir(cache_dir)
     if is_builtin(cfg.model):
@@ -218,6 +220,7 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         if found != cfg.trajectory_sha256():
             raise ResumeMismatchError(f"{run.step_log} belongs to another trajectory ({found}); use a new --out")
         check_generator(header, str(run.step_log))
+        run.write_json(run.root / "config.json", cfg.to_dict())
         return
     run.write_json(run.root / "config.json", cfg.to_dict())
     model = load_model(cfg.model, cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only

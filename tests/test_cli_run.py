@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cli import app
-from raycheck.orchestrator.controller import prepare
+from raycheck.orchestrator.controller import ResumeMismatchError, prepare
 from raycheck.training.model import default_cache_dir
 
 
@@ -213,6 +213,20 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
     assert result.exit_code == 1, result.output
     assert [c.faults.max_persister_restarts for c in seen] == [5], result.output
     assert "--resume: max_persister_restarts 1 -> 5" in result.output
+
+
+def test_a_resumed_run_saves_its_new_budget_and_a_refused_one_leaves_config_json_alone(tmp_path):
+    """``prepare`` of a resumed run writes ``config.json`` again (a later ``--resume`` starts from the larger
+    budget); a resume refused for another trajectory leaves it byte for byte as it was."""
+    out = tmp_path / "run"
+    cfg = prepared_run(out, faults={"max_persister_restarts": 1})
+    prepare(cfg.replace(**{"faults.max_persister_restarts": 5}), RunDir(out))
+    saved = JobConfig.from_dict(json.loads((out / "config.json").read_text()))
+    assert saved.faults.max_persister_restarts == 5 and saved.trajectory_sha256() == cfg.trajectory_sha256()
+    before = (out / "config.json").read_bytes()
+    with pytest.raises(ResumeMismatchError):
+        prepare(cfg.replace(**{"zo.lr": 1.0}), RunDir(out))
+    assert (out / "config.json").read_bytes() == before
 
 
 @pytest.mark.parametrize(("args", "message"), [
