@@ -55,7 +55,7 @@ def run_row(summary: dict, executions: list[dict]) -> dict:
     replayed = sum(r["replayed_steps"] for r in recs if r["source"] != "object_store")
     replay_step_s = summary.get("shadow_replay_seconds_per_step") if strategy == "shadow" else (
         sum(r["replay_seconds"] for r in recs) / replayed if strategy == "log-only" and replayed else math.nan)
-    interval = summary["config"]["snapshot_every"]
+    interval = summary["config"]["snapshot"]["every_steps"]
     if strategy == "shadow" and summary.get("replans"):
         interval = summary["replans"][-1]["interval_steps"]
     return {
