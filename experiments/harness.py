@@ -120,32 +120,51 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
     shutil.rmtree(out / "runs", ignore_errors=True)
     reference_cfg = job_config(preset, REFERENCE_STRATEGY[preset.algo], out / "runs" / "reference", cache_dir, failures=False)
     reference = Controller(reference_cfg, quiet).run()
-    reference_run = RunDir(pathlib.Path(reference_cfg.out_dir))
-    reference_executions = reference_run.read(reference_run.metrics)
     echo(f"[experiment] reference done in {reference['wall_seconds']:.0f} s")
-    runs, recoveries, shards = [], [], []
+    shards = []
     for strategy in strategies:
         echo(f"[experiment] {strategy} ...")
         cfg = job_config(preset, strategy, out / "runs" / strategy, cache_dir, failure_kind=failure_kind)
         summary = Controller(cfg, quiet).run()
         summary["reference_state_sha256"] = reference["state_sha256"]
         summary["bitwise_equal"] = summary["ok"] and summary["state_sha256"] == reference["state_sha256"]
-        run = RunDir(pathlib.Path(cfg.out_dir))
-        run.write_json(run.root / "summary.json", summary)
-        executions, events = run.read(run.metrics), run.read(run.events)
-        runs.append(run_row(summary, executions) if preset.algo == "zo" else fo_run_row(summary, executions, events, reference_executions))
+        RunDir.write_json(pathlib.Path(cfg.out_dir) / "summary.json", summary)
         if strategy == "shadow":
             shards = shard_rows(summary)
-        recoveries.extend(recovery_rows(summary, events, executions))
         echo(f"[experiment] {strategy}: ok={summary['ok']} bitwise_equal={summary['bitwise_equal']} "
-             f"blocked {runs[-1]['block_s_total']:.3f} s, {len(summary['recoveries'])} recoveries, {summary['wall_seconds']:.0f} s")
+             f"blocked {summary['checkpoint_block_seconds_total']:.3f} s, {len(summary['recoveries'])} recoveries, "
+             f"{summary['wall_seconds']:.0f} s")
     if "shadow" in strategies:
         shards.extend(_sharded_run(preset, out, cache_dir, echo, quiet))
         _write_table(shards, out / "shards.parquet")
-    _write_table(runs, out / "runs.parquet")
-    _write_table(recoveries, out / "recoveries.parquet")
+    collect_results(out, preset.algo, strategies)
     (out / "preset.json").write_text(json.dumps({**dataclasses.asdict(preset), "failure_kind": failure_kind}, indent=2))
     return out
+
+
+def collect_results(out: pathlib.Path, algo: str, strategies: tuple[str, ...]) -> None:
+    """Write ``runs.parquet`` and ``recoveries.parquet`` of ``out`` from the run directories the experiment left
+    under ``out/runs/`` (``reference`` and one per strategy, each ``summary.json`` with its ``bitwise_equal``):
+    ``results.run_row`` per strategy for ``zo``, ``results.fo_run_row`` (against the reference's losses) for
+    ``fo``, and ``results.recovery_rows``. Reads only those files, so the tables can be rebuilt after a change
+    of the row functions without running anything again.
+
+    Raises:
+        FileNotFoundError: a run directory or its ``summary.json`` is missing.
+    """
+    reference = RunDir(out / "runs" / "reference")
+    reference_executions = reference.read(reference.metrics)
+    runs, recoveries = [], []
+    for strategy in strategies:
+        run = RunDir(out / "runs" / strategy)
+        summary = RunDir.read_json(run.root / "summary.json")
+        if summary is None:
+            raise FileNotFoundError(f"{run.root / 'summary.json'} not found: run the experiment first")
+        executions, events = run.read(run.metrics), run.read(run.events)
+        runs.append(run_row(summary, executions) if algo == "zo" else fo_run_row(summary, executions, events, reference_executions))
+        recoveries.extend(recovery_rows(summary, events, executions))
+    _write_table(runs, out / "runs.parquet")
+    _write_table(recoveries, out / "recoveries.parquet")
 
 
 def _sharded_run(preset: Preset, out: pathlib.Path, cache_dir: str, echo: Callable[[str], None],

@@ -35,7 +35,7 @@ ORDER = STRATEGIES["fo"]
 FO_RUN_COLUMNS = (
     "strategy", "model", "steps", "interval_steps", "failures", "exact_by_design", "bitwise_equal", "compute_s_total",
     "block_s_total", "block_share", "block_s_max", "bytes_written", "dev_from_step", "dev_steps", "loss_dev_mean_abs",
-    "loss_dev_max_abs", "final_loss", "reference_final_loss", "final_loss_dev",
+    "loss_dev_max_abs", "first_deviating_step", "final_loss", "reference_final_loss", "final_loss_dev",
 )
 """``runs.parquet``'s columns the first-order report needs (``results.fo_run_row`` writes them)."""
 BYTES_BASELINE = RunStrategy.FULL_ASYNC
@@ -78,11 +78,12 @@ def stall_table(runs: list[dict]) -> list[dict]:
 
 def deviation_table(runs: list[dict]) -> list[dict]:
     """(c) One row per run: ``exact_by_design``, ``bitwise_equal`` (final state sha256 = the reference's),
-    the steps the loss deviation covers (``dev_from_step`` .. the last, ``dev_steps`` of them) and the
-    deviations as percentages: ``loss_dev_mean_abs_pct``, ``loss_dev_max_abs_pct`` (mean and largest
+    the first step whose loss differs from the reference's (``first_deviating_step``, -1: none), the steps
+    the loss deviation covers (``dev_from_step`` .. the last, ``dev_steps`` of them) and the deviations as
+    percentages: ``loss_dev_mean_abs_pct``, ``loss_dev_max_abs_pct`` (mean and largest
     |loss - reference| / reference over those steps) and ``final_loss_dev_pct`` (signed, at the last step)."""
     return [{"strategy": str(r["strategy"]), "exact_by_design": bool(r["exact_by_design"]), "bitwise_equal": bool(r["bitwise_equal"]),
-             "dev_from_step": r["dev_from_step"], "dev_steps": r["dev_steps"],
+             "first_deviating_step": r["first_deviating_step"], "dev_from_step": r["dev_from_step"], "dev_steps": r["dev_steps"],
              "loss_dev_mean_abs_pct": 100 * r["loss_dev_mean_abs"], "loss_dev_max_abs_pct": 100 * r["loss_dev_max_abs"],
              "final_loss": r["final_loss"], "reference_final_loss": r["reference_final_loss"],
              "final_loss_dev_pct": 100 * r["final_loss_dev"]}
@@ -130,17 +131,20 @@ def _stall_md(rows: list[dict], preset: dict) -> str:
 
 def _deviation_md(rows: list[dict], preset: dict) -> str:
     view = [{**r, "exact_by_design": _yes(r["exact_by_design"]), "bitwise_equal": _yes(r["bitwise_equal"]),
+             "first_deviating_step": "none" if r["first_deviating_step"] < 0 else r["first_deviating_step"],
              "steps": "none (no recovery)" if r["dev_from_step"] < 0 else f"{r['dev_from_step']}..{preset['steps'] - 1} ({r['dev_steps']})"}
             for r in rows]
     table = md_table(view, [("strategy", "strategy"), ("exact_by_design", "exact by design"), ("bitwise_equal", "final state bitwise equal"),
-                            ("steps", "steps compared"), ("loss_dev_mean_abs_pct", "mean abs. loss deviation (%)"),
+                            ("first_deviating_step", "first step whose loss differs"), ("steps", "steps compared"), ("loss_dev_mean_abs_pct", "mean abs. loss deviation (%)"),
                             ("loss_dev_max_abs_pct", "max abs. loss deviation (%)"), ("final_loss", "final loss"),
                             ("reference_final_loss", "reference final loss"), ("final_loss_dev_pct", "final loss deviation (%)")])
     inexact = [r["strategy"] for r in rows if not r["exact_by_design"]]
     return (
         "**Final state**: the sha256 of the whole training state after the last step (weights, both AdamW moments and "
         "step counts) against the failure-free reference's; a run that differs is not measured further on its state. "
-        "**Loss deviation**: at each step from the one the first recovery restored to the last, "
+        "**First step whose loss differs**: the first step of the run whose training loss is not exactly the reference's "
+        "(where the restored state first differed, seen through the loss). **Loss deviation**: at each step from the one "
+        "the run's last recovery restored to the last step (the steps after the last restart), "
         "|loss - reference loss| / reference loss, where loss is that step's training loss on its batch (the same batches "
         f"as the reference: batches are a function of the seed and step; batch {preset['batch_size']}), taken from the "
         "step's last execution. An exact restart re-executes bitwise the reference's steps, so its deviation is exactly 0; "

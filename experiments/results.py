@@ -108,10 +108,13 @@ def bytes_written(executions: list[dict], events: list[dict], final_bytes: int) 
 
 def loss_deviation(executions: list[dict], reference: list[dict], from_step: int | None) -> dict:
     """The relative deviation of a run's per-step training loss from the failure-free reference's,
-    (loss - reference) / reference at each step from ``from_step`` (the step the first recovery restored;
-    None: no recovery, nothing compared) to the last, each step's loss from its last execution (the one the
-    run continued from). Returns ``dev_from_step``, ``dev_steps`` (steps compared), ``loss_dev_mean_abs``
-    and ``loss_dev_max_abs`` (fractions, NaN when none), ``final_loss``, ``reference_final_loss`` and
+    (loss - reference) / reference at each step from ``from_step`` (the step the run's last recovery
+    restored: every step after it ran on the trajectory the run ended on; None: no recovery, nothing
+    compared) to the last, each step's loss from its last execution (the one the run continued from).
+    Returns ``dev_from_step`` (-1 for None), ``dev_steps`` (steps compared), ``loss_dev_mean_abs`` and
+    ``loss_dev_max_abs`` (fractions, NaN when none), ``first_deviating_step`` (the first step of the whole
+    run whose last execution's loss differs from the reference's at all, -1: none: the run is on the
+    reference's trajectory up to its last step), ``final_loss``, ``reference_final_loss`` and
     ``final_loss_dev`` (signed, at the last step). A single run's values are one sample each."""
     last = {r["step"]: r["loss"] for r in executions}
     ref = {r["step"]: r["loss"] for r in reference}
@@ -121,6 +124,7 @@ def loss_deviation(executions: list[dict], reference: list[dict], from_step: int
     final_ref = ref.get(final) if final is not None else None
     return {"dev_from_step": -1 if from_step is None else from_step, "dev_steps": len(steps),
             "loss_dev_mean_abs": _mean(devs), "loss_dev_max_abs": max(devs, default=math.nan),
+            "first_deviating_step": next((s for s in sorted(last) if s in ref and last[s] != ref[s]), -1),
             "final_loss": last[final] if final is not None else math.nan,
             "reference_final_loss": final_ref if final_ref is not None else math.nan,
             "final_loss_dev": (last[final] - final_ref) / abs(final_ref) if final_ref else math.nan}
@@ -136,7 +140,7 @@ def fo_run_row(summary: dict, executions: list[dict], events: list[dict], refere
     ``compute_s_total``: their step seconds, ``block_share`` = the quotient, ``block_s_max``), bytes
     (``bytes_written``, ``bytes_written``'s rule), exactness (``exact_by_design``, ``bitwise_equal``:
     the final state's sha256 against the reference's) and ``loss_deviation``'s columns from the
-    first recovery's restored step.
+    last recovery's restored step.
     """
     block = [r["checkpoint_block_seconds"] for r in executions]
     compute = sum(r["step_seconds"] for r in executions)
@@ -160,7 +164,7 @@ def fo_run_row(summary: dict, executions: list[dict], events: list[dict], refere
         "block_share": sum(block) / compute if compute > 0 else math.nan,
         "block_s_max": max(block, default=0.0),
         "bytes_written": bytes_written(executions, events, (summary.get("worker_checkpoints") or {}).get("bytes", 0)),
-        **loss_deviation(executions, reference, recoveries[0]["restored_step"] if recoveries else None),
+        **loss_deviation(executions, reference, recoveries[-1]["restored_step"] if recoveries else None),
     }
 
 

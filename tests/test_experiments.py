@@ -184,12 +184,13 @@ def test_fo_row_sums_bytes_over_incarnations_and_measures_the_loss_deviation_aft
     assert (row["block_s_total"], row["compute_s_total"], row["block_share"], row["block_s_max"]) == (1.0, 3.5, 1.0 / 3.5, 0.5)
     assert (row["exact_by_design"], row["bitwise_equal"], row["recoveries"], row["failures"]) == (False, False, 1, 1)
     # steps 4 and 5 from their last executions: |1.1 - 1| and |0.8 - 1|; the discarded 1.5 of step 4 does not count
-    assert (row["dev_from_step"], row["dev_steps"]) == (4, 2)
+    assert (row["dev_from_step"], row["dev_steps"], row["first_deviating_step"]) == (4, 2, 4)
     assert row["loss_dev_mean_abs"] == pytest.approx(0.15) and row["loss_dev_max_abs"] == pytest.approx(0.2)
     assert (row["final_loss"], row["reference_final_loss"]) == (0.8, 1.0) and row["final_loss_dev"] == pytest.approx(-0.2)
     exact = fo_run_row(_summary("differential", config={"run_id": "r2", "model": "tiny", "steps": 6, "snapshot": {"every_steps": 2},
                                                        "differential": {"topk": 0.0}}), reference, [], reference)
     assert exact["exact_by_design"] and exact["dev_from_step"] == -1 and exact["dev_steps"] == 0 and math.isnan(exact["loss_dev_mean_abs"])
+    assert exact["first_deviating_step"] == -1
     assert exact["final_loss_dev"] == 0.0
 
 
@@ -205,3 +206,35 @@ def test_experiment_cli_refuses_a_zo_strategy_with_algo_fo_in_one_line(tmp_path)
                              "layerwise, differential, overlapped\n")
     assert list(tmp_path.iterdir()) == []
     assert CliRunner().invoke(app, ["experiment", "--algo", "so", "--out", str(tmp_path)]).output == "error: --algo 'so': choose zo or fo\n"
+
+
+def test_collect_results_rebuilds_the_fo_tables_from_the_run_directories(tmp_path):
+    """``harness.collect_results``: runs.parquet and recoveries.parquet come from ``runs/<strategy>/`` and the
+    reference's metrics alone (a change of the row functions needs no new run)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from raycheck.experiments.harness import collect_results
+
+    def lines(path, rows):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    lines(tmp_path / "runs" / "reference" / "metrics.jsonl", [_fo_row(s, float(s), 1.0) for s in range(4)])
+    executions = [_fo_row(0, 1.0, 1.0), _fo_row(1, 2.0, 1.0, 0.5, 100), _fo_row(2, 3.0, 1.0), _fo_row(2, 9.0, 1.25), _fo_row(3, 10.0, 1.5)]
+    events = [{"kind": "failure", "target": "worker", "step": 3, "unix_s": 3.5},
+              {"kind": "recovery", "unix_s": 8.0, "seconds": 1.0, "restored_step": 2, "source": "storage",
+               "load_seconds": 0.5, "replay_seconds": 0.0, "replayed_steps": 0}]
+    lines(tmp_path / "runs" / "layerwise" / "metrics.jsonl", executions)
+    lines(tmp_path / "runs" / "layerwise" / "events.jsonl", events)
+    summary = _summary("layerwise", worker_checkpoints={"bytes": 20}, failures=[{"step": 3, "target": "worker", "how": "exit"}])
+    (tmp_path / "runs" / "layerwise" / "summary.json").write_text(json.dumps(summary))
+    collect_results(tmp_path, "fo", ("layerwise",))
+    [row] = pq.read_table(tmp_path / "runs.parquet").to_pylist()
+    assert (row["strategy"], row["bytes_written"], row["first_deviating_step"], row["dev_from_step"]) == ("layerwise", 120, 2, 2)
+    assert row["loss_dev_mean_abs"] == pytest.approx(0.375) and row["bitwise_equal"] is True  # as summary.json says
+    [rec] = pq.read_table(tmp_path / "recoveries.parquet").to_pylist()
+    assert (rec["strategy"], rec["at_step"], rec["restored_step"]) == ("layerwise", 3, 2)
+    with pytest.raises(FileNotFoundError, match="full-sync/summary.json not found"):
+        collect_results(tmp_path, "fo", ("full-sync",))

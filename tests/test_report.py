@@ -436,7 +436,7 @@ def fo_run(strategy: str, bytes_written: int, block_s: float, **changes) -> dict
     return {"run_id": strategy, "strategy": strategy, "algo": "fo", "model": "tiny", "steps": 32, "interval_steps": 8,
             "failures": 2, "recoveries": 2, "exact_by_design": True, "bitwise_equal": True, "wall_s": 300.0, "mean_step_s": 0.5,
             "compute_s_total": 16.0, "block_s_total": block_s, "block_share": block_s / 16.0, "block_s_max": block_s / 2,
-            "bytes_written": bytes_written, "dev_from_step": 8, "dev_steps": 24, "loss_dev_mean_abs": 0.0,
+            "bytes_written": bytes_written, "dev_from_step": 8, "dev_steps": 24, "loss_dev_mean_abs": 0.0, "first_deviating_step": -1,
             "loss_dev_max_abs": 0.0, "final_loss": 0.7, "reference_final_loss": 0.7, "final_loss_dev": 0.0, **changes}
 
 
@@ -446,7 +446,7 @@ def test_a_first_order_results_set_gets_the_first_order_report(tmp_path, capsys)
 
     runs = [fo_run("full-sync", 4_000_000, 0.8), fo_run("full-async", 4_000_000, 0.4),
             fo_run("layerwise", 1_000_000, 0.2, exact_by_design=False, bitwise_equal=False, loss_dev_mean_abs=0.0125,
-                   loss_dev_max_abs=0.05, final_loss=0.735, final_loss_dev=0.05)]
+                   loss_dev_max_abs=0.05, final_loss=0.735, final_loss_dev=0.05, first_deviating_step=24)]
     recs = (recoveries("full-async", (20.0, 22.0), (9.5,) * 2, (1.5,) * 2, recompute=(8, 10))
             + recoveries("layerwise", (18.0, 20.0), (9.5,) * 2, (1.5,) * 2, recompute=(6, 8))
             + recoveries("full-sync", (21.0, 23.0), (9.5,) * 2, (1.5,) * 2, recompute=(8, 10)))
@@ -464,7 +464,8 @@ def test_a_first_order_results_set_gets_the_first_order_report(tmp_path, capsys)
     md = (tmp_path / "report.md").read_text()
     for text in ("# raycheck experiment --algo fo: tiny", "## (a) Loop stall and bytes written", "## (b) Recovery latency",
                  "## (c) Exactness and post-restart deviation", "| layerwise | **no** | 8 | 16 | 0.2 | 1.25% | 0.1 | 1,000,000 | 4x |",
-                 "| layerwise | **no** | **no** | 8..31 (24) | 1.25 | 5 | 0.735 | 0.7 | 5 |", "Inexact by design here: layerwise.",
+                 "| layerwise | **no** | **no** | 24 | 8..31 (24) | 1.25 | 5 | 0.735 | 0.7 | 5 |",
+                 "| full-sync | yes | yes | none | 8..31 (24) | 0 | 0 | 0.7 | 0.7 | 0 |", "Inexact by design here: layerwise.",
                  "one sample each", "docs/first-order.md"):
         assert text in md, text
     assert "/ ours" not in md and "ZOCheck" not in md
