@@ -37,6 +37,7 @@ recovery latency, 21.3x lower end-to-end wasted time).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import pathlib
 from collections.abc import Sequence
@@ -83,7 +84,9 @@ class Report:
     """Name (``report``, ``overhead``, ``overhead_png``, ...) to the path written."""
     headlines: tuple[Headline, ...]
     highest_rate_mtbf_s: float
-    """The grid's smallest MTBF (seconds): the cell of the wasted-time headline."""
+    """The grid's smallest MTBF (seconds): the cell of the wasted-time headline (NaN: a first-order report, which has none)."""
+    notes: tuple[str, ...] = ()
+    """Lines the summary prints after the headlines (a first-order report's per-strategy figures)."""
 
     def headline(self, metric: str, baseline: Strategy | str = PAPER_BASELINE) -> Headline:
         """The headline of ``metric`` against ``baseline``.
@@ -103,7 +106,7 @@ class Report:
         for h in self.headlines:
             goal = "" if h.target is None else f"  (paper {h.paper:g}x, target >= {h.target:g}x: {'met' if h.met else 'MISSED'})"
             lines.append(f"{h.metric:>9} vs {h.baseline:<10} {fmt_ratio(h.ratio)}{goal}" + (f"  [{h.paths}]" if h.paths else ""))
-        return "\n".join(lines)
+        return "\n".join([*lines, *self.notes])
 
 
 # ---------------------------------------------------------------------------------------------- plots
@@ -270,13 +273,14 @@ def _breakdown_md(rows: list[dict]) -> str:
             "worker group, which no checkpointing strategy changes.\n\n" + "\n\n".join(parts))
 
 
-def _recovery_md(rows: list[dict], hs: Sequence[Headline], breakdown: list[dict] | None = None) -> str:
+def _recovery_md(rows: list[dict], hs: Sequence[Headline], breakdown: list[dict] | None = None, ours: bool = True) -> str:
+    """(b): the latency table (``recovery_table``'s rows, with the ratio to ours when ``ours``), its plot and the breakdown."""
     view = [{**r, "latency": _ci(r["latency_s"], r["latency_lo_s"], r["latency_hi_s"])} for r in rows]
     table = md_table(view, [("strategy", "strategy"), ("n", "n"), ("latency", "latency s, mean [95% CI]"),
                             ("restart_s", "restart"), ("load_s", "load"), ("replay_s", "replay"), ("recompute_s", "recompute"),
                             ("other_s", "other"),
                             ("replayed_steps", "replayed steps"), ("recompute_steps", "recomputed steps"),
-                            ("sources", "restored from"), ("paths", "path"), ("ratio", "/ ours")])
+                            ("sources", "restored from"), ("paths", "path"), *([("ratio", "/ ours")] if ours else [])])
     return ("Latency from the failure to the start of the first step not executed before it, in seconds, mean over each "
             "strategy's recoveries (95% Student-t interval when n > 1); *other* is what restart, load, replay and "
             "recompute leave unexplained.\n\n" + table + "\n\n![recovery](recovery.png)\n\n" + _breakdown_md(breakdown or [])
@@ -372,6 +376,13 @@ def render_markdown(runs: list[dict], overhead: list[dict], recovery: list[dict]
 # ---------------------------------------------------------------------------------------------- entry point
 
 
+def results_algo(results_dir: pathlib.Path) -> str:
+    """The algorithm of a results set: ``preset.json``'s ``algo``; ``zo`` without one (results older than
+    the first-order experiment)."""
+    preset = pathlib.Path(results_dir) / "preset.json"
+    return json.loads(preset.read_text()).get("algo", "zo") if preset.is_file() else "zo"
+
+
 def write_parquet(rows: list[dict], path: pathlib.Path) -> None:
     """Write rows (dicts with the same keys) as a Parquet table."""
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -386,10 +397,17 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
     background snapshot seconds as waste (0: wall-clock W as ``docs/algorithms.md`` defines it);
     ``intervals`` ``measured`` (each run's interval) or ``optimal`` (the closed-form optimum per cell).
 
+    A first-order results set (``preset.json``'s ``algo`` ``fo``) gets ``experiments.report_fo``'s report
+    instead (the other arguments do not apply to it).
+
     Raises:
         FileNotFoundError, ValueError: missing, empty or malformed inputs (see ``load_results``), or bad arguments.
     """
     results_dir = pathlib.Path(results_dir)
+    if results_algo(results_dir) == "fo":
+        from raycheck.experiments.report_fo import write_fo_report  # it builds on this module's markdown and plots
+
+        return write_fo_report(results_dir)
     runs, recoveries = load_results(results_dir)
     overhead, recovery, breakdown = overhead_table(runs), recovery_table(recoveries), breakdown_table(recoveries)
     if grid_mtbf_s is None:

@@ -16,6 +16,7 @@ import pathlib
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -140,15 +141,17 @@ def load_results(results_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
         FileNotFoundError: a file is missing.
         ValueError: a file is empty, lacks columns, names an unknown strategy, or no ``shadow`` run exists.
     """
-    runs = _read_rows(pathlib.Path(results_dir) / "runs.parquet", RUN_COLUMNS)
+    runs = read_rows(pathlib.Path(results_dir) / "runs.parquet", RUN_COLUMNS)
     recoveries = [{**r, "path": r.get("path") or PATHS[0]}  # results older than the warm path: a new process
-                  for r in _read_rows(pathlib.Path(results_dir) / "recoveries.parquet", RECOVERY_COLUMNS)]
+                  for r in read_rows(pathlib.Path(results_dir) / "recoveries.parquet", RECOVERY_COLUMNS)]
     if not any(r["strategy"] == OURS for r in runs):
         raise ValueError(f"runs.parquet has no {OURS!s} run: the ratios are ours against each baseline; run the shadow strategy")
     return runs, recoveries
 
 
-def _read_rows(path: pathlib.Path, columns: Sequence[str]) -> list[dict]:
+def read_rows(path: pathlib.Path, columns: Sequence[str], kinds: type[StrEnum] = Strategy) -> list[dict]:
+    """The rows of ``path`` with ``columns`` required, each ``strategy`` parsed as one of ``kinds``
+    (default ``Strategy``, the cost model's; the first-order report passes ``RunStrategy``)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: `raycheck experiment` writes it into the results folder; run it first")
     table = pq.read_table(path)
@@ -160,9 +163,9 @@ def _read_rows(path: pathlib.Path, columns: Sequence[str]) -> list[dict]:
     rows = table.to_pylist()
     for r in rows:
         try:
-            r["strategy"] = Strategy(r["strategy"])
+            r["strategy"] = kinds(r["strategy"])
         except ValueError:
-            known = [str(s) for s in Strategy]
+            known = [str(s) for s in kinds]
             raise ValueError(f"{path}: unknown strategy {r['strategy']!r}; expected one of {known}") from None
         for k, v in r.items():
             if v is None and k not in _NOT_FLOAT:
@@ -170,9 +173,9 @@ def _read_rows(path: pathlib.Path, columns: Sequence[str]) -> list[dict]:
     return rows
 
 
-def _by_strategy(rows: list[dict]) -> dict[Strategy, list[dict]]:
-    """Rows grouped by strategy, ours first, then the baselines in ``BASELINES`` order."""
-    return {s: [r for r in rows if r["strategy"] == s] for s in ORDER if any(r["strategy"] == s for r in rows)}
+def _by_strategy(rows: list[dict], order: Sequence[StrEnum] = ORDER) -> dict[Any, list[dict]]:
+    """Rows grouped by strategy in ``order`` (default: ours first, then the baselines in ``BASELINES`` order)."""
+    return {s: [r for r in rows if r["strategy"] == s] for s in order if any(r["strategy"] == s for r in rows)}
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -287,7 +290,7 @@ def why_overhead(ours: dict, base: dict, target: float) -> str | None:
 # ---------------------------------------------------------------------------------------------- (b) recovery
 
 
-def recovery_table(recoveries: list[dict]) -> list[dict]:
+def recovery_table(recoveries: list[dict], order: Sequence[StrEnum] = ORDER) -> list[dict]:
     """(b) Mean recovery latency per strategy (seconds), its breakdown, n, a 95% interval, our ratio.
 
     ``other_s`` = latency minus restart, load, replay and recompute (what the measured parts leave
@@ -296,9 +299,10 @@ def recovery_table(recoveries: list[dict]) -> list[dict]:
     (``path_counts``) says which path the recoveries took; ``shadow_loss_share`` is the share of
     recoveries that did not take a live shadow's image (source other than ``object_store``) and
     ``live_replayed_steps`` the mean steps replayed by those that did (NaN: none did). The interval is Student's t over the strategy's recoveries (None for a single one).
+    Strategies in ``order`` (default ``ORDER``; ``ratio`` is NaN without a ``shadow`` row).
     """
     rows: list[dict[str, Any]] = []
-    for strategy, rs in _by_strategy(recoveries).items():
+    for strategy, rs in _by_strategy(recoveries, order).items():
         mean, lo, hi = mean_ci([float(r["latency_s"]) for r in rs])
         parts = {p: _mean(rs, p) for p in RECOVERY_PARTS[:-1]}
         sources = sorted({r["source"] for r in rs})
@@ -328,19 +332,20 @@ def _has(row: dict, column: str) -> bool:
     return column in row and row[column] is not None and not math.isnan(float(row[column]))
 
 
-def breakdown_table(recoveries: list[dict]) -> list[dict]:
+def breakdown_table(recoveries: list[dict], order: Sequence[StrEnum] = ORDER) -> list[dict]:
     """(b) The recovery breakdown per path (``PATHS``): for each path the recoveries took, one row per
     component they have (``orchestrator.summary.BREAKDOWN``, or ``IN_PROCESS_BREAKDOWN`` for
     ``in_process``; a combined one where two could not be separated), in the order the recoveries list
     them, with ``path``, ``owner`` (``Ray Train`` for its restart of the worker group, which only a
     ``new_process`` recovery has, else ``raycheck``) and each strategy's mean seconds over its
     recoveries on that path that have the component (NaN: none); each path's last row is ``TOTAL``
-    (failure to the first step done, their sum). ``[]`` when no recovery has a breakdown."""
+    (failure to the first step done, their sum). ``[]`` when no recovery has a breakdown. Strategies in
+    ``order`` (default ``ORDER``)."""
     rows = []
     for path in dict.fromkeys(r.get("path") or PATHS[0] for r in recoveries):
         on_path = [r for r in recoveries if (r.get("path") or PATHS[0]) == path]
         columns = list(dict.fromkeys(k for r in on_path for k in r if k.startswith(BREAKDOWN_PREFIX) and _has(r, k)))
-        by_strategy = _by_strategy(on_path)
+        by_strategy = _by_strategy(on_path, order)
         for column in [*columns, "first_step_s"] if columns else []:
             name = TOTAL if column == "first_step_s" else column.removeprefix(BREAKDOWN_PREFIX).removesuffix("_s")
             ray_train = path == PATHS[0] and set(name.split("+")) <= RAY_TRAIN_COMPONENTS

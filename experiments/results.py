@@ -8,9 +8,11 @@ All durations are seconds, sizes bytes, positions steps.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 
+from raycheck.policies.strategies import RunStrategy
 from raycheck.storage.steplog import RECORD_BYTES
 
 LOG_STRATEGIES = ("shadow", "log-only")
@@ -78,6 +80,91 @@ def run_row(summary: dict, executions: list[dict]) -> dict:
         "stall_s": _mean(worker.get("stage_seconds", [])) if strategy == "full-async" else 0.0,
         "replay_step_s": replay_step_s if replay_step_s is not None else math.nan,
         "log_append_s": _mean([r["log_append_seconds"] for r in executions]) if logged else 0.0,
+    }
+
+
+def exact_by_design(summary: dict) -> bool:
+    """Whether the run's strategy restores the very state it checkpointed: every first-order one but
+    ``layerwise`` (a composite of units from different steps) and ``differential`` with top-k records."""
+    config = summary["config"]
+    if summary["strategy"] == RunStrategy.DIFFERENTIAL:
+        return not (config.get("differential") or {}).get("topk")
+    return summary["strategy"] != RunStrategy.LAYERWISE
+
+
+def bytes_written(executions: list[dict], events: list[dict], final_bytes: int) -> int:
+    """Checkpoint bytes a first-order run wrote (shards, gradient records, manifests' shards; bytes): per
+    worker incarnation (a ``recovery`` event starts the next) the most its checkpointer had committed at
+    any step row (``checkpoint_bytes``), the last incarnation's from ``final_bytes`` (its checkpointer's
+    total after ``close``) when larger. A write still in flight when a worker died is not counted."""
+    cuts = sorted(e["unix_s"] for e in events if e["kind"] == "recovery")
+    per: dict[int, int] = {}
+    for r in executions:
+        i = bisect.bisect(cuts, r["unix_s"])
+        per[i] = max(per.get(i, 0), int(r.get("checkpoint_bytes") or 0))
+    per[len(cuts)] = max(per.get(len(cuts), 0), int(final_bytes or 0))
+    return sum(per.values())
+
+
+def loss_deviation(executions: list[dict], reference: list[dict], from_step: int | None) -> dict:
+    """The relative deviation of a run's per-step training loss from the failure-free reference's,
+    (loss - reference) / reference at each step from ``from_step`` (the step the run's last recovery
+    restored: every step after it ran on the trajectory the run ended on; None: no recovery, nothing
+    compared) to the last, each step's loss from its last execution (the one the run continued from).
+    Returns ``dev_from_step`` (-1 for None), ``dev_steps`` (steps compared), ``loss_dev_mean_abs`` and
+    ``loss_dev_max_abs`` (fractions, NaN when none), ``first_deviating_step`` (the first step of the whole
+    run whose last execution's loss differs from the reference's at all, -1: none: the run is on the
+    reference's trajectory up to its last step), ``final_loss``, ``reference_final_loss`` and
+    ``final_loss_dev`` (signed, at the last step). A single run's values are one sample each."""
+    last = {r["step"]: r["loss"] for r in executions}
+    ref = {r["step"]: r["loss"] for r in reference}
+    steps = [s for s in sorted(last) if from_step is not None and s >= from_step and s in ref and ref[s]]
+    devs = [abs(last[s] - ref[s]) / abs(ref[s]) for s in steps]
+    final = max(last, default=None)
+    final_ref = ref.get(final) if final is not None else None
+    return {"dev_from_step": -1 if from_step is None else from_step, "dev_steps": len(steps),
+            "loss_dev_mean_abs": _mean(devs), "loss_dev_max_abs": max(devs, default=math.nan),
+            "first_deviating_step": next((s for s in sorted(last) if s in ref and last[s] != ref[s]), -1),
+            "final_loss": last[final] if final is not None else math.nan,
+            "reference_final_loss": final_ref if final_ref is not None else math.nan,
+            "final_loss_dev": (last[final] - final_ref) / abs(final_ref) if final_ref else math.nan}
+
+
+def fo_run_row(summary: dict, executions: list[dict], events: list[dict], reference: list[dict]) -> dict:
+    """The ``runs.parquet`` row of one first-order strategy run (``raycheck experiment --algo fo``).
+
+    ``executions``: every metric row in time order (re-executions included); ``events``: the run's
+    ``events.jsonl``; ``reference``: the failure-free reference run's metric rows. Columns: the run
+    (``strategy``, ``model``, ``steps``, ``interval_steps``, ``failures``, ``wall_s``, ``mean_step_s``),
+    the loop stall (``block_s_total``: seconds blocked by checkpointing over every execution,
+    ``compute_s_total``: their step seconds, ``block_share`` = the quotient, ``block_s_max``), bytes
+    (``bytes_written``, ``bytes_written``'s rule), exactness (``exact_by_design``, ``bitwise_equal``:
+    the final state's sha256 against the reference's) and ``loss_deviation``'s columns from the
+    last recovery's restored step.
+    """
+    block = [r["checkpoint_block_seconds"] for r in executions]
+    compute = sum(r["step_seconds"] for r in executions)
+    recoveries = [e for e in events if e["kind"] == "recovery"]
+    config = summary["config"]
+    return {
+        "run_id": config["run_id"],
+        "strategy": summary["strategy"],
+        "algo": "fo",
+        "model": config["model"],
+        "steps": config["steps"],
+        "interval_steps": config["snapshot"]["every_steps"],
+        "failures": sum(1 for f in summary["failures"] if f["target"] in ("worker", "both")),
+        "recoveries": len(recoveries),
+        "exact_by_design": exact_by_design(summary),
+        "bitwise_equal": bool(summary.get("bitwise_equal")),
+        "wall_s": summary["wall_seconds"],
+        "mean_step_s": summary["mean_step_seconds"],
+        "compute_s_total": compute,
+        "block_s_total": sum(block),
+        "block_share": sum(block) / compute if compute > 0 else math.nan,
+        "block_s_max": max(block, default=0.0),
+        "bytes_written": bytes_written(executions, events, (summary.get("worker_checkpoints") or {}).get("bytes", 0)),
+        **loss_deviation(executions, reference, recoveries[-1]["restored_step"] if recoveries else None),
     }
 
 

@@ -14,9 +14,12 @@ from raycheck.training.model import default_cache_dir
 
 
 def experiment(
-    quick: Annotated[bool, typer.Option("--quick", help="The tiny model, 40 steps, 3 failures (under 10 min on 2 cores).")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="The tiny model (zo: 40 steps, 3 failures; fo: 32 steps, 2 failures; "
+                                                       "under 10 min on 2 cores).")] = False,
     out: Annotated[pathlib.Path, typer.Option(help="Results directory (runs/, Parquet tables, report.md, PNG plots).")] = pathlib.Path("runs/experiment"),
-    strategy: Annotated[list[str], typer.Option(help="Strategies to run (repeatable; default: all four).")] = list(STRATEGIES["zo"]),
+    algo: Annotated[str, typer.Option(help="zo (MeZO: shadow against the baselines) or fo (AdamW: every first-order "
+                                           "strategy side by side).")] = "zo",
+    strategy: Annotated[list[str], typer.Option(help="Strategies to run (repeatable; default: every one of --algo's).")] = [],  # noqa: B006
     report_only: Annotated[bool, typer.Option(help="Rebuild the report from the results already in --out.")] = False,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
     failure_kind: Annotated[str, typer.Option(
@@ -28,22 +31,26 @@ def experiment(
 ) -> None:
     """Run ours (shadow) and the baselines (full-sync, full-async, log-only) on the same trajectory and the
     same injected worker failures, then write runs.parquet, recoveries.parquet, report.md and plots.
+    With --algo fo: every first-order strategy (full-sync, full-async, layerwise, differential, overlapped)
+    against a failure-free first-order reference.
 
     The default preset fine-tunes SmolLM2-135M (30 steps, failures at steps 12 and 24, checkpoint
-    interval 10; about 21 min on 2 cores); --quick uses the tiny model.
+    interval 10; about 21 min on 2 cores for zo); --quick uses the tiny model.
     """
-    from raycheck.experiments.harness import PRESETS, run_experiment
+    from raycheck.experiments.harness import PRESETS_BY_ALGO, run_experiment
     from raycheck.experiments.report import write_report
     from raycheck.orchestrator.cluster import connect
     from raycheck.training.model import model_folder
 
-    unknown = sorted(set(strategy) - set(STRATEGIES["zo"]))
+    if algo not in STRATEGIES:
+        _usage_error(f"--algo {algo!r}: choose zo or fo")
+    unknown = [s for s in strategy if s not in STRATEGIES[algo]]
     if unknown:
-        raise typer.BadParameter(f"unknown strategy {unknown}: choose from {', '.join(STRATEGIES['zo'])}")
+        _usage_error(f"--strategy {', '.join(unknown)} is not a strategy of --algo {algo}: choose from {', '.join(STRATEGIES[algo])}")
     if failure_kind not in FAILURE_KINDS:
         raise typer.BadParameter(f"unknown failure kind {failure_kind!r}: choose from {', '.join(FAILURE_KINDS)}")
     out = out.resolve()
-    preset = PRESETS["quick" if quick else "full"]
+    preset = PRESETS_BY_ALGO[algo]["quick" if quick else "full"]
     if model and not report_only:
         try:
             model_folder(model, cache_dir)  # a folder or cached id is read on this (the driver's) machine only
@@ -53,10 +60,17 @@ def experiment(
         preset = dataclasses.replace(preset, model=model)
     if not report_only:
         connect("raycheck", num_cpus=2)
-        run_experiment(preset, out, str(cache_dir.resolve()), tuple(strategy), echo=typer.echo, failure_kind=failure_kind)
+        run_experiment(preset, out, str(cache_dir.resolve()), tuple(strategy) or STRATEGIES[algo], echo=typer.echo,
+                       failure_kind=failure_kind)
     elif not (out / "runs.parquet").is_file():
         typer.echo(f"error: {out} holds no results (runs.parquet); run without --report-only first", err=True)
         raise typer.Exit(2)
     report = write_report(out)
     typer.echo(f"report: {out / 'report.md'}")
     typer.echo(report.summary())
+
+
+def _usage_error(message: str) -> None:
+    """Print ``message`` as one line and exit 2 (a usage error)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)

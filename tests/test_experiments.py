@@ -1,3 +1,8 @@
+import math
+
+import pytest
+
+
 def test_log_cost_benchmark_runs_and_reports_ratios(capsys):
     from raycheck.experiments.log_cost import main
 
@@ -8,7 +13,7 @@ def test_log_cost_benchmark_runs_and_reports_ratios(capsys):
 
 
 def _summary(strategy: str, **kw) -> dict:
-    return {"strategy": strategy, "config": {"run_id": "r1", "model": "tiny", "steps": 6, "snapshot_every": 3},
+    return {"strategy": strategy, "config": {"run_id": "r1", "model": "tiny", "steps": 6, "snapshot": {"every_steps": 3}},
             "failures": [{"step": 4, "target": "worker", "how": "exit"}], "bitwise_equal": True, "wall_seconds": 30.0,
             "mean_step_seconds": 0.5, "recoveries": [], "replans": [], **kw}
 
@@ -136,3 +141,100 @@ def test_inproc_bench_table_lists_each_path_s_components_in_breakdown_order():
                          "| log_setup | 0.25 | 0.75 | 0.50 | 0.50 | 0.50 |",
                          "| **failure -> restored** | 0.50 | 1.50 | 12.00 | 1.00 | 12.00 |",
                          "| **failure -> first step done** | 1.00 | 2.00 | 12.50 | 1.50 | 12.50 |"]
+
+
+def test_fo_presets_run_every_first_order_strategy_on_the_same_failures(tmp_path):
+    """``raycheck experiment --algo fo``: each strategy of ``STRATEGIES["fo"]`` is an AdamW run with the preset's
+    interval and failures; differential takes a full checkpoint every two intervals; the reference has no failure."""
+    from raycheck.experiments.harness import PRESETS_BY_ALGO, REFERENCE_STRATEGY, job_config
+    from raycheck.job.config import STRATEGIES
+
+    for preset in PRESETS_BY_ALGO["fo"].values():
+        for strategy in STRATEGIES["fo"]:
+            cfg = job_config(preset, strategy, tmp_path / strategy, "/cache")
+            assert (cfg.algo, cfg.strategy, cfg.snapshot.every_steps, cfg.snapshot.policy) == ("fo", strategy, preset.interval_steps, "fixed")
+            assert [(f.step, f.target) for f in cfg.faults.failures] == [(s, "worker") for s in preset.failure_steps]
+            assert cfg.differential.full_every_steps == 2 * preset.interval_steps >= cfg.overlapped.chunks
+        reference = job_config(preset, REFERENCE_STRATEGY["fo"], tmp_path / "reference", "/cache", failures=False)
+        assert reference.algo == "fo" and reference.faults.failures == ()
+    assert PRESETS_BY_ALGO["fo"]["quick"].model == "tiny" and PRESETS_BY_ALGO["fo"]["full"].model == "smollm2-135m"
+
+
+def _fo_row(step: int, t: float, loss: float, block: float = 0.0, committed: int = 0) -> dict:
+    return {"step": step, "unix_s": t, "loss": loss, "step_seconds": 0.5, "checkpoint_block_seconds": block,
+            "log_append_seconds": 0.0, "checkpoint_bytes": committed}
+
+
+def test_fo_row_sums_bytes_over_incarnations_and_measures_the_loss_deviation_after_the_restart():
+    """A layer-wise run of 6 steps: checks after steps 2 and 4 (bytes committed 100, then 130), the worker dies
+    in step 5, the new one restores the composite of step 4 and runs steps 4 and 5 (committing 40, then 60 by
+    ``close``); the reference's losses are 1.0 at every step."""
+    from raycheck.experiments.results import bytes_written, fo_run_row
+
+    executions = [_fo_row(0, 1.0, 1.0), _fo_row(1, 2.0, 1.0, 0.25, 100), _fo_row(2, 3.0, 1.0), _fo_row(3, 4.0, 1.0, 0.25, 130),
+                  _fo_row(4, 5.0, 1.5), _fo_row(4, 20.0, 1.1, 0.5, 40), _fo_row(5, 21.0, 0.8)]
+    events = [{"kind": "failure", "target": "worker", "step": 5, "unix_s": 5.2},
+              {"kind": "recovery", "unix_s": 19.0, "seconds": 1.0, "restored_step": 4, "source": "storage",
+               "load_seconds": 0.9, "replay_seconds": 0.0, "replayed_steps": 0}]
+    reference = [_fo_row(s, float(s), 1.0) for s in range(6)]
+    summary = _summary("layerwise", worker_checkpoints={"checkpoints": 2, "bytes": 60}, bitwise_equal=False,
+                       config={"run_id": "r1", "model": "tiny", "steps": 6, "snapshot": {"every_steps": 2}})
+    row = fo_run_row(summary, executions, events, reference)
+    assert row["bytes_written"] == 130 + 60 and bytes_written(executions, [], 0) == 130  # one incarnation: the most committed
+    assert (row["block_s_total"], row["compute_s_total"], row["block_share"], row["block_s_max"]) == (1.0, 3.5, 1.0 / 3.5, 0.5)
+    assert (row["exact_by_design"], row["bitwise_equal"], row["recoveries"], row["failures"]) == (False, False, 1, 1)
+    # steps 4 and 5 from their last executions: |1.1 - 1| and |0.8 - 1|; the discarded 1.5 of step 4 does not count
+    assert (row["dev_from_step"], row["dev_steps"], row["first_deviating_step"]) == (4, 2, 4)
+    assert row["loss_dev_mean_abs"] == pytest.approx(0.15) and row["loss_dev_max_abs"] == pytest.approx(0.2)
+    assert (row["final_loss"], row["reference_final_loss"]) == (0.8, 1.0) and row["final_loss_dev"] == pytest.approx(-0.2)
+    exact = fo_run_row(_summary("differential", config={"run_id": "r2", "model": "tiny", "steps": 6, "snapshot": {"every_steps": 2},
+                                                       "differential": {"topk": 0.0}}), reference, [], reference)
+    assert exact["exact_by_design"] and exact["dev_from_step"] == -1 and exact["dev_steps"] == 0 and math.isnan(exact["loss_dev_mean_abs"])
+    assert exact["first_deviating_step"] == -1
+    assert exact["final_loss_dev"] == 0.0
+
+
+def test_experiment_cli_refuses_a_zo_strategy_with_algo_fo_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from raycheck.orchestrator.cli import app
+
+    result = CliRunner().invoke(app, ["experiment", "--algo", "fo", "--strategy", "layerwise", "--strategy", "shadow",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output == ("error: --strategy shadow is not a strategy of --algo fo: choose from full-sync, full-async, "
+                             "layerwise, differential, overlapped\n")
+    assert list(tmp_path.iterdir()) == []
+    assert CliRunner().invoke(app, ["experiment", "--algo", "so", "--out", str(tmp_path)]).output == "error: --algo 'so': choose zo or fo\n"
+
+
+def test_collect_results_rebuilds_the_fo_tables_from_the_run_directories(tmp_path):
+    """``harness.collect_results``: runs.parquet and recoveries.parquet come from ``runs/<strategy>/`` and the
+    reference's metrics alone (a change of the row functions needs no new run)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from raycheck.experiments.harness import collect_results
+
+    def lines(path, rows):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    lines(tmp_path / "runs" / "reference" / "metrics.jsonl", [_fo_row(s, float(s), 1.0) for s in range(4)])
+    executions = [_fo_row(0, 1.0, 1.0), _fo_row(1, 2.0, 1.0, 0.5, 100), _fo_row(2, 3.0, 1.0), _fo_row(2, 9.0, 1.25), _fo_row(3, 10.0, 1.5)]
+    events = [{"kind": "failure", "target": "worker", "step": 3, "unix_s": 3.5},
+              {"kind": "recovery", "unix_s": 8.0, "seconds": 1.0, "restored_step": 2, "source": "storage",
+               "load_seconds": 0.5, "replay_seconds": 0.0, "replayed_steps": 0}]
+    lines(tmp_path / "runs" / "layerwise" / "metrics.jsonl", executions)
+    lines(tmp_path / "runs" / "layerwise" / "events.jsonl", events)
+    summary = _summary("layerwise", worker_checkpoints={"bytes": 20}, failures=[{"step": 3, "target": "worker", "how": "exit"}])
+    (tmp_path / "runs" / "layerwise" / "summary.json").write_text(json.dumps(summary))
+    collect_results(tmp_path, "fo", ("layerwise",))
+    [row] = pq.read_table(tmp_path / "runs.parquet").to_pylist()
+    assert (row["strategy"], row["bytes_written"], row["first_deviating_step"], row["dev_from_step"]) == ("layerwise", 120, 2, 2)
+    assert row["loss_dev_mean_abs"] == pytest.approx(0.375) and row["bitwise_equal"] is True  # as summary.json says
+    [rec] = pq.read_table(tmp_path / "recoveries.parquet").to_pylist()
+    assert (rec["strategy"], rec["at_step"], rec["restored_step"]) == ("layerwise", 3, 2)
+    with pytest.raises(FileNotFoundError, match="full-sync/summary.json not found"):
+        collect_results(tmp_path, "fo", ("full-sync",))

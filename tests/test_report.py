@@ -340,7 +340,7 @@ def test_breakdown_table_means_each_component_per_strategy_and_marks_ray_trains(
     recs = (with_breakdown(recoveries("shadow", (12.0, 13.0), (9.0, 9.5), (1, 1)), 0.5, 5.0, 0.25)
             + with_breakdown(recoveries("full-async", (20.0,), (9.5,), (1.5,)), 1.0, 6.0, 1.5)
             + recoveries("full-sync", (25.0,), (9.5,), (1.5,)))  # an older run: no breakdown
-    rows = {r["component"]: r for r in rt.breakdown_table(rt._read_rows(write(tmp_path, all_runs(), recs) / "recoveries.parquet",
+    rows = {r["component"]: r for r in rt.breakdown_table(rt.read_rows(write(tmp_path, all_runs(), recs) / "recoveries.parquet",
                                                                           rt.RECOVERY_COLUMNS))}
     assert list(rows) == ["detection", "group_setup", "log_setup+state_transfer", "failure -> first step done"]
     assert [rows[c]["owner"] for c in rows] == ["Ray Train", "Ray Train", "raycheck", ""]
@@ -429,3 +429,50 @@ def test_a_new_process_floor_is_its_whole_start_and_an_in_process_detection_stay
     assert text.startswith("the floor of our recovery (new_process: 1, in_process: 1) is **new process start**, 8.5 s of our "
                            "10.5 s latency (81%, mean per recovery from the breakdown: detection 0.25 s, teardown 0 s, "
                            "process_start 2 s, group_setup 3 s")
+
+
+def fo_run(strategy: str, bytes_written: int, block_s: float, **changes) -> dict:
+    """One row of a first-order runs.parquet (``results.fo_run_row``): 32 steps, 16 s of compute, an exact restart."""
+    return {"run_id": strategy, "strategy": strategy, "algo": "fo", "model": "tiny", "steps": 32, "interval_steps": 8,
+            "failures": 2, "recoveries": 2, "exact_by_design": True, "bitwise_equal": True, "wall_s": 300.0, "mean_step_s": 0.5,
+            "compute_s_total": 16.0, "block_s_total": block_s, "block_share": block_s / 16.0, "block_s_max": block_s / 2,
+            "bytes_written": bytes_written, "dev_from_step": 8, "dev_steps": 24, "loss_dev_mean_abs": 0.0, "first_deviating_step": -1,
+            "loss_dev_max_abs": 0.0, "final_loss": 0.7, "reference_final_loss": 0.7, "final_loss_dev": 0.0, **changes}
+
+
+def test_a_first_order_results_set_gets_the_first_order_report(tmp_path, capsys):
+    """``preset.json``'s algo fo selects ``experiments.report_fo``: stall and bytes, recovery, deviation, each labelled."""
+    import json
+
+    runs = [fo_run("full-sync", 4_000_000, 0.8), fo_run("full-async", 4_000_000, 0.4),
+            fo_run("layerwise", 1_000_000, 0.2, exact_by_design=False, bitwise_equal=False, loss_dev_mean_abs=0.0125,
+                   loss_dev_max_abs=0.05, final_loss=0.735, final_loss_dev=0.05, first_deviating_step=24)]
+    recs = (recoveries("full-async", (20.0, 22.0), (9.5,) * 2, (1.5,) * 2, recompute=(8, 10))
+            + recoveries("layerwise", (18.0, 20.0), (9.5,) * 2, (1.5,) * 2, recompute=(6, 8))
+            + recoveries("full-sync", (21.0, 23.0), (9.5,) * 2, (1.5,) * 2, recompute=(8, 10)))
+    write(tmp_path, runs, recs)
+    (tmp_path / "preset.json").write_text(json.dumps({"name": "fo-quick", "algo": "fo", "model": "tiny", "steps": 32, "batch_size": 8,
+                                                      "interval_steps": 8, "failure_steps": [13, 26], "failure_kind": "exit"}))
+    report = rp.main([str(tmp_path)])
+    stall = {r["strategy"]: r for r in pq.read_table(tmp_path / "stall.parquet").to_pylist()}
+    assert list(stall) == ["full-sync", "full-async", "layerwise"]  # STRATEGIES["fo"] order
+    assert stall["layerwise"]["bytes_ratio"] == 4.0 and stall["full-sync"]["block_share"] == 0.05
+    deviation = {r["strategy"]: r for r in pq.read_table(tmp_path / "deviation.parquet").to_pylist()}
+    assert deviation["layerwise"]["loss_dev_mean_abs_pct"] == 1.25 and deviation["layerwise"]["final_loss_dev_pct"] == 5.0
+    recovery = {r["strategy"]: r for r in pq.read_table(tmp_path / "recovery.parquet").to_pylist()}
+    assert recovery["layerwise"]["latency_s"] == 19.0 and math.isnan(recovery["layerwise"]["ratio"])  # no ours to compare with
+    md = (tmp_path / "report.md").read_text()
+    for text in ("# raycheck experiment --algo fo: tiny", "## (a) Loop stall and bytes written", "## (b) Recovery latency",
+                 "## (c) Exactness and post-restart deviation", "| layerwise | **no** | 8 | 16 | 0.2 | 1.25% | 0.1 | 1,000,000 | 4x |",
+                 "| layerwise | **no** | **no** | 24 | 8..31 (24) | 1.25 | 5 | 0.735 | 0.7 | 5 |",
+                 "| full-sync | yes | yes | none | 8..31 (24) | 0 | 0 | 0.7 | 0.7 | 0 |", "Inexact by design here: layerwise.",
+                 "one sample each", "docs/first-order.md"):
+        assert text in md, text
+    assert "/ ours" not in md and "ZOCheck" not in md
+    assert {p.name for p in tmp_path.glob("*.png")} == {"stall.png", "recovery.png"}
+    out = capsys.readouterr().out
+    assert out.startswith(f"report: {tmp_path / 'report.md'}\n") and report.headlines == ()
+    assert "   layerwise: blocked 1.25% of compute, 1.0 MB, final state differs, mean abs. loss deviation 1.25%" in out
+    write(tmp_path, [*runs, {**fo_run("full-async", 1, 0.1), "strategy": "shadow"}], recs)
+    with pytest.raises(ValueError, match="strategy shadow is not first-order"):
+        rp.write_report(tmp_path)
