@@ -26,6 +26,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from raycheck.job.config import PERSISTER_PRIORITIES
+from raycheck.storage.priority import lower_to_idle
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.training.node import this_node
 
@@ -167,9 +169,24 @@ class PersisterActor:
     starts all the same: its status reports the outage (``last_error``, the breaker's ``storage``
     state) and it keeps retrying through the breaker until storage answers. (The step log's mirror to
     storage is the log keeper's: ``actors.log_keeper``.)
+
+    Args:
+        store: where the snapshots go.
+        priority: ``normal``, or ``idle``: first put every thread of this actor's process (its own Ray
+            worker process) at idle CPU and I/O priority (``storage.priority.lower_to_idle``; the
+            writer thread started after inherits it), so snapshot writes use only CPU time the training
+            leaves (``JobConfig.snapshot.persister_priority``). Never for a persister inside a training
+            process: a starved thread holding the GIL would stall the loop.
+
+    Raises:
+        ValueError: an unknown ``priority``.
     """
 
-    def __init__(self, store: SnapshotStore) -> None:
+    def __init__(self, store: SnapshotStore, priority: str = "normal") -> None:
+        if priority not in PERSISTER_PRIORITIES:
+            raise ValueError(f"persister priority {priority!r}: choose one of {', '.join(PERSISTER_PRIORITIES)}")
+        if priority == "idle":
+            lower_to_idle()
         self.persister = SnapshotPersister(store)
 
     def submit(self, step: int, state: Mapping[str, np.ndarray]) -> None:

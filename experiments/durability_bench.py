@@ -15,7 +15,11 @@ rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray clus
   disk (``SnapshotStore.write``, as the persister does), once per local writer: ``one-go`` (each shard
   written whole, then fsynced: the writer before chunking), ``chunked`` (``Storage``'s default:
   ``LOCAL_WRITE_CHUNK_BYTES`` per ``fdatasync``), one per extra ``--chunk-bytes`` and
-  ``--write-rate-mb-s``, and ``no disk`` (the same snapshots to ``memory://``: their CPU work alone).
+  ``--write-rate-mb-s``, and ``no disk`` (the same snapshots to ``memory://``: their CPU work alone);
+  with ``--process-writers`` also the chunked writer in a process of its own (as the persister actor
+  is), at normal priority and at idle CPU and I/O priority (``storage.priority.lower_to_idle``, the
+  persister's ``snapshot.persister_priority = "idle"``), each stopped after ``--load-max-s`` seconds
+  if it has not written its snapshots by then (a starved idle writer).
   The writers take turns in ``--load-rounds`` rounds, each round starting with a quiet measurement, so
   that the machine's changing load falls on all of them alike; the records (one per 10 ms) span
   ``LOAD_SNAPSHOTS`` whole snapshots. Each writer is reported as mean under load / quiet median, staging
@@ -24,7 +28,7 @@ rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray clus
 Prints a table of median, mean and p99 (microseconds) and the ratios staging copy / level.
 
     python -m raycheck.experiments.durability_bench [--records 300] [--copies 5] [--snapshot-load] [--dir DIR]
-        [--load-rounds 3] [--chunk-bytes N ...] [--write-rate-mb-s R ...]
+        [--load-rounds 3] [--chunk-bytes N ...] [--write-rate-mb-s R ...] [--process-writers] [--load-max-s S]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import multiprocessing
 import os
 import pathlib
 import statistics
@@ -49,7 +54,9 @@ from raycheck.experiments.log_cost import percentile
 from raycheck.experiments.s3_server import LocalS3Server
 from raycheck.orchestrator.cluster import runtime_env
 from raycheck.storage.backend import LOCAL_WRITE_CHUNK_BYTES, Storage
+from raycheck.storage.priority import lower_to_idle
 from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.tensor_files import load, save_file
 from raycheck.storage.steplog import StepRecord
 from raycheck.training.model import load_model, trainable_parameters
 from raycheck.training.rank0_log import KeeperSender, open_local_log, replicated_append
@@ -135,6 +142,80 @@ def writers(chunk_bytes: list[int], rates_mb_s: list[float]) -> dict[str, Callab
     return chosen
 
 
+Writer = Callable[[pathlib.Path, dict, threading.Event, threading.Event, threading.Event, list], None]
+"""``(folder, state, prepared, measuring, done, written_s)``: writes ``state`` as snapshots under
+``folder``, over and over, from the moment ``measuring`` is set until ``done`` is, appending each
+snapshot's seconds to ``written_s``; sets ``prepared`` once it is ready to start (or has failed).
+Runs on a thread of the bench."""
+
+
+def thread_writer(make_storage: Callable[[pathlib.Path], Storage]) -> Writer:
+    """Snapshots written on a thread of the bench process, into ``make_storage(folder)``."""
+
+    def write(folder: pathlib.Path, state: dict, prepared: threading.Event, measuring: threading.Event, done: threading.Event,
+              written_s: list) -> None:
+        store = SnapshotStore(make_storage(folder), keep_last=1)
+        step = 0
+        prepared.set()
+        measuring.wait()
+        while not done.is_set():
+            t0 = time.perf_counter()
+            store.write(step, state)
+            written_s.append(time.perf_counter() - t0)
+            step += 1
+
+    return write
+
+
+def _child_writer(folder: str, state_file: str, idle: bool, conn) -> None:
+    """A writer process: load the state, lower itself when ``idle``, say ``ready``, wait for ``go``, then
+    write snapshots (chunked local storage) and send each one's seconds until the parent ends it."""
+    state = load(pathlib.Path(state_file).read_bytes())
+    if idle:
+        lower_to_idle()
+    conn.send("ready")
+    conn.recv()
+    store = SnapshotStore(Storage(folder), keep_last=1)
+    for step in itertools.count():
+        t0 = time.perf_counter()
+        store.write(step, state)
+        conn.send(time.perf_counter() - t0)
+
+
+def process_writer(state_file: pathlib.Path, idle: bool) -> Writer:
+    """Snapshots written by a process of its own (``multiprocessing`` spawn; the state read from
+    ``state_file``), at idle priority when ``idle``; killed once ``done`` is set."""
+
+    def write(folder: pathlib.Path, state: dict, prepared: threading.Event, measuring: threading.Event, done: threading.Event,
+              written_s: list) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        parent, child = spawn.Pipe()
+        proc = spawn.Process(target=_child_writer, args=(str(folder), str(state_file), idle, child), daemon=True)
+        proc.start()  # its start-up (imports, loading the state) is over before the measured records begin
+        try:
+            ready = parent.recv()
+            prepared.set()
+            if ready != "ready":
+                raise RuntimeError(f"the writer process did not start: {ready!r}")
+            measuring.wait()
+            parent.send("go")
+            while not done.is_set():
+                if parent.poll(STEP_GAP_S):
+                    written_s.append(parent.recv())
+        finally:
+            prepared.set()
+            proc.kill()
+            proc.join()
+
+    return write
+
+
+def process_writers(state_file: pathlib.Path) -> dict[str, Writer]:
+    """The chunked writer in a process of its own (as the persister actor), at normal and at idle priority."""
+    return {"chunked, own process": process_writer(state_file, idle=False),
+            "chunked, own process, idle priority": process_writer(state_file, idle=True)}
+
+
 def dirty_mb() -> float:
     """The page cache's Dirty + Writeback, MB (Linux ``/proc/meminfo``; 0 where it does not exist)."""
     try:
@@ -144,26 +225,22 @@ def dirty_mb() -> float:
     return sum(int(line.split()[1]) for line in lines if line.startswith(("Dirty:", "Writeback:"))) / 1024
 
 
-def under_snapshot_load(folder: pathlib.Path, s3: LocalS3Server, state: dict,
-                        make_storage: Callable[[pathlib.Path], Storage]) -> dict:
-    """``process`` blocked times (one record per ``STEP_GAP_S``) while ``state`` is written as snapshots
-    over and over to ``make_storage(folder / "snapshots")`` (the same disk, for a local one), until
-    ``LOAD_SNAPSHOTS`` snapshots are written. Returns ``{"blocked": seconds, "snapshots": written,
-    "bytes_per_s": the writer's throughput (over the seconds spent writing), "dirty_mb": samples of
-    ``dirty_mb`` every ``STEP_GAP_S``}``."""
+def under_snapshot_load(folder: pathlib.Path, s3: LocalS3Server, state: dict, write: Writer, max_s: float) -> dict:
+    """``process`` blocked times (one record per ``STEP_GAP_S``) while ``write`` writes ``state`` as
+    snapshots over and over into ``folder / "snapshots"`` (the same disk, for a local one), until
+    ``LOAD_SNAPSHOTS`` snapshots are written or ``max_s`` seconds have passed. Returns ``{"blocked":
+    seconds, "snapshots": written, "bytes_per_s": the writer's throughput (over the seconds spent
+    writing; 0 if none was written), "dirty_mb": samples of ``dirty_mb`` every ``STEP_GAP_S``}``."""
     measuring, done = threading.Event(), threading.Event()
     state_bytes = sum(a.nbytes for a in state.values())
-    written_s, dirty = [], []
+    written_s: list[float] = []
+    dirty: list[float] = []
+    deadline: list[float] = []
+
+    prepared = threading.Event()
 
     def write_snapshots() -> None:
-        store = SnapshotStore(make_storage(folder / "snapshots"), keep_last=1)
-        step = 0
-        measuring.wait()
-        while not done.is_set():
-            t0 = time.perf_counter()
-            store.write(step, state)
-            written_s.append(time.perf_counter() - t0)
-            step += 1
+        write(folder / "snapshots", state, prepared, measuring, done, written_s)
 
     def sample_dirty() -> None:
         measuring.wait()
@@ -173,20 +250,25 @@ def under_snapshot_load(folder: pathlib.Path, s3: LocalS3Server, state: dict,
     threads = [threading.Thread(target=f, name=f"bench-{f.__name__}", daemon=True) for f in (write_snapshots, sample_dirty)]
     for thread in threads:
         thread.start()
+    prepared.wait()
     try:
-        blocked = blocked_per_step_s("process", folder / "log", 1, s3, ready=measuring,
-                                     until=lambda: len(written_s) >= LOAD_SNAPSHOTS, gap_s=STEP_GAP_S)
+        def loaded_enough() -> bool:
+            if not deadline:  # the first call: the measured records have just started
+                deadline.append(time.monotonic() + max_s)
+            return len(written_s) >= LOAD_SNAPSHOTS or time.monotonic() > deadline[0]
+
+        blocked = blocked_per_step_s("process", folder / "log", 1, s3, ready=measuring, until=loaded_enough, gap_s=STEP_GAP_S)
     finally:
         done.set()
         measuring.set()  # threads still waiting (the log failed to start) end at once
         for thread in threads:
             thread.join()
-    return {"blocked": blocked, "snapshots": len(written_s), "bytes_per_s": state_bytes * len(written_s) / sum(written_s),
-            "dirty_mb": dirty or [0.0]}
+    return {"blocked": blocked, "snapshots": len(written_s),
+            "bytes_per_s": state_bytes * len(written_s) / sum(written_s) if written_s else 0.0, "dirty_mb": dirty or [0.0]}
 
 
 def snapshot_load(folder: pathlib.Path, records: int, rounds: int, s3: LocalS3Server, state: dict,
-                  chosen: dict[str, Callable[[pathlib.Path], Storage]]) -> dict:
+                  chosen: dict[str, Writer], max_s: float = float("inf")) -> dict:
     """``rounds`` rounds of a quiet ``process`` measurement (``records // rounds`` records) followed by
     one under each writer of ``chosen``; the blocked times pooled per writer. Returns ``{"quiet":
     summary, "writers": {name: summary + snapshots_written, write_mb_s (mean over rounds),
@@ -196,8 +278,8 @@ def snapshot_load(folder: pathlib.Path, records: int, rounds: int, s3: LocalS3Se
     runs: dict[str, list[dict]] = {name: [] for name in chosen}
     for r in range(rounds):
         quiet += blocked_per_step_s("process", folder / f"quiet-{r}", per_round, s3, gap_s=STEP_GAP_S)
-        for i, (name, make_storage) in enumerate(chosen.items()):
-            runs[name].append(under_snapshot_load(folder / f"load-{r}-{i}", s3, state, make_storage))
+        for i, (name, write) in enumerate(chosen.items()):
+            runs[name].append(under_snapshot_load(folder / f"load-{r}-{i}", s3, state, write, max_s))
     return {"quiet": summarize(quiet), "writers": {name: pooled(done) for name, done in runs.items()}}
 
 
@@ -226,6 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="Extra chunk sizes (bytes per fdatasync) to compare (--snapshot-load).")
     ap.add_argument("--write-rate-mb-s", type=float, nargs="*", default=[],
                     help="Also the default chunked writer capped at each of these rates, MB/s (--snapshot-load).")
+    ap.add_argument("--process-writers", action="store_true",
+                    help="Also the chunked writer in its own process, at normal and at idle priority (--snapshot-load).")
+    ap.add_argument("--load-max-s", type=float, default=float("inf"),
+                    help="Seconds a writer may take for its snapshots before its loaded run ends (--snapshot-load).")
     ap.add_argument("--dir", default=None, help="Folder for the logs (default: a temp folder; its disk is measured).")
     args = ap.parse_args(argv)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request lines
@@ -244,9 +330,12 @@ def main(argv: list[str] | None = None) -> dict:
                 result["levels"][level] = summarize(blocked_per_step_s(level, pathlib.Path(tmp) / level, args.records, s3))
             if args.snapshot_load:
                 big = max(staged_states.values(), key=lambda s: sum(a.nbytes for a in s.values()))
+                chosen = {name: thread_writer(make) for name, make in writers(args.chunk_bytes, args.write_rate_mb_s).items()}
+                if args.process_writers:
+                    save_file(big, str(pathlib.Path(tmp) / "state.safetensors"))
+                    chosen |= process_writers(pathlib.Path(tmp) / "state.safetensors")
                 result["process_under_snapshot_load"] = snapshot_load(
-                    pathlib.Path(tmp) / "loaded", args.records, args.load_rounds, s3, big,
-                    writers(args.chunk_bytes, args.write_rate_mb_s))
+                    pathlib.Path(tmp) / "loaded", args.records, args.load_rounds, s3, big, chosen, args.load_max_s)
         finally:
             ray.shutdown()
     print_table(result)

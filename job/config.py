@@ -186,6 +186,9 @@ class OverlappedConfig:
         _require_at_least("overlapped", self, ("chunks",), 1)
 
 
+PERSISTER_PRIORITIES = ("normal", "idle")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SnapshotConfig:
     """When snapshots (checkpoints) are taken and how many are kept."""
@@ -200,8 +203,15 @@ class SnapshotConfig:
     the failures it sees)."""
     keep: int = 3
     """Complete snapshots kept in the storage."""
+    persister_priority: str = "normal"
+    """CPU and I/O priority of the snapshot persister's process: ``normal``, or ``idle`` (every thread at
+    ``SCHED_IDLE``, nice 19 and idle I/O class: ``storage.priority.lower_to_idle``), so that its
+    serialising, hashing and writing take only CPU time the training processes leave; its snapshots
+    then become durable later, or not at all while the CPUs are saturated."""
 
     def __post_init__(self) -> None:
+        if self.persister_priority not in PERSISTER_PRIORITIES:
+            raise ValueError(f"snapshot.persister_priority {self.persister_priority!r}: choose normal or idle")
         if self.every_steps < 0:
             raise ValueError(f"snapshot.every_steps must be >= 0 (0: off), got {self.every_steps}")
         if self.policy not in ("fixed", "adaptive"):

@@ -253,7 +253,7 @@ def start_persister(cfg: JobConfig, placement: Placement):
     return ray.remote(PersisterActor).options(
         name=cfg.persister_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=4,
         runtime_env=runtime_env(), **placement.replica,
-    ).remote(cfg.snapshot_store())
+    ).remote(cfg.snapshot_store(), priority=cfg.snapshot.persister_priority)
 
 
 class Controller:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from raycheck.storage.backend import Storage
 from raycheck.storage.diffs import DiffCorruptError, DiffGapError, DiffStore, topk_decode, topk_encode
@@ -79,6 +80,38 @@ def test_without_a_full_checkpoint_replay_starts_from_the_initial_state(encoder,
     assert snapshots.list() == [] and [(b.first_step, b.last_step) for b in diffs.list()] == [(0, 2), (3, 3)]
     trainer, base, result = recover(encoder, snapshots, diffs, until=4)
     assert (base, result.replayed_steps) == (0, 4) and state_sha256(trainer.state_view()) == reference[4]
+
+
+def test_records_held_by_reference_are_written_bitwise_as_applied_while_the_loop_goes_on(encoder, data, tmp_path):
+    """The loop keeps references, not copies: with batches of 4, step 0's record waits while steps 1-3
+    run (each allocating new gradients) and is written afterwards by the background thread; every
+    written record's sha256 equals that of the gradients its step applied, hashed at that step."""
+    snapshots, diffs = stores(tmp_path)
+    trainer = make_trainer(encoder)
+    ckpt = DiffCheckpointer(snapshots, diffs, trainer.applied_gradients, full_every=100, batch_steps=4)
+    applied: dict[int, str] = {}
+
+    def after(done: int) -> None:
+        applied[done - 1] = state_sha256(trainer.applied_gradients())
+        ckpt.after_step(done, trainer.state_view)
+
+    train(trainer, data[0], 0, 10, after=after)
+    assert ckpt.close(60)["errors"] == []
+    written = {step: state_sha256(grads) for batch in diffs.list() for step, grads in diffs.read(batch)}
+    assert [(b.first_step, b.last_step) for b in diffs.list()] == [(0, 3), (4, 7), (8, 9)]
+    assert written == applied and len(set(applied.values())) == 10
+
+
+def test_gradients_written_in_place_are_refused(tmp_path):
+    """A gradients callable that hands back the same tensors every step (a later step writes the
+    record the loop still holds) is refused at the step that did it; the records before it are kept."""
+    snapshots, diffs = stores(tmp_path)
+    grads = {"w": torch.zeros(3)}
+    ckpt = DiffCheckpointer(snapshots, diffs, lambda: grads, full_every=100, batch_steps=4)
+    ckpt.after_step(1, dict)
+    with pytest.raises(RuntimeError, match=r"the gradients of step 0 were overwritten by the next step \(\['w'\]\)"):
+        ckpt.after_step(2, dict)
+    assert ckpt.close(60)["batches"] == 1 and diffs.list()[0].steps == range(0, 1)  # only step 0's record
 
 
 def test_topk_records_are_smaller_and_approximate(encoder, data, tmp_path, reference):

@@ -11,6 +11,8 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -220,3 +222,29 @@ def test_a_run_directory_json_file_is_replaced_whole_and_its_folder_synced_once_
         RunDir.write_json(path, {"ok": "half"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]  # no temp file left
     assert path.read_text() == '{\n  "ok": true\n}'  # the old value stays
+
+
+def test_the_benchmark_writes_snapshots_from_a_process_of_its_own_at_idle_priority(tmp_path):
+    """``--process-writers``: the child loads the state file, lowers itself, and writes whole snapshots
+    (loadable, bitwise the state) once the measured records start, until it is stopped."""
+    from raycheck.experiments.durability_bench import process_writers
+    from raycheck.storage.snapshots import SnapshotStore
+    from raycheck.storage.tensor_files import save_file
+    from raycheck.training.state import state_sha256
+
+    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+    save_file(state, str(tmp_path / "state.safetensors"))
+    write = process_writers(tmp_path / "state.safetensors")["chunked, own process, idle priority"]
+    prepared, measuring, done, written_s = threading.Event(), threading.Event(), threading.Event(), []
+    thread = threading.Thread(target=write, args=(tmp_path / "snapshots", state, prepared, measuring, done, written_s))
+    thread.start()
+    assert prepared.wait(120) and written_s == []  # nothing is written before the measured records start
+    measuring.set()
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timed assertion
+    while not written_s and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done.set()
+    thread.join()
+    assert written_s
+    loaded = SnapshotStore(str(tmp_path / "snapshots")).load_latest()
+    assert state_sha256(dict(sorted(loaded.state.items()))) == state_sha256(dict(sorted(state.items())))  # bitwise, by name

@@ -1,14 +1,18 @@
 """Differential checkpoints of a first-order run (LowDiff, SC'25): the training-loop side.
 
-After every step the loop's only stall is a copy of the gradients AdamW consumed (and, every
-``full_every`` steps, a copy of the whole state). A background thread (``storage.background``)
-encodes and writes a batch of records every ``batch_steps`` steps (``storage.diffs.DiffStore``) and,
-every ``full_every`` steps, commits a full checkpoint to the run's ``SnapshotStore`` and then deletes
-the records it supersedes. Records still pending at a full checkpoint are dropped: the full state
+After every step the loop keeps a reference to the gradients AdamW consumed, no copy: each step's
+``training.fo.FOTrainer.applied_gradients`` are new tensors that no later step writes
+(``zero_grad(set_to_none=True)``; a gradients callable that hands back a tensor written in place is
+refused with an error, ``training.state.require_new_tensors``), as ``training.overlapped`` does. Every
+``full_every`` steps the loop stalls for a copy of the whole state instead. A background thread
+(``storage.background``) encodes and writes a batch of records every ``batch_steps`` steps
+(``storage.diffs.DiffStore``; on the CPU ``as_numpy`` is a view of the held tensor, so the only copy is
+the encoding's; a CUDA trainer would need a device-to-host copy there, on the writer thread) and, every
+``full_every`` steps, commits a full checkpoint to the run's ``SnapshotStore`` and then deletes the
+records it supersedes. Records still pending at a full checkpoint are dropped: the full state
 supersedes them. Recovery: the newest full checkpoint, then ``DiffStore.replay`` of the records after
 it through ``training.fo.FOTrainer.replay_gradients`` (bitwise exact with exact records).
 """
-
 from __future__ import annotations
 
 import time
@@ -22,7 +26,8 @@ from raycheck.policies.interval import SnapshotSchedule
 from raycheck.storage.background import BackgroundWriter
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import SnapshotStore
-from raycheck.training.state import copy_state
+from raycheck.storage.tensor_files import as_numpy
+from raycheck.training.state import copy_state, require_new_tensors
 
 
 class _Stats(TypedDict):
@@ -49,7 +54,10 @@ class DiffCheckpointer:
         batch_steps: records per batch object (>= 1).
         topk_ratio: 0 for exact records, else the fraction of elements kept per tensor.
         config: recorded in the full checkpoints' manifests.
-        max_pending: writes that may wait behind the running one (bounded staging memory).
+        max_pending: writes that may wait behind the running one (bounds memory: the held gradients of at
+            most ``(max_pending + 2) * batch_steps + 1`` steps are alive at once: the running batch, the
+            queued ones, the one being submitted and the previous step's, each step's as large as the
+            gradients, 538 MB for SmolLM2-135M; one full-state copy per full checkpoint on top).
     """
 
     def __init__(self, snapshots: SnapshotStore, diffs: DiffStore, gradients: Callable[[], Mapping[str, torch.Tensor]],
@@ -64,7 +72,8 @@ class DiffCheckpointer:
         self.full_every, self.batch_steps, self.topk_ratio = full_every, batch_steps, topk_ratio
         self.full_schedule = SnapshotSchedule(every_steps=full_every)  # counts from the step the loop starts at
         self.config = dict(config or {})
-        self._pending: list[tuple[int, dict[str, np.ndarray]]] = []
+        self._pending: list[tuple[int, Mapping[str, torch.Tensor]]] = []
+        self._previous: Mapping[str, torch.Tensor] = {}  # the last step's gradients (held; checked against the next)
         self._writer = BackgroundWriter("differential-checkpoint", max_pending)
         self.stats: _Stats = {"checkpoints": 0, "bytes": 0, "full_bytes": 0, "diff_bytes": 0, "batches": 0, "last_step": None,
                               "last_full_step": None, "write_seconds": [], "deleted_objects": 0}
@@ -80,10 +89,14 @@ class DiffCheckpointer:
         t0 = time.perf_counter()
         if self.full_schedule.take_if_due(steps_done):
             self._pending.clear()
+            self._previous = {}
             staged = copy_state(state())
             self._writer.submit(lambda: self._write_full(steps_done, staged), f"full checkpoint at step {steps_done}")
             return time.perf_counter() - t0
-        self._pending.append((steps_done - 1, copy_state(self.gradients())))
+        grads = dict(self.gradients())
+        require_new_tensors(self._previous, grads, f"the gradients of step {steps_done - 2}")
+        self._pending.append((steps_done - 1, grads))
+        self._previous = grads
         if len(self._pending) >= self.batch_steps:
             records, self._pending = self._pending, []
             self._writer.submit(lambda: self._write_batch(records),
@@ -100,9 +113,10 @@ class DiffCheckpointer:
         self.stats["last_step"] = self.stats["last_full_step"] = step
         self.stats["deleted_objects"] += self.diffs.collect_garbage(step)
 
-    def _write_batch(self, records: list[tuple[int, dict[str, np.ndarray]]]) -> None:
+    def _write_batch(self, records: list[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
         t0 = time.perf_counter()
-        batch = self.diffs.write_batch(records, self.topk_ratio)
+        batch = self.diffs.write_batch([(step, {n: as_numpy(g.cpu()) for n, g in grads.items()}) for step, grads in records],
+                                       self.topk_ratio)
         self.stats["write_seconds"].append(time.perf_counter() - t0)
         self.stats["batches"] += 1
         self.stats["bytes"] += batch.bytes

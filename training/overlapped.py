@@ -39,7 +39,7 @@ from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.tensor_files import as_numpy
 from raycheck.storage.units import parameter_of
 from raycheck.training.fo import FOHyper, replay_adamw_
-from raycheck.training.state import StagingPool, copy_into
+from raycheck.training.state import StagingPool, copy_into, require_new_tensors
 
 
 def balanced_chunks(sizes: Mapping[str, int], m: int) -> list[list[str]]:
@@ -217,10 +217,7 @@ class OverlappedCheckpointer:
         grads = self.gradients()
         held = {p: grads[p] for chunk in window.plan[:window.chunks_staged] for p in chunk}
         previous = window.gradients[-1] if window.gradients else {}
-        reused = [p for p, g in previous.items() if g.numel() and g.data_ptr() == held[p].data_ptr()]
-        if reused:
-            raise RuntimeError(f"the gradients of step {window.start_step + len(window.gradients) - 1} were overwritten by the "
-                               f"next step ({reused[:3]}): the gradients callable must return new tensors every step")
+        require_new_tensors(previous, held, f"the gradients of step {window.start_step + len(window.gradients) - 1}")
         return held
 
     def _stage(self, window: _Window, index: int, live: Mapping[str, torch.Tensor]) -> None:

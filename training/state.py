@@ -35,6 +35,20 @@ def copy_state(state: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, np.n
     return {n: np.array(as_numpy(t), copy=True) for n, t in state.items()}
 
 
+def require_new_tensors(previous: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor], what: str) -> None:
+    """Refuse tensors kept by reference across steps that a later step wrote in place: a non-empty
+    tensor of ``current`` at the same address as the same name's tensor of ``previous`` (still held,
+    so its memory was not freed and reused).
+
+    Raises:
+        RuntimeError: naming ``what`` (e.g. "the gradients of step 7") and up to three such tensors.
+    """
+    reused = [n for n, t in previous.items() if t.numel() and n in current and t.data_ptr() == current[n].data_ptr()]
+    if reused:
+        raise RuntimeError(f"{what} were overwritten by the next step ({reused[:3]}): the gradients callable must return "
+                           "new tensors every step")
+
+
 def copy_into(buffers: dict[str, np.ndarray], state: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, np.ndarray]:
     """Copy every tensor of ``state`` into ``buffers`` (name -> array, updated in place: an array is
     allocated on a name's first use, or when its shape or dtype changed, and reused after that, so a
