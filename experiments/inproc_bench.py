@@ -39,16 +39,17 @@ def run_once(out: pathlib.Path, kind: str, steps: int, fail_step: int, model: st
 
 
 def table(rows: dict[str, list[dict]]) -> str:
-    """Markdown: one row per component (and the two totals), one column per run, the mean per kind."""
-    runs = [(how, i, r) for how in KINDS for i, r in enumerate(rows[how], start=1)]
+    """Markdown: one row per component (and the two totals), one column per run, the mean per kind (``rows``' keys, in order)."""
+    kinds = list(rows)
+    runs = [(how, i, r) for how in kinds for i, r in enumerate(rows[how], start=1)]
     order = [BREAKDOWN[0][1], STANDBY_BREAKDOWN[1][1], *(part for _, part in BREAKDOWN[1:])]  # detection, promotion, ...
     components = sorted({c for _, _, r in runs for c in r["breakdown"]}, key=lambda c: order.index(c) if c in order else len(order))
-    lines = ["| component | " + " | ".join(f"{how} {i}" for how, i, _ in runs) + " | " + " | ".join(f"mean {h}" for h in KINDS) + " |",
-             "| --- " * (1 + len(runs) + len(KINDS)) + "|"]
+    lines = ["| component | " + " | ".join(f"{how} {i}" for how, i, _ in runs) + " | " + " | ".join(f"mean {h}" for h in kinds) + " |",
+             "| --- " * (1 + len(runs) + len(kinds)) + "|"]
 
     def line(name: str, value) -> str:
         cells = [value(r) for _, _, r in runs]
-        kept = [[v for (how, _, _), v in zip(runs, cells) if how == h and v is not None] for h in KINDS]
+        kept = [[v for (how, _, _), v in zip(runs, cells) if how == h and v is not None] for h in kinds]
         means = [statistics.mean(k) if k else None for k in kept]
         return f"| {name} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in cells + means) + " |"
 
