@@ -57,10 +57,6 @@ class StepExecutor:
     def __init__(self, config: dict) -> None:
         self.env = worker_env(config, place=(0, 1))
 
-    def pid(self) -> int:
-        """This process's id (answers once the constructor has loaded everything)."""
-        return os.getpid()
-
     def run(self, detected_unix_s: float | None) -> None:
         """Train to the run's last step (``zo_loop``): the run's first executor (``detected_unix_s`` None)
         or a promoted standby, the active one's death detected at ``detected_unix_s`` (unix seconds); its
