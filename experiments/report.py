@@ -254,6 +254,8 @@ _PATH_TITLE = {
     "new_process": "`new_process`: the worker process died, Ray Train started a replacement that restored the state",
     "in_process": "`in_process`: the worker process survived the failure and restored the state itself "
                   "(`training.in_process`); it has no Ray Train, process start, import or load component",
+    "standby": "`standby`: the step executor's process died and the warm standby, loaded before, took over "
+               "(`training.standby`); it has no Ray Train, process start, import or load component",
 }
 
 
@@ -268,7 +270,7 @@ def _breakdown_md(rows: list[dict]) -> str:
         parts.append(f"Path {_PATH_TITLE.get(path, f'`{path}`')}:\n\n"
                      + md_table(on_path, [("component", "component"), ("owner", "whose"), *((s, f"{s} (s)") for s in strategies)]))
     return ("Where a recovery's time goes, from the failure to the first step done, mean seconds per component over "
-            "each strategy's recoveries on each path (`orchestrator.summary.BREAKDOWN` and `IN_PROCESS_BREAKDOWN` "
+            "each strategy's recoveries on each path (`orchestrator.summary.BREAKDOWN`, `IN_PROCESS_BREAKDOWN` and `STANDBY_BREAKDOWN` "
             "define each; `a+b`: two components the stamps could not separate). *Ray Train* marks its restart of the "
             "worker group, which no checkpointing strategy changes.\n\n" + "\n\n".join(parts))
 

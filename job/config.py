@@ -260,6 +260,11 @@ class FaultConfig:
     """ZO (ignored by ``algo`` fo), one worker: in-process restarts per worker process (``training.in_process``): a step that raises
     is rolled back to the freshest complete state in the same process and re-executed, without a Ray Train
     restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
+    warm_standby: bool = False
+    """ZO, one worker, CPU: the Ray Train worker supervises a step executor actor and keeps a second one
+    loaded and waiting (``training.standby``); when the executor's process dies, the standby takes over
+    without a Ray Train restart. Each promotion counts against ``max_worker_failures``. Off by default:
+    two more processes import torch and load the model at the start (``docs/recovery.md``)."""
     recovery_timeout_s: float = 600.0
     """Seconds a recovery may take before the run fails."""
     start_timeout_s: float = 300.0
@@ -524,11 +529,16 @@ class JobConfig:
                                  f"{self.storage.uri!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
 
     def _check_runtime(self) -> None:
-        """Validate ``device``, ``dtype`` (both ZO only) and ``shadow_env`` (which needs a strategy with a shadow)."""
+        """Validate ``device``, ``dtype`` (both ZO only), ``faults.warm_standby`` (ZO, one worker, CPU) and ``shadow_env``
+        (which needs a strategy with a shadow)."""
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.device != "cpu" and self.algo != "zo":
             raise ValueError(f"device {self.device} runs the ZO worker only (algo zo), not algo {self.algo}")
+        if self.faults.warm_standby and (self.algo, self.workers, self.device) != ("zo", 1, "cpu"):
+            raise ValueError(f"faults.warm_standby needs algo zo, one worker and device cpu (this run: algo {self.algo}, {self.workers} "
+                             f"workers, device {self.device}): its step executor runs outside Ray Train's worker group, so it has "
+                             "neither the collective of several workers nor the GPU Ray Train assigned")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
         if self.dtype != "float32" and self.algo != "zo":

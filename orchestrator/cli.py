@@ -353,6 +353,9 @@ def run(
                                                          "that raises (the process alive) is rolled back to the freshest state in the same process and "
                                                          "re-executed, without a Ray Train restart, at most this many times per "
                                                          "worker process; then (or with 0) Ray Train restarts the worker.")] = 3,
+    warm_standby: Annotated[bool, typer.Option(help="zo, one worker, cpu: train in a step executor actor with a second one loaded "
+                                                    "and waiting; when the executor's process dies the standby takes over "
+                                                    "without a Ray Train restart (counts against --max-worker-failures).")] = False,
     shadow_shards: Annotated[int, typer.Option(min=1, help="Split the shadow into K CPU actors, each replaying a contiguous range of "
                                                 "units (embeddings, layers, norm, head) balanced by size, spread across nodes: "
                                                 "replay work and memory per actor / K. 1..the model's unit count (tiny: 4, "
@@ -407,7 +410,8 @@ def run(
             storage=StorageConfig(uri=_storage_uri(storage), options={"endpoint_url": s3_endpoint} if s3_endpoint else {}),
             faults=FaultConfig(failures=failures, settle_failures=settle_failures, max_shadow_restarts=max_shadow_restarts,
                                max_persister_restarts=max_persister_restarts, max_worker_failures=max_worker_failures,
-                               max_in_process_restarts=max_in_process_restarts, start_timeout_s=start_timeout),
+                               max_in_process_restarts=max_in_process_restarts, warm_standby=warm_standby,
+                               start_timeout_s=start_timeout),
             elastic=ElasticConfig(min_workers=min_workers, resize_interval_s=parse_duration(elastic_resize_interval)),
             eval_samples=eval_samples, hash_every_steps=hash_every, shadow_shards=shadow_shards, device=device, dtype=dtype,
             shadow_env=parse_env(shadow_env, "--shadow-env"), worker_resource=worker_resource, shadow_resource=shadow_resource,

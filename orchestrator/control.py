@@ -25,6 +25,8 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
+from raycheck.policies.budgets import within_budget
+
 
 class Phase(enum.Enum):
     """The phase of a run as ``phase`` events and ``summary.json`` name it."""
@@ -217,11 +219,6 @@ Action = Union[EmitPhase, RestartShadow, RestartPersister, FailRun, Stop]
 
 
 # -- decisions --------------------------------------------------------------------------------------
-
-def within_budget(used: int, max_restarts: int) -> bool:
-    """Whether one more restart is allowed after ``used`` of ``max_restarts`` (-1: unlimited)."""
-    return max_restarts < 0 or used < max_restarts
-
 
 def shard_action(shard: ShardStatus, sharded: bool, max_restarts: int, recovery_pending: bool) -> RestartShadow | FailRun | None:
     """What to do with one shadow shard: nothing while it runs (or has not answered) and while a worker

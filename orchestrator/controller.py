@@ -531,6 +531,8 @@ class Controller:
     def _trainer(self) -> TorchTrainer:
         if self.cfg.algo == "fo":
             from raycheck.training.fo_worker import train_loop_per_worker
+        elif self.cfg.faults.warm_standby:
+            from raycheck.training.standby import train_loop_per_worker
         else:
             from raycheck.training.worker import train_loop_per_worker
         cfg = self.cfg

@@ -63,6 +63,25 @@ stamp, not Ray Train's); ``log_setup_s``: the decision and its event, rank 0's l
 made equal to the keeper's (or the background checkpoint write committed); the rest as in ``BREAKDOWN``."""
 
 
+STANDBY_BREAKDOWN = (
+    ("detected_unix_s", "detection_s"),
+    ("promoted_unix_s", "promotion_s"),
+    ("restore_began_unix_s", "log_setup_s"),
+    ("state_loaded_unix_s", "state_transfer_s"),
+    ("unix_s", "replay_s"),
+    ("first_step_unix_s", "first_step_s"),
+)
+"""The chain of a warm standby's promotion (``training.standby``; a ``recovery`` event with ``path``
+``standby``): the standby's process, imports, model and data were loaded before the failure, and Ray Train
+never restarts anything. ``detection_s``: until the supervisor's wait on the dead executor raised;
+``promotion_s``: the promotion's budget claim and event, and the standby's ``run`` call reaching it (or the
+rest of its load, when it was not loaded yet); ``log_setup_s``: the log keeper joined and rank 0's local
+log opened and made equal to the keeper's; the rest as in ``BREAKDOWN``."""
+
+CHAINS = {"in_process": IN_PROCESS_BREAKDOWN, "standby": STANDBY_BREAKDOWN}
+"""The breakdown chain of each recovery ``path`` that has its own stamps only (no worker group started)."""
+
+
 RAY_TRAIN_COMPONENTS = frozenset({"detection", "teardown", "scheduling", "process_start", "group_setup", "launch"})
 """The components (``BREAKDOWN``, without ``_s``) that are Ray Train's restart of the worker group, not our code."""
 
@@ -126,12 +145,13 @@ def recoveries(events: list[dict], executions: Sequence[dict] = ()) -> list[dict
     the last durable point; 0 with a step log); a sharded (fsdp2) restore adds ``saved_world_size``
     and ``restored_state_sha256`` (the loaded state, re-gathered).
 
-    ``path`` (when the event names it): ``new_process`` (Ray Train started a replacement worker) or
-    ``in_process`` (the worker's process rolled back and went on, ``training.in_process``).
+    ``path`` (when the event names it): ``new_process`` (Ray Train started a replacement worker),
+    ``in_process`` (the worker's process rolled back and went on, ``training.in_process``) or ``standby``
+    (a warm standby executor took over from a dead one, ``training.standby``).
 
     For a recovery whose event carries the worker's stamps, also ``breakdown`` (``breakdown``: the
     component seconds, from the ``worker_group`` event of its group, its own stamps and the first
-    step's metric row in ``executions``; an in-process one's over ``IN_PROCESS_BREAKDOWN``, from its own
+    step's metric row in ``executions``; an in-process or standby one's over its ``CHAINS`` entry, from its own
     stamps), ``first_step_seconds`` (failure to the first step done,
     None until it is, or when the worker failed again before) and ``breakdown_clamped`` (only when a component was clamped to 0).
     """
@@ -168,7 +188,7 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
                 row["restart_seconds"] = e["unix_s"] - e["seconds"] - last_failure["unix_s"]  # until the restore began
                 row["lost_steps"] = max(0, last_failure["durable_steps"] - e["restored_step"])
                 row["recompute_steps"] = max(0, last_failure["step"] - e["restored_step"])
-                if "process_created_unix_s" in e or e.get("path") == "in_process":
+                if "process_created_unix_s" in e or e.get("path") in CHAINS:
                     next_failure = min((t for t in failures_unix_s if t > e["unix_s"]), default=math.inf)
                     row.update(_breakdown_fields(last_failure, e, events, executions, next_failure))
     return out
@@ -177,8 +197,8 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
 def _breakdown_fields(failure: dict, recovery: dict, events: list[dict], executions: Sequence[dict], next_failure_unix_s: float) -> dict:
     first_step = first_step_unix_s(recovery, executions, next_failure_unix_s)
     chain: tuple[tuple[str, str], ...]
-    if recovery.get("path") == "in_process":  # its own stamps only: no worker group started
-        stamps, chain = {**recovery, "first_step_unix_s": first_step}, IN_PROCESS_BREAKDOWN
+    if recovery.get("path") in CHAINS:  # its own stamps only: no worker group started
+        stamps, chain = {**recovery, "first_step_unix_s": first_step}, CHAINS[recovery["path"]]
     else:
         stamps, chain = {**group_stamps(events, failure["unix_s"], recovery["worker_start_unix_s"]), **recovery,
                          "first_step_unix_s": first_step}, BREAKDOWN

@@ -25,7 +25,7 @@ from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cli import app
 from raycheck.orchestrator.controller import Controller
 from raycheck.orchestrator.schedule import failure_schedule, parse_schedule
-from raycheck.orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN
+from raycheck.orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN, STANDBY_BREAKDOWN
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.steplog import read_records
@@ -206,18 +206,30 @@ def test_poisson_schedule_of_failures_is_exact(workers, reference):
 
 
 def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_path_factory):
-    """Step 4: the shadow dies once its snapshot of step 3 is committed; its restart starts there.
-    Step 8: the shadow dies once the snapshot of step 6 is committed, then rank 0 dies half-way
-    through the log append of step 8: the torn tail is cut, and the worker restores the snapshot of
-    step 6 from storage plus the 2 logged steps after it; the shadow, restarted from that snapshot
-    too, ends equal to the reference. (A restarted shadow serving a later recovery from the object
+    """With a warm standby (``training.standby``): step 2: the worker's executor process exits, the
+    standby takes over from the shadow's image. Step 4: the shadow dies once its snapshot of step 3 is
+    committed; its restart starts there. Step 8: the shadow dies once the snapshot of step 6 is
+    committed, then rank 0 dies half-way through the log append of step 8: the torn tail is cut, and
+    the second standby restores the snapshot of step 6 from storage plus the 2 logged steps after it; the
+    shadow, restarted from that snapshot too, ends equal to the reference. Ray Train never restarts its
+    worker (the supervisor). (A restarted shadow serving a later recovery from the object
     store: ``test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact``.)"""
-    s = job(tmp_path_factory, "shadow", "4:shadow 8:both:torn")
+    s = job(tmp_path_factory, "shadow", "2:worker 4:shadow 8:both:torn", faults={"warm_standby": True})
     assert_exact(s, reference)
     assert [(r["incarnation"], r["source"], r["step"]) for r in s["shadow_restarts"]] == [(1, "snapshot", 3), (2, "snapshot", 6)]
-    assert [(r["failure_step"], r["source"], r["base_step"], r["replayed_steps"], r["restored_step"]) for r in s["recoveries"]] == [
-        (8, "storage", 6, 2, 8)]
+    assert [(r["failure_step"], r["path"], r["source"], r["base_step"], r["replayed_steps"], r["restored_step"]) for r in s["recoveries"]] == [
+        (2, "standby", "object_store", 2, 0, 2), (8, "standby", "storage", 6, 2, 8)]
     assert [(t["bytes"], t["step"]) for t in s["torn_tails_cut"]] == [(38, 8)]
+    events = RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
+    supervisors = [e["pid"] for e in events if e["kind"] == "standby_supervisor"]
+    assert len(supervisors) == 1 and len([e for e in events if e["kind"] == "worker_group"]) == 1
+    assert [(e["promoted"], e["supervisor_pid"]) for e in events if e["kind"] == "standby_promoted"] == [(True, supervisors[0])] * 2
+    executors = [e["pid"] for e in events if e["kind"] == "placement" and e["component"] == "worker"]
+    assert len(set(executors)) == 3 and supervisors[0] not in executors
+    assert [e["pid"] for e in events if e["kind"] == "recovery"] == executors[1:]
+    for r in s["recoveries"]:  # every component measured apart, adding up exactly to the failure-to-first-step time
+        assert list(r["breakdown"]) == [part for _, part in STANDBY_BREAKDOWN]
+        assert min(r["breakdown"].values()) >= 0 and sum(r["breakdown"].values()) == r["first_step_seconds"]
 
 
 def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive_policy_replans(reference, tmp_path_factory):

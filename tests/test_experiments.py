@@ -127,7 +127,8 @@ def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
 
 
 def test_inproc_bench_table_lists_each_path_s_components_in_breakdown_order():
-    """An in-process recovery has no Ray Train component: its cells are '-', and a mean over none is '-'."""
+    """An in-process recovery has no Ray Train component: its cells are '-', and a mean over none is '-'; a standby's
+    promotion comes right after the detection."""
     from raycheck.experiments.inproc_bench import table
 
     def rec(breakdown: dict, seconds: float, first: float) -> dict:
@@ -141,6 +142,8 @@ def test_inproc_bench_table_lists_each_path_s_components_in_breakdown_order():
                          "| log_setup | 0.25 | 0.75 | 0.50 | 0.50 | 0.50 |",
                          "| **failure -> restored** | 0.50 | 1.50 | 12.00 | 1.00 | 12.00 |",
                          "| **failure -> first step done** | 1.00 | 2.00 | 12.50 | 1.50 | 12.50 |"]
+    standby = table({"standby": [rec({"detection_s": 0.25, "promotion_s": 0.5, "log_setup_s": 0.25}, 1.0, 1.5)]}).splitlines()
+    assert [line.split(" | ")[0] for line in standby[2:5]] == ["| detection", "| promotion", "| log_setup"]
 
 
 def test_fo_presets_run_every_first_order_strategy_on_the_same_failures(tmp_path):

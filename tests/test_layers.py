@@ -16,7 +16,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKERS = ("training.worker", "training.fo_worker", "training.recovery", "training.faults", "training.worker_env",
+WORKERS = ("training.worker", "training.fo_worker", "training.standby", "training.recovery", "training.faults", "training.worker_env",
            "training.rank0_log")
 """What the Ray Train workers run: the train loops and the modules through which they reach the actors."""
 RANK = {"storage": 0, "policies": 0, "job": 1, "training": 2, "actors": 3, **dict.fromkeys(WORKERS, 4),

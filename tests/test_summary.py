@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from raycheck.orchestrator.summary import (BREAKDOWN, IN_PROCESS_BREAKDOWN, Collected, breakdown, mean_step_seconds, recoveries,
+from raycheck.orchestrator.summary import (BREAKDOWN, IN_PROCESS_BREAKDOWN, STANDBY_BREAKDOWN, Collected, breakdown, mean_step_seconds, recoveries,
                                            failed_summary, recovery_of_event, run_summary)
 
 
@@ -135,6 +135,23 @@ def test_an_in_process_restart_is_one_recovery_broken_down_without_ray_train():
                                 "first_step_s": 0.5}
     assert list(row["breakdown"]) == [part for _, part in IN_PROCESS_BREAKDOWN]
     assert sum(row["breakdown"].values()) == row["first_step_seconds"] == 0.875 and "breakdown_clamped" not in row
+
+
+def test_a_standby_promotion_is_broken_down_over_its_own_stamps():
+    """A warm standby took over (``path`` ``standby``): its chain has the promotion after the detection and
+    no Ray Train, process start or load component (the standby loaded before the failure)."""
+    events = [
+        {"kind": "failure", "target": "worker", "step": 3, "durable_steps": 3, "unix_s": T0},
+        {"kind": "recovery", "rank": 0, "at_step": 3, "restored_step": 3, "path": "standby", "pid": 43, "source": "object_store",
+         "base_step": 3, "replayed_steps": 0, "seconds": 0.25, "load_seconds": 0.125, "replay_seconds": 0.0,
+         "detected_unix_s": T0 + 0.125, "promoted_unix_s": T0 + 0.25, "restore_began_unix_s": T0 + 0.5,
+         "state_loaded_unix_s": T0 + 0.625, "unix_s": T0 + 0.75},
+    ]
+    [row] = recoveries(events, [{"step": 3, "unix_s": T0 + 1.0}])
+    assert row["path"] == "standby" and list(row["breakdown"]) == [part for _, part in STANDBY_BREAKDOWN]
+    assert row["breakdown"] == {"detection_s": 0.125, "promotion_s": 0.125, "log_setup_s": 0.25, "state_transfer_s": 0.125,
+                                "replay_s": 0.125, "first_step_s": 0.25}
+    assert sum(row["breakdown"].values()) == row["first_step_seconds"] == 1.0 and row["seconds"] == 0.75
 
 
 def test_a_resume_starts_afresh_its_restore_answers_no_earlier_failure_and_every_event_has_its_row():

@@ -40,7 +40,7 @@ from raycheck.training.in_process import StepFailure, decide
 from raycheck.training.rank0_log import KeeperSender, KeeperUnreachableError, local_log_path, open_local_log, replicated_append
 from raycheck.training.recovery import restore
 from raycheck.training.state import state_sha256
-from raycheck.training.worker_env import record_start, sum_over_workers, worker_env
+from raycheck.training.worker_env import WorkerEnv, record_start, sum_over_workers, worker_env
 from raycheck.training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
 
 
@@ -53,8 +53,16 @@ def barrier_of(exchange: RemoteExchange | None, world: int) -> Callable[[str], N
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point; ``config`` is ``JobConfig.to_dict()``."""
-    env = worker_env(config)
+    """Ray Train entry point; ``config`` is ``JobConfig.to_dict()`` (with ``faults.warm_standby`` the
+    entry point is ``training.standby``'s, which runs ``zo_loop`` in a step executor)."""
+    zo_loop(worker_env(config))
+
+
+def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
+    """A ZO worker from its start (``env``: its configuration, place, model and data) to the run's last
+    step: restore when the run is resuming, then steps until ``cfg.steps`` (rolled back in process after
+    an exception, ``training.in_process``), then the ``final`` event (rank 0). ``promoted``: a warm
+    standby's promotion stamps (``training.standby``), recorded in its ``recovery`` event."""
     cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)  # on the CPU until the restore is done
@@ -69,18 +77,18 @@ def train_loop_per_worker(config: dict) -> None:
         log_end = keeper.end()
         sender = KeeperSender(keeper, log_end, wait=cfg.durability != "process") if writer is not None else None
         checkpointer = None
-        resuming = faults.fired() or log_end > 0
+        resuming = promoted is not None or faults.fired() or log_end > 0
     else:  # full-state baselines: progress is durable at the newest committed checkpoint only
         writer, sender, log_end = None, None, None
         checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC,
                                         {"trajectory_sha256": cfg.trajectory_sha256()}) if rank == 0 else None
         faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0),
                                flush=checkpointer.flush if checkpointer is not None else None)
-        resuming = faults.fired() or faults.durable_steps() > 0
+        resuming = promoted is not None or faults.fired() or faults.durable_steps() > 0
 
     restored = restore(params, cfg, local_log_path(cfg) if writer is not None else None, log_end) if resuming else None
     params = trainable_parameters(model.to(worker_device(cfg.device)))
-    step = record_start(env, restored)
+    step = record_start(env, restored, promoted=promoted)
 
     commit = replicated_append(writer, sender) if writer is not None and sender is not None else timed_append(None)
     restarts = 0  # in-process restarts of this process

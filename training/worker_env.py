@@ -45,14 +45,17 @@ class WorkerEnv:
     initial_weights: Callable[[], "OrderedDict[str, torch.Tensor]"]
 
 
-def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], float] | None = None) -> int:
+def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], float] | None = None,
+                 promoted: dict[str, float] | None = None) -> int:
     """Record how this worker starts and return its first step: after a restore (``restored``, the
     restore's result), a ``recovery`` event at the restored step; on a fresh start, the held-out
     accuracy before training (when ``eval_samples``; ``accuracy``, when given, computes it on every
     rank, e.g. a sharded model's collective evaluation). Only rank 0 writes these events (with
     ``replica_groups`` every rank that restored writes its ``recovery``: a replaced worker restores
-    alone; ``path`` ``new_process`` and the process id: ``training.worker`` records ``in_process`` ones); every
-    rank records where it runs, its process id and the world size (a ``placement`` event, for the summary)."""
+    alone; ``path`` ``new_process`` and the process id: ``training.worker`` records ``in_process`` ones; with
+    ``promoted``, the stamps of a warm standby's promotion (``training.standby``), ``path`` ``standby`` with
+    those stamps instead of the process start's); every rank records where it runs, its process id and the
+    world size (a ``placement`` event, for the summary)."""
     env.run.event("placement", component="worker", rank=env.rank, world=env.world, pid=os.getpid(), **this_node())
     if restored is None:
         if env.cfg.eval_samples and (env.rank == 0 or accuracy is not None):
@@ -62,23 +65,23 @@ def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], f
         return 0
     start = restored["base_step"] + restored["replayed_steps"]
     if env.rank == 0 or env.cfg.replica_groups:  # with replica groups a replaced worker restores alone
-        env.run.event("recovery", rank=env.rank, at_step=start, restored_step=start, path="new_process", pid=os.getpid(),
-                      **env.stamps, **restored)
+        path, stamps = ("new_process", env.stamps) if promoted is None else ("standby", promoted)
+        env.run.event("recovery", rank=env.rank, at_step=start, restored_step=start, path=path, pid=os.getpid(), **stamps, **restored)
     return start
 
 
-def worker_env(config: dict) -> WorkerEnv:
+def worker_env(config: dict, place: tuple[int, int] | None = None) -> WorkerEnv:
     """Parse ``config`` (``JobConfig.to_dict()`` plus the driver's shipped references under
     ``training.assets.ASSETS_KEY``), fix the torch thread count (reproducible forward passes across
     restarts), and load the model (initial weights), tokenizer and data: a model folder's files and a
     data file's splits from Ray's object store, never from the driver's paths. Each phase is stamped
-    (``WorkerEnv.stamps``)."""
+    (``WorkerEnv.stamps``). ``place``: (rank, world size) of a process outside Ray Train's worker group
+    (a step executor, ``training.standby``); default: Ray Train's context."""
     stamps = {"process_created_unix_s": psutil.Process().create_time(), "worker_start_unix_s": time.time()}
     config = dict(config)
     shipped = config.pop(ASSETS_KEY, None)
     cfg = JobConfig.from_dict(config)
     torch.set_num_threads(cfg.torch_threads)
-    ctx = ray.train.get_context()
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (load_model's and load_tokenizer's imports, timed on their own)
 
     stamps["imports_unix_s"] = time.time()
@@ -88,7 +91,10 @@ def worker_env(config: dict) -> WorkerEnv:
     train, held_out = splits(fetch(shipped, "data"))
     encoder = make_encoder(cfg, load_tokenizer(cfg.cache_dir, files))
     stamps["data_loaded_unix_s"] = time.time()
-    return WorkerEnv(cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg), stamps=stamps,
+    if place is None:
+        ctx = ray.train.get_context()
+        place = ctx.get_world_rank(), ctx.get_world_size()
+    return WorkerEnv(cfg=cfg, rank=place[0], world=place[1], run=RunChannel(cfg), stamps=stamps,
                      model=model, encoder=encoder, train=train, held_out=held_out,
                      initial_weights=lambda: trainable_parameters(load_model(cfg.model, cfg.cache_dir, files, cfg.dtype)))
 
