@@ -48,6 +48,8 @@ class Preset:
 FAILURE_KINDS = {
     "exit": "the worker process exits (os._exit(1)): Ray Train starts a new process, which restores the state",
     "raise": "the step raises and the process survives: it restores the state in process (training.in_process)",
+    "standby": "the worker process exits (os._exit(1)) and a warm standby, loaded before it was needed, takes over "
+               "(training.standby; zo only): Ray Train sees no failure",
 }
 """``raycheck experiment --failure-kind``: how each injected worker failure happens (``FailureSpec.how``)."""
 
@@ -75,17 +77,21 @@ def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str,
     failures of ``failure_kind`` (``FAILURE_KINDS``).
 
     Raises:
-        ValueError: an unknown ``failure_kind``.
+        ValueError: an unknown ``failure_kind``; ``standby`` with a first-order preset.
     """
     if failure_kind not in FAILURE_KINDS:
         raise ValueError(f"failure kind {failure_kind!r}: choose one of {', '.join(FAILURE_KINDS)}")
+    if failure_kind == "standby" and preset.algo != "zo":
+        raise ValueError(f"failure kind standby is for the zo presets (a warm standby runs one ZO worker), not {preset.name}")
+    how = "exit" if failure_kind == "standby" else failure_kind
     return JobConfig(
         out_dir=str(out), cache_dir=cache_dir, model=preset.model, steps=preset.steps, batch_size=preset.batch_size,
         algo=preset.algo, strategy=strategy, eval_samples=0, run_id=f"{strategy}-{uuid.uuid4().hex[:6]}",
         differential=DifferentialConfig(full_every_steps=2 * preset.interval_steps),
         snapshot=SnapshotConfig(every_steps=preset.interval_steps, policy="adaptive" if strategy == "shadow" else "fixed",
                                 mtbf_s=preset.mtbf_s),
-        faults=FaultConfig(failures=tuple(FailureSpec(step=s, how=failure_kind) for s in preset.failure_steps) if failures else ()),
+        faults=FaultConfig(failures=tuple(FailureSpec(step=s, how=how) for s in preset.failure_steps) if failures else (),
+                           warm_standby=failures and failure_kind == "standby"),
     )
 
 

@@ -23,9 +23,10 @@ def experiment(
     report_only: Annotated[bool, typer.Option(help="Rebuild the report from the results already in --out.")] = False,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
     failure_kind: Annotated[str, typer.Option(
-        help="exit or raise: how each injected worker failure happens, the same for every strategy. exit: the process exits, "
-             "Ray Train starts a new one that restores the state. raise: the step raises, the process survives "
-             "and restores the state in process.")] = "exit",
+        help="exit, raise or standby: how each injected worker failure happens, the same for every strategy. exit: the "
+             "process exits, Ray Train starts a new one that restores the state. raise: the step raises, the process "
+             "survives and restores the state in process. standby (zo only): the process exits and a warm standby "
+             "(--warm-standby) takes over.")] = "exit",
     model: Annotated[str, typer.Option(help="Model of every run instead of the preset's: a built-in name, a local Hugging "
                                             "Face model folder or a model id in the local Hugging Face cache.")] = "",
 ) -> None:
@@ -49,6 +50,8 @@ def experiment(
         _usage_error(f"--strategy {', '.join(unknown)} is not a strategy of --algo {algo}: choose from {', '.join(STRATEGIES[algo])}")
     if failure_kind not in FAILURE_KINDS:
         raise typer.BadParameter(f"unknown failure kind {failure_kind!r}: choose from {', '.join(FAILURE_KINDS)}")
+    if failure_kind == "standby" and algo != "zo":
+        _usage_error(f"--failure-kind standby is for --algo zo (a warm standby runs one ZO worker), not --algo {algo}")
     out = out.resolve()
     preset = PRESETS_BY_ALGO[algo]["quick" if quick else "full"]
     if model and not report_only:
@@ -65,9 +68,7 @@ def experiment(
     elif not (out / "runs.parquet").is_file():
         typer.echo(f"error: {out} holds no results (runs.parquet); run without --report-only first", err=True)
         raise typer.Exit(2)
-    report = write_report(out)
-    typer.echo(f"report: {out / 'report.md'}")
-    typer.echo(report.summary())
+    typer.echo(write_report(out).summary())  # its first line names report.md
 
 
 def _usage_error(message: str) -> None:

@@ -101,7 +101,7 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
     """``--failure-kind raise``: the preset's failure steps, each a ``worker:raise``, for every strategy."""
     import pytest
 
-    from raycheck.experiments.harness import PRESETS, job_config
+    from raycheck.experiments.harness import PRESETS, PRESETS_BY_ALGO, job_config
     from raycheck.job.config import STRATEGIES
 
     preset = PRESETS["full"]
@@ -110,8 +110,15 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
         assert [(f.step, f.target, f.how) for f in cfg.faults.failures] == [(12, "worker", "raise"), (24, "worker", "raise")]
     assert [f.how for f in job_config(preset, "shadow", tmp_path, "/cache").faults.failures] == ["exit", "exit"]
     assert job_config(preset, "shadow", tmp_path, "/cache", failures=False, failure_kind="raise").faults.failures == ()
-    with pytest.raises(ValueError, match="failure kind 'sigkill': choose one of exit, raise"):
+    with pytest.raises(ValueError, match="failure kind 'sigkill': choose one of exit, raise, standby"):
         job_config(preset, "shadow", tmp_path, "/cache", failure_kind="sigkill")
+    for strategy in STRATEGIES["zo"]:  # standby: the process exits and every strategy's worker has a warm standby
+        cfg = job_config(preset, strategy, tmp_path / strategy, "/cache", failure_kind="standby")
+        assert [f.how for f in cfg.faults.failures] == ["exit", "exit"] and cfg.faults.warm_standby
+    assert not job_config(preset, "shadow", tmp_path, "/cache", failures=False, failure_kind="standby").faults.warm_standby
+    assert not job_config(preset, "shadow", tmp_path, "/cache").faults.warm_standby
+    with pytest.raises(ValueError, match="failure kind standby is for the zo presets .*not fo-full"):
+        job_config(PRESETS_BY_ALGO["fo"]["full"], "full-async", tmp_path, "/cache", failure_kind="standby")
 
 
 def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
@@ -124,6 +131,10 @@ def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
     assert list(tmp_path.iterdir()) == []
     help_text = CliRunner().invoke(app, ["experiment", "--help"]).output
     assert "--failure-kind" in help_text and "the process survives" in help_text
+    result = CliRunner().invoke(app, ["experiment", "--algo", "fo", "--failure-kind", "standby", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and result.output == ("error: --failure-kind standby is for --algo zo (a warm standby runs one "
+                                                       "ZO worker), not --algo fo\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_inproc_bench_table_lists_each_path_s_components_in_breakdown_order():
