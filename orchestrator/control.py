@@ -220,6 +220,11 @@ Action = Union[EmitPhase, RestartShadow, RestartPersister, FailRun, Stop]
 
 # -- decisions --------------------------------------------------------------------------------------
 
+SHADOW_RESUME_HINT = ("; the step log holds every step: resume with --resume, with a larger --max-shadow-restarts if "
+                      "the shadow keeps failing")
+"""How a run failed by its shadow ends its reason: nothing logged is lost, and how to go on."""
+
+
 def shard_action(shard: ShardStatus, sharded: bool, max_restarts: int, recovery_pending: bool) -> RestartShadow | FailRun | None:
     """What to do with one shadow shard: nothing while it runs (or has not answered) and while a worker
     recovery is pending (the recovering worker must see the shadow as it was at the failure); else
@@ -229,8 +234,7 @@ def shard_action(shard: ShardStatus, sharded: bool, max_restarts: int, recovery_
     if not within_budget(shard.restarts, max_restarts):
         what = f"shadow shard {shard.shard}" if sharded else "the shadow"
         return FailRun("shadow", f"{what} failed after {shard.restarts} restarts (max_shadow_restarts {max_restarts}): "
-                                 f"{shard.failure}; the step log holds every step: resume with --resume, with a larger "
-                                 "--max-shadow-restarts if the shadow keeps failing")
+                                 f"{shard.failure}{SHADOW_RESUME_HINT}")
     return None if recovery_pending else RestartShadow(shard.shard)
 
 

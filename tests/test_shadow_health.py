@@ -11,7 +11,7 @@ import torch
 
 from raycheck.actors.shadow import ShadowSpec
 from raycheck.actors.shadow_actor import ShadowActor
-from raycheck.orchestrator.control import FailRun, RestartShadow, ShardStatus, shard_action
+from raycheck.orchestrator.control import SHADOW_RESUME_HINT, FailRun, RestartShadow, ShardStatus, shard_action
 from raycheck.orchestrator.shadow_keeper import failure_reason
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.steplog import StepLogWriter, StepRecord
@@ -62,9 +62,9 @@ def test_the_keeper_decision_bounds_restarts_and_waits_for_a_pending_recovery():
     assert shard_action(dead, False, 10, recovery_pending=False) == RestartShadow(0)
     assert shard_action(dead, False, 10, recovery_pending=True) is None  # a worker recovery needs the shadow as it was
     assert shard_action(ShardStatus(1, 10, failure_reason({"error": "x"})), True, 10, recovery_pending=True) == FailRun(
-        "shadow", "shadow shard 1 failed after 10 restarts (max_shadow_restarts 10): replay thread died: x")
+        "shadow", "shadow shard 1 failed after 10 restarts (max_shadow_restarts 10): replay thread died: x" + SHADOW_RESUME_HINT)
     assert shard_action(ShardStatus(0, 0, "actor died"), False, 0, recovery_pending=False) == FailRun(
-        "shadow", "the shadow failed after 0 restarts (max_shadow_restarts 0): actor died")
+        "shadow", "the shadow failed after 0 restarts (max_shadow_restarts 0): actor died" + SHADOW_RESUME_HINT)
     assert shard_action(ShardStatus(0, 10**6, "actor died"), False, -1, recovery_pending=False) == RestartShadow(0)  # -1: unlimited
 
 
