@@ -31,6 +31,8 @@ DEFAULT_STRATEGY = {"zo": RunStrategy.SHADOW, "fo": RunStrategy.LAYERWISE}
 FO_PARALLELISMS = ("ddp", "fsdp2")
 """How first-order workers share the state: ``ddp`` (each holds all of it) or ``fsdp2`` (sharded, ``training.sharded``)."""
 HOWS = ("exit", "raise", "sigkill", "torn")
+WORKER_TARGETS = ("worker", "both")
+"""The failure targets that kill a train worker, the only ones whose ``FailureSpec.how`` says how it dies."""
 DURABILITIES = ("process", "node", "cluster")
 """Fault domains a step record survives before its update (``training.rank0_log``)."""
 DEVICES = ("cpu", "cuda")
@@ -69,30 +71,54 @@ class FailureSpec:
             its whole Ray node, raylet and every process, ``training.faults.take_down_node``; needs
             another node for the workers, ``orchestrator.controller.check_node_failures``). A ``shadow`` failure kills
             every shard of a sharded shadow, or only shard ``how`` when it is a number (``12:shadow:1``).
-        how: for workers, ``exit`` (``os._exit(1)``), ``raise`` (``training.faults.InjectedWorkerFailure``:
-            the process survives; one worker restarts in process, ``training.in_process``), ``sigkill``, or
-            ``torn`` (rank 0 dies half-way through writing a step log record: a torn tail); for
-            ``storage``, the outage in seconds (e.g. ``20``).
+        how: for ``worker`` and ``both``, how the worker dies: ``exit`` (``os._exit(1)``, the default),
+            ``raise`` (``training.faults.InjectedWorkerFailure``: the process survives; one worker restarts
+            in process, ``training.in_process``), ``sigkill``, or ``torn`` (rank 0 dies half-way through
+            writing a step log record: a torn tail); for ``storage``, the outage in seconds (e.g. ``20``);
+            for ``shadow``, the shard number, or None (every shard); None for the others, which have no
+            how. ``exit`` given for a target other than a worker one (the default that ``config.json``
+            files of earlier versions record for every target) reads as None, so both forms load alike.
+
+    Raises:
+        ValueError: a negative step, an unknown target, or a ``how`` the target does not take.
     """
 
     step: int
     target: FailureTarget | str = "worker"
-    how: FailureHow | str = "exit"
+    how: FailureHow | str | None = None
 
     def __post_init__(self) -> None:
         if self.step < 0:
             raise ValueError(f"failure step must be >= 0, got {self.step}")
         if self.target not in TARGETS:
             raise ValueError(f"failure target {self.target!r}: choose one of {', '.join(TARGETS)}")
+        if self.target in WORKER_TARGETS:
+            object.__setattr__(self, "how", "exit" if self.how is None else self.how)
+        elif self.how == "exit" and self.target != "storage":
+            object.__setattr__(self, "how", None)  # an earlier version's saved default: means nothing here
+        how = self.how
         if self.target == "storage":
-            if not self.how.replace(".", "", 1).isdigit() or not float(self.how) > 0:
-                got = "none" if self.how == "exit" else repr(self.how)  # "exit" is the default: nothing was given
+            if how is None or not how.replace(".", "", 1).isdigit() or not float(how) > 0:
+                got = "none" if how in (None, "exit") else repr(how)  # "exit": an earlier version's default
                 raise ValueError(f"a storage failure needs its outage in seconds, e.g. {self.step}:storage:20 (got {got})")
-        elif self.target == "shadow" and self.how != "exit":
-            if not self.how.isdigit():
-                raise ValueError(f"a shadow failure selects a shard by its number, e.g. {self.step}:shadow:1 (got {self.how!r})")
-        elif self.how not in HOWS:
-            raise ValueError(f"failure how {self.how!r}: choose one of {', '.join(HOWS)}")
+        elif self.target == "shadow":
+            if how is not None and not how.isdigit():
+                raise ValueError(f"a shadow failure selects a shard by its number, e.g. {self.step}:shadow:1 (got {how!r})")
+        elif self.target not in WORKER_TARGETS:
+            if how is not None:
+                raise ValueError(f"a {self.target} failure takes no how (got {how!r})")
+        elif how not in HOWS:
+            raise ValueError(f"failure how {how!r}: choose one of {', '.join(HOWS)}")
+
+    @property
+    def shard(self) -> int | None:
+        """The shadow shard a ``shadow`` failure kills (None: every shard, or not a shadow failure)."""
+        return int(self.how) if self.target == "shadow" and self.how is not None else None
+
+    @property
+    def outage_s(self) -> float | None:
+        """The seconds a ``storage`` failure keeps the storage server down (None for the other targets)."""
+        return float(self.how) if self.target == "storage" and self.how is not None else None
 
     @classmethod
     def parse(cls, text: str) -> "FailureSpec":
@@ -496,7 +522,7 @@ class JobConfig:
                 raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
             if f.target in ("shadow", "both") and not self.uses_shadow:
                 raise ValueError(f"failure {f.step}:{f.target} kills the shadow, which only strategy shadow has (this run: {self.strategy})")
-            if f.target == "shadow" and f.how.isdigit() and int(f.how) >= self.shadow_shards:
+            if f.shard is not None and f.shard >= self.shadow_shards:
                 raise ValueError(f"failure {f.step}:shadow:{f.how} names shard {f.how}, but the shadow has "
                                  f"{self.shadow_shards} shard(s) (0..{self.shadow_shards - 1}): set --shadow-shards")
             if f.how == "torn" and not self.uses_step_log:

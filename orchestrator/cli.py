@@ -26,6 +26,7 @@ from raycheck.orchestrator.storage_cli import inspect, verify
 from raycheck.orchestrator.stored_config import StoredConfigError, load_config
 from raycheck.policies.costs import InfeasibleError
 from raycheck.storage.backend import local_path
+from raycheck.storage.steplog import StepLogError, read_log
 from raycheck.training.model import MODEL_NAMES, default_cache_dir
 
 app = typer.Typer(
@@ -241,6 +242,11 @@ def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path
     return entries
 
 
+def resume_command(out: pathlib.Path, verify: bool) -> str:
+    """The shell command line that resumes the run in ``out`` (with ``--verify`` when it was given)."""
+    return shlex.join(["raycheck", "run", "--resume", "--out", str(out.resolve()), *(["--verify"] if verify else [])])
+
+
 def _interrupted(out: pathlib.Path, verify: bool, steps: int) -> typer.Exit:
     """Print, after Ctrl-C stopped ``raycheck run``, the command line that resumes the run in ``out``
     of ``steps`` steps (or that nothing is left to resume); returns the exit to raise (code 130, as a shell gives SIGINT)."""
@@ -252,9 +258,30 @@ def _interrupted(out: pathlib.Path, verify: bool, steps: int) -> typer.Exit:
         typer.echo(f"interrupted: the run had finished ({out / 'summary.json'}); only its failure-free reference "
                    "(--verify) was cut short", err=True)
     else:
-        command = shlex.join(["raycheck", "run", "--resume", "--out", str(out.resolve()), *(["--verify"] if verify else [])])
-        typer.echo(f"interrupted: the run stopped; resume it with:\n  {command}", err=True)
+        typer.echo(f"interrupted: the run stopped; resume it with:\n  {resume_command(out, verify)}", err=True)
     return typer.Exit(130)
+
+
+FINISHED_KEYS = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
+                 "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",
+                 "shadow_replay_seconds_per_step", "shadow_max_lag_steps", "wall_seconds")
+"""The ``summary.json`` fields ``raycheck run`` prints for a run that finished."""
+
+
+def printed_summary(summary: dict, out: pathlib.Path, verify: bool) -> dict:
+    """The block ``raycheck run`` prints: for a run that finished, its ``FINISHED_KEYS``; for one that
+    failed (``ok`` false), ``ok``, ``error``, ``phase``, ``logged_steps`` (the steps ``out``'s step log
+    holds, all of them recoverable; absent without a readable step log) and ``resume`` (the command that
+    resumes the run), since a failed run has no final state, hashes or timings to show."""
+    if summary.get("ok"):
+        return {k: summary[k] for k in FINISHED_KEYS if k in summary}
+    failed = {"ok": False, "error": summary.get("error"), "phase": summary.get("phase")}
+    try:
+        failed["logged_steps"] = len(read_log(out / "steplog.bin")[1])
+    except (OSError, StepLogError):  # no step log (a strategy without one, or a run that failed before it)
+        pass
+    failed["resume"] = resume_command(out, verify)
+    return failed
 
 
 @app.command()
@@ -452,10 +479,7 @@ def run(
                       f"{exc}") from exc
     except KeyboardInterrupt as exc:  # Ctrl-C: the run has written its summary and killed its actors
         raise _interrupted(out, verify, cfg.steps) from exc
-    keys = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
-            "lost_steps", "accuracy_before", "accuracy_after", "mean_step_seconds", "mean_checkpoint_block_seconds",
-            "shadow_replay_seconds_per_step", "shadow_max_lag_steps", "wall_seconds")
-    typer.echo(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
+    typer.echo(json.dumps(printed_summary(summary, out, verify), indent=2))
     typer.echo(f"summary: {out / 'summary.json'}   metrics: {out / 'metrics.parquet'}")
     if not summary["ok"]:
         typer.echo(f"error: training failed: {summary['error']}", err=True)

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from raycheck.storage.backend import Storage, local_path
+from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_path
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.log_segments import PREFIX, read_segments
 from raycheck.storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
@@ -140,12 +140,23 @@ def _unindexed_line(folders: list[str]) -> str:
             f"{'them' if n > 1 else 'it'}): {', '.join(folders)}")
 
 
+def _temp_lines(temps: list[TempFile]) -> list[str]:
+    """``inspect``'s lines for the temp files of interrupted (or ongoing) local writes: their count and
+    bytes, then each one's path, size and age; none when there are none."""
+    if not temps:
+        return []
+    head = (f"{len(temps)} temp file(s) of interrupted or ongoing writes, {sum(t.bytes for t in temps):,} bytes "
+            f"(never read; retention deletes those unmodified for {TEMP_MAX_AGE_S / 3600:g} h):")
+    return [head] + [f"  temp: {t.path}  {t.bytes:,} bytes  modified {t.age_s:.0f} s ago" for t in temps]
+
+
 def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """List committed snapshots: step, size (bytes of every shard its state is made of), units and the
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
     that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
-    folder) are listed after the snapshots. A missing store (folder or bucket), or a folder or prefix that
-    holds nothing of a run, exits 2."""
+    folder) are listed after the snapshots, then the temp files that killed writes left in the store
+    (count, bytes, each one's path; ``storage.backend.Storage.temp_files``). A missing store (folder or
+    bucket), or a folder or prefix that holds nothing of a run, exits 2."""
     main = open_store(uri, s3_endpoint)
     stores = _stores(main)
     if not _holds_a_run(uri, stores):
@@ -165,7 +176,7 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
             typer.echo(f"  skipped: {problem}")
         for folder in unindexed:
             typer.echo(f"  not indexed: {folder}")
-    for line in _log_lines(uri, main.storage)[0]:
+    for line in _temp_lines(main.storage.temp_files()) + _log_lines(uri, main.storage)[0]:
         typer.echo(line)
 
 

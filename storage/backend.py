@@ -13,7 +13,9 @@ is used again within ``breaker_max_backoff_s`` of its return. ``Storage.breaker.
 
 Atomicity: ``put`` makes an object visible whole or not at all. Local files are written to a
 temporary name, fsynced, renamed, and the folder is fsynced; on S3 a PUT (or a completed multipart
-upload) is atomic by the protocol.
+upload) is atomic by the protocol. A local writer killed mid-write leaves its temp file (``<name>.tmp-<8
+hex>``): ``list`` never shows it, ``temp_files`` does, and ``remove_stale_temp_files`` (run by snapshot
+retention and diff garbage collection) deletes those no writer has touched for ``TEMP_MAX_AGE_S``.
 
 Local writes and the step log's fsync: a local ``put`` writes its bytes ``write_chunk_bytes`` at a
 time and ``os.fdatasync``-s each chunk, optionally paced to ``write_rate_bytes_per_s``, so that a big
@@ -35,6 +37,7 @@ operation fails at once with ``StorageCredentialsError``, which says how to give
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import enum
 import fcntl
@@ -53,7 +56,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from raycheck.storage.files import atomic_write
+from raycheck.storage.files import TEMP_MARK, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +275,24 @@ class CircuitBreaker:
 LOCAL_WRITE_CHUNK_BYTES = 1 << 18
 """Bytes a local ``put`` writes between two ``os.fdatasync`` calls (256 KiB: chosen with
 ``experiments.durability_bench --snapshot-load``; README, Storage)."""
+
+TEMP_MAX_AGE_S = 6 * 3600.0
+"""Seconds since its last modification after which a temp file of ``atomic_write`` counts as left by a
+dead writer (``Storage.remove_stale_temp_files``): 6 hours. A live writer's temp file must never be
+removed (its rename would then fail and the put with it), and a live writer modifies it at least once per
+``LOCAL_WRITE_CHUNK_BYTES`` chunk: even paced at 1 KiB/s that is every 256 s, and an unchunked put writes
+everything in one call; 6 hours is far beyond any write or storage stall, and on disk a temp file holds
+at most one object."""
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """A temp file of ``atomic_write`` in a store: ``path`` (relative, ``/``-separated), ``bytes``, and
+    ``age_s`` (seconds since its last modification, by this host's clock)."""
+
+    path: str
+    bytes: int
+    age_s: float
 
 
 class WritePacer:
@@ -523,7 +544,60 @@ class Storage:
             root = self.root.rstrip("/") + "/"
             return sorted(p.split(root, 1)[1] if root in p else p for p in found)
 
-        return [p for p in self._call(f"list {self.url(prefix)}", find) if ".tmp-" not in p]
+        return [p for p in self._call(f"list {self.url(prefix)}", find) if TEMP_MARK not in p]
+
+    def temp_files(self, prefix: str = "") -> builtins.list[TempFile]:
+        """The temp files of interrupted or ongoing local writes under ``prefix`` (recursive), sorted by
+        path; [] for S3 and memory (their puts are atomic in the service and leave none).
+
+        Raises:
+            StorageError: listing failed after retries.
+        """
+        if self.protocol != "file":
+            return []
+
+        def walk() -> builtins.list[TempFile]:
+            base, now, found = self.path(prefix).rstrip("/"), time.time(), []
+            for folder, _, names in os.walk(base):
+                for name in names:
+                    if TEMP_MARK not in name:
+                        continue
+                    full = os.path.join(folder, name)
+                    try:
+                        st = os.stat(full)
+                    except FileNotFoundError:  # renamed or removed meanwhile
+                        continue
+                    found.append(TempFile(os.path.relpath(full, self.root).replace(os.sep, "/"), st.st_size,
+                                          max(now - st.st_mtime, 0.0)))
+            return sorted(found, key=lambda t: t.path)
+
+        return self._call(f"list temp files {self.url(prefix)}", walk)
+
+    def remove_stale_temp_files(self, max_age_s: float = TEMP_MAX_AGE_S, prefix: str = "") -> builtins.list[TempFile]:
+        """Delete the temp files under ``prefix`` (``temp_files``) unmodified for at least ``max_age_s``
+        seconds (see ``TEMP_MAX_AGE_S`` for why a younger one is kept: its writer may be alive); returns
+        those deleted. A failed delete is logged and left for the next call.
+
+        Raises:
+            ValueError: ``max_age_s`` < 0. StorageError: listing failed after retries.
+        """
+        if max_age_s < 0:
+            raise ValueError(f"max_age_s must be >= 0, got {max_age_s}")
+        removed = []
+        for temp in self.temp_files(prefix):
+            if temp.age_s < max_age_s:
+                continue
+            try:
+                os.unlink(self.path(temp.path))
+                removed.append(temp)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not delete the stale temp file %s: %s", self.url(temp.path), exc)
+        if removed:
+            log.info("deleted %d stale temp file(s) of interrupted writes (%d bytes) in %s", len(removed),
+                     sum(t.bytes for t in removed), self.url(prefix))
+        return removed
 
     def probe(self) -> None:
         """Check that the store is usable (write, read back, delete a small object).

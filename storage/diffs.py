@@ -27,7 +27,8 @@ what a failed attempt left. A gap or a corrupt batch never yields a wrong state:
 replay to a step raises ``DiffGapError`` / ``DiffCorruptError`` naming the steps; an open-ended
 replay (recovery) stops before the first missing or corrupt step and reports it, and the steps after
 it are recomputed. Garbage collection deletes, for batches wholly before the newest full checkpoint,
-the commit record first and the batch after it (so a crash in between leaves an unlisted object).
+the commit record first and the batch after it (so a crash in between leaves an unlisted object),
+and the stale temp files of interrupted local writes under the prefix (``Storage.remove_stale_temp_files``).
 """
 
 from __future__ import annotations
@@ -298,8 +299,9 @@ class DiffStore:
     # -- garbage collection -------------------------------------------------------------------
     def collect_garbage(self, before_step: int) -> int:
         """Delete the batches wholly before ``before_step`` (the newest full checkpoint's step), the
-        commit record first, and orphaned objects of failed attempts; returns objects deleted.
-        A failed delete is logged and left for the next collection."""
+        commit record first, and orphaned objects of failed attempts, then the stale temp files of
+        interrupted writes under the prefix (not counted); returns objects deleted. A failed delete is
+        logged and left for the next collection."""
         deleted = 0
         paths = self.storage.list(self.prefix)
         ordered = sorted(paths, key=lambda p: not p.endswith(".commit.json"))  # commit records first
@@ -312,4 +314,5 @@ class DiffStore:
                 deleted += 1
             except OSError as exc:
                 log.warning("diff garbage collection could not delete %s: %s", path, exc)
+        self.storage.remove_stale_temp_files(prefix=self.prefix)
         return deleted

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from raycheck.storage.backend import WritePacer
 
+TEMP_MARK = ".tmp-"
+"""What ``atomic_write``'s temp names hold (``<name>.tmp-<8 hex>``): readers skip such names."""
+
 
 def write_synced(fd: int, data: bytes | memoryview, chunk_bytes: int | None, pacer: WritePacer | None = None) -> None:
     """Write all of ``data`` to the open file ``fd`` in chunks of ``chunk_bytes`` (the last may be
@@ -46,10 +49,11 @@ def atomic_write(path: str | os.PathLike, data: bytes | memoryview, chunk_bytes:
 
     Raises:
         OSError: a write, sync or rename failed; ``path`` is unchanged and the temp file removed (a
-            temp file a crash leaves is never read: it has another name).
+            temp file a crash leaves is never read: it has another name; ``Storage.remove_stale_temp_files``
+            deletes it once it is old).
     """
     path = os.fspath(path)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = f"{path}{TEMP_MARK}{uuid.uuid4().hex[:8]}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:

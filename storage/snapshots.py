@@ -24,7 +24,9 @@ are compare-and-swap (``Storage.put_if_match``) and fenced: each run has a write
 raised by ``claim_epoch`` at each driver incarnation, and a writer whose epoch is older than the
 index's raises ``FencedError`` instead of writing. Retention writes the new index first and only then
 deletes snapshots that left it, only its own run's, never the one just committed, never the newest
-one that verifies, and never a shard that a kept manifest references. A crash at any point leaves the
+one that verifies, and never a shard that a kept manifest references; it also deletes the temp files
+of writes killed midway anywhere in the store, once unmodified for ``temp_max_age_s`` (never a live
+writer's: ``storage.backend.TEMP_MAX_AGE_S``). A crash at any point leaves the
 previous index valid, and everything it lists intact. Readers trust nothing they have not verified:
 ``list`` checks each manifest's sha256 against the index and its schema; ``load`` checks sizes and
 sha256 of every shard before parsing it.
@@ -46,7 +48,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from raycheck.storage.backend import PreconditionFailedError, Storage, StorageError
+from raycheck.storage.backend import TEMP_MAX_AGE_S, PreconditionFailedError, Storage, StorageError
 from raycheck.storage.tensor_files import load as st_load
 from raycheck.storage.tensor_files import save as st_save
 from raycheck.storage.manifest import (
@@ -130,10 +132,13 @@ class SnapshotStore:
         layout: the run's parameter layout (``storage.manifest.layout_of``): every write must cover
             it exactly, every restore must match it. None: with an identity, writes must match the
             run's newest snapshot; without one, only empty states are refused.
+        temp_max_age_s: retention deletes the temp files of interrupted local writes anywhere in the store
+            once unmodified for this many seconds (``Storage.remove_stale_temp_files``).
     """
 
     def __init__(self, storage: Storage | str, keep_last: int = 3, parallel_puts: int = 4, *,
-                 identity: RunIdentity | None = None, epoch: int = 0, layout: list[list] | None = None) -> None:
+                 identity: RunIdentity | None = None, epoch: int = 0, layout: list[list] | None = None,
+                 temp_max_age_s: float = TEMP_MAX_AGE_S) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if parallel_puts < 1:
@@ -142,6 +147,7 @@ class SnapshotStore:
         self.keep_last = keep_last
         self.parallel_puts = parallel_puts
         self.identity, self.epoch, self.layout = identity, epoch, layout
+        self.temp_max_age_s = temp_max_age_s
         self.skipped: list[str] = []
         """Snapshots the last ``list()`` skipped, with the reason (malformed, altered, foreign)."""
         self._verified: dict[str, bool] = {}  # folder -> its shards verified (retention's memory, ``_verifies``)
@@ -418,11 +424,13 @@ class SnapshotStore:
 
     def _retain(self, committed: SnapshotInfo) -> None:
         """Drop this run's snapshots older than its newest ``keep_last`` that verify, except
-        ``committed`` (trusted: its shards' hashes come from the bytes written); index first, then delete."""
+        ``committed`` (trusted: its shards' hashes come from the bytes written); index first, then delete;
+        then the stale temp files of the whole store."""
         drop, newest = self._to_drop(committed)
         if drop:
             self._update_index(lambda idx: [e for e in idx.entries if e["folder"] not in drop])  # index first
         self._delete_unlisted(drop, newest)
+        self.storage.remove_stale_temp_files(self.temp_max_age_s)
 
     def _to_drop(self, committed: SnapshotInfo) -> tuple[set[str], int]:
         """The indexed folders of this run to retire, and the run's newest snapshot step.

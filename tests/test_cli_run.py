@@ -135,6 +135,42 @@ def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
             "Last durable snapshot: none;") in result.output and "holds all 8 steps" in result.output
 
 
+def test_a_failed_run_prints_its_error_logged_steps_and_resume_command_not_an_empty_or_null_block(tmp_path, monkeypatch):
+    """The exit code's and the printed block's logic alone (the run is replaced by what a shadow past its
+    restart budget leaves: ``orchestrator.summary.failed_summary``'s fields and a step log of 3 steps)."""
+    import raycheck.orchestrator.controller
+    from raycheck.orchestrator.summary import failed_summary
+    from raycheck.storage.steplog import StepLogWriter, StepRecord
+
+    out = tmp_path / "run"
+    error = "ShadowFailedError: the shadow failed after 0 restarts (max_shadow_restarts 0): actor died"
+
+    def failed(cfg, verify, echo, assets=None) -> dict:
+        out.mkdir()
+        writer = StepLogWriter.create(out / "steplog.bin", {"model": "tiny"})
+        for step in range(3):
+            writer.append(StepRecord(step=step, seed=step, projected_grad=0.5, loss_plus=0.1, loss_minus=0.2, lr=1e-6,
+                                     eps=1e-3, weight_decay=0.0, batch_id=step))
+        writer.close()
+        return failed_summary(error, None, {"phase": "failed", "strategy": cfg.strategy, "wall_seconds": 1.5})
+
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", failed)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "6", "--max-shadow-restarts", "0",
+                                      "--fail", "2:shadow", "--verify", "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    block = json.loads(result.output[:result.output.index("}\n") + 1])
+    assert block == {"ok": False, "error": error, "phase": "failed", "logged_steps": 3,
+                     "resume": f"raycheck run --resume --out {out} --verify"}
+    assert result.output.splitlines()[-1] == f"error: training failed: {error}"
+
+    out.rename(tmp_path / "first")  # a run that failed before its step log existed: no steps are claimed
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job",
+                        lambda cfg, verify, echo, assets=None: failed_summary(error, None, {"phase": "failed"}))
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "6", "--out", str(out)])
+    assert json.loads(result.output[:result.output.index("}\n") + 1]) == {
+        "ok": False, "error": error, "phase": "failed", "resume": f"raycheck run --resume --out {out}"}
+
+
 @pytest.mark.parametrize("damage", ["null", '{"steps": 5}', "{not json"])
 def test_resume_of_a_damaged_configuration_is_one_error_line(tmp_path, damage):
     out = tmp_path / "run"

@@ -25,6 +25,27 @@ def test_failure_spec_parsing():
     assert FailureSpec.parse("2:shadow:1") == FailureSpec(step=2, target="shadow", how="1")  # shard 1 of a sharded shadow
 
 
+def test_only_worker_failures_save_a_how_and_an_earlier_versions_exit_on_other_targets_still_loads():
+    base = dict(out_dir="/tmp/x", cache_dir="/tmp/c", steps=10)
+    failures = tuple(FailureSpec.parse(f) for f in ("2:shadow", "3:persister", "4:corrupt", "5", "6:both:sigkill", "7:shadow:0"))
+    assert [f.how for f in failures] == [None, None, None, "exit", "sigkill", "0"]
+    assert [f.shard for f in failures] == [None, None, None, None, None, 0]
+    cfg = JobConfig(**base, faults={"failures": failures})
+    saved = json.loads(json.dumps(cfg.to_dict()))  # as config.json holds it
+    assert [f["how"] for f in saved["faults"]["failures"]] == [None, None, None, "exit", "sigkill", "0"]
+    assert JobConfig.from_dict(saved) == cfg
+    old = json.loads(json.dumps(saved))  # an earlier version recorded the default "exit" for every target
+    for f in old["faults"]["failures"]:
+        f["how"] = f["how"] or "exit"
+    loaded = JobConfig.from_dict(old)
+    assert loaded == cfg and loaded.trajectory_sha256() == cfg.trajectory_sha256()
+    assert json.dumps(loaded.to_dict(), sort_keys=True) == json.dumps(saved, sort_keys=True)  # saved again: the new form
+    with pytest.raises(ValueError, match="a persister failure takes no how"):
+        FailureSpec(step=1, target="persister", how="sigkill")
+    with pytest.raises(ValueError, match=r"outage in seconds, e.g. 1:storage:20 \(got none\)"):
+        FailureSpec(step=1, target="storage")
+
+
 def test_job_config_validation_names_the_field():
     base = dict(out_dir="/tmp/x", cache_dir="/tmp/c")
     assert JobConfig(**base).storage.uri == "/tmp/x/snapshots"

@@ -20,7 +20,9 @@ import pytest
 import raycheck.storage.backend as backend
 import raycheck.storage.files as files
 from raycheck.job.run_dir import RunDir
-from raycheck.storage.backend import LOCAL_WRITE_CHUNK_BYTES, RetryPolicy, Storage, StorageError, WritePacer
+from raycheck.storage.backend import LOCAL_WRITE_CHUNK_BYTES, TEMP_MAX_AGE_S, RetryPolicy, Storage, StorageError, WritePacer
+from raycheck.storage.diffs import DiffStore
+from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.files import atomic_write, write_synced
 
 ONE_TRY = RetryPolicy(attempts=1)
@@ -122,6 +124,42 @@ def test_sigkill_mid_chunked_put_leaves_no_visible_object(tmp_path):
     store = Storage(str(root))
     assert store.list() == []
     assert not store.exists("snap/shard")
+
+
+def plant_temp(path, size_bytes: int, age_s: float) -> str:
+    """A temp file of ``atomic_write`` at ``path``, as a killed writer leaves it, last modified ``age_s`` ago."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temp = f"{path}{files.TEMP_MARK}0123abcd"
+    with open(temp, "wb") as f:
+        f.write(bytes(size_bytes))
+    then = time.time() - age_s
+    os.utime(temp, (then, then))
+    return temp
+
+
+def test_retention_and_diff_collection_delete_old_temp_files_of_killed_writes_and_keep_fresh_ones(tmp_path):
+    store = SnapshotStore(str(tmp_path))
+    first = store.write(1, {"model.norm.weight": np.ones(4, np.float32)})
+    old = [plant_temp(tmp_path / first.folder / "layer.000.safetensors", 300, TEMP_MAX_AGE_S + 60),
+           plant_temp(tmp_path / "index.json", 10, TEMP_MAX_AGE_S + 60),
+           plant_temp(tmp_path / "sharded" / "step-x" / "__0_0.distcp", 20, TEMP_MAX_AGE_S + 60)]
+    fresh = plant_temp(tmp_path / first.folder / "norm.safetensors", 200, TEMP_MAX_AGE_S - 600)  # its writer may live
+    assert [t.bytes for t in store.storage.temp_files()] == [10, 20, 300, 200]  # by path: index, sharded, step-
+    store.write(2, {"model.norm.weight": np.zeros(4, np.float32)})  # commits, then retains
+    assert not any(os.path.exists(p) for p in old)
+    assert os.path.exists(fresh) and [t.path for t in store.storage.temp_files()] == [os.path.relpath(fresh, tmp_path)]
+
+    diffs = DiffStore(store.storage)
+    diffs.write_batch([(0, {"w": np.ones(3, np.float32)})])
+    old_diff = plant_temp(tmp_path / "diffs" / "0000000001-0000000001-0123abcd.safetensors", 50, TEMP_MAX_AGE_S + 1)
+    fresh_diff = plant_temp(tmp_path / "diffs" / "0000000002-0000000002-0123abcd.safetensors", 50, 1)
+    assert diffs.collect_garbage(1) == 2  # the batch and its commit record; temp files are not counted
+    assert not os.path.exists(old_diff) and os.path.exists(fresh_diff) and os.path.exists(fresh)  # its prefix only
+    removed = store.storage.remove_stale_temp_files(0)  # 0 s: every one
+    assert sorted(t.path for t in removed) == sorted(os.path.relpath(p, tmp_path) for p in (fresh, fresh_diff))
+    assert store.storage.temp_files() == []
+    with pytest.raises(ValueError, match="max_age_s"):
+        store.storage.remove_stale_temp_files(-1)
 
 
 def test_write_synced_waits_on_the_pacer_before_each_chunk(tmp_path):

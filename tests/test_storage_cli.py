@@ -83,6 +83,21 @@ def test_inspect_prints_each_snapshots_step_size_units_and_unit_steps(tmp_path):
     assert lines[3:] == []  # no step log in this store
 
 
+def test_inspect_names_the_temp_files_of_killed_writes_with_their_count_and_bytes(tmp_path):
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    info = store.write(3, {"model.norm.weight": np.ones(4, np.float32)})
+    for rel, size in ((f"{info.folder}/norm.safetensors.tmp-0123abcd", 1500), ("index.json.tmp-89abcdef", 20)):
+        (tmp_path / "snapshots" / rel).write_bytes(bytes(size))
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[2].startswith("2 temp file(s) of interrupted or ongoing writes, 1,520 bytes (never read;"), lines
+    assert re.fullmatch(r"  temp: index\.json\.tmp-89abcdef  20 bytes  modified \d+ s ago", lines[3]), lines[3]
+    assert lines[4].startswith(f"  temp: {info.folder}/norm.safetensors.tmp-0123abcd  1,500 bytes"), lines[4]
+    verified = CliRunner().invoke(app, ["verify", str(tmp_path)])
+    assert verified.exit_code == 0 and "temp" not in verified.output  # never read: not a problem of the snapshots
+
+
 def test_inspect_and_verify_of_a_missing_bucket_say_so_and_exit_2(s3_endpoint):
     import uuid
 

@@ -236,7 +236,7 @@ class FaultInjector:
         while not self.run.claimed(name) and time.monotonic() < deadline:
             time.sleep(0.1)
 
-    def _announce_worker_failure(self, index: int, step: int, how: str, rank: int) -> None:
+    def _announce_worker_failure(self, index: int, step: int, how: str | None, rank: int) -> None:
         self.run.event("failure", step=step, target="worker", how=how, rank=rank, marker=marker(index, "worker"),
                        durable_steps=self.durable_steps())
 
@@ -251,12 +251,11 @@ class FaultInjector:
                 self._kill_persister(i, step)
             if f.target == "storage" and self.rank == 0 and self._claim(i, "storage"):
                 self.run.event("failure", step=step, target="storage", how="outage", marker=marker(i, "storage"),
-                               seconds=float(f.how))  # the controller acts
+                               seconds=f.outage_s)  # the controller acts
             if f.target == "corrupt" and self.rank == 0 and self._claim(i, "corrupt"):
                 self._corrupt_newest_snapshot(i, step)
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):
-                self._kill_shadow(i, step, f.how if f.target == "both" else None,
-                                  int(f.how) if f.target == "shadow" and f.how.isdigit() else None)
+                self._kill_shadow(i, step, f.how if f.target == "both" else None, f.shard)
             if f.target in ("worker", "both", "node"):
                 self._settle_for_worker_failure(i)
             if f.target == "node" and self.rank == 0 and self._claim(i, "worker"):
