@@ -22,6 +22,7 @@ from raycheck.orchestrator.merge_cli import merge
 from raycheck.orchestrator.policy_cli import parse_duration, policy
 from raycheck.orchestrator.replay_cli import replay
 from raycheck.orchestrator.schedule import parse_schedule
+from raycheck.orchestrator.driver_lock import LOCK_NAME, RunDirectoryBusyError, driver_lock
 from raycheck.orchestrator.storage_cli import inspect, verify
 from raycheck.orchestrator.stored_config import StoredConfigError, load_config
 from raycheck.policies.costs import InfeasibleError
@@ -179,7 +180,7 @@ def _stored_config(given: JobConfig, out: pathlib.Path, scratch_dir: str) -> Job
     if not given.storage.remote:
         raise _refuse(f"--storage {given.storage.uri} is local: only remote storage (s3://) holds the run's step log and "
                       "configuration; resume with --out of the run's directory")
-    if out.exists() and any(p.name != "reference" for p in out.iterdir()):  # a reference put there for --verify is kept
+    if out.exists() and any(p.name not in ("reference", LOCK_NAME) for p in out.iterdir()):  # a reference put there for --verify is kept
         raise _refuse(f"{out} is not empty and holds no run (no config.json): resume from the storage into an empty or new --out")
     try:
         return load_config(given.storage.uri, given.storage.options, out.resolve(), pathlib.Path(given.cache_dir), scratch_dir)
@@ -233,7 +234,7 @@ def _entries_to_replace(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path
     ``--overwrite`` must not wipe a home folder)."""
     if out.exists() and not out.is_dir():
         raise _refuse(f"--out {out} is a file, not a folder")
-    entries = [p for p in out.iterdir() if p.name != "reference"] if out.exists() else []
+    entries = [p for p in out.iterdir() if p.name not in ("reference", LOCK_NAME)] if out.exists() else []
     if entries and not (out / "config.json").is_file():
         raise _refuse(f"{out} is not empty and holds no raycheck run (no config.json); --overwrite replaces only a "
                       "run: choose a new or empty --out")
@@ -468,10 +469,13 @@ def run(
     if cfg is None:  # refused options are let through only when resuming, and resume_config replaced them
         raise RuntimeError("no job configuration to run")
     cfg, assets = _checked_job(cfg)
-    for p in replaced:  # every check has passed: only now is the old run deleted
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
     try:
-        summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
+        with driver_lock(out):  # one driver per run directory (a live run is neither resumed nor overwritten)
+            for p in replaced:  # every check has passed: only now is the old run deleted
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
+    except RunDirectoryBusyError as exc:
+        raise _refuse(str(exc)) from exc
     except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched
         raise _refuse(str(exc)) from exc
     except InfeasibleError as exc:  # the adaptive policy's first plan, made before anything in the run directory is touched

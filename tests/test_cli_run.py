@@ -7,9 +7,11 @@ as it was (compared byte for byte).
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import pathlib
 import shutil
+import socket
 import uuid
 
 import pytest
@@ -146,7 +148,7 @@ def test_a_failed_run_prints_its_error_logged_steps_and_resume_command_not_an_em
     error = "ShadowFailedError: the shadow failed after 0 restarts (max_shadow_restarts 0): actor died"
 
     def failed(cfg, verify, echo, assets=None) -> dict:
-        out.mkdir()
+        out.mkdir(exist_ok=True)  # the driver lock made it
         writer = StepLogWriter.create(out / "steplog.bin", {"model": "tiny"})
         for step in range(3):
             writer.append(StepRecord(step=step, seed=step, projected_grad=0.5, loss_plus=0.1, loss_minus=0.2, lr=1e-6,
@@ -302,7 +304,7 @@ def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, m
 
     def interrupted(cfg, verify, echo, assets=None) -> dict:
         if reached != "nothing":
-            out.mkdir()
+            out.mkdir(exist_ok=True)  # the driver lock made it
             RunDir.write_json(out / "config.json", cfg.to_dict())
         if reached == "finished":  # Ctrl-C during the reference of --verify
             RunDir.write_json(out / "summary.json", {"ok": True, "final_step": cfg.steps})
@@ -341,3 +343,46 @@ def test_an_adaptive_run_whose_assumed_costs_admit_no_plan_is_refused_in_one_lin
     assert result.output.startswith("error: --snapshot-policy adaptive has no snapshot plan for the assumed costs "
                                     "(--mtbf 1 s): a shadow restarted from its snapshot (every 1 steps) catches up")
     assert result.output.count("\n") == 1 and not out.exists()
+
+
+def test_a_second_driver_on_a_live_run_directory_is_refused_and_a_dead_one_leaves_no_lock(tmp_path, monkeypatch):
+    """While one driver holds ``--out`` (``orchestrator.driver_lock``), ``--resume`` and ``--overwrite`` of that
+    directory are refused in one line naming the holder, and nothing in it changes; a driver that ends
+    (here: ``run_job`` returns) removes its lock file, and a holder that died (its process exited, the
+    kernel dropped the lock) does not block the next driver."""
+    import multiprocessing
+
+    import raycheck.orchestrator.controller
+    from raycheck.orchestrator.driver_lock import LOCK_NAME, RunDirectoryBusyError, driver_lock
+
+    out = tmp_path / "run"
+    prepared_run(out)
+    before = tree_sha256(out)
+    with driver_lock(out):
+        assert (out / LOCK_NAME).read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
+        for args in (["run", "--resume", "--out", str(out)], ["run", "--model", "tiny", "--overwrite", "--out", str(out)]):
+            result = CliRunner().invoke(app, args)
+            assert result.exit_code == 2, result.output
+            assert result.output == (f"error: {out} is in use by another raycheck driver (pid {os.getpid()} on "
+                                     f"{socket.gethostname()}); wait for it to end, or stop it (Ctrl-C) and then --resume\n")
+        with pytest.raises(RunDirectoryBusyError):
+            with driver_lock(out):
+                pass
+    assert tree_sha256(out) == before  # the lock file went with its holder
+    dead = multiprocessing.get_context("fork").Process(target=_hold_and_die, args=(out,))
+    dead.start()
+    dead.join()
+    assert dead.exitcode == 9 and (out / LOCK_NAME).exists()  # died holding it: the file stays, the lock does not
+    seen = []
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job",
+                        lambda cfg, verify, echo, assets=None: seen.append(cfg) or {"ok": False, "error": "stop here"})
+    result = CliRunner().invoke(app, ["run", "--resume", "--out", str(out)])
+    assert result.exit_code == 1 and len(seen) == 1, result.output
+    assert not (out / LOCK_NAME).exists()
+
+
+def _hold_and_die(out: pathlib.Path) -> None:
+    from raycheck.orchestrator.driver_lock import driver_lock
+
+    with driver_lock(out):
+        os._exit(9)
