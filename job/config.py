@@ -562,8 +562,8 @@ class JobConfig:
         if self.device != "cpu" and self.algo != "zo":
             raise ValueError(f"device {self.device} runs the ZO worker only (algo zo), not algo {self.algo}")
         if self.faults.warm_standby and (self.algo, self.workers, self.device) != ("zo", 1, "cpu"):
-            raise ValueError(f"faults.warm_standby needs algo zo, one worker and device cpu (this run: algo {self.algo}, {self.workers} "
-                             f"workers, device {self.device}): its step executor runs outside Ray Train's worker group, so it has "
+            raise ValueError(f"faults.warm_standby needs algo zo, one worker and device cpu (this run: algo {self.algo}, workers {self.workers}, "
+                             f"device {self.device}): its step executor runs outside Ray Train's worker group, so it has "
                              "neither the collective of several workers nor the GPU Ray Train assigned")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")

@@ -13,7 +13,7 @@ from raycheck.training.standby import StandbyBudgetSpentError, supervise
 
 
 @pytest.mark.parametrize("kw, named", [
-    (dict(workers=2, batch_size=8), "2 workers"),
+    (dict(workers=2, batch_size=8), "workers 2"),
     (dict(algo="fo", strategy="full-sync"), "algo fo"),
     (dict(device="cuda"), "device cuda"),
 ])
