@@ -155,8 +155,13 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
     that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
     folder) are listed after the snapshots, then the temp files that killed writes left in the store
-    (count, bytes, each one's path; ``storage.backend.Storage.temp_files``). A missing store (folder or
-    bucket), or a folder or prefix that holds nothing of a run, exits 2."""
+    (count, bytes, each one's path; ``storage.backend.Storage.temp_files``).
+
+    Exit codes: 0 when nothing listed is damaged; 1 (after the listing, with a count of problems)
+    when a snapshot was skipped (missing, altered or malformed manifest, malformed index), a folder
+    is not indexed, or the step log or its segments are damaged (a corrupt record or a gap; a torn
+    tail is not damage). Temp files are not problems. 2: a missing store (folder or bucket), or a
+    folder or prefix that holds nothing of a run. Shards are not re-hashed: see verify."""
     main = open_store(uri, s3_endpoint)
     stores = _stores(main)
     if not _holds_a_run(uri, stores):
@@ -164,8 +169,10 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
                    "folder, step log (steplog.bin) or log segments; give a run directory (the --out of raycheck run) "
                    "or its snapshot store", err=True)
         raise typer.Exit(2)
+    problems = 0
     for store in stores:
         infos, unindexed = _listing(store)
+        problems += len(store.skipped) + len(unindexed)
         kind = "sharded checkpoint" if isinstance(store, ShardedStore) else "committed snapshot"
         typer.echo(f"{store.storage.url()}: {len(infos)} {kind}(s)")
         for info in infos:
@@ -176,8 +183,12 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
             typer.echo(f"  skipped: {problem}")
         for folder in unindexed:
             typer.echo(f"  not indexed: {folder}")
-    for line in _temp_lines(main.storage.temp_files()) + _log_lines(uri, main.storage)[0]:
+    log_lines, log_problems = _log_lines(uri, main.storage)
+    for line in _temp_lines(main.storage.temp_files()) + log_lines:
         typer.echo(line)
+    if problems + log_problems:
+        typer.echo(f"{problems + log_problems} problem(s) found", err=True)
+        raise typer.Exit(1)
 
 
 def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
