@@ -771,11 +771,21 @@ def run_job(cfg: JobConfig, verify: bool = False, echo: Callable[[str], None] = 
     if assets is None:
         cfg, assets = read_assets(cfg)
     summary = Controller(cfg, echo, assets=assets).run()
-    if verify and summary["ok"]:
-        ref = reference(cfg, echo, assets)
-        summary["reference_state_sha256"] = ref["state_sha256"]
-        summary["bitwise_equal"] = ref["state_sha256"] == summary["state_sha256"]
-        RunDir.write_json(pathlib.Path(cfg.out_dir) / "summary.json", summary)
+    return compare_with_reference(cfg, summary, echo, assets) if verify and summary["ok"] else summary
+
+
+def compare_with_reference(cfg: JobConfig, summary: dict, echo: Callable[[str], None] = print,
+                           assets: Assets | None = None) -> dict:
+    """``summary`` (of ``cfg``'s run, finished: ``ok``, ``state_sha256``) with ``reference_state_sha256``
+    and ``bitwise_equal`` (the two final-state sha256s compared) from the failure-free reference, run
+    or reused (``reference``); also written to ``<out_dir>/summary.json``. What ``run_job`` does after
+    the run with ``verify``, and what ``raycheck run --resume --verify`` does for a run that finished."""
+    if assets is None:
+        cfg, assets = read_assets(cfg)
+    ref = reference(cfg, echo, assets)
+    summary = {**summary, "reference_state_sha256": ref["state_sha256"],
+               "bitwise_equal": ref["state_sha256"] == summary["state_sha256"]}
+    RunDir.write_json(pathlib.Path(cfg.out_dir) / "summary.json", summary)
     return summary
 
 
