@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.summary import metric_coverage, missing_steps_line
 from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_path
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.log_segments import PREFIX, read_segments
@@ -64,6 +66,21 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
         lines.append(f"BAD  step log segments: {exc}")
         bad += 1
     return lines, bad
+
+
+def _metrics_lines(uri: str) -> list[str]:
+    """The line naming the steps that the run directory's step log holds without a row in its
+    ``metrics.jsonl`` (``orchestrator.summary.metric_coverage``: rows lost across an interrupt); none
+    without both files, a readable log, or a missing row."""
+    local, folder = _local_log(uri), local_path(uri)
+    if local is None or folder is None or not (folder / "metrics.jsonl").is_file():
+        return []
+    try:
+        records = read_log(local)[1]
+    except StepLogError:  # named by _log_lines
+        return []
+    line = missing_steps_line(metric_coverage(len(records), RunDir.read(folder / "metrics.jsonl")))
+    return [f"note metrics: {line}"] if line else []
 
 
 def _local_log(uri: str) -> pathlib.Path | None:
@@ -155,7 +172,8 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
     that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
     folder) are listed after the snapshots, then the temp files that killed writes left in the store
-    (count, bytes, each one's path; ``storage.backend.Storage.temp_files``).
+    (count, bytes, each one's path; ``storage.backend.Storage.temp_files``), and the steps of a run
+    directory's step log without a row in its metrics.jsonl (lost across an interrupt).
 
     Exit codes: 0 when nothing listed is damaged; 1 (after the listing, with a count of problems)
     when a snapshot was skipped (missing, altered or malformed manifest, malformed index), a folder
@@ -184,7 +202,7 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
         for folder in unindexed:
             typer.echo(f"  not indexed: {folder}")
     log_lines, log_problems = _log_lines(uri, main.storage)
-    for line in _temp_lines(main.storage.temp_files()) + log_lines:
+    for line in _temp_lines(main.storage.temp_files()) + log_lines + _metrics_lines(uri):
         typer.echo(line)
     if problems + log_problems:
         typer.echo(f"{problems + log_problems} problem(s) found", err=True)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from conftest import free_port
+from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cli import app
 from raycheck.storage.backend import Storage, StorageCredentialsError
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
@@ -75,6 +76,20 @@ def test_an_empty_step_log_says_no_steps(tmp_path):
         result = CliRunner().invoke(app, [command, str(tmp_path)])
         assert result.exit_code == 0, result.output
         assert f"ok   step log {tmp_path / 'steplog.bin'}: no steps\n" in result.output and "0..-1" not in result.output
+
+
+def test_inspect_names_the_logged_steps_whose_metrics_row_was_lost(tmp_path):
+    """Steps 1 and 2 are in the step log but not in metrics.jsonl (their rows never reached the driver
+    before an interrupt): a note, not damage."""
+    make_run(tmp_path)
+    RunDir(tmp_path).append(tmp_path / "metrics.jsonl", [{"step": 0, "unix_s": 1.0}, {"step": 3, "unix_s": 2.0}])
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == ("note metrics: 2 step(s) in the step log have no metrics row (logged just "
+                                              "before an interrupt, not executed again after the resume; their timings "
+                                              "are unknown): 1..2")
+    RunDir(tmp_path).append(tmp_path / "metrics.jsonl", [{"step": 1, "unix_s": 3.0}, {"step": 2, "unix_s": 4.0}])
+    assert "metrics row" not in CliRunner().invoke(app, ["inspect", str(tmp_path)]).output
 
 
 def test_missing_paths_and_files_are_refused_and_never_created(tmp_path):

@@ -3,7 +3,7 @@
 import dataclasses
 
 from raycheck.orchestrator.summary import (BREAKDOWN, IN_PROCESS_BREAKDOWN, STANDBY_BREAKDOWN, Collected, breakdown, mean_step_seconds, recoveries,
-                                           failed_summary, recovery_of_event, run_summary)
+                                           failed_summary, metric_coverage, missing_steps_line, recovery_of_event, run_summary)
 
 
 def test_recoveries_count_lost_and_recomputed_steps_against_the_failure_they_answer():
@@ -187,7 +187,7 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
     rows[3]["state_sha256"] = "ab"
     collected = Collected(ok=True, error=None, events=events, executions=rows, rows=rows,
                           shadow={"shadow_state_sha256": "ab", "shadow_shards": []}, persisted={"written": 2},
-                          mirror={"log_mirrored_steps": 4}, keeper={"node_id": "k"}, durability_level="node", task="classification",
+                          mirror={"log_mirrored_steps": 4}, keeper={"node_id": "k", "end": 4}, durability_level="node", task="classification",
                           base={"phase": "finished", "dtype": "float32"})
     summary = run_summary(collected)
     assert summary == {
@@ -199,12 +199,25 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
         "worker_cpu_capability": "avx2", "shadow_shards": [], "worker_hashes": {"4": "ab"},
         "snapshots": {"written": 2, "log_mirrored_steps": 4},
         "durability": {"level": "node", "keeper_node_id": "k", "rank0_node_ids": ["n0"], "node_held": True},
-        "replans": [], "resumes": [], "phase": "finished", "dtype": "float32"}
+        "replans": [], "resumes": [], "metrics": {"missing_step_count": 0, "missing_steps": []},
+        "phase": "finished", "dtype": "float32"}
     assert list(summary)[:4] == ["ok", "error", "final_step", "state_sha256"] and list(summary)[-2:] == ["phase", "dtype"]
     # no shadow, no log keeper: those fields are None, and nothing else changes
     bare = run_summary(dataclasses.replace(collected, shadow={}, keeper=None))
-    assert (bare["shadow_equal"], bare["shadow_state_sha256"], bare["durability"]) == (None, None, None)
+    assert (bare["shadow_equal"], bare["shadow_state_sha256"], bare["durability"], bare["metrics"]) == (None, None, None, None)
     assert mean_step_seconds([]) is None
+    # step 2's row was lost across an interrupt (logged, so not executed again): named, no row invented
+    lost = run_summary(dataclasses.replace(collected, rows=[r for r in rows if r["step"] != 2]))
+    assert lost["metrics"] == {"missing_step_count": 1, "missing_steps": [[2, 2]]}
+
+
+def test_the_steps_of_the_log_without_a_metrics_row_are_counted_and_named_as_ranges():
+    rows = [{"step": s} for s in (0, 1, 3, 7, 8)]
+    coverage = metric_coverage(10, rows)
+    assert coverage == {"missing_step_count": 5, "missing_steps": [[2, 2], [4, 6], [9, 9]]}
+    assert missing_steps_line(coverage).endswith(": 2, 4..6, 9")
+    assert metric_coverage(2, rows) == {"missing_step_count": 0, "missing_steps": []}
+    assert missing_steps_line(metric_coverage(2, rows)) is None and metric_coverage(0, []) == metric_coverage(2, rows)
 
 
 def test_the_failed_summary_is_a_pure_function_of_the_error_the_shadow_and_the_base():
