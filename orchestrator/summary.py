@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -239,6 +241,32 @@ def write_metrics(executions: list[dict], per_step: dict[str, dict[int, int]], p
 
 
 
+def checkpoint_bytes(executions: list[dict], events: list[dict], final_bytes: int) -> int:
+    """Checkpoint bytes a first-order run wrote (shards, gradient records, manifests' shards; bytes): per
+    worker incarnation (a ``recovery`` event starts the next) the most its checkpointer had committed at
+    any step row (``checkpoint_bytes``), the last incarnation's from ``final_bytes`` (its checkpointer's
+    total after ``close``) when larger. A write still in flight when a worker died is not counted."""
+    cuts = sorted(e["unix_s"] for e in events if e["kind"] == "recovery")
+    per: dict[int, int] = {}
+    for r in executions:
+        i = bisect.bisect(cuts, r["unix_s"])
+        per[i] = max(per.get(i, 0), int(r.get("checkpoint_bytes") or 0))
+    per[len(cuts)] = max(per.get(len(cuts), 0), int(final_bytes or 0))
+    return sum(per.values())
+
+
+def run_checkpoints(checkpoints: Any, executions: list[dict], events: list[dict]) -> Any:
+    """A worker's ``final`` event's ``checkpoints`` (its checkpointer's ``close``: the last worker
+    incarnation's alone, 0 bytes for one that committed nothing) with ``bytes`` made the run's, summed
+    over the incarnations (``checkpoint_bytes``), and the last incarnation's own in ``incarnation_bytes``;
+    anything else (None: no checkpointer) as it is. What ``summary.json``'s ``worker_checkpoints`` and the
+    printed ``final`` line show."""
+    if not isinstance(checkpoints, dict) or "bytes" not in checkpoints:
+        return checkpoints
+    return {**checkpoints, "bytes": checkpoint_bytes(executions, events, checkpoints["bytes"]),
+            "incarnation_bytes": checkpoints["bytes"]}
+
+
 def metric_coverage(logged_steps: int, rows: list[dict]) -> dict:
     """``summary.json``'s ``metrics`` (pure): of the steps ``0..logged_steps - 1`` that the step log holds,
     those without a metrics row in ``rows`` (one per step): ``missing_step_count`` and ``missing_steps``,
@@ -333,7 +361,7 @@ def run_summary(c: Collected) -> dict:
         "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
         "checkpoint_block_seconds_total": sum(block_s),
         "mean_checkpoint_block_seconds": sum(block_s) / len(block_s) if block_s else None,
-        "worker_checkpoints": final.get("checkpoints"),
+        "worker_checkpoints": run_checkpoints(final.get("checkpoints"), c.executions, events),
         "worker_cpu_capability": final.get("cpu_capability"),
         **c.shadow,
         "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
