@@ -138,7 +138,8 @@ def deviation_stats(reference: Sequence[float], restarted: Sequence[float]) -> d
     Returns:
         ``per_seed_pct``: 100 (restarted - reference) / reference per seed (signed);
         ``mean_abs_pct``: the mean of their absolute values, with ``ci95_pct`` its two-sided 95%
-        Student-t interval (``experiments.report_tables.mean_ci``; None for one seed);
+        Student-t interval (``experiments.report_tables.mean_ci``; None for one seed), the lower
+        bound clamped at 0 (a mean of absolute values cannot be negative);
         ``mean_signed_pct``; ``seeds``.
 
     Raises:
@@ -149,7 +150,7 @@ def deviation_stats(reference: Sequence[float], restarted: Sequence[float]) -> d
     if not all(r > 0 for r in reference):
         raise ValueError(f"reference losses must be > 0, got {list(reference)}")
     signed = [100 * (got - ref) / ref for ref, got in zip(reference, restarted)]
-    mean, lo, hi = mean_ci([abs(d) for d in signed])
+    mean, lo, hi = mean_ci([abs(d) for d in signed], nonnegative=True)
     return {"per_seed_pct": signed, "mean_abs_pct": mean, "ci95_pct": None if lo is None else [lo, hi],
             "mean_signed_pct": float(np.mean(signed)), "seeds": len(signed)}
 
@@ -502,7 +503,8 @@ def print_table(result: dict) -> None:
                       ("eval_moved", f"eval loss moved by the {result['post_restart']} failure-free steps")):
         if key in deviation:
             d = deviation[key]
-            ci = "" if d["ci95_pct"] is None else f" (95% CI {d['ci95_pct'][0]:.3f} .. {d['ci95_pct'][1]:.3f})"
+            ci = "" if d["ci95_pct"] is None else (f" (95% CI {d['ci95_pct'][0]:.3f} .. {d['ci95_pct'][1]:.3f}"
+                                                 f"{', its lower bound clamped at 0' if d['ci95_pct'][0] == 0 else ''})")
             paper = f" (LayerCheck: within {papers['layerwise_loss_deviation_pct']}%)" if key == "eval" else ""
             print(f"{what}: mean |eval-loss deviation| {d['mean_abs_pct']:.3f}%{ci} over {d['seeds']} restart points; "
                   f"per point {', '.join(f'{v:+.3f}' for v in d['per_seed_pct'])}%{paper}")

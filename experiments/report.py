@@ -284,7 +284,8 @@ def _recovery_md(rows: list[dict], hs: Sequence[Headline], breakdown: list[dict]
                             ("replayed_steps", "replayed steps"), ("recompute_steps", "recomputed steps"),
                             ("sources", "restored from"), ("paths", "path"), *([("ratio", "/ ours")] if ours else [])])
     return ("Latency from the failure to the start of the first step not executed before it, in seconds, mean over each "
-            "strategy's recoveries (95% Student-t interval when n > 1); *other* is what restart, load, replay and "
+            "strategy's recoveries (95% Student-t interval when n > 1; a lower bound below 0 is printed as 0: a latency "
+            "cannot be negative); *other* is what restart, load, replay and "
             "recompute leave unexplained.\n\n" + table + "\n\n![recovery](recovery.png)\n\n" + _breakdown_md(breakdown or [])
             + _why_md(hs, "recovery"))
 
@@ -322,7 +323,8 @@ def _wasted_md(rows: list[dict], measured: list[dict], hs: Sequence[Headline], g
         "Interval strategies are simulated as one long run (steady state); log-only, whose replay grows with the run, as "
         "runs of the real run's length. W = checkpoint stalls + per failure (detection + restart + load + replay or "
         "recomputation + lost work), in wasted seconds per second of failure-free, checkpoint-free training; background "
-        f"writes charged at weight {background_weight:g}. Cells give the mean and 95% interval across seeds and runs.\n\n"
+        f"writes charged at weight {background_weight:g}. Cells give the mean and 95% interval across seeds and runs (a lower bound below 0 "
+        "is printed as 0: W cannot be negative).\n\n"
         f"Grid: {grid_note}\n\n" + md_table(cells, cols) + ("\n\n" + "\n".join(notes) if notes else "")
         + "\n\n![wasted](wasted.png)\n\nCheck: the real runs' own measured W (wall time minus steps x mean step; includes "
         "start-up, and their failures were scheduled, not Poisson):\n\n" + check + _why_md(hs, "wasted")

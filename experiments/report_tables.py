@@ -197,8 +197,11 @@ def t975(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-def mean_ci(values: Sequence[float]) -> tuple[float, float | None, float | None]:
+def mean_ci(values: Sequence[float], nonnegative: bool = False) -> tuple[float, float | None, float | None]:
     """Mean and two-sided 95% Student-t interval of ``values`` (NaNs dropped); (mean, None, None) for one value.
+    ``nonnegative``: the quantity cannot be negative by construction (an absolute value, a duration, a
+    ratio of wasted time): the interval's lower bound is clamped at 0 (the symmetric t interval of a few
+    spread values reaches below 0; the tables printing it say so in their footnote).
 
     Raises:
         ValueError: no finite value.
@@ -210,7 +213,7 @@ def mean_ci(values: Sequence[float]) -> tuple[float, float | None, float | None]
     if x.size < 2:
         return m, None, None
     half = t975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
-    return m, m - half, m + half
+    return m, max(0.0, m - half) if nonnegative else m - half, m + half
 
 
 def _mean(rows: list[dict], column: str) -> float:
@@ -298,12 +301,12 @@ def recovery_table(recoveries: list[dict], order: Sequence[StrEnum] = ORDER) -> 
     anything else a recovery pays whatever the strategy): the simulator's ``restart_s``; ``paths``
     (``path_counts``) says which path the recoveries took; ``shadow_loss_share`` is the share of
     recoveries that did not take a live shadow's image (source other than ``object_store``) and
-    ``live_replayed_steps`` the mean steps replayed by those that did (NaN: none did). The interval is Student's t over the strategy's recoveries (None for a single one).
+    ``live_replayed_steps`` the mean steps replayed by those that did (NaN: none did). The interval is Student's t over the strategy's recoveries (None for a single one), its lower bound clamped at 0.
     Strategies in ``order`` (default ``ORDER``; ``ratio`` is NaN without a ``shadow`` row).
     """
     rows: list[dict[str, Any]] = []
     for strategy, rs in _by_strategy(recoveries, order).items():
-        mean, lo, hi = mean_ci([float(r["latency_s"]) for r in rs])
+        mean, lo, hi = mean_ci([float(r["latency_s"]) for r in rs], nonnegative=True)
         parts = {p: _mean(rs, p) for p in RECOVERY_PARTS[:-1]}
         sources = sorted({r["source"] for r in rs})
         live = [r for r in rs if r["source"] == "object_store"]
@@ -547,7 +550,7 @@ def simulate_cell(strategy: Strategy, runs: list[dict], recovery: dict | None, m
         return {**row, "status": "no-progress", "reason": str(exc), "analytic_waste_ratio": statistics.fmean(analytic)}
     except ValueError as exc:
         return {**row, "status": "unmeasured", "reason": str(exc)}
-    mean, lo, hi = mean_ci(samples)
+    mean, lo, hi = mean_ci(samples, nonnegative=True)
     return {**row, "samples": len(samples), "min_failures_per_seed": min(per_seed), "failures": sum(per_seed),
             "waste_ratio": mean, "waste_lo": lo, "waste_hi": hi, "analytic_waste_ratio": statistics.fmean(analytic)}
 

@@ -8,10 +8,10 @@ All durations are seconds, sizes bytes, positions steps.
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 
+from raycheck.orchestrator.summary import checkpoint_bytes
 from raycheck.policies.strategies import RunStrategy
 from raycheck.storage.steplog import RECORD_BYTES
 
@@ -49,7 +49,7 @@ def run_row(summary: dict, executions: list[dict]) -> dict:
     else:
         snapshots = len(due)
         per_checkpoint = _mean(due)
-        bytes_per = worker["bytes"] / worker["checkpoints"] if worker.get("checkpoints") else math.nan
+        bytes_per = _incarnation_bytes(worker) / worker["checkpoints"] if worker.get("checkpoints") else math.nan
         bytes_written = round(bytes_per * snapshots) if snapshots else 0
         snapshot_s = per_checkpoint if strategy == "full-sync" else _mean(worker.get("write_seconds", []))
         checkpoints = snapshots
@@ -92,18 +92,10 @@ def exact_by_design(summary: dict) -> bool:
     return summary["strategy"] != RunStrategy.LAYERWISE
 
 
-def bytes_written(executions: list[dict], events: list[dict], final_bytes: int) -> int:
-    """Checkpoint bytes a first-order run wrote (shards, gradient records, manifests' shards; bytes): per
-    worker incarnation (a ``recovery`` event starts the next) the most its checkpointer had committed at
-    any step row (``checkpoint_bytes``), the last incarnation's from ``final_bytes`` (its checkpointer's
-    total after ``close``) when larger. A write still in flight when a worker died is not counted."""
-    cuts = sorted(e["unix_s"] for e in events if e["kind"] == "recovery")
-    per: dict[int, int] = {}
-    for r in executions:
-        i = bisect.bisect(cuts, r["unix_s"])
-        per[i] = max(per.get(i, 0), int(r.get("checkpoint_bytes") or 0))
-    per[len(cuts)] = max(per.get(len(cuts), 0), int(final_bytes or 0))
-    return sum(per.values())
+def _incarnation_bytes(worker: dict) -> int:
+    """The bytes the last worker incarnation's checkpointer wrote (``summary.json``'s ``worker_checkpoints``:
+    ``incarnation_bytes``, or ``bytes`` in a summary from before the run's total went there)."""
+    return int(worker.get("incarnation_bytes", worker.get("bytes", 0)))
 
 
 def loss_deviation(executions: list[dict], reference: list[dict], from_step: int | None) -> dict:
@@ -138,7 +130,7 @@ def fo_run_row(summary: dict, executions: list[dict], events: list[dict], refere
     (``strategy``, ``model``, ``steps``, ``interval_steps``, ``failures``, ``wall_s``, ``mean_step_s``),
     the loop stall (``block_s_total``: seconds blocked by checkpointing over every execution,
     ``compute_s_total``: their step seconds, ``block_share`` = the quotient, ``block_s_max``), bytes
-    (``bytes_written``, ``bytes_written``'s rule), exactness (``exact_by_design``, ``bitwise_equal``:
+    (``bytes_written``, ``orchestrator.summary.checkpoint_bytes``'s rule), exactness (``exact_by_design``, ``bitwise_equal``:
     the final state's sha256 against the reference's) and ``loss_deviation``'s columns from the
     last recovery's restored step.
     """
@@ -163,7 +155,7 @@ def fo_run_row(summary: dict, executions: list[dict], events: list[dict], refere
         "block_s_total": sum(block),
         "block_share": sum(block) / compute if compute > 0 else math.nan,
         "block_s_max": max(block, default=0.0),
-        "bytes_written": bytes_written(executions, events, (summary.get("worker_checkpoints") or {}).get("bytes", 0)),
+        "bytes_written": checkpoint_bytes(executions, events, _incarnation_bytes(summary.get("worker_checkpoints") or {})),
         **loss_deviation(executions, reference, recoveries[-1]["restored_step"] if recoveries else None),
     }
 

@@ -147,7 +147,8 @@ def _given_options(ctx: typer.Context) -> dict[str, object]:
 
 
 def _resumed_config(out: pathlib.Path) -> JobConfig:
-    """The configuration of the run in ``out``, to resume it (exit 2 when there is none)."""
+    """The configuration of the run in ``out``, to resume it (exit 2 when there is none; it may have
+    finished: ``_finished_summary``)."""
     saved = out / "config.json"
     if not saved.is_file():
         raise _refuse(f"{out} holds no run to resume (no config.json); to resume from the run's storage alone, "
@@ -161,11 +162,14 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
     if pathlib.Path(cfg.out_dir).resolve() != out.resolve():
         raise _refuse(f"{out} is a copy of the run directory {cfg.out_dir} (its config.json names that one, and its "
                       f"storage {cfg.storage.uri}): resume the run with --out {cfg.out_dir}")
-    summary = RunDir.read_json(out / "summary.json")
-    if summary and summary.get("ok") and summary.get("final_step") == cfg.steps:
-        typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
-        raise typer.Exit(0)
     return cfg
+
+
+def _finished_summary(out: pathlib.Path, cfg: JobConfig) -> dict | None:
+    """The ``summary.json`` of the run in ``out`` when that run finished (``ok``, all ``cfg.steps``
+    steps), else None."""
+    summary = RunDir.read_json(out / "summary.json")
+    return summary if summary and summary.get("ok") and summary.get("final_step") == cfg.steps else None
 
 
 FROM_STORAGE_OPTIONS = ("storage", "s3_endpoint", "cache_dir", "scratch_dir")
@@ -369,7 +373,8 @@ def run(
                                                "run (its state reshards); other options are ignored (with a warning). With "
                                                "--storage URI (and --s3-endpoint) and an "
                                                "empty or new --out: resume from the run's storage alone.")] = False,
-    verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise.")] = False,
+    verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise (with --resume of a "
+                                               "run that finished: only that).")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps (a sharded "
                                                   "shadow records none: a shard holds part of the state; its final shadow_state_sha256 is still compared).")] = 0,
@@ -413,10 +418,11 @@ def run(
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
     from raycheck.orchestrator.api import run_job
-    from raycheck.orchestrator.controller import ResumeMismatchError
+    from raycheck.orchestrator.controller import ResumeMismatchError, compare_with_reference
     from raycheck.training.zo import DtypeMismatchError, GeneratorMismatchError
 
     resuming = resume and (out / "config.json").is_file()  # the run's config.json decides, not the options typed
+    finished: dict | None = None  # the summary of a finished run that --resume --verify compares with its reference
     try:
         failures = tuple(FailureSpec.parse(f) for f in fail)
         if fail_schedule:
@@ -463,6 +469,10 @@ def run(
             given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
         else:
             saved = _resumed_config(out)
+            finished = _finished_summary(out, saved)
+            if finished and not verify:
+                typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
+                raise typer.Exit(0)
         cfg, notes = resume_config(saved, given)
         for line in notes:
             typer.echo(line, err=True)
@@ -473,7 +483,10 @@ def run(
         with driver_lock(out):  # one driver per run directory (a live run is neither resumed nor overwritten)
             for p in replaced:  # every check has passed: only now is the old run deleted
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
-            summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
+            if finished:  # nothing left to train: only the comparison a fresh --verify run ends with
+                summary = compare_with_reference(cfg, finished, echo=typer.echo, assets=assets)
+            else:
+                summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
     except RunDirectoryBusyError as exc:
         raise _refuse(str(exc)) from exc
     except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched

@@ -66,8 +66,8 @@ from raycheck.orchestrator.planning import SnapshotPlanner
 from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
 from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from raycheck.orchestrator.stored_config import save_config
-from raycheck.orchestrator.summary import (Collected, failed_summary, mean_step_seconds, recoveries, recovery_of_event, run_summary,
-                                           write_metrics)
+from raycheck.orchestrator.summary import (Collected, failed_summary, mean_step_seconds, recoveries, recovery_of_event, run_checkpoints,
+                                           run_summary, write_metrics)
 from raycheck.storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
 from raycheck.storage.steplog import StepLogWriter, read_header
 from raycheck.storage.units import describe_units
@@ -418,7 +418,9 @@ class Controller:
         lines: list[tuple[float, str]] = []  # printed in time order across both streams
         for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
             seconds = by_event[i].get("seconds") if i in by_event else None
-            lines.append((e["unix_s"], event_line(e, seconds)))
+            shown = ({**e, "checkpoints": run_checkpoints(e["checkpoints"], self.record.metrics, events)}
+                     if e["kind"] == "final" and "checkpoints" in e else e)  # the run's bytes, not the last incarnation's
+            lines.append((e["unix_s"], event_line(shown, seconds)))
             self.metrics.event(e, seconds)
             if e["kind"] == "failure" and e["target"] == "storage" and self.storage_outage is not None:  # set when one is due
                 self.storage_outage(e["seconds"])
@@ -771,11 +773,21 @@ def run_job(cfg: JobConfig, verify: bool = False, echo: Callable[[str], None] = 
     if assets is None:
         cfg, assets = read_assets(cfg)
     summary = Controller(cfg, echo, assets=assets).run()
-    if verify and summary["ok"]:
-        ref = reference(cfg, echo, assets)
-        summary["reference_state_sha256"] = ref["state_sha256"]
-        summary["bitwise_equal"] = ref["state_sha256"] == summary["state_sha256"]
-        RunDir.write_json(pathlib.Path(cfg.out_dir) / "summary.json", summary)
+    return compare_with_reference(cfg, summary, echo, assets) if verify and summary["ok"] else summary
+
+
+def compare_with_reference(cfg: JobConfig, summary: dict, echo: Callable[[str], None] = print,
+                           assets: Assets | None = None) -> dict:
+    """``summary`` (of ``cfg``'s run, finished: ``ok``, ``state_sha256``) with ``reference_state_sha256``
+    and ``bitwise_equal`` (the two final-state sha256s compared) from the failure-free reference, run
+    or reused (``reference``); also written to ``<out_dir>/summary.json``. What ``run_job`` does after
+    the run with ``verify``, and what ``raycheck run --resume --verify`` does for a run that finished."""
+    if assets is None:
+        cfg, assets = read_assets(cfg)
+    ref = reference(cfg, echo, assets)
+    summary = {**summary, "reference_state_sha256": ref["state_sha256"],
+               "bitwise_equal": ref["state_sha256"] == summary["state_sha256"]}
+    RunDir.write_json(pathlib.Path(cfg.out_dir) / "summary.json", summary)
     return summary
 
 

@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
+from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.summary import metric_coverage, missing_steps_line
 from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_path
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.log_segments import PREFIX, read_segments
@@ -64,6 +66,21 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
         lines.append(f"BAD  step log segments: {exc}")
         bad += 1
     return lines, bad
+
+
+def _metrics_lines(uri: str) -> list[str]:
+    """The line naming the steps that the run directory's step log holds without a row in its
+    ``metrics.jsonl`` (``orchestrator.summary.metric_coverage``: rows lost across an interrupt); none
+    without both files, a readable log, or a missing row."""
+    local, folder = _local_log(uri), local_path(uri)
+    if local is None or folder is None or not (folder / "metrics.jsonl").is_file():
+        return []
+    try:
+        records = read_log(local)[1]
+    except StepLogError:  # named by _log_lines
+        return []
+    line = missing_steps_line(metric_coverage(len(records), RunDir.read(folder / "metrics.jsonl")))
+    return [f"note metrics: {line}"] if line else []
 
 
 def _local_log(uri: str) -> pathlib.Path | None:
@@ -155,8 +172,14 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
     that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
     folder) are listed after the snapshots, then the temp files that killed writes left in the store
-    (count, bytes, each one's path; ``storage.backend.Storage.temp_files``). A missing store (folder or
-    bucket), or a folder or prefix that holds nothing of a run, exits 2."""
+    (count, bytes, each one's path; ``storage.backend.Storage.temp_files``), and the steps of a run
+    directory's step log without a row in its metrics.jsonl (lost across an interrupt).
+
+    Exit codes: 0 when nothing listed is damaged; 1 (after the listing, with a count of problems)
+    when a snapshot was skipped (missing, altered or malformed manifest, malformed index), a folder
+    is not indexed, or the step log or its segments are damaged (a corrupt record or a gap; a torn
+    tail is not damage). Temp files are not problems. 2: a missing store (folder or bucket), or a
+    folder or prefix that holds nothing of a run. Shards are not re-hashed: see verify."""
     main = open_store(uri, s3_endpoint)
     stores = _stores(main)
     if not _holds_a_run(uri, stores):
@@ -164,8 +187,10 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
                    "folder, step log (steplog.bin) or log segments; give a run directory (the --out of raycheck run) "
                    "or its snapshot store", err=True)
         raise typer.Exit(2)
+    problems = 0
     for store in stores:
         infos, unindexed = _listing(store)
+        problems += len(store.skipped) + len(unindexed)
         kind = "sharded checkpoint" if isinstance(store, ShardedStore) else "committed snapshot"
         typer.echo(f"{store.storage.url()}: {len(infos)} {kind}(s)")
         for info in infos:
@@ -176,8 +201,12 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
             typer.echo(f"  skipped: {problem}")
         for folder in unindexed:
             typer.echo(f"  not indexed: {folder}")
-    for line in _temp_lines(main.storage.temp_files()) + _log_lines(uri, main.storage)[0]:
+    log_lines, log_problems = _log_lines(uri, main.storage)
+    for line in _temp_lines(main.storage.temp_files()) + log_lines + _metrics_lines(uri):
         typer.echo(line)
+    if problems + log_problems:
+        typer.echo(f"{problems + log_problems} problem(s) found", err=True)
+        raise typer.Exit(1)
 
 
 def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -239,6 +241,59 @@ def write_metrics(executions: list[dict], per_step: dict[str, dict[int, int]], p
 
 
 
+def checkpoint_bytes(executions: list[dict], events: list[dict], final_bytes: int) -> int:
+    """Checkpoint bytes a first-order run wrote (shards, gradient records, manifests' shards; bytes): per
+    worker incarnation (a ``recovery`` event starts the next) the most its checkpointer had committed at
+    any step row (``checkpoint_bytes``), the last incarnation's from ``final_bytes`` (its checkpointer's
+    total after ``close``) when larger. A write still in flight when a worker died is not counted."""
+    cuts = sorted(e["unix_s"] for e in events if e["kind"] == "recovery")
+    per: dict[int, int] = {}
+    for r in executions:
+        i = bisect.bisect(cuts, r["unix_s"])
+        per[i] = max(per.get(i, 0), int(r.get("checkpoint_bytes") or 0))
+    per[len(cuts)] = max(per.get(len(cuts), 0), int(final_bytes or 0))
+    return sum(per.values())
+
+
+def run_checkpoints(checkpoints: Any, executions: list[dict], events: list[dict]) -> Any:
+    """A worker's ``final`` event's ``checkpoints`` (its checkpointer's ``close``: the last worker
+    incarnation's alone, 0 bytes for one that committed nothing) with ``bytes`` made the run's, summed
+    over the incarnations (``checkpoint_bytes``), and the last incarnation's own in ``incarnation_bytes``;
+    anything else (None: no checkpointer) as it is. What ``summary.json``'s ``worker_checkpoints`` and the
+    printed ``final`` line show."""
+    if not isinstance(checkpoints, dict) or "bytes" not in checkpoints:
+        return checkpoints
+    return {**checkpoints, "bytes": checkpoint_bytes(executions, events, checkpoints["bytes"]),
+            "incarnation_bytes": checkpoints["bytes"]}
+
+
+def metric_coverage(logged_steps: int, rows: list[dict]) -> dict:
+    """``summary.json``'s ``metrics`` (pure): of the steps ``0..logged_steps - 1`` that the step log holds,
+    those without a metrics row in ``rows`` (one per step): ``missing_step_count`` and ``missing_steps``,
+    inclusive ``[first, last]`` ranges of step numbers. Such a step was logged (durable) just before an
+    interrupt, so ``--resume`` does not execute it again, but its row never reached the driver: its
+    timings are unknown and none are invented (``metrics.parquet`` has no row for it)."""
+    have = {r["step"] for r in rows}
+    missing = [step for step in range(logged_steps) if step not in have]
+    ranges: list[list[int]] = []
+    for step in missing:
+        if ranges and ranges[-1][1] == step - 1:
+            ranges[-1][1] = step
+        else:
+            ranges.append([step, step])
+    return {"missing_step_count": len(missing), "missing_steps": ranges}
+
+
+def missing_steps_line(coverage: dict) -> str | None:
+    """One line naming the steps ``metric_coverage`` found without a metrics row (``17, 20..22``); None
+    when none is missing."""
+    if not coverage["missing_step_count"]:
+        return None
+    steps = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in coverage["missing_steps"])
+    return (f"{coverage['missing_step_count']} step(s) in the step log have no metrics row (logged just before an "
+            f"interrupt, not executed again after the resume; their timings are unknown): {steps}")
+
+
 def mean_step_seconds(rows: list[dict]) -> float | None:
     """The mean ``step_seconds`` of the metric rows ``rows`` (None without any)."""
     return sum(r["step_seconds"] for r in rows) / len(rows) if rows else None
@@ -278,7 +333,8 @@ def run_summary(c: Collected) -> dict:
     """The ``summary.json`` of a run whose ``fit`` returned (pure): the worker's final state and
     accuracy (its ``final`` event), whether the shadow's state hash equals the worker's, failures,
     recoveries (``recoveries``), lost steps, step and checkpoint-block times (seconds), snapshot and
-    durability figures, re-plans and resumes, then ``c.base``. ``reference_state_sha256`` and
+    durability figures, re-plans and resumes, the steps of the step log without a metrics row
+    (``metrics``: ``metric_coverage`` of the log keeper's ``end``; None without a keeper), then ``c.base``. ``reference_state_sha256`` and
     ``bitwise_equal`` are None (``orchestrator.controller.run_job`` fills them with ``verify``)."""
     events, rows = c.events, c.rows
     final: dict = next((e for e in reversed(events) if e["kind"] == "final"), {})
@@ -305,7 +361,7 @@ def run_summary(c: Collected) -> dict:
         "mean_log_append_seconds": sum(r["log_append_seconds"] for r in rows) / len(rows) if rows else None,
         "checkpoint_block_seconds_total": sum(block_s),
         "mean_checkpoint_block_seconds": sum(block_s) / len(block_s) if block_s else None,
-        "worker_checkpoints": final.get("checkpoints"),
+        "worker_checkpoints": run_checkpoints(final.get("checkpoints"), c.executions, events),
         "worker_cpu_capability": final.get("cpu_capability"),
         **c.shadow,
         "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
@@ -313,6 +369,7 @@ def run_summary(c: Collected) -> dict:
         "durability": durability(c.durability_level, c.keeper, events) if c.keeper is not None else None,
         "replans": [e for e in events if e["kind"] == "replan"],
         "resumes": [e for e in events if e["kind"] == "resume"],
+        "metrics": metric_coverage(c.keeper["end"], rows) if c.keeper is not None and "end" in c.keeper else None,
         **c.base,
     }
 

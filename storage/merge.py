@@ -19,7 +19,9 @@ A merge is two steps so that a caller can check everything before anything is co
 both. A failed commit removes what it wrote, so the retry finds the output as it was.
 
 ``export_hf`` writes a snapshot's parameters (no optimizer state) as a Hugging Face model folder;
-``prepare_hf_export`` / ``write_hf_export`` split it the same way. The folder must be new or empty.
+``prepare_hf_export`` / ``write_hf_export`` split it the same way. The folder must be new or empty. It is
+written in a staging folder next to it and renamed; the staging folders that killed exports left are
+deleted by the next export to the same folder once ``TEMP_MAX_AGE_S`` old (``remove_stale_staging_folders``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 import pathlib
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 from safetensors import safe_open
 
-from raycheck.storage.backend import Storage
+from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile
+from raycheck.storage.files import TEMP_MARK
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotInfo, SnapshotStore
 from raycheck.storage.tensor_files import FLOAT_DTYPES, dtype_name, save_file
 from raycheck.storage.units import parameter_of, unit_of
@@ -482,17 +486,57 @@ def prepare_hf_export(state: Mapping[str, np.ndarray], out_dir: str | pathlib.Pa
     return HFExport(folder, source, {n: params[n] for n in expected}, next(iter(run_dtypes), None))
 
 
+def staging_folders(folder: pathlib.Path) -> list[TempFile]:
+    """The staging folders that exports to ``folder`` left in its parent (``.<name>.tmp-<8 hex>``,
+    ``write_hf_export``: a hard kill leaves one), sorted: each one's path, bytes (of its files) and age_s
+    (seconds since the newest modification of it or of a file in it, by this host's clock). Only that
+    exact name pattern, never anything else of the parent (an export may go next to a user's files)."""
+    pattern = re.compile(rf"\.{re.escape(folder.name)}{re.escape(TEMP_MARK)}[0-9a-f]{{8}}")
+    found, now = [], time.time()
+    for entry in sorted(folder.parent.iterdir()) if folder.parent.is_dir() else []:
+        if not (pattern.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
+            continue
+        try:
+            stats = [entry.stat(), *(p.stat() for p in entry.rglob("*") if p.is_file())]
+        except FileNotFoundError:  # renamed or removed meanwhile
+            continue
+        found.append(TempFile(str(entry), sum(st.st_size for st in stats[1:]), max(now - max(st.st_mtime for st in stats), 0.0)))
+    return found
+
+
+def remove_stale_staging_folders(folder: pathlib.Path, max_age_s: float = TEMP_MAX_AGE_S) -> list[TempFile]:
+    """Delete the staging folders of exports to ``folder`` (``staging_folders``) unmodified for at least
+    ``max_age_s`` seconds, as ``Storage.remove_stale_temp_files`` does for temp files (``TEMP_MAX_AGE_S``:
+    a younger one may belong to a live export); returns those deleted. A failed delete is logged and
+    left for the next export."""
+    removed = []
+    for staging in staging_folders(folder):
+        if staging.age_s < max_age_s:
+            continue
+        try:
+            shutil.rmtree(staging.path)
+            removed.append(staging)
+        except OSError as exc:
+            log.warning("could not delete the stale export staging folder %s: %s", staging.path, exc)
+    if removed:
+        log.info("deleted %d stale export staging folder(s) of killed exports (%d bytes) next to %s", len(removed),
+                 sum(t.bytes for t in removed), folder)
+    return removed
+
+
 def write_hf_export(export: HFExport) -> pathlib.Path:
     """Write ``export``: ``config.json`` (and ``generation_config.json`` when the model has one) and
     ``model.safetensors``, into a temporary sibling folder renamed into place at the end, so the
-    target never holds a partial export. Returns the folder.
+    target never holds a partial export; first deletes the stale staging folders of earlier exports to
+    it that were killed (``remove_stale_staging_folders``). Returns the folder.
 
     Raises:
         OSError: writing failed (the temporary folder is removed; the target is untouched).
     """
     folder = export.folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_stale_staging_folders(folder)  # those of earlier exports to it that a hard kill left
+    staging = folder.parent / f".{folder.name}{TEMP_MARK}{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
         for name in ("config.json", "generation_config.json"):

@@ -74,6 +74,28 @@ def test_resume_of_a_finished_run_does_nothing(tmp_path):
     assert tree_sha256(out) == before
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_resume_verify_of_a_finished_run_compares_it_with_the_reference(tmp_path, same):
+    """``--resume --verify`` of a run that finished trains nothing and ends as a fresh ``--verify`` run
+    does: the reference (here complete, so reused without a cluster) is compared with the run's final
+    state, ``summary.json`` records the comparison, and a difference exits 3."""
+    out = tmp_path / "run"
+    cfg = prepared_run(out)
+    finished = {"ok": True, "final_step": cfg.steps, "state_sha256": "a" * 64, "shadow_equal": True, "lost_steps": 0,
+                "snapshots": {"last_durable_step": 5, "last_submitted_step": 5}}
+    RunDir.write_json(out / "summary.json", finished)
+    (out / "reference").mkdir()
+    RunDir.write_json(out / "reference" / "summary.json", {"ok": True, "trajectory_sha256": cfg.trajectory_sha256(),
+                                                           "state_sha256": "a" * 64 if same else "b" * 64})
+    result = CliRunner().invoke(app, ["run", "--resume", "--verify", "--out", str(out)])
+    assert result.exit_code == (0 if same else 3), result.output
+    assert f"[raycheck] reusing the failure-free reference in {out / 'reference'}" in result.output
+    assert "nothing to resume" not in result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == {**finished, "reference_state_sha256": "a" * 64 if same else "b" * 64, "bitwise_equal": same}
+    assert ('"bitwise_equal": true' if same else "error: recovery was not exact") in result.output
+
+
 def test_resume_of_a_copied_run_directory_is_refused_and_touches_neither_directory(tmp_path):
     """A run directory copied elsewhere still names the original in ``config.json`` (its storage, its
     step log): resuming the copy would train in the original's directory, so it is refused."""

@@ -183,7 +183,8 @@ def test_fo_row_sums_bytes_over_incarnations_and_measures_the_loss_deviation_aft
     """A layer-wise run of 6 steps: checks after steps 2 and 4 (bytes committed 100, then 130), the worker dies
     in step 5, the new one restores the composite of step 4 and runs steps 4 and 5 (committing 40, then 60 by
     ``close``); the reference's losses are 1.0 at every step."""
-    from raycheck.experiments.results import bytes_written, fo_run_row
+    from raycheck.experiments.results import fo_run_row
+    from raycheck.orchestrator.summary import checkpoint_bytes
 
     executions = [_fo_row(0, 1.0, 1.0), _fo_row(1, 2.0, 1.0, 0.25, 100), _fo_row(2, 3.0, 1.0), _fo_row(3, 4.0, 1.0, 0.25, 130),
                   _fo_row(4, 5.0, 1.5), _fo_row(4, 20.0, 1.1, 0.5, 40), _fo_row(5, 21.0, 0.8)]
@@ -194,7 +195,7 @@ def test_fo_row_sums_bytes_over_incarnations_and_measures_the_loss_deviation_aft
     summary = _summary("layerwise", worker_checkpoints={"checkpoints": 2, "bytes": 60}, bitwise_equal=False,
                        config={"run_id": "r1", "model": "tiny", "steps": 6, "snapshot": {"every_steps": 2}})
     row = fo_run_row(summary, executions, events, reference)
-    assert row["bytes_written"] == 130 + 60 and bytes_written(executions, [], 0) == 130  # one incarnation: the most committed
+    assert row["bytes_written"] == 130 + 60 and checkpoint_bytes(executions, [], 0) == 130  # one incarnation: the most committed
     assert (row["block_s_total"], row["compute_s_total"], row["block_share"], row["block_s_max"]) == (1.0, 3.5, 1.0 / 3.5, 0.5)
     assert (row["exact_by_design"], row["bitwise_equal"], row["recoveries"], row["failures"]) == (False, False, 1, 1)
     # steps 4 and 5 from their last executions: |1.1 - 1| and |0.8 - 1|; the discarded 1.5 of step 4 does not count

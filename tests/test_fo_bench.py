@@ -22,8 +22,12 @@ def test_deviation_stats_are_relative_per_seed_with_a_student_t_interval():
     assert d["per_seed_pct"] == pytest.approx([1.0, -1.0, 0.0])
     assert d["mean_abs_pct"] == pytest.approx(2 / 3) and d["mean_signed_pct"] == pytest.approx(0.0) and d["seeds"] == 3
     half = 4.303 * np.std([1.0, 1.0, 0.0], ddof=1) / math.sqrt(3)  # t_{0.975, 2}
-    assert d["ci95_pct"] == pytest.approx([2 / 3 - half, 2 / 3 + half])
+    assert 2 / 3 - half < 0 and d["ci95_pct"] == pytest.approx([0.0, 2 / 3 + half])  # a mean of |deviations|: clamped at 0
     assert fo_bench.deviation_stats([1.0], [1.5])["ci95_pct"] is None
+    # |deviations| 0, 0, 3 (%): mean 1, half-width 4.303 * sqrt(3) / sqrt(3) = 4.303: the t interval's -3.3 is clamped
+    spread = fo_bench.deviation_stats([1.0, 1.0, 1.0], [1.0, 1.0, 0.97])
+    assert spread["mean_abs_pct"] == pytest.approx(1.0) and spread["ci95_pct"] == pytest.approx([0.0, 1.0 + 4.303])
+    assert spread["ci95_pct"][0] == 0.0
     with pytest.raises(ValueError, match="one restarted loss per reference"):
         fo_bench.deviation_stats([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="> 0"):

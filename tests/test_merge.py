@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
+import time
 import uuid
 
 import numpy as np
@@ -13,7 +15,7 @@ import typer
 from typer.testing import CliRunner
 
 from raycheck.orchestrator.merge_cli import merge as merge_command
-from raycheck.storage.backend import Storage, StorageError
+from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, StorageError
 from raycheck.storage.merge import (
     MergeError,
     Source,
@@ -24,6 +26,7 @@ from raycheck.storage.merge import (
     parse_source,
     parse_take,
     plan_merge,
+    staging_folders,
 )
 from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from raycheck.storage.units import group_by_unit, parameter_of, unit_of
@@ -170,6 +173,29 @@ def test_export_hf_of_a_bfloat16_run_writes_bfloat16_weights_that_transformers_l
     store.write(4, mixed)
     with pytest.raises(ValueError, match=r"snapshot mixes \['bfloat16', 'float16'\] parameters"):
         export_hf(store, tmp_path / "hf2", "tiny", model_folder("tiny"))
+
+
+def test_an_export_sweeps_the_stale_staging_folders_that_killed_exports_to_its_folder_left(tmp_path):
+    """A hard kill mid-export leaves ``.hf.tmp-<8 hex>`` next to the target; the next export to ``hf`` deletes
+    those unmodified for ``TEMP_MAX_AGE_S`` (as stale temp files are), keeps a younger one (a live export's)
+    and never touches another target's or anything else."""
+    store = SnapshotStore(str(tmp_path / "store"))
+    store.write(3, tiny_state(1))
+    old = time.time() - TEMP_MAX_AGE_S - 60
+    for name, age in ((".hf.tmp-0123abcd", old), (".hf.tmp-89abcdef", None), (".other.tmp-0123abcd", old),
+                      (".hf.tmp-notahex1", old)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(bytes(100))
+        if age is not None:
+            for path in (tmp_path / name / "model.safetensors", tmp_path / name):
+                os.utime(path, (age, age))
+    listed = staging_folders(tmp_path / "hf")
+    assert [(pathlib.Path(t.path).name, t.bytes, t.age_s > TEMP_MAX_AGE_S) for t in listed] == [
+        (".hf.tmp-0123abcd", 100, True), (".hf.tmp-89abcdef", 100, False)]
+    folder = export_hf(store, tmp_path / "hf", "tiny", model_folder("tiny"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.tmp-89abcdef", ".hf.tmp-notahex1", ".other.tmp-0123abcd",
+                                                         "hf", "store"]
+    assert folder == tmp_path / "hf" and [pathlib.Path(t.path).name for t in staging_folders(folder)] == [".hf.tmp-89abcdef"]
 
 
 def test_export_hf_rejects_a_snapshot_of_another_model(tmp_path):

@@ -122,6 +122,16 @@ def test_missed_recovery_target_says_restart_bounds_the_ratio():
     assert rt.why_recovery(rows["shadow"], {**rows["full-async"], "ratio": 1.6}, 1.5) is None
 
 
+def test_the_interval_of_a_non_negative_quantity_is_clamped_at_0_and_only_there():
+    """A mean of 0, 0, 3 has the 95% t interval 1 -/+ 4.303: a signed quantity keeps -3.303, a non-negative one
+    (a |deviation|, a latency, a waste ratio) prints 0; the upper bound and the mean are the same."""
+    assert rt.mean_ci([0.0, 0.0, 3.0]) == pytest.approx((1.0, 1.0 - 4.303, 1.0 + 4.303))
+    assert rt.mean_ci([0.0, 0.0, 3.0], nonnegative=True) == pytest.approx((1.0, 0.0, 1.0 + 4.303))
+    assert rt.mean_ci([12.0, 13.0, 14.0], nonnegative=True) == pytest.approx(rt.mean_ci([12.0, 13.0, 14.0]))  # above 0: as is
+    spread = rt.recovery_table(recoveries("shadow", (0.5, 0.5, 9.0), (0.25,) * 3, (0.1,) * 3))[0]
+    assert spread["latency_lo_s"] == 0.0 and spread["latency_hi_s"] > spread["latency_s"]
+
+
 def test_t_quantiles():
     assert rt.t975(1) == 12.706 and rt.t975(30) == 2.042
     assert rt.t975(31) == pytest.approx(2.0395, abs=2e-4) and rt.t975(120) == pytest.approx(1.9799, abs=2e-4)

@@ -76,9 +76,9 @@ def test_snapshot_folders_missing_from_the_index_are_reported_and_restores_still
         "3 problem(s) found",
     ]
     inspected = cli("inspect", str(tmp_path))
-    assert inspected.exit_code == 0, inspected.output
+    assert inspected.exit_code == 1, inspected.output
     assert inspected.output.splitlines() == [f"{root}: 0 committed snapshot(s)"] + [
-        f"  not indexed: {info.folder}" for info in (s2, s4, s6)]
+        f"  not indexed: {info.folder}" for info in (s2, s4, s6)] + ["3 problem(s) found"]
     with pytest.raises(NoSnapshotError):
         SnapshotStore(str(root), identity=IDENTITY).load_latest()
     assert sorted(p.name for p in root.iterdir()) == sorted(i.folder for i in (s2, s4, s6))  # read only
@@ -192,7 +192,7 @@ def test_inspect_and_verify_print_each_skipped_snapshot_once_and_inspect_names_e
         fh.write(" ")
     problem = f"{altered.folder}/{MANIFEST}: sha256 differs from the index (altered after its commit)"
     outputs = {}
-    for command, code in (("inspect", 0), ("verify", 1)):
+    for command, code in (("inspect", 1), ("verify", 1)):
         caplog.clear()
         result = cli(command, str(tmp_path))
         assert result.exit_code == code, result.output

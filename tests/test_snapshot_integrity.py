@@ -379,7 +379,8 @@ def test_a_malformed_index_is_reported_and_never_raises(tmp_path, body):
     assert store.load_latest().info.step == 10
     result = CliRunner().invoke(app, ["verify", str(tmp_path)])
     assert result.exit_code == 1 and f"BAD  {INDEX}: malformed" in result.output
-    assert CliRunner().invoke(app, ["inspect", str(tmp_path)]).exit_code == 0
+    inspected = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert inspected.exit_code == 1 and f"  skipped: {INDEX}: malformed" in inspected.output
     store.write(11, state(11))  # the next commit writes a well-formed index again, a new count of writes
     assert index_folders(store.storage) == [i.folder for i in store.list()] and store.skipped == []
     assert json.loads(store.storage.get(INDEX))["generation"] == 1

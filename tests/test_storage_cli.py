@@ -9,6 +9,7 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from conftest import free_port
+from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cli import app
 from raycheck.storage.backend import Storage, StorageCredentialsError
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
@@ -40,7 +41,30 @@ def test_verify_names_a_missing_manifest_and_a_torn_log_without_changing_anythin
     assert f"steps 0..3, and a torn tail of {RECORD_BYTES // 3} bytes" in result.output
     assert (tmp_path / "steplog.bin").stat().st_size == size  # read only
     inspected = CliRunner().invoke(app, ["inspect", str(tmp_path)])
-    assert inspected.exit_code == 0 and "1 committed snapshot(s)" in inspected.output
+    assert inspected.exit_code == 1 and "1 committed snapshot(s)" in inspected.output  # the missing manifest
+    assert f"  skipped: {infos[0].folder}/{MANIFEST}: missing" in inspected.output
+    assert inspected.output.splitlines()[-1] == "1 problem(s) found"
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "gap"])
+def test_inspect_exits_1_like_verify_on_a_damaged_step_log_and_still_lists_everything(tmp_path, damage):
+    """A bad record followed by more data, or a step that does not follow its predecessor: both commands
+    print the listing with a BAD line, and exit 1 (a torn tail, above, is not damage)."""
+    make_run(tmp_path)
+    log = tmp_path / "steplog.bin"
+    data = bytearray(log.read_bytes())
+    second = len(data) - 3 * RECORD_BYTES  # steps 1, 2, 3 are the last three records
+    if damage == "corrupt":
+        data[second + 3] ^= 0xFF  # step 1's checksum fails, and steps 2 and 3 follow
+    else:
+        data[second:second + RECORD_BYTES] = data[second + RECORD_BYTES:second + 2 * RECORD_BYTES]  # 0, 2, 2, 3
+    log.write_bytes(bytes(data))
+    for command in ("inspect", "verify"):
+        result = CliRunner().invoke(app, [command, str(tmp_path)])
+        assert result.exit_code == 1, (command, result.output)
+        assert f"BAD  step log {log}: " in result.output and result.output.splitlines()[-1] == "1 problem(s) found"
+    listed = CliRunner().invoke(app, ["inspect", str(tmp_path)]).output
+    assert listed.startswith(f"{tmp_path / 'snapshots'}: 2 committed snapshot(s)\n"), listed  # listed as before
 
 
 def test_an_empty_step_log_says_no_steps(tmp_path):
@@ -52,6 +76,20 @@ def test_an_empty_step_log_says_no_steps(tmp_path):
         result = CliRunner().invoke(app, [command, str(tmp_path)])
         assert result.exit_code == 0, result.output
         assert f"ok   step log {tmp_path / 'steplog.bin'}: no steps\n" in result.output and "0..-1" not in result.output
+
+
+def test_inspect_names_the_logged_steps_whose_metrics_row_was_lost(tmp_path):
+    """Steps 1 and 2 are in the step log but not in metrics.jsonl (their rows never reached the driver
+    before an interrupt): a note, not damage."""
+    make_run(tmp_path)
+    RunDir(tmp_path).append(tmp_path / "metrics.jsonl", [{"step": 0, "unix_s": 1.0}, {"step": 3, "unix_s": 2.0}])
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == ("note metrics: 2 step(s) in the step log have no metrics row (logged just "
+                                              "before an interrupt, not executed again after the resume; their timings "
+                                              "are unknown): 1..2")
+    RunDir(tmp_path).append(tmp_path / "metrics.jsonl", [{"step": 1, "unix_s": 3.0}, {"step": 2, "unix_s": 4.0}])
+    assert "metrics row" not in CliRunner().invoke(app, ["inspect", str(tmp_path)]).output
 
 
 def test_missing_paths_and_files_are_refused_and_never_created(tmp_path):

@@ -3,7 +3,7 @@
 import dataclasses
 
 from raycheck.orchestrator.summary import (BREAKDOWN, IN_PROCESS_BREAKDOWN, STANDBY_BREAKDOWN, Collected, breakdown, mean_step_seconds, recoveries,
-                                           failed_summary, recovery_of_event, run_summary)
+                                           failed_summary, metric_coverage, missing_steps_line, run_checkpoints, recovery_of_event, run_summary)
 
 
 def test_recoveries_count_lost_and_recomputed_steps_against_the_failure_they_answer():
@@ -187,7 +187,7 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
     rows[3]["state_sha256"] = "ab"
     collected = Collected(ok=True, error=None, events=events, executions=rows, rows=rows,
                           shadow={"shadow_state_sha256": "ab", "shadow_shards": []}, persisted={"written": 2},
-                          mirror={"log_mirrored_steps": 4}, keeper={"node_id": "k"}, durability_level="node", task="classification",
+                          mirror={"log_mirrored_steps": 4}, keeper={"node_id": "k", "end": 4}, durability_level="node", task="classification",
                           base={"phase": "finished", "dtype": "float32"})
     summary = run_summary(collected)
     assert summary == {
@@ -199,12 +199,51 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
         "worker_cpu_capability": "avx2", "shadow_shards": [], "worker_hashes": {"4": "ab"},
         "snapshots": {"written": 2, "log_mirrored_steps": 4},
         "durability": {"level": "node", "keeper_node_id": "k", "rank0_node_ids": ["n0"], "node_held": True},
-        "replans": [], "resumes": [], "phase": "finished", "dtype": "float32"}
+        "replans": [], "resumes": [], "metrics": {"missing_step_count": 0, "missing_steps": []},
+        "phase": "finished", "dtype": "float32"}
     assert list(summary)[:4] == ["ok", "error", "final_step", "state_sha256"] and list(summary)[-2:] == ["phase", "dtype"]
     # no shadow, no log keeper: those fields are None, and nothing else changes
     bare = run_summary(dataclasses.replace(collected, shadow={}, keeper=None))
-    assert (bare["shadow_equal"], bare["shadow_state_sha256"], bare["durability"]) == (None, None, None)
+    assert (bare["shadow_equal"], bare["shadow_state_sha256"], bare["durability"], bare["metrics"]) == (None, None, None, None)
     assert mean_step_seconds([]) is None
+    # step 2's row was lost across an interrupt (logged, so not executed again): named, no row invented
+    lost = run_summary(dataclasses.replace(collected, rows=[r for r in rows if r["step"] != 2]))
+    assert lost["metrics"] == {"missing_step_count": 1, "missing_steps": [[2, 2]]}
+
+
+def test_the_final_checkpoint_bytes_are_the_runs_not_the_last_incarnations():
+    """A layer-wise run: the first worker committed 100 then 130 bytes and died; the second restored and
+    committed nothing before the end, so its ``final`` event says 0 bytes. The summary (and the printed
+    ``final`` line, from the same function) says 130, the last incarnation's 0 kept beside it; the
+    experiment row counts the bytes once."""
+    from raycheck.experiments.results import fo_run_row
+
+    executions = [{"step": 1, "unix_s": 2.0, "checkpoint_bytes": 100}, {"step": 3, "unix_s": 4.0, "checkpoint_bytes": 130},
+                  {"step": 4, "unix_s": 20.0, "checkpoint_bytes": 0}, {"step": 5, "unix_s": 21.0, "checkpoint_bytes": 0}]
+    events = [{"kind": "failure", "target": "worker", "step": 4, "how": "exit", "durable_steps": 4, "unix_s": 5.0},
+              {"kind": "recovery", "unix_s": 19.0, "at_step": 4, "restored_step": 4, "source": "storage", "base_step": 4,
+               "replayed_steps": 0, "seconds": 1.0, "load_seconds": 0.9, "replay_seconds": 0.0},
+              {"kind": "final", "step": 6, "state_sha256": "ab", "checkpoints": {"checkpoints": 0, "bytes": 0, "last_step": None}}]
+    assert run_checkpoints(events[-1]["checkpoints"], executions, events) == {
+        "checkpoints": 0, "bytes": 130, "incarnation_bytes": 0, "last_step": None}
+    assert run_checkpoints(None, executions, events) is None
+    rows = [{**r, "step_seconds": 1.0, "checkpoint_block_seconds": 0.0, "log_append_seconds": 0.0, "loss": 1.0} for r in executions]
+    collected = Collected(ok=True, error=None, events=events, executions=rows, rows=rows, shadow={}, persisted={}, mirror={},
+                          keeper=None, durability_level="process", task="classification", base={})
+    summary = run_summary(collected)
+    assert summary["worker_checkpoints"]["bytes"] == 130 and summary["worker_checkpoints"]["incarnation_bytes"] == 0
+    summary.update(strategy="layerwise", wall_seconds=30.0, config={"run_id": "r", "model": "tiny", "steps": 6,
+                                                                    "snapshot": {"every_steps": 2}})
+    assert fo_run_row(summary, rows, events, [])["bytes_written"] == 130  # not 260
+
+
+def test_the_steps_of_the_log_without_a_metrics_row_are_counted_and_named_as_ranges():
+    rows = [{"step": s} for s in (0, 1, 3, 7, 8)]
+    coverage = metric_coverage(10, rows)
+    assert coverage == {"missing_step_count": 5, "missing_steps": [[2, 2], [4, 6], [9, 9]]}
+    assert missing_steps_line(coverage).endswith(": 2, 4..6, 9")
+    assert metric_coverage(2, rows) == {"missing_step_count": 0, "missing_steps": []}
+    assert missing_steps_line(metric_coverage(2, rows)) is None and metric_coverage(0, []) == metric_coverage(2, rows)
 
 
 def test_the_failed_summary_is_a_pure_function_of_the_error_the_shadow_and_the_base():
