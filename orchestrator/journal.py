@@ -6,8 +6,7 @@ A resumed driver starts a new journal (the old one died with the old driver) and
 failure markers its ``events.jsonl`` names (``claims_in``), then (once the log keeper tells the
 durable step) with those of every failure due before it (``training.faults.fired_before``: what a
 run directory lost, e.g. a resume from the storage alone), so a failure that already fired does not
-fire again; and with the warm standby's promotion markers, so promotions count against the budget
-across a resume.
+fire again.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycheck.actors.journal import CALL_TIMEOUT_S, JournalActor, RunChannel
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.training.standby import promotion_claims
 
 
 class RunActiveError(RuntimeError):
@@ -74,11 +72,10 @@ def start_journal(cfg: JobConfig, claims: list[str]):
 
 
 def claims_in(events: list[dict]) -> list[str]:
-    """The markers a run's events show as claimed (pure): the ``marker`` of each failure event
+    """The failure markers a run's events show as claimed (pure): the ``marker`` of each failure event
     (``training.faults`` names in it the marker it claimed, or for a ``both`` failure's worker part the
-    one the dying rank will claim: the driver may have died before it did), then the warm standby's
-    promotion markers (``training.standby.promotion_claims``: its budget spans a resume)."""
-    return [e["marker"] for e in events if e["kind"] == "failure" and "marker" in e] + promotion_claims(events)
+    one the dying rank will claim: the driver may have died before it did)."""
+    return [e["marker"] for e in events if e["kind"] == "failure" and "marker" in e]
 
 
 class RunRecord:

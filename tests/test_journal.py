@@ -11,7 +11,6 @@ import pytest
 from raycheck.actors.journal import Journal
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.journal import RunRecord, claims_in
-from raycheck.training.standby import claim_promotion
 
 
 def test_rows_keep_their_order_and_cursors_return_only_what_is_new():
@@ -60,21 +59,6 @@ def test_the_claims_of_a_previous_driver_come_from_its_failure_events():
               {"kind": "failure", "target": "shadow", "marker": "2.shadow"},
               {"kind": "recovery", "at_step": 3}]
     assert claims_in(events) == ["1.worker", "2.shadow"]
-
-
-def test_promotions_before_a_resume_count_against_the_budget_after_it():
-    """Two warm-standby promotions (and one death refused past a budget of 2) before the driver died: the
-    resumed driver's journal holds their markers, so with ``--max-worker-failures 3`` one more promotion is
-    allowed, not three; with the budget unchanged, none."""
-    events = [{"kind": "failure", "target": "worker", "marker": "1.worker"},
-              {"kind": "standby_promoted", "promoted": True, "promotions": 1},
-              {"kind": "standby_promoted", "promoted": True, "promotions": 2},
-              {"kind": "standby_promoted", "promoted": False, "promotions": 2}]
-    assert claims_in(events) == ["1.worker", "standby.0", "standby.1"]
-    for budget, allowed in ((3, [True, False]), (2, [False, False])):
-        resumed = Journal()
-        resumed.seed(claims_in(events))
-        assert [claim_promotion(resumed, budget) for _ in allowed] == allowed  # a Journal in process: it needs only claim
 
 
 class ListChannel:

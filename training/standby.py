@@ -18,10 +18,7 @@ What is not covered: an executor that raises (its process alive, past ``faults.m
 and a failure of the supervisor's process or node go to Ray Train as before (the executors are owned by
 the supervisor and die with it). Each promotion claims the run-wide journal marker ``standby.N`` and is
 allowed only within ``faults.max_worker_failures`` (``policies.budgets.within_budget``); past it the
-supervisor raises, so Ray Train replaces the group under the same budget and the run ends. The budget
-spans ``--resume``: a resumed driver seeds its journal with the markers of the promotions its
-``events.jsonl`` records (``promotion_claims``; a resume from the storage alone has no events, so its
-promotions start again from 0).
+supervisor raises, so Ray Train replaces the group under the same budget and the run ends.
 
 Source: the warm standby (hot spare) of high-availability systems: a replica started and loaded before it
 is needed, promoted when the primary fails, so a failover pays no cold start.
@@ -99,26 +96,13 @@ def supervise(start: Callable[[], E], run_on: Callable[[E, float | None], None],
             promotions += 1
 
 
-def promotion_marker(n: int) -> str:
-    """The run-wide journal marker of the ``n``-th (0-based) claim of a promotion: ``standby.N``."""
-    return f"standby.{n}"
-
-
 def claim_promotion(run: RunChannel, max_failures: int) -> bool:
     """Claim the next run-wide promotion marker ``standby.N`` in the run's journal (the first N not yet
     claimed, by any supervisor of the run) and return whether it is ``within_budget(N, max_failures)``."""
     n = 0
-    while not run.claim(promotion_marker(n)):
+    while not run.claim(f"standby.{n}"):
         n += 1
     return within_budget(n, max_failures)
-
-
-def promotion_claims(events: list[dict]) -> list[str]:
-    """The promotion markers that the promotions a run's events record have used (pure): ``standby.0``
-    .. ``standby.K-1`` for K ``standby_promoted`` events with ``promoted`` true. A resumed driver seeds
-    its journal with them, so the promotions before a resume count against ``faults.max_worker_failures``
-    after it (a death refused past the budget promoted nothing and is not counted)."""
-    return [promotion_marker(n) for n in range(sum(1 for e in events if e["kind"] == "standby_promoted" and e.get("promoted")))]
 
 
 ExecutorActor = ray.remote(num_cpus=0, max_restarts=0)(StepExecutor)
