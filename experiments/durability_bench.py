@@ -163,11 +163,14 @@ def raw_append_s(layout: str, folder: pathlib.Path, records: int, ready: threadi
 
 def block_stat(path: pathlib.Path) -> tuple[int, int, int, int]:
     """(writes, ms spent on them, flushes, ms spent on them) so far on the block device holding ``path``
-    (Linux ``/sys/dev/block/MAJ:MIN/stat``; zeros where it does not exist, e.g. tmpfs)."""
+    (Linux ``/sys/dev/block/MAJ:MIN/stat``; zeros where it does not exist, e.g. tmpfs, or has no flush
+    fields, before Linux 5.5)."""
     dev = os.stat(path).st_dev
     try:
         fields = pathlib.Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
     except OSError:
+        return 0, 0, 0, 0
+    if len(fields) < 17:
         return 0, 0, 0, 0
     return int(fields[4]), int(fields[7]), int(fields[15]), int(fields[16])
 
