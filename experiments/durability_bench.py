@@ -23,12 +23,20 @@ rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray clus
   The writers take turns in ``--load-rounds`` rounds, each round starting with a quiet measurement, so
   that the machine's changing load falls on all of them alike; the records (one per 10 ms) span
   ``LOAD_SNAPSHOTS`` whole snapshots. Each writer is reported as mean under load / quiet median, staging
-  copy / mean under load, its snapshot write throughput (MB/s) and the page cache's Dirty + Writeback.
+  copy / mean under load, its snapshot write throughput (MB/s) and the page cache's Dirty + Writeback;
+- with ``--log-layouts``: a raw 76-byte record (no Ray, no keeper) made durable in each of two file
+  layouts, quiet and under the chunked writer in a process of its own, in ``--load-rounds`` rounds:
+  ``append + fsync`` (the step log's layout: the file grows, so on ext4 each fsync commits the
+  journal) and ``pre-zeroed, overwrite + fdatasync`` (the write-ahead-log remedy of PostgreSQL's
+  pre-zeroed segments: the file is extended ahead with written zeros, ``PREZERO_BYTES`` at a time,
+  so an append overwrites allocated blocks and its ``fdatasync`` needs no journal commit), with the
+  disk's own write and flush latency (``block_stat``) beside them.
 
 Prints a table of median, mean and p99 (microseconds) and the ratios staging copy / level.
 
     python -m raycheck.experiments.durability_bench [--records 300] [--copies 5] [--snapshot-load] [--dir DIR]
         [--load-rounds 3] [--chunk-bytes N ...] [--write-rate-mb-s R ...] [--process-writers] [--load-max-s S]
+        [--log-layouts]
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ LOAD_SNAPSHOTS = 2
 """Snapshots a writer completes while the log is measured under load (the records span whole snapshots)."""
 STEP_GAP_S = 0.01
 """Seconds between two records under snapshot load and in the quiet runs between them (a step's compute)."""
+PREZERO_BYTES = 1 << 20
+"""Bytes of zeros the pre-zeroed layout writes (and fsyncs) ahead of its end whenever a record would pass it."""
+LOG_LAYOUTS = ("append + fsync", "pre-zeroed, overwrite + fdatasync")
 HEADER = {"run_id": "durability-bench", "trajectory_sha256": "0" * 64, "layout_sha256": "0" * 64, "generator": "bench"}
 
 
@@ -110,6 +121,90 @@ def blocked_per_step_s(level: str, folder: pathlib.Path, records: int, s3: Local
         opened.writer.close()
         ray.kill(actor)
     return blocked
+
+
+def raw_append_s(layout: str, folder: pathlib.Path, records: int, ready: threading.Event | None = None,
+                 until: Callable[[], bool] | None = None) -> list[float]:
+    """Seconds each of ``records`` 76-byte records took to become durable in a fresh file of ``layout``
+    (one of ``LOG_LAYOUTS``) in ``folder``, after ``WARMUP_RECORDS`` unmeasured ones, one record per
+    ``STEP_GAP_S``; ``ready`` and ``until`` as in ``blocked_per_step_s``. A pre-zeroed extension is
+    counted in the record that triggers it."""
+    folder.mkdir(parents=True)
+    data = record(0).encode()
+    overwrite = layout == LOG_LAYOUTS[1]
+    fd = os.open(folder / "raw.bin", os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_APPEND))
+    end = allocated = 0
+    blocked: list[float] = []
+    try:
+        for step in itertools.count():
+            if step == WARMUP_RECORDS and ready is not None:
+                ready.set()
+            if len(blocked) >= records and (until is None or until()):
+                break
+            t0 = time.perf_counter()
+            if not overwrite:
+                os.write(fd, data)
+                os.fsync(fd)
+            else:
+                if end + len(data) > allocated:
+                    os.pwrite(fd, bytes(PREZERO_BYTES), allocated)
+                    os.fsync(fd)
+                    allocated += PREZERO_BYTES
+                os.pwrite(fd, data, end)
+                os.fdatasync(fd)
+            end += len(data)
+            if step >= WARMUP_RECORDS:
+                blocked.append(time.perf_counter() - t0)
+            time.sleep(STEP_GAP_S)
+    finally:
+        os.close(fd)
+    return blocked
+
+
+def block_stat(path: pathlib.Path) -> tuple[int, int, int, int]:
+    """(writes, ms spent on them, flushes, ms spent on them) so far on the block device holding ``path``
+    (Linux ``/sys/dev/block/MAJ:MIN/stat``; zeros where it does not exist, e.g. tmpfs, or has no flush
+    fields, before Linux 5.5)."""
+    dev = os.stat(path).st_dev
+    try:
+        fields = pathlib.Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+    except OSError:
+        return 0, 0, 0, 0
+    if len(fields) < 17:
+        return 0, 0, 0, 0
+    return int(fields[4]), int(fields[7]), int(fields[15]), int(fields[16])
+
+
+def log_layouts(folder: pathlib.Path, records: int, rounds: int, state: dict, write: Writer, max_s: float) -> dict:
+    """``rounds`` rounds in which each of ``LOG_LAYOUTS`` in turn (the order alternating between rounds)
+    is measured quiet (``records // rounds`` records) and then under ``write``'s snapshots (as
+    ``under_snapshot_load``). Returns ``{layout: {"quiet": summary, "loaded": summary, "disk": {"quiet" |
+    "loaded": {"write_ms", "flush_ms"}}}}``: the disk's mean milliseconds per write and per flush."""
+    per_round = max(records // rounds, 1)
+    runs: dict[str, dict[str, list]] = {layout: {"quiet": [], "loaded": [], "stat_quiet": [], "stat_loaded": []}
+                                        for layout in LOG_LAYOUTS}
+    folder.mkdir(parents=True)
+    for r in range(rounds):
+        for i, layout in enumerate(LOG_LAYOUTS if r % 2 == 0 else LOG_LAYOUTS[::-1]):
+            def measure(log: pathlib.Path, ready: threading.Event, until: Callable[[], bool], layout: str = layout) -> list[float]:
+                return raw_append_s(layout, log, 1, ready, until)
+
+            for phase in ("quiet", "loaded"):
+                before = block_stat(folder)
+                if phase == "quiet":
+                    blocked = raw_append_s(layout, folder / f"quiet-{r}-{i}", per_round)
+                else:
+                    blocked = under_snapshot_load(folder / f"load-{r}-{i}", state, write, max_s, measure)["blocked"]
+                runs[layout][phase] += blocked
+                runs[layout][f"stat_{phase}"].append([b - a for a, b in zip(before, block_stat(folder))])
+
+    def disk(stats: list[list[int]]) -> dict:
+        writes, write_ms, flushes, flush_ms = (sum(column) for column in zip(*stats))
+        return {"write_ms": write_ms / max(writes, 1), "flush_ms": flush_ms / max(flushes, 1)}
+
+    return {layout: {"quiet": summarize(run["quiet"]), "loaded": summarize(run["loaded"]),
+                     "disk": {"quiet": disk(run["stat_quiet"]), "loaded": disk(run["stat_loaded"])}}
+            for layout, run in runs.items()}
 
 
 def staging_copy_s(model: str, copies: int) -> tuple[int, list[float], dict]:
@@ -225,8 +320,12 @@ def dirty_mb() -> float:
     return sum(int(line.split()[1]) for line in lines if line.startswith(("Dirty:", "Writeback:"))) / 1024
 
 
-def under_snapshot_load(folder: pathlib.Path, s3: LocalS3Server, state: dict, write: Writer, max_s: float) -> dict:
-    """``process`` blocked times (one record per ``STEP_GAP_S``) while ``write`` writes ``state`` as
+Measure = Callable[[pathlib.Path, threading.Event, Callable[[], bool]], list[float]]
+"""``(folder, ready, until)``: blocked seconds per record, as ``blocked_per_step_s`` with those arguments."""
+
+
+def under_snapshot_load(folder: pathlib.Path, state: dict, write: Writer, max_s: float, measure: Measure) -> dict:
+    """``measure``'s blocked times (one record per ``STEP_GAP_S``) while ``write`` writes ``state`` as
     snapshots over and over into ``folder / "snapshots"`` (the same disk, for a local one), until
     ``LOAD_SNAPSHOTS`` snapshots are written or ``max_s`` seconds have passed. Returns ``{"blocked":
     seconds, "snapshots": written, "bytes_per_s": the writer's throughput (over the seconds spent
@@ -257,7 +356,7 @@ def under_snapshot_load(folder: pathlib.Path, s3: LocalS3Server, state: dict, wr
                 deadline.append(time.monotonic() + max_s)
             return len(written_s) >= LOAD_SNAPSHOTS or time.monotonic() > deadline[0]
 
-        blocked = blocked_per_step_s("process", folder / "log", 1, s3, ready=measuring, until=loaded_enough, gap_s=STEP_GAP_S)
+        blocked = measure(folder / "log", measuring, loaded_enough)
     finally:
         done.set()
         measuring.set()  # threads still waiting (the log failed to start) end at once
@@ -276,10 +375,14 @@ def snapshot_load(folder: pathlib.Path, records: int, rounds: int, s3: LocalS3Se
     per_round = max(records // rounds, 1)
     quiet: list[float] = []
     runs: dict[str, list[dict]] = {name: [] for name in chosen}
+
+    def measure(log: pathlib.Path, ready: threading.Event, until: Callable[[], bool]) -> list[float]:
+        return blocked_per_step_s("process", log, 1, s3, ready=ready, until=until, gap_s=STEP_GAP_S)
+
     for r in range(rounds):
         quiet += blocked_per_step_s("process", folder / f"quiet-{r}", per_round, s3, gap_s=STEP_GAP_S)
         for i, (name, write) in enumerate(chosen.items()):
-            runs[name].append(under_snapshot_load(folder / f"load-{r}-{i}", s3, state, write, max_s))
+            runs[name].append(under_snapshot_load(folder / f"load-{r}-{i}", state, write, max_s, measure))
     return {"quiet": summarize(quiet), "writers": {name: pooled(done) for name, done in runs.items()}}
 
 
@@ -312,6 +415,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="Also the chunked writer in its own process, at normal and at idle priority (--snapshot-load).")
     ap.add_argument("--load-max-s", type=float, default=float("inf"),
                     help="Seconds a writer may take for its snapshots before its loaded run ends (--snapshot-load).")
+    ap.add_argument("--log-layouts", action="store_true",
+                    help="Also a raw record append + fsync against overwrite + fdatasync in a pre-zeroed file, quiet and "
+                         "under the chunked writer in its own process.")
     ap.add_argument("--dir", default=None, help="Folder for the logs (default: a temp folder; its disk is measured).")
     args = ap.parse_args(argv)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request lines
@@ -325,17 +431,22 @@ def main(argv: list[str] | None = None) -> dict:
         result["staging"][model] = {"state_bytes": state_bytes, **summarize(seconds)}
     with LocalS3Server() as s3, tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=f"durability-bench-{uuid.uuid4().hex[:6]}")
+        big = max(staged_states.values(), key=lambda s: sum(a.nbytes for a in s.values()))
+        state_file = pathlib.Path(tmp) / "state.safetensors"
+        if args.process_writers or args.log_layouts:
+            save_file(big, str(state_file))
         try:
             for level in LEVELS:
                 result["levels"][level] = summarize(blocked_per_step_s(level, pathlib.Path(tmp) / level, args.records, s3))
             if args.snapshot_load:
-                big = max(staged_states.values(), key=lambda s: sum(a.nbytes for a in s.values()))
                 chosen = {name: thread_writer(make) for name, make in writers(args.chunk_bytes, args.write_rate_mb_s).items()}
                 if args.process_writers:
-                    save_file(big, str(pathlib.Path(tmp) / "state.safetensors"))
-                    chosen |= process_writers(pathlib.Path(tmp) / "state.safetensors")
+                    chosen |= process_writers(state_file)
                 result["process_under_snapshot_load"] = snapshot_load(
                     pathlib.Path(tmp) / "loaded", args.records, args.load_rounds, s3, big, chosen, args.load_max_s)
+            if args.log_layouts:
+                result["log_layouts"] = log_layouts(pathlib.Path(tmp) / "layouts", args.records, args.load_rounds, big,
+                                                    process_writer(state_file, idle=False), args.load_max_s)
         finally:
             ray.shutdown()
     print_table(result)
@@ -369,6 +480,8 @@ def print_table(result: dict) -> None:
         print(f"  staging copy / level median: {ratios}")
     if load is not None:
         print_load_ratios(load, max(result["staging"].values(), key=lambda s: s["state_bytes"]))
+    if "log_layouts" in result:
+        print_log_layouts(result["log_layouts"])
 
 
 def print_load_ratios(load: dict, staging: dict) -> None:
@@ -379,6 +492,19 @@ def print_load_ratios(load: dict, staging: dict) -> None:
         print(f"{name:<34} mean under load / quiet median = {s['mean_us'] / quiet['median_us']:5.1f}x (target <= 2x), "
               f"staging copy / mean = {ratio(staging['median_us'], s['mean_us']):>6}, snapshot writes {s['write_mb_s']:.0f} MB/s, "
               f"dirty + writeback max {s['dirty_max_mb']:.0f} MB (mean {s['dirty_mean_mb']:.0f})")
+
+
+def print_log_layouts(layouts: dict) -> None:
+    """Per raw layout: quiet and loaded median / mean / p99 (us), mean under load / quiet median, and the disk's
+    ms per write and per flush (machine-wide: other processes' I/O is in it too)."""
+    print(f"raw 76-byte record, under the chunked writer in its own process {'median':>9} {'mean':>9} {'p99':>9}  (us)"
+          f"   disk ms/write  ms/flush")
+    for layout, m in layouts.items():
+        for phase in ("quiet", "loaded"):
+            s, disk = m[phase], m["disk"][phase]
+            print(f"  {layout:<36} {phase:<7} {s['median_us']:18.0f} {s['mean_us']:9.0f} {s['p99_us']:9.0f}"
+                  f"   {disk['write_ms']:13.2f} {disk['flush_ms']:9.2f}")
+        print(f"  {layout:<36} mean under load / quiet median = {m['loaded']['mean_us'] / m['quiet']['median_us']:.1f}x")
 
 
 if __name__ == "__main__":

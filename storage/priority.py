@@ -5,8 +5,8 @@ process: ``lower_to_idle`` sets all three on every thread of a process (``/proc/
 thread started later inherits them from the thread that starts it. The settings: ``SCHED_IDLE``
 (``sched(7)``: runs only when no normal thread wants the CPU, weight 3 against a nice-0 thread's 1024),
 nice 19, and the I/O class ``IOPRIO_CLASS_IDLE`` (``ioprio_set(2)``: disk time only when no one else
-wants it; honoured by the BFQ scheduler, ignored by ``none``/``mq-deadline``). An unprivileged process
-may lower these but not raise them again.
+wants it; honoured by the BFQ and, since Linux 5.14, the ``mq-deadline`` schedulers, ignored by
+``none``). An unprivileged process may lower these but not raise them again.
 
 Lower only a whole separate process, never some threads of a process whose other threads must run:
 a lowered thread that holds the GIL (or any lock) while starved stalls the threads that wait for it

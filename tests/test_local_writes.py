@@ -286,3 +286,16 @@ def test_the_benchmark_writes_snapshots_from_a_process_of_its_own_at_idle_priori
     assert written_s
     loaded = SnapshotStore(str(tmp_path / "snapshots")).load_latest()
     assert state_sha256(dict(sorted(loaded.state.items()))) == state_sha256(dict(sorted(state.items())))  # bitwise, by name
+
+
+def test_the_benchmark_s_raw_log_layouts_hold_the_same_records_one_grown_one_overwritten_in_zeros(tmp_path):
+    """``--log-layouts``: both files hold the warm-up and measured records back to back; the pre-zeroed
+    one is ``PREZERO_BYTES`` long, zeros after the records (an overwrite never grew it)."""
+    from raycheck.experiments.durability_bench import LOG_LAYOUTS, PREZERO_BYTES, WARMUP_RECORDS, raw_append_s, record
+
+    grown, prezeroed = ((tmp_path / str(i) / "raw.bin") for i in range(2))
+    for i, layout in enumerate(LOG_LAYOUTS):
+        assert len(raw_append_s(layout, tmp_path / str(i), 5)) == 5
+    expected = record(0).encode() * (WARMUP_RECORDS + 5)
+    assert grown.read_bytes() == expected
+    assert prezeroed.read_bytes() == expected + bytes(PREZERO_BYTES - len(expected))
