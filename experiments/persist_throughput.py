@@ -12,8 +12,8 @@ manifest and the index). Prints MB/s for both and the ratio ours / raw (the targ
 float32 arrays in the model's shapes) written to local storage by the encode-then-hash-then-put path that
 ``DiffStore.write_batch`` used before (``safetensors.numpy.save``, sha256 of the bytes, the chunked
 synced atomic write) and by the streaming one it uses now (``tensor_files.put``: no encoded copy, hashed
-as written), interleaved; prints seconds and the peak resident memory above the arrays (sampled every
-2 ms) for both, and the ratios new / old.
+as written), interleaved; prints seconds and the peak resident memory above the arrays (the kernel's
+high-water mark) for both, and the ratios new / old.
 
     python -m raycheck.experiments.persist_throughput --diff-batch [--repeats 2] [--dir /tmp]
 """
@@ -26,7 +26,6 @@ import os
 import hashlib
 import statistics
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -84,31 +83,24 @@ SMOLLM2_SHAPES = {"embed_tokens": (49152, 576), "norm": (576,)} | {
 
 
 class PeakRss:
-    """Peak resident set size (bytes) of this process above its size at ``__enter__``, sampled every 2 ms."""
+    """Peak resident set size (bytes) of this process above its size at ``__enter__``: the kernel's
+    high-water mark (``VmHWM``), reset at ``__enter__`` (``/proc/self/clear_refs``), so that no peak is
+    missed, even one inside a call that holds the GIL."""
 
     def __enter__(self) -> PeakRss:
-        self.base = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = self._status("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
+        self.extra = self._status("VmHWM") - self.base
+        """Bytes of the peak above the size at ``__enter__``, once exited."""
 
     @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self._rss())
+    def _status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def diff_batch(steps: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
@@ -151,8 +143,8 @@ def measure_diff_batch(directory: str | None, repeats: int) -> dict:
                 rel = f"diffs/{name}-{r}.safetensors"
                 with PeakRss() as rss:
                     t0 = time.perf_counter()
-                    split = paths[name](storage, rel, tensors, metadata)
-                    runs[name].append(split | {"total_s": time.perf_counter() - t0, "extra_rss_gb": rss.extra / 1e9})
+                    split = paths[name](storage, rel, tensors, metadata) | {"total_s": time.perf_counter() - t0}
+                runs[name].append(split | {"extra_rss_gb": rss.extra / 1e9})
                 storage.delete(rel)
     med = {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
     for name, m in med.items():
