@@ -1,7 +1,8 @@
 """One narrow storage interface over fsspec URIs: ``file://`` (or a plain path), ``s3://``, ``memory://``.
 
 Every artefact of raycheck (snapshot shards, manifests, the index, step log segments) goes through
-``Storage``: whole-object ``put``/``get``, ``list``, ``delete``. Each operation runs with a timeout
+``Storage``: whole-object ``put``/``get`` (``put_stream``: an object written piece by piece, never
+held whole in memory, hashed as it is written), ``list``, ``delete``. Each operation runs with a timeout
 and is retried with exponential backoff on transient errors (a bound, not an endless retry loop).
 
 Circuit breaker (``CircuitBreaker``): after ``max_consecutive_failures`` operations that failed in a
@@ -13,9 +14,10 @@ is used again within ``breaker_max_backoff_s`` of its return. ``Storage.breaker.
 
 Atomicity: ``put`` makes an object visible whole or not at all. Local files are written to a
 temporary name, fsynced, renamed, and the folder is fsynced; on S3 a PUT (or a completed multipart
-upload) is atomic by the protocol. A local writer killed mid-write leaves its temp file (``<name>.tmp-<8
-hex>``): ``list`` never shows it, ``temp_files`` does, and ``remove_stale_temp_files`` (run by snapshot
-retention and diff garbage collection) deletes those no writer has touched for ``TEMP_MAX_AGE_S``.
+upload) is atomic by the protocol (a streamed upload that fails is aborted). A local writer killed
+mid-write leaves its temp file (``<name>.tmp-<8 hex>``): ``list`` never shows it, ``temp_files`` does,
+and ``remove_stale_temp_files`` (run by snapshot retention and diff garbage collection) deletes those no
+writer has touched for ``TEMP_MAX_AGE_S``.
 
 Local writes and the step log's fsync: a local ``put`` writes its bytes ``write_chunk_bytes`` at a
 time and ``os.fdatasync``-s each chunk, optionally paced to ``write_rate_bytes_per_s``, so that a big
