@@ -1,7 +1,8 @@
 """One narrow storage interface over fsspec URIs: ``file://`` (or a plain path), ``s3://``, ``memory://``.
 
 Every artefact of raycheck (snapshot shards, manifests, the index, step log segments) goes through
-``Storage``: whole-object ``put``/``get``, ``list``, ``delete``. Each operation runs with a timeout
+``Storage``: whole-object ``put``/``get`` (``put_stream``: an object written piece by piece, never
+held whole in memory, hashed as it is written), ``list``, ``delete``. Each operation runs with a timeout
 and is retried with exponential backoff on transient errors (a bound, not an endless retry loop).
 
 Circuit breaker (``CircuitBreaker``): after ``max_consecutive_failures`` operations that failed in a
@@ -13,9 +14,10 @@ is used again within ``breaker_max_backoff_s`` of its return. ``Storage.breaker.
 
 Atomicity: ``put`` makes an object visible whole or not at all. Local files are written to a
 temporary name, fsynced, renamed, and the folder is fsynced; on S3 a PUT (or a completed multipart
-upload) is atomic by the protocol. A local writer killed mid-write leaves its temp file (``<name>.tmp-<8
-hex>``): ``list`` never shows it, ``temp_files`` does, and ``remove_stale_temp_files`` (run by snapshot
-retention and diff garbage collection) deletes those no writer has touched for ``TEMP_MAX_AGE_S``.
+upload) is atomic by the protocol (a streamed upload that fails is aborted). A local writer killed
+mid-write leaves its temp file (``<name>.tmp-<8 hex>``): ``list`` never shows it, ``temp_files`` does,
+and ``remove_stale_temp_files`` (run by snapshot retention and diff garbage collection) deletes those no
+writer has touched for ``TEMP_MAX_AGE_S``.
 
 Local writes and the step log's fsync: a local ``put`` writes its bytes ``write_chunk_bytes`` at a
 time and ``os.fdatasync``-s each chunk, optionally paced to ``write_rate_bytes_per_s``, so that a big
@@ -51,12 +53,12 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import fsspec
 
-from raycheck.storage.files import TEMP_MARK, atomic_write
+from raycheck.storage.files import TEMP_MARK, atomic_write_pieces
 
 log = logging.getLogger(__name__)
 
@@ -339,6 +341,37 @@ def storage_env() -> dict[str, str]:
     return {k: os.environ[k] for k in STORAGE_ENV if k in os.environ}
 
 
+class _Tally:
+    """Bytes and sha256 of the pieces that pass through ``count``."""
+
+    def __init__(self) -> None:
+        self.bytes, self.sha256 = 0, hashlib.sha256()
+
+    def count(self, pieces: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+        for piece in pieces:
+            self.sha256.update(piece)
+            self.bytes += memoryview(piece).nbytes
+            yield piece
+
+
+def _upload(f, pieces: Iterable[bytes | memoryview]) -> None:
+    """Write ``pieces`` to the S3 file ``f`` (fsspec, opened ``"wb"``: it uploads a part each time its
+    buffer reaches the block size) and close it, which completes the upload (a single PUT when it never
+    reached one block). On any error the multipart upload is aborted and ``f`` is dropped unclosed, so
+    that nothing becomes visible."""
+    try:
+        for piece in pieces:
+            f.write(piece)
+        f.close()
+    except BaseException:
+        try:
+            f.discard()
+        except Exception as exc:  # an unfinished multipart upload is never visible; S3 lifecycle rules expire it
+            log.warning("could not abort the multipart upload of %s: %s", f.path, exc)
+        f.closed = True  # close() would upload what the buffer holds
+        raise
+
+
 def _filesystem(protocol: str, options: dict, timeout_s: float):
     if protocol == "s3":
         opts = {
@@ -514,16 +547,40 @@ class Storage:
 
     # -- operations ---------------------------------------------------------------------------
     def put(self, rel: str, data: bytes) -> None:
-        """Write ``data`` as object ``rel``, atomically (see the module docstring)."""
-        self._call(f"put {self.url(rel)}", self._put, rel, data)
+        """Write ``data`` as object ``rel``, atomically (see the module docstring; ``put_stream`` of one piece).
 
-    def _put(self, rel: str, data: bytes) -> None:
-        target = self.path(rel)
-        if self.protocol != "file":
-            self.fs.pipe_file(target, data)
-            return
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        atomic_write(target, data, self.write_chunk_bytes, self._pacer)
+        Raises:
+            StorageError: as ``put_stream``.
+        """
+        self.put_stream(rel, lambda: (data,))
+
+    def put_stream(self, rel: str, pieces: Callable[[], Iterable[bytes | memoryview]]) -> tuple[int, str]:
+        """Write the concatenation of the byte strings (or contiguous buffers) that ``pieces()`` yields as
+        object ``rel``, atomically, one piece at a time: the object is never held whole in memory (local:
+        ``atomic_write_pieces``, chunked ``fdatasync`` and pacing as ``put``; S3: an upload that buffers one
+        part and completes, or is aborted, at the end; memory: joined, as memory objects are). Returns
+        ``(bytes, sha256 hex)`` of what was written, hashed as it went.
+
+        Every try calls ``pieces`` afresh (a retry restarts from the first byte), so ``pieces()`` must
+        yield the same bytes each time: a callable, never a one-shot iterator.
+
+        Raises:
+            StorageError: writing failed after retries (nothing is visible under ``rel`` that was not
+                there before); an exception of ``pieces`` is retried like a failed write.
+        """
+        return self._call(f"put {self.url(rel)}", self._put_stream, rel, pieces)
+
+    def _put_stream(self, rel: str, pieces: Callable[[], Iterable[bytes | memoryview]]) -> tuple[int, str]:
+        target, tally = self.path(rel), _Tally()
+        stream = tally.count(pieces())
+        if self.protocol == "file":
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            atomic_write_pieces(target, stream, self.write_chunk_bytes, self._pacer)
+        elif self.protocol == "memory":  # a memory object is its bytes, whole; published at once
+            self.fs.pipe_file(target, b"".join(stream))
+        else:
+            _upload(self.fs.open(target, "wb"), stream)
+        return tally.bytes, tally.sha256.hexdigest()
 
     def get(self, rel: str) -> bytes:
         """The bytes of object ``rel``. Raises ``FileNotFoundError`` when it does not exist."""
@@ -688,7 +745,7 @@ class Storage:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._compare(rel, expected)
-            self._put(rel, data)
+            self._put_stream(rel, lambda: (data,))
         finally:
             os.close(fd)  # releases the lock
 

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
+from raycheck.storage import tensor_files
 from raycheck.storage.backend import Storage
 
 log = logging.getLogger(__name__)
@@ -164,15 +164,15 @@ class DiffStore:
                 if topk_ratio:
                     tensors[key + ":values"], tensors[key + ":indices"] = topk_encode(g, topk_ratio)
                 else:
-                    tensors[key] = np.ascontiguousarray(g)
+                    tensors[key] = g  # by reference: the write streams from its memory
         encoding = "topk" if topk_ratio else "exact"
-        blob = st_save(tensors, metadata={"format": FORMAT, "first_step": str(steps[0]), "last_step": str(steps[-1]),
-                                          "encoding": encoding, "topk_ratio": repr(float(topk_ratio))})
-        del tensors
         stem = f"{self.prefix}/{steps[0]:010d}-{steps[-1]:010d}-{uuid.uuid4().hex[:8]}"
-        batch = DiffBatch(steps[0], steps[-1], stem + ".safetensors", len(blob), hashlib.sha256(blob).hexdigest(),
-                          encoding, float(topk_ratio), shapes, stem + ".commit.json")
-        self.storage.put(batch.path, blob)
+        size, sha256 = tensor_files.put(self.storage, stem + ".safetensors", tensors, metadata={
+            "format": FORMAT, "first_step": str(steps[0]), "last_step": str(steps[-1]), "encoding": encoding,
+            "topk_ratio": repr(float(topk_ratio))})  # streamed from the gradients' memory, hashed as written
+        del tensors
+        batch = DiffBatch(steps[0], steps[-1], stem + ".safetensors", size, sha256, encoding, float(topk_ratio), shapes,
+                          stem + ".commit.json")
         record = {"format": FORMAT, "first_step": batch.first_step, "last_step": batch.last_step, "path": batch.path,
                   "bytes": batch.bytes, "sha256": batch.sha256, "encoding": encoding, "topk_ratio": batch.topk_ratio,
                   "tensors": shapes, "created_unix_s": time.time()}

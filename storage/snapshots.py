@@ -49,8 +49,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from raycheck.storage.backend import TEMP_MAX_AGE_S, PreconditionFailedError, Storage, StorageError
+from raycheck.storage import tensor_files
 from raycheck.storage.tensor_files import load as st_load
-from raycheck.storage.tensor_files import save as st_save
 from raycheck.storage.manifest import (
     FOLDER,
     FORMAT_VERSION,
@@ -302,25 +302,21 @@ class SnapshotStore:
 
     def _put_units(self, folder: str, state: Mapping[str, np.ndarray], units: Mapping[str, list[str]], step: int,
                    unit_steps: Mapping[str, int]) -> dict[str, dict]:
-        """Write one safetensors shard per unit under ``folder``; returns the manifest entries."""
-        entries, in_flight = {}, []
+        """Write one safetensors shard per unit under ``folder``, ``parallel_puts`` at a time, each streamed
+        from the arrays' memory and hashed as it is written (``tensor_files.put``); returns the manifest entries."""
         with concurrent.futures.ThreadPoolExecutor(self.parallel_puts, thread_name_prefix="snapshot-put") as pool:
+            puts = {unit: pool.submit(tensor_files.put, self.storage, shard_path(folder, unit), {n: state[n] for n in names})
+                    for unit, names in units.items()}
+            entries = {}
             for unit, names in units.items():
-                blob = st_save({n: np.ascontiguousarray(state[n]) for n in names})
-                path = shard_path(folder, unit)
-                in_flight.append(pool.submit(self.storage.put, path, blob))  # hashing below overlaps the upload
+                size, sha256 = puts[unit].result()
                 entries[unit] = {
-                    "path": path,
-                    "bytes": len(blob),
-                    "sha256": hashlib.sha256(blob).hexdigest(),
+                    "path": shard_path(folder, unit),
+                    "bytes": size,
+                    "sha256": sha256,
                     "step": unit_steps.get(unit, step),
                     "tensors": {n: {"dtype": state[n].dtype.str, "shape": list(state[n].shape)} for n in names},
                 }
-                del blob
-                if len(in_flight) >= self.parallel_puts:  # bounded memory: at most parallel_puts shards in flight
-                    in_flight.pop(0).result()
-            for future in in_flight:
-                future.result()
         return entries
 
     def _commit(self, folder: str, step: int, names: list[str], config: Mapping | None,

@@ -80,18 +80,19 @@ def test_shadow_stops_at_a_gap(tmp_path, tiny_model):
 
 
 class GatedStorage(Storage):
-    """A real local ``Storage`` whose ``put`` announces itself (``entered``) and blocks until ``release``
-    is set: the persister runs the real ``SnapshotStore.write`` against it, so the fake cannot drift."""
+    """A real local ``Storage`` whose writes (``put_stream``, which every put goes through) announce
+    themselves (``entered``) and block until ``release`` is set: the persister runs the real
+    ``SnapshotStore.write`` against it, so the fake cannot drift."""
 
     def __init__(self, root) -> None:
         super().__init__(str(root))
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def put(self, rel: str, data: bytes) -> None:
+    def put_stream(self, rel, pieces):
         self.entered.set()
         if not self.release.wait(60):
             raise TimeoutError("the test never released the storage gate")
-        super().put(rel, data)
+        return super().put_stream(rel, pieces)
 
 
 def test_persister_is_bounded_and_keeps_the_newest(tmp_path):

@@ -587,7 +587,7 @@ def test_a_diff_commit_record_pointing_elsewhere_is_skipped(tmp_path):
 
 # -- 17.2 ordering contracts -----------------------------------------------------------------------
 class SpyStorage(Storage):
-    """A real ``Storage`` that records every put, conditional put and delete, in order; ``fail_put``
+    """A real ``Storage`` that records every put (streamed or not), conditional put and delete, in order; ``fail_put``
     makes a put of a path with that suffix fail."""
 
     def __init__(self, *args, fail_put: str | None = None, **kwargs) -> None:
@@ -603,8 +603,12 @@ class SpyStorage(Storage):
     def put(self, rel, data):
         if self.fail_put and rel.endswith(self.fail_put):
             raise StorageError(f"put {rel}: injected failure")
-        super().put(rel, data)
+        super().put(rel, data)  # recorded by put_stream, which every put goes through
+
+    def put_stream(self, rel, pieces):
+        written = super().put_stream(rel, pieces)
         self._record("put", rel)
+        return written
 
     def put_if_match(self, rel, data, expected):
         super().put_if_match(rel, data, expected)

@@ -125,12 +125,13 @@ from raycheck.storage.snapshots import SnapshotStore
 FIRST = threading.Lock()  # shard puts run on several threads: exactly one of them reports
 
 class StopAfterAShardOfStep2(Storage):  # the kill point is forced: a shard of step 2 is stored, no manifest
-    def put(self, rel, data):
-        super().put(rel, data)
+    def put_stream(self, rel, pieces):  # every put, shards streamed or not, goes through it
+        written = super().put_stream(rel, pieces)
         if rel.startswith("step-0000000002-") and rel.endswith(".safetensors"):
             if FIRST.acquire(blocking=False):
                 print("shard", rel, flush=True)
             threading.Event().wait()  # every shard put of step 2 blocks here until the SIGKILL
+        return written
 
 store = SnapshotStore(StopAfterAShardOfStep2(sys.argv[1], **({"endpoint_url": sys.argv[2]} if len(sys.argv) > 2 else {})))
 state = {f"model.layers.{i}.w": np.full(1000, i, dtype=np.float32) for i in range(8)}
