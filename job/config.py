@@ -709,9 +709,11 @@ class JobConfig:
 
     def snapshot_store(self) -> SnapshotStore:
         """The run's snapshot store (built fresh: safe to call in any process): it writes and restores
-        only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``."""
+        only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``; a merge
+        result only as the starting point of a run without a step log (``SnapshotStore``'s ``merge_bases``)."""
         return SnapshotStore(Storage(self.storage.uri, **self.storage.options), keep_last=self.snapshot.keep,
-                             identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch)
+                             identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch,
+                             merge_bases=not self.uses_step_log)
 
     @property
     def uses_shadow(self) -> bool:

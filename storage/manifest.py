@@ -36,7 +36,7 @@ class RunIdentityError(ValueError):
 class RunIdentity:
     """The run a snapshot belongs to: ``run_id`` and the hash of its trajectory settings
     (``job.config.JobConfig.trajectory_sha256``). Recorded in every manifest; a restore
-    takes only its own run's snapshots (and a merge result)."""
+    takes only its own run's snapshots (and a merge result it starts from: ``SnapshotStore``'s ``merge_bases``)."""
 
     run_id: str
     trajectory_sha256: str

@@ -81,6 +81,23 @@ def test_a_merge_result_is_restorable_a_snapshot_without_identity_is_not(storage
     assert run.load_latest().info.folder == merged.folder
 
 
+def test_a_merge_result_is_only_a_starting_point_and_never_a_step_log_runs_base(storage):
+    """A merge copied into a run's store after the run began (newer than its oldest own snapshot) is
+    foreign; a run with a step log never restores one (its log replays from the initial weights)."""
+    run = SnapshotStore(storage, identity=RUN_A)
+    start = SnapshotStore(storage).write(4, state(4), config={"merge": {"reference": "A"}})
+    assert run.load_latest().info.folder == start.folder  # the run's starting point
+    run.write(6, state(6))
+    copied = SnapshotStore(storage).write(8, state(8), config={"merge": {"reference": "B"}})  # another run's units
+    info, loaded, skipped = run.load_latest()  # before the fix: step 8, the copied merge
+    assert (info.step, state_sha256(loaded)) == (6, state_sha256(state(6)))
+    assert any(copied.folder in s and "after run run-a's oldest own snapshot (step 6)" in s for s in skipped)
+    assert run.load_latest(max_step=5).info.folder == start.folder  # still the starting point
+    logged = SnapshotStore(storage, identity=RUN_A, merge_bases=False)
+    with pytest.raises(NoSnapshotError, match="replays its step log from the initial weights"):
+        logged.load_latest(max_step=5)
+
+
 def test_a_persisted_shadow_image_records_the_run_identity():
     store = SnapshotStore(Storage("memory://integrity-persister"), identity=RUN_A)
     persister = SnapshotPersister(store)
