@@ -711,10 +711,10 @@ class JobConfig:
     def snapshot_store(self) -> SnapshotStore:
         """The run's snapshot store (built fresh: safe to call in any process): it writes and restores
         only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``; a merge
-        result only as the starting point of a run without a step log (``SnapshotStore``'s ``merge_bases``)."""
+        result only as the starting point of a run without a step log (``SnapshotStore``'s ``step_log``)."""
         return SnapshotStore(Storage(self.storage.uri, **self.storage.options), keep_last=self.snapshot.keep,
                              identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch,
-                             merge_bases=not self.uses_step_log)
+                             step_log=self.uses_step_log)
 
     def diff_store(self) -> DiffStore:
         """The run's differential gradient records (``differential``), in its snapshot storage: it writes

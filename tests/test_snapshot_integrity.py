@@ -93,9 +93,24 @@ def test_a_merge_result_is_only_a_starting_point_and_never_a_step_log_runs_base(
     assert (info.step, state_sha256(loaded)) == (6, state_sha256(state(6)))
     assert any(copied.folder in s and "after run run-a's oldest own snapshot (step 6)" in s for s in skipped)
     assert run.load_latest(max_step=5).info.folder == start.folder  # still the starting point
-    logged = SnapshotStore(storage, identity=RUN_A, merge_bases=False)
+    logged = SnapshotStore(storage, identity=RUN_A, step_log=True)
     with pytest.raises(NoSnapshotError, match="replays its step log from the initial weights"):
         logged.load_latest(max_step=5)
+
+
+def test_a_manifest_pointing_at_the_shard_of_an_older_step_is_never_a_step_log_runs_base(storage):
+    """A consistent lie (manifest and index sha256 rewritten): step 12's unit points at step 8's shard.
+    Claiming it is of step 12 is malformed (its shard's folder is of step 8); saying so honestly makes
+    a composite, which a run without a step log may restore (LayerCheck) but one with a step log may
+    not. Before the fix both restored step 8's tensors as step 12's."""
+    run = SnapshotStore(storage, identity=RUN_A)
+    old, new = run.write(8, state(8)), run.write(12, state(12))
+    unit = next(iter(new.manifest["units"]))
+    for claimed, skipped in ((12, "is after the step of " + old.folder), (8, "a composite (units of steps [8]")):
+        rewrite_manifest(storage, new.folder, lambda m: {**m, "units": {**m["units"], unit: {**old.manifest["units"][unit], "step": claimed}}})
+        info, _, why = SnapshotStore(storage, identity=RUN_A, step_log=True).load_latest()
+        assert info.step == 8 and any(new.folder in s and skipped in s for s in why), why
+    assert SnapshotStore(storage, identity=RUN_A).load_latest().info.folder == new.folder  # an honest composite
 
 
 def test_a_persisted_shadow_image_records_the_run_identity():
