@@ -164,7 +164,8 @@ def manifest_problems(manifest: object, folder: str) -> list[str]:
 
     Checks: format version, every key and type; ``step`` equals the folder name's step; every unit
     step is at or before it and at or before the step of the folder its shard is in; names are safe
-    and each in exactly one unit, the unit ``unit_of`` gives it; unit paths are ``<snapshot folder>/<unit>.safetensors``; ``layout_sha256`` matches the
+    and each in exactly one unit, the unit ``unit_of`` gives it; unit paths are ``<snapshot folder>/<unit>.safetensors``,
+    a folder of the manifest's own run when its name carries a run tag; ``layout_sha256`` matches the
     units' dtypes and shapes; ``run`` is null (a merge result or a store-wide writer) or an identity.
     """
     if not isinstance(manifest, dict):
@@ -205,6 +206,14 @@ def manifest_problems(manifest: object, folder: str) -> list[str]:
         problems.append("a tensor name is listed twice")
     for unit, spec in units.items():
         problems += _unit_problems(unit, spec, step)
+    if problems:
+        return problems
+    tag = RunIdentity(**run).tag if run is not None else None
+    for unit, spec in units.items():  # a shard of another run (its tag in the folder name) is not this snapshot's
+        writer = folder_writer(spec["path"].split("/")[0])
+        if writer is not None and writer[0] != tag:
+            problems.append(f"unit {unit!r}: its shard {spec['path']} is in a snapshot folder of another run (tag "
+                            f"{writer[0]}, this manifest's run has {tag})")
     if problems:
         return problems
     expected = {u: sorted(ns) for u, ns in group_by_unit(names).items()}

@@ -113,6 +113,19 @@ def test_a_manifest_pointing_at_the_shard_of_an_older_step_is_never_a_step_log_r
     assert SnapshotStore(storage, identity=RUN_A).load_latest().info.folder == new.folder  # an honest composite
 
 
+def test_a_manifest_pointing_at_a_shard_of_another_run_is_malformed(storage):
+    """A consistent lie: run A's step 12 takes one unit from run B's step-8 snapshot in the same store
+    (an honest unit step 8, like a layer-wise composite). Before the fix run A restored B's tensors."""
+    a, b = SnapshotStore(storage, identity=RUN_A), SnapshotStore(storage, identity=RUN_B)
+    theirs = b.write(8, state(80))
+    a.write(8, state(8))
+    ours = a.write(12, state(12))
+    unit = next(iter(ours.manifest["units"]))
+    rewrite_manifest(storage, ours.folder, lambda m: {**m, "units": {**m["units"], unit: theirs.manifest["units"][unit]}})
+    info, _, skipped = a.load_latest()
+    assert info.step == 8 and any(ours.folder in s and "in a snapshot folder of another run" in s for s in skipped), skipped
+
+
 def test_a_persisted_shadow_image_records_the_run_identity():
     store = SnapshotStore(Storage("memory://integrity-persister"), identity=RUN_A)
     persister = SnapshotPersister(store)
