@@ -38,7 +38,7 @@ from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.steplog import StepLogReader, StepRecord
 from raycheck.training.model import layout_sha256, parameter_layout
 from raycheck.training.state import copy_state, load_into, state_sha256
-from raycheck.training.zo import check_dtype, check_generator, dtype_name, replay_step_
+from raycheck.training.zo import check_dtype, check_generator, check_records, dtype_name, replay_step_
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class ShadowReplayer:
         if not matches:
             raise ValueError(f"{log}: log was written for another model layout ({header.get('model')})")
         check_generator(header, str(log))
+        self.run_seed, self.source = header.get("run_seed"), str(log)
         self.step = start_step
         self.hash_every = hash_every
         self.hashes: dict[int, str] = {}
@@ -115,10 +116,17 @@ class ShadowReplayer:
         return self.reader.next_step
 
     def replay_one(self) -> bool:
-        """Replay the oldest waiting record; False when none waits."""
+        """Replay the oldest waiting record; False when none waits.
+
+        Raises:
+            storage.steplog.StepLogCorruptError: the record's seed is not the step seed of the header's
+                ``run_seed`` (a record of another run: ``training.zo.check_records``); nothing is replayed.
+        """
         if not self._pending:
             return False
         rec = self._pending.pop(0)
+        if isinstance(self.run_seed, int):  # a header without one (a hand-made log) names no seed to check
+            check_records([rec], self.run_seed, self.source)
         t0 = time.perf_counter()
         replay_step_(self.params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay, first_index=self.first_index)
         self.replay_seconds += time.perf_counter() - t0

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
 from raycheck.storage.backend import Storage, local_path, node_local
+from raycheck.storage.diffs import DiffStore
 from raycheck.storage.manifest import RunIdentity
 from raycheck.storage.snapshots import SnapshotStore
 
@@ -709,9 +710,16 @@ class JobConfig:
 
     def snapshot_store(self) -> SnapshotStore:
         """The run's snapshot store (built fresh: safe to call in any process): it writes and restores
-        only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``."""
+        only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``; a merge
+        result only as the starting point of a run without a step log (``SnapshotStore``'s ``step_log``)."""
         return SnapshotStore(Storage(self.storage.uri, **self.storage.options), keep_last=self.snapshot.keep,
-                             identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch)
+                             identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch,
+                             step_log=self.uses_step_log)
+
+    def diff_store(self) -> DiffStore:
+        """The run's differential gradient records (``differential``), in its snapshot storage: it writes
+        and replays only this run's batches (identity: run id and trajectory hash)."""
+        return DiffStore(Storage(self.storage.uri, **self.storage.options), identity=RunIdentity(self.run_id, self.trajectory_sha256()))
 
     @property
     def uses_shadow(self) -> bool:

@@ -69,13 +69,13 @@ from raycheck.orchestrator.stored_config import save_config
 from raycheck.orchestrator.summary import (Collected, failed_summary, mean_step_seconds, recoveries, recovery_of_event, run_checkpoints,
                                            run_summary, write_metrics)
 from raycheck.storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
-from raycheck.storage.steplog import StepLogWriter, read_header
+from raycheck.storage.steplog import StepLogCorruptError, StepLogWriter, read_header, read_prefix
 from raycheck.storage.units import describe_units
 from raycheck.training.assets import ASSETS_KEY, Assets, read_assets, ship
 from raycheck.training.faults import PARTS, fired_before, marker
 from raycheck.training.model import is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from raycheck.training.node import this_node
-from raycheck.training.zo import GENERATOR, check_dtype, check_generator
+from raycheck.training.zo import GENERATOR, ZOHyper, check_dtype, check_generator, check_records
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,8 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
     """Convert the model once, save the configuration (``config.json``, for ``--resume``; a resumed run
     saves it again, with the options ``--resume`` took from the command line, e.g. a larger restart
     budget) and create the step log with everything replay needs in its header. An existing step log is
-    kept when its trajectory matches (a resumed run), else ``ResumeMismatchError``; one written with
+    kept when its trajectory, run id, seed and every record's seed and hyper-parameters match (a resumed
+    run; ``training.zo.check_records``), else ``ResumeMismatchError``; one written with
     another noise generator raises ``GeneratorMismatchError``, one in another parameter dtype
     ``DtypeMismatchError``; none of them touches ``config.json``."""
     cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else None
@@ -220,6 +221,14 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         if found != cfg.trajectory_sha256():
             raise ResumeMismatchError(f"{run.step_log} belongs to another trajectory ({found}); use a new --out")
         check_generator(header, str(run.step_log))
+        if (header.get("run_id"), header.get("run_seed")) != (cfg.run_id, cfg.seed):
+            raise ResumeMismatchError(f"{run.step_log} belongs to run {header.get('run_id')} (seed {header.get('run_seed')}), "
+                                      f"not to run {cfg.run_id} (seed {cfg.seed}) of {run.root / 'config.json'}; use a new --out")
+        try:
+            check_records(read_prefix(run.step_log).records, cfg.seed, str(run.step_log),
+                          ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay))
+        except StepLogCorruptError as exc:
+            raise ResumeMismatchError(str(exc)) from exc
         run.write_json(run.root / "config.json", cfg.to_dict())
         return
     run.write_json(run.root / "config.json", cfg.to_dict())

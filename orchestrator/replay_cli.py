@@ -246,9 +246,11 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
 
     Raises:
         ReplayError: ``step`` is not in the log, or only other runs' snapshots are in the store.
+        storage.steplog.StepLogCorruptError: a record to replay is not the run's (its seed is not the step
+            seed of the header's ``run_seed``: ``training.zo.check_records``).
     """
     from raycheck.training.state import load_into
-    from raycheck.training.zo import replay_records_
+    from raycheck.training.zo import check_records, replay_records_
 
     check_step(run, step)
     store, own = (None, []) if from_initial else own_snapshots(run)
@@ -263,7 +265,12 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
             break
         except SnapshotCorruptError as exc:
             skipped.append(str(exc))
-    replayed = replay_records_(params, run.records[base.step if base is not None else 0:step])
+    records = run.records[base.step if base is not None else 0:step]
+    seed = run.header.get("run_seed")
+    if not isinstance(seed, int):
+        raise ReplayError(f"{run.log_url}: the step log's header names no run seed (run_seed): not a raycheck run's log")
+    check_records(records, seed, run.log_url)
+    replayed = replay_records_(params, records)
     return Replayed(step, base, replayed, params, skipped)
 
 

@@ -21,7 +21,9 @@ Layout under a ``Storage`` (shared with the run's ``SnapshotStore``, which owns 
                                                           steps, encoding and tensor shapes
 
 Commit rules: a batch counts only when its commit record exists and names its own batch object
-(``<same stem>.safetensors``: a record pointing anywhere else is skipped), and it is trusted only
+(``<same stem>.safetensors``: a record pointing anywhere else is skipped) and, for a store with a run
+identity (``job.config.JobConfig.diff_store``), names that run (``run``: another run's batch copied
+in is skipped), and it is trusted only
 after its size and sha256 match (``read``); names are unique per attempt, so a restarted run never writes into
 what a failed attempt left. A gap or a corrupt batch never yields a wrong state: an explicit
 replay to a step raises ``DiffGapError`` / ``DiffCorruptError`` naming the steps; an open-ended
@@ -49,6 +51,7 @@ from safetensors.numpy import load as st_load
 
 from raycheck.storage import tensor_files
 from raycheck.storage.backend import Storage
+from raycheck.storage.manifest import RunIdentity
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +128,18 @@ class DiffStore:
     Args:
         storage: a ``Storage`` or a URI for one (usually the run's snapshot storage).
         prefix: folder of the records.
+        identity: the run whose records these are (``storage.manifest.RunIdentity``). With it, every
+            commit record names it and ``list`` (so ``chain``, ``replay``, ``durable_end``) takes only
+            batches that name it: a batch of another run (or one without a run) copied into the prefix
+            is skipped and named in ``skipped``. None: every batch (a store-wide tool).
     """
 
-    def __init__(self, storage: Storage | str, prefix: str = "diffs") -> None:
+    def __init__(self, storage: Storage | str, prefix: str = "diffs", identity: RunIdentity | None = None) -> None:
         self.storage = storage if isinstance(storage, Storage) else Storage(storage)
         self.prefix = prefix.strip("/")
+        self.identity = identity
         self.skipped: list[str] = []
-        """Commit records the last ``list()`` could not read, with the reason."""
+        """Commit records the last ``list()`` could not read or (with an identity) of another run, with the reason."""
 
     # -- writing ------------------------------------------------------------------------------
     def write_batch(self, records: Sequence[tuple[int, Mapping[str, np.ndarray]]], topk_ratio: float = 0.0) -> DiffBatch:
@@ -175,14 +183,15 @@ class DiffStore:
                           stem + ".commit.json")
         record = {"format": FORMAT, "first_step": batch.first_step, "last_step": batch.last_step, "path": batch.path,
                   "bytes": batch.bytes, "sha256": batch.sha256, "encoding": encoding, "topk_ratio": batch.topk_ratio,
-                  "tensors": shapes, "created_unix_s": time.time()}
+                  "tensors": shapes, "created_unix_s": time.time(),
+                  "run": self.identity.as_dict() if self.identity is not None else None}
         self.storage.put(batch.commit, json.dumps(record).encode())  # the commit point
         return batch
 
     # -- reading ------------------------------------------------------------------------------
     def list(self) -> list[DiffBatch]:
-        """Committed batches, by first step (then last step). Unreadable commit records are skipped,
-        logged and listed in ``skipped``."""
+        """Committed batches, by first step (then last step). Unreadable commit records, and with an
+        identity those of another run, are skipped, logged and listed in ``skipped``."""
         batches, self.skipped = [], []
         for path in self.storage.list(self.prefix):
             name = path.rsplit("/", 1)[-1]
@@ -195,6 +204,12 @@ class DiffStore:
                 own = path.removesuffix(".commit.json") + ".safetensors"
                 if r.get("path") != own:  # never read an object elsewhere, inside the store or not
                     raise ValueError(f"path {r.get('path')!r} is not its own batch ({own})")
+                if self.identity is not None and r.get("run") != self.identity.as_dict():
+                    run = r.get("run")
+                    who = f"run {run.get('run_id')}" if isinstance(run, dict) else "no run"
+                    self.skipped.append(f"{path}: a batch of {who}, not of run {self.identity.run_id} "
+                                        f"(trajectory {self.identity.trajectory_sha256[:12]})")
+                    continue
                 batches.append(DiffBatch(int(r["first_step"]), int(r["last_step"]), r["path"], int(r["bytes"]), r["sha256"],
                                          r["encoding"], float(r["topk_ratio"]), dict(r["tensors"]), path))
             except FileNotFoundError:

@@ -2,8 +2,8 @@
 
 Everything a manifest or an index says is checked before it is trusted (``manifest_problems``,
 ``index_entries``): a misspelt key, a wrong type, a tensor in two units, a unit newer than its
-snapshot, a step that differs from the folder name, or a path that leaves the snapshot store is a
-problem, named in one line, and the snapshot is skipped. Names and paths are refused at write time
+snapshot or than the snapshot folder that holds its shard, a step that differs from the folder name,
+or a path that leaves the snapshot store is a problem, named in one line, and the snapshot is skipped. Names and paths are refused at write time
 by the same rules (``check_name``), so nothing written can escape the store root.
 """
 
@@ -36,7 +36,7 @@ class RunIdentityError(ValueError):
 class RunIdentity:
     """The run a snapshot belongs to: ``run_id`` and the hash of its trajectory settings
     (``job.config.JobConfig.trajectory_sha256``). Recorded in every manifest; a restore
-    takes only its own run's snapshots (and a merge result)."""
+    takes only its own run's snapshots (and a merge result it starts from: ``SnapshotStore``'s ``step_log``)."""
 
     run_id: str
     trajectory_sha256: str
@@ -147,6 +147,8 @@ def _unit_problems(unit: str, spec: object, step: int) -> list[str]:
         problems.append(f"unit {unit!r}: sha256 {spec['sha256']!r} is not 64 hex digits")
     if not _is_int(spec["step"]) or spec["step"] > step:
         problems.append(f"unit {unit!r}: step {spec['step']!r} is not a step at or before the snapshot's ({step})")
+    elif FOLDER.match(folder) and spec["step"] > folder_step(folder):
+        problems.append(f"unit {unit!r}: step {spec['step']} is after the step of {folder}, the snapshot that holds its shard")
     tensors = spec["tensors"]
     if not isinstance(tensors, dict) or not tensors:
         return problems + [f"unit {unit!r}: tensors must be a non-empty object"]
@@ -161,8 +163,9 @@ def manifest_problems(manifest: object, folder: str) -> list[str]:
     """What is wrong with ``manifest`` as the manifest of snapshot ``folder`` (empty: nothing).
 
     Checks: format version, every key and type; ``step`` equals the folder name's step; every unit
-    step is at or before it; names are safe and each in exactly one unit, the unit ``unit_of``
-    gives it; unit paths are ``<snapshot folder>/<unit>.safetensors``; ``layout_sha256`` matches the
+    step is at or before it and at or before the step of the folder its shard is in; names are safe
+    and each in exactly one unit, the unit ``unit_of`` gives it; unit paths are ``<snapshot folder>/<unit>.safetensors``,
+    a folder of the manifest's own run when its name carries a run tag; ``layout_sha256`` matches the
     units' dtypes and shapes; ``run`` is null (a merge result or a store-wide writer) or an identity.
     """
     if not isinstance(manifest, dict):
@@ -203,6 +206,14 @@ def manifest_problems(manifest: object, folder: str) -> list[str]:
         problems.append("a tensor name is listed twice")
     for unit, spec in units.items():
         problems += _unit_problems(unit, spec, step)
+    if problems:
+        return problems
+    tag = RunIdentity(**run).tag if run is not None else None
+    for unit, spec in units.items():  # a shard of another run (its tag in the folder name) is not this snapshot's
+        writer = folder_writer(spec["path"].split("/")[0])
+        if writer is not None and writer[0] != tag:
+            problems.append(f"unit {unit!r}: its shard {spec['path']} is in a snapshot folder of another run (tag "
+                            f"{writer[0]}, this manifest's run has {tag})")
     if problems:
         return problems
     expected = {u: sorted(ns) for u, ns in group_by_unit(names).items()}

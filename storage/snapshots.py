@@ -134,11 +134,16 @@ class SnapshotStore:
             run's newest snapshot; without one, only empty states are refused.
         temp_max_age_s: retention deletes the temp files of interrupted local writes anywhere in the store
             once unmodified for this many seconds (``Storage.remove_stale_temp_files``).
+        step_log: with an identity, the run replays a step log onto what it restores, from the model's
+            initial weights on: then only its own whole states are on its trajectory, so a merge result
+            or a composite (a unit of an older step than the snapshot's) is skipped. False: a merge
+            result (``storage.merge``) may be restored as the run's starting point only, i.e. at or before
+            the run's oldest own snapshot (a merge copied in after the run began is foreign).
     """
 
     def __init__(self, storage: Storage | str, keep_last: int = 3, parallel_puts: int = 4, *,
                  identity: RunIdentity | None = None, epoch: int = 0, layout: list[list] | None = None,
-                 temp_max_age_s: float = TEMP_MAX_AGE_S) -> None:
+                 temp_max_age_s: float = TEMP_MAX_AGE_S, step_log: bool = False) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if parallel_puts < 1:
@@ -148,6 +153,7 @@ class SnapshotStore:
         self.parallel_puts = parallel_puts
         self.identity, self.epoch, self.layout = identity, epoch, layout
         self.temp_max_age_s = temp_max_age_s
+        self.step_log = step_log
         self.skipped: list[str] = []
         """Snapshots the last ``list()`` skipped, with the reason (malformed, altered, foreign)."""
         self._verified: dict[str, bool] = {}  # folder -> its shards verified (retention's memory, ``_verifies``)
@@ -508,15 +514,17 @@ class SnapshotStore:
         return manifest_problems(manifest, folder)
 
     def list(self) -> list[SnapshotInfo]:
-        """Committed snapshots, oldest first: with an identity this run's and merge results, else
-        every one. A snapshot whose manifest is missing, altered since its commit (sha256 in the
-        index), malformed, or lies about its step, and (with an identity) another run's, is skipped;
-        ``skipped`` names each with the reason. Never raises for what the store holds (only
-        ``storage.backend.StorageError`` when storage fails)."""
+        """Committed snapshots, oldest first: with an identity this run's and the merge results it may
+        start from (``step_log``), else every one. A snapshot whose manifest is missing, altered since
+        its commit (sha256 in the index), malformed, or lies about its step, and (with an identity)
+        another run's, is skipped; ``skipped`` names each with the reason. Never raises for what the
+        store holds (only ``storage.backend.StorageError`` when storage fails)."""
         infos: list[SnapshotInfo] = []
         foreign: list[str] = []
-        for info in self._list_all():
-            reason = self._foreign(info)
+        every = self._list_all()
+        own = [i.step for i in every if self.identity is not None and i.manifest["run"] == self.identity.as_dict()]
+        for info in every:
+            reason = self._foreign(info, min(own, default=None))
             if reason:
                 foreign.append(reason)
             else:
@@ -528,10 +536,25 @@ class SnapshotStore:
         self.skipped += foreign
         return infos
 
-    def _foreign(self, info: SnapshotInfo) -> str | None:
-        """Why ``info`` is not this run's to restore (None: it is, or a merge result, or no identity)."""
+    def _foreign(self, info: SnapshotInfo, oldest_own: int | None) -> str | None:
+        """Why ``info`` is not this run's to restore (None: it is, or a merge result it may start from,
+        or no identity); ``oldest_own``: the step of the run's oldest own snapshot (None: none)."""
         run = info.manifest["run"]
-        if self.identity is None or run == self.identity.as_dict() or (run is None and "merge" in info.manifest["config"]):
+        if self.identity is None:
+            return None
+        if run == self.identity.as_dict():
+            older = sorted({u["step"] for u in info.manifest["units"].values()} - {info.step})
+            if self.step_log and older:
+                return (f"{info.folder}: a composite (units of steps {older[:3]} in a snapshot of step {info.step}); run "
+                        f"{self.identity.run_id} replays its step log onto whole states only")
+            return None
+        if run is None and "merge" in info.manifest["config"]:
+            if self.step_log:
+                return (f"{info.folder}: a merge result; run {self.identity.run_id} replays its step log from the "
+                        "initial weights, so it restores only its own snapshots")
+            if oldest_own is not None and info.step > oldest_own:
+                return (f"{info.folder}: a merge result of step {info.step}, after run {self.identity.run_id}'s oldest "
+                        f"own snapshot (step {oldest_own}): a merge is only a run's starting point")
             return None
         who = f"foreign run {run['run_id']} (trajectory {run['trajectory_sha256'][:12]})" if run else "no run identity"
         return f"{info.folder}: {who}, not run {self.identity.run_id} (trajectory {self.identity.trajectory_sha256[:12]})"

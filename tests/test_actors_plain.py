@@ -67,6 +67,24 @@ def test_shadow_refuses_a_log_of_another_model(tmp_path, tiny_model):
         ShadowReplayer(params, tmp_path / "log")
 
 
+def test_shadow_refuses_a_record_of_another_run(tmp_path, tiny_model):
+    """A record with a valid checksum and the next step number but another seed's (spliced in from a run
+    of seed 1, e.g. in the log segments a resume from the bucket adopts) is not replayed: before the fix
+    the shadow replayed it and served the wrong image to a recovering worker."""
+    from raycheck.storage.steplog import StepLogCorruptError
+    from raycheck.training.zo import step_seed
+
+    params = trainable_parameters(tiny_model)
+    writer = StepLogWriter.create(tmp_path / "log", {**header(params), "run_seed": 0})
+    for step, seed in enumerate([0, 1]):
+        writer.append(StepRecord(step=step, seed=step_seed(seed, step), projected_grad=0.37, loss_plus=0.7, loss_minus=0.69,
+                                 lr=1e-3, eps=1e-3, weight_decay=0.0, batch_id=step))
+    shadow = ShadowReplayer(params, tmp_path / "log")
+    with pytest.raises(StepLogCorruptError, match="the record of step 1 is not this run's"):
+        shadow.catch_up()
+    assert shadow.step == 1
+
+
 def test_shadow_stops_at_a_gap(tmp_path, tiny_model):
     import os
 

@@ -289,6 +289,41 @@ def test_a_resumed_run_saves_its_new_budget_and_a_refused_one_leaves_config_json
     assert (out / "config.json").read_bytes() == before
 
 
+def test_a_resume_refuses_a_log_of_another_run_or_seed_even_with_an_edited_header(tmp_path):
+    """A step log whose header was edited to pass for this run's (another run id or seed), or whose
+    records come from another run (valid checksums, consecutive steps), is refused before anything in
+    the run directory is touched; before the fix only the header's trajectory hash was compared, and the
+    other run's records were replayed onto this run's snapshots."""
+    from raycheck.storage.steplog import StepLogWriter, StepRecord, read_header
+    from raycheck.training.zo import step_seed
+
+    out = tmp_path / "run"
+    cfg = prepared_run(out)
+    header = read_header(out / "steplog.bin")
+
+    def rewrite(header: dict, seeds: list[int]) -> None:
+        (out / "steplog.bin").unlink()
+        writer = StepLogWriter.create(out / "steplog.bin", header)
+        for step, seed in enumerate(seeds):
+            writer.append(StepRecord(step=step, seed=step_seed(seed, step), projected_grad=0.5, loss_plus=0.1, loss_minus=0.2,
+                                     lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay, batch_id=step))
+        writer.close()
+
+    rewrite(header, [0, 0, 0])
+    prepare(cfg, RunDir(out))  # this run's own log resumes
+    before = (out / "config.json").read_bytes()
+    rewrite(header, [0, 0, 1])  # step 2 spliced in from a run of seed 1
+    with pytest.raises(ResumeMismatchError, match="the record of step 2 is not this run's"):
+        prepare(cfg, RunDir(out))
+    rewrite({**header, "run_seed": 1}, [1, 1, 1])  # a seed-1 run's log, its trajectory hash edited to this run's
+    with pytest.raises(ResumeMismatchError, match=r"belongs to run resume \(seed 1\), not to run resume \(seed 0\)"):
+        prepare(cfg, RunDir(out))
+    rewrite({**header, "run_id": "other"}, [0, 0, 0])
+    with pytest.raises(ResumeMismatchError, match="belongs to run other"):
+        prepare(cfg, RunDir(out))
+    assert (out / "config.json").read_bytes() == before
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--shadow-env", "=x"], "error: --shadow-env ''='x': expected NAME=VALUE, NAME letters, digits and _ (not starting with a digit)"),
     (["--shadow-shards", "5"], "error: --shadow-shards must be in 1..4 (the model's units: embed .. norm), got 5"),

@@ -207,3 +207,23 @@ def test_write_batch_validation(tmp_path):
     assert diffs.storage.list("diffs") == []
     with pytest.raises(ValueError, match="full_every must be >= 1, got 0"):
         DiffCheckpointer(None, diffs, dict, full_every=0, batch_steps=1)
+
+
+def test_a_batch_of_another_run_copied_into_the_prefix_is_skipped_not_replayed(tmp_path):
+    """A committed batch of another run of the same model (its object and commit record copied in under
+    a plausible name) is not this run's: before the fix it was chained and replayed (a wrong state)."""
+    from raycheck.storage.manifest import RunIdentity
+
+    storage = Storage(str(tmp_path / "store"))
+    run_a = RunIdentity("run-a", "a" * 64)
+    ours, theirs = DiffStore(storage, identity=run_a), DiffStore(storage, identity=RunIdentity("run-b", "a" * 64))
+    grads = [(step, {"w": np.full((2, 2), step, np.float32)}) for step in range(4)]
+    ours.write_batch(grads[:2])
+    theirs.write_batch(grads[2:])  # steps 2-3: exactly where run A's records end
+    anonymous = DiffStore(storage).write_batch(grads[2:])  # a batch written without a run
+    applied = []
+    result = ours.replay(0, applied.append)
+    assert (result.replayed_steps, result.end_step, len(applied)) == (2, 2, 2)
+    assert len(ours.skipped) == 2 and any("a batch of run run-b, not of run run-a" in s for s in ours.skipped)
+    assert any(anonymous.commit in s and "a batch of no run" in s for s in ours.skipped)
+    assert ours.durable_end(0) == 2 and DiffStore(storage).durable_end(0) == 4  # a store-wide tool sees every batch

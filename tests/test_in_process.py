@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from raycheck.job.config import JobConfig
-from raycheck.storage.steplog import StepLogWriter, StepRecord
+from raycheck.storage.steplog import StepLogCorruptError, StepLogWriter, StepRecord
 from raycheck.training.faults import InjectedWorkerFailure
 from raycheck.training.in_process import StepFailure, decide
 from raycheck.training.model import layout_sha256, parameter_layout
 from raycheck.training.recovery import restore
 from raycheck.training.state import state_sha256
-from raycheck.training.zo import GENERATOR
+from raycheck.training.zo import GENERATOR, step_seed
 
 
 def failure(**kw) -> StepFailure:
@@ -56,10 +56,11 @@ def test_restore_of_perturbed_weights_without_a_snapshot_starts_from_the_initial
     log = tmp_path / "steplog.bin"
     writer = StepLogWriter.create(log, {"layout_sha256": layout_sha256(parameter_layout(_initial())), "generator": GENERATOR})
     for step in range(3):
-        writer.append(StepRecord(step=step, seed=11 + step, projected_grad=0.25 * (step + 1), loss_plus=1.0, loss_minus=0.9,
-                                 lr=1e-2, eps=1e-3, weight_decay=0.1, batch_id=step))
+        writer.append(StepRecord(step=step, seed=step_seed(0, step), projected_grad=0.25 * (step + 1), loss_plus=1.0,
+                                 loss_minus=0.9, lr=1e-2, eps=1e-3, weight_decay=0.1, batch_id=step))
     writer.close()
-    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", strategy="log-only")
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", strategy="log-only",
+                    zo={"lr": 1e-2}, weight_decay=0.1)
 
     fresh = _initial()
     cold = restore(fresh, cfg, log, 3)
@@ -71,3 +72,18 @@ def test_restore_of_perturbed_weights_without_a_snapshot_starts_from_the_initial
     stale = OrderedDict((n, t + 1e-3) for n, t in _initial().items())
     restore(stale, cfg, log, 3)  # without ``initial`` the perturbed weights would be taken for the initial ones
     assert state_sha256(stale) != state_sha256(fresh)
+
+
+def test_restore_refuses_a_logged_record_of_another_run(tmp_path):
+    """A record with a valid checksum and the right step number, but another run's seed (spliced in from
+    the log of a run of seed 1), is refused: before the fix the restore replayed it (a wrong state)."""
+    log = tmp_path / "steplog.bin"
+    writer = StepLogWriter.create(log, {"layout_sha256": layout_sha256(parameter_layout(_initial())), "generator": GENERATOR})
+    for step, seed in enumerate([0, 0, 1]):
+        writer.append(StepRecord(step=step, seed=step_seed(seed, step), projected_grad=0.25, loss_plus=1.0, loss_minus=0.9,
+                                 lr=1e-6, eps=1e-3, weight_decay=0.0, batch_id=step))
+    writer.close()
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", strategy="log-only")
+    assert restore(_initial(), cfg, log, 2)["replayed_steps"] == 2  # this run's records
+    with pytest.raises(StepLogCorruptError, match=r"the step log \(local\): the record of step 2 is not this run's"):
+        restore(_initial(), cfg, log, 3)

@@ -8,6 +8,7 @@ the replay must reproduce.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, read_log
 from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
 from raycheck.training.state import copy_state, state_sha256
 from raycheck.training.worker import timed_append, zo_step_
-from raycheck.training.zo import ZOHyper
+from raycheck.training.zo import ZOHyper, step_seed
 
 STEPS, SNAPSHOT_STEP = 6, 3
 
@@ -183,6 +184,15 @@ def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_
     start = len(data) - STEPS * RECORD_BYTES
     (gap / "steplog.bin").write_bytes(data[:start + 2 * RECORD_BYTES] + data[start + 3 * RECORD_BYTES:])  # step 2 gone
     cases.append((replay(gap, "--step", 3), 1, "is step 3, expected step 2; steps 2..2 are missing"))
+
+    spliced = _copy_run(run, tmp_path / "spliced")  # step 4's record from a run of seed 1: valid checksum, right step
+    header, records, _ = read_log(spliced / "steplog.bin")
+    (spliced / "steplog.bin").unlink()
+    writer = StepLogWriter.create(spliced / "steplog.bin", header)
+    for rec in records:
+        writer.append(dataclasses.replace(rec, seed=step_seed(1, 4)) if rec.step == 4 else rec)
+    writer.close()
+    cases.append((replay(spliced, "--step", 5), 1, "the record of step 4 is not this run's"))  # before the fix: a wrong sha256
 
     foreign = _copy_run(run, tmp_path / "foreign")
     shutil.rmtree(foreign / "snapshots")

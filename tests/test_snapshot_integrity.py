@@ -81,6 +81,51 @@ def test_a_merge_result_is_restorable_a_snapshot_without_identity_is_not(storage
     assert run.load_latest().info.folder == merged.folder
 
 
+def test_a_merge_result_is_only_a_starting_point_and_never_a_step_log_runs_base(storage):
+    """A merge copied into a run's store after the run began (newer than its oldest own snapshot) is
+    foreign; a run with a step log never restores one (its log replays from the initial weights)."""
+    run = SnapshotStore(storage, identity=RUN_A)
+    start = SnapshotStore(storage).write(4, state(4), config={"merge": {"reference": "A"}})
+    assert run.load_latest().info.folder == start.folder  # the run's starting point
+    run.write(6, state(6))
+    copied = SnapshotStore(storage).write(8, state(8), config={"merge": {"reference": "B"}})  # another run's units
+    info, loaded, skipped = run.load_latest()  # before the fix: step 8, the copied merge
+    assert (info.step, state_sha256(loaded)) == (6, state_sha256(state(6)))
+    assert any(copied.folder in s and "after run run-a's oldest own snapshot (step 6)" in s for s in skipped)
+    assert run.load_latest(max_step=5).info.folder == start.folder  # still the starting point
+    logged = SnapshotStore(storage, identity=RUN_A, step_log=True)
+    with pytest.raises(NoSnapshotError, match="replays its step log from the initial weights"):
+        logged.load_latest(max_step=5)
+
+
+def test_a_manifest_pointing_at_the_shard_of_an_older_step_is_never_a_step_log_runs_base(storage):
+    """A consistent lie (manifest and index sha256 rewritten): step 12's unit points at step 8's shard.
+    Claiming it is of step 12 is malformed (its shard's folder is of step 8); saying so honestly makes
+    a composite, which a run without a step log may restore (LayerCheck) but one with a step log may
+    not. Before the fix both restored step 8's tensors as step 12's."""
+    run = SnapshotStore(storage, identity=RUN_A)
+    old, new = run.write(8, state(8)), run.write(12, state(12))
+    unit = next(iter(new.manifest["units"]))
+    for claimed, skipped in ((12, "is after the step of " + old.folder), (8, "a composite (units of steps [8]")):
+        rewrite_manifest(storage, new.folder, lambda m: {**m, "units": {**m["units"], unit: {**old.manifest["units"][unit], "step": claimed}}})
+        info, _, why = SnapshotStore(storage, identity=RUN_A, step_log=True).load_latest()
+        assert info.step == 8 and any(new.folder in s and skipped in s for s in why), why
+    assert SnapshotStore(storage, identity=RUN_A).load_latest().info.folder == new.folder  # an honest composite
+
+
+def test_a_manifest_pointing_at_a_shard_of_another_run_is_malformed(storage):
+    """A consistent lie: run A's step 12 takes one unit from run B's step-8 snapshot in the same store
+    (an honest unit step 8, like a layer-wise composite). Before the fix run A restored B's tensors."""
+    a, b = SnapshotStore(storage, identity=RUN_A), SnapshotStore(storage, identity=RUN_B)
+    theirs = b.write(8, state(80))
+    a.write(8, state(8))
+    ours = a.write(12, state(12))
+    unit = next(iter(ours.manifest["units"]))
+    rewrite_manifest(storage, ours.folder, lambda m: {**m, "units": {**m["units"], unit: theirs.manifest["units"][unit]}})
+    info, _, skipped = a.load_latest()
+    assert info.step == 8 and any(ours.folder in s and "in a snapshot folder of another run" in s for s in skipped), skipped
+
+
 def test_a_persisted_shadow_image_records_the_run_identity():
     store = SnapshotStore(Storage("memory://integrity-persister"), identity=RUN_A)
     persister = SnapshotPersister(store)

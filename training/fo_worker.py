@@ -28,7 +28,6 @@ import time
 
 from raycheck.job.config import JobConfig
 from raycheck.policies.strategies import FULL_STATE, RunStrategy
-from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.training import sharded as sharded_fo
 from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
@@ -52,7 +51,7 @@ def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Ch
         return OverlappedCheckpointer(store, cfg.snapshot.every_steps, cfg.overlapped.chunks, trainer.hyper, trainer.applied_gradients, config)
     if cfg.strategy == RunStrategy.LAYERWISE:
         return LayerwiseCheckpointer(store, cfg.snapshot.every_steps, cfg.layerwise, config)
-    return DiffCheckpointer(store, DiffStore(store.storage), trainer.applied_gradients, cfg.differential.full_every_steps,
+    return DiffCheckpointer(store, cfg.diff_store(), trainer.applied_gradients, cfg.differential.full_every_steps,
                             cfg.differential.batch_steps, cfg.differential.topk, config)
 
 
@@ -61,7 +60,7 @@ def durable_steps(cfg: JobConfig) -> int:
     gradient records after it for ``differential``."""
     store = cfg.snapshot_store()
     base = max((i.step for i in store.list()), default=0)
-    return DiffStore(store.storage).durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
+    return cfg.diff_store().durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
 
 
 def restore_first_order(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
@@ -72,7 +71,7 @@ def restore_first_order(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore
     result = from_storage(trainer.state_view(), cfg, None, None)
     if cfg.strategy == RunStrategy.DIFFERENTIAL:
         t1 = time.perf_counter()
-        replay = DiffStore(store.storage).replay(result["base_step"], trainer.replay_gradients)
+        replay = cfg.diff_store().replay(result["base_step"], trainer.replay_gradients)
         result.update(replayed_steps=replay.replayed_steps, replay_seconds=time.perf_counter() - t1, exact=replay.exact)
         if replay.stopped:
             result["skipped"] = [*result["skipped"], replay.stopped]

@@ -31,7 +31,7 @@ from raycheck.storage.manifest import layout_of
 from raycheck.storage.snapshots import NoSnapshotError
 from raycheck.storage.steplog import StepLogGapError, StepRecord, read_header, read_records
 from raycheck.training.state import load_into
-from raycheck.training.zo import check_dtype, check_generator, replay_records_
+from raycheck.training.zo import ZOHyper, check_dtype, check_generator, check_records, replay_records_
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
         GeneratorMismatchError: the log's header names another noise generator (or none).
         DtypeMismatchError: the log's header names another parameter dtype than ``cfg.dtype``.
         StepLogGapError: no copy of the log holds ``log_end`` steps.
+        StepLogCorruptError: a record to replay is not this run's (``training.zo.check_records``).
     """
     t0 = time.perf_counter()
     try:
@@ -119,6 +120,7 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
         if header is not None:  # None: no log written yet, nothing to replay or check
             check_generator(header, f"the step log ({result['log_source']})")
             check_dtype(header, cfg.dtype, f"the step log ({result['log_source']})")
+        check_records(records, cfg.seed, f"the step log ({result['log_source']})", ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay))
         result["replayed_steps"] = replay_records_(params, records)
     return {**result, "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 

@@ -101,6 +101,7 @@ from dataclasses import dataclass
 import torch
 
 from raycheck.job.config import DTYPE_NAMES
+from raycheck.storage.steplog import StepLogCorruptError
 from raycheck.training import noise as noise_gen
 
 GENERATOR = noise_gen.GENERATOR
@@ -271,6 +272,25 @@ def replay_step_(
         perturb_(p, z, -2 * eps)
         perturb_(p, z, eps)
         update_(p, z, projected_grad, lr, weight_decay if decays(name, p) else 0.0)
+
+
+def check_records(records: Iterable, run_seed: int, source: str, hyper: ZOHyper | None = None) -> None:
+    """Refuse step log records that are not this run's: each record's ``seed`` must be
+    ``step_seed(run_seed, step)`` and, with ``hyper``, its ``lr``, ``eps`` and ``weight_decay`` those of
+    ``hyper``. A record of another run (a log of another seed whose header was edited, records spliced
+    in from another run's log) has a valid checksum and the right step number, so neither the log's
+    checksums nor its gap check see it; replaying it would build another run's state.
+
+    Raises:
+        storage.steplog.StepLogCorruptError: the first record that is not this run's (``source`` names the log).
+    """
+    for rec in records:
+        want = (step_seed(run_seed, rec.step),) + ((hyper.lr, hyper.eps, hyper.weight_decay) if hyper else ())
+        got = (rec.seed, rec.lr, rec.eps, rec.weight_decay)[:len(want)]
+        if got != want:
+            raise StepLogCorruptError(
+                f"{source}: the record of step {rec.step} is not this run's (seed, lr, eps, weight decay "
+                f"{got}, expected {want} for run seed {run_seed}): a record of another run; the log cannot be replayed")
 
 
 def replay_records_(params: Mapping[str, torch.Tensor], records: Iterable) -> int:
