@@ -209,6 +209,23 @@ def test_write_batch_validation(tmp_path):
         DiffCheckpointer(None, diffs, dict, full_every=0, batch_steps=1)
 
 
+def test_a_resumed_checkpointer_counts_the_full_interval_from_the_chain_s_base(encoder, data, tmp_path, reference):
+    """A worker restored at step 6 from the initial state plus 6 records (no full checkpoint yet, full
+    every 8) takes its full checkpoint at step 8, 8 steps after the chain's base, not at 14: counted
+    from the restore, failures every 6 steps would never see one and replay ever longer chains."""
+    snapshots, diffs, _ = run_with_diffs(encoder, data, tmp_path, 6, close=False, full_every=8, batch_steps=2)
+    trainer, base, result = recover(encoder, snapshots, diffs)
+    assert (base, result.end_step) == (0, 6) and state_sha256(trainer.state_view()) == reference[6]
+    ckpt = DiffCheckpointer(snapshots, diffs, trainer.applied_gradients, full_every=8, batch_steps=2)
+    ckpt.resume(base)
+    train(trainer, data[0], 6, 10, after=lambda done: ckpt.after_step(done, trainer.state_view))
+    ckpt.close(60)
+    assert [i.step for i in snapshots.list()] == [8]
+    trainer, base, result = recover(encoder, snapshots, diffs)
+    assert (base, result.replayed_steps, result.end_step) == (8, 2, 10)
+    assert state_sha256(trainer.state_view()) == reference[10]
+
+
 def test_a_batch_of_another_run_copied_into_the_prefix_is_skipped_not_replayed(tmp_path):
     """A committed batch of another run of the same model (its object and commit record copied in under
     a plausible name) is not this run's: before the fix it was chained and replayed (a wrong state)."""

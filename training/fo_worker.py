@@ -101,6 +101,8 @@ def train_loop_per_worker(config: dict) -> None:
         result = sharded_fo.restore_sharded(trainer, cfg, group) if group is not None else restore_first_order(trainer, cfg, store)
         if isinstance(ckpt, LayerwiseCheckpointer) and result["source"] == "storage":
             ckpt.resume(next(i for i in reversed(store.list()) if i.step == result["base_step"]), trainer.state_view())
+        if isinstance(ckpt, DiffCheckpointer):
+            ckpt.resume(result["base_step"])  # the next full checkpoint bounds the chain this restore replayed
     accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None
     start = record_start(env, result, accuracy)
 
