@@ -22,7 +22,7 @@ from raycheck.orchestrator.merge_cli import merge
 from raycheck.orchestrator.policy_cli import parse_duration, policy
 from raycheck.orchestrator.replay_cli import replay
 from raycheck.orchestrator.schedule import parse_schedule
-from raycheck.orchestrator.driver_lock import LOCK_NAME, RunDirectoryBusyError, driver_lock
+from raycheck.orchestrator.driver_lock import LOCK_NAME, RunDirectoryError, driver_lock
 from raycheck.orchestrator.storage_cli import inspect, verify
 from raycheck.orchestrator.stored_config import StoredConfigError, load_config
 from raycheck.policies.costs import InfeasibleError
@@ -487,7 +487,7 @@ def run(
                 summary = compare_with_reference(cfg, finished, echo=typer.echo, assets=assets)
             else:
                 summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
-    except RunDirectoryBusyError as exc:
+    except RunDirectoryError as exc:
         raise _refuse(str(exc)) from exc
     except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched
         raise _refuse(str(exc)) from exc

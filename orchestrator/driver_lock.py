@@ -27,8 +27,17 @@ from collections.abc import Iterator
 LOCK_NAME = ".driver.lock"
 
 
-class RunDirectoryBusyError(RuntimeError):
+class RunDirectoryError(RuntimeError):
+    """This driver cannot use the run directory (a subclass says why)."""
+
+
+class RunDirectoryBusyError(RunDirectoryError):
     """Another live driver holds the run directory's lock."""
+
+
+class RunDirectoryUnusableError(RunDirectoryError):
+    """The run directory cannot be created or its lock file cannot be written (e.g. a parent is a
+    file, or the filesystem is read-only)."""
 
 
 @contextlib.contextmanager
@@ -39,12 +48,16 @@ def driver_lock(out: pathlib.Path) -> Iterator[None]:
 
     Raises:
         RunDirectoryBusyError: another process holds the lock; the message names it.
+        RunDirectoryUnusableError: ``out`` cannot be created, or the lock file cannot be opened.
     """
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_NAME
     try:
+        out.mkdir(parents=True, exist_ok=True)
         fd = _acquire(path)
+    except OSError as exc:
+        raise RunDirectoryUnusableError(f"--out {out} cannot be used as a run directory: {exc.strerror or exc}") from exc
+    try:
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())

@@ -6,7 +6,7 @@ import contextlib
 import datetime
 import logging
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 import typer
@@ -15,6 +15,7 @@ from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.summary import metric_coverage, missing_steps_line
 from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_path
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
+from raycheck.storage.diffs import DiffCorruptError, DiffStore
 from raycheck.storage.log_segments import PREFIX, read_segments
 from raycheck.storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import StepLogError, read_log
@@ -129,15 +130,16 @@ def _run_of(info: SnapshotInfo) -> str:
 
 
 @contextlib.contextmanager
-def _skips_not_logged() -> Iterator[None]:
-    """Drop ``SnapshotStore.list``'s log lines about the snapshots it skipped, for listings whose
-    skips are reported otherwise: inspect and verify print each one, and ``open_store``'s check
-    leaves them to the listing that follows it (else each would be printed once per listing)."""
+def _skips_not_logged(lister: Callable = SnapshotStore.list) -> Iterator[None]:
+    """Drop ``lister``'s log lines about what it skipped (``SnapshotStore.list``: snapshots;
+    ``DiffStore.list``: diff batches), for listings whose skips are reported otherwise: inspect and
+    verify print each one, and ``open_store``'s check leaves them to the listing that follows it (else
+    each would be printed once per listing)."""
 
     def not_from_list(record: logging.LogRecord) -> bool:
-        return record.funcName != SnapshotStore.list.__name__
+        return record.funcName != lister.__name__
 
-    logger = logging.getLogger(SnapshotStore.__module__)
+    logger = logging.getLogger(lister.__module__)
     logger.addFilter(not_from_list)
     try:
         yield
@@ -157,6 +159,26 @@ def _unindexed_line(folders: list[str]) -> str:
             f"{'them' if n > 1 else 'it'}): {', '.join(folders)}")
 
 
+def _diff_lines(storage: Storage, rehash: bool) -> tuple[list[str], int]:
+    """Lines for a differential run's gradient records (``storage.diffs.DiffStore``, under ``diffs/``)
+    and the number of problems: each commit record that cannot be read and, with ``rehash``, each
+    batch whose object is missing, truncated or altered (read whole and checked against its commit
+    record's size and sha256 by ``DiffStore.read``). No lines when the store holds no batch."""
+    diffs = DiffStore(storage)
+    with _skips_not_logged(DiffStore.list):
+        batches = diffs.list()
+    problems = list(diffs.skipped)
+    for batch in batches if rehash else []:
+        try:
+            diffs.read(batch)
+        except DiffCorruptError as exc:
+            problems.append(str(exc))
+    lines = [f"{'BAD' if problems else 'ok '}  diff batches in {storage.url(diffs.prefix)}: {len(batches)} committed, "
+             f"steps {batches[0].first_step}..{max(b.last_step for b in batches)}, {sum(b.bytes for b in batches):,} bytes"
+             + (" (re-hashed)" if rehash else "")] if batches else []
+    return lines + [f"       {p}" for p in problems], len(problems)
+
+
 def _temp_lines(temps: list[TempFile]) -> list[str]:
     """``inspect``'s lines for the temp files of interrupted (or ongoing) local writes: their count and
     bytes, then each one's path, size and age; none when there are none."""
@@ -173,7 +195,8 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
     folder) are listed after the snapshots, then the temp files that killed writes left in the store
     (count, bytes, each one's path; ``storage.backend.Storage.temp_files``), and the steps of a run
-    directory's step log without a row in its metrics.jsonl (lost across an interrupt).
+    directory's step log without a row in its metrics.jsonl (lost across an interrupt); a differential
+    run's diff batches (count, steps, bytes; unreadable commit records are problems).
 
     Exit codes: 0 when nothing listed is damaged; 1 (after the listing, with a count of problems)
     when a snapshot was skipped (missing, altered or malformed manifest, malformed index), a folder
@@ -202,17 +225,20 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
         for folder in unindexed:
             typer.echo(f"  not indexed: {folder}")
     log_lines, log_problems = _log_lines(uri, main.storage)
-    for line in _temp_lines(main.storage.temp_files()) + log_lines + _metrics_lines(uri):
+    diff_lines, diff_problems = _diff_lines(main.storage, rehash=False)
+    for line in _temp_lines(main.storage.temp_files()) + diff_lines + log_lines + _metrics_lines(uri):
         typer.echo(line)
-    if problems + log_problems:
-        typer.echo(f"{problems + log_problems} problem(s) found", err=True)
+    problems += log_problems + diff_problems
+    if problems:
+        typer.echo(f"{problems} problem(s) found", err=True)
         raise typer.Exit(1)
 
 
 def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """Re-hash every shard of every committed snapshot, every file of an fsdp2 run's sharded
-    checkpoints, and the mirrored step log; exit 1 naming each bad one, and the snapshot folders with a
-    manifest that the index does not list."""
+    checkpoints, every diff batch of a differential run (against its commit record) and the mirrored
+    step log; exit 1 naming each bad one, and the snapshot folders with a manifest that the index does
+    not list."""
     main = open_store(uri, s3_endpoint)
     bad, verified = [], 0
     for store in _stores(main):
@@ -232,12 +258,13 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
             typer.echo(f"BAD  {_unindexed_line(unindexed)}")
             bad += unindexed
     lines, log_problems = _log_lines(uri, main.storage)
-    for line in lines:
+    diff_lines, diff_problems = _diff_lines(main.storage, rehash=True)
+    for line in diff_lines + lines:
         typer.echo(line)
-    if not verified and not bad:
+    if not verified and not bad and not diff_lines:
         typer.echo(f"no committed snapshots in {main.storage.url()}", err=True)
         raise typer.Exit(2)
-    if bad or log_problems:
-        typer.echo(f"{len(bad) + log_problems} problem(s) found", err=True)
+    if bad or log_problems or diff_problems:
+        typer.echo(f"{len(bad) + log_problems + diff_problems} problem(s) found", err=True)
         raise typer.Exit(1)
-    typer.echo(f"all {verified} snapshot(s) verified")
+    typer.echo(f"all {verified} snapshot(s) verified" + (", and the diff batches" if diff_lines else ""))

@@ -243,6 +243,16 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
     assert out.read_text() == "log"
 
 
+def test_an_out_under_a_file_is_refused_in_one_line(tmp_path):
+    """A fresh user's ``--out FILE/run`` gave a NotADirectoryError traceback (from the driver lock's mkdir)."""
+    parent = tmp_path / "a.log"
+    parent.write_text("log")
+    result = run_into(parent / "run")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [f"error: --out {parent / 'run'} cannot be used as a run directory: Not a directory"]
+    assert parent.read_text() == "log"
+
+
 def test_resume_takes_the_restart_budgets_given_on_the_command_line_and_warns_about_the_rest(tmp_path):
     """The restart budgets are not part of the trajectory: given with ``--resume`` they replace the
     saved ones (a notice each); any other option given is named in one warning line and ignored."""

@@ -13,6 +13,7 @@ from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cli import app
 from raycheck.storage.backend import Storage, StorageCredentialsError
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
+from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import MANIFEST, SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, StepRecord
 
@@ -190,6 +191,29 @@ def test_inspect_and_verify_see_an_fsdp2_runs_sharded_checkpoints_and_name_a_dam
     assert f"ok   step        3  {SUBFOLDER}/{saved[0].folder}" in result.output
     assert f"BAD  step        6  {SUBFOLDER}/{saved[1].folder}" in result.output
     assert "__0_0.distcp" in result.output and "1 problem(s) found" in result.output
+
+
+def test_verify_rehashes_a_differential_runs_diff_batches_and_names_a_corrupt_one(tmp_path):
+    """A fresh user flipped 4 bytes in a diff batch and verify said "all verified" (exit 0): the
+    batches a differential restore replays were not checked. Now verify re-hashes each against its
+    commit record and inspect lists them (without re-hashing)."""
+    make_run(tmp_path)
+    diffs = DiffStore(str(tmp_path / "snapshots"))
+    batches = [diffs.write_batch([(s, {"w": np.full((64,), s, np.float32)}) for s in (first, first + 1)]) for first in (4, 6)]
+    listed = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert f"ok   diff batches in {diffs.storage.url('diffs')}: 2 committed, steps 4..7, {sum(b.bytes for b in batches):,} bytes" in listed.output
+    assert CliRunner().invoke(app, ["verify", str(tmp_path)]).output.endswith("all 2 snapshot(s) verified, and the diff batches\n")
+    damaged = tmp_path / "snapshots" / batches[1].path
+    blob = bytearray(damaged.read_bytes())
+    blob[-8:-4] = b"\xff\xff\xff\xff"
+    damaged.write_bytes(bytes(blob))
+    assert CliRunner().invoke(app, ["inspect", str(tmp_path)]).exit_code == 0  # inspect does not re-hash
+    result = CliRunner().invoke(app, ["verify", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "BAD  diff batches" in result.output and "1 problem(s) found" in result.output
+    assert "diff batch of steps 6-7" in result.output and "sha256 differs from the commit record" in result.output
+    assert damaged.read_bytes() == bytes(blob)  # read only
 
 
 def test_an_unreachable_endpoint_is_named_not_read_as_a_missing_bucket(monkeypatch):
