@@ -543,8 +543,11 @@ class SnapshotStore:
         if self.identity is None:
             return None
         if run == self.identity.as_dict():
-            older = sorted({u["step"] for u in info.manifest["units"].values()} - {info.step})
-            if self.step_log and older:
+            if not self.step_log:
+                return None
+            # a sharded checkpoint's units (DCP files, storage.dcp_store) are all of its one step
+            older = sorted({u.get("step", info.step) for u in info.manifest["units"].values()} - {info.step})
+            if older:
                 return (f"{info.folder}: a composite (units of steps {older[:3]} in a snapshot of step {info.step}); run "
                         f"{self.identity.run_id} replays its step log onto whole states only")
             return None
