@@ -28,11 +28,15 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
     """The store at ``uri`` (a run directory means its ``snapshots/``); exits 2 with one clear error
     when it cannot be used: a missing folder or bucket, an unreadable store, or, with ``create`` (a
     store to write), one that fails a write probe (``Storage.probe``, which leaves nothing behind).
-    Only ``create`` makes a missing local folder."""
+    Only ``create`` makes a missing local folder. A local path that is a file (a run's summary.json,
+    a shard) is named as one, with what is expected instead."""
     folder = local_path(uri)
     if folder is not None and (folder / "snapshots").is_dir():
         uri = str(folder / "snapshots")  # a run directory
     try:
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file, not a folder: give a run directory (the --out of raycheck run), "
+                                     "a snapshot store's folder (a path or file://PATH) or s3://BUCKET/PREFIX")
         options: dict[str, Any] = {"endpoint_url": s3_endpoint} if s3_endpoint else {}
         store = SnapshotStore(Storage(uri, create=create, **options))
         store.storage.check_bucket()  # the endpoint, then the bucket

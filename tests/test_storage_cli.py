@@ -103,6 +103,20 @@ def test_missing_paths_and_files_are_refused_and_never_created(tmp_path):
     assert not (tmp_path / "absent").exists()
 
 
+def test_a_file_given_for_a_store_is_named_as_a_file_with_what_is_expected(tmp_path):
+    """A fresh user gave a run's summary.json, then a shard, and read "no such folder"."""
+    store, infos = make_run(tmp_path)
+    RunDir.write_json(tmp_path / "summary.json", {"ok": True})
+    shard = tmp_path / "snapshots" / next(iter(infos[0].manifest["units"].values()))["path"]
+    for target in (tmp_path / "summary.json", shard):
+        for command in (["inspect"], ["verify"], ["replay", "--step", "1"]):
+            result = CliRunner().invoke(app, [command[0], str(target), *command[1:]])
+            assert result.exit_code == 2, result.output
+            assert result.output.strip() == (f"error: cannot read snapshot store {target}: {target} is a file, not a folder: "
+                                             "give a run directory (the --out of raycheck run), a snapshot store's folder "
+                                             "(a path or file://PATH) or s3://BUCKET/PREFIX")
+
+
 def test_inspect_prints_each_snapshots_step_size_units_and_unit_steps(tmp_path):
     store = SnapshotStore(str(tmp_path / "snapshots"))
     state = {"model.embed_tokens.weight": np.zeros((6, 4), np.float32), "model.layers.0.w": np.ones(8, np.float32),
