@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 
 from raycheck.job.config import OldConfigError, refuse_flat
-from raycheck.orchestrator.storage_cli import EndpointOpt, open_store
+from raycheck.orchestrator.storage_cli import EndpointOpt, open_store, unlogged_kind, unlogged_run
 from raycheck.storage.backend import Storage, local_path
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import RunIdentity, layout_of
@@ -103,16 +103,10 @@ def _refuse_unlogged(run_dir: pathlib.Path) -> None:
     """Raise ``ReplayError`` when the run in ``run_dir`` logs no steps by design (its ``config.json``:
     ``JobConfig.uses_step_log`` is false, e.g. every ``--algo fo`` run), so its empty step log has
     nothing to replay; return when there is no readable configuration (the log speaks for itself)."""
-    from raycheck.job.config import JobConfig
-
-    try:
-        cfg = JobConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError is a ValueError
+    cfg = unlogged_run(run_dir)
+    if cfg is None:
         return
-    if cfg.uses_step_log:
-        return
-    kind = "first-order runs (--algo fo) log" if cfg.algo == "fo" else f"--strategy {cfg.strategy} logs"
-    raise ReplayError(f"{run_dir} is an --algo {cfg.algo} --strategy {cfg.strategy} run: {kind} no steps, so there is no "
+    raise ReplayError(f"{run_dir} is an --algo {cfg.algo} --strategy {cfg.strategy} run: {unlogged_kind(cfg)} no steps, so there is no "
                       f"step log to replay; its checkpoints are listed by raycheck inspect {run_dir}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import pathlib
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.summary import metric_coverage, missing_steps_line
 from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_path
@@ -59,7 +61,9 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
         try:
             _, records, torn = read_log(local)
             note = f", and a torn tail of {torn} bytes (cut when the run resumes)" if torn else ""
-            lines.append(f"ok   step log {local}: {_steps(records)}{note}")
+            unlogged = None if records else unlogged_run(local.parent)
+            steps = f"none, {unlogged_kind(unlogged)} no steps" if unlogged is not None else _steps(records)
+            lines.append(f"ok   step log {local}: {steps}{note}")
         except StepLogError as exc:
             lines.append(f"BAD  step log {local}: {exc}")
             bad += 1
@@ -94,6 +98,23 @@ def _local_log(uri: str) -> pathlib.Path | None:
     return folder / "steplog.bin" if folder is not None and (folder / "steplog.bin").is_file() else None
 
 
+def unlogged_run(run_dir: pathlib.Path) -> JobConfig | None:
+    """The configuration of the run in ``run_dir`` (its ``config.json``) when that run logs no steps by
+    design (``JobConfig.uses_step_log`` false, e.g. every ``--algo fo`` run: its step log holds a header
+    only); None when it logs them or has no readable configuration."""
+    try:
+        cfg = JobConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError and OldConfigError are ValueErrors
+        return None
+    return None if cfg.uses_step_log else cfg
+
+
+def unlogged_kind(cfg: JobConfig) -> str:
+    """Who logs no steps, for a run ``unlogged_run`` gave: ``first-order runs (--algo fo) log`` or
+    ``--strategy full-sync logs``."""
+    return "first-order runs (--algo fo) log" if cfg.algo == "fo" else f"--strategy {cfg.strategy} logs"
+
+
 def _holds_a_run(uri: str, stores: list[SnapshotStore]) -> bool:
     """Whether ``uri`` holds anything a run writes: a snapshot index, a snapshot folder with a manifest,
     sharded checkpoints, a step log or mirrored log segments (not so an empty or unrelated folder)."""
@@ -103,7 +124,8 @@ def _holds_a_run(uri: str, stores: list[SnapshotStore]) -> bool:
 
 
 def _steps(records: list) -> str:
-    """``steps 0..N-1`` for a step log of N records, ``no steps`` for one without (an ``--algo fo`` run's)."""
+    """``steps 0..N-1`` for a step log of N records, ``no steps`` for one without (a run that stopped before
+    its first step; a run that logs none by design is named as one: ``unlogged_run``)."""
     return f"steps 0..{len(records) - 1}" if records else "no steps"
 
 

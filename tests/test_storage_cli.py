@@ -9,13 +9,16 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from conftest import free_port
+from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.controller import prepare
 from raycheck.storage.backend import Storage, StorageCredentialsError
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import MANIFEST, SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, StepRecord
+from raycheck.training.model import default_cache_dir
 
 
 def make_run(root):
@@ -69,7 +72,8 @@ def test_inspect_exits_1_like_verify_on_a_damaged_step_log_and_still_lists_every
 
 
 def test_an_empty_step_log_says_no_steps(tmp_path):
-    """An ``--algo fo`` run's step log holds a header and no records: ``no steps``, not ``steps 0..-1``."""
+    """A step log of a header and no records (a run stopped before its first step): ``no steps``, not
+    ``steps 0..-1``."""
     make_run(tmp_path)
     (tmp_path / "steplog.bin").unlink()
     StepLogWriter.create(tmp_path / "steplog.bin", {"model": "x"}).close()
@@ -77,6 +81,21 @@ def test_an_empty_step_log_says_no_steps(tmp_path):
         result = CliRunner().invoke(app, [command, str(tmp_path)])
         assert result.exit_code == 0, result.output
         assert f"ok   step log {tmp_path / 'steplog.bin'}: no steps\n" in result.output and "0..-1" not in result.output
+
+
+@pytest.mark.parametrize(("algo", "strategy", "kind"), [("fo", "layerwise", "first-order runs (--algo fo) log"),
+                                                      ("zo", "full-sync", "--strategy full-sync logs")])
+def test_a_run_that_logs_no_steps_by_design_says_so_not_no_steps(tmp_path, algo, strategy, kind):
+    """A fresh user read "step log: no steps" on a first-order run as damage: its run directory (made
+    as a run starts it, ``controller.prepare``, with a snapshot of its own) says that such runs log none."""
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo=algo, strategy=strategy,
+                    steps=6, run_id="unlogged")
+    prepare(cfg, RunDir(tmp_path))
+    cfg.snapshot_store().write(2, {"model.layers.0.w": np.ones(8, np.float32)})
+    for command in ("inspect", "verify"):
+        result = CliRunner().invoke(app, [command, str(tmp_path)])
+        assert result.exit_code == 0, result.output
+        assert f"ok   step log {tmp_path / 'steplog.bin'}: none, {kind} no steps\n" in result.output
 
 
 def test_inspect_names_the_logged_steps_whose_metrics_row_was_lost(tmp_path):
