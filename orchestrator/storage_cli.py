@@ -123,6 +123,16 @@ def _holds_a_run(uri: str, stores: list[SnapshotStore]) -> bool:
             or bool(storage.list(PREFIX)))
 
 
+def _refuse_no_run(uri: str, stores: list[SnapshotStore]) -> None:
+    """Exit 2, saying what is expected instead, when ``uri`` (opened as ``stores``) holds nothing of a
+    run (``_holds_a_run``): an empty or unrelated folder or prefix."""
+    if not _holds_a_run(uri, stores):
+        typer.echo(f"error: no snapshot store or run found at {uri}: it holds no snapshot index ({INDEX}), snapshot "
+                   "folder, step log (steplog.bin) or log segments; give a run directory (the --out of raycheck run) "
+                   "or its snapshot store", err=True)
+        raise typer.Exit(2)
+
+
 def _steps(records: list) -> str:
     """``steps 0..N-1`` for a step log of N records, ``no steps`` for one without (a run that stopped before
     its first step; a run that logs none by design is named as one: ``unlogged_run``)."""
@@ -231,11 +241,7 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     folder or prefix that holds nothing of a run. Shards are not re-hashed: see verify."""
     main = open_store(uri, s3_endpoint)
     stores = _stores(main)
-    if not _holds_a_run(uri, stores):
-        typer.echo(f"error: no snapshot store or run found at {uri}: it holds no snapshot index ({INDEX}), snapshot "
-                   "folder, step log (steplog.bin) or log segments; give a run directory (the --out of raycheck run) "
-                   "or its snapshot store", err=True)
-        raise typer.Exit(2)
+    _refuse_no_run(uri, stores)
     problems = 0
     for store in stores:
         infos, unindexed = _listing(store)
@@ -264,10 +270,13 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """Re-hash every shard of every committed snapshot, every file of an fsdp2 run's sharded
     checkpoints, every diff batch of a differential run (against its commit record) and the mirrored
     step log; exit 1 naming each bad one, and the snapshot folders with a manifest that the index does
-    not list."""
+    not list. Exit 2: a missing store (folder or bucket), a folder or prefix that holds nothing of a
+    run, or a run without a committed snapshot or diff batch to re-hash."""
     main = open_store(uri, s3_endpoint)
+    stores = _stores(main)
+    _refuse_no_run(uri, stores)
     bad, verified = [], 0
-    for store in _stores(main):
+    for store in stores:
         infos, unindexed = _listing(store)
         verified += len(infos)
         for info in infos:

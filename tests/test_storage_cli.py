@@ -189,19 +189,21 @@ def test_inspect_and_verify_of_a_missing_bucket_say_so_and_exit_2(s3_endpoint):
     assert result.exit_code == 0 and result.output.splitlines()[0] == f"s3://{bucket}/run: 1 committed snapshot(s)"
 
 
-def test_inspect_of_a_folder_that_holds_no_run_exits_2_saying_so(tmp_path):
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_folder_that_holds_no_run_exits_2_saying_so_and_what_is_expected(tmp_path, command):
+    """verify of an empty folder said only "no committed snapshots in DIR": now the line inspect gives."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("not a run")
     for folder in (tmp_path / "empty", tmp_path / "other"):
-        result = CliRunner().invoke(app, ["inspect", str(folder)])
+        result = CliRunner().invoke(app, [command, str(folder)])
         assert result.exit_code == 2, result.output
         assert result.output.strip() == (f"error: no snapshot store or run found at {folder}: it holds no snapshot index "
                                          "(index.json), snapshot folder, step log (steplog.bin) or log segments; give a "
                                          "run directory (the --out of raycheck run) or its snapshot store")
     make_run(tmp_path / "run")  # a run directory and its snapshots folder are found
     for folder in (tmp_path / "run", tmp_path / "run" / "snapshots"):
-        assert CliRunner().invoke(app, ["inspect", str(folder)]).exit_code == 0
+        assert CliRunner().invoke(app, [command, str(folder)]).exit_code == 0
 
 
 def test_inspect_and_verify_see_an_fsdp2_runs_sharded_checkpoints_and_name_a_damaged_file(tmp_path):
