@@ -307,7 +307,8 @@ def run(
     text_column: Annotated[str, typer.Option(help="Column of the text (classification; causal-lm without prompt/completion).")] = "text",
     label_column: Annotated[str, typer.Option(help="Classification: column of the label (a label word or its 0-based index).")] = "label",
     label_words: Annotated[str, typer.Option(help="Classification: label words, comma-separated.")] = "negative,positive",
-    prompt_template: Annotated[str, typer.Option(help="Classification: the prompt, {text} standing for the text (\\n: a newline).")] = PROMPT,
+    prompt_template: Annotated[str, typer.Option(help="Classification: the prompt, {text} standing for the text and \\n "
+                                                      "(backslash n, as typed) for a newline.")] = PROMPT.replace("\n", "\\n"),  # as typed: help shows \n, not a space
     prompt_column: Annotated[str, typer.Option(help="Causal LM: column of the prompt.")] = "prompt",
     completion_column: Annotated[str, typer.Option(help="Causal LM: column of the completion (the tokens the loss is on).")] = "completion",
     algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
