@@ -131,13 +131,19 @@ def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig
     if "dtype" in given and given["dtype"] != saved.dtype:
         raise _refuse(f"--resume --dtype {given['dtype']}: the run holds its parameters in {saved.dtype} (its step log "
                       f"and snapshots are {saved.dtype}); resume it with --dtype {saved.dtype} or leave --dtype out")
-    ignored = [option(name) for name in given if name not in (*RESUME_OPTIONS, "workers")]
-    if ignored:
-        notes.append(f"warning: --resume continues the run with the settings in its config.json; ignored: {', '.join(ignored)}")
+    notes += ignored_warning(given)
     try:
         return (saved.replace(**budgets) if budgets else saved), notes
     except ValueError as exc:  # e.g. a batch the new worker count does not divide
         raise _refuse(f"--resume: {option_names(str(exc))}") from exc
+
+
+def ignored_warning(given: dict[str, object]) -> list[str]:
+    """The warning line naming the options in ``given`` (by parameter name) that ``--resume`` ignores:
+    all but ``RESUME_OPTIONS`` and ``--workers`` (which ``resume_config`` takes or refuses); none when
+    there is none."""
+    ignored = [option(name) for name in given if name not in (*RESUME_OPTIONS, "workers")]
+    return [f"warning: --resume continues the run with the settings in its config.json; ignored: {', '.join(ignored)}"] if ignored else []
 
 
 def _given_options(ctx: typer.Context) -> dict[str, object]:
@@ -301,7 +307,8 @@ def run(
     text_column: Annotated[str, typer.Option(help="Column of the text (classification; causal-lm without prompt/completion).")] = "text",
     label_column: Annotated[str, typer.Option(help="Classification: column of the label (a label word or its 0-based index).")] = "label",
     label_words: Annotated[str, typer.Option(help="Classification: label words, comma-separated.")] = "negative,positive",
-    prompt_template: Annotated[str, typer.Option(help="Classification: the prompt, {text} standing for the text (\\n: a newline).")] = PROMPT,
+    prompt_template: Annotated[str, typer.Option(help="Classification: the prompt, {text} standing for the text and \\n "
+                                                      "(backslash n, as typed) for a newline.")] = PROMPT.replace("\n", "\\n"),  # as typed: help shows \n, not a space
     prompt_column: Annotated[str, typer.Option(help="Causal LM: column of the prompt.")] = "prompt",
     completion_column: Annotated[str, typer.Option(help="Causal LM: column of the completion (the tokens the loss is on).")] = "completion",
     algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
@@ -471,6 +478,8 @@ def run(
             saved = _resumed_config(out)
             finished = _finished_summary(out, saved)
             if finished and not verify:
+                for line in ignored_warning(given):  # e.g. --steps 99: a finished run is not extended
+                    typer.echo(line, err=True)
                 typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
                 raise typer.Exit(0)
         cfg, notes = resume_config(saved, given)

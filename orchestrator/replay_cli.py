@@ -5,7 +5,8 @@ shares), with its sha256; optionally committed as a snapshot or written as a tra
 Where the log comes from: a run directory's ``steplog.bin`` (its snapshots: the store its
 ``config.json`` names, else ``<run>/snapshots``), or, for a store URI, the log segments the persister
 mirrored there (``storage.log_segments``). The run's identity (run id and trajectory hash) comes from
-the log's header: only snapshots that carry it are used as a base (not other runs', not merge results).
+the log's header: only snapshots that carry it are used as a base (not other runs', not merge results:
+those at or before the step are named).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import json
 import pathlib
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import typer
 
 from raycheck.job.config import OldConfigError, refuse_flat
-from raycheck.orchestrator.storage_cli import EndpointOpt, open_store
+from raycheck.orchestrator.storage_cli import EndpointOpt, open_store, unlogged_kind, unlogged_run
 from raycheck.storage.backend import Storage, local_path
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import RunIdentity, layout_of
@@ -59,13 +60,15 @@ class LoggedRun:
 class Replayed:
     """The state after ``step`` steps (``params``, name -> CPU tensor in the model's order and the log's dtype),
     rebuilt from ``base`` (a snapshot; None: the initial weights) plus ``replayed_steps`` logged steps;
-    ``skipped``: own snapshots at or before ``step`` that failed verification, with the reason."""
+    ``skipped``: own snapshots at or before ``step`` that failed verification, with the reason;
+    ``merges``: the merge results in the store at or before ``step`` (never a base: ``own_snapshots``)."""
 
     step: int
     base: SnapshotInfo | None
     replayed_steps: int
     params: "OrderedDict"
     skipped: list[str]
+    merges: list[SnapshotInfo] = field(default_factory=list)
 
     @property
     def base_step(self) -> int:
@@ -103,16 +106,10 @@ def _refuse_unlogged(run_dir: pathlib.Path) -> None:
     """Raise ``ReplayError`` when the run in ``run_dir`` logs no steps by design (its ``config.json``:
     ``JobConfig.uses_step_log`` is false, e.g. every ``--algo fo`` run), so its empty step log has
     nothing to replay; return when there is no readable configuration (the log speaks for itself)."""
-    from raycheck.job.config import JobConfig
-
-    try:
-        cfg = JobConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError is a ValueError
+    cfg = unlogged_run(run_dir)
+    if cfg is None:
         return
-    if cfg.uses_step_log:
-        return
-    kind = "first-order runs (--algo fo) log" if cfg.algo == "fo" else f"--strategy {cfg.strategy} logs"
-    raise ReplayError(f"{run_dir} is an --algo {cfg.algo} --strategy {cfg.strategy} run: {kind} no steps, so there is no "
+    raise ReplayError(f"{run_dir} is an --algo {cfg.algo} --strategy {cfg.strategy} run: {unlogged_kind(cfg)} no steps, so there is no "
                       f"step log to replay; its checkpoints are listed by raycheck inspect {run_dir}")
 
 
@@ -172,15 +169,17 @@ def _moved(uri: str, out_dir: str, run_dir: pathlib.Path) -> str:
     return str(run_dir.resolve() / stored.relative_to(recorded))
 
 
-def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotInfo]]:
-    """The store of ``run``'s snapshots and its own committed ones, oldest first.
+def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotInfo], list[SnapshotInfo]]:
+    """The store of ``run``'s snapshots, its own committed ones and the merge results there (``raycheck
+    merge`` output: no run, a ``merge`` config), both oldest first. A merge result is a new run's starting
+    point, never a state on ``run``'s logged trajectory, so it is never a base; replay names it.
 
     Raises:
         ReplayError: the store holds snapshots, but every one belongs to another run (or is a merge
             result): the path is probably not this run's store.
     """
     if run.storage is None:
-        return None, []
+        return None, [], []
     store = SnapshotStore(run.storage)  # store-wide: it sees the other runs' snapshots to name them
     everyone = store.list()
     own = [i for i in everyone if i.manifest["run"] == run.identity.as_dict()]
@@ -190,7 +189,7 @@ def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotIn
             f"{run.storage.url()} holds {len(everyone)} snapshot(s), all of other runs ({', '.join(others[:3])}), none "
             f"of run {run.identity.run_id} whose log {run.log_url} is: pass this run's own store, or --from-initial to "
             "replay every step from the initial weights")
-    return store, own
+    return store, own, [i for i in everyone if i.manifest["run"] is None and "merge" in i.manifest["config"]]
 
 
 def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":
@@ -253,7 +252,7 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
     from raycheck.training.zo import check_records, replay_records_
 
     check_step(run, step)
-    store, own = (None, []) if from_initial else own_snapshots(run)
+    store, own, merges = (None, [], []) if from_initial else own_snapshots(run)
     base: SnapshotInfo | None = None
     skipped: list[str] = []
     for info in reversed([i for i in own if i.step <= step]):
@@ -271,7 +270,7 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
         raise ReplayError(f"{run.log_url}: the step log's header names no run seed (run_seed): not a raycheck run's log")
     check_records(records, seed, run.log_url)
     replayed = replay_records_(params, records)
-    return Replayed(step, base, replayed, params, skipped)
+    return Replayed(step, base, replayed, params, skipped, [i for i in merges if i.step <= step])
 
 
 def write_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> SnapshotInfo:
@@ -305,7 +304,10 @@ def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
             if replayed.base is not None and run.storage is not None else "the initial weights")
     steps = (f"replayed steps {replayed.base_step}..{replayed.step - 1} ({replayed.replayed_steps})"
              if replayed.replayed_steps else "nothing to replay")
-    return [*_notes(run), *(f"skipped: {s}" for s in replayed.skipped),
+    merges = [f"skipped merge result at step {i.step} ({run.storage.url(i.folder) if run.storage else i.folder}): a merge is a new "
+              f"run's starting point (raycheck run --algo fo --storage STORE, docs/first-order.md), never a state of run "
+              f"{run.identity.run_id}'s logged steps" for i in replayed.merges]
+    return [*_notes(run), *(f"skipped: {s}" for s in replayed.skipped), *merges,
             f"run {run.identity.run_id}, model {run.header['model']}, log {run.log_url} ({len(run.records)} steps)",
             f"step {replayed.step}: base {base}; {steps}",
             f"state_sha256 {state_sha256(replayed.params)}"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import pathlib
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.summary import metric_coverage, missing_steps_line
 from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_path
@@ -28,11 +30,15 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
     """The store at ``uri`` (a run directory means its ``snapshots/``); exits 2 with one clear error
     when it cannot be used: a missing folder or bucket, an unreadable store, or, with ``create`` (a
     store to write), one that fails a write probe (``Storage.probe``, which leaves nothing behind).
-    Only ``create`` makes a missing local folder."""
+    Only ``create`` makes a missing local folder. A local path that is a file (a run's summary.json,
+    a shard) is named as one, with what is expected instead."""
     folder = local_path(uri)
     if folder is not None and (folder / "snapshots").is_dir():
         uri = str(folder / "snapshots")  # a run directory
     try:
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file, not a folder: give a run directory (the --out of raycheck run), "
+                                     "a snapshot store's folder (a path or file://PATH) or s3://BUCKET/PREFIX")
         options: dict[str, Any] = {"endpoint_url": s3_endpoint} if s3_endpoint else {}
         store = SnapshotStore(Storage(uri, create=create, **options))
         store.storage.check_bucket()  # the endpoint, then the bucket
@@ -55,7 +61,9 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
         try:
             _, records, torn = read_log(local)
             note = f", and a torn tail of {torn} bytes (cut when the run resumes)" if torn else ""
-            lines.append(f"ok   step log {local}: {_steps(records)}{note}")
+            unlogged = None if records else unlogged_run(local.parent)
+            steps = f"none, {unlogged_kind(unlogged)} no steps" if unlogged is not None else _steps(records)
+            lines.append(f"ok   step log {local}: {steps}{note}")
         except StepLogError as exc:
             lines.append(f"BAD  step log {local}: {exc}")
             bad += 1
@@ -90,6 +98,23 @@ def _local_log(uri: str) -> pathlib.Path | None:
     return folder / "steplog.bin" if folder is not None and (folder / "steplog.bin").is_file() else None
 
 
+def unlogged_run(run_dir: pathlib.Path) -> JobConfig | None:
+    """The configuration of the run in ``run_dir`` (its ``config.json``) when that run logs no steps by
+    design (``JobConfig.uses_step_log`` false, e.g. every ``--algo fo`` run: its step log holds a header
+    only); None when it logs them or has no readable configuration."""
+    try:
+        cfg = JobConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError and OldConfigError are ValueErrors
+        return None
+    return None if cfg.uses_step_log else cfg
+
+
+def unlogged_kind(cfg: JobConfig) -> str:
+    """Who logs no steps, for a run ``unlogged_run`` gave: ``first-order runs (--algo fo) log`` or
+    ``--strategy full-sync logs``."""
+    return "first-order runs (--algo fo) log" if cfg.algo == "fo" else f"--strategy {cfg.strategy} logs"
+
+
 def _holds_a_run(uri: str, stores: list[SnapshotStore]) -> bool:
     """Whether ``uri`` holds anything a run writes: a snapshot index, a snapshot folder with a manifest,
     sharded checkpoints, a step log or mirrored log segments (not so an empty or unrelated folder)."""
@@ -98,8 +123,19 @@ def _holds_a_run(uri: str, stores: list[SnapshotStore]) -> bool:
             or bool(storage.list(PREFIX)))
 
 
+def _refuse_no_run(uri: str, stores: list[SnapshotStore]) -> None:
+    """Exit 2, saying what is expected instead, when ``uri`` (opened as ``stores``) holds nothing of a
+    run (``_holds_a_run``): an empty or unrelated folder or prefix."""
+    if not _holds_a_run(uri, stores):
+        typer.echo(f"error: no snapshot store or run found at {uri}: it holds no snapshot index ({INDEX}), snapshot "
+                   "folder, step log (steplog.bin) or log segments; give a run directory (the --out of raycheck run) "
+                   "or its snapshot store", err=True)
+        raise typer.Exit(2)
+
+
 def _steps(records: list) -> str:
-    """``steps 0..N-1`` for a step log of N records, ``no steps`` for one without (an ``--algo fo`` run's)."""
+    """``steps 0..N-1`` for a step log of N records, ``no steps`` for one without (a run that stopped before
+    its first step; a run that logs none by design is named as one: ``unlogged_run``)."""
     return f"steps 0..{len(records) - 1}" if records else "no steps"
 
 
@@ -205,11 +241,7 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     folder or prefix that holds nothing of a run. Shards are not re-hashed: see verify."""
     main = open_store(uri, s3_endpoint)
     stores = _stores(main)
-    if not _holds_a_run(uri, stores):
-        typer.echo(f"error: no snapshot store or run found at {uri}: it holds no snapshot index ({INDEX}), snapshot "
-                   "folder, step log (steplog.bin) or log segments; give a run directory (the --out of raycheck run) "
-                   "or its snapshot store", err=True)
-        raise typer.Exit(2)
+    _refuse_no_run(uri, stores)
     problems = 0
     for store in stores:
         infos, unindexed = _listing(store)
@@ -238,10 +270,13 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """Re-hash every shard of every committed snapshot, every file of an fsdp2 run's sharded
     checkpoints, every diff batch of a differential run (against its commit record) and the mirrored
     step log; exit 1 naming each bad one, and the snapshot folders with a manifest that the index does
-    not list."""
+    not list. Exit 2: a missing store (folder or bucket), a folder or prefix that holds nothing of a
+    run, or a run without a committed snapshot or diff batch to re-hash."""
     main = open_store(uri, s3_endpoint)
+    stores = _stores(main)
+    _refuse_no_run(uri, stores)
     bad, verified = [], 0
-    for store in _stores(main):
+    for store in stores:
         infos, unindexed = _listing(store)
         verified += len(infos)
         for info in infos:

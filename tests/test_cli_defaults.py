@@ -66,3 +66,14 @@ def test_the_options_defaults_are_the_fields_defaults(tmp_path, monkeypatch):
     [cfg] = built
     assert cfg.to_dict() == job_config(out, run_id=cfg.run_id).to_dict()
     assert not out.exists()
+
+
+def test_the_prompt_templates_help_shows_its_newline_as_typed():
+    """click re-wraps help text, so a newline in the default prompt showed as a space and a user who
+    copied it lost it: the default is shown as typed (``\\n``, which ``--prompt-template`` turns into a
+    newline), and the built configuration still holds the newline (above)."""
+    result = CliRunner().invoke(app, ["run", "--help"])
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.output.split())
+    assert "[default: Review: {text}\\nSentiment:]" in shown and "\\n (backslash n, as typed) for a newline" in shown
+    assert JobConfig(out_dir="x", cache_dir="x").prompt_template == "Review: {text}\nSentiment:"

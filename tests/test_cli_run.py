@@ -74,6 +74,23 @@ def test_resume_of_a_finished_run_does_nothing(tmp_path):
     assert tree_sha256(out) == before
 
 
+def test_resume_of_a_finished_run_names_the_options_it_ignores_but_not_the_budgets_or_placement(tmp_path):
+    """A fresh user gave ``--steps 99 --lr ...`` to extend a finished run and nothing said they were
+    ignored: the warning names them (not ``--max-worker-failures`` or ``--worker-resource``, which a
+    resume takes), and nothing changes."""
+    out = tmp_path / "run"
+    cfg = prepared_run(out)
+    RunDir.write_json(out / "summary.json", {"ok": True, "final_step": cfg.steps})
+    before = tree_sha256(out)
+    result = CliRunner().invoke(app, ["run", "--resume", "--out", str(out), "--steps", "99", "--lr", "1e-4",
+                                      "--max-worker-failures", "20", "--worker-resource", "gpu_node"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines() == [
+        "warning: --resume continues the run with the settings in its config.json; ignored: --steps, --lr",
+        f"{out}: the run already finished (summary.json); nothing to resume"]
+    assert tree_sha256(out) == before
+
+
 @pytest.mark.parametrize("same", [True, False])
 def test_resume_verify_of_a_finished_run_compares_it_with_the_reference(tmp_path, same):
     """``--resume --verify`` of a run that finished trains nothing and ends as a fresh ``--verify`` run

@@ -30,6 +30,7 @@ from raycheck.orchestrator.controller import prepare
 from raycheck.storage.backend import Storage
 from raycheck.storage.log_segments import SegmentMirror
 from raycheck.storage.manifest import RunIdentity
+from raycheck.storage.merge import Source, merge_snapshots, parse_take
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, read_log
 from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
@@ -164,6 +165,32 @@ def test_a_moved_run_directory_replays_from_its_own_snapshots(made, tmp_path):
     assert result.output.strip() == (f"error: the run's snapshot store {gone} (named in {moved / 'config.json'}) no longer "
                                      f"exists, and it lay outside the run's directory ({old}), so it did not move with "
                                      f"{moved}: put it back there, or set \"storage\" in config.json to where it is now")
+def test_a_merge_result_in_the_runs_store_is_named_with_its_use_never_taken_as_the_base(made, tmp_path):
+    """The run's store is a ``raycheck merge`` output (the merge of its own snapshot of step 3) that the
+    run then wrote its own snapshot of step 3 into: the merge is skipped and was skipped silently; now it
+    is named at any --step at or after it."""
+    run, hashes = made
+    merged = SnapshotStore(str(tmp_path / "merged"))
+    merge_snapshots([Source("A", SnapshotStore(str(run / "snapshots")))], [parse_take("0-1,embed,norm:A")], merged)
+    [merge_info] = merged.list()
+    copy = _copy_run(run, tmp_path / "run")
+    config = json.loads((copy / "config.json").read_text())
+    RunDir.write_json(copy / "config.json", {**config, "storage": {"uri": str(tmp_path / "merged")}})
+    identity = RunIdentity("replayed", JobConfig.from_dict(config).trajectory_sha256())
+    own = SnapshotStore(str(run / "snapshots"), identity=identity)
+    SnapshotStore(str(tmp_path / "merged"), identity=identity).write(SNAPSHOT_STEP, own.load(own.list()[0]))
+    named = (f"skipped merge result at step {SNAPSHOT_STEP} ({tmp_path / 'merged'}/{merge_info.folder}): a merge is a new run's "
+             "starting point (raycheck run --algo fo --storage STORE, docs/first-order.md), never a state of run replayed's logged steps")
+    result = replay(copy, "--step", 5)
+    assert result.exit_code == 0, result.output
+    assert named in result.output.splitlines()
+    assert f"step 5: base snapshot of step 3 ({tmp_path / 'merged'}/step-" in result.output
+    assert printed_sha256(result.output) == hashes[5]
+    for args in (("--step", 2), ("--step", 5, "--from-initial")):  # before the merge's step, or no snapshot looked at
+        result = replay(copy, *args)
+        assert result.exit_code == 0 and "merge result" not in result.output, result.output
+
+
 def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_path):
     run, _ = made
     before = sorted(p.name for p in (run / "snapshots").iterdir())

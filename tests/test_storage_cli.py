@@ -9,13 +9,16 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from conftest import free_port
+from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cli import app
+from raycheck.orchestrator.controller import prepare
 from raycheck.storage.backend import Storage, StorageCredentialsError
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import MANIFEST, SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, StepRecord
+from raycheck.training.model import default_cache_dir
 
 
 def make_run(root):
@@ -69,7 +72,8 @@ def test_inspect_exits_1_like_verify_on_a_damaged_step_log_and_still_lists_every
 
 
 def test_an_empty_step_log_says_no_steps(tmp_path):
-    """An ``--algo fo`` run's step log holds a header and no records: ``no steps``, not ``steps 0..-1``."""
+    """A step log of a header and no records (a run stopped before its first step): ``no steps``, not
+    ``steps 0..-1``."""
     make_run(tmp_path)
     (tmp_path / "steplog.bin").unlink()
     StepLogWriter.create(tmp_path / "steplog.bin", {"model": "x"}).close()
@@ -77,6 +81,21 @@ def test_an_empty_step_log_says_no_steps(tmp_path):
         result = CliRunner().invoke(app, [command, str(tmp_path)])
         assert result.exit_code == 0, result.output
         assert f"ok   step log {tmp_path / 'steplog.bin'}: no steps\n" in result.output and "0..-1" not in result.output
+
+
+@pytest.mark.parametrize(("algo", "strategy", "kind"), [("fo", "layerwise", "first-order runs (--algo fo) log"),
+                                                      ("zo", "full-sync", "--strategy full-sync logs")])
+def test_a_run_that_logs_no_steps_by_design_says_so_not_no_steps(tmp_path, algo, strategy, kind):
+    """A fresh user read "step log: no steps" on a first-order run as damage: its run directory (made
+    as a run starts it, ``controller.prepare``, with a snapshot of its own) says that such runs log none."""
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo=algo, strategy=strategy,
+                    steps=6, run_id="unlogged")
+    prepare(cfg, RunDir(tmp_path))
+    cfg.snapshot_store().write(2, {"model.layers.0.w": np.ones(8, np.float32)})
+    for command in ("inspect", "verify"):
+        result = CliRunner().invoke(app, [command, str(tmp_path)])
+        assert result.exit_code == 0, result.output
+        assert f"ok   step log {tmp_path / 'steplog.bin'}: none, {kind} no steps\n" in result.output
 
 
 def test_inspect_names_the_logged_steps_whose_metrics_row_was_lost(tmp_path):
@@ -101,6 +120,20 @@ def test_missing_paths_and_files_are_refused_and_never_created(tmp_path):
             result = CliRunner().invoke(app, [command, str(target)])
             assert result.exit_code == 2 and "cannot read snapshot store" in result.output
     assert not (tmp_path / "absent").exists()
+
+
+def test_a_file_given_for_a_store_is_named_as_a_file_with_what_is_expected(tmp_path):
+    """A fresh user gave a run's summary.json, then a shard, and read "no such folder"."""
+    store, infos = make_run(tmp_path)
+    RunDir.write_json(tmp_path / "summary.json", {"ok": True})
+    shard = tmp_path / "snapshots" / next(iter(infos[0].manifest["units"].values()))["path"]
+    for target in (tmp_path / "summary.json", shard):
+        for command in (["inspect"], ["verify"], ["replay", "--step", "1"]):
+            result = CliRunner().invoke(app, [command[0], str(target), *command[1:]])
+            assert result.exit_code == 2, result.output
+            assert result.output.strip() == (f"error: cannot read snapshot store {target}: {target} is a file, not a folder: "
+                                             "give a run directory (the --out of raycheck run), a snapshot store's folder "
+                                             "(a path or file://PATH) or s3://BUCKET/PREFIX")
 
 
 def test_inspect_prints_each_snapshots_step_size_units_and_unit_steps(tmp_path):
@@ -156,19 +189,21 @@ def test_inspect_and_verify_of_a_missing_bucket_say_so_and_exit_2(s3_endpoint):
     assert result.exit_code == 0 and result.output.splitlines()[0] == f"s3://{bucket}/run: 1 committed snapshot(s)"
 
 
-def test_inspect_of_a_folder_that_holds_no_run_exits_2_saying_so(tmp_path):
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_folder_that_holds_no_run_exits_2_saying_so_and_what_is_expected(tmp_path, command):
+    """verify of an empty folder said only "no committed snapshots in DIR": now the line inspect gives."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("not a run")
     for folder in (tmp_path / "empty", tmp_path / "other"):
-        result = CliRunner().invoke(app, ["inspect", str(folder)])
+        result = CliRunner().invoke(app, [command, str(folder)])
         assert result.exit_code == 2, result.output
         assert result.output.strip() == (f"error: no snapshot store or run found at {folder}: it holds no snapshot index "
                                          "(index.json), snapshot folder, step log (steplog.bin) or log segments; give a "
                                          "run directory (the --out of raycheck run) or its snapshot store")
     make_run(tmp_path / "run")  # a run directory and its snapshots folder are found
     for folder in (tmp_path / "run", tmp_path / "run" / "snapshots"):
-        assert CliRunner().invoke(app, ["inspect", str(folder)]).exit_code == 0
+        assert CliRunner().invoke(app, [command, str(folder)]).exit_code == 0
 
 
 def test_inspect_and_verify_see_an_fsdp2_runs_sharded_checkpoints_and_name_a_damaged_file(tmp_path):
