@@ -375,7 +375,8 @@ class Controller:
             name=self.cfg.log_keeper_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(str(self.run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage,
-                 commit_to_storage=self.cfg.durability == "cluster")
+                 commit_to_storage=self.cfg.durability == "cluster",
+                 hyper=ZOHyper(lr=self.cfg.zo.lr, eps=self.cfg.zo.eps, weight_decay=self.cfg.weight_decay))
 
     def _await_log_keeper(self) -> int:
         """Wait until the log keeper has started (and adopted the steps the storage holds past its log);
