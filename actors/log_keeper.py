@@ -34,7 +34,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from raycheck.storage.backend import Storage, StorageUnreachableError
-from raycheck.storage.log_segments import SegmentMirror, read_segments
+from raycheck.storage.log_segments import PREFIX, SegmentMirror, read_segments, segment_of
 from raycheck.storage.steplog import (
     RECORD_BYTES,
     StepLogConflictError,
@@ -44,6 +44,7 @@ from raycheck.storage.steplog import (
     read_records,
     scan_records,
 )
+from raycheck.training.zo import ZOHyper, first_foreign_record
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +70,25 @@ class LogKeeper:
         mirror_to: storage to mirror the log to as segments every ``mirror_every_s`` seconds (None: no mirror).
         mirror_every_s: seconds between mirror rounds; also the longest a record stays only local.
         commit_to_storage: acknowledge an append only once it is in ``mirror_to`` (durability ``cluster``).
+        hyper: the run's ZO hyper-parameters; each record adopted from ``resume_from`` must carry them
+            and the step seed of the file header's ``run_seed`` (``training.zo.check_records``; None: the
+            seed only).
 
     Raises:
         ValueError: ``commit_to_storage`` without ``mirror_to``.
         FileNotFoundError: ``path`` is missing and no ``header`` is given.
         StepLogCorruptError, StepLogGapError: the file cannot be continued safely.
-        StepLogConflictError: the segments in ``resume_from`` belong to another run or trajectory, or
-            disagree with the file on a step both hold.
+        StepLogConflictError: the segments in ``resume_from`` belong to another run or trajectory (by
+            their header, or by a record to adopt that is not this run's: the message names the
+            segment), or disagree with the file on a step both hold; nothing is adopted then.
 
     Storage that is unreachable at the start does not stop the keeper: it keeps its file's steps,
     logs why, and reports it in ``adopt_error`` (the mirror retries on its own rounds).
     """
 
     def __init__(self, path: str | pathlib.Path, header: dict | None = None, resume_from: Storage | None = None,
-                 mirror_to: Storage | None = None, mirror_every_s: float = 2.0, commit_to_storage: bool = False) -> None:
+                 mirror_to: Storage | None = None, mirror_every_s: float = 2.0, commit_to_storage: bool = False,
+                 hyper: ZOHyper | None = None) -> None:
         if commit_to_storage and mirror_to is None:
             raise ValueError("commit_to_storage needs storage to mirror to (mirror_to)")
         self.path = pathlib.Path(path)
@@ -91,6 +97,7 @@ class LogKeeper:
                 raise FileNotFoundError(f"{self.path}: no step log to keep (and no header to create one with)")
             StepLogWriter.create(self.path, header).close()
         self._writer = StepLogWriter.open(self.path)  # cuts a torn tail
+        self.hyper = hyper
         self._data = bytearray(b"".join(r.encode() for r in read_records(self.path)))
         self._cond = threading.Condition()
         self.adopt_error: str | None = None
@@ -223,6 +230,7 @@ class LogKeeper:
             raise StepLogConflictError(
                 f"{storage.url('log/')} holds the step log of another run or trajectory (run {seg_header.get('run_id')}, "
                 f"trajectory {seg_header.get('trajectory_sha256')}) than {self.path}: resume with that run's settings")
+        self._check_adopted(storage, seg_header, seg_records[self.end():])
         if self.end() == 0 and seg_header != self._writer.header:  # take the bucket's header (its log_id)
             self._writer.close()
             self.path.unlink()
@@ -230,6 +238,19 @@ class LogKeeper:
         adopted = len(seg_records) - self.end()
         self._append_local(seg_records)  # refuses a segment that disagrees with a step held
         return adopted
+
+    def _check_adopted(self, storage: Storage, seg_header: dict, records: Sequence[StepRecord]) -> None:
+        """Refuse ``records`` (from the segments in ``storage``) unless each is this run's by the file
+        header's ``run_seed`` and ``hyper`` (``training.zo.check_records``' rule, as resume, restore and
+        replay check): a record spliced in from another run's log has a valid checksum and the right step."""
+        run_seed = self._writer.header.get("run_seed")
+        if not isinstance(run_seed, int):
+            raise StepLogConflictError(f"{self.path}: its header names no run seed, so the records of the step log "
+                                       f"segments in {storage.url(PREFIX)} cannot be checked as this run's; nothing adopted")
+        if (foreign := first_foreign_record(records, run_seed, self.hyper)) is not None:
+            step, why = foreign
+            raise StepLogConflictError(f"{segment_of(storage, step)}: {why} (the segments' header names run {seg_header.get('run_id')}); "
+                                       f"{self.path} adopts none of their steps: resume with this run's own storage")
 
     # -- the mirror to storage ------------------------------------------------------------------
     def sync_mirror(self, final: bool = False) -> None:

@@ -223,6 +223,30 @@ def _model_arg(model: str) -> str:
     return model if model in MODEL_NAMES or not pathlib.Path(model).is_dir() else str(pathlib.Path(model).resolve())
 
 
+def _check_resumed_log(cfg: JobConfig, out: pathlib.Path) -> None:
+    """``orchestrator.controller.check_resumed_log`` on the step log in ``out`` (when there is one), before
+    the model, the data or Ray: another run's log exits 2, a damaged one (a gap, a step out of order, a
+    corrupt record) exits 1, each with one line."""
+    from raycheck.orchestrator.controller import ResumeMismatchError, check_resumed_log
+    from raycheck.training.zo import DtypeMismatchError, GeneratorMismatchError
+
+    run = RunDir(out)
+    if not run.step_log.exists():
+        return
+    try:
+        check_resumed_log(cfg, run)
+    except StepLogError as exc:
+        raise _damaged(exc) from exc
+    except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:
+        raise _refuse(str(exc)) from exc
+
+
+def _damaged(exc: StepLogError) -> typer.Exit:
+    """Print the one line for a run whose step log is damaged; returns the exit (code 1) to raise."""
+    typer.echo(f"error: {exc}; the run cannot be resumed from a damaged step log", err=True)
+    return typer.Exit(1)
+
+
 def _checked_job(cfg: JobConfig):
     """``orchestrator.api.check_job``: model, data, shards and storage checked before training starts
     (exit 2 with one line: a wrong model, bad data, endpoint, bucket or credentials)."""
@@ -485,6 +509,8 @@ def run(
         cfg, notes = resume_config(saved, given)
         for line in notes:
             typer.echo(line, err=True)
+        if resuming and not finished:
+            _check_resumed_log(cfg, out)
     if cfg is None:  # refused options are let through only when resuming, and resume_config replaced them
         raise RuntimeError("no job configuration to run")
     cfg, assets = _checked_job(cfg)
@@ -500,6 +526,8 @@ def run(
         raise _refuse(str(exc)) from exc
     except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched
         raise _refuse(str(exc)) from exc
+    except StepLogError as exc:  # prepare found the log damaged (after _check_resumed_log passed): nothing touched
+        raise _damaged(exc) from exc
     except InfeasibleError as exc:  # the adaptive policy's first plan, made before anything in the run directory is touched
         raise _refuse(f"--snapshot-policy adaptive has no snapshot plan for the assumed costs (--mtbf {cfg.snapshot.mtbf_s:g} s): "
                       f"{exc}") from exc

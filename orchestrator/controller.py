@@ -202,33 +202,52 @@ def log_failure(exc: BaseException) -> None:
         log.error("the run failed", exc_info=exc)
 
 
+def check_resumed_log(cfg: JobConfig, run: RunDir) -> None:
+    """Check, reading only the file, that ``run``'s existing step log can be continued by ``cfg``'s run:
+    its header's trajectory, run id, seed, generator and dtype, every record's seed and hyper-parameters
+    (``training.zo.check_records``) and its records' order (no gap, no step out of order, no corrupt
+    record; a torn tail is no damage: it is cut when the log is opened). ``prepare`` runs it, and
+    ``raycheck run --resume`` before anything else (the model, the data, Ray), so the error comes at once.
+
+    Raises:
+        ResumeMismatchError: the log is another run's or trajectory's.
+        training.zo.GeneratorMismatchError, training.zo.DtypeMismatchError: another noise generator or dtype.
+        storage.steplog.StepLogGapError, storage.steplog.StepLogCorruptError: the log is damaged (a gap, a
+            step out of order, a corrupt record): it cannot be continued.
+    """
+    header = read_header(run.step_log)
+    found = header.get("trajectory_sha256")
+    check_dtype(header, cfg.dtype, str(run.step_log))
+    if found != cfg.trajectory_sha256():
+        raise ResumeMismatchError(f"{run.step_log} belongs to another trajectory ({found}); use a new --out")
+    check_generator(header, str(run.step_log))
+    if (header.get("run_id"), header.get("run_seed")) != (cfg.run_id, cfg.seed):
+        raise ResumeMismatchError(f"{run.step_log} belongs to run {header.get('run_id')} (seed {header.get('run_seed')}), "
+                                  f"not to run {cfg.run_id} (seed {cfg.seed}) of {run.root / 'config.json'}; use a new --out")
+    prefix = read_prefix(run.step_log)
+    try:
+        check_records(prefix.records, cfg.seed, str(run.step_log),
+                      ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay))
+    except StepLogCorruptError as exc:
+        raise ResumeMismatchError(str(exc)) from exc
+    if prefix.damage is not None:
+        raise prefix.damage
+
+
 def prepare(cfg: JobConfig, run: RunDir) -> None:
     """Convert the model once, save the configuration (``config.json``, for ``--resume``; a resumed run
     saves it again, with the options ``--resume`` took from the command line, e.g. a larger restart
     budget) and create the step log with everything replay needs in its header. An existing step log is
-    kept when its trajectory, run id, seed and every record's seed and hyper-parameters match (a resumed
-    run; ``training.zo.check_records``), else ``ResumeMismatchError``; one written with
-    another noise generator raises ``GeneratorMismatchError``, one in another parameter dtype
-    ``DtypeMismatchError``; none of them touches ``config.json``."""
+    kept when ``check_resumed_log`` passes (a resumed run: its trajectory, run id, seed and every record's
+    seed and hyper-parameters match, and its records are in order), else it raises what that raises
+    (``ResumeMismatchError``, ``GeneratorMismatchError``, ``DtypeMismatchError``, or a ``StepLogError``
+    for a damaged log); none of them touches ``config.json``."""
     cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else None
     tokenizer_dir(cache_dir)
     if is_builtin(cfg.model):
         model_dir(cfg.model, cache_dir)
     if run.step_log.exists():
-        header = read_header(run.step_log)
-        found = header.get("trajectory_sha256")
-        check_dtype(header, cfg.dtype, str(run.step_log))
-        if found != cfg.trajectory_sha256():
-            raise ResumeMismatchError(f"{run.step_log} belongs to another trajectory ({found}); use a new --out")
-        check_generator(header, str(run.step_log))
-        if (header.get("run_id"), header.get("run_seed")) != (cfg.run_id, cfg.seed):
-            raise ResumeMismatchError(f"{run.step_log} belongs to run {header.get('run_id')} (seed {header.get('run_seed')}), "
-                                      f"not to run {cfg.run_id} (seed {cfg.seed}) of {run.root / 'config.json'}; use a new --out")
-        try:
-            check_records(read_prefix(run.step_log).records, cfg.seed, str(run.step_log),
-                          ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay))
-        except StepLogCorruptError as exc:
-            raise ResumeMismatchError(str(exc)) from exc
+        check_resumed_log(cfg, run)
         run.write_json(run.root / "config.json", cfg.to_dict())
         return
     run.write_json(run.root / "config.json", cfg.to_dict())
@@ -375,7 +394,8 @@ class Controller:
             name=self.cfg.log_keeper_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(str(self.run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage,
-                 commit_to_storage=self.cfg.durability == "cluster")
+                 commit_to_storage=self.cfg.durability == "cluster",
+                 hyper=ZOHyper(lr=self.cfg.zo.lr, eps=self.cfg.zo.eps, weight_decay=self.cfg.weight_decay))
 
     def _await_log_keeper(self) -> int:
         """Wait until the log keeper has started (and adopted the steps the storage holds past its log);

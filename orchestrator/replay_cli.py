@@ -3,7 +3,8 @@ at or before that step plus the step log (``training.zo.replay_records_``, the a
 shares), with its sha256; optionally committed as a snapshot or written as a transformers folder.
 
 Where the log comes from: a run directory's ``steplog.bin`` (its snapshots: the store its
-``config.json`` names, else ``<run>/snapshots``), or, for a store URI, the log segments the persister
+``config.json`` names, taken under the run directory itself when it lay inside the recorded one, so a
+moved or copied run directory uses its own; else ``<run>/snapshots``), or, for a store URI, the log segments the persister
 mirrored there (``storage.log_segments``). The run's identity (run id and trajectory hash) comes from
 the log's header: only snapshots that carry it are used as a base (not other runs', not merge results:
 those at or before the step are named).
@@ -125,9 +126,9 @@ def _no_log_message(uri: str) -> str:
 
 
 def _run_storage(run_dir: pathlib.Path, s3_endpoint: str) -> Storage | None:
-    """The snapshot storage of the run in ``run_dir``: the one its ``config.json`` names (``_moved``:
-    under ``run_dir`` when the run directory was moved), else ``<run_dir>/snapshots``; None when that
-    local folder does not exist."""
+    """The snapshot storage of the run in ``run_dir``: the one its ``config.json`` names (``_own_store``:
+    under ``run_dir`` when it lay inside the run's recorded directory and ``run_dir`` is a moved or copied
+    one), else ``<run_dir>/snapshots``; None when that local folder does not exist."""
     uri, options = str(run_dir / "snapshots"), {}
     saved = run_dir / "config.json"
     if saved.is_file():
@@ -140,7 +141,7 @@ def _run_storage(run_dir: pathlib.Path, s3_endpoint: str) -> Storage | None:
         except (ValueError, KeyError, TypeError) as exc:
             raise ReplayError(f"{saved} is damaged ({type(exc).__name__}: {exc}); pass the snapshot store URI "
                               "(it holds the mirrored log when storage was remote)") from exc
-        uri = _moved(stored, out_dir, run_dir) or uri
+        uri = _own_store(stored, out_dir, run_dir) or uri
     if s3_endpoint:
         options["endpoint_url"] = s3_endpoint
     try:
@@ -149,24 +150,27 @@ def _run_storage(run_dir: pathlib.Path, s3_endpoint: str) -> Storage | None:
         return None  # no snapshot was ever written: replay from the initial weights
 
 
-def _moved(uri: str, out_dir: str, run_dir: pathlib.Path) -> str:
-    """The run's store ``uri`` as recorded in its ``config.json``, or, when that local folder no longer
-    exists and lay inside the run's recorded directory ``out_dir`` (the default ``<out>/snapshots``), the
-    same place under ``run_dir``: the run directory was moved, its snapshots with it.
+def _own_store(uri: str, out_dir: str, run_dir: pathlib.Path) -> str:
+    """The run's store ``uri`` as recorded in its ``config.json``, except a local store that lay inside the
+    run's recorded directory ``out_dir`` (the default ``<out>/snapshots``): that one is taken from the same
+    place under ``run_dir``, so a moved run directory reads its snapshots where they moved with it, and a
+    copy (``cp -r``, the original still there) reads and writes its own, never the original's.
 
     Raises:
         ReplayError: the recorded local store no longer exists and lay outside ``out_dir`` (it did not
             move with the run directory); the message names both paths.
     """
     stored = local_path(uri) if uri else None
-    if stored is None or stored.exists():
+    if stored is None:
         return uri
     recorded = pathlib.Path(out_dir).resolve()
-    if not stored.is_relative_to(recorded):
+    if stored.is_relative_to(recorded):
+        return str(run_dir.resolve() / stored.relative_to(recorded))
+    if not stored.exists():
         raise ReplayError(f"the run's snapshot store {stored} (named in {run_dir / 'config.json'}) no longer exists, and "
                           f"it lay outside the run's directory ({out_dir}), so it did not move with {run_dir}: put it "
                           "back there, or set \"storage\" in config.json to where it is now")
-    return str(run_dir.resolve() / stored.relative_to(recorded))
+    return uri
 
 
 def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotInfo], list[SnapshotInfo]]:
@@ -316,8 +320,8 @@ def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
 def replay(
     run_or_store: Annotated[str, typer.Argument(metavar="RUN_OR_STORE", help=(
         "A run directory (its steplog.bin; snapshots from the store its config.json names: a store recorded inside "
-        "the run directory that is gone there is taken from inside RUN_OR_STORE, so a moved run directory replays "
-        "from its own snapshots), or a snapshot store "
+        "the run's directory is taken from inside RUN_OR_STORE, so a moved or copied run directory replays from, and "
+        "--write-snapshot writes to, its own snapshots), or a snapshot store "
         "(path, file://, s3://) holding the run's mirrored log segments: only a run with remote --storage (s3://) "
         "mirrors its log, so a local store (a path, file://, a --to target) needs its run directory instead."))],
     step: Annotated[int, typer.Option(help="Rebuild the state after this many logged steps (0..steps in the log).")],

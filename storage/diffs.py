@@ -15,10 +15,13 @@ records ``b .. e-1`` onto the state after ``b`` steps gives the state after ``e`
 
 Layout under a ``Storage`` (shared with the run's ``SnapshotStore``, which owns ``step-*`` folders)::
 
-    diffs/0000000040-0000000043-1f2e3d4c.safetensors      steps 40..43: ``{step:010d}:{param}``
-                                                          (topk: ``...:values``, ``...:indices``)
-    diffs/0000000040-0000000043-1f2e3d4c.commit.json      written after the batch: its size, sha256,
-                                                          steps, encoding and tensor shapes
+    diffs/0000000040-0000000043-9a8b7c6d-1f2e3d4c.safetensors  steps 40..43: ``{step:010d}:{param}``
+                                                               (topk: ``...:values``, ``...:indices``)
+    diffs/0000000040-0000000043-9a8b7c6d-1f2e3d4c.commit.json  written after the batch: its size, sha256,
+                                                               steps, encoding, tensor shapes and run
+
+(first step, last step, the run's tag ``RunIdentity.tag``, absent for a store without a run identity,
+and the attempt id.)
 
 Commit rules: a batch counts only when its commit record exists and names its own batch object
 (``<same stem>.safetensors``: a record pointing anywhere else is skipped) and, for a store with a run
@@ -30,7 +33,9 @@ replay to a step raises ``DiffGapError`` / ``DiffCorruptError`` naming the steps
 replay (recovery) stops before the first missing or corrupt step and reports it, and the steps after
 it are recomputed. Garbage collection deletes, for batches wholly before the newest full checkpoint,
 the commit record first and the batch after it (so a crash in between leaves an unlisted object),
-and the stale temp files of interrupted local writes under the prefix (``Storage.remove_stale_temp_files``).
+and the stale temp files of interrupted local writes under the prefix (``Storage.remove_stale_temp_files``);
+with a run identity only this run's batches and orphaned objects (by commit record, else by the run tag in
+the name): another run's files copied into the prefix are left alone and logged.
 """
 
 from __future__ import annotations
@@ -57,8 +62,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = "raycheck-diff-1"
 ENCODINGS = ("exact", "topk")
-_COMMIT = re.compile(r"^(\d{10})-(\d{10})-([0-9a-f]{8})\.commit\.json$")
-_BATCH = re.compile(r"^(\d{10})-(\d{10})-([0-9a-f]{8})\.(?:safetensors|commit\.json)$")
+_COMMIT = re.compile(r"^(\d{10})-(\d{10})-(?:[0-9a-f]{8}-)?[0-9a-f]{8}\.commit\.json$")
+_BATCH = re.compile(r"^(\d{10})-(\d{10})-(?:([0-9a-f]{8})-)?[0-9a-f]{8}\.(?:safetensors|commit\.json)$")
+"""A batch's object or commit record: ``<first step>-<last step>-[<run tag>-]<attempt id>`` (10 digits, 8 hex)."""
 
 
 class DiffError(Exception):
@@ -140,6 +146,7 @@ class DiffStore:
         self.identity = identity
         self.skipped: list[str] = []
         """Commit records the last ``list()`` could not read or (with an identity) of another run, with the reason."""
+        self._foreign_logged: set[str] = set()  # other runs' files that garbage collection has logged
 
     # -- writing ------------------------------------------------------------------------------
     def write_batch(self, records: Sequence[tuple[int, Mapping[str, np.ndarray]]], topk_ratio: float = 0.0) -> DiffBatch:
@@ -174,7 +181,8 @@ class DiffStore:
                 else:
                     tensors[key] = g  # by reference: the write streams from its memory
         encoding = "topk" if topk_ratio else "exact"
-        stem = f"{self.prefix}/{steps[0]:010d}-{steps[-1]:010d}-{uuid.uuid4().hex[:8]}"
+        tag = f"{self.identity.tag}-" if self.identity is not None else ""
+        stem = f"{self.prefix}/{steps[0]:010d}-{steps[-1]:010d}-{tag}{uuid.uuid4().hex[:8]}"
         size, sha256 = tensor_files.put(self.storage, stem + ".safetensors", tensors, metadata={
             "format": FORMAT, "first_step": str(steps[0]), "last_step": str(steps[-1]), "encoding": encoding,
             "topk_ratio": repr(float(topk_ratio))})  # streamed from the gradients' memory, hashed as written
@@ -316,18 +324,48 @@ class DiffStore:
         """Delete the batches wholly before ``before_step`` (the newest full checkpoint's step), the
         commit record first, and orphaned objects of failed attempts, then the stale temp files of
         interrupted writes under the prefix (not counted); returns objects deleted. A failed delete is
-        logged and left for the next collection."""
-        deleted = 0
+        logged and left for the next collection.
+
+        With an identity only this run's files go: a committed batch whose record names this run (an
+        unreadable record: whose name carries this run's tag), and an orphaned object whose name
+        carries the tag. Another run's files (and those written without a run) are left alone and
+        logged once per store."""
+        deleted, foreign = 0, []
         paths = self.storage.list(self.prefix)
+        commits = {p.removesuffix(".commit.json") for p in paths if p.endswith(".commit.json")}
+        own_stems: set[str] = set()
         ordered = sorted(paths, key=lambda p: not p.endswith(".commit.json"))  # commit records first
         for path in ordered:
             m = _BATCH.match(path.rsplit("/", 1)[-1])
             if m is None or int(m.group(2)) >= before_step:
                 continue
+            stem = path.removesuffix(".commit.json").removesuffix(".safetensors")
+            if self.identity is not None:
+                if path.endswith(".commit.json") and self._own_record(path, m.group(3)):
+                    own_stems.add(stem)
+                elif stem not in own_stems and (stem in commits or m.group(3) != self.identity.tag):
+                    foreign.append(path)
+                    continue
             try:
                 self.storage.delete(path)
                 deleted += 1
             except OSError as exc:
                 log.warning("diff garbage collection could not delete %s: %s", path, exc)
+        new = [p for p in foreign if p not in self._foreign_logged]
+        if new:
+            self._foreign_logged.update(new)
+            log.warning("diff garbage collection left %d object(s) of another run (or of no run) alone under %s, not of "
+                        "run %s: %s", len(new), self.storage.url(self.prefix), self.identity.run_id if self.identity else "",
+                        ", ".join(new))
         self.storage.remove_stale_temp_files(prefix=self.prefix)
         return deleted
+
+    def _own_record(self, path: str, tag: str | None) -> bool:
+        """Whether commit record ``path`` names this store's run (unreadable: whether its name's ``tag`` is the run's)."""
+        assert self.identity is not None
+        try:
+            return json.loads(self.storage.get(path)).get("run") == self.identity.as_dict()
+        except FileNotFoundError:
+            return False
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            return tag == self.identity.tag

@@ -44,6 +44,18 @@ def _segments(storage: Storage) -> dict[int, tuple[int, str]]:
     return best
 
 
+def segment_of(storage: Storage, step: int) -> str | None:
+    """The URL of the segment that ``read_segments`` takes step ``step`` from; None when none holds it."""
+    end = 0
+    for first, (last, name) in sorted(_segments(storage).items()):
+        if first < end:
+            continue  # overlapped by a longer earlier segment, as read_segments skips it
+        if first <= step <= last:
+            return storage.url(name)
+        end = last + 1
+    return None
+
+
 def read_segments(storage: Storage) -> tuple[dict | None, list[StepRecord]]:
     """(header, records) of the log mirrored in ``storage``; (None, []) when there is none.
 

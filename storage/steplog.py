@@ -122,7 +122,8 @@ def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int)
 
     Raises:
         StepLogCorruptError: a record fails its checksum and more data follows it.
-        StepLogGapError: a record's step does not follow its predecessor's.
+        StepLogGapError: a record's step does not follow its predecessor's (a gap, or a step repeated or
+            out of order).
     """
     expect = first_step
     while offset + RECORD_BYTES <= len(data):
@@ -136,6 +137,11 @@ def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int)
                 )
             return  # torn: the last record, or the last before a zero-filled tail
         rec = StepRecord(**dict(zip(StepRecord.__dataclass_fields__, _FIELDS.unpack(body))))
+        if rec.step < expect:
+            raise StepLogGapError(
+                f"{path}: record at byte {offset} is step {rec.step} again or out of order, expected step {expect}; "
+                f"the log cannot be replayed past step {expect - 1}"
+            )
         if rec.step != expect:
             raise StepLogGapError(
                 f"{path}: record at byte {offset} is step {rec.step}, expected step {expect}; "

@@ -146,6 +146,36 @@ def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
     assert json.loads((out / "config.json").read_text())["zo"]["lr"] == other.zo.lr
 
 
+@pytest.mark.parametrize(("steps", "damage"), [
+    ((0, 1, 3), "is step 3, expected step 2; steps 2..2 are missing"),
+    ((0, 1, 2, 1), "is step 1 again or out of order, expected step 3"),
+])
+def test_resume_of_a_step_log_with_a_gap_or_out_of_order_records_is_refused_before_ray_starts(tmp_path, steps, damage):
+    """Records of the run's own seeds but with a gap, or a step repeated out of order: the log cannot be
+    continued, which the log keeper found only once Ray had started (seconds later, a failed run's
+    summary). The resume now refuses it at once, in one line, exit 1 (the run's data is damaged, as for
+    ``replay``), with Ray never initialised and the run directory as it was."""
+    import ray
+
+    from raycheck.storage.steplog import StepRecord
+    from raycheck.training.zo import step_seed
+
+    out = tmp_path / "run"
+    cfg = prepared_run(out)
+    records = [StepRecord(step=s, seed=step_seed(cfg.seed, s), projected_grad=0.5, loss_plus=0.7, loss_minus=0.69,
+                          lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay, batch_id=s) for s in steps]
+    log = out / "steplog.bin"
+    log.write_bytes(log.read_bytes() + b"".join(r.encode() for r in records))
+    before = tree_sha256(out)
+    result = resume(out)
+    assert result.exit_code == 1, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output, result.output
+    assert result.output.startswith(f"error: {log}: record at byte ") and damage in result.output, result.output
+    assert result.output.strip().endswith("; the run cannot be resumed from a damaged step log"), result.output
+    assert not ray.is_initialized()
+    assert tree_sha256(out) == before
+
+
 @pytest.mark.parametrize("workers", ["3", "4"])
 def test_resume_on_another_worker_count_is_refused_first_when_the_state_does_not_reshard(tmp_path, workers):
     """``--workers 3`` does not divide the default ``--batch-size`` 8, but ``--resume`` ignores the batch

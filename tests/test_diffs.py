@@ -244,3 +244,34 @@ def test_a_batch_of_another_run_copied_into_the_prefix_is_skipped_not_replayed(t
     assert len(ours.skipped) == 2 and any("a batch of run run-b, not of run run-a" in s for s in ours.skipped)
     assert any(anonymous.commit in s and "a batch of no run" in s for s in ours.skipped)
     assert ours.durable_end(0) == 2 and DiffStore(storage).durable_end(0) == 4  # a store-wide tool sees every batch
+
+
+def test_garbage_collection_deletes_only_this_run_s_batches_and_orphans(storage, caplog):
+    """Two runs share a prefix (one's files copied in): collecting run A's garbage before step 4 deletes
+    A's committed batches and A's orphaned object (a failed attempt: no commit record), and leaves run
+    B's batch, B's orphan, a batch written without a run and an orphan of no run where they are, named
+    once in the log. Before the fix every batch before the step went, by file name alone."""
+    import logging
+
+    from raycheck.storage.manifest import RunIdentity
+
+    run_a, run_b = RunIdentity("run-a", "a" * 64), RunIdentity("run-b", "a" * 64)
+    ours, theirs, anonymous = (DiffStore(storage, identity=run_a), DiffStore(storage, identity=run_b),
+                               DiffStore(storage))
+    grads = [(step, {"w": np.full((2, 2), step, np.float32)}) for step in range(6)]
+    mine = [ours.write_batch(grads[:2]), ours.write_batch(grads[2:4]), ours.write_batch(grads[4:])]
+    other, nobody = theirs.write_batch(grads[:2]), anonymous.write_batch(grads[2:4])
+    orphan_a, orphan_b = ours.write_batch(grads[:1]), theirs.write_batch(grads[:1])
+    orphan_none = anonymous.write_batch(grads[:1])
+    for b in (orphan_a, orphan_b, orphan_none):  # a crash before the commit record
+        storage.delete(b.commit)
+    kept = sorted([other.path, other.commit, nobody.path, nobody.commit, orphan_b.path, orphan_none.path,
+                   mine[2].path, mine[2].commit])
+    with caplog.at_level(logging.INFO, logger="raycheck.storage.diffs"):
+        assert ours.collect_garbage(4) == 5  # A's two batches (object and commit each) and A's orphan
+        assert ours.collect_garbage(4) == 0
+    assert storage.list("diffs") == kept
+    notes = [r.getMessage() for r in caplog.records if "of another run" in r.getMessage()]
+    assert len(notes) == 1 and "6 object(s)" in notes[0] and "run run-a" in notes[0], notes
+    assert [(b.first_step, b.last_step) for b in theirs.list()] == [(0, 1)]  # B's chain is intact
+    assert anonymous.collect_garbage(4) == 6 and storage.list("diffs") == sorted([mine[2].path, mine[2].commit])

@@ -24,13 +24,16 @@ from raycheck.storage.log_segments import read_segments, segment_name
 from raycheck.storage.steplog import StepLogConflictError, StepLogGapError, StepLogWriter, StepRecord, read_header, read_records
 from raycheck.training.model import default_cache_dir
 from raycheck.training.rank0_log import KeeperSender, KeeperUnreachableError, open_local_log, replicated_append
+from raycheck.training.zo import ZOHyper, step_seed
 
-HEADER = {"run_id": "k", "trajectory_sha256": "t" * 64, "layout_sha256": "l" * 64, "generator": "g", "log_id": "a"}
+SEED = 7
+HEADER = {"run_id": "k", "trajectory_sha256": "t" * 64, "layout_sha256": "l" * 64, "generator": "g", "log_id": "a",
+          "run_seed": SEED}
 
 
-def rec(step: int, grad: float = 0.25) -> StepRecord:
-    return StepRecord(step=step, seed=500 + step, projected_grad=grad * step - 0.5, loss_plus=0.7, loss_minus=0.69,
-                      lr=1e-6, eps=1e-3, weight_decay=0.0, batch_id=step)
+def rec(step: int, grad: float = 0.25, run_seed: int = SEED, lr: float = 1e-6) -> StepRecord:
+    return StepRecord(step=step, seed=step_seed(run_seed, step), projected_grad=grad * step - 0.5, loss_plus=0.7,
+                      loss_minus=0.69, lr=lr, eps=1e-3, weight_decay=0.0, batch_id=step)
 
 
 def keeper_with(path, n: int, **kw) -> LogKeeper:
@@ -113,6 +116,33 @@ def test_a_keeper_resumes_from_the_segments_in_a_bucket(tmp_path, s3_endpoint):
     with pytest.raises(StepLogConflictError, match="step 2 is already logged with another record"):
         LogKeeper(tmp_path / "d.bin", resume_from=storage)
     assert read_records(tmp_path / "d.bin") == [rec(0), rec(1), rec(2, grad=0.5)]  # the refused adoption wrote nothing
+
+
+def test_a_keeper_refuses_to_adopt_segments_holding_records_of_another_run(tmp_path):
+    """Segments whose header is this run's but whose records from step 3 on were spliced in from another
+    run's log (another seed), or carry another learning rate, have valid checksums and no gap: before the
+    fix the keeper copied them into its log (resume, restore and replay refuse such records). Now it
+    refuses in one line naming the segment, and its file keeps what it held."""
+    storage = Storage(f"memory://rc-keep-{uuid.uuid4().hex[:8]}")
+    spliced = keeper_with(tmp_path / "a.bin", 3, mirror_to=storage, mirror_every_s=3600)
+    spliced.append_many([rec(i, run_seed=SEED + 1) for i in range(3, 5)])
+    assert spliced.flush()["log_mirrored_steps"] == 5
+    segment = storage.url(segment_name(0, 4))
+    with pytest.raises(StepLogConflictError) as refused:
+        LogKeeper(tmp_path / "b.bin", header={**HEADER, "log_id": "b"}, resume_from=storage)
+    assert str(refused.value).startswith(f"{segment}: the record of step 3 is not this run's (seed, lr, eps, weight decay ")
+    assert f"for run seed {SEED}): a record of another run (the segments' header names run k); " in str(refused.value)
+    assert "\n" not in str(refused.value) and read_records(tmp_path / "b.bin") == []
+    assert read_header(tmp_path / "b.bin")["log_id"] == "b"  # the bucket's header was not taken either
+
+    other_lr = Storage(f"memory://rc-keep-{uuid.uuid4().hex[:8]}")
+    lr_changed = keeper_with(tmp_path / "c.bin", 2, mirror_to=other_lr, mirror_every_s=3600)
+    lr_changed.append_many([rec(2, lr=1e-5)])
+    assert lr_changed.flush()["log_mirrored_steps"] == 3
+    hyper = ZOHyper(lr=1e-6, eps=1e-3, weight_decay=0.0)
+    with pytest.raises(StepLogConflictError, match=r"the record of step 2 is not this run's .* a record of another run"):
+        LogKeeper(tmp_path / "d.bin", header=HEADER, resume_from=other_lr, hyper=hyper)
+    assert LogKeeper(tmp_path / "e.bin", header=HEADER, resume_from=other_lr).adopted_steps == 3  # the seed alone holds
 
 
 def test_rank0_rebuilds_its_local_log_from_the_keeper_or_brings_the_keeper_up_to_date(tmp_path):

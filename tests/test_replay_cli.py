@@ -191,6 +191,24 @@ def test_a_merge_result_in_the_runs_store_is_named_with_its_use_never_taken_as_t
         assert result.exit_code == 0 and "merge result" not in result.output, result.output
 
 
+def test_a_copied_run_directory_replays_from_and_writes_to_its_own_snapshots_not_the_original_s(made, tmp_path):
+    """``cp -r run copy``: the copy's ``config.json`` names the original's default store (inside the original
+    run directory, which still exists). The copy reads its own snapshots and ``--write-snapshot`` commits
+    into them; before the fix it read the original's store and committed into it (another directory)."""
+    run, hashes = made
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    before = {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    result = replay(copy, "--step", 5, "--write-snapshot")
+    assert result.exit_code == 0, result.output
+    assert f"step 5: base snapshot of step 3 ({copy / 'snapshots'}/" in result.output
+    assert printed_sha256(result.output.split("committed")[0]) == hashes[5]
+    assert f"committed snapshot of step 5: {copy / 'snapshots'}/" in result.output
+    assert {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    result = replay(copy, "--step", 6)  # the copy's own new snapshot is the base
+    assert f"base snapshot of step 5 ({copy / 'snapshots'}/" in result.output and printed_sha256(result.output) == hashes[6]
+
+
 def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_path):
     run, _ = made
     before = sorted(p.name for p in (run / "snapshots").iterdir())

@@ -284,13 +284,19 @@ def check_records(records: Iterable, run_seed: int, source: str, hyper: ZOHyper 
     Raises:
         storage.steplog.StepLogCorruptError: the first record that is not this run's (``source`` names the log).
     """
+    if (foreign := first_foreign_record(records, run_seed, hyper)) is not None:
+        raise StepLogCorruptError(f"{source}: {foreign[1]}; the log cannot be replayed")
+
+
+def first_foreign_record(records: Iterable, run_seed: int, hyper: ZOHyper | None = None) -> tuple[int, str] | None:
+    """(step, why) of the first of ``records`` that is not this run's by ``check_records``' rule; None when all are."""
     for rec in records:
         want = (step_seed(run_seed, rec.step),) + ((hyper.lr, hyper.eps, hyper.weight_decay) if hyper else ())
         got = (rec.seed, rec.lr, rec.eps, rec.weight_decay)[:len(want)]
         if got != want:
-            raise StepLogCorruptError(
-                f"{source}: the record of step {rec.step} is not this run's (seed, lr, eps, weight decay "
-                f"{got}, expected {want} for run seed {run_seed}): a record of another run; the log cannot be replayed")
+            return rec.step, (f"the record of step {rec.step} is not this run's (seed, lr, eps, weight decay "
+                              f"{got}, expected {want} for run seed {run_seed}): a record of another run")
+    return None
 
 
 def replay_records_(params: Mapping[str, torch.Tensor], records: Iterable) -> int:
