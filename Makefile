@@ -16,7 +16,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m mypy
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=25
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 # Mutation check of the core (not part of `make test`; about 30 min on 2 loaded cores, see docs/testing.md).
 # Settings in pyproject.toml [tool.mutmut]; MUTANTS='raycheck.training.zo.*' limits it to matching mutants.

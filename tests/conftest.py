@@ -93,12 +93,3 @@ def three_nodes(tmp_path_factory):
         ray.shutdown()
         cluster.stop()
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
-    """Under ``pytest -n 2 --dist loadgroup`` (``make test``) every Ray test runs in one worker, one
-    after another in file order, so no two local Ray clusters share the machine; the other worker
-    runs the tests without Ray meanwhile."""
-    for item in items:
-        if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
