@@ -193,7 +193,7 @@ def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotIn
             f"{run.storage.url()} holds {len(everyone)} snapshot(s), all of other runs ({', '.join(others[:3])}), none "
             f"of run {run.identity.run_id} whose log {run.log_url} is: pass this run's own store, or --from-initial to "
             "replay every step from the initial weights")
-    return store, own, [i for i in everyone if i.manifest["run"] is None and "merge" in i.manifest["config"]]
+    return store, own, [i for i in everyone if i.is_merge_result]
 
 
 def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":

@@ -107,6 +107,12 @@ class SnapshotInfo:
         """Bytes of the shards this snapshot wrote itself (an incremental one references the rest)."""
         return sum(u["bytes"] for u in self.manifest["units"].values() if u["path"].startswith(self.folder + "/"))
 
+    @property
+    def is_merge_result(self) -> bool:
+        """A ``raycheck merge`` output: no run identity and a ``merge`` configuration (a new run's starting
+        point, never a state on any run's logged trajectory)."""
+        return self.manifest["run"] is None and "merge" in self.manifest["config"]
+
 
 class _Index(NamedTuple):
     raw: bytes | None
@@ -551,7 +557,7 @@ class SnapshotStore:
                 return (f"{info.folder}: a composite (units of steps {older[:3]} in a snapshot of step {info.step}); run "
                         f"{self.identity.run_id} replays its step log onto whole states only")
             return None
-        if run is None and "merge" in info.manifest["config"]:
+        if info.is_merge_result:
             if self.step_log:
                 return (f"{info.folder}: a merge result; run {self.identity.run_id} replays its step log from the "
                         "initial weights, so it restores only its own snapshots")
