@@ -115,6 +115,17 @@ def decode_header(data: bytes, path: str | os.PathLike) -> tuple[dict, int]:
     return header, end
 
 
+def _later_record(data: bytes, offset: int, low: int, high: int) -> tuple[int, int] | None:
+    """(step, byte offset) of the first checksummed record from byte ``offset`` of ``data`` on whose step
+    is in ``low..high - 1``: a step that a record before it skipped comes later, so the log's records are
+    out of order (swapped), not missing. None when no later record holds such a step."""
+    for at in range(offset, len(data) - RECORD_BYTES + 1, RECORD_BYTES):
+        body = data[at : at + _FIELDS.size]
+        if _CRC.unpack_from(data, at + _FIELDS.size)[0] == zlib.crc32(body) and low <= (step := _FIELDS.unpack(body)[0]) < high:
+            return step, at
+    return None
+
+
 def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int) -> Iterator[tuple[StepRecord, int]]:
     """Decode records from byte ``offset`` of ``data``, numbered from ``first_step``: yields (record,
     byte offset just past it). Stops at a torn tail: a partial record, or a record that fails its
@@ -122,8 +133,9 @@ def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int)
 
     Raises:
         StepLogCorruptError: a record fails its checksum and more data follows it.
-        StepLogGapError: a record's step does not follow its predecessor's (a gap, or a step repeated or
-            out of order).
+        StepLogGapError: a record's step does not follow its predecessor's: a gap (the skipped steps are
+            named as missing), or records out of order (a step repeated or going backwards, or a step
+            ahead whose skipped steps come later in the file, e.g. steps 1, 3, 2: named as out of order).
     """
     expect = first_step
     while offset + RECORD_BYTES <= len(data):
@@ -143,6 +155,12 @@ def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int)
                 f"the log cannot be replayed past step {expect - 1}"
             )
         if rec.step != expect:
+            if (later := _later_record(data, offset + RECORD_BYTES, expect, rec.step)) is not None:
+                raise StepLogGapError(
+                    f"{path}: record at byte {offset} is step {rec.step}, expected step {expect}, and step {later[0]} "
+                    f"follows it at byte {later[1]}: the records are out of order, so the log cannot be replayed past "
+                    f"step {expect - 1}"
+                )
             raise StepLogGapError(
                 f"{path}: record at byte {offset} is step {rec.step}, expected step {expect}; "
                 f"steps {expect}..{rec.step - 1} are missing, so the log cannot be replayed past step {expect - 1}"

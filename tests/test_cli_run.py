@@ -149,6 +149,8 @@ def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
 @pytest.mark.parametrize(("steps", "damage"), [
     ((0, 1, 3), "is step 3, expected step 2; steps 2..2 are missing"),
     ((0, 1, 2, 1), "is step 1 again or out of order, expected step 3"),
+    ((0, 1, 3, 2, 4), "is step 3, expected step 2, and step 2 follows it at byte "),
+    ((0, 1, 3, 4, 2), "is step 3, expected step 2, and step 2 follows it at byte "),
 ])
 def test_resume_of_a_step_log_with_a_gap_or_out_of_order_records_is_refused_before_ray_starts(tmp_path, steps, damage):
     """Records of the run's own seeds but with a gap, or a step repeated out of order: the log cannot be

@@ -128,6 +128,20 @@ def test_gap_in_the_file_is_refused_with_the_missing_steps(tmp_path):
         read_records(tmp_path / "log")
 
 
+def test_swapped_records_are_refused_as_out_of_order_not_as_missing(tmp_path):
+    """Steps 0, 1, 3, 2, 4: step 2 is in the file, after step 3, so the records are out of order; "steps
+    2..2 are missing" (what it said before) sent the reader looking for a lost record."""
+    w = make_log(tmp_path / "log", 2)
+    start = os.lseek(w._fd, 0, os.SEEK_CUR)
+    for step in (3, 2, 4):
+        os.write(w._fd, rec(step).encode())
+    w.close()
+    with pytest.raises(StepLogGapError, match=rf"record at byte {start} is step 3, expected step 2, and step 2 follows it at "
+                                              rf"byte {start + RECORD_BYTES}: the records are out of order, so the log "
+                                              r"cannot be replayed past step 1$"):
+        read_records(tmp_path / "log")
+
+
 def test_header_corruption_is_detected(tmp_path):
     make_log(tmp_path / "log", 1).close()
     with open(tmp_path / "log", "r+b") as fh:
