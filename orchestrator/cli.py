@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
@@ -9,10 +10,14 @@ import re
 import shlex
 import shutil
 import uuid
+from collections.abc import Iterator
 from inspect import signature
 from typing import Annotated
 
 import typer
+from typer._click.core import Context
+from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer 0.29 vendors click: its own classes
+from typer.core import TyperGroup
 
 from raycheck.job.config import (PROMPT, DifferentialConfig, ElasticConfig, FailureSpec, FaultConfig, FOConfig, JobConfig, LayerwiseConfig,
                                  OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
@@ -30,7 +35,35 @@ from raycheck.storage.backend import local_path
 from raycheck.storage.steplog import StepLogError, read_log
 from raycheck.training.model import MODEL_NAMES, default_cache_dir
 
+
+class _Commands(TyperGroup):
+    """The ``raycheck`` group: a usage error that click finds (an option's value out of its range or of
+    the wrong type, an unknown option or command, a ``typer.BadParameter`` a command raises) is printed as
+    one ``error: ...`` line with exit 2, as the commands' own refusals are (``_refuse``), not as click's
+    usage block. ``--help`` and a bare ``raycheck`` still print the help."""
+
+    def make_context(self, *args, **kwargs) -> Context:
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Context):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """Turn a click ``UsageError`` (but not the help that no arguments ask for) into ``_refuse``'s line and exit 2."""
+    try:
+        yield
+    except NoArgsIsHelpError:
+        raise
+    except UsageError as exc:
+        raise _refuse(exc.format_message()) from exc
+
+
 app = typer.Typer(
+    cls=_Commands,
     help="raycheck: fault-tolerant fine-tuning on Ray: MeZO with a durable step log, a CPU shadow and exact recovery; "
          "AdamW with layer-wise and differential checkpoints; failure-injection experiments.",
     no_args_is_help=True,

@@ -389,6 +389,10 @@ def test_a_resume_refuses_a_log_of_another_run_or_seed_even_with_an_edited_heade
     (["--shadow-shards", "2", "--strategy", "full-sync"], "error: --shadow-shards 2 needs --strategy shadow (this run: full-sync)"),
     (["--shadow-env", "A=b", "--strategy", "log-only"], "error: --shadow-env is set, but --strategy log-only has no shadow"),
     (["--max-persister-restarts", "-2"], "error: --max-persister-restarts must be >= 0, or -1 for unlimited, got -2"),
+    (["--steps", "0"], "error: Invalid value for '--steps': Input should be greater than or equal to 1"),  # click's range
+    (["--diff-topk", "1.5"], "error: Invalid value for '--diff-topk': Input should be less than or equal to 1"),
+    (["--batch-size", "eight"], "error: Invalid value for '--batch-size': Input should be a valid integer, unable to parse "
+     "string as an integer"),
     (["--max-worker-failures", "1", "--fail", "2:worker", "--fail", "3:both"],
      "error: 2 injected worker failures exceed --max-worker-failures 1: raise --max-worker-failures (-1: unlimited)"),
     (["--algo", "fo", "--micro-batch-size", "2"], "error: --micro-batch-size is for the ZO path (algo zo) only: algo fo "
@@ -408,6 +412,29 @@ def test_configuration_errors_name_the_options_typed(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert result.output.strip() == message
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["policy", "--step-time", "1s", "--replay-time", "1s", "--snapshot-time", "1s", "--restart-time", "1s", "--mtbf", "3h",
+      "--shadow-loss", "1.5"], "error: Invalid value for '--shadow-loss': Input should be less than or equal to 1"),
+    (["policy", "--step-time", "1s"], "error: Missing option '--replay-time'."),
+    (["replay"], "error: Missing argument 'RUN_OR_STORE'."),
+    (["verify"], "error: Missing argument 'URI'."),
+    (["run", "--no-such-option"], "error: No such option: --no-such-option"),
+    (["--no-such-option"], "error: No such option: --no-such-option"),
+    (["no-such-command"], "error: No such command 'no-such-command'."),
+])
+def test_usage_errors_that_click_finds_are_one_error_line_with_exit_2(args, message):
+    """An option out of its range, of the wrong type, missing or unknown, or an unknown command: one
+    ``error:`` line and exit 2 on every command, as the commands' own refusals, not click's usage block
+    ("Usage: ... Try '--help' ... Error: ..."). Help is still help."""
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert len(result.output.splitlines()) == 1 and result.output.startswith(message), result.output
+    assert "Usage:" not in result.output
+    for help_args in (["--help"], ["run", "--help"]):
+        assert CliRunner().invoke(app, help_args).output.startswith("Usage: ")
+    assert CliRunner().invoke(app, []).output.startswith("Usage: ")  # a bare raycheck prints the help
 
 
 @pytest.mark.parametrize("reached", ["nothing", "prepared", "finished"])
