@@ -289,6 +289,28 @@ def write_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> Snaps
     return out.write(replayed.step, copy_state(replayed.params), config=config)
 
 
+def held_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> SnapshotInfo | None:
+    """The committed snapshot of ``run`` (its identity) at ``replayed.step`` in ``target`` whose state (read
+    and verified) has the replayed state's ``training.state.state_sha256``: ``--write-snapshot`` then commits
+    no second copy. None when there is none; a damaged one does not count (a new one is written).
+
+    Raises:
+        storage.backend.StorageError: ``target`` cannot be read.
+    """
+    from raycheck.training.state import state_sha256
+
+    store = SnapshotStore(target, identity=run.identity)
+    same_step = [i for i in store.list() if i.step == replayed.step and i.manifest["run"] == run.identity.as_dict()]
+    want = state_sha256(replayed.params) if same_step else None
+    for info in same_step:
+        try:
+            if state_sha256(store.load(info)) == want:
+                return info
+        except SnapshotCorruptError:
+            continue
+    return None
+
+
 def _notes(run: LoggedRun) -> list[str]:
     """One line on what of ``run``'s log is not replayed: the damage after its intact records, or a
     torn tail (none for an intact log)."""
@@ -326,7 +348,8 @@ def replay(
         "mirrors its log, so a local store (a path, file://, a --to target) needs its run directory instead."))],
     step: Annotated[int, typer.Option(help="Rebuild the state after this many logged steps (0..steps in the log).")],
     write_snapshot_: Annotated[bool, typer.Option("--write-snapshot", help=(
-        "Commit the state as a snapshot of the run (its identity and writer epoch; no retention) in its store, or in --to."))] = False,
+        "Commit the state as a snapshot of the run (its identity and writer epoch; no retention) in its store, or in --to; "
+        "not again when the store already holds the run's snapshot of --step with the same state sha256 (it is named)."))] = False,
     to: Annotated[str, typer.Option(help="With --write-snapshot: commit into this store instead (path, file://, s3://; it "
                                          "must be writable; implies --write-snapshot).")] = "",
     export_hf_dir: Annotated[pathlib.Path | None, typer.Option(
@@ -368,7 +391,10 @@ def replay(
         replayed = rebuild_(params, run, step, from_initial)
         for line in _describe(replayed, run):
             typer.echo(line)
-        if target is not None:
+        if target is not None and (held := held_snapshot(replayed, run, target)) is not None:
+            typer.echo(f"not committed: {target.url()} already holds a committed snapshot of run {run.identity.run_id} at "
+                       f"step {held.step} with this state_sha256 ({target.url(held.folder)})")
+        elif target is not None:
             info = write_snapshot(replayed, run, target)
             typer.echo(f"committed snapshot of step {info.step}: {target.url(info.folder)}")
         if export is not None:

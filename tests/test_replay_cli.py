@@ -209,6 +209,35 @@ def test_a_copied_run_directory_replays_from_and_writes_to_its_own_snapshots_not
     assert f"base snapshot of step 5 ({copy / 'snapshots'}/" in result.output and printed_sha256(result.output) == hashes[6]
 
 
+def test_write_snapshot_of_a_state_the_store_already_holds_commits_no_second_copy(made, tmp_path):
+    """``--write-snapshot`` twice on one step, or on the step of the run's own snapshot: the store already
+    holds a committed snapshot of the run at that step with the same state sha256, so nothing is written
+    (before the fix each call committed another full copy of the same state); exit 0, saying so. A store
+    whose snapshot of the step is damaged gets a new one."""
+    run, hashes = made
+    copy = _copy_run(run, tmp_path / "copy")
+    assert replay(copy, "--step", 5, "--write-snapshot").exit_code == 0
+    folders = sorted(p.name for p in (copy / "snapshots").iterdir())
+    [written] = [f for f in folders if f.startswith("step-0000000005-")]
+    for step, folder in ((5, written), (SNAPSHOT_STEP, next(f for f in folders if f.startswith("step-0000000003-")))):
+        result = replay(copy, "--step", step, "--write-snapshot")
+        assert result.exit_code == 0, result.output
+        assert result.output.strip().splitlines()[-1] == (
+            f"not committed: {copy / 'snapshots'} already holds a committed snapshot of run replayed at step {step} with "
+            f"this state_sha256 ({copy / 'snapshots'}/{folder})"), result.output
+        assert printed_sha256(result.output.split("not committed")[0]) == hashes[step]
+        assert sorted(p.name for p in (copy / "snapshots").iterdir()) == folders
+    other = tmp_path / "other"
+    for _ in range(2):
+        assert replay(copy, "--step", 4, "--to", other).exit_code == 0
+    assert len([p for p in other.iterdir() if p.name.startswith("step-")]) == 1
+    shard = next((copy / "snapshots" / written).glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    result = replay(copy, "--step", 5, "--write-snapshot")
+    assert result.exit_code == 0 and f"committed snapshot of step 5: {copy / 'snapshots'}/" in result.output, result.output
+    assert len(list((copy / "snapshots").glob("step-0000000005-*"))) == 2
+
+
 def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_path):
     run, _ = made
     before = sorted(p.name for p in (run / "snapshots").iterdir())
