@@ -270,8 +270,9 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     """Re-hash every shard of every committed snapshot, every file of an fsdp2 run's sharded
     checkpoints, every diff batch of a differential run (against its commit record) and the mirrored
     step log; exit 1 naming each bad one, and the snapshot folders with a manifest that the index does
-    not list. Exit 2: a missing store (folder or bucket), a folder or prefix that holds nothing of a
-    run, or a run without a committed snapshot or diff batch to re-hash."""
+    not list. Exit 2: a missing store (folder or bucket), or a folder or prefix that holds nothing of a
+    run. A run with nothing to re-hash (no committed snapshot or diff batch: a log-only run, or one
+    stopped before its first snapshot) is no usage error: exit 0 saying so, or 1 when its step log is damaged."""
     main = open_store(uri, s3_endpoint)
     stores = _stores(main)
     _refuse_no_run(uri, stores)
@@ -296,10 +297,12 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     diff_lines, diff_problems = _diff_lines(main.storage, rehash=True)
     for line in diff_lines + lines:
         typer.echo(line)
-    if not verified and not bad and not diff_lines:
-        typer.echo(f"no committed snapshots in {main.storage.url()}", err=True)
-        raise typer.Exit(2)
     if bad or log_problems or diff_problems:
         typer.echo(f"{len(bad) + log_problems + diff_problems} problem(s) found", err=True)
         raise typer.Exit(1)
+    if not verified and not diff_lines:
+        typer.echo(f"nothing damaged, nothing to re-hash: {main.storage.url()} holds no committed snapshot or diff batch "
+                   "(a log-only run, or a run stopped before its first snapshot: its state is rebuilt from the initial "
+                   "weights and the step log, raycheck replay)")
+        return
     typer.echo(f"all {verified} snapshot(s) verified" + (", and the diff batches" if diff_lines else ""))

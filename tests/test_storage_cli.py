@@ -98,6 +98,31 @@ def test_a_run_that_logs_no_steps_by_design_says_so_not_no_steps(tmp_path, algo,
         assert f"ok   step log {tmp_path / 'steplog.bin'}: none, {kind} no steps\n" in result.output
 
 
+def test_verify_of_a_run_with_no_snapshot_says_there_is_nothing_to_rehash_and_exits_0_or_1_when_its_log_is_damaged(tmp_path):
+    """A log-only run (its state is its step log) holds a run, so it is no usage error: verify exited 2
+    with "no committed snapshots in DIR", and so did one whose log was damaged (that is exit 1)."""
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", strategy="log-only", steps=6,
+                    run_id="logonly")
+    prepare(cfg, RunDir(tmp_path))
+    writer = StepLogWriter.open(tmp_path / "steplog.bin")
+    for step in range(3):
+        writer.append(StepRecord(step=step, seed=step, projected_grad=0.5, loss_plus=0.1, loss_minus=0.2, lr=1e-6,
+                                 eps=1e-3, weight_decay=0.0, batch_id=step))
+    writer.close()
+    result = CliRunner().invoke(app, ["verify", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        f"ok   step log {tmp_path / 'steplog.bin'}: steps 0..2",
+        f"nothing damaged, nothing to re-hash: {tmp_path} holds no committed snapshot or diff batch (a log-only run, or a run "
+        "stopped before its first snapshot: its state is rebuilt from the initial weights and the step log, raycheck replay)"]
+    data = bytearray((tmp_path / "steplog.bin").read_bytes())
+    data[-2 * RECORD_BYTES + 3] ^= 0xFF  # step 1's record fails its checksum, step 2's follows
+    (tmp_path / "steplog.bin").write_bytes(bytes(data))
+    result = CliRunner().invoke(app, ["verify", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert result.output.splitlines()[-1] == "1 problem(s) found" and "nothing to re-hash" not in result.output
+
+
 def test_inspect_names_the_logged_steps_whose_metrics_row_was_lost(tmp_path):
     """Steps 1 and 2 are in the step log but not in metrics.jsonl (their rows never reached the driver
     before an interrupt): a note, not damage."""
