@@ -7,7 +7,7 @@ Where the log comes from: a run directory's ``steplog.bin`` (its snapshots: the 
 moved or copied run directory uses its own; else ``<run>/snapshots``), or, for a store URI, the log segments the persister
 mirrored there (``storage.log_segments``). The run's identity (run id and trajectory hash) comes from
 the log's header: only snapshots that carry it are used as a base (not other runs', not merge results:
-those at or before the step are named).
+those at or before the step are named, each merge result in a line, the other runs' snapshots in one).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Annotated
 import typer
 
 from raycheck.job.config import OldConfigError, refuse_flat
-from raycheck.orchestrator.storage_cli import EndpointOpt, open_store, unlogged_kind, unlogged_run
+from raycheck.orchestrator.storage_cli import EndpointOpt, open_store, run_of, unlogged_kind, unlogged_run
 from raycheck.storage.backend import Storage, local_path
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import RunIdentity, layout_of
@@ -62,14 +62,15 @@ class Replayed:
     """The state after ``step`` steps (``params``, name -> CPU tensor in the model's order and the log's dtype),
     rebuilt from ``base`` (a snapshot; None: the initial weights) plus ``replayed_steps`` logged steps;
     ``skipped``: own snapshots at or before ``step`` that failed verification, with the reason;
-    ``merges``: the merge results in the store at or before ``step`` (never a base: ``own_snapshots``)."""
+    ``others``: the store's snapshots at or before ``step`` that are not the run's, merge results and other
+    runs' (never a base: ``own_snapshots``)."""
 
     step: int
     base: SnapshotInfo | None
     replayed_steps: int
     params: "OrderedDict"
     skipped: list[str]
-    merges: list[SnapshotInfo] = field(default_factory=list)
+    others: list[SnapshotInfo] = field(default_factory=list)
 
     @property
     def base_step(self) -> int:
@@ -174,9 +175,10 @@ def _own_store(uri: str, out_dir: str, run_dir: pathlib.Path) -> str:
 
 
 def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotInfo], list[SnapshotInfo]]:
-    """The store of ``run``'s snapshots, its own committed ones and the merge results there (``raycheck
-    merge`` output: no run, a ``merge`` config), both oldest first. A merge result is a new run's starting
-    point, never a state on ``run``'s logged trajectory, so it is never a base; replay names it.
+    """The store of ``run``'s snapshots, its own committed ones and the others there, both oldest first:
+    merge results (``raycheck merge`` output: no run, a ``merge`` config; a new run's starting point) and
+    other runs' snapshots. Neither is a state on ``run``'s logged trajectory, so neither is a base; replay
+    names them.
 
     Raises:
         ReplayError: the store holds snapshots, but every one belongs to another run (or is a merge
@@ -193,7 +195,7 @@ def own_snapshots(run: LoggedRun) -> tuple[SnapshotStore | None, list[SnapshotIn
             f"{run.storage.url()} holds {len(everyone)} snapshot(s), all of other runs ({', '.join(others[:3])}), none "
             f"of run {run.identity.run_id} whose log {run.log_url} is: pass this run's own store, or --from-initial to "
             "replay every step from the initial weights")
-    return store, own, [i for i in everyone if i.is_merge_result]
+    return store, own, [i for i in everyone if i.manifest["run"] != run.identity.as_dict()]
 
 
 def initial_params(run: LoggedRun, cache_dir: pathlib.Path) -> "OrderedDict":
@@ -256,7 +258,7 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
     from raycheck.training.zo import check_records, replay_records_
 
     check_step(run, step)
-    store, own, merges = (None, [], []) if from_initial else own_snapshots(run)
+    store, own, others = (None, [], []) if from_initial else own_snapshots(run)
     base: SnapshotInfo | None = None
     skipped: list[str] = []
     for info in reversed([i for i in own if i.step <= step]):
@@ -274,7 +276,7 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
         raise ReplayError(f"{run.log_url}: the step log's header names no run seed (run_seed): not a raycheck run's log")
     check_records(records, seed, run.log_url)
     replayed = replay_records_(params, records)
-    return Replayed(step, base, replayed, params, skipped, [i for i in merges if i.step <= step])
+    return Replayed(step, base, replayed, params, skipped, [i for i in others if i.step <= step])
 
 
 def write_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> SnapshotInfo:
@@ -330,10 +332,18 @@ def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
             if replayed.base is not None and run.storage is not None else "the initial weights")
     steps = (f"replayed steps {replayed.base_step}..{replayed.step - 1} ({replayed.replayed_steps})"
              if replayed.replayed_steps else "nothing to replay")
-    merges = [f"skipped merge result at step {i.step} ({run.storage.url(i.folder) if run.storage else i.folder}): a merge is a new "
-              f"run's starting point (raycheck run --algo fo --storage STORE, docs/first-order.md), never a state of run "
-              f"{run.identity.run_id}'s logged steps" for i in replayed.merges]
-    return [*_notes(run), *(f"skipped: {s}" for s in replayed.skipped), *merges,
+
+    def url(info: SnapshotInfo) -> str:
+        return run.storage.url(info.folder) if run.storage else info.folder
+
+    named = [f"skipped merge result at step {i.step} ({url(i)}): a merge is a new run's starting point (raycheck run "
+             f"--algo fo --storage STORE, docs/first-order.md), never a state of run {run.identity.run_id}'s logged steps"
+             for i in replayed.others if i.is_merge_result]
+    foreign = [f"step {i.step} of {run_of(i)} at {url(i)}" for i in replayed.others if not i.is_merge_result]
+    if foreign:
+        named.append(f"skipped {len(foreign)} snapshot(s) of other runs, never a base of run {run.identity.run_id}'s "
+                      f"logged steps: {', '.join(foreign)}")
+    return [*_notes(run), *(f"skipped: {s}" for s in replayed.skipped), *named,
             f"run {run.identity.run_id}, model {run.header['model']}, log {run.log_url} ({len(run.records)} steps)",
             f"step {replayed.step}: base {base}; {steps}",
             f"state_sha256 {state_sha256(replayed.params)}"]

@@ -158,7 +158,7 @@ def _units(manifest: dict) -> str:
     return f"{len(manifest['units']):>4} units ({', '.join(f'{n} @ step {s}' for s, n in sorted(steps.items()))})"
 
 
-def _run_of(info: SnapshotInfo) -> str:
+def run_of(info: SnapshotInfo) -> str:
     """The run that wrote ``info``, short: ``run ID (trajectory SHA12)``, or ``run -`` (a merge
     result or a store-wide writer)."""
     run = info.manifest["run"]
@@ -250,7 +250,7 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
         typer.echo(f"{store.storage.url()}: {len(infos)} {kind}(s)")
         for info in infos:
             created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
-            typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {_units(info.manifest)}  {_run_of(info)}  "
+            typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {_units(info.manifest)}  {run_of(info)}  "
                        f"{created}  {info.folder}")
         for problem in store.skipped:
             typer.echo(f"  skipped: {problem}")

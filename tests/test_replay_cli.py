@@ -191,6 +191,33 @@ def test_a_merge_result_in_the_runs_store_is_named_with_its_use_never_taken_as_t
         assert result.exit_code == 0 and "merge result" not in result.output, result.output
 
 
+def test_other_runs_snapshots_in_the_runs_store_are_named_in_one_line_never_taken_as_the_base(made, tmp_path):
+    """Snapshots of another run in the run's store (steps 2 and 4, beside the run's own of step 3): those at or
+    before --step are named in one line, as merge results are; they were skipped silently before."""
+    run, hashes = made
+    copy = _copy_run(run, tmp_path / "run")
+    own = SnapshotStore(str(copy / "snapshots"))
+    state = own.load(own.list()[0])
+    other = SnapshotStore(str(copy / "snapshots"), identity=RunIdentity("someone-else", "0" * 64))
+    infos = [other.write(step, state) for step in (2, 4)]
+    result = replay(copy, "--step", 5)
+    assert result.exit_code == 0, result.output
+    named = [line for line in result.output.splitlines() if "other runs" in line]
+    other_run = "run someone-else (trajectory 000000000000)"
+    assert named == [f"skipped 2 snapshot(s) of other runs, never a base of run replayed's logged steps: step 2 of {other_run} "
+                     f"at {copy / 'snapshots'}/{infos[0].folder}, step 4 of {other_run} at {copy / 'snapshots'}/{infos[1].folder}"
+                     ], result.output
+    assert f"step 5: base snapshot of step 3 ({copy / 'snapshots'}/step-" in result.output
+    assert printed_sha256(result.output) == hashes[5]
+    result = replay(copy, "--step", 3)
+    assert (f"skipped 1 snapshot(s) of other runs, never a base of run replayed's logged steps: step 2 of {other_run} at "
+            f"{copy / 'snapshots'}/{infos[0].folder}\n") in result.output
+    assert printed_sha256(result.output) == hashes[3]
+    for args in (("--step", 1), ("--step", 5, "--from-initial")):  # before them, or no snapshot looked at
+        result = replay(copy, *args)
+        assert result.exit_code == 0 and "other runs" not in result.output, result.output
+
+
 def test_a_copied_run_directory_replays_from_and_writes_to_its_own_snapshots_not_the_original_s(made, tmp_path):
     """``cp -r run copy``: the copy's ``config.json`` names the original's default store (inside the original
     run directory, which still exists). The copy reads its own snapshots and ``--write-snapshot`` commits
