@@ -13,6 +13,7 @@ those at or before the step are named, each merge result in a line, the other ru
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 from collections import OrderedDict
@@ -23,7 +24,7 @@ import typer
 
 from raycheck.job.config import OldConfigError, refuse_flat
 from raycheck.orchestrator.storage_cli import EndpointOpt, open_store, run_of, unlogged_kind, unlogged_run
-from raycheck.storage.backend import Storage, local_path
+from raycheck.storage.backend import Storage, local_path, split_uri
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import RunIdentity, layout_of
 from raycheck.storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
@@ -157,6 +158,10 @@ def _own_store(uri: str, out_dir: str, run_dir: pathlib.Path) -> str:
     place under ``run_dir``, so a moved run directory reads its snapshots where they moved with it, and a
     copy (``cp -r``, the original still there) reads and writes its own, never the original's.
 
+    "Inside" holds as recorded (absolute, ``..`` folded, no symlink followed: a run's ``snapshots`` that is a
+    symlink to another disk is still the run's own, and a copy made with the files (``cp -rL``) uses the
+    copy's) or with every symlink resolved (the two paths recorded through different links to one folder).
+
     Raises:
         ReplayError: the recorded local store no longer exists and lay outside ``out_dir`` (it did not
             move with the run directory); the message names both paths.
@@ -164,9 +169,10 @@ def _own_store(uri: str, out_dir: str, run_dir: pathlib.Path) -> str:
     stored = local_path(uri) if uri else None
     if stored is None:
         return uri
-    recorded = pathlib.Path(out_dir).resolve()
-    if stored.is_relative_to(recorded):
-        return str(run_dir.resolve() / stored.relative_to(recorded))
+    as_recorded = (pathlib.Path(os.path.abspath(out_dir)), pathlib.Path(os.path.abspath(split_uri(uri)[1])))
+    for recorded, place in (as_recorded, (pathlib.Path(out_dir).resolve(), stored)):
+        if place.is_relative_to(recorded):
+            return str(run_dir.resolve() / place.relative_to(recorded))
     if not stored.exists():
         raise ReplayError(f"the run's snapshot store {stored} (named in {run_dir / 'config.json'}) no longer exists, and "
                           f"it lay outside the run's directory ({out_dir}), so it did not move with {run_dir}: put it "

@@ -265,6 +265,36 @@ def test_write_snapshot_of_a_state_the_store_already_holds_commits_no_second_cop
     assert len(list((copy / "snapshots").glob("step-0000000005-*"))) == 2
 
 
+def test_a_copy_of_a_run_whose_snapshots_folder_is_a_symlink_writes_its_own_snapshots(made, tmp_path):
+    """The run's ``snapshots`` is a symlink to another disk (``big/snaps``); ``shutil.copytree`` (as ``cp -rL``)
+    copies the snapshots into the copy. The recorded store lies inside the recorded run directory as
+    recorded, so the copy reads and writes its own: before the fix the recorded store was resolved through
+    the original's symlink first, fell outside the run directory, and the copy wrote into ``big/snaps``.
+    The copy reached through a symlink (``alias``) is the same copy."""
+    run, hashes = made
+    shutil.copytree(run / "snapshots", tmp_path / "big" / "snaps")
+    original = tmp_path / "original"
+    shutil.copytree(run, original, ignore=shutil.ignore_patterns("snapshots"))
+    (original / "snapshots").symlink_to(tmp_path / "big" / "snaps")
+    config = json.loads((original / "config.json").read_text())
+    RunDir.write_json(original / "config.json", {**config, "out_dir": str(original), "storage": {"uri": str(original / "snapshots")}})
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    (tmp_path / "alias").symlink_to(copy)
+    before = sorted(p.name for p in (tmp_path / "big" / "snaps").iterdir())
+    result = replay(copy, "--step", 5, "--write-snapshot")
+    assert result.exit_code == 0, result.output
+    assert f"step 5: base snapshot of step 3 ({copy / 'snapshots'}/" in result.output, result.output
+    assert f"committed snapshot of step 5: {copy / 'snapshots'}/" in result.output
+    assert printed_sha256(result.output.split("committed")[0]) == hashes[5]
+    assert sorted(p.name for p in (tmp_path / "big" / "snaps").iterdir()) == before
+    result = replay(tmp_path / "alias", "--step", 6)  # the copy's new snapshot is the base
+    assert f"step 6: base snapshot of step 5 ({copy / 'snapshots'}/" in result.output, result.output
+    assert printed_sha256(result.output) == hashes[6]
+    result = replay(original, "--step", 5)  # the original still reads its store, through its symlink
+    assert f"step 5: base snapshot of step 3 ({tmp_path / 'big' / 'snaps'}/" in result.output, result.output
+
+
 def test_refusals_are_one_line_with_their_exit_code_and_write_nothing(made, tmp_path):
     run, _ = made
     before = sorted(p.name for p in (run / "snapshots").iterdir())
