@@ -18,8 +18,10 @@ rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray clus
   ``--write-rate-mb-s``, and ``no disk`` (the same snapshots to ``memory://``: their CPU work alone);
   with ``--process-writers`` also the chunked writer in a process of its own (as the persister actor
   is), at normal priority and at idle CPU and I/O priority (``storage.priority.lower_to_idle``, the
-  persister's ``snapshot.persister_priority = "idle"``), each stopped after ``--load-max-s`` seconds
-  if it has not written its snapshots by then (a starved idle writer).
+  persister's ``snapshot.persister_priority = "idle"``), and the direct-I/O writer (``Storage(write_direct=True)``:
+  ``O_DIRECT``, 256 KiB per ``fdatasync``) in a process of its own at normal and at idle priority, and
+  at idle priority with one sync per object (``write_chunk_bytes=None``), each stopped after
+  ``--load-max-s`` seconds if it has not written its snapshots by then (a starved idle writer).
   The writers take turns in ``--load-rounds`` rounds, each round starting with a quiet measurement, so
   that the machine's changing load falls on all of them alike; the records (one per 10 ms) span
   ``LOAD_SNAPSHOTS`` whole snapshots. Each writer is reported as mean under load / quiet median, staging
@@ -262,30 +264,31 @@ def thread_writer(make_storage: Callable[[pathlib.Path], Storage]) -> Writer:
     return write
 
 
-def _child_writer(folder: str, state_file: str, idle: bool, conn) -> None:
+def _child_writer(folder: str, state_file: str, idle: bool, options: dict, conn) -> None:
     """A writer process: load the state, lower itself when ``idle``, say ``ready``, wait for ``go``, then
-    write snapshots (chunked local storage) and send each one's seconds until the parent ends it."""
+    write snapshots (local ``Storage(folder, **options)``) and send each one's seconds until the parent ends it."""
     state = load(pathlib.Path(state_file).read_bytes())
     if idle:
         lower_to_idle()
     conn.send("ready")
     conn.recv()
-    store = SnapshotStore(Storage(folder), keep_last=1)
+    store = SnapshotStore(Storage(folder, **options), keep_last=1)
     for step in itertools.count():
         t0 = time.perf_counter()
         store.write(step, state)
         conn.send(time.perf_counter() - t0)
 
 
-def process_writer(state_file: pathlib.Path, idle: bool) -> Writer:
+def process_writer(state_file: pathlib.Path, idle: bool, **options) -> Writer:
     """Snapshots written by a process of its own (``multiprocessing`` spawn; the state read from
-    ``state_file``), at idle priority when ``idle``; killed once ``done`` is set."""
+    ``state_file``) into ``Storage(folder, **options)``, at idle priority when ``idle``; killed once
+    ``done`` is set."""
 
     def write(folder: pathlib.Path, state: dict, prepared: threading.Event, measuring: threading.Event, done: threading.Event,
               written_s: list) -> None:
         spawn = multiprocessing.get_context("spawn")
         parent, child = spawn.Pipe()
-        proc = spawn.Process(target=_child_writer, args=(str(folder), str(state_file), idle, child), daemon=True)
+        proc = spawn.Process(target=_child_writer, args=(str(folder), str(state_file), idle, options, child), daemon=True)
         proc.start()  # its start-up (imports, loading the state) is over before the measured records begin
         try:
             ready = parent.recv()
@@ -306,9 +309,14 @@ def process_writer(state_file: pathlib.Path, idle: bool) -> Writer:
 
 
 def process_writers(state_file: pathlib.Path) -> dict[str, Writer]:
-    """The chunked writer in a process of its own (as the persister actor), at normal and at idle priority."""
+    """The chunked writer and the direct one in a process of their own (as the persister actor), at
+    normal and at idle priority, and the direct one with a single sync per object at idle priority."""
     return {"chunked, own process": process_writer(state_file, idle=False),
-            "chunked, own process, idle priority": process_writer(state_file, idle=True)}
+            "chunked, own process, idle priority": process_writer(state_file, idle=True),
+            "direct, own process": process_writer(state_file, idle=False, write_direct=True),
+            "direct, own process, idle priority": process_writer(state_file, idle=True, write_direct=True),
+            "direct, one sync, own process, idle": process_writer(state_file, idle=True, write_direct=True,
+                                                                  write_chunk_bytes=None)}
 
 
 def dirty_mb() -> float:
@@ -412,7 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--write-rate-mb-s", type=float, nargs="*", default=[],
                     help="Also the default chunked writer capped at each of these rates, MB/s (--snapshot-load).")
     ap.add_argument("--process-writers", action="store_true",
-                    help="Also the chunked writer in its own process, at normal and at idle priority (--snapshot-load).")
+                    help="Also the chunked and the direct-I/O writers in a process of their own, at normal and at idle "
+                         "priority (--snapshot-load).")
     ap.add_argument("--load-max-s", type=float, default=float("inf"),
                     help="Seconds a writer may take for its snapshots before its loaded run ends (--snapshot-load).")
     ap.add_argument("--log-layouts", action="store_true",
@@ -489,7 +498,7 @@ def print_load_ratios(load: dict, staging: dict) -> None:
     quiet = load["quiet"]
     print(f"quiet process: mean / median = {quiet['mean_us'] / quiet['median_us']:.1f}x (the CPU's share, no snapshots)")
     for name, s in load["writers"].items():
-        print(f"{name:<34} mean under load / quiet median = {s['mean_us'] / quiet['median_us']:5.1f}x (target <= 2x), "
+        print(f"{name:<36} mean under load / quiet median = {s['mean_us'] / quiet['median_us']:5.1f}x (target <= 2x), "
               f"staging copy / mean = {ratio(staging['median_us'], s['mean_us']):>6}, snapshot writes {s['write_mb_s']:.0f} MB/s, "
               f"dirty + writeback max {s['dirty_max_mb']:.0f} MB (mean {s['dirty_mean_mb']:.0f})")
 

@@ -235,6 +235,11 @@ class SnapshotConfig:
     ``SCHED_IDLE``, nice 19 and idle I/O class: ``storage.priority.lower_to_idle``), so that its
     serialising, hashing and writing take only CPU time the training processes leave; its snapshots
     then become durable later, or not at all while the CPUs are saturated."""
+    persister_direct_io: bool = True
+    """The persister's local snapshot writes bypass the page cache (``Storage(write_direct=True)``:
+    ``O_DIRECT``, 256 KiB per ``fdatasync``), so its own thread, at ``persister_priority``, moves the
+    bytes to the disk instead of the kernel's flusher threads at normal priority (README, Storage);
+    False: buffered writes. Other snapshot writers (training ranks, tools) always write buffered."""
 
     def __post_init__(self) -> None:
         if self.persister_priority not in PERSISTER_PRIORITIES:
@@ -708,11 +713,12 @@ class JobConfig:
             nested[name] = value
         return dataclasses.replace(self, **nested)  # type: ignore[arg-type]
 
-    def snapshot_store(self) -> SnapshotStore:
+    def snapshot_store(self, direct: bool = False) -> SnapshotStore:
         """The run's snapshot store (built fresh: safe to call in any process): it writes and restores
         only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``; a merge
-        result only as the starting point of a run without a step log (``SnapshotStore``'s ``step_log``)."""
-        return SnapshotStore(Storage(self.storage.uri, **self.storage.options), keep_last=self.snapshot.keep,
+        result only as the starting point of a run without a step log (``SnapshotStore``'s ``step_log``).
+        ``direct``: its local writes bypass the page cache (``Storage``'s ``write_direct``)."""
+        return SnapshotStore(Storage(self.storage.uri, write_direct=direct, **self.storage.options), keep_last=self.snapshot.keep,
                              identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch,
                              step_log=self.uses_step_log)
 

@@ -426,6 +426,9 @@ def run(
     persister_priority: Annotated[str, typer.Option(help="CPU and I/O priority of the snapshot persister's process: normal, or "
                                                          "idle (SCHED_IDLE, nice 19, idle I/O: it writes only in CPU time the "
                                                          "training leaves).")] = "normal",
+    persister_direct_io: Annotated[bool, typer.Option(help="The persister writes local snapshots with direct I/O (O_DIRECT, "
+                                                           "no page cache: the disk work runs at its own priority); "
+                                                           "--no-persister-direct-io: buffered.")] = True,
     storage: Annotated[str, typer.Option(help="Snapshot storage: a path, file://PATH or s3://BUCKET/PREFIX. Default: <out>/snapshots.")] = "",
     s3_endpoint: Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL; keys from $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY).")] = "",
     out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
@@ -504,7 +507,7 @@ def run(
             differential=DifferentialConfig(full_every_steps=diff_full_every, batch_steps=diff_batch_steps, topk=diff_topk),
             overlapped=OverlappedConfig(chunks=overlap_chunks),
             snapshot=SnapshotConfig(every_steps=snapshot_every, policy=snapshot_policy, mtbf_s=parse_duration(mtbf), keep=keep_snapshots,
-                                    persister_priority=persister_priority),
+                                    persister_priority=persister_priority, persister_direct_io=persister_direct_io),
             storage=StorageConfig(uri=_storage_uri(storage), options={"endpoint_url": s3_endpoint} if s3_endpoint else {}),
             faults=FaultConfig(failures=failures, settle_failures=settle_failures, max_shadow_restarts=max_shadow_restarts,
                                max_persister_restarts=max_persister_restarts, max_worker_failures=max_worker_failures,

@@ -277,11 +277,12 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
 
 def start_persister(cfg: JobConfig, placement: Placement):
     """Start the run's snapshot persister (named ``cfg.persister_name``) where ``placement`` puts the
-    replicas, with the driver's storage settings (``runtime_env``); returns its handle at once."""
+    replicas, with the driver's storage settings (``runtime_env``), writing local snapshots with direct I/O
+    unless ``snapshot.persister_direct_io`` is off; returns its handle at once."""
     return ray.remote(PersisterActor).options(
         name=cfg.persister_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=4,
         runtime_env=runtime_env(), **placement.replica,
-    ).remote(cfg.snapshot_store(), priority=cfg.snapshot.persister_priority)
+    ).remote(cfg.snapshot_store(direct=cfg.snapshot.persister_direct_io), priority=cfg.snapshot.persister_priority)
 
 
 class Controller:

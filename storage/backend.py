@@ -23,7 +23,9 @@ Local writes and the step log's fsync: a local ``put`` writes its bytes ``write_
 time and ``os.fdatasync``-s each chunk, optionally paced to ``write_rate_bytes_per_s``, so that a big
 object (a snapshot shard) never has more than one chunk per writing thread in flight. A step log
 append on the same disk waits, in its fsync, for the writes in flight (the disk's queue and the cache
-flush); measured with ``experiments.durability_bench --snapshot-load`` (README, Storage).
+flush); measured with ``experiments.durability_bench --snapshot-load`` (README, Storage). With
+``write_direct`` a local put bypasses the page cache (``O_DIRECT``: ``storage.files.write_synced_pieces``),
+so the writing thread itself, at its own CPU and I/O priority, moves the bytes to the disk.
 
 S3 settings: ``endpoint_url``, ``key``, ``secret``, ``token`` as keyword options, else the standard
 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN``
@@ -58,7 +60,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from raycheck.storage.files import TEMP_MARK, atomic_write_pieces
+from raycheck.storage.files import DIRECT_ALIGN_BYTES, TEMP_MARK, atomic_write_pieces
 
 log = logging.getLogger(__name__)
 
@@ -399,25 +401,32 @@ class Storage:
             None writes each object in one go and syncs it once.
         write_rate_bytes_per_s: caps the bytes per second of this store's local puts, all threads
             together (``WritePacer``); None: no cap.
+        write_direct: local puts write with ``O_DIRECT`` (``storage.files.write_synced_pieces``; buffered
+            where the file system refuses it), ``write_chunk_bytes`` at a time (None: no ``fdatasync``
+            until the end); ignored by S3 and memory stores.
         **options: backend options (S3: ``endpoint_url``, ``key``, ``secret``, ``token``).
 
     Raises:
         ValueError: an unsupported URI scheme, a ``write_chunk_bytes`` or ``write_rate_bytes_per_s``
-            that is not > 0. FileNotFoundError: ``create`` is False and the local folder does not exist.
+            that is not > 0, a ``write_direct`` ``write_chunk_bytes`` that is not a multiple of
+            ``storage.files.DIRECT_ALIGN_BYTES`` (4096). FileNotFoundError: ``create`` is False and the local folder does not exist.
     """
 
     SCHEMES = ("file", "s3", "memory")
 
     def __init__(self, uri: str, *, retry: RetryPolicy = RetryPolicy(), create: bool = True,
                  write_chunk_bytes: int | None = LOCAL_WRITE_CHUNK_BYTES, write_rate_bytes_per_s: float | None = None,
-                 **options) -> None:
+                 write_direct: bool = False, **options) -> None:
         protocol, rest = split_uri(uri)
         if protocol not in self.SCHEMES:
             raise ValueError(f"{uri!r}: unsupported storage scheme {protocol!r}; use one of {', '.join(self.SCHEMES)}")
         if write_chunk_bytes is not None and write_chunk_bytes < 1:
             raise ValueError(f"write_chunk_bytes must be >= 1 (or None: one write per object), got {write_chunk_bytes}")
+        if write_direct and write_chunk_bytes is not None and write_chunk_bytes % DIRECT_ALIGN_BYTES:
+            raise ValueError(f"write_chunk_bytes must be a multiple of {DIRECT_ALIGN_BYTES} for direct writes, got {write_chunk_bytes}")
         self.uri, self.protocol, self.retry, self.options = uri, protocol, retry, options
         self.write_chunk_bytes, self.write_rate_bytes_per_s = write_chunk_bytes, write_rate_bytes_per_s
+        self.write_direct = write_direct
         self._pacer = WritePacer(write_rate_bytes_per_s) if write_rate_bytes_per_s is not None else None
         self.root = str(pathlib.Path(rest).resolve()) if protocol == "file" else rest.rstrip("/")
         self.fs = _filesystem(protocol, options, retry.timeout_s)
@@ -431,7 +440,8 @@ class Storage:
             raise FileNotFoundError(f"{self.root}: no such folder")
 
     def __reduce__(self):  # rebuild in the receiving process (thread pools and clients do not pickle)
-        return (_rebuild, (self.uri, self.retry, self.options, self.write_chunk_bytes, self.write_rate_bytes_per_s))
+        return (_rebuild, (self.uri, self.retry, self.options, self.write_chunk_bytes, self.write_rate_bytes_per_s,
+                           self.write_direct))
 
     def __repr__(self) -> str:
         return f"Storage({self.uri!r})"
@@ -557,7 +567,7 @@ class Storage:
     def put_stream(self, rel: str, pieces: Callable[[], Iterable[bytes | memoryview]]) -> tuple[int, str]:
         """Write the concatenation of the byte strings (or contiguous buffers) that ``pieces()`` yields as
         object ``rel``, atomically, one piece at a time: the object is never held whole in memory (local:
-        ``atomic_write_pieces``, chunked ``fdatasync`` and pacing as ``put``; S3: an upload that buffers one
+        ``atomic_write_pieces``, chunked ``fdatasync``, pacing and direct I/O as ``put``; S3: an upload that buffers one
         part and completes, or is aborted, at the end; memory: joined, as memory objects are). Returns
         ``(bytes, sha256 hex)`` of what was written, hashed as it went.
 
@@ -575,7 +585,7 @@ class Storage:
         stream = tally.count(pieces())
         if self.protocol == "file":
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            atomic_write_pieces(target, stream, self.write_chunk_bytes, self._pacer)
+            atomic_write_pieces(target, stream, self.write_chunk_bytes, self._pacer, self.write_direct)
         elif self.protocol == "memory":  # a memory object is its bytes, whole; published at once
             self.fs.pipe_file(target, b"".join(stream))
         else:
@@ -768,6 +778,6 @@ class Storage:
 
 
 def _rebuild(uri: str, retry: RetryPolicy, options: dict, write_chunk_bytes: int | None = LOCAL_WRITE_CHUNK_BYTES,
-             write_rate_bytes_per_s: float | None = None) -> Storage:
+             write_rate_bytes_per_s: float | None = None, write_direct: bool = False) -> Storage:
     return Storage(uri, retry=retry, write_chunk_bytes=write_chunk_bytes, write_rate_bytes_per_s=write_rate_bytes_per_s,
-                   **options)
+                   write_direct=write_direct, **options)

@@ -166,7 +166,7 @@ class ShardedStore(SnapshotStore):
     def __init__(self, storage: Storage | str, keep_last: int = 3, create: bool = True, **kw) -> None:
         root = storage if isinstance(storage, Storage) else Storage(storage)
         sub = Storage(f"{root.uri.rstrip('/')}/{SUBFOLDER}", retry=root.retry, create=create, write_chunk_bytes=root.write_chunk_bytes,
-                      write_rate_bytes_per_s=root.write_rate_bytes_per_s, **root.options)
+                      write_rate_bytes_per_s=root.write_rate_bytes_per_s, write_direct=root.write_direct, **root.options)
         super().__init__(sub, keep_last=keep_last, **kw)
 
     def _manifest_problems(self, manifest: object, folder: str) -> list[str]:

@@ -5,9 +5,11 @@ the commit rules (temp name, fsync, rename, folder fsync) still make an object v
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,9 +264,11 @@ def test_a_run_directory_json_file_is_replaced_whole_and_its_folder_synced_once_
     assert path.read_text() == '{\n  "ok": true\n}'  # the old value stays
 
 
-def test_the_benchmark_writes_snapshots_from_a_process_of_its_own_at_idle_priority(tmp_path):
+@pytest.mark.parametrize("name", ["chunked, own process, idle priority", "direct, one sync, own process, idle"])
+def test_the_benchmark_writes_snapshots_from_a_process_of_its_own_at_idle_priority(tmp_path, name):
     """``--process-writers``: the child loads the state file, lowers itself, and writes whole snapshots
-    (loadable, bitwise the state) once the measured records start, until it is stopped."""
+    (loadable, bitwise the state) once the measured records start, until it is stopped; chunked and
+    direct (``O_DIRECT``) alike."""
     from raycheck.experiments.durability_bench import process_writers
     from raycheck.storage.snapshots import SnapshotStore
     from raycheck.storage.tensor_files import save_file
@@ -272,7 +276,10 @@ def test_the_benchmark_writes_snapshots_from_a_process_of_its_own_at_idle_priori
 
     state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
     save_file(state, str(tmp_path / "state.safetensors"))
-    write = process_writers(tmp_path / "state.safetensors")["chunked, own process, idle priority"]
+    chosen = process_writers(tmp_path / "state.safetensors")
+    assert list(chosen) == ["chunked, own process", "chunked, own process, idle priority", "direct, own process",
+                            "direct, own process, idle priority", "direct, one sync, own process, idle"]
+    write = chosen[name]
     prepared, measuring, done, written_s = threading.Event(), threading.Event(), threading.Event(), []
     thread = threading.Thread(target=write, args=(tmp_path / "snapshots", state, prepared, measuring, done, written_s))
     thread.start()
@@ -299,3 +306,127 @@ def test_the_benchmark_s_raw_log_layouts_hold_the_same_records_one_grown_one_ove
     expected = record(0).encode() * (WARMUP_RECORDS + 5)
     assert grown.read_bytes() == expected
     assert prezeroed.read_bytes() == expected + bytes(PREZERO_BYTES - len(expected))
+
+
+# -- direct I/O (Storage(write_direct=True): O_DIRECT through a page-aligned buffer) ---------------------------------
+
+def direct_io_allowed(folder) -> bool:
+    """Whether ``folder``'s file system takes ``O_DIRECT`` (tmpfs does since Linux 6.6)."""
+    try:
+        os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError as e:
+        assert e.errno == errno.EINVAL
+        return False
+    finally:
+        os.unlink(folder / "probe")
+
+
+@pytest.fixture()
+def direct_writes(monkeypatch):
+    """Every ``os.write`` of the storage modules, recorded as (bytes asked, O_DIRECT set on the fd) (then run)."""
+    seen: list[tuple[int, bool]] = []
+    real = os.write
+
+    def spy(fd: int, data) -> int:
+        seen.append((len(data), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        return real(fd, data)
+
+    monkeypatch.setattr(files.os, "write", spy)
+    return seen
+
+
+def split(data: bytes, cuts: tuple[int, ...]) -> list[memoryview]:
+    """``data`` cut at the offsets ``cuts`` (clipped to its size): pieces of uneven sizes, some empty."""
+    edges = [0, *(min(c, len(data)) for c in cuts), len(data)]
+    return [memoryview(data)[a:b] for a, b in zip(edges, edges[1:])]
+
+
+CHUNK = 3 * 4096
+DIRECT_SIZES = (0, 1, 4095, 4096, 4097, CHUNK - 1, CHUNK, CHUNK + 1, 4 * CHUNK + 5, 2 * LOCAL_WRITE_CHUNK_BYTES + 4097)
+
+
+@pytest.mark.parametrize("chunk_bytes", [CHUNK, LOCAL_WRITE_CHUNK_BYTES, None])
+@pytest.mark.parametrize("size_bytes", DIRECT_SIZES)
+def test_a_direct_put_writes_whole_aligned_chunks_and_reads_back_byte_identical(tmp_path, direct_writes, fdatasyncs,
+                                                                               size_bytes, chunk_bytes):
+    store = Storage(str(tmp_path / "store"), write_direct=True, write_chunk_bytes=chunk_bytes)
+    data = blob(size_bytes, seed=size_bytes)
+    pieces = split(data, (1, 5000, 5001, CHUNK + 3, 3 * CHUNK))  # pieces span chunks and end mid-chunk
+    assert store.put_stream("a/shard", lambda: pieces) == (size_bytes, hashlib.sha256(data).hexdigest())
+    assert hashlib.sha256(store.get("a/shard")).hexdigest() == hashlib.sha256(data).hexdigest()
+    assert os.path.getsize(tmp_path / "store" / "a" / "shard") == size_bytes  # the last chunk's padding is cut off
+    assert os.listdir(tmp_path / "store" / "a") == ["shard"]  # no temp file left
+    buffer = chunk_bytes or files.DIRECT_BUFFER_BYTES
+    whole, rest = divmod(size_bytes, buffer)
+    expected = [buffer] * whole + ([-(-rest // 4096) * 4096] if rest else [])  # full buffers, the last padded
+    assert direct_writes == [(n, direct_io_allowed(tmp_path)) for n in expected]
+    synced = [min(buffer * k, size_bytes) for k in range(1, whole + 1 + bool(rest))]
+    ends = [-(-s // 4096) * 4096 for s in synced]  # the file's size at each sync: padded, not yet truncated
+    assert fdatasyncs == (ends if chunk_bytes else [])
+
+
+def test_a_direct_put_to_tmpfs_and_one_where_o_direct_is_refused_write_the_same_bytes(tmp_path, monkeypatch, caplog):
+    """/dev/shm (tmpfs: O_DIRECT taken since Linux 6.6, refused before) round-trips either way; a file
+    system that refuses (EINVAL from ``fcntl``, as some FUSE ones) gets the buffered write, logged once."""
+    data = blob(3 * 4096 + 100)
+    shm = Storage(f"/dev/shm/raycheck-test-{os.getpid()}-{tmp_path.name}", write_direct=True, write_chunk_bytes=8192)
+    try:
+        shm.put("x", data)
+        assert shm.get("x") == data and shm.list() == ["x"] and shm.temp_files() == []
+    finally:
+        shutil.rmtree(shm.root)
+
+    real_fcntl = fcntl.fcntl
+
+    def refusing(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(files.fcntl, "fcntl", refusing)
+    monkeypatch.setattr(files, "_buffered_devices", set())
+    store = Storage(str(tmp_path), write_direct=True, write_chunk_bytes=8192)
+    with caplog.at_level("WARNING", logger="raycheck.storage.files"):
+        store.put("a", data)
+        store.put("b", data[:5])
+    assert store.get("a") == data and store.get("b") == data[:5] and sorted(os.listdir(tmp_path)) == ["a", "b"]
+    assert [r.getMessage().endswith("refuses O_DIRECT: its local writes are buffered") for r in caplog.records] == [True]
+
+
+@pytest.mark.parametrize("fails", ["write", "pieces"])
+def test_a_failed_direct_put_leaves_no_object_no_temp_file_and_the_previous_one_intact(tmp_path, monkeypatch, fails):
+    store = Storage(str(tmp_path), retry=ONE_TRY, write_direct=True, write_chunk_bytes=4096)
+    old = blob(10_000, seed=1)
+    store.put("obj", old)
+    real, writes = os.write, []
+
+    def failing_third_write(fd: int, data) -> int:
+        writes.append(len(data))
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(fd, data)
+
+    def failing_pieces():
+        yield blob(9000, seed=2)
+        raise OSError(errno.ECONNRESET, "source failed (injected)")
+
+    if fails == "write":
+        monkeypatch.setattr(files.os, "write", failing_third_write)
+    for rel in ("obj", "new"):
+        with pytest.raises(StorageError, match="injected"):
+            store.put_stream(rel, (lambda: (blob(20_000, seed=3),)) if fails == "write" else failing_pieces)
+        writes.clear()
+    assert sorted(os.listdir(tmp_path)) == ["obj"] and store.temp_files() == []
+    assert store.get("obj") == old
+
+
+def test_direct_writes_travel_with_a_pickled_store_and_unaligned_chunks_are_refused(tmp_path):
+    store = pickle.loads(pickle.dumps(Storage(str(tmp_path), write_direct=True, write_chunk_bytes=8192)))
+    assert (store.write_direct, store.write_chunk_bytes) == (True, 8192)
+    assert pickle.loads(pickle.dumps(Storage(str(tmp_path)))).write_direct is False
+    with pytest.raises(ValueError, match="multiple of 4096 for direct writes, got 1000"):
+        Storage(str(tmp_path), write_direct=True, write_chunk_bytes=1000)
+    with pytest.raises(ValueError, match="multiple of 4096, got 1000"):
+        files.atomic_write_pieces(tmp_path / "f", (b"x",), 1000, direct=True)
+    assert os.listdir(tmp_path) == []  # refused before a byte was written; the temp file removed

@@ -75,3 +75,27 @@ def test_unknown_priorities_are_refused():
         PersisterActor(None, priority="low")  # type: ignore[arg-type]  # refused before the store is used
     with pytest.raises(ValueError, match="snapshot.persister_priority 'low': choose normal or idle"):
         SnapshotConfig(persister_priority="low")
+
+
+def test_the_persister_s_store_writes_direct_by_default_and_the_run_s_other_stores_buffered(tmp_path, monkeypatch):
+    """``start_persister`` hands the persister ``snapshot_store(direct=snapshot.persister_direct_io)``
+    (default on; ``--no-persister-direct-io`` off); the store travels pickled, its direct writes with it."""
+    import pickle
+
+    import raycheck.orchestrator.controller as controller
+    from raycheck.job.config import JobConfig
+
+    class Handle:
+        def options(self, **_) -> Handle:
+            return self
+
+        def remote(self, store, priority: str) -> tuple:
+            return pickle.loads(pickle.dumps(store)).storage.write_direct, priority
+
+    monkeypatch.setattr(controller.ray, "remote", lambda cls: Handle())
+    placement = type("Placement", (), {"replica": {}})()
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), storage={"uri": str(tmp_path / "s")})
+    assert cfg.snapshot.persister_direct_io and not cfg.snapshot_store().storage.write_direct
+    assert controller.start_persister(cfg, placement) == (True, "normal")
+    off = cfg.replace(**{"snapshot.persister_direct_io": False, "snapshot.persister_priority": "idle"})
+    assert controller.start_persister(off, placement) == (False, "idle")

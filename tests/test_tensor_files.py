@@ -129,6 +129,18 @@ def test_put_streams_through_every_backend(storage):
     assert storage.list() == ["diffs/a.safetensors"]
 
 
+@pytest.mark.parametrize("chunk_bytes", [4096, None])
+def test_put_through_direct_local_writes_gives_the_bytes_of_safetensors(tmp_path, monkeypatch, chunk_bytes):
+    """``Storage(write_direct=True)`` (``O_DIRECT``, an aligned buffer, the last chunk padded then cut off):
+    pieces of every size cross the buffer's edges, and the file is byte for byte ``safetensors``'."""
+    monkeypatch.setattr(tensor_files, "PIECE_BYTES", 1000)  # big tensors in pieces that straddle 4096-byte chunks
+    arrays = MIXED | {"big": rand((3001,), np.float32), "odd": rand((4097,), np.uint8)}
+    store = Storage(str(tmp_path), write_direct=True, write_chunk_bytes=chunk_bytes)
+    blob = reference(arrays, {"format": "x"})
+    assert tensor_files.put(store, "a.safetensors", arrays, {"format": "x"}) == (len(blob), hashlib.sha256(blob).hexdigest())
+    assert (tmp_path / "a.safetensors").read_bytes() == blob and store.list() == ["a.safetensors"]
+
+
 class FailsOnce:
     """Pieces of ``blob`` in ``piece``-byte slices; the first call raises after ``good`` pieces."""
 
