@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raycheck.experiments.report_tables import (
+    append_inflation,
     GRID_DECADES,
     GRID_MIN_DOWNTIMES,
     GRID_MIN_STEPS,
@@ -250,6 +251,15 @@ def _overhead_md(rows: list[dict], hs: Sequence[Headline]) -> str:
     return text + "\n\n![overhead](overhead.png)" + _why_md(hs, "overhead")
 
 
+def append_inflation_text(inflation: dict) -> str:
+    """One sentence on ``report_tables.append_inflation``'s figures, for ``report.md`` and the CLI's summary."""
+    verdict = "met" if inflation["met"] else "missed"
+    return (f"The step log under snapshot load (issue 10): our mean append, while the shadow's snapshots were "
+            f"written to the same disk, {fmt_seconds(inflation['loaded_mean_s'])}; the log-only run's median (no snapshots, "
+            f"the same durability) {fmt_seconds(inflation['quiet_median_s'])}: {inflation['ratio']:.3g}x the quiet median "
+            f"(target <= {inflation['target']:g}x: {verdict}).")
+
+
 _PATH_TITLE = {
     "new_process": "`new_process`: the worker process died, Ray Train started a replacement that restored the state",
     "in_process": "`in_process`: the worker process survived the failure and restored the state itself "
@@ -357,10 +367,11 @@ def _why_md(hs: Sequence[Headline], metric: str) -> str:
 def render_markdown(runs: list[dict], overhead: list[dict], recovery: list[dict], wasted: list[dict], measured: list[dict],
                     exactness: list[dict], hs: Sequence[Headline], *, grid_note: str, seeds: int, min_failures: int,
                     background_weight: float, intervals: str, shards: list[dict] | None = None,
-                    breakdown: list[dict] | None = None) -> str:
-    """The whole ``report.md``: inputs, headline ratios, then one section per (a)-(d) ((b) with the
-    recovery ``breakdown``, ``breakdown_table``'s rows), and (e) replay per shadow shard when ``shards``
-    (the ``shards.parquet`` rows) are given."""
+                    breakdown: list[dict] | None = None, inflation: dict | None = None) -> str:
+    """The whole ``report.md``: inputs, headline ratios, then one section per (a)-(d) ((a) with the step log's
+    ``inflation`` under snapshot load, ``report_tables.append_inflation``; (b) with the recovery ``breakdown``,
+    ``breakdown_table``'s rows), and (e) replay per shadow shard when ``shards`` (the ``shards.parquet`` rows) are
+    given."""
     models = ", ".join(sorted({str(r["model"]) for r in runs}))
     return "\n\n".join([
         f"# raycheck experiment: {models}",
@@ -368,7 +379,8 @@ def render_markdown(runs: list[dict], overhead: list[dict], recovery: list[dict]
         "is. ZOCheck's numbers and the issue's targets are against asynchronous full-state checkpoints (`full-async`).",
         "## Inputs\n\n" + _inputs_md(runs),
         "## Ours against each baseline, beside the paper\n\n" + _headlines_md(hs),
-        "## (a) Checkpoint overhead\n\n" + _overhead_md(overhead, hs),
+        "## (a) Checkpoint overhead\n\n" + _overhead_md(overhead, hs)
+        + (f"\n\n{append_inflation_text(inflation)}" if inflation else ""),
         "## (b) Recovery latency\n\n" + _recovery_md(recovery, hs, breakdown),
         "## (c) End-to-end wasted time\n\n"
         + _wasted_md(wasted, measured, hs, grid_note, seeds, min_failures, background_weight, intervals),
@@ -425,6 +437,7 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
                           background_weight=background_weight, intervals=intervals)
     measured = measured_waste_table(runs, recoveries, seeds=seeds, min_failures=min_failures, background_weight=background_weight)
     exactness = exactness_table(runs)
+    inflation = append_inflation(runs)
     shards = pq.read_table(results_dir / "shards.parquet").to_pylist() if (results_dir / "shards.parquet").is_file() else None
     hs = headlines(overhead, recovery, wasted, runs, recoveries, background_weight=background_weight)
     tables = {"overhead": overhead, "recovery": recovery, "wasted": wasted, "measured_waste": measured, "exactness": exactness,
@@ -439,8 +452,9 @@ def write_report(results_dir: pathlib.Path, *, grid_mtbf_s: Sequence[float] | No
     files["report"] = results_dir / "report.md"
     files["report"].write_text(render_markdown(runs, overhead, recovery, wasted, measured, exactness, hs, grid_note=grid_note,
                                                seeds=seeds, min_failures=min_failures, background_weight=background_weight,
-                                               intervals=intervals, shards=shards, breakdown=breakdown))
-    return Report(results_dir=results_dir, files=files, headlines=hs, highest_rate_mtbf_s=min(grid_mtbf_s))
+                                               intervals=intervals, shards=shards, breakdown=breakdown, inflation=inflation))
+    return Report(results_dir=results_dir, files=files, headlines=hs, highest_rate_mtbf_s=min(grid_mtbf_s),
+                  notes=(append_inflation_text(inflation),) if inflation else ())
 
 
 def main(argv: list[str] | None = None) -> Report:

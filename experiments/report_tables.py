@@ -40,6 +40,10 @@ TARGET_RATIO = {"overhead": 100.0, "recovery": 5.0, "wasted": 10.0}
 """The issues' targets on SmolLM2-135M vs full-async (wasted time at the grid's highest failure rate); recovery's
 is issue 13's ("Recover in seconds", item 5), the others the first experiment's."""
 
+APPEND_INFLATION_TARGET = 2.0
+"""Issue 10's target for the step log under snapshot load: our mean append while the shadow's snapshots are
+written at most this many times the quiet median (the log-only run's: no snapshots, the same durability)."""
+
 RUN_COLUMNS = (
     "strategy", "model", "steps", "interval_steps", "failures", "bitwise_equal", "wall_s", "mean_step_s",
     "block_s_total", "block_s_per_step", "checkpoints", "snapshots", "block_s_per_checkpoint", "bytes_written",
@@ -265,6 +269,27 @@ def overhead_table(runs: list[dict]) -> list[dict]:
         r["ratio_as_run"] = ratio(r["block_s_per_step"], ours["block_s_per_step"])
         r["ratio_equal_durability"] = ratio(r["eq_block_s_per_step"], ours["eq_block_s_per_step"])
     return rows
+
+
+def append_inflation(runs: list[dict]) -> dict | None:
+    """The step log's append under snapshot load against the quiet median (issue 10's target,
+    ``APPEND_INFLATION_TARGET``), or None when not measured (no ``shadow`` or ``log-only`` run, or results from
+    before ``runs.parquet`` had ``log_append_median_s``).
+
+    Returns ``loaded_mean_s`` (our mean blocked seconds per append, the shadow persisting snapshots on the
+    same disk), ``quiet_median_s`` (the log-only run's median: no snapshots, the same durability level),
+    ``ratio`` = the first over the second (dimensionless), ``target`` and ``met``.
+    """
+    by = _by_strategy(runs)
+    if OURS not in by or Strategy.LOG_ONLY not in by:
+        return None
+    loaded = _mean(by[OURS], "log_append_s")
+    quiet = statistics.median([r.get("log_append_median_s", math.nan) for r in by[Strategy.LOG_ONLY]])
+    if not (is_finite(loaded) and is_finite(quiet)) or quiet <= 0:
+        return None
+    r = loaded / quiet
+    return {"loaded_mean_s": loaded, "quiet_median_s": quiet, "ratio": r, "target": APPEND_INFLATION_TARGET,
+            "met": r <= APPEND_INFLATION_TARGET}
 
 
 def ours_row(rows: list[dict]) -> dict:

@@ -40,11 +40,12 @@ def run_row(summary: dict, executions: list[dict]) -> dict:
     worker = summary.get("worker_checkpoints") or {}
     persisted = summary.get("snapshots") or {}
     log_bytes = RECORD_BYTES * len(executions) if logged else 0
+    appends = [r["log_append_seconds"] for r in executions] if logged else []
     if logged:
         snapshots = persisted.get("written", 0)
         snapshot_s = persisted["write_seconds"] / snapshots if snapshots else math.nan
         bytes_written = persisted.get("bytes_written", 0) + log_bytes
-        per_checkpoint = _mean([r["log_append_seconds"] for r in executions])
+        per_checkpoint = _mean(appends)
         checkpoints = len(executions)
     else:
         snapshots = len(due)
@@ -79,7 +80,8 @@ def run_row(summary: dict, executions: list[dict]) -> dict:
         "snapshot_s": snapshot_s,
         "stall_s": _mean(worker.get("stage_seconds", [])) if strategy == "full-async" else 0.0,
         "replay_step_s": replay_step_s if replay_step_s is not None else math.nan,
-        "log_append_s": _mean([r["log_append_seconds"] for r in executions]) if logged else 0.0,
+        "log_append_s": _mean(appends) if logged else 0.0,
+        "log_append_median_s": statistics.median(appends) if appends else math.nan,
     }
 
 

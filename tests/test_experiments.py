@@ -46,13 +46,15 @@ def test_shadow_row_counts_log_appends_as_durable_points_and_the_log_bytes():
     from raycheck.experiments.results import run_row
     from raycheck.storage.steplog import RECORD_BYTES
 
-    executions = [_row(s, float(s), 0.001, append=0.001) for s in range(6)]
+    appends = [0.001, 0.001, 0.004, 0.001, 0.002, 0.009]
+    executions = [_row(s, float(s), a, append=a) for s, a in enumerate(appends)]
     summary = _summary("shadow", snapshots={"written": 2, "write_seconds": 3.0, "bytes_written": 5000},
                        shadow_replay_seconds_per_step=0.2, replans=[{"interval_steps": 40}])
     row = run_row(summary, executions)
     assert (row["checkpoints"], row["snapshots"], row["interval_steps"]) == (6, 2, 40)
     assert row["bytes_written"] == 5000 + 6 * RECORD_BYTES and row["snapshot_s"] == 1.5
-    assert row["block_s_per_checkpoint"] == 0.001 and row["replay_step_s"] == 0.2
+    assert row["block_s_per_checkpoint"] == row["log_append_s"] == pytest.approx(0.003) and row["replay_step_s"] == 0.2
+    assert row["log_append_median_s"] == 0.0015  # the mean of the middle two of six
 
 
 def test_free_port_never_hands_out_a_port_twice(monkeypatch):
