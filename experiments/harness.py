@@ -72,9 +72,11 @@ REFERENCE_STRATEGY = {"zo": "shadow", "fo": "full-async"}
 
 
 def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str, failures: bool = True,
-               failure_kind: str = "exit") -> JobConfig:
+               failure_kind: str = "exit", durability: str = "node") -> JobConfig:
     """The configuration of ``strategy`` in ``preset`` (``failures=False``: the reference run), its worker
-    failures of ``failure_kind`` (``FAILURE_KINDS``).
+    failures of ``failure_kind`` (``FAILURE_KINDS``), its step log at ``durability`` (``job.config.DURABILITIES``
+    but ``cluster``, which needs remote storage: ``process``, the level of the baselines' checkpoints on the
+    local disk, or ``node``, the run's default).
 
     Raises:
         ValueError: an unknown ``failure_kind``; ``standby`` with a first-order preset.
@@ -86,7 +88,7 @@ def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str,
     how = "exit" if failure_kind == "standby" else failure_kind
     return JobConfig(
         out_dir=str(out), cache_dir=cache_dir, model=preset.model, steps=preset.steps, batch_size=preset.batch_size,
-        algo=preset.algo, strategy=strategy, eval_samples=0, run_id=f"{strategy}-{uuid.uuid4().hex[:6]}",
+        algo=preset.algo, strategy=strategy, eval_samples=0, run_id=f"{strategy}-{uuid.uuid4().hex[:6]}", durability=durability,
         differential=DifferentialConfig(full_every_steps=2 * preset.interval_steps),
         snapshot=SnapshotConfig(every_steps=preset.interval_steps, policy="adaptive" if strategy == "shadow" else "fixed",
                                 mtbf_s=preset.mtbf_s),
@@ -101,10 +103,10 @@ def _write_table(rows: list[dict], path: pathlib.Path) -> None:
 
 
 def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies: tuple[str, ...] = (),
-                   echo: Callable[[str], None] = print, failure_kind: str = "exit") -> pathlib.Path:
+                   echo: Callable[[str], None] = print, failure_kind: str = "exit", durability: str = "node") -> pathlib.Path:
     """Run the reference and ``strategies`` (default: every one of ``STRATEGIES[preset.algo]``) of
-    ``preset`` into ``out``, each strategy's worker failures of ``failure_kind`` (``FAILURE_KINDS``);
-    returns ``out``.
+    ``preset`` into ``out``, each strategy's worker failures of ``failure_kind`` (``FAILURE_KINDS``), every
+    run's step log at ``durability`` (``job_config``); returns ``out``.
 
     Writes ``out/runs/<strategy>/`` (each run's own files), ``runs.parquet`` (``results.run_row``; for
     algo ``fo`` ``results.fo_run_row``: with the loss deviation against the reference) and
@@ -122,15 +124,17 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
             echo(f"    {line}")
 
     echo(f"[experiment] {preset.name}: {preset.model}, {preset.steps} steps, interval {preset.interval_steps}, "
-         f"worker failures ({failure_kind}) at steps {list(preset.failure_steps)}; {len(strategies)} strategies + 1 failure-free reference")
+         f"worker failures ({failure_kind}) at steps {list(preset.failure_steps)}, step log durability {durability}; "
+         f"{len(strategies)} strategies + 1 failure-free reference")
     shutil.rmtree(out / "runs", ignore_errors=True)
-    reference_cfg = job_config(preset, REFERENCE_STRATEGY[preset.algo], out / "runs" / "reference", cache_dir, failures=False)
+    reference_cfg = job_config(preset, REFERENCE_STRATEGY[preset.algo], out / "runs" / "reference", cache_dir, failures=False,
+                               durability=durability)
     reference = Controller(reference_cfg, quiet).run()
     echo(f"[experiment] reference done in {reference['wall_seconds']:.0f} s")
     shards = []
     for strategy in strategies:
         echo(f"[experiment] {strategy} ...")
-        cfg = job_config(preset, strategy, out / "runs" / strategy, cache_dir, failure_kind=failure_kind)
+        cfg = job_config(preset, strategy, out / "runs" / strategy, cache_dir, failure_kind=failure_kind, durability=durability)
         summary = Controller(cfg, quiet).run()
         summary["reference_state_sha256"] = reference["state_sha256"]
         summary["bitwise_equal"] = summary["ok"] and summary["state_sha256"] == reference["state_sha256"]
@@ -141,10 +145,11 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
              f"blocked {summary['checkpoint_block_seconds_total']:.3f} s, {len(summary['recoveries'])} recoveries, "
              f"{summary['wall_seconds']:.0f} s")
     if "shadow" in strategies:
-        shards.extend(_sharded_run(preset, out, cache_dir, echo, quiet))
+        shards.extend(_sharded_run(preset, out, cache_dir, echo, quiet, durability))
         _write_table(shards, out / "shards.parquet")
     collect_results(out, preset.algo, strategies)
-    (out / "preset.json").write_text(json.dumps({**dataclasses.asdict(preset), "failure_kind": failure_kind}, indent=2))
+    (out / "preset.json").write_text(json.dumps({**dataclasses.asdict(preset), "failure_kind": failure_kind, "durability": durability},
+                                                indent=2))
     return out
 
 
@@ -174,12 +179,12 @@ def collect_results(out: pathlib.Path, algo: str, strategies: tuple[str, ...]) -
 
 
 def _sharded_run(preset: Preset, out: pathlib.Path, cache_dir: str, echo: Callable[[str], None],
-                 quiet: Callable[[str], None]) -> list[dict]:
+                 quiet: Callable[[str], None], durability: str) -> list[dict]:
     """The extra failure-free ``shadow`` run with ``shadow_shards=2``; returns its ``shard_rows``."""
     from raycheck.orchestrator.controller import Controller
 
     echo(f"[experiment] shadow with 2 shards, {preset.shard_run_steps} steps, no failures ...")
-    cfg = job_config(preset, "shadow", out / "runs" / "shadow-2shards", cache_dir, failures=False).replace(
+    cfg = job_config(preset, "shadow", out / "runs" / "shadow-2shards", cache_dir, failures=False, durability=durability).replace(
         shadow_shards=2, steps=min(preset.steps, preset.shard_run_steps))
     summary = Controller(cfg, quiet).run()
     rows = shard_rows(summary)

@@ -212,9 +212,9 @@ def _ci(mean: float, lo: float | None, hi: float | None) -> str:
 
 
 def _inputs_md(runs: list[dict]) -> str:
-    rows = [{**r, "strategy": str(r["strategy"])} for r in runs]
+    rows = [{**r, "strategy": str(r["strategy"]), "durability": r.get("durability") or ""} for r in runs]
     return md_table(rows, [("strategy", "strategy"), ("model", "model"), ("steps", "steps"),
-                           ("interval_steps", "interval (steps)"),
+                           ("interval_steps", "interval (steps)"), ("durability", "step log durability"),
                            ("failures", "failures"), ("snapshots", "snapshots"), ("mean_step_s", "mean step (s)"),
                            ("wall_s", "wall (s)")])
 
@@ -254,7 +254,8 @@ def _overhead_md(rows: list[dict], hs: Sequence[Headline]) -> str:
 def append_inflation_text(inflation: dict) -> str:
     """One sentence on ``report_tables.append_inflation``'s figures, for ``report.md`` and the CLI's summary."""
     verdict = "met" if inflation["met"] else "missed"
-    return (f"The step log under snapshot load (issue 10): our mean append, while the shadow's snapshots were "
+    level = f" at durability {inflation['durability']}" if inflation["durability"] else ""
+    return (f"The step log under snapshot load (issue 10): our mean append{level}, while the shadow's snapshots were "
             f"written to the same disk, {fmt_seconds(inflation['loaded_mean_s'])}; the log-only run's median (no snapshots, "
             f"the same durability) {fmt_seconds(inflation['quiet_median_s'])}: {inflation['ratio']:.3g}x the quiet median "
             f"(target <= {inflation['target']:g}x: {verdict}).")

@@ -71,7 +71,7 @@ MAX_LOG_ONLY_RUNS = 20_000
 """At most this many simulated log-only runs per seed when aiming at ``MEAN_FAILURES`` (more only if
 needed for ``min_failures``): a short run against a long MTBF rarely fails."""
 _MAX_DOUBLINGS = 16
-_NOT_FLOAT = ("strategy", "model", "source", "path", "bitwise_equal")
+_NOT_FLOAT = ("strategy", "model", "source", "path", "bitwise_equal", "durability")
 PATHS = ("new_process", "in_process", "standby")
 """How a worker recovered (``recoveries.parquet``'s ``path``): Ray Train started a new process, the
 failed process restored itself (``training.in_process``), or a warm standby took over (``training.standby``)."""
@@ -278,7 +278,8 @@ def append_inflation(runs: list[dict]) -> dict | None:
 
     Returns ``loaded_mean_s`` (our mean blocked seconds per append, the shadow persisting snapshots on the
     same disk), ``quiet_median_s`` (the log-only run's median: no snapshots, the same durability level),
-    ``ratio`` = the first over the second (dimensionless), ``target`` and ``met``.
+    ``ratio`` = the first over the second (dimensionless), ``target``, ``met`` and our ``durability`` (the step
+    log's level, ``job.config.DURABILITIES``; "" in results from before it was recorded).
     """
     by = _by_strategy(runs)
     if OURS not in by or Strategy.LOG_ONLY not in by:
@@ -289,7 +290,7 @@ def append_inflation(runs: list[dict]) -> dict | None:
         return None
     r = loaded / quiet
     return {"loaded_mean_s": loaded, "quiet_median_s": quiet, "ratio": r, "target": APPEND_INFLATION_TARGET,
-            "met": r <= APPEND_INFLATION_TARGET}
+            "met": r <= APPEND_INFLATION_TARGET, "durability": str(by[OURS][0].get("durability") or "")}
 
 
 def ours_row(rows: list[dict]) -> dict:

@@ -65,6 +65,7 @@ def run_row(summary: dict, executions: list[dict]) -> dict:
         "run_id": summary["config"]["run_id"],
         "strategy": strategy,
         "model": summary["config"]["model"],
+        "durability": summary["config"].get("durability", "") if logged else "",  # "": no step log, or results from before
         "steps": summary["config"]["steps"],
         "interval_steps": 0 if strategy == "log-only" else interval,
         "failures": sum(1 for f in summary["failures"] if f["target"] in ("worker", "both")),

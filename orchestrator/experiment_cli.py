@@ -29,6 +29,10 @@ def experiment(
              "(--warm-standby) takes over.")] = "exit",
     model: Annotated[str, typer.Option(help="Model of every run instead of the preset's: a built-in name, a local Hugging "
                                             "Face model folder or a model id in the local Hugging Face cache.")] = "",
+    durability: Annotated[str, typer.Option(help=(
+        "zo step log durability of every run: node (the run's default: each append waits for the log keeper's "
+        "acknowledgement) or process (fsynced on rank 0's node only: the level of the baselines' checkpoints on "
+        "the local disk). cluster needs remote storage, which the experiment does not use."))] = "node",
 ) -> None:
     """Run ours (shadow) and the baselines (full-sync, full-async, log-only) on the same trajectory and the
     same injected worker failures, then write runs.parquet, recoveries.parquet, report.md and plots.
@@ -50,6 +54,8 @@ def experiment(
         _usage_error(f"--strategy {', '.join(unknown)} is not a strategy of --algo {algo}: choose from {', '.join(STRATEGIES[algo])}")
     if failure_kind not in FAILURE_KINDS:
         raise typer.BadParameter(f"unknown failure kind {failure_kind!r}: choose from {', '.join(FAILURE_KINDS)}")
+    if durability not in ("process", "node"):
+        _usage_error(f"--durability {durability!r}: choose process or node (cluster needs remote storage)")
     if failure_kind == "standby" and algo != "zo":
         _usage_error(f"--failure-kind standby is for --algo zo (a warm standby runs one ZO worker), not --algo {algo}")
     out = out.resolve()
@@ -64,7 +70,7 @@ def experiment(
     if not report_only:
         connect("raycheck", num_cpus=2)
         run_experiment(preset, out, str(cache_dir.resolve()), tuple(strategy) or STRATEGIES[algo], echo=typer.echo,
-                       failure_kind=failure_kind)
+                       failure_kind=failure_kind, durability=durability)
     elif not (out / "runs.parquet").is_file():
         typer.echo(f"error: {out} holds no results (runs.parquet); run without --report-only first", err=True)
         raise typer.Exit(2)

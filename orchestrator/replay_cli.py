@@ -33,6 +33,7 @@ from raycheck.training.model import default_cache_dir, model_folder
 
 EXIT_DAMAGED = 1
 EXIT_REFUSED = 2
+EXIT_NOT_EXACT = 3
 
 
 class ReplayError(ValueError):
@@ -297,10 +298,21 @@ def write_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> Snaps
     return out.write(replayed.step, copy_state(replayed.params), config=config)
 
 
-def held_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> SnapshotInfo | None:
-    """The committed snapshot of ``run`` (its identity) at ``replayed.step`` in ``target`` whose state (read
-    and verified) has the replayed state's ``training.state.state_sha256``: ``--write-snapshot`` then commits
-    no second copy. None when there is none; a damaged one does not count (a new one is written).
+@dataclass(frozen=True)
+class HeldSnapshots:
+    """The committed, verified snapshots of a run at one step in a store, split by their state's sha256
+    (``training.state.state_sha256``) against the replayed state's."""
+
+    equal: SnapshotInfo | None
+    """One whose state has the replayed state's sha256: ``--write-snapshot`` commits no second copy."""
+    differing: list[tuple[SnapshotInfo, str]]
+    """Those whose state has another sha256 (with it): the run's trajectory and its replay disagree."""
+
+
+def held_snapshots(replayed: Replayed, run: LoggedRun, target: Storage) -> HeldSnapshots:
+    """The committed snapshots of ``run`` (its identity) at ``replayed.step`` in ``target``, each read and
+    verified and its ``state_sha256`` compared with the replayed state's. A damaged one counts in neither
+    list (a new one is written).
 
     Raises:
         storage.backend.StorageError: ``target`` cannot be read.
@@ -310,13 +322,36 @@ def held_snapshot(replayed: Replayed, run: LoggedRun, target: Storage) -> Snapsh
     store = SnapshotStore(target, identity=run.identity)
     same_step = [i for i in store.list() if i.step == replayed.step and i.manifest["run"] == run.identity.as_dict()]
     want = state_sha256(replayed.params) if same_step else None
+    equal, differing = None, []
     for info in same_step:
         try:
-            if state_sha256(store.load(info)) == want:
-                return info
+            held = state_sha256(store.load(info))
         except SnapshotCorruptError:
             continue
-    return None
+        if held == want:
+            equal = equal or info
+        else:
+            differing.append((info, held))
+    return HeldSnapshots(equal, differing)
+
+
+def commit(replayed: Replayed, run: LoggedRun, target: Storage) -> None:
+    """``--write-snapshot``: commit ``replayed`` to ``target`` unless it holds the run's snapshot of the step with
+    the same state (said, exit 0); exit ``EXIT_NOT_EXACT`` naming each one of the step with another state."""
+    held = held_snapshots(replayed, run, target)
+    for info, sha in held.differing:
+        typer.echo(f"error: not bitwise equal: {target.url(info.folder)} holds run {run.identity.run_id}'s snapshot of step "
+                   f"{info.step} with state_sha256 {sha}, not the replayed state's; one of them is off the run's "
+                   f"trajectory (check with `raycheck verify` and `raycheck replay --from-initial`)", err=True)
+    if held.differing:
+        typer.echo("error: nothing committed", err=True)
+        raise typer.Exit(EXIT_NOT_EXACT)
+    if held.equal is not None:
+        typer.echo(f"not committed: {target.url()} already holds a committed snapshot of run {run.identity.run_id} at "
+                   f"step {held.equal.step} with this state_sha256 ({target.url(held.equal.folder)})")
+        return
+    info = write_snapshot(replayed, run, target)
+    typer.echo(f"committed snapshot of step {info.step}: {target.url(info.folder)}")
 
 
 def _notes(run: LoggedRun) -> list[str]:
@@ -365,7 +400,8 @@ def replay(
     step: Annotated[int, typer.Option(help="Rebuild the state after this many logged steps (0..steps in the log).")],
     write_snapshot_: Annotated[bool, typer.Option("--write-snapshot", help=(
         "Commit the state as a snapshot of the run (its identity and writer epoch; no retention) in its store, or in --to; "
-        "not again when the store already holds the run's snapshot of --step with the same state sha256 (it is named)."))] = False,
+        "not again when the store already holds the run's snapshot of --step with the same state sha256 (it is named); "
+        "refused (exit 3) when it holds one with another sha256."))] = False,
     to: Annotated[str, typer.Option(help="With --write-snapshot: commit into this store instead (path, file://, s3://; it "
                                          "must be writable; implies --write-snapshot).")] = "",
     export_hf_dir: Annotated[pathlib.Path | None, typer.Option(
@@ -385,7 +421,8 @@ def replay(
     record in the step log, storage errors, a fenced write); 2 refused, nothing written: no run at the path, --step
     past the log's end, a log of another noise generator or model, only other runs' snapshots in the
     store, a run's local store that is gone and lay outside its run directory, an unusable --to or
-    --export-hf target."""
+    --export-hf target; 3 not bitwise equal, nothing committed: with --write-snapshot, the store holds the
+    run's snapshot of --step with another state sha256 than the replayed state's."""
     from raycheck.storage.merge import prepare_hf_export, write_hf_export
     from raycheck.storage.tensor_files import as_numpy
 
@@ -407,12 +444,8 @@ def replay(
         replayed = rebuild_(params, run, step, from_initial)
         for line in _describe(replayed, run):
             typer.echo(line)
-        if target is not None and (held := held_snapshot(replayed, run, target)) is not None:
-            typer.echo(f"not committed: {target.url()} already holds a committed snapshot of run {run.identity.run_id} at "
-                       f"step {held.step} with this state_sha256 ({target.url(held.folder)})")
-        elif target is not None:
-            info = write_snapshot(replayed, run, target)
-            typer.echo(f"committed snapshot of step {info.step}: {target.url(info.folder)}")
+        if target is not None:
+            commit(replayed, run, target)
         if export is not None:
             typer.echo(f"transformers folder: {write_hf_export(export)}")
     except (ValueError, FileExistsError) as exc:  # ReplayError, GeneratorMismatchError, a bad export target or state

@@ -55,6 +55,8 @@ def test_shadow_row_counts_log_appends_as_durable_points_and_the_log_bytes():
     assert row["bytes_written"] == 5000 + 6 * RECORD_BYTES and row["snapshot_s"] == 1.5
     assert row["block_s_per_checkpoint"] == row["log_append_s"] == pytest.approx(0.003) and row["replay_step_s"] == 0.2
     assert row["log_append_median_s"] == 0.0015  # the mean of the middle two of six
+    assert row["durability"] == "" and run_row({**summary, "config": {**summary["config"], "durability": "process"}},
+                                                   executions)["durability"] == "process"
 
 
 def test_free_port_never_hands_out_a_port_twice(monkeypatch):
@@ -121,6 +123,8 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
     assert not job_config(preset, "shadow", tmp_path, "/cache").faults.warm_standby
     with pytest.raises(ValueError, match="failure kind standby is for the zo presets .*not fo-full"):
         job_config(PRESETS_BY_ALGO["fo"]["full"], "full-async", tmp_path, "/cache", failure_kind="standby")
+    assert job_config(preset, "shadow", tmp_path, "/cache").durability == "node"  # the run's default
+    assert {job_config(preset, s, tmp_path, "/cache", durability="process").durability for s in STRATEGIES["zo"]} == {"process"}
 
 
 def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
@@ -136,6 +140,9 @@ def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
     result = CliRunner().invoke(app, ["experiment", "--algo", "fo", "--failure-kind", "standby", "--out", str(tmp_path)])
     assert result.exit_code == 2 and result.output == ("error: --failure-kind standby is for --algo zo (a warm standby runs one "
                                                        "ZO worker), not --algo fo\n")
+    assert list(tmp_path.iterdir()) == []
+    result = CliRunner().invoke(app, ["experiment", "--durability", "cluster", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and result.output == "error: --durability 'cluster': choose process or node (cluster needs remote storage)\n"
     assert list(tmp_path.iterdir()) == []
 
 

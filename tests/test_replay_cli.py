@@ -265,6 +265,33 @@ def test_write_snapshot_of_a_state_the_store_already_holds_commits_no_second_cop
     assert len(list((copy / "snapshots").glob("step-0000000005-*"))) == 2
 
 
+def test_write_snapshot_over_the_run_s_snapshot_of_another_state_is_refused_as_not_bitwise_equal(made, tmp_path):
+    """The store holds the run's own committed snapshot of step 5 whose state differs from the one replayed from
+    the initial weights (one element changed, written with the run's identity, so it verifies): the log and the
+    snapshot disagree.
+    ``--write-snapshot`` exits 3 naming the snapshot and its sha256 and commits nothing; before the fix it
+    committed a second, different snapshot of the step beside it."""
+    run, hashes = made
+    copy = _copy_run(run, tmp_path / "copy")
+    own = SnapshotStore(str(copy / "snapshots"))
+    base = own.list()[0]
+    state = {name: np.array(a) for name, a in own.load(base).items()}
+    state[next(iter(state))].reshape(-1)[0] += 1
+    identity = RunIdentity(**base.manifest["run"])
+    wrong = SnapshotStore(str(copy / "snapshots"), identity=identity, keep_last=10)
+    wrong.epoch = wrong.run_epoch()
+    info = wrong.write(5, state)
+    folders = sorted(p.name for p in (copy / "snapshots").iterdir())
+    result = replay(copy, "--step", 5, "--write-snapshot", "--from-initial")  # the log alone, not that snapshot
+    assert result.exit_code == 3, result.output
+    assert printed_sha256(result.output.split("error:")[0]) == hashes[5]
+    assert (f"error: not bitwise equal: {copy / 'snapshots'}/{info.folder} holds run replayed's snapshot of step 5 with "
+            f"state_sha256 {state_sha256(state)}, not the replayed state's") in result.output
+    assert result.output.strip().splitlines()[-1] == "error: nothing committed"
+    assert sorted(p.name for p in (copy / "snapshots").iterdir()) == folders
+    assert replay(copy, "--step", 4, "--write-snapshot").exit_code == 0  # another step is unaffected
+
+
 def test_a_copy_of_a_run_whose_snapshots_folder_is_a_symlink_writes_its_own_snapshots(made, tmp_path):
     """The run's ``snapshots`` is a symlink to another disk (``big/snaps``); ``shutil.copytree`` (as ``cp -rL``)
     copies the snapshots into the copy. The recorded store lies inside the recorded run directory as
