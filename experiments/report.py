@@ -48,7 +48,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raycheck.experiments.report_tables import (
-    append_inflation,
     GRID_DECADES,
     GRID_MIN_DOWNTIMES,
     GRID_MIN_STEPS,
@@ -57,6 +56,7 @@ from raycheck.experiments.report_tables import (
     PAPER_BASELINE,
     RECOVERY_PARTS,
     Headline,
+    append_inflation,
     breakdown_table,
     default_grid_mtbf_s,
     exactness_table,

@@ -9,8 +9,11 @@ from typing import Annotated
 import typer
 
 from raycheck.experiments.harness import FAILURE_KINDS
-from raycheck.job.config import STRATEGIES
+from raycheck.job.config import DURABILITIES, STRATEGIES
 from raycheck.training.model import default_cache_dir
+
+LOCAL_DURABILITIES = tuple(d for d in DURABILITIES if d != "cluster")
+"""The step log levels an experiment can run at: it uses local storage, and ``cluster`` needs a bucket."""
 
 
 def experiment(
@@ -54,8 +57,8 @@ def experiment(
         _usage_error(f"--strategy {', '.join(unknown)} is not a strategy of --algo {algo}: choose from {', '.join(STRATEGIES[algo])}")
     if failure_kind not in FAILURE_KINDS:
         raise typer.BadParameter(f"unknown failure kind {failure_kind!r}: choose from {', '.join(FAILURE_KINDS)}")
-    if durability not in ("process", "node"):
-        _usage_error(f"--durability {durability!r}: choose process or node (cluster needs remote storage)")
+    if durability not in LOCAL_DURABILITIES:
+        _usage_error(f"--durability {durability!r}: choose {' or '.join(LOCAL_DURABILITIES)} (cluster needs remote storage)")
     if failure_kind == "standby" and algo != "zo":
         _usage_error(f"--failure-kind standby is for --algo zo (a warm standby runs one ZO worker), not --algo {algo}")
     out = out.resolve()
