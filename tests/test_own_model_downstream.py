@@ -116,8 +116,8 @@ def test_the_experiment_runs_every_strategy_on_a_model_folder_and_refuses_a_miss
 
     given = {}
 
-    def run_experiment(preset, out, cache_dir, strategies, echo, failure_kind):
-        given.update(preset=preset, failure_kind=failure_kind)
+    def run_experiment(preset, out, cache_dir, strategies, echo, failure_kind, durability):
+        given.update(preset=preset, failure_kind=failure_kind, durability=durability)
         raise Started
 
     monkeypatch.setattr(harness, "run_experiment", run_experiment)
@@ -126,7 +126,7 @@ def test_the_experiment_runs_every_strategy_on_a_model_folder_and_refuses_a_miss
     started = CliRunner().invoke(app, ["experiment", "--quick", "--model", str(folder), "--out", str(tmp_path / "exp")])
     assert isinstance(started.exception, Started), started.output
     assert given["preset"] == dataclasses.replace(harness.PRESETS["quick"], model=str(folder))
-    assert given["failure_kind"] == "exit"
+    assert given["failure_kind"] == "exit" and given["durability"] == "node"
     raised = CliRunner().invoke(app, ["experiment", "--quick", "--failure-kind", "raise", "--out", str(tmp_path / "exp")])
     assert isinstance(raised.exception, Started) and given["failure_kind"] == "raise", raised.output
     missing = CliRunner().invoke(app, ["experiment", "--quick", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "x")])
