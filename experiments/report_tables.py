@@ -273,8 +273,9 @@ def overhead_table(runs: list[dict]) -> list[dict]:
 
 def append_inflation(runs: list[dict]) -> dict | None:
     """The step log's append under snapshot load against the quiet median (issue 10's target,
-    ``APPEND_INFLATION_TARGET``), or None when not measured (no ``shadow`` or ``log-only`` run, or results from
-    before ``runs.parquet`` had ``log_append_median_s``).
+    ``APPEND_INFLATION_TARGET``), or None when not measured (no ``shadow`` or ``log-only`` run, results from
+    before ``runs.parquet`` had ``log_append_median_s``, or runs recorded at different durability levels, as in a
+    results folder assembled by hand from two experiments: their appends are not comparable).
 
     Returns ``loaded_mean_s`` (our mean blocked seconds per append, the shadow persisting snapshots on the
     same disk), ``quiet_median_s`` (the log-only run's median: no snapshots, the same durability level),
@@ -283,6 +284,9 @@ def append_inflation(runs: list[dict]) -> dict | None:
     """
     by = _by_strategy(runs)
     if OURS not in by or Strategy.LOG_ONLY not in by:
+        return None
+    levels = {str(r.get("durability") or "") for r in by[OURS] + by[Strategy.LOG_ONLY]} - {""}
+    if len(levels) > 1:
         return None
     loaded = _mean(by[OURS], "log_append_s")
     quiet = statistics.median([r.get("log_append_median_s", math.nan) for r in by[Strategy.LOG_ONLY]])

@@ -290,6 +290,8 @@ def test_the_step_log_under_snapshot_load_is_our_mean_append_over_the_log_only_m
     assert rt.append_inflation([runs[0], {**runs[3], "log_append_median_s": 2 * APPEND_S}])["met"]
     assert rt.append_inflation(all_runs()) is None  # results from before the median column
     assert rt.append_inflation(runs[:3]) is None  # no quiet (log-only) run
+    assert rt.append_inflation([runs[0], {**runs[3], "durability": "node"}]) is None  # levels differ: not comparable
+    assert rt.append_inflation([runs[0], {**runs[3], "durability": "process"}])["ratio"] == pytest.approx(3.0)
     report = rp.main([str(write(tmp_path, runs, standard_recoveries())), "--mtbf-s", "600", "--seeds", "3"])
     line = ("The step log under snapshot load (issue 10): our mean append at durability process, while the shadow's snapshots were written to "
             "the same disk, 0.00024 s; the log-only run's median (no snapshots, the same durability) 8e-05 s: 3x the "
