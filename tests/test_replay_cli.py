@@ -282,8 +282,10 @@ def test_write_snapshot_over_the_run_s_snapshot_of_another_state_is_refused_as_n
     wrong.epoch = wrong.run_epoch()
     info = wrong.write(5, state)
     folders = sorted(p.name for p in (copy / "snapshots").iterdir())
-    result = replay(copy, "--step", 5, "--write-snapshot", "--from-initial")  # the log alone, not that snapshot
+    result = replay(copy, "--step", 5, "--write-snapshot", "--from-initial",  # the log alone, not that snapshot
+                    "--export-hf", tmp_path / "hf")
     assert result.exit_code == 3, result.output
+    assert not (tmp_path / "hf").exists()  # the state is in doubt: no transformers folder either
     assert printed_sha256(result.output.split("error:")[0]) == hashes[5]
     assert (f"error: not bitwise equal: {copy / 'snapshots'}/{info.folder} holds run replayed's snapshot of step 5 with "
             f"state_sha256 {state_sha256(state)}, not the replayed state's") in result.output
