@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m raycheck.experiments.durability_bench --snapshot-load
 
 experiment: $(STAMP)
-	$(VENV)/bin/raycheck experiment --out runs/experiment
+	$(VENV)/bin/raycheck experiment --overwrite --out runs/experiment
 
 experiment-quick: $(STAMP)
-	$(VENV)/bin/raycheck experiment --quick --out runs/experiment-quick
+	$(VENV)/bin/raycheck experiment --quick --overwrite --out runs/experiment-quick

@@ -36,6 +36,8 @@ def experiment(
         "zo step log durability of every run: node (the run's default: each append waits for the log keeper's "
         "acknowledgement) or process (fsynced on rank 0's node only: the level of the baselines' checkpoints on "
         "the local disk). cluster needs remote storage, which the experiment does not use."))] = "node",
+    overwrite: Annotated[bool, typer.Option(help="Replace the results of an earlier experiment in --out (its runs/ "
+                                                 "and tables). A folder that holds anything else is never emptied.")] = False,
 ) -> None:
     """Run ours (shadow) and the baselines (full-sync, full-async, log-only) on the same trajectory and the
     same injected worker failures, then write runs.parquet, recoveries.parquet, report.md and plots.
@@ -56,9 +58,10 @@ def experiment(
     if unknown:
         _usage_error(f"--strategy {', '.join(unknown)} is not a strategy of --algo {algo}: choose from {', '.join(STRATEGIES[algo])}")
     if failure_kind not in FAILURE_KINDS:
-        raise typer.BadParameter(f"unknown failure kind {failure_kind!r}: choose from {', '.join(FAILURE_KINDS)}")
+        _usage_error(f"--failure-kind {failure_kind!r}: choose from {', '.join(FAILURE_KINDS)}")
     if durability not in LOCAL_DURABILITIES:
-        _usage_error(f"--durability {durability!r}: choose {' or '.join(LOCAL_DURABILITIES)} (cluster needs remote storage)")
+        why = " (cluster needs remote storage, which the experiment does not use)" if durability == "cluster" else ""
+        _usage_error(f"--durability {durability!r}: choose {' or '.join(LOCAL_DURABILITIES)}{why}")
     if failure_kind == "standby" and algo != "zo":
         _usage_error(f"--failure-kind standby is for --algo zo (a warm standby runs one ZO worker), not --algo {algo}")
     out = out.resolve()
@@ -71,6 +74,7 @@ def experiment(
             raise typer.Exit(2) from exc
         preset = dataclasses.replace(preset, model=model)
     if not report_only:
+        _check_out(out, overwrite)
         connect("raycheck", num_cpus=2)
         run_experiment(preset, out, str(cache_dir.resolve()), tuple(strategy) or STRATEGIES[algo], echo=typer.echo,
                        failure_kind=failure_kind, durability=durability)
@@ -78,6 +82,22 @@ def experiment(
         typer.echo(f"error: {out} holds no results (runs.parquet); run without --report-only first", err=True)
         raise typer.Exit(2)
     typer.echo(write_report(out).summary())  # its first line names report.md
+
+
+def _check_out(out: pathlib.Path, overwrite: bool) -> None:
+    """Refuse (exit 2) an ``out`` that is a file, that holds an earlier experiment's results (``preset.json``,
+    or ``runs/reference/``, its first run) without ``overwrite``, or that holds anything else: the experiment replaces ``out/runs`` and
+    its tables, so it starts only in a new or empty folder or, with ``overwrite``, over an experiment's."""
+    if out.exists() and not out.is_dir():
+        _usage_error(f"--out {out} is a file, not a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not ((out / "preset.json").is_file() or (out / "runs" / "reference").is_dir()):
+        _usage_error(f"{out} is not empty and holds no raycheck experiment (no preset.json or runs/reference): "
+                     "choose a new or empty --out")
+    if not overwrite:
+        _usage_error(f"{out} already holds an experiment's results; pass --overwrite to replace them (its runs/ is "
+                     "deleted) or choose another --out")
 
 
 def _usage_error(message: str) -> None:

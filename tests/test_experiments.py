@@ -1,4 +1,5 @@
 import math
+import types
 
 import pytest
 
@@ -133,7 +134,7 @@ def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
     from raycheck.orchestrator.cli import app
 
     result = CliRunner().invoke(app, ["experiment", "--failure-kind", "sigkill", "--out", str(tmp_path)])
-    assert result.exit_code == 2 and "unknown failure kind 'sigkill': choose from exit, raise" in result.output
+    assert result.exit_code == 2 and result.output.startswith("error: --failure-kind 'sigkill': choose from exit, raise")
     assert list(tmp_path.iterdir()) == []
     help_text = CliRunner().invoke(app, ["experiment", "--help"]).output
     assert "--failure-kind" in help_text and "the process survives" in help_text
@@ -142,8 +143,57 @@ def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
                                                        "ZO worker), not --algo fo\n")
     assert list(tmp_path.iterdir()) == []
     result = CliRunner().invoke(app, ["experiment", "--durability", "cluster", "--out", str(tmp_path)])
-    assert result.exit_code == 2 and result.output == "error: --durability 'cluster': choose process or node (cluster needs remote storage)\n"
+    assert result.exit_code == 2 and result.output == ("error: --durability 'cluster': choose process or node (cluster "
+                                                       "needs remote storage, which the experiment does not use)\n")
+    result = CliRunner().invoke(app, ["experiment", "--durability", "disk", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and result.output == "error: --durability 'disk': choose process or node\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_experiment_cli_never_empties_a_folder_it_did_not_write_and_replaces_results_only_with_overwrite(tmp_path, monkeypatch):
+    """The experiment deletes ``--out``'s ``runs/`` before it starts; before the fix ``--out .`` in a project
+    folder deleted the user's ``runs/myrun``, and an earlier experiment's 7.6 GB of runs went without a word."""
+    from typer.testing import CliRunner
+
+    import raycheck.experiments.harness as harness
+    import raycheck.orchestrator.cluster as cluster
+    from raycheck.orchestrator.cli import app
+
+    started = []
+    monkeypatch.setattr(harness, "run_experiment", lambda preset, out, *args, **kwargs: started.append(out))
+    monkeypatch.setattr(cluster, "connect", lambda *args, **kwargs: True)
+    monkeypatch.setattr("raycheck.experiments.report.write_report", lambda out: types.SimpleNamespace(summary=lambda: "report"))
+
+    def experiment(out, *more):
+        return CliRunner().invoke(app, ["experiment", "--quick", "--out", str(out), *more])
+
+    project = tmp_path / "project"
+    (project / "runs" / "myrun").mkdir(parents=True)
+    (project / "runs" / "myrun" / "keep.txt").write_text("precious")
+    (project / "notes.txt").write_text("mine")
+    earlier, interrupted = tmp_path / "earlier", tmp_path / "interrupted"
+    (earlier / "runs" / "shadow").mkdir(parents=True)
+    (earlier / "preset.json").write_text("{}")
+    (interrupted / "runs" / "reference").mkdir(parents=True)  # stopped before its tables and preset.json
+    (tmp_path / "afile").write_text("x")
+    for out, more, line in [
+        (project / "notes.txt", [], f"error: --out {project / 'notes.txt'} is a file, not a folder"),
+        (project, ["--overwrite"], f"error: {project} is not empty and holds no raycheck experiment (no preset.json or "
+                                   "runs/reference): choose a new or empty --out"),
+        (earlier, [], f"error: {earlier} already holds an experiment's results; pass --overwrite to replace them (its runs/ "
+                      "is deleted) or choose another --out"),
+        (interrupted, [], f"error: {interrupted} already holds an experiment's results; pass --overwrite to replace them "
+                          "(its runs/ is deleted) or choose another --out"),
+    ]:
+        result = experiment(out, *more)
+        assert result.exit_code == 2 and result.output == line + "\n", result.output
+    assert (project / "runs" / "myrun" / "keep.txt").read_text() == "precious" and (earlier / "runs" / "shadow").is_dir()
+    assert started == []
+    (tmp_path / "empty").mkdir()
+    for out, more in [(tmp_path / "new", []), (tmp_path / "empty", []), (earlier, ["--overwrite"]), (interrupted, ["--overwrite"])]:
+        started.clear()
+        result = experiment(out, *more)
+        assert started == [out.resolve()], result.output
 
 
 def test_inproc_bench_table_lists_each_path_s_components_in_breakdown_order():
