@@ -593,6 +593,8 @@ class Controller:
         Once ``prepare`` has claimed the run directory, whatever fails inside the run (an exception,
         a shadow past its restart budget, an interrupt) ends with a summary (``ok`` false, ``error``,
         phase ``failed``) and with this run's shadow and persister killed; an interrupt is re-raised.
+        The summary is made before any Ray call of the failure path and written even when one of those
+        calls is interrupted again (a second Ctrl-C, or ``timeout -s INT``, which signals the driver twice).
 
         Raises:
             ResumeMismatchError: the run directory holds another trajectory's step log (nothing written).
@@ -607,12 +609,15 @@ class Controller:
         except BaseException as exc:  # the run directory always gets a summary
             log_failure(exc)
             summary = self._failure_summary(exc)
+            self._last_event("phase", phase=self.phase.value, error=summary["error"][:500])
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self._kill_actors()
-            if summary is not None:
-                self.run_dir.write_json(self.run_dir.root / "summary.json", summary)
+            try:
+                self._kill_actors()
+            finally:
+                if summary is not None:
+                    self.run_dir.write_json(self.run_dir.root / "summary.json", summary)
         return summary
 
     def _kill_actors(self) -> None:
@@ -680,11 +685,11 @@ class Controller:
                         "resumes from its run directory only, not from the bucket alone", self.cfg.storage.uri, exc)
 
     def _failure_summary(self, exc: BaseException) -> dict:
-        """The summary of a run that raised ``exc``: phase ``failed``, ``ok`` false, the error, and what
-        is known of the shadow (``orchestrator.summary.failed_summary``)."""
-        error = f"{type(exc).__name__}: {exc}"
+        """The summary of a run that raised ``exc``, from what the driver holds (no Ray call): phase
+        ``failed``, ``ok`` false, the error (``<ErrorType>: message``, or the type alone for one
+        without a message, as an interrupt), and what is known of the shadow (``orchestrator.summary.failed_summary``)."""
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self.state = Failed(error)
-        self._last_event("phase", phase=self.phase.value, error=error[:500])
         return failed_summary(error, self.shadow.shard_figures(None) if self.shadow else None, self._summary_base())
 
     def _run(self) -> dict:

@@ -475,6 +475,31 @@ def test_an_interrupted_run_logs_one_line_without_a_traceback(caplog):
         ("WARNING", "the run was interrupted (KeyboardInterrupt)", None)]
 
 
+@pytest.mark.parametrize("again_in", ["_last_event", "_kill_actors"])
+def test_an_interrupt_during_the_failure_path_still_leaves_a_summary(tmp_path, monkeypatch, again_in):
+    """Ctrl-C stops the run, and a second interrupt arrives while the failure path talks to Ray (``timeout -s
+    INT`` signals the driver twice; a user presses Ctrl-C again): first while the journal takes the ``phase``
+    event, then while the actors are killed. The interrupt reaches the caller, and ``summary.json`` is there
+    (ok false, phase failed, the error without an empty message). Before the fix a fresh user's
+    ``timeout -s INT 45 raycheck run ...`` left no summary; here the ``_run`` and Ray calls are stand-ins."""
+    from raycheck.orchestrator.controller import Controller
+
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=6, run_id="ctrl-c")
+    controller = Controller(cfg, echo=lambda line: None)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(controller, "_run", interrupted)
+    monkeypatch.setattr(controller, again_in, interrupted)
+    if again_in == "_last_event":
+        monkeypatch.setattr(controller, "_kill_actors", lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        controller.run()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["ok"], summary["phase"], summary["error"], summary["final_step"]) == (False, "failed", "KeyboardInterrupt", None)
+
+
 def test_an_adaptive_run_whose_assumed_costs_admit_no_plan_is_refused_in_one_line(tmp_path):
     """With the assumed costs (``orchestrator.planning.INITIAL_COSTS``) and an MTBF of 1 s, a shadow restarted
     after a failure would need longer to catch up than the time between failures (``policies.models.check_shadow``):
