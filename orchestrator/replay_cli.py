@@ -365,10 +365,43 @@ def _notes(run: LoggedRun) -> list[str]:
     return []
 
 
-def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
-    """What ``replay`` prints: the run, the base, the replayed steps, the hash (last line)."""
-    from raycheck.training.state import state_sha256
+def recorded_sha256(run_or_store: str, run: LoggedRun, step: int) -> tuple[str, str] | None:
+    """The state sha256 the run itself recorded after ``step`` steps, and where: the ``summary.json`` of a
+    run directory (its ``worker_hashes``, recorded with ``--hash-every``, or the final ``state_sha256`` of a
+    run that finished at ``step``), when that summary is of ``run``'s trajectory; None when not recorded
+    (a store, no or an unreadable summary, another trajectory's, a step not hashed)."""
+    local = local_path(run_or_store)
+    if local is None or not (local / "summary.json").is_file():
+        return None
+    path = local / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("trajectory_sha256") != run.header["trajectory_sha256"]:
+        return None
+    sha = (summary.get("worker_hashes") or {}).get(str(step))
+    if sha is None and summary.get("ok") and summary.get("final_step") == step:
+        sha = summary.get("state_sha256")
+    return (sha, str(path)) if isinstance(sha, str) else None
 
+
+def refuse_off_trajectory(replayed: Replayed, recorded: tuple[str, str], writes: bool) -> None:
+    """Exit ``EXIT_NOT_EXACT``: the replayed state is not the one the run recorded (``recorded_sha256``), so the
+    base snapshot verified but is off the run's trajectory; nothing is committed or exported (``writes``: one
+    was asked)."""
+    want, where = recorded
+    base = f"the snapshot of step {replayed.base_step} it started from" if replayed.base is not None else "the step log"
+    typer.echo(f"error: not bitwise equal: the run recorded state_sha256 {want} at step {replayed.step} ({where}); {base} "
+               "is off the run's trajectory (`raycheck verify` checks integrity only; `raycheck replay --from-initial` "
+               "rebuilds from the log alone)", err=True)
+    if writes:
+        typer.echo("error: nothing committed", err=True)
+    raise typer.Exit(EXIT_NOT_EXACT)
+
+
+def _describe(replayed: Replayed, run: LoggedRun, sha: str) -> list[str]:
+    """What ``replay`` prints: the run, the base, the replayed steps, the state's ``sha`` (last line)."""
     base = (f"snapshot of step {replayed.base_step} ({run.storage.url(replayed.base.folder)})"
             if replayed.base is not None and run.storage is not None else "the initial weights")
     steps = (f"replayed steps {replayed.base_step}..{replayed.step - 1} ({replayed.replayed_steps})"
@@ -387,7 +420,7 @@ def _describe(replayed: Replayed, run: LoggedRun) -> list[str]:
     return [*_notes(run), *(f"skipped: {s}" for s in replayed.skipped), *named,
             f"run {run.identity.run_id}, model {run.header['model']}, log {run.log_url} ({len(run.records)} steps)",
             f"step {replayed.step}: base {base}; {steps}",
-            f"state_sha256 {state_sha256(replayed.params)}"]
+            f"state_sha256 {sha}"]
 
 
 def replay(
@@ -421,10 +454,12 @@ def replay(
     record in the step log, storage errors, a fenced write); 2 refused, nothing written: no run at the path, --step
     past the log's end, a log of another noise generator or model, only other runs' snapshots in the
     store, a run's local store that is gone and lay outside its run directory, an unusable --to or
-    --export-hf target; 3 not bitwise equal, nothing committed: with --write-snapshot, the store holds the
-    run's snapshot of --step with another state sha256 than the replayed state's."""
+    --export-hf target; 3 not bitwise equal, nothing committed: the run directory's summary.json recorded
+    another state sha256 at --step (--hash-every, or the final state) than the replayed state's, or, with
+    --write-snapshot, the store holds the run's snapshot of --step with another one."""
     from raycheck.storage.merge import prepare_hf_export, write_hf_export
     from raycheck.storage.tensor_files import as_numpy
+    from raycheck.training.state import state_sha256
 
     try:
         run = find_run(run_or_store, s3_endpoint)
@@ -442,8 +477,15 @@ def replay(
             export = prepare_hf_export({n: as_numpy(t) for n, t in params.items()}, export_hf_dir, run.header["model"],
                                        model_folder(run.header["model"], cache_dir))
         replayed = rebuild_(params, run, step, from_initial)
-        for line in _describe(replayed, run):
+        sha = state_sha256(replayed.params)
+        recorded = recorded_sha256(run_or_store, run, step)
+        lines = _describe(replayed, run, sha)
+        if recorded is not None and recorded[0] == sha:
+            lines.insert(-1, f"bitwise equal to the state the run recorded at step {step} ({recorded[1]})")
+        for line in lines:
             typer.echo(line)
+        if recorded is not None and recorded[0] != sha:
+            refuse_off_trajectory(replayed, recorded, writes=target is not None or export is not None)
         if target is not None:
             commit(replayed, run, target)
         if export is not None:

@@ -294,6 +294,41 @@ def test_write_snapshot_over_the_run_s_snapshot_of_another_state_is_refused_as_n
     assert replay(copy, "--step", 4, "--write-snapshot").exit_code == 0  # another step is unaffected
 
 
+def test_replay_from_a_snapshot_off_the_trajectory_is_refused_against_the_hash_the_run_recorded(made, tmp_path):
+    """The store holds the run's own snapshot of step 5 with one element changed, written with the run's
+    identity: it verifies, and it is the newest base for step 6. The run directory's ``summary.json`` recorded
+    the worker's state sha256 after step 6 (``worker_hashes``, ``--hash-every``). ``replay --step 6`` exits 3
+    naming the recorded hash and the snapshot, committing and exporting nothing; before the fix it printed the
+    wrong hash and exited 0 (a fresh user's find). ``--from-initial`` gives the recorded hash and says so;
+    a summary of another trajectory records nothing for this run."""
+    run, hashes = made
+    copy = _copy_run(run, tmp_path / "copy")
+    own = SnapshotStore(str(copy / "snapshots"))
+    base = own.list()[0]
+    state = {name: np.array(a) for name, a in own.load(base).items()}
+    state[next(iter(state))].reshape(-1)[0] += 1
+    wrong = SnapshotStore(str(copy / "snapshots"), identity=RunIdentity(**base.manifest["run"]), keep_last=10)
+    wrong.epoch = wrong.run_epoch()
+    wrong.write(5, state)
+    trajectory = read_log(copy / "steplog.bin")[0]["trajectory_sha256"]
+    summary = {"ok": True, "final_step": STEPS, "state_sha256": hashes[STEPS], "trajectory_sha256": trajectory,
+               "worker_hashes": {"6": hashes[6]}}
+    (copy / "summary.json").write_text(json.dumps(summary))
+    folders = sorted(p.name for p in (copy / "snapshots").iterdir())
+    result = replay(copy, "--step", 6, "--write-snapshot", "--export-hf", tmp_path / "hf")
+    assert result.exit_code == 3, result.output
+    assert printed_sha256(result.output.split("error:")[0]) != hashes[6]  # the wrong base, replayed exactly
+    assert (f"error: not bitwise equal: the run recorded state_sha256 {hashes[6]} at step 6 ({copy / 'summary.json'}); the "
+            "snapshot of step 5 it started from is off the run's trajectory") in result.output
+    assert result.output.strip().splitlines()[-1] == "error: nothing committed"
+    assert sorted(p.name for p in (copy / "snapshots").iterdir()) == folders and not (tmp_path / "hf").exists()
+    exact = replay(copy, "--step", 6, "--from-initial")
+    assert exact.exit_code == 0 and printed_sha256(exact.output) == hashes[6], exact.output
+    assert f"bitwise equal to the state the run recorded at step 6 ({copy / 'summary.json'})" in exact.output
+    (copy / "summary.json").write_text(json.dumps({**summary, "trajectory_sha256": "0" * 64}))
+    assert replay(copy, "--step", 6).exit_code == 0  # not this run's record: nothing to compare with
+
+
 def test_a_copy_of_a_run_whose_snapshots_folder_is_a_symlink_writes_its_own_snapshots(made, tmp_path):
     """The run's ``snapshots`` is a symlink to another disk (``big/snaps``); ``shutil.copytree`` (as ``cp -rL``)
     copies the snapshots into the copy. The recorded store lies inside the recorded run directory as
