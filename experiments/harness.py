@@ -124,7 +124,8 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
             echo(f"    {line}")
 
     echo(f"[experiment] {preset.name}: {preset.model}, {preset.steps} steps, interval {preset.interval_steps}, "
-         f"worker failures ({failure_kind}) at steps {list(preset.failure_steps)}, step log durability {durability}; "
+         f"worker failures ({failure_kind}) at steps {list(preset.failure_steps)}"
+         f"{f', step log durability {durability}' if preset.algo == 'zo' else ''}; "
          f"{len(strategies)} strategies + 1 failure-free reference")
     shutil.rmtree(out / "runs", ignore_errors=True)
     reference_cfg = job_config(preset, REFERENCE_STRATEGY[preset.algo], out / "runs" / "reference", cache_dir, failures=False,

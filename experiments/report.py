@@ -256,9 +256,9 @@ def append_inflation_text(inflation: dict) -> str:
     verdict = "met" if inflation["met"] else "missed"
     level = f" at durability {inflation['durability']}" if inflation["durability"] else ""
     return (f"The step log under snapshot load (issue 10): our mean append{level}, while the shadow's snapshots were "
-            f"written to the same disk, {fmt_seconds(inflation['loaded_mean_s'])}; the log-only run's median (no snapshots, "
-            f"the same durability) {fmt_seconds(inflation['quiet_median_s'])}: {inflation['ratio']:.3g}x the quiet median "
-            f"(target <= {inflation['target']:g}x: {verdict}).")
+            f"written to the same disk, {inflation['loaded_mean_s'] * 1e3:.3g} ms; the log-only run's median (no snapshots, "
+            f"the same durability) {inflation['quiet_median_s'] * 1e3:.3g} ms: {inflation['ratio']:.3g}x the quiet "
+            f"(log-only) median (target <= {inflation['target']:g}x: {verdict}).")
 
 
 _PATH_TITLE = {
