@@ -31,7 +31,7 @@ from raycheck.storage.backend import Storage
 from raycheck.storage.log_segments import SegmentMirror
 from raycheck.storage.manifest import RunIdentity
 from raycheck.storage.merge import Source, merge_snapshots, parse_take
-from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, read_log
 from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
 from raycheck.training.state import copy_state, state_sha256
@@ -265,6 +265,18 @@ def test_write_snapshot_of_a_state_the_store_already_holds_commits_no_second_cop
     assert len(list((copy / "snapshots").glob("step-0000000005-*"))) == 2
 
 
+def _off_trajectory_snapshot(run: pathlib.Path, step: int) -> tuple[SnapshotInfo, dict]:
+    """Commit into ``run``'s store a snapshot of ``step`` with the run's identity (so it verifies) whose state
+    is its first snapshot's with one element changed: off the run's trajectory. Returns it and that state."""
+    own = SnapshotStore(str(run / "snapshots"))
+    base = own.list()[0]
+    state = {name: np.array(a) for name, a in own.load(base).items()}
+    state[next(iter(state))].reshape(-1)[0] += 1
+    wrong = SnapshotStore(str(run / "snapshots"), identity=RunIdentity(**base.manifest["run"]), keep_last=10)
+    wrong.epoch = wrong.run_epoch()
+    return wrong.write(step, state), state
+
+
 def test_write_snapshot_over_the_run_s_snapshot_of_another_state_is_refused_as_not_bitwise_equal(made, tmp_path):
     """The store holds the run's own committed snapshot of step 5 whose state differs from the one replayed from
     the initial weights (one element changed, written with the run's identity, so it verifies): the log and the
@@ -273,14 +285,7 @@ def test_write_snapshot_over_the_run_s_snapshot_of_another_state_is_refused_as_n
     committed a second, different snapshot of the step beside it."""
     run, hashes = made
     copy = _copy_run(run, tmp_path / "copy")
-    own = SnapshotStore(str(copy / "snapshots"))
-    base = own.list()[0]
-    state = {name: np.array(a) for name, a in own.load(base).items()}
-    state[next(iter(state))].reshape(-1)[0] += 1
-    identity = RunIdentity(**base.manifest["run"])
-    wrong = SnapshotStore(str(copy / "snapshots"), identity=identity, keep_last=10)
-    wrong.epoch = wrong.run_epoch()
-    info = wrong.write(5, state)
+    info, state = _off_trajectory_snapshot(copy, 5)
     folders = sorted(p.name for p in (copy / "snapshots").iterdir())
     result = replay(copy, "--step", 5, "--write-snapshot", "--from-initial",  # the log alone, not that snapshot
                     "--export-hf", tmp_path / "hf")
@@ -303,13 +308,7 @@ def test_replay_from_a_snapshot_off_the_trajectory_is_refused_against_the_hash_t
     a summary of another trajectory records nothing for this run."""
     run, hashes = made
     copy = _copy_run(run, tmp_path / "copy")
-    own = SnapshotStore(str(copy / "snapshots"))
-    base = own.list()[0]
-    state = {name: np.array(a) for name, a in own.load(base).items()}
-    state[next(iter(state))].reshape(-1)[0] += 1
-    wrong = SnapshotStore(str(copy / "snapshots"), identity=RunIdentity(**base.manifest["run"]), keep_last=10)
-    wrong.epoch = wrong.run_epoch()
-    wrong.write(5, state)
+    _off_trajectory_snapshot(copy, 5)
     trajectory = read_log(copy / "steplog.bin")[0]["trajectory_sha256"]
     summary = {"ok": True, "final_step": STEPS, "state_sha256": hashes[STEPS], "trajectory_sha256": trajectory,
                "worker_hashes": {"6": hashes[6]}}
