@@ -609,7 +609,7 @@ class Controller:
         except BaseException as exc:  # the run directory always gets a summary
             log_failure(exc)
             summary = self._failure_summary(exc)
-            self._last_event("phase", phase=self.phase.value, error=summary["error"][:500])
+            self._announce_failure(summary)
             if not isinstance(exc, Exception):
                 raise
         finally:
@@ -691,6 +691,11 @@ class Controller:
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self.state = Failed(error)
         return failed_summary(error, self.shadow.shard_figures(None) if self.shadow else None, self._summary_base())
+
+    def _announce_failure(self, summary: dict) -> None:
+        """Record the ``phase`` event of a failed run (``_failure_summary``'s ``summary``): a Ray call while the
+        journal answers, so it comes after the summary is made."""
+        self._last_event("phase", phase=summary["phase"], error=summary["error"][:500])
 
     def _run(self) -> dict:
         cfg = self.cfg

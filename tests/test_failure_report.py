@@ -42,6 +42,8 @@ def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
     assert summary["shadow_restarts"] == [{"shard": 1, "seconds": 2.5}]
     assert summary["persister_restarts"] == 1
     assert [(s["shard"], s["restarts"]) for s in summary["shadow_shards"]] == [(0, -1), (1, 3)]
+    assert RunDir.read(RunDir(tmp_path).events) == []  # made without a Ray call: an interrupt cannot stop it
+    controller._announce_failure(summary)
     [phase] = RunDir.read(RunDir(tmp_path).events)  # no journal was started: the driver wrote it itself
     assert (phase["kind"], phase["phase"], phase["error"]) == ("phase", "failed", summary["error"])
 
