@@ -25,7 +25,7 @@ from raycheck.storage.snapshots import NoSnapshotError, SnapshotStore
 from raycheck.storage.steplog import StepLogWriter
 from raycheck.training.model import default_cache_dir, layout_sha256, load_model, parameter_layout, trainable_parameters
 from raycheck.training.recovery import from_storage
-from raycheck.training.state import copy_state, load_into
+from raycheck.training.state import copy_state, load_into, state_sha256
 from raycheck.training.worker import zo_step_
 from raycheck.training.zo import (DTYPES, GENERATOR, DtypeMismatchError, ZOHyper, noise, perturb_, replay_records_, step_seed,
                                   update_)
@@ -196,3 +196,17 @@ def test_config_refuses_an_unknown_dtype_and_a_half_dtype_for_first_order(tmp_pa
     assert len({JobConfig(**base, dtype=d).trajectory_sha256() for d in DTYPES}) == 3
     result = CliRunner().invoke(app, ["run", "--algo", "fo", "--dtype", "float16", "--out", str(tmp_path / "fo")])
     assert result.exit_code == 2 and "error: --dtype float16 is for the ZO path" in result.output
+
+
+WORKER_PINS = {
+    "float32": "a5fa8e65e0e8e3ef55c202a358601ea05a599fa5aabd3291a627ed7f984b9930",
+    "bfloat16": "22caea21c82121d231049d42ad34d51127177fdf35168f9dcf1ac1d64849c7e6",
+    "float16": "38ee4bead2066e03d3d4546dba2392cb9b21da8c6897676b513f9c87f0f926eb",
+}
+"""state_sha256 of the worker's parameters after ``STEPS`` MeZO steps of the tiny model, written by the code
+of main 71c50b6 (issue 31's pinned trajectories; ``tests/test_pinned_trajectories.py`` pins the replay)."""
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_the_worker_step_reproduces_the_pinned_trajectory(runs, dtype):
+    assert state_sha256(runs[dtype][0]) == WORKER_PINS[dtype]
