@@ -49,6 +49,7 @@ compiled; so a change of the package's name must come with a change of this file
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -73,6 +74,28 @@ _ATANH = tuple(1.0 / (2 * k + 1) for k in range(6))  # 2 atanh(s) = 2s * sum_k s
 _SIN = tuple((-1.0) ** k / math.factorial(2 * k + 1) for k in range(6))  # sin x = x * sum_k (-1)^k x^2k / (2k+1)!
 _COS = tuple((-1.0) ** k / math.factorial(2 * k) for k in range(7))  # cos x = sum_k (-1)^k x^2k / (2k)!
 _PHI_SCALE = math.pi / 2**31
+
+
+@dataclass(frozen=True)
+class Perturb:
+    """p <- p + z * scale (``training.zo.perturb_``): scale is +eps, -2 eps or +eps."""
+
+    scale: float
+
+
+@dataclass(frozen=True)
+class Update:
+    """p <- p - (z * projected_grad [+ p * weight_decay]) * lr (``training.zo.update_``); weight_decay 0:
+    no decay ops at all."""
+
+    projected_grad: float
+    lr: float
+    weight_decay: float
+
+
+Op = Perturb | Update
+"""One pass of a fused kernel over a parameter (``apply_``): the ops run in order on every element,
+with the element's z generated once."""
 
 
 def split_key(seed: int) -> tuple[int, int]:
