@@ -21,7 +21,7 @@ import torch
 from raycheck.storage.steplog import StepLogWriter, StepRecord
 from raycheck.training.data import PromptEncoder, batch_indices, classification_loss, load_rotten_tomatoes
 from raycheck.training.model import load_model, load_tokenizer, trainable_parameters
-from raycheck.training.zo import noise, perturb_all_, step_seed
+from raycheck.training.zo import perturb_all_, step_seed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -63,12 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.perf_counter()
             seed = step_seed(0, step)
             idx = batch_indices(0, step, args.batch_size, len(train))
-            zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
-            perturb_all_(params, zs, 1e-3)
+            perturb_all_(params, seed, 1e-3)
             classification_loss(model, encoder, train, idx)
-            perturb_all_(params, zs, -2e-3)
+            perturb_all_(params, seed, -2e-3)
             classification_loss(model, encoder, train, idx)
-            perturb_all_(params, zs, 1e-3)
+            perturb_all_(params, seed, 1e-3)
             steps.append(time.perf_counter() - t0)
 
         saves = []

@@ -12,7 +12,7 @@ from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.steplog import StepLogGapError, StepLogWriter, StepRecord
 from raycheck.training.model import layout_sha256, parameter_layout, trainable_parameters
 from raycheck.training.state import copy_state, load_into, state_sha256
-from raycheck.training.zo import GENERATOR, ZOHyper, noise, perturb_all_, update_all_
+from raycheck.training.zo import GENERATOR, ZOHyper, perturb_all_, reset_and_update_all_
 
 
 def header(params):
@@ -26,12 +26,11 @@ def record(step: int) -> StepRecord:
 
 
 def worker_step_(params, r: StepRecord) -> None:
-    """Step ``r`` as the worker executes it (training/worker.py): z generated once per parameter,
-    +eps, -2 eps and +eps over all parameters phase by phase, then the update."""
-    zs = [noise(r.seed, i, p) for i, p in enumerate(params.values())]
-    for scale in (r.eps, -2 * r.eps, r.eps):
-        perturb_all_(params, zs, scale)
-    update_all_(params, zs, r.projected_grad, ZOHyper(lr=r.lr, eps=r.eps, weight_decay=r.weight_decay))
+    """Step ``r`` as the worker executes it (training/worker.py): +eps and -2 eps over all parameters
+    phase by phase, then the reset and the update in one pass, z regenerated for each pass."""
+    for scale in (r.eps, -2 * r.eps):
+        perturb_all_(params, r.seed, scale)
+    reset_and_update_all_(params, r.seed, r.projected_grad, ZOHyper(lr=r.lr, eps=r.eps, weight_decay=r.weight_decay))
 
 
 def test_shadow_follows_the_log_bitwise_and_restores_its_state_dict(tmp_path, tiny_model):

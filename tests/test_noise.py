@@ -86,15 +86,20 @@ def test_values_are_box_muller_within_float32_rounding_and_standard_normal():
         assert abs((z.abs() > t).double().mean().item() - mass) < 5 * math.sqrt(mass / n)
 
 
-def test_numba_kernel_has_no_fused_multiply_add():
-    """fastmath off: the compiled float stage keeps every * and + separately rounded (no FMA)."""
-    kernel = numba.njit(fastmath=False)(noise._gaussian_numba.py_func)  # uncached, so its code can be read
-    out = np.empty(8, np.float32)
-    kernel(1, 2, 3, out)
-    asm = "\n".join(kernel.inspect_asm().values())
-    assert re.search(r"\bv?mul[sp]d\b", asm) and re.search(r"\bv?add[sp]d\b", asm)  # the check reads real code
-    assert not re.search(r"\bv?f(n)?m(add|sub)", asm, re.I)
-    assert np.array_equal(out.view(np.uint32), noise.gaussian(0x200000001, 3, 8).numpy().view(np.uint32))
+def test_numba_kernels_have_no_fused_multiply_add():
+    """fastmath off: the compiled float stage and the fused apply keep every * and + separately rounded
+    (no FMA), in the vectorised code LLVM emits for them (``vmulpd``/``vmulps``, not only scalar ops)."""
+    for name, args in (("_gaussian_numba", (1, 2, 3, np.empty(8, np.float32))),
+                       ("_apply_numba", (1, 2, 3, np.zeros(8, np.uint32), 0, noise._program([noise.Perturb(1e-3),
+                                         noise.Update(0.5, 1e-3, 0.01)])))):
+        kernel = numba.njit(fastmath=False, error_model="numpy")(getattr(noise, name).py_func)  # uncached: code readable
+        kernel(*args, 0, 2)
+        asm = "\n".join(kernel.inspect_asm().values())
+        assert re.search(r"\bv?mul[sp]d\b", asm) and re.search(r"\bv?add[sp]d\b", asm)  # the check reads real code
+        assert re.search(r"\bvmulp[sd]\b", asm), name  # vectorised (the speed of issue 31)
+        assert not re.search(r"\bv?f(n)?m(add|sub)", asm, re.I), name
+    assert np.array_equal(noise.gaussian(0x200000001, 3, 8).numpy().view(np.uint32),
+                          noise.gaussian_torch(0x200000001, 3, 8).numpy().view(np.uint32))
 
 
 def test_bad_arguments_raise_one_clear_error():
@@ -126,11 +131,20 @@ from raycheck.training import zo
 from raycheck.training.state import state_sha256
 
 def five_steps(make_noise):
-    zo.noise = make_noise
-    params = OrderedDict((f"p{i}", zo.noise(zo.step_seed(99, 0), i, torch.empty(shape)) * 0.02)
+    # five MeZO steps: the fused kernels (zo.replay_step_) for the portable generator, the unfused
+    # primitives over make_noise's held z for another
+    params = OrderedDict((f"p{i}", make_noise(zo.step_seed(99, 0), i, torch.empty(shape)) * 0.02)
                          for i, shape in enumerate([(257, 33), (1000,), (3, 5, 7)]))
     for t in range(5):
-        zo.replay_step_(params, zo.step_seed(0, t), (-1) ** t * 0.37, 1e-3, 1e-3, 0.01)
+        seed, g = zo.step_seed(0, t), (-1) ** t * 0.37
+        if make_noise is zo.noise:
+            zo.replay_step_(params, seed, g, 1e-3, 1e-3, 0.01)
+            continue
+        for i, p in enumerate(params.values()):
+            z = make_noise(seed, i, p)
+            for scale in (1e-3, -2e-3, 1e-3):
+                zo.perturb_(p, z, scale)
+            zo.update_(p, z, g, 1e-3, 0.01 if p.ndim >= 2 else 0.0)
     return state_sha256(params)
 
 def randn(seed, index, like):  # the generator before the portable one

@@ -9,27 +9,26 @@ from raycheck.training.data import batch_indices, classification_loss
 from raycheck.training.model import trainable_parameters
 from raycheck.training.state import copy_state, load_into, state_sha256
 from raycheck.training.zo import (
-    ZOHyper, decays, derive_seed, noise, perturb_, perturb_all_, replay_step_, step_seed, update_, update_all_,
+    ZOHyper, decays, derive_seed, noise, perturb_, perturb_all_, replay_step_, reset_and_update_all_, step_seed, update_,
 )
 
 HYPER = ZOHyper(lr=1e-3, eps=1e-3, weight_decay=0.01)  # a large lr so the updates are visible
 
 
 def worker_steps(model, encoder, train, steps: int) -> list[tuple[int, float]]:
-    """The worker's phase-by-phase MeZO steps; returns (seed, projected_grad) per step."""
+    """The worker's phase-by-phase MeZO steps (z regenerated for each of its three passes: +eps, -2 eps,
+    then the reset fused with the update); returns (seed, projected_grad) per step."""
     params = trainable_parameters(model)
     out = []
     for step in range(steps):
         seed = step_seed(0, step)
         idx = batch_indices(0, step, 8, len(train))
-        zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
-        perturb_all_(params, zs, HYPER.eps)
+        perturb_all_(params, seed, HYPER.eps)
         lp = classification_loss(model, encoder, train, idx)
-        perturb_all_(params, zs, -2 * HYPER.eps)
+        perturb_all_(params, seed, -2 * HYPER.eps)
         lm = classification_loss(model, encoder, train, idx)
-        perturb_all_(params, zs, HYPER.eps)
         g = (lp - lm) / (2 * HYPER.eps)
-        update_all_(params, zs, g, HYPER)
+        reset_and_update_all_(params, seed, g, HYPER)
         out.append((seed, g))
     return out
 
@@ -68,10 +67,8 @@ def test_shards_replaying_contiguous_ranges_with_their_first_index_equal_the_ful
 def test_perturbation_round_trip_is_not_an_identity():
     p = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
     before = p.clone()
-    z = noise(3, 0, p)
-    perturb_all_({"p": p}, [z], 1e-3)
-    perturb_all_({"p": p}, [z], -2e-3)
-    perturb_all_({"p": p}, [z], 1e-3)
+    for scale in (1e-3, -2e-3, 1e-3):
+        perturb_all_({"p": p}, 3, scale)
     changed = (p != before).float().mean().item()
     assert 0.2 < changed < 0.8
 
@@ -123,8 +120,7 @@ def test_primitives_compute_the_documented_arithmetic_by_hand():
 def test_weight_decay_applies_to_matrices_only_in_the_update():
     assert [decays("w", torch.empty(shape)) for shape in [(), (3,), (2, 3), (2, 3, 4)]] == [False, False, True, True]
     params = {"w": torch.ones(1, 2), "b": torch.ones(2)}
-    zero = [torch.zeros(1, 2), torch.zeros(2)]  # z = 0: only the decay moves p, by lr * wd * p = 0.5 * 0.5
-    update_all_(params, zero, 1.0, ZOHyper(lr=0.5, eps=1e-3, weight_decay=0.5))
+    replay_step_(params, 5, 0.0, 0.5, 0.0, 0.5)  # g = 0 and eps = 0: only the decay moves p, by lr * wd * p
     assert params["w"].tolist() == [[0.75, 0.75]] and params["b"].tolist() == [1.0, 1.0]
     replay_step_(params, 5, 0.0, 0.5, 0.0, 0.5)  # g = 0 and eps = 0: the decay alone, again on w only
     assert params["w"].tolist() == [[0.5625, 0.5625]] and params["b"].tolist() == [1.0, 1.0]

@@ -49,6 +49,9 @@ compiled; so a change of the package's name must come with a change of this file
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -106,72 +109,85 @@ def split_key(seed: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- numba (CPU) -------------------------
+# Every kernel is compiled with fastmath=False (no contraction: the module docstring) and
+# error_model="numpy": IEEE division, without the Python ZeroDivisionError branch that kept LLVM from
+# vectorising the float stage (no divisor here can be zero: m + 1 >= 1.7).
+_inline = numba.njit(cache=True, fastmath=False, error_model="numpy", inline="always")
+_kernel = numba.njit(cache=True, fastmath=False, error_model="numpy", nogil=True)  # threads run them in parallel
+_U = numba.uint64
 
-@numba.njit(cache=True, fastmath=False, inline="always")
+@_inline
 def _philox_block(c0, c1, c2, c3, k0, k1):
     """One Philox4x32-10 block; all values uint64 holding 32-bit words."""
-    m32 = numba.uint64(_M32)
+    m32 = _U(_M32)
     for r in range(PHILOX_ROUNDS):
         if r:
-            k0 = (k0 + numba.uint64(PHILOX_W[0])) & m32
-            k1 = (k1 + numba.uint64(PHILOX_W[1])) & m32
-        p0 = numba.uint64(PHILOX_M[0]) * c0
-        p1 = numba.uint64(PHILOX_M[1]) * c2
-        c0, c1, c2, c3 = ((p1 >> numba.uint64(32)) ^ c1 ^ k0, p1 & m32, (p0 >> numba.uint64(32)) ^ c3 ^ k1, p0 & m32)
+            k0 = (k0 + _U(PHILOX_W[0])) & m32
+            k1 = (k1 + _U(PHILOX_W[1])) & m32
+        p0 = _U(PHILOX_M[0]) * c0
+        p1 = _U(PHILOX_M[1]) * c2
+        c0, c1, c2, c3 = ((p1 >> _U(32)) ^ c1 ^ k0, p1 & m32, (p0 >> _U(32)) ^ c3 ^ k1, p0 & m32)
     return c0, c1, c2, c3
 
 
-@numba.njit(cache=True, fastmath=False)
+@_kernel
 def _philox_numba(ctr, key, out):
     """out[n, 4] = philox4x32-10(ctr[n, 4], key[2]), uint32 arrays."""
-    k0, k1 = numba.uint64(key[0]), numba.uint64(key[1])
+    k0, k1 = _U(key[0]), _U(key[1])
     for n in range(ctr.shape[0]):
         out[n, 0], out[n, 1], out[n, 2], out[n, 3] = _philox_block(
-            numba.uint64(ctr[n, 0]), numba.uint64(ctr[n, 1]), numba.uint64(ctr[n, 2]), numba.uint64(ctr[n, 3]), k0, k1)
+            _U(ctr[n, 0]), _U(ctr[n, 1]), _U(ctr[n, 2]), _U(ctr[n, 3]), k0, k1)
+
+
+def _bitcast(name: str, src: types.Type, dst: types.Type, dst_ir: ir.Type):
+    """A numba intrinsic ``name(x)``: the value of type ``dst`` with the IEEE-754 bits of ``x`` (exact)."""
+
+    def cast(typingctx, x):
+        return dst(src), lambda context, builder, signature, args: builder.bitcast(args[0], dst_ir)
+
+    cast.__name__ = name
+    return intrinsic(cast)
+
+
+_bits_f64 = _bitcast("_bits_f64", types.float64, types.uint64, ir.IntType(64))
+_f64_bits = _bitcast("_f64_bits", types.uint64, types.float64, ir.DoubleType())
+_bits_f32 = _bitcast("_bits_f32", types.float32, types.uint32, ir.IntType(32))
+_f32_bits = _bitcast("_f32_bits", types.uint32, types.float32, ir.FloatType())
 
 
 @intrinsic
-def _bits_f64(typingctx, x):
-    """The IEEE-754 bits of a float64 as uint64 (a bit cast: exact)."""
+def _sqrt(typingctx, x):
+    """sqrt of a float64 as LLVM's ``llvm.sqrt.f64``: IEEE-754's correctly rounded square root (as libm's
+    ``sqrt``, which numba's ``math.sqrt`` calls), but an intrinsic LLVM can vectorise (``vsqrtpd``)."""
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
+        return builder.call(builder.module.declare_intrinsic("llvm.sqrt", [ir.DoubleType()]), [args[0]])
 
-    return types.uint64(types.float64), codegen
-
-
-@intrinsic
-def _f64_bits(typingctx, x):
-    """The float64 whose IEEE-754 bits are the uint64 ``x`` (a bit cast: exact)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return types.float64(types.uint64), codegen
+    return types.float64(types.float64), codegen
 
 
-@numba.njit(cache=True, fastmath=False, inline="always")
+@_inline
 def _radius(a):
     """sqrt(-2 ln x), x = (a + 1) 2^-32: step 1 of the module docstring."""
     bits = _bits_f64((numba.float64(a) + 1.0) * 2.3283064365386963e-10)  # 2^-32
-    e = numba.int64(bits >> numba.uint64(52)) - 1022
-    m = _f64_bits((bits & numba.uint64(0x000FFFFFFFFFFFFF)) | numba.uint64(0x3FE0000000000000))  # [0.5, 1)
+    e = numba.int32(bits >> _U(52)) - numba.int32(1022)  # int32: converted to float64 by one vector op
+    m = _f64_bits((bits & _U(0x000FFFFFFFFFFFFF)) | _U(0x3FE0000000000000))  # [0.5, 1)
     low = m < _SQRT_HALF
     m = m * 2.0 if low else m
-    e = e - 1 if low else e
+    e = e - numba.int32(1) if low else e
     s = (m - 1.0) / (m + 1.0)
     s2 = s * s
     p = _ATANH[5]
     for k in range(4, -1, -1):
         p = p * s2 + _ATANH[k]
     ln = numba.float64(e) * _LN2 + (s * 2.0) * p
-    return math.sqrt(ln * -2.0)
+    return _sqrt(ln * -2.0)
 
 
-@numba.njit(cache=True, fastmath=False, inline="always")
+@_inline
 def _circle(b):
     """(cos, sin) of a uniform angle from word b: step 2 of the module docstring."""
-    phi = (numba.float64(b & numba.uint64(0x3FFFFFFF)) - 536870911.5) * _PHI_SCALE
+    phi = (numba.float64(numba.int32(b & _U(0x3FFFFFFF))) - 536870911.5) * _PHI_SCALE
     x2 = phi * phi
     sp = _SIN[5]
     for k in range(4, -1, -1):
@@ -180,45 +196,193 @@ def _circle(b):
     for k in range(5, -1, -1):
         cp = cp * x2 + _COS[k]
     sp = phi * sp
-    q = b >> numba.uint64(30)
-    odd = (q & numba.uint64(1)) != 0
+    q = b >> _U(30)
+    odd = (q & _U(1)) != 0
     u = sp if odd else cp
     v = cp if odd else sp
-    u = -u if ((q ^ (q >> numba.uint64(1))) & numba.uint64(1)) != 0 else u
+    u = -u if ((q ^ (q >> _U(1))) & _U(1)) != 0 else u
     v = -v if q >= 2 else v
     return u, v
 
 
-_CHUNK_BLOCKS = 1024  # blocks per pass: the words and values of one chunk stay in L1/L2
+_CHUNK_BLOCKS = 1024
+"""Blocks (4 elements each) per pass of a kernel: the words, values and parameter slice of one chunk
+stay in L1/L2, and a thread's share of a tensor is a whole number of chunks."""
 
 
-@numba.njit(cache=True, fastmath=False)
-def _gaussian_numba(k0, k1, index, out):
-    """out[i] = element i of stream (key (k0, k1), ``index``) for i < out.size, float32.
+@_inline
+def _values(key0, key1, stream, start, m, w, z):
+    """z[:4 m] = elements 4 start .. 4 (start + m) - 1 of stream (key, ``stream``), float32, in element
+    order: the Philox words of blocks start .. start + m - 1, then their values (word 2h -> radius, word
+    2h + 1 -> angle; element 4 b + j = value j of block b). ``w``: uint32 [4, >= m] scratch."""
+    for j in range(m):
+        b = _U(start + j)
+        w[0, j], w[1, j], w[2, j], w[3, j] = _philox_block(b & _U(_M32), b >> _U(32), stream, _U(0), key0, key1)
+    for j in range(m):
+        r0, r2 = _radius(w[0, j]), _radius(w[2, j])
+        c0, s0 = _circle(w[1, j])
+        c2, s2 = _circle(w[3, j])
+        z[4 * j] = numba.float32(r0 * c0)
+        z[4 * j + 1] = numba.float32(r0 * s0)
+        z[4 * j + 2] = numba.float32(r2 * c2)
+        z[4 * j + 3] = numba.float32(r2 * s2)
 
-    Chunk by chunk: the Philox words of ``_CHUNK_BLOCKS`` blocks, then their values (word 2h -> radius,
-    word 2h + 1 -> angle), then the values in element order (element 4 b + j = value j of block b).
-    """
-    n = out.size
-    key0, key1, stream = numba.uint64(k0), numba.uint64(k1), numba.uint64(index)
-    blocks = (n + 3) // 4
+
+@_kernel
+def _gaussian_numba(k0, k1, index, out, first_block, last_block):
+    """out[4 first_block : 4 last_block] (clipped to out.size) = those elements of stream (key (k0, k1),
+    ``index``), float32."""
     w = np.empty((4, _CHUNK_BLOCKS), np.uint32)
-    z = np.empty((4, _CHUNK_BLOCKS), np.float32)
-    for start in range(0, blocks, _CHUNK_BLOCKS):
-        m = min(_CHUNK_BLOCKS, blocks - start)
-        for j in range(m):
-            b = numba.uint64(start + j)
-            w[0, j], w[1, j], w[2, j], w[3, j] = _philox_block(
-                b & numba.uint64(_M32), b >> numba.uint64(32), stream, numba.uint64(0), key0, key1)
-        for h in range(2):
-            for j in range(m):
-                r = _radius(w[2 * h, j])
-                c, s = _circle(w[2 * h + 1, j])
-                z[2 * h, j] = numba.float32(r * c)
-                z[2 * h + 1, j] = numba.float32(r * s)
+    z = np.empty(4 * _CHUNK_BLOCKS, np.float32)
+    for start in range(first_block, last_block, _CHUNK_BLOCKS):
+        m = min(_CHUNK_BLOCKS, last_block - start)
+        _values(_U(k0), _U(k1), _U(index), start, m, w, z)
         base = 4 * start
-        for i in range(min(4 * m, n - base)):
-            out[base + i] = z[i & 3, i >> 2]
+        for i in range(min(4 * m, out.size - base)):
+            out[base + i] = z[i]
+
+
+# Parameter dtypes as the kernels hold them: the bits, widened exactly to float32 and rounded back.
+_FLOAT32, _BFLOAT16, _FLOAT16 = 0, 1, 2
+_KINDS = {torch.float32: (_FLOAT32, torch.int32), torch.bfloat16: (_BFLOAT16, torch.int16),
+          torch.float16: (_FLOAT16, torch.int16)}
+KERNEL_DTYPES = frozenset(_KINDS)
+"""The parameter dtypes ``apply_`` takes (``training.zo.DTYPES``)."""
+
+
+@_inline
+def _widen(h, kind):
+    """The float32 value of the bits ``h`` (uint) of a parameter of dtype ``kind``: exact.
+
+    float16: c10's ``fp16_ieee_to_fp32_value`` (c10/util/Half.h; M. Dukhan's FP16 library), all exact
+    float32 and integer ops, subnormals included."""
+    if kind == _FLOAT32:
+        return _f32_bits(numba.uint32(h))
+    if kind == _BFLOAT16:
+        return _f32_bits(numba.uint32(_U(h) << _U(16)))
+    w = _U(h) << _U(16)
+    two_w = (w + w) & _U(_M32)
+    normalized = _f32_bits(numba.uint32((two_w >> _U(4)) + _U(0x70000000))) * numba.float32(1.925929944387236e-34)
+    denormalized = _f32_bits(numba.uint32((two_w >> _U(17)) | _U(0x3F000000))) - numba.float32(0.5)
+    mag = _U(_bits_f32(denormalized)) if two_w < _U(1 << 27) else _U(_bits_f32(normalized))
+    return _f32_bits(numba.uint32((w & _U(0x80000000)) | mag))
+
+
+@_inline
+def _narrow(x, kind):
+    """The bits (uint64) of float32 ``x`` rounded to nearest-even to dtype ``kind``, as torch rounds.
+
+    bfloat16: c10's ``round_to_nearest_even`` (NaN -> 0x7FC0); float16: c10's
+    ``fp16_ieee_from_fp32_value`` (exact float32 scalings, subnormal and infinite results kept)."""
+    w = _U(_bits_f32(x))
+    if kind == _FLOAT32:
+        return w
+    if kind == _BFLOAT16:
+        return _U(0x7FC0) if x != x else ((w + _U(0x7FFF) + ((w >> _U(16)) & _U(1))) >> _U(16)) & _U(0xFFFF)
+    base = (abs(x) * numba.float32(5.192296858534828e33)) * numba.float32(7.703719777548943e-34)  # 2^112, 2^-110
+    shl1 = (w + w) & _U(_M32)
+    bias = max(shl1 & _U(0xFF000000), _U(0x71000000))
+    base = _f32_bits(numba.uint32((bias >> _U(1)) + _U(0x07800000))) + base
+    bits = _U(_bits_f32(base))
+    nonsign = ((bits >> _U(13)) & _U(0x7C00)) + (bits & _U(0x0FFF))
+    return ((w & _U(0x80000000)) >> _U(16)) | (_U(0x7E00) if shl1 > _U(0xFF000000) else nonsign)
+
+
+_PERTURB, _UPDATE = 0.0, 1.0
+
+
+@_kernel
+def _apply_numba(k0, k1, index, bits, kind, prog, first_block, last_block):
+    """Run ``prog`` on elements 4 first_block .. 4 last_block - 1 (clipped to bits.size) of a parameter
+    held as ``bits`` (uint32 for float32, uint16 for bfloat16 and float16; ``kind``), in place.
+
+    ``prog``: float64 [k, 4], one row per op: (_PERTURB, scale, 0, 0) or (_UPDATE, g, lr, wd). Per
+    element: z of stream (key, ``index``), rounded once to the parameter's dtype; x = the element widened
+    to float32; each op in float32, every * + - rounded on its own (``zo.perturb_``, ``zo.update_``),
+    then x rounded to the dtype (exactly as ``zo._add_`` writes p); the element = x."""
+    w = np.empty((4, _CHUNK_BLOCKS), np.uint32)
+    z = np.empty(4 * _CHUNK_BLOCKS, np.float32)
+    x = np.empty(4 * _CHUNK_BLOCKS, np.float32)
+    for start in range(first_block, last_block, _CHUNK_BLOCKS):
+        m = min(_CHUNK_BLOCKS, last_block - start)
+        _values(_U(k0), _U(k1), _U(index), start, m, w, z)
+        base = 4 * start
+        cnt = min(4 * m, bits.size - base)
+        for i in range(cnt):
+            x[i] = _widen(bits[base + i], kind)
+        if kind != _FLOAT32:
+            for i in range(cnt):
+                z[i] = _widen(_narrow(z[i], kind), kind)
+        for k in range(prog.shape[0]):
+            if prog[k, 0] == _PERTURB:
+                scale = numba.float32(prog[k, 1])
+                for i in range(cnt):
+                    x[i] = x[i] + z[i] * scale
+            elif prog[k, 3] != 0.0:
+                g, lr, wd = numba.float32(prog[k, 1]), numba.float32(prog[k, 2]), numba.float32(prog[k, 3])
+                for i in range(cnt):
+                    x[i] = x[i] - (z[i] * g + x[i] * wd) * lr
+            else:
+                g, lr = numba.float32(prog[k, 1]), numba.float32(prog[k, 2])
+                for i in range(cnt):
+                    x[i] = x[i] - (z[i] * g) * lr
+            if kind != _FLOAT32:
+                for i in range(cnt):
+                    x[i] = _widen(_narrow(x[i], kind), kind)
+        for i in range(cnt):
+            bits[base + i] = _narrow(x[i], kind)
+
+
+def _threads(blocks: int) -> int:
+    """Threads for a kernel over ``blocks`` blocks: torch's thread count (the cores this process was
+    given: ``torch.set_num_threads``, Ray's ``num_cpus``), at most one per ``_MIN_CHUNKS`` chunks."""
+    return max(1, min(torch.get_num_threads(), blocks // (_CHUNK_BLOCKS * _MIN_CHUNKS)))
+
+
+_MIN_CHUNKS = 8  # a thread's share is worth its hand-off (about 20 us) from 32K elements on
+_pool: ThreadPoolExecutor | None = None
+
+
+def _reset_pool() -> None:
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_reset_pool)  # a forked child has the pool object but not its threads
+
+
+def _run_split(kernel: Callable[..., None], args: tuple, blocks: int) -> None:
+    """``kernel(*args, first_block, last_block)`` over [0, blocks), split into contiguous whole-chunk
+    ranges run on ``_threads(blocks)`` threads (the caller's among them; the kernels release the GIL).
+    Every element is computed by the same ops whatever the split: the bits do not depend on it."""
+    global _pool
+    threads = _threads(blocks)
+    if threads == 1:
+        kernel(*args, 0, blocks)
+        return
+    chunks = -(-blocks // _CHUNK_BLOCKS)
+    edges = [min(blocks, (chunks * t // threads) * _CHUNK_BLOCKS) for t in range(threads + 1)]
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="raycheck-noise")
+    futures = [_pool.submit(kernel, *args, lo, hi) for lo, hi in zip(edges[1:-1], edges[2:])]
+    try:
+        kernel(*args, edges[0], edges[1])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def _program(ops: Sequence[Op]) -> np.ndarray:
+    """The float64 [k, 4] rows ``_apply_numba`` reads for ``ops``."""
+    rows = []
+    for op in ops:
+        if isinstance(op, Perturb):
+            rows.append((_PERTURB, op.scale, 0.0, 0.0))
+        elif isinstance(op, Update):
+            rows.append((_UPDATE, op.projected_grad, op.lr, op.weight_decay))
+        else:
+            raise TypeError(f"not a noise.Op: {op!r}")
+    return np.array(rows, dtype=np.float64).reshape(-1, 4)
 
 
 # ---------------------------------------------------------------- torch (any device) -----------------
@@ -310,7 +474,8 @@ def gaussian(seed: int, index: int, numel: int, device: torch.device | str = "cp
     """z for parameter ``index`` at step seed ``seed``: ``numel`` N(0, 1) values, float32, 1-D.
 
     Element i is a pure function of (seed, index, i) (the module docstring), identical on every CPU,
-    thread count and device. CPU tensors come from the compiled kernel, others from ``gaussian_torch``.
+    thread count and device. CPU tensors come from the compiled kernel (on ``torch.get_num_threads()``
+    threads), others from ``gaussian_torch``.
 
     Raises:
         ValueError: seed outside [0, 2^64), index outside [0, 2^32), or numel < 0.
@@ -319,5 +484,34 @@ def gaussian(seed: int, index: int, numel: int, device: torch.device | str = "cp
     if torch.device(device).type != "cpu":
         return gaussian_torch(seed, index, numel, device)
     out = torch.empty(numel, dtype=torch.float32)
-    _gaussian_numba(k0, k1, index, out.numpy())
+    _run_split(_gaussian_numba, (k0, k1, index, out.numpy()), (numel + 3) // 4)
     return out
+
+
+def apply_(p: torch.Tensor, seed: int, index: int, ops: Sequence[Op]) -> None:
+    """Run ``ops`` on CPU parameter ``p`` (parameter number ``index``, step seed ``seed``) in place, in
+    one pass: each element's z is generated once, in registers, and never held for the tensor.
+
+    Bitwise the same as ``z = zo.noise(seed, index, p)`` followed by ``zo.perturb_(p, z, op.scale)`` /
+    ``zo.update_(p, z, op.projected_grad, op.lr, op.weight_decay)`` for each op (the contract in
+    ``training/zo.py``: z rounded once to p's dtype; every float32 * + - rounded on its own; p rounded to
+    its dtype after each op), on any thread count (``torch.get_num_threads()``; the tensor is split in
+    whole chunks of ``4 * _CHUNK_BLOCKS`` elements). Extra memory: three chunk buffers per thread
+    (48 KiB), nothing proportional to ``p``; a non-contiguous ``p`` is worked on as a contiguous copy.
+
+    ``p``: any shape, float32, bfloat16 or float16, on the CPU.
+
+    Raises:
+        ValueError: ``p`` not on the CPU or of another dtype; seed or index out of range (``gaussian``).
+        TypeError: an op that is not a ``Perturb`` or ``Update``.
+    """
+    if p.device.type != "cpu" or p.dtype not in _KINDS:
+        raise ValueError(f"noise.apply_ takes a CPU float32, bfloat16 or float16 tensor, got {p.dtype} on {p.device}")
+    k0, k1 = _check(seed, index, p.numel())
+    kind, as_bits = _KINDS[p.dtype]
+    work = p.detach() if p.is_contiguous() else p.detach().contiguous()
+    bits = work.view(as_bits).numpy().reshape(-1).view(np.uint32 if kind == _FLOAT32 else np.uint16)
+    _run_split(_apply_numba, (k0, k1, index, bits, kind, _program(ops)), (p.numel() + 3) // 4)
+    if work.data_ptr() != p.data_ptr():
+        with torch.no_grad():
+            p.copy_(work)

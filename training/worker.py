@@ -41,7 +41,7 @@ from raycheck.training.rank0_log import KeeperSender, KeeperUnreachableError, lo
 from raycheck.training.recovery import restore
 from raycheck.training.state import state_sha256
 from raycheck.training.worker_env import WorkerEnv, record_start, sum_over_workers, worker_env
-from raycheck.training.zo import ZOHyper, noise, perturb_all_, step_seed, update_all_
+from raycheck.training.zo import ZOHyper, perturb_all_, reset_and_update_all_, step_seed
 
 
 def barrier_of(exchange: RemoteExchange | None, world: int) -> Callable[[str], None]:
@@ -210,22 +210,22 @@ def zo_step_(
     Perturbs every parameter by +eps z, scores this rank's example groups of the step's batch
     (``training.groups``; ``train``, a ``training.data.Split``; ``encoder`` a ``PromptEncoder`` or
     ``CausalLMEncoder``), calls ``fail()`` (failure injection), perturbs by -2 eps z, scores them again,
-    restores by +eps z, sums the groups' terms over the ``world`` workers (``exchange(step, vector)``;
-    default: one torch.distributed all-reduce) and reduces them in group order, then calls
-    ``commit(record)`` (the durability point: the step log append) before the update. ``cfg`` is the
-    ``JobConfig``. Returns the step's record and what ``commit`` returned (the seconds it blocked).
+    sums the groups' terms over the ``world`` workers (``exchange(step, vector)``; default: one
+    torch.distributed all-reduce) and reduces them in group order, then calls ``commit(record)`` (the
+    durability point: the step log append), then resets (+eps z) and updates in one pass. Each of the
+    three passes regenerates z from the step seed (``zo.perturb_all_``, ``zo.reset_and_update_all_``), as
+    MeZO does: no z is held for the model. ``cfg`` is the ``JobConfig``. Returns the step's record and
+    what ``commit`` returned (the seconds it blocked).
     """
     seed = step_seed(cfg.seed, step)
     idx = batch_indices(cfg.seed, step, cfg.batch_size, len(train))
     groups = example_groups(idx, cfg.example_group_size)
     mine = groups_of_rank(len(groups), rank, world)
-    zs = [noise(seed, i, p) for i, p in enumerate(params.values())]
-    perturb_all_(params, zs, cfg.zo.eps)
+    perturb_all_(params, seed, cfg.zo.eps)
     plus = [encoder.loss_terms(model, train, groups[g]) for g in mine]
     fail()
-    perturb_all_(params, zs, -2 * cfg.zo.eps)
+    perturb_all_(params, seed, -2 * cfg.zo.eps)
     minus = [encoder.loss_terms(model, train, groups[g]) for g in mine]
-    perturb_all_(params, zs, cfg.zo.eps)
     summed = (exchange or (lambda _, vec: sum_over_workers(vec, world)))(step, group_vector(len(groups), mine, plus, minus))
     loss_plus, loss_minus = reduce_groups(summed)
     grad = (loss_plus - loss_minus) / (2 * cfg.zo.eps)
@@ -234,5 +234,5 @@ def zo_step_(
         lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay, batch_id=batch_id(idx),
     )
     committed_s = commit(record)
-    update_all_(params, zs, grad, hyper)
+    reset_and_update_all_(params, seed, grad, hyper)
     return record, committed_s

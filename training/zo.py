@@ -237,18 +237,43 @@ class ZOHyper:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
 
 
-def perturb_all_(params: Mapping[str, torch.Tensor], zs: Sequence[torch.Tensor], scale: float) -> None:
-    """``perturb_`` every parameter with its z (the worker's phase-by-phase form)."""
-    for p, z in zip(params.values(), zs):
-        perturb_(p, z, scale)
+def apply_(p: torch.Tensor, seed: int, index: int, ops: Sequence[noise_gen.Op]) -> None:
+    """Run ``ops`` (``noise.Perturb`` / ``noise.Update``) on parameter number ``index`` in place, in one
+    pass that regenerates its z from ``seed``: bitwise ``perturb_`` / ``update_`` with
+    ``noise(seed, index, p)``, one op after another (the module docstring), with no z held for the tensor.
+
+    CPU: the fused kernel ``noise.apply_`` (on ``torch.get_num_threads()`` threads). CUDA: the fused
+    Triton kernel ``noise_triton.apply_`` where Triton is installed, else the torch-op form (``noise``
+    then the primitives: one parameter's z is held while its ops run)."""
+    if p.device.type == "cpu" and p.dtype in noise_gen.KERNEL_DTYPES:
+        noise_gen.apply_(p, seed, index, ops)
+    else:
+        z = noise(seed, index, p)
+        for op in ops:
+            if isinstance(op, noise_gen.Perturb):
+                perturb_(p, z, op.scale)
+            else:
+                update_(p, z, op.projected_grad, op.lr, op.weight_decay)
 
 
-def update_all_(
-    params: Mapping[str, torch.Tensor], zs: Sequence[torch.Tensor], projected_grad: float, hyper: "ZOHyper"
+def _update(name: str, p: torch.Tensor, projected_grad: float, lr: float, weight_decay: float) -> noise_gen.Update:
+    return noise_gen.Update(projected_grad, lr, weight_decay if decays(name, p) else 0.0)
+
+
+def perturb_all_(params: Mapping[str, torch.Tensor], seed: int, scale: float) -> None:
+    """p <- p + z * scale for every parameter (MeZO steps 1 and 2), each z regenerated from ``seed``:
+    the worker's extra memory is one chunk per thread, never a copy of the weights (``apply_``)."""
+    for i, p in enumerate(params.values()):
+        apply_(p, seed, i, [noise_gen.Perturb(scale)])
+
+
+def reset_and_update_all_(
+    params: Mapping[str, torch.Tensor], seed: int, projected_grad: float, hyper: "ZOHyper"
 ) -> None:
-    """``update_`` every parameter with its z, weight decay where ``decays``."""
-    for (name, p), z in zip(params.items(), zs):
-        update_(p, z, projected_grad, hyper.lr, hyper.weight_decay if decays(name, p) else 0.0)
+    """MeZO steps 3 and 5 on every parameter in one pass each: p <- p + eps z (the reset), then the
+    update (weight decay where ``decays``), z regenerated from ``seed`` once for both."""
+    for i, (name, p) in enumerate(params.items()):
+        apply_(p, seed, i, [noise_gen.Perturb(hyper.eps), _update(name, p, projected_grad, hyper.lr, hyper.weight_decay)])
 
 
 def replay_step_(
@@ -262,16 +287,14 @@ def replay_step_(
 ) -> None:
     """Re-execute one logged ZO step on ``params`` (in place), bitwise as the worker executed it.
 
-    Generates each z once and applies +eps, -2 eps, +eps and the update in that order.
-    ``first_index``: the model's index of ``params``' first tensor, when ``params`` holds only a
-    shard's contiguous range (``actors.shards``); z of position i is that of parameter ``first_index + i``.
+    One pass per parameter (``apply_``): z generated once per element, then +eps, -2 eps, +eps and the
+    update in that order. ``first_index``: the model's index of ``params``' first tensor, when ``params``
+    holds only a shard's contiguous range (``actors.shards``); z of position i is that of parameter
+    ``first_index + i``.
     """
     for i, (name, p) in enumerate(params.items()):
-        z = noise(seed, first_index + i, p)
-        perturb_(p, z, eps)
-        perturb_(p, z, -2 * eps)
-        perturb_(p, z, eps)
-        update_(p, z, projected_grad, lr, weight_decay if decays(name, p) else 0.0)
+        apply_(p, seed, first_index + i, [noise_gen.Perturb(eps), noise_gen.Perturb(-2 * eps), noise_gen.Perturb(eps),
+                                          _update(name, p, projected_grad, lr, weight_decay)])
 
 
 def check_records(records: Iterable, run_seed: int, source: str, hyper: ZOHyper | None = None) -> None:
