@@ -29,7 +29,7 @@ mutate: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m raycheck.experiments.log_cost
 	$(VENV)/bin/python -m raycheck.experiments.persist_throughput
-	$(VENV)/bin/python -m raycheck.experiments.noise_bench
+	$(VENV)/bin/python -m raycheck.experiments.hotpath_bench
 	$(VENV)/bin/python -m raycheck.experiments.durability_bench --snapshot-load
 
 experiment: $(STAMP)

@@ -239,7 +239,7 @@ def test_every_positional_argument_has_an_upper_case_metavar_in_its_usage_line()
 # -- 8. make bench ---------------------------------------------------------------------------------
 def test_make_bench_runs_every_benchmark():
     done = subprocess.run(["make", "-n", "bench"], capture_output=True, text=True, check=True, timeout=60)
-    for module in ("log_cost", "persist_throughput", "noise_bench"):
+    for module in ("log_cost", "persist_throughput", "hotpath_bench"):
         assert f"-m raycheck.experiments.{module}\n" in done.stdout, done.stdout
 
 
