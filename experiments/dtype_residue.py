@@ -7,8 +7,8 @@ bits: the fraction of elements not back to them, and the max and mean absolute c
 elements, in float64, units of the weights). For the half dtypes also the same round trip in torch's
 own half-precision arithmetic (``p.add_(z * scale)`` on half tensors: float32 opmath, the product
 rounded to the half dtype before the add), as other MeZO code does it, for comparison. Also the
-memory a worker holds per step: the parameters and the step's z (one tensor per parameter, in the
-parameters' dtype), bytes.
+parameters' bytes: all a worker's step holds of them (its z is regenerated in each fused pass, never
+held: ``experiments.hotpath_bench`` measures the step's extra memory).
 
     python -m raycheck.experiments.dtype_residue [--models smollm2-135m tiny] [--eps 1e-3] [--step 0]
 
@@ -59,10 +59,9 @@ def round_trip_residue(params: Mapping[str, torch.Tensor], seed: int, eps: float
 
 
 def step_memory_bytes(params: Mapping[str, torch.Tensor]) -> dict:
-    """What a worker holds per step: ``parameter_bytes``, ``z_bytes`` (a step's z, one per parameter, in
-    the parameters' dtype: ``training.worker.zo_step_``) and their sum ``step_bytes``."""
-    parameter_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    return {"parameter_bytes": parameter_bytes, "z_bytes": parameter_bytes, "step_bytes": 2 * parameter_bytes}
+    """What a worker holds per step: ``parameter_bytes``, the parameters (``training.worker.zo_step_``
+    holds no z: each pass regenerates it, ``training.zo.apply_``)."""
+    return {"parameter_bytes": sum(p.numel() * p.element_size() for p in params.values())}
 
 
 def measure(model: str, dtype: str, eps: float, step: int) -> list[dict]:
@@ -77,12 +76,11 @@ def measure(model: str, dtype: str, eps: float, step: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """``rows`` as a Markdown table."""
-    lines = ["| model | dtype | arithmetic | elements | not back to their bits | max abs change | mean abs change | parameters | per step (+ z) |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | dtype | arithmetic | elements | not back to their bits | max abs change | mean abs change | parameters |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['dtype']} | {r['arithmetic']} | {r['elements']:,} | {r['changed_fraction']:.2%} ({r['changed']:,}) | "
-                     f"{r['max_abs_change']:.3g} | {r['mean_abs_change']:.3g} | {r['parameter_bytes'] / 2**20:,.1f} MiB | "
-                     f"{r['step_bytes'] / 2**20:,.1f} MiB |")
+                     f"{r['max_abs_change']:.3g} | {r['mean_abs_change']:.3g} | {r['parameter_bytes'] / 2**20:,.1f} MiB |")
     return "\n".join(lines)
 
 

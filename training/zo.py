@@ -9,13 +9,16 @@ Algorithm 1 (MeZO). For step t with seed s_t and every trainable parameter p in 
 4. g_t = (loss_plus - loss_minus) / (2 eps)  the projected gradient (float64 scalar)
 5. p <- p - lr * (g_t * z_p + wd * p)        wd only for weight-decayed parameters (ndim >= 2)
 
-Exactness contract (checked bitwise by the tests): the worker and every replayer call the same
-primitives below, ``perturb_`` and ``update_``, with the same z, in the same order per element (the
-worker through ``perturb_all_`` / ``update_all_``, every replayer, the shadow, a recovery from storage
-and ``raycheck replay``, through ``replay_step_`` / ``replay_records_``). Each primitive is a chain of
-single elementwise torch ops, and none is a reduction, so the result cannot depend on vectorisation,
-thread count or device. The ops, each in float32 (the parameter's dtype), each rounded once to
-nearest-even and written to memory:
+Exactness contract (checked bitwise by the tests): the worker and every replayer run the same ops
+below, with the same z, in the same order per element (the worker through ``perturb_all_`` /
+``reset_and_update_all_``, every replayer, the shadow, a recovery from storage and ``raycheck
+replay``, through ``replay_step_`` / ``replay_records_``). The primitives ``perturb_`` and ``update_``
+are their specification, written as single elementwise torch ops over a held z; the hot path runs them
+fused (``apply_``: one pass per tensor that generates each element's z in registers and applies the
+same ops to it, ``training.noise.apply_`` on CPU, ``training.noise_triton`` on CUDA), and the tests
+pin trajectories of the unfused primitives. None is a reduction, so the result cannot depend on
+vectorisation, thread count or device. The ops, each in float32 (the parameter's dtype), each rounded
+once to nearest-even:
 
     perturb_(p, z, scale):               scale is +eps, -2 eps or +eps (exact in binary64; rounded once
                                          to float32 where the op reads it, the same on every device)
@@ -31,10 +34,11 @@ nearest-even and written to memory:
 Why no two of them may be fused: a fused multiply-add ``a * b + c`` rounds once where the pair
 rounds twice, so its result differs in the last bit for some inputs, and whether a compiler contracts
 a pair depends on the CPU (FMA units), the compiler and its flags: one device's worker and another's
-shadow would then drift apart bit by bit. Here every op is a separate eager torch kernel that writes
-its rounded result to a tensor in memory; no compiler sees two of them in one expression, so none can
-contract them (do not wrap these functions in ``torch.compile``: Inductor fuses elementwise chains
-and may then contract them). Inside one kernel: torch's add/sub compute ``self + alpha * other``,
+shadow would then drift apart bit by bit. In the primitives every op is a separate eager torch kernel
+that writes its rounded result to a tensor in memory; no compiler sees two of them in one expression,
+so none can contract them (do not wrap these functions in ``torch.compile``: Inductor fuses elementwise
+chains and may then contract them). The fused kernels are compiled with contraction off (numba
+``fastmath=False``, Triton ``enable_fp_fusion=False``; the tests read the machine code for FMAs). Inside one kernel: torch's add/sub compute ``self + alpha * other``,
 which CPU vectorisation and nvcc contract into one FMA; we never pass ``alpha``, and with alpha = 1
 the product is exact, so that FMA rounds once, exactly as a plain add. Scalar operands (eps, g, lr,
 wd) are Python floats, rounded once to float32 by every backend (their "opmath" type for float32 is
@@ -48,8 +52,8 @@ replay`` alike). No op computes in D itself: every primitive above runs in float
 on operands widened exactly to float32 (every bfloat16 and float16 value is a float32 value), and
 the one result that is written back, p, is rounded once from float32 to D, to nearest-even:
 
-    z                  the generator's float32 z, rounded once to D by ``noise`` (the worker holds a
-                       step's z in D: as many bytes as the parameters), widened exactly in each op
+    z                  the generator's float32 z, rounded once to D (by ``noise``, or in the fused
+                       kernel, element by element), widened exactly in each op
     perturb_:          t = f32(z) * scale  (f32, 1 rounding);  p = D(f32(p) + t)  (f32 add, then to D)
     update_:           u = f32(z) * g; [v = f32(p) * wd; u = u + v]; t = u * lr  (f32, 1 rounding each);
                        p = D(f32(p) - t)  (f32 subtract, then to D)
@@ -87,8 +91,9 @@ z_p comes from ``training.noise``: Philox4x32-10 keyed by the step seed (from ru
 counted by (parameter index, element), mapped to N(0, 1) by correctly rounded ops only, so each
 tensor's noise is independent of the others (a sharded shadow can replay any subset) and the same on
 every CPU, thread count and CUDA. Generating each z once and applying steps 1, 2, 3 and 5 back to back
-(``replay_step_``) is bitwise identical to the worker's phase-by-phase order, because every element
-sees the same rounded ops.
+(``replay_step_``) is bitwise identical to the worker's three passes (steps 1, 2, then 3 and 5 fused
+after the step log append, each regenerating z as MeZO does, so no step holds z for the model),
+because every element sees the same rounded ops.
 """
 
 from __future__ import annotations
