@@ -291,6 +291,36 @@ def _narrow(x, kind):
 _PERTURB, _UPDATE = 0.0, 1.0
 
 
+@_inline
+def _ops(bits, base, cnt, z, x, prog, kind):
+    """``_apply_numba``'s work on one chunk (``cnt`` elements from ``base``, their float32 z in ``z``,
+    ``x`` scratch), for one dtype ``kind``: called with a constant ``kind``, so that every loop below is
+    branch-free and vectorised for that dtype."""
+    for i in range(cnt):
+        x[i] = _widen(bits[base + i], kind)
+    if kind != _FLOAT32:
+        for i in range(cnt):
+            z[i] = _widen(_narrow(z[i], kind), kind)
+    for k in range(prog.shape[0]):
+        if prog[k, 0] == _PERTURB:
+            scale = numba.float32(prog[k, 1])
+            for i in range(cnt):
+                x[i] = x[i] + z[i] * scale
+        elif prog[k, 3] != 0.0:
+            g, lr, wd = numba.float32(prog[k, 1]), numba.float32(prog[k, 2]), numba.float32(prog[k, 3])
+            for i in range(cnt):
+                x[i] = x[i] - (z[i] * g + x[i] * wd) * lr
+        else:
+            g, lr = numba.float32(prog[k, 1]), numba.float32(prog[k, 2])
+            for i in range(cnt):
+                x[i] = x[i] - (z[i] * g) * lr
+        if kind != _FLOAT32:
+            for i in range(cnt):
+                x[i] = _widen(_narrow(x[i], kind), kind)
+    for i in range(cnt):
+        bits[base + i] = _narrow(x[i], kind)
+
+
 @_kernel
 def _apply_numba(k0, k1, index, bits, kind, prog, first_block, last_block):
     """Run ``prog`` on elements 4 first_block .. 4 last_block - 1 (clipped to bits.size) of a parameter
@@ -308,29 +338,12 @@ def _apply_numba(k0, k1, index, bits, kind, prog, first_block, last_block):
         _values(_U(k0), _U(k1), _U(index), start, m, w, z)
         base = 4 * start
         cnt = min(4 * m, bits.size - base)
-        for i in range(cnt):
-            x[i] = _widen(bits[base + i], kind)
-        if kind != _FLOAT32:
-            for i in range(cnt):
-                z[i] = _widen(_narrow(z[i], kind), kind)
-        for k in range(prog.shape[0]):
-            if prog[k, 0] == _PERTURB:
-                scale = numba.float32(prog[k, 1])
-                for i in range(cnt):
-                    x[i] = x[i] + z[i] * scale
-            elif prog[k, 3] != 0.0:
-                g, lr, wd = numba.float32(prog[k, 1]), numba.float32(prog[k, 2]), numba.float32(prog[k, 3])
-                for i in range(cnt):
-                    x[i] = x[i] - (z[i] * g + x[i] * wd) * lr
-            else:
-                g, lr = numba.float32(prog[k, 1]), numba.float32(prog[k, 2])
-                for i in range(cnt):
-                    x[i] = x[i] - (z[i] * g) * lr
-            if kind != _FLOAT32:
-                for i in range(cnt):
-                    x[i] = _widen(_narrow(x[i], kind), kind)
-        for i in range(cnt):
-            bits[base + i] = _narrow(x[i], kind)
+        if kind == _FLOAT32:
+            _ops(bits, base, cnt, z, x, prog, _FLOAT32)
+        elif kind == _BFLOAT16:
+            _ops(bits, base, cnt, z, x, prog, _BFLOAT16)
+        else:
+            _ops(bits, base, cnt, z, x, prog, _FLOAT16)
 
 
 def _threads(blocks: int) -> int:
