@@ -29,7 +29,6 @@ triton is imported on first use; ``available()`` says whether it can be.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -44,9 +43,14 @@ BLOCK = 256
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def available() -> bool:
-    """Whether triton is installed, so that ``gaussian`` and ``apply_`` can run."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton can be imported, so that ``gaussian`` and ``apply_`` can run."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
