@@ -151,6 +151,12 @@ def test_the_ptx_rounds_every_float_op_on_its_own(compiled):
             assert {"mul.rn.f32", "add.rn.f32", "sub.rn.f32"} <= ops, (name, ops)
 
 
+def test_the_device_check_bit_section_runs_on_the_cpu_under_the_interpreter(interpreted):
+    """``experiments.gpu_hotpath.check_bits`` (``scripts/device-check`` (c)) on 4099 elements passes (its
+    timing part needs a GPU: the interpreter takes minutes for a model's tensors)."""
+    assert interpreted["gpu_hotpath bits"] == []
+
+
 def test_cpu_tensors_are_refused_outside_the_interpreter(compiled):
     assert "only under Triton's interpreter" in compiled["cpu refusal"]
 
@@ -185,6 +191,9 @@ def main(mode: str, out: str) -> None:
             p = start(dtype, shape, scale)
             noise_triton.apply_(p, SEED, 5, ops, block=block)
             results[f"apply {name}"] = p
+        from raycheck.experiments import gpu_hotpath
+
+        results["gpu_hotpath bits"] = gpu_hotpath.check_bits("cpu", 4099)
     else:
         import triton
         from triton.backends.compiler import GPUTarget
