@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from raycheck.experiments.noise_bench import SMOLLM2_135M, SMOLLM2_135M_ELEMENTS
+from raycheck.experiments.hotpath_bench import SMOLLM2_135M, SMOLLM2_135M_ELEMENTS
 from raycheck.training import noise, noise_triton, zo
 from raycheck.training.model import trainable_parameters
 from raycheck.training.noise import Perturb, Update
@@ -54,16 +54,6 @@ def replay_pass(wd: float) -> list[noise.Op]:
     return [Perturb(EPS), Perturb(-2 * EPS), Perturb(EPS), Update(G, LR, wd)]
 
 
-def zo_reference_(p: torch.Tensor, seed: int, index: int, ops: list[noise.Op]) -> None:
-    """``ops`` with ``zo``'s torch ops on ``p`` (the CPU reference of ``noise_triton.apply_``)."""
-    z = zo.noise(seed, index, p)
-    for op in ops:
-        if isinstance(op, Perturb):
-            zo.perturb_(p, z, op.scale)
-        else:
-            zo.update_(p, z, op.projected_grad, op.lr, op.weight_decay)
-
-
 def check_bits(device: str = "cuda", numel: int = 49152 * 576) -> list[str]:
     """(i) on ``device`` (the CPU: under Triton's interpreter): the mismatches, each named (none: every
     hash matched)."""
@@ -79,7 +69,7 @@ def check_bits(device: str = "cuda", numel: int = 49152 * 576) -> list[str]:
             ops: list[noise.Op] = [Perturb(eps), Perturb(-2 * eps), Perturb(eps), Update(G, LR, WD)]
             p = (noise.gaussian(99, 0, n) * scale).to(dtype)
             q = p.to(device, copy=True)
-            zo_reference_(p, seed, index, ops)
+            zo.apply_reference_(p, seed, index, ops)
             noise_triton.apply_(q, seed, index, ops)
             cpu, gpu = sha(p), sha(q)
             print(f"  replay pass{name} {str(dtype).removeprefix('torch.')} {n}: cpu {cpu[:16]} cuda {gpu[:16]}")

@@ -44,7 +44,9 @@ import torch
 
 from raycheck.training import noise
 from raycheck.training.model import trainable_parameters
-from raycheck.training.zo import DTYPES, ZOHyper, perturb_, perturb_all_, replay_step_, reset_and_update_all_, step_seed, update_
+from raycheck.training.noise import Perturb, Update
+from raycheck.training.zo import (DTYPES, ZOHyper, apply_reference_, perturb_, perturb_all_, replay_step_,
+                                  reset_and_update_all_, step_seed, update_)
 
 SMOLLM2_135M: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
@@ -73,10 +75,8 @@ def random_params(shapes: list[torch.Size], dtype: torch.dtype) -> "OrderedDict[
 def unfused_replay_step_(params: "OrderedDict[str, torch.Tensor]", seed: int) -> None:
     """A replayed step as main 71c50b6 ran it: each z held, then four separate torch-op primitives."""
     for i, p in enumerate(params.values()):
-        z = noise_of(seed, i, p)
-        for scale in (HYPER.eps, -2 * HYPER.eps, HYPER.eps):
-            perturb_(p, z, scale)
-        update_(p, z, 0.37, HYPER.lr, HYPER.weight_decay if p.ndim >= 2 else 0.0)
+        apply_reference_(p, seed, i, [Perturb(HYPER.eps), Perturb(-2 * HYPER.eps), Perturb(HYPER.eps),
+                                      Update(0.37, HYPER.lr, HYPER.weight_decay if p.ndim >= 2 else 0.0)])
 
 
 def noise_of(seed: int, index: int, like: torch.Tensor) -> torch.Tensor:

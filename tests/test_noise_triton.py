@@ -114,12 +114,7 @@ def test_apply_has_the_bits_of_zo_ops(interpreted, name):
     dtype, shape, scale, ops, _ = apply_cases()[name]
     p = start(dtype, shape, scale)
     before = p.clone()
-    z = zo.noise(SEED, 5, p)
-    for op in ops:
-        if isinstance(op, Perturb):
-            zo.perturb_(p, z, op.scale)
-        else:
-            zo.update_(p, z, op.projected_grad, op.lr, op.weight_decay)
+    zo.apply_reference_(p, SEED, 5, ops)
     got = interpreted[f"apply {name}"]
     assert got.dtype == p.dtype and got.shape == p.shape
     assert sha(got) == sha(p)

@@ -108,6 +108,7 @@ import torch
 from raycheck.job.config import DTYPE_NAMES
 from raycheck.storage.steplog import StepLogCorruptError
 from raycheck.training import noise as noise_gen
+from raycheck.training import noise_triton
 
 GENERATOR = noise_gen.GENERATOR
 """Recorded in the step log header (key ``generator``); a replayer refuses a log written with another."""
@@ -180,7 +181,10 @@ def step_seed(run_seed: int, step: int) -> int:
 def noise(seed: int, index: int, like: torch.Tensor) -> torch.Tensor:
     """z for parameter number ``index`` at step seed ``seed``: N(0, 1) with ``like``'s shape, dtype and
     device (``training.noise.gaussian``, float32, converted once when ``like`` has another dtype)."""
-    z = noise_gen.gaussian(seed, index, like.numel(), like.device).view(like.shape)
+    if like.device.type == "cuda" and noise_triton.available():
+        z = noise_triton.gaussian(seed, index, like.numel(), like.device).view(like.shape)
+    else:
+        z = noise_gen.gaussian(seed, index, like.numel(), like.device).view(like.shape)
     return z.to(like.dtype)  # ``z`` itself when ``like`` is float32
 
 
@@ -248,17 +252,25 @@ def apply_(p: torch.Tensor, seed: int, index: int, ops: Sequence[noise_gen.Op]) 
     ``noise(seed, index, p)``, one op after another (the module docstring), with no z held for the tensor.
 
     CPU: the fused kernel ``noise.apply_`` (on ``torch.get_num_threads()`` threads). CUDA: the fused
-    Triton kernel ``noise_triton.apply_`` where Triton is installed, else the torch-op form (``noise``
-    then the primitives: one parameter's z is held while its ops run)."""
+    Triton kernel ``noise_triton.apply_`` where Triton is installed, else (and for other dtypes or a
+    non-contiguous tensor) ``apply_reference_``: one parameter's z is held while its ops run."""
     if p.device.type == "cpu" and p.dtype in noise_gen.KERNEL_DTYPES:
         noise_gen.apply_(p, seed, index, ops)
+    elif p.device.type == "cuda" and p.dtype in noise_gen.KERNEL_DTYPES and p.is_contiguous() and noise_triton.available():
+        noise_triton.apply_(p, seed, index, ops)
     else:
-        z = noise(seed, index, p)
-        for op in ops:
-            if isinstance(op, noise_gen.Perturb):
-                perturb_(p, z, op.scale)
-            else:
-                update_(p, z, op.projected_grad, op.lr, op.weight_decay)
+        apply_reference_(p, seed, index, ops)
+
+
+def apply_reference_(p: torch.Tensor, seed: int, index: int, ops: Sequence[noise_gen.Op]) -> None:
+    """``apply_`` unfused, the specification every fused kernel is tested against: z = ``noise(seed,
+    index, p)`` held for the tensor, then ``perturb_`` / ``update_`` for each op (any device and dtype)."""
+    z = noise(seed, index, p)
+    for op in ops:
+        if isinstance(op, noise_gen.Perturb):
+            perturb_(p, z, op.scale)
+        else:
+            update_(p, z, op.projected_grad, op.lr, op.weight_decay)
 
 
 def _update(name: str, p: torch.Tensor, projected_grad: float, lr: float, weight_decay: float) -> noise_gen.Update:
