@@ -21,6 +21,7 @@ from raycheck.storage.diffs import DiffCorruptError, DiffStore
 from raycheck.storage.log_segments import PREFIX, read_segments
 from raycheck.storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import StepLogError, read_log
+from raycheck.training.zo import check_records
 
 UriArg = Annotated[str, typer.Argument(metavar="URI", help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
 EndpointOpt = Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL).")]
@@ -59,7 +60,9 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
     local = _local_log(uri)
     if local is not None:
         try:
-            _, records, torn = read_log(local)
+            log_header, records, torn = read_log(local)
+            if isinstance(run_seed := log_header.get("run_seed"), int):  # a raycheck run's log: each record this run's
+                check_records(records, run_seed, str(local))
             note = f", and a torn tail of {torn} bytes (cut when the run resumes)" if torn else ""
             unlogged = None if records else unlogged_run(local.parent)
             steps = f"none, {unlogged_kind(unlogged)} no steps" if unlogged is not None else _steps(records)
