@@ -648,6 +648,7 @@ class Controller:
             "persister_restarts": self.persister_restarts,
             "config_stored": self.config_stored,
             "snapshot_policy": cfg.snapshot.policy,
+            "storage_consistency": cfg.storage.consistency,
             "wall_seconds": time.time() - self.t_start,
             "trajectory_sha256": cfg.trajectory_sha256(),
             "placement": self._placement(),

@@ -25,12 +25,16 @@ from raycheck.training.zo import check_records
 
 UriArg = Annotated[str, typer.Argument(metavar="URI", help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
 EndpointOpt = Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL).")]
+ConsistencyOpt = Annotated[str, typer.Option(help="fenced: refuse an S3 server that ignores conditional writes (probed "
+                                                  "with a scratch object); unfenced: read it anyway.")]
 
 
-def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStore:
+def open_store(uri: str, s3_endpoint: str, create: bool = False, consistency: str = "unfenced") -> SnapshotStore:
     """The store at ``uri`` (a run directory means its ``snapshots/``); exits 2 with one clear error
-    when it cannot be used: a missing folder or bucket, an unreadable store, or, with ``create`` (a
-    store to write), one that fails a write probe (``Storage.probe``, which leaves nothing behind).
+    when it cannot be used: a missing folder or bucket, an unreadable store, with ``create`` (a
+    store to write) one that fails a write probe (``Storage.probe``, which leaves nothing behind), or
+    with ``consistency`` ``fenced`` an S3 server that ignores conditional writes
+    (``Storage.check_conditional_writes``, on a scratch object it deletes).
     Only ``create`` makes a missing local folder. A local path that is a file (a run's summary.json,
     a shard) is named as one, with what is expected instead."""
     folder = local_path(uri)
@@ -45,6 +49,8 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
         store.storage.check_bucket()  # the endpoint, then the bucket
         if create:
             store.storage.probe()
+        if consistency == "fenced":
+            store.storage.check_conditional_writes()
         with _skips_not_logged():
             store.list()
         return store
@@ -228,7 +234,7 @@ def _temp_lines(temps: list[TempFile]) -> list[str]:
     return [head] + [f"  temp: {t.path}  {t.bytes:,} bytes  modified {t.age_s:.0f} s ago" for t in temps]
 
 
-def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
+def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: ConsistencyOpt = "fenced") -> None:
     """List committed snapshots: step, size (bytes of every shard its state is made of), units and the
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
     that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
@@ -240,9 +246,10 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     Exit codes: 0 when nothing listed is damaged; 1 (after the listing, with a count of problems)
     when a snapshot was skipped (missing, altered or malformed manifest, malformed index), a folder
     is not indexed, or the step log or its segments are damaged (a corrupt record or a gap; a torn
-    tail is not damage). Temp files are not problems. 2: a missing store (folder or bucket), or a
-    folder or prefix that holds nothing of a run. Shards are not re-hashed: see verify."""
-    main = open_store(uri, s3_endpoint)
+    tail is not damage). Temp files are not problems. 2: a missing store (folder or bucket), a folder
+    or prefix that holds nothing of a run, or (``--storage-consistency fenced``, the default) an S3
+    server that ignores conditional writes. Shards are not re-hashed: see verify."""
+    main = open_store(uri, s3_endpoint, consistency=storage_consistency)
     stores = _stores(main)
     _refuse_no_run(uri, stores)
     problems = 0
@@ -269,14 +276,14 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
         raise typer.Exit(1)
 
 
-def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
+def verify(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: ConsistencyOpt = "fenced") -> None:
     """Re-hash every shard of every committed snapshot, every file of an fsdp2 run's sharded
     checkpoints, every diff batch of a differential run (against its commit record) and the mirrored
     step log; exit 1 naming each bad one, and the snapshot folders with a manifest that the index does
     not list. Exit 2: a missing store (folder or bucket), or a folder or prefix that holds nothing of a
-    run. A run with nothing to re-hash (no committed snapshot or diff batch: a log-only run, or one
+    run, or (``--storage-consistency fenced``) an S3 server that ignores conditional writes. A run with nothing to re-hash (no committed snapshot or diff batch: a log-only run, or one
     stopped before its first snapshot) is no usage error: exit 0 saying so, or 1 when its step log is damaged."""
-    main = open_store(uri, s3_endpoint)
+    main = open_store(uri, s3_endpoint, consistency=storage_consistency)
     stores = _stores(main)
     _refuse_no_run(uri, stores)
     bad, verified = [], 0
