@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -19,7 +20,7 @@ from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_pa
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.diffs import DiffCorruptError, DiffStore
 from raycheck.storage.log_segments import PREFIX, read_segments
-from raycheck.storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
+from raycheck.storage.snapshots import FOLDER, INDEX, SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import StepLogError, read_log
 from raycheck.training.zo import check_records
 
@@ -192,10 +193,54 @@ def _skips_not_logged(lister: Callable = SnapshotStore.list) -> Iterator[None]:
         logger.removeFilter(not_from_list)
 
 
-def _listing(store: SnapshotStore) -> tuple[list[SnapshotInfo], list[str]]:
-    """The committed snapshots (``store.skipped`` names the ones skipped) and the unindexed folders."""
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What ``inspect`` and ``verify`` read of a store that may be live (``listing``).
+
+    Attributes:
+        infos: the committed snapshots of the index read first.
+        skipped: problems with snapshots that are still there on the re-check (damage).
+        unindexed: folders with a manifest that the index still does not list on the re-check (damage).
+        retired: folders that retention retired (or a writer committed) while they were read: no damage.
+    """
+
+    infos: list[SnapshotInfo]
+    skipped: list[str]
+    unindexed: list[str]
+    retired: list[str]
+
+
+def _folder_of(problem: str) -> str:
+    """The snapshot folder a ``SnapshotStore.skipped`` line names (its first path part)."""
+    return problem.split(":", 1)[0].split("/", 1)[0]
+
+
+def listing(store: SnapshotStore) -> Listing:
+    """The committed snapshots of ``store``, its skipped snapshots and unindexed folders, each problem
+    re-checked against a fresh read of the index: a snapshot skipped (its manifest missing) or a folder
+    found not indexed, whose folder the index no longer lists and that was listed when the read began, or
+    that the index lists now, was retired or committed during the read (``retired``), not damaged.
+
+    Raises:
+        storage.backend.StorageError: storage fails.
+    """
     with _skips_not_logged():
-        return store.list(), store.unindexed()
+        infos, unindexed = store.list(), store.unindexed()
+        if not store.skipped and not unindexed:
+            return Listing(infos, [], [], [])
+        now, still = store.indexed(), set(store.unindexed())
+    read = {i.folder for i in infos}
+    skipped = [p for p in store.skipped if not (FOLDER.match(_folder_of(p)) and _folder_of(p) not in now)]
+    kept = [f for f in unindexed if f in still and f not in read]
+    retired = sorted({_folder_of(p) for p in store.skipped if p not in skipped} | (set(unindexed) - set(kept)))
+    return Listing(infos, skipped, kept, retired)
+
+
+def rehash(store: SnapshotStore, info: SnapshotInfo) -> list[str] | None:
+    """``store.verify(info)``'s problems; None when there are some but the index no longer lists
+    ``info``'s folder (retention retired it while it was read: no damage)."""
+    problems = store.verify(info)
+    return None if problems and info.folder not in store.indexed() else problems
 
 
 def _unindexed_line(folders: list[str]) -> str:
@@ -254,18 +299,20 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: Con
     _refuse_no_run(uri, stores)
     problems = 0
     for store in stores:
-        infos, unindexed = _listing(store)
-        problems += len(store.skipped) + len(unindexed)
+        seen = listing(store)
+        problems += len(seen.skipped) + len(seen.unindexed)
         kind = "sharded checkpoint" if isinstance(store, ShardedStore) else "committed snapshot"
-        typer.echo(f"{store.storage.url()}: {len(infos)} {kind}(s)")
-        for info in infos:
+        typer.echo(f"{store.storage.url()}: {len(seen.infos)} {kind}(s)")
+        for info in seen.infos:
             created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
             typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {_units(info.manifest)}  {run_of(info)}  "
                        f"{created}  {info.folder}")
-        for problem in store.skipped:
+        for problem in seen.skipped:
             typer.echo(f"  skipped: {problem}")
-        for folder in unindexed:
+        for folder in seen.unindexed:
             typer.echo(f"  not indexed: {folder}")
+        for folder in seen.retired:
+            typer.echo(f"  retired during the read: {folder}")
     log_lines, log_problems = _log_lines(uri, main.storage)
     diff_lines, diff_problems = _diff_lines(main.storage, rehash=False)
     for line in _temp_lines(main.storage.temp_files()) + diff_lines + log_lines + _metrics_lines(uri):
@@ -288,21 +335,26 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: Cons
     _refuse_no_run(uri, stores)
     bad, verified = [], 0
     for store in stores:
-        infos, unindexed = _listing(store)
-        verified += len(infos)
-        for info in infos:
-            problems = store.verify(info)
+        seen = listing(store)
+        for info in seen.infos:
+            problems = rehash(store, info)
             where = f"{SUBFOLDER}/{info.folder}" if isinstance(store, ShardedStore) else info.folder
+            if problems is None:
+                typer.echo(f"note step {info.step:>8}  {where}: retired during the read")
+                continue
+            verified += 1
             typer.echo(f"{'BAD' if problems else 'ok '}  step {info.step:>8}  {where}")
             for p in problems:
                 typer.echo(f"       {p}")
             bad += problems
-        for problem in store.skipped:
+        for problem in seen.skipped:
             typer.echo(f"BAD  {problem}")
             bad.append(problem)
-        if unindexed:
-            typer.echo(f"BAD  {_unindexed_line(unindexed)}")
-            bad += unindexed
+        if seen.unindexed:
+            typer.echo(f"BAD  {_unindexed_line(seen.unindexed)}")
+            bad += seen.unindexed
+        for folder in seen.retired:
+            typer.echo(f"note {folder}: retired during the read")
     lines, log_problems = _log_lines(uri, main.storage)
     diff_lines, diff_problems = _diff_lines(main.storage, rehash=True)
     for line in diff_lines + lines:
