@@ -3,7 +3,7 @@
 Rank 0 appends every step record to its own node-local log (``JobConfig.scratch_dir``) and sends it to
 the keeper (``training.rank0_log``). The keeper appends it to the run directory's ``steplog.bin`` (the
 keeper runs on the driver's node, so that file is local to it), fsynced, holds the records in memory
-(76 bytes each) and serves them over Ray to the shadow (``KeeperLogSource``), to recovery and to the
+(84 bytes each) and serves them over Ray to the shadow (``KeeperLogSource``), to recovery and to the
 failure injector; it also mirrors its log to the run's storage URI as segments
 (``storage.log_segments.SegmentMirror``), so a driver on a fresh machine can resume from the bucket.
 
@@ -191,7 +191,7 @@ class LogKeeper:
 
     def _append(self, record: StepRecord) -> None:
         end = len(self._data) // RECORD_BYTES
-        encoded = record.encode()
+        encoded = record.bound(self._writer.tag, self.path).encode()
         if record.step < end:
             held = self._data[record.step * RECORD_BYTES:(record.step + 1) * RECORD_BYTES]
             if held != encoded:
@@ -210,7 +210,7 @@ class LogKeeper:
         limit = max(0, min(limit, MAX_RECORDS_PER_CALL))
         with self._cond:
             chunk = bytes(self._data[start * RECORD_BYTES:(start + limit) * RECORD_BYTES])
-        return scan_records(chunk, 0, self.path, start)[0]
+        return scan_records(chunk, 0, self.path, start, self._writer.tag)[0]
 
     def wait_for(self, end: int, timeout_s: float) -> int:
         """Block until at least ``end`` steps are held or ``timeout_s`` seconds passed; returns ``end()``."""
@@ -247,7 +247,7 @@ class LogKeeper:
         if not isinstance(run_seed, int):
             raise StepLogConflictError(f"{self.path}: its header names no run seed, so the records of the step log "
                                        f"segments in {storage.url(PREFIX)} cannot be checked as this run's; nothing adopted")
-        if (foreign := first_foreign_record(records, run_seed, self.hyper)) is not None:
+        if (foreign := first_foreign_record(records, run_seed, self.hyper, self._writer.tag)) is not None:
             step, why = foreign
             raise StepLogConflictError(f"{segment_of(storage, step)}: {why} (the segments' header names run {seg_header.get('run_id')}); "
                                        f"{self.path} adopts none of their steps: resume with this run's own storage")

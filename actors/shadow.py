@@ -35,7 +35,7 @@ import torch
 from raycheck.actors.shards import ShardRange
 from raycheck.policies.interval import SnapshotSchedule
 from raycheck.storage.snapshots import SnapshotStore
-from raycheck.storage.steplog import StepLogReader, StepRecord
+from raycheck.storage.steplog import StepLogReader, StepRecord, header_tag
 from raycheck.training.model import layout_sha256, parameter_layout
 from raycheck.training.state import copy_state, load_into, state_sha256
 from raycheck.training.zo import check_dtype, check_generator, check_records, dtype_name, replay_step_
@@ -92,7 +92,7 @@ class ShadowReplayer:
         if not matches:
             raise ValueError(f"{log}: log was written for another model layout ({header.get('model')})")
         check_generator(header, str(log))
-        self.run_seed, self.source = header.get("run_seed"), str(log)
+        self.run_seed, self.source, self.tag = header.get("run_seed"), str(log), header_tag(header)
         self.step = start_step
         self.hash_every = hash_every
         self.hashes: dict[int, str] = {}
@@ -126,7 +126,7 @@ class ShadowReplayer:
             return False
         rec = self._pending.pop(0)
         if isinstance(self.run_seed, int):  # a header without one (a hand-made log) names no seed to check
-            check_records([rec], self.run_seed, self.source)
+            check_records([rec], self.run_seed, self.source, trajectory=self.tag)
         t0 = time.perf_counter()
         replay_step_(self.params, rec.seed, rec.projected_grad, rec.lr, rec.eps, rec.weight_decay, first_index=self.first_index)
         self.replay_seconds += time.perf_counter() - t0

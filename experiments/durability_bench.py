@@ -3,7 +3,7 @@
 Measures in one run, with the components a training run uses (``training.rank0_log.replicated_append``:
 rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray cluster):
 
-- ``process``: the 76-byte record written and fsynced in rank 0's local log (the send is queued);
+- ``process``: the 84-byte record written and fsynced in rank 0's local log (the send is queued);
 - ``node``: also the Ray round trip to the log keeper, which appends and fsyncs it in its own file
   (on this machine the keeper is another process; on a cluster it is another node, plus the network);
 - ``cluster``: also the keeper's upload of the log's open tail as a segment to an S3 server (moto on
@@ -26,7 +26,7 @@ rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray clus
   that the machine's changing load falls on all of them alike; the records (one per 10 ms) span
   ``LOAD_SNAPSHOTS`` whole snapshots. Each writer is reported as mean under load / quiet median, staging
   copy / mean under load, its snapshot write throughput (MB/s) and the page cache's Dirty + Writeback;
-- with ``--log-layouts``: a raw 76-byte record (no Ray, no keeper) made durable in each of two file
+- with ``--log-layouts``: a raw 84-byte record (no Ray, no keeper) made durable in each of two file
   layouts, quiet and under the chunked writer in a process of its own, in ``--load-rounds`` rounds:
   ``append + fsync`` (the step log's layout: the file grows, so on ext4 each fsync commits the
   journal) and ``pre-zeroed, overwrite + fdatasync`` (the write-ahead-log remedy of PostgreSQL's
@@ -67,7 +67,7 @@ from raycheck.storage.backend import LOCAL_WRITE_CHUNK_BYTES, Storage
 from raycheck.storage.priority import lower_to_idle
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.tensor_files import load, save_file
-from raycheck.storage.steplog import StepRecord
+from raycheck.storage.steplog import StepRecord, header_tag
 from raycheck.training.model import load_model, trainable_parameters
 from raycheck.training.rank0_log import KeeperSender, open_local_log, replicated_append
 from raycheck.training.state import copy_state
@@ -88,7 +88,7 @@ HEADER = {"run_id": "durability-bench", "trajectory_sha256": "0" * 64, "layout_s
 
 def record(step: int) -> StepRecord:
     return StepRecord(step=step, seed=step, projected_grad=0.1, loss_plus=0.7, loss_minus=0.6, lr=1e-6, eps=1e-3,
-                      weight_decay=0.0, batch_id=step)
+                      weight_decay=0.0, batch_id=step, trajectory=header_tag(HEADER))
 
 
 def blocked_per_step_s(level: str, folder: pathlib.Path, records: int, s3: LocalS3Server,
@@ -127,7 +127,7 @@ def blocked_per_step_s(level: str, folder: pathlib.Path, records: int, s3: Local
 
 def raw_append_s(layout: str, folder: pathlib.Path, records: int, ready: threading.Event | None = None,
                  until: Callable[[], bool] | None = None) -> list[float]:
-    """Seconds each of ``records`` 76-byte records took to become durable in a fresh file of ``layout``
+    """Seconds each of ``records`` 84-byte records took to become durable in a fresh file of ``layout``
     (one of ``LOG_LAYOUTS``) in ``folder``, after ``WARMUP_RECORDS`` unmeasured ones, one record per
     ``STEP_GAP_S``; ``ready`` and ``until`` as in ``blocked_per_step_s``. A pre-zeroed extension is
     counted in the record that triggers it."""
@@ -506,7 +506,7 @@ def print_load_ratios(load: dict, staging: dict) -> None:
 def print_log_layouts(layouts: dict) -> None:
     """Per raw layout: quiet and loaded median / mean / p99 (us), mean under load / quiet median, and the disk's
     ms per write and per flush (machine-wide: other processes' I/O is in it too)."""
-    print(f"raw 76-byte record, under the chunked writer in its own process {'median':>9} {'mean':>9} {'p99':>9}  (us)"
+    print(f"raw 84-byte record, under the chunked writer in its own process {'median':>9} {'mean':>9} {'p99':>9}  (us)"
           f"   disk ms/write  ms/flush")
     for layout, m in layouts.items():
         for phase in ("quiet", "loaded"):

@@ -1,6 +1,6 @@
 """Benchmark: the step log's append cost against the step time and a blocking full-state save.
 
-Measures, in one process and one run: the median and p99 of a durable 76-byte step-record append
+Measures, in one process and one run: the median and p99 of a durable 84-byte step-record append
 (write + fsync), the median time of a MeZO step of the model (two forward passes and the four
 perturbation passes), and the median blocking time of ``torch.save`` + fsync of the full parameter
 state (the synchronous full checkpoint the step log replaces). Prints ratios.
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         "append_over_torch_save": append_s / save_s,
     }
     print(f"model {args.model}: state {state_bytes / 1e6:.0f} MB, {args.appends} appends, {args.steps} steps, {args.saves} saves")
-    print(f"  step log append (write+fsync, 76 B): median {append_s * 1e6:8.0f} us   p99 {result['append_p99_s'] * 1e6:8.0f} us")
+    print(f"  step log append (write+fsync, 84 B): median {append_s * 1e6:8.0f} us   p99 {result['append_p99_s'] * 1e6:8.0f} us")
     print(f"  MeZO step (2 forwards + perturbations): median {step_s:8.3f} s")
     print(f"  blocking torch.save + fsync of the full state: median {save_s:8.3f} s")
     print(f"  append / step time        = {result['append_over_step']:.2e}  ({100 * result['append_over_step']:.4f} % of a step)")

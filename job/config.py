@@ -35,6 +35,7 @@ HOWS = ("exit", "raise", "sigkill", "torn")
 WORKER_TARGETS = ("worker", "both")
 """The failure targets that kill a train worker, the only ones whose ``FailureSpec.how`` says how it dies."""
 DURABILITIES = ("process", "node", "cluster")
+STORAGE_CONSISTENCIES = ("fenced", "unfenced")
 """Fault domains a step record survives before its update (``training.rank0_log``)."""
 DEVICES = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -262,6 +263,14 @@ class StorageConfig:
     options: dict = field(default_factory=dict)
     """Backend options, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``; credentials come from the
     standard AWS environment variables."""
+    consistency: str = "fenced"
+    """``fenced``: a remote store must honour conditional writes (probed at the start,
+    ``Storage.check_conditional_writes``), or the run is refused; ``unfenced``: run on one that does not,
+    accepting that a stale writer is no longer fenced off (README, Storage)."""
+
+    def __post_init__(self) -> None:
+        if self.consistency not in STORAGE_CONSISTENCIES:
+            raise ValueError(f"storage consistency {self.consistency!r}: choose one of {', '.join(STORAGE_CONSISTENCIES)}")
 
     @property
     def remote(self) -> bool:

@@ -48,7 +48,8 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
     Raises:
         ValueError: the model, data or shard count is unusable (``DataError`` for data), or the
             model or data changed since the run in ``cfg`` started (``AssetMismatchError``).
-        OSError: the snapshot storage cannot be reached (wrong endpoint, bucket or credentials).
+        OSError: the snapshot storage cannot be reached (wrong endpoint, bucket or credentials);
+            ``StorageConsistencyError``: it ignores conditional writes and ``storage.consistency`` is ``fenced``.
     """
     cfg, assets = read_assets(cfg)
     if cfg.shadow_shards > 1:
@@ -58,7 +59,10 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
         params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
         split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
     if cfg.storage.remote:  # a local store is made by the run: checking it here would leave a folder behind
-        cfg.snapshot_store().storage.probe()
+        storage = cfg.snapshot_store().storage
+        storage.probe()
+        if cfg.storage.consistency == "fenced":
+            storage.check_conditional_writes()
     return cfg, assets
 
 

@@ -99,6 +99,7 @@ OPTION_OF_FIELD = {
     "differential.topk": "diff_topk", "overlapped.chunks": "overlap_chunks",
     "snapshot.every_steps": "snapshot_every", "snapshot.policy": "snapshot_policy", "snapshot.mtbf_s": "mtbf",
     "snapshot.keep": "keep_snapshots", "storage.uri": "storage", "storage.options": "s3_endpoint",
+    "storage.consistency": "storage_consistency",
     "faults.failures": "fail", "faults.start_timeout_s": "start_timeout", "elastic.resize_interval_s": "elastic_resize_interval",
 }
 """``JobConfig`` field paths whose ``raycheck run`` option has another name (the names users' scripts
@@ -431,6 +432,10 @@ def run(
                                                            "--no-persister-direct-io: buffered.")] = True,
     storage: Annotated[str, typer.Option(help="Snapshot storage: a path, file://PATH or s3://BUCKET/PREFIX. Default: <out>/snapshots.")] = "",
     s3_endpoint: Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL; keys from $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY).")] = "",
+    storage_consistency: Annotated[str, typer.Option(help="fenced: a remote --storage must honour conditional writes "
+                                                          "(probed at the start) or the run is refused; unfenced: run on one "
+                                                          "that ignores them, without fencing of stale writers (recorded in "
+                                                          "summary.json).")] = "fenced",
     out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out (after the driver died): same run id and settings "
@@ -508,7 +513,8 @@ def run(
             overlapped=OverlappedConfig(chunks=overlap_chunks),
             snapshot=SnapshotConfig(every_steps=snapshot_every, policy=snapshot_policy, mtbf_s=parse_duration(mtbf), keep=keep_snapshots,
                                     persister_priority=persister_priority, persister_direct_io=persister_direct_io),
-            storage=StorageConfig(uri=_storage_uri(storage), options={"endpoint_url": s3_endpoint} if s3_endpoint else {}),
+            storage=StorageConfig(uri=_storage_uri(storage), options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
+                                  consistency=storage_consistency),
             faults=FaultConfig(failures=failures, settle_failures=settle_failures, max_shadow_restarts=max_shadow_restarts,
                                max_persister_restarts=max_persister_restarts, max_worker_failures=max_worker_failures,
                                max_in_process_restarts=max_in_process_restarts, warm_standby=warm_standby,

@@ -69,7 +69,7 @@ from raycheck.orchestrator.stored_config import save_config
 from raycheck.orchestrator.summary import (Collected, failed_summary, mean_step_seconds, recoveries, recovery_of_event, run_checkpoints,
                                            run_summary, write_metrics)
 from raycheck.storage.backend import STORAGE_ENV, StorageError, StorageUnreachableError
-from raycheck.storage.steplog import StepLogCorruptError, StepLogWriter, read_header, read_prefix
+from raycheck.storage.steplog import StepLogCorruptError, StepLogWriter, read_header, read_prefix, trajectory_tag
 from raycheck.storage.units import describe_units
 from raycheck.training.assets import ASSETS_KEY, Assets, read_assets, ship
 from raycheck.training.faults import PARTS, fired_before, marker
@@ -227,7 +227,8 @@ def check_resumed_log(cfg: JobConfig, run: RunDir) -> None:
     prefix = read_prefix(run.step_log)
     try:
         check_records(prefix.records, cfg.seed, str(run.step_log),
-                      ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay))
+                      ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay),
+                      trajectory_tag(cfg.run_id, cfg.trajectory_sha256()))
     except StepLogCorruptError as exc:
         raise ResumeMismatchError(str(exc)) from exc
     if prefix.damage is not None:
@@ -647,6 +648,7 @@ class Controller:
             "persister_restarts": self.persister_restarts,
             "config_stored": self.config_stored,
             "snapshot_policy": cfg.snapshot.policy,
+            "storage_consistency": cfg.storage.consistency,
             "wall_seconds": time.time() - self.t_start,
             "trajectory_sha256": cfg.trajectory_sha256(),
             "placement": self._placement(),

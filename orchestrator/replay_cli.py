@@ -28,7 +28,7 @@ from raycheck.storage.backend import Storage, local_path, split_uri
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import RunIdentity, layout_of
 from raycheck.storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
-from raycheck.storage.steplog import StepLogCorruptError, StepLogError, StepLogGapError, StepRecord, read_prefix
+from raycheck.storage.steplog import StepLogCorruptError, StepLogError, StepLogGapError, StepRecord, header_tag, read_prefix
 from raycheck.training.model import default_cache_dir, model_folder
 
 EXIT_DAMAGED = 1
@@ -281,7 +281,7 @@ def rebuild_(params: "OrderedDict", run: LoggedRun, step: int, from_initial: boo
     seed = run.header.get("run_seed")
     if not isinstance(seed, int):
         raise ReplayError(f"{run.log_url}: the step log's header names no run seed (run_seed): not a raycheck run's log")
-    check_records(records, seed, run.log_url)
+    check_records(records, seed, run.log_url, trajectory=header_tag(run.header))
     replayed = replay_records_(params, records)
     return Replayed(step, base, replayed, params, skipped, [i for i in others if i.step <= step])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -19,17 +20,22 @@ from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_pa
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.diffs import DiffCorruptError, DiffStore
 from raycheck.storage.log_segments import PREFIX, read_segments
-from raycheck.storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
+from raycheck.storage.snapshots import FOLDER, INDEX, SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import StepLogError, read_log
+from raycheck.training.zo import check_records
 
 UriArg = Annotated[str, typer.Argument(metavar="URI", help="Snapshot store: a run directory, a path, file://PATH or s3://BUCKET/PREFIX.")]
 EndpointOpt = Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL).")]
+ConsistencyOpt = Annotated[str, typer.Option(help="fenced: refuse an S3 server that ignores conditional writes (probed "
+                                                  "with a scratch object); unfenced: read it anyway.")]
 
 
-def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStore:
+def open_store(uri: str, s3_endpoint: str, create: bool = False, consistency: str = "unfenced") -> SnapshotStore:
     """The store at ``uri`` (a run directory means its ``snapshots/``); exits 2 with one clear error
-    when it cannot be used: a missing folder or bucket, an unreadable store, or, with ``create`` (a
-    store to write), one that fails a write probe (``Storage.probe``, which leaves nothing behind).
+    when it cannot be used: a missing folder or bucket, an unreadable store, with ``create`` (a
+    store to write) one that fails a write probe (``Storage.probe``, which leaves nothing behind), or
+    with ``consistency`` ``fenced`` an S3 server that ignores conditional writes
+    (``Storage.check_conditional_writes``, on a scratch object it deletes).
     Only ``create`` makes a missing local folder. A local path that is a file (a run's summary.json,
     a shard) is named as one, with what is expected instead."""
     folder = local_path(uri)
@@ -44,6 +50,8 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False) -> SnapshotStor
         store.storage.check_bucket()  # the endpoint, then the bucket
         if create:
             store.storage.probe()
+        if consistency == "fenced":
+            store.storage.check_conditional_writes()
         with _skips_not_logged():
             store.list()
         return store
@@ -59,7 +67,9 @@ def _log_lines(uri: str, storage: Storage) -> tuple[list[str], int]:
     local = _local_log(uri)
     if local is not None:
         try:
-            _, records, torn = read_log(local)
+            log_header, records, torn = read_log(local)
+            if isinstance(run_seed := log_header.get("run_seed"), int):  # a raycheck run's log: each record this run's
+                check_records(records, run_seed, str(local))
             note = f", and a torn tail of {torn} bytes (cut when the run resumes)" if torn else ""
             unlogged = None if records else unlogged_run(local.parent)
             steps = f"none, {unlogged_kind(unlogged)} no steps" if unlogged is not None else _steps(records)
@@ -183,10 +193,54 @@ def _skips_not_logged(lister: Callable = SnapshotStore.list) -> Iterator[None]:
         logger.removeFilter(not_from_list)
 
 
-def _listing(store: SnapshotStore) -> tuple[list[SnapshotInfo], list[str]]:
-    """The committed snapshots (``store.skipped`` names the ones skipped) and the unindexed folders."""
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What ``inspect`` and ``verify`` read of a store that may be live (``listing``).
+
+    Attributes:
+        infos: the committed snapshots of the index read first.
+        skipped: problems with snapshots that are still there on the re-check (damage).
+        unindexed: folders with a manifest that the index still does not list on the re-check (damage).
+        retired: folders that retention retired (or a writer committed) while they were read: no damage.
+    """
+
+    infos: list[SnapshotInfo]
+    skipped: list[str]
+    unindexed: list[str]
+    retired: list[str]
+
+
+def _folder_of(problem: str) -> str:
+    """The snapshot folder a ``SnapshotStore.skipped`` line names (its first path part)."""
+    return problem.split(":", 1)[0].split("/", 1)[0]
+
+
+def listing(store: SnapshotStore) -> Listing:
+    """The committed snapshots of ``store``, its skipped snapshots and unindexed folders, each problem
+    re-checked against a fresh read of the index: a snapshot skipped (its manifest missing) or a folder
+    found not indexed, whose folder the index no longer lists and that was listed when the read began, or
+    that the index lists now, was retired or committed during the read (``retired``), not damaged.
+
+    Raises:
+        storage.backend.StorageError: storage fails.
+    """
     with _skips_not_logged():
-        return store.list(), store.unindexed()
+        infos, unindexed = store.list(), store.unindexed()
+        if not store.skipped and not unindexed:
+            return Listing(infos, [], [], [])
+        now, still = store.indexed(), set(store.unindexed())
+    read = {i.folder for i in infos}
+    skipped = [p for p in store.skipped if not (FOLDER.match(_folder_of(p)) and _folder_of(p) not in now)]
+    kept = [f for f in unindexed if f in still and f not in read]
+    retired = sorted({_folder_of(p) for p in store.skipped if p not in skipped} | (set(unindexed) - set(kept)))
+    return Listing(infos, skipped, kept, retired)
+
+
+def rehash(store: SnapshotStore, info: SnapshotInfo) -> list[str] | None:
+    """``store.verify(info)``'s problems; None when there are some but the index no longer lists
+    ``info``'s folder (retention retired it while it was read: no damage)."""
+    problems = store.verify(info)
+    return None if problems and info.folder not in store.indexed() else problems
 
 
 def _unindexed_line(folders: list[str]) -> str:
@@ -225,7 +279,7 @@ def _temp_lines(temps: list[TempFile]) -> list[str]:
     return [head] + [f"  temp: {t.path}  {t.bytes:,} bytes  modified {t.age_s:.0f} s ago" for t in temps]
 
 
-def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
+def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: ConsistencyOpt = "fenced") -> None:
     """List committed snapshots: step, size (bytes of every shard its state is made of), units and the
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
     that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
@@ -237,25 +291,28 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
     Exit codes: 0 when nothing listed is damaged; 1 (after the listing, with a count of problems)
     when a snapshot was skipped (missing, altered or malformed manifest, malformed index), a folder
     is not indexed, or the step log or its segments are damaged (a corrupt record or a gap; a torn
-    tail is not damage). Temp files are not problems. 2: a missing store (folder or bucket), or a
-    folder or prefix that holds nothing of a run. Shards are not re-hashed: see verify."""
-    main = open_store(uri, s3_endpoint)
+    tail is not damage). Temp files are not problems. 2: a missing store (folder or bucket), a folder
+    or prefix that holds nothing of a run, or (``--storage-consistency fenced``, the default) an S3
+    server that ignores conditional writes. Shards are not re-hashed: see verify."""
+    main = open_store(uri, s3_endpoint, consistency=storage_consistency)
     stores = _stores(main)
     _refuse_no_run(uri, stores)
     problems = 0
     for store in stores:
-        infos, unindexed = _listing(store)
-        problems += len(store.skipped) + len(unindexed)
+        seen = listing(store)
+        problems += len(seen.skipped) + len(seen.unindexed)
         kind = "sharded checkpoint" if isinstance(store, ShardedStore) else "committed snapshot"
-        typer.echo(f"{store.storage.url()}: {len(infos)} {kind}(s)")
-        for info in infos:
+        typer.echo(f"{store.storage.url()}: {len(seen.infos)} {kind}(s)")
+        for info in seen.infos:
             created = datetime.datetime.fromtimestamp(info.manifest["created_unix_s"]).isoformat(timespec="seconds")
             typer.echo(f"  step {info.step:>8}  {info.bytes:>15,} bytes  {_units(info.manifest)}  {run_of(info)}  "
                        f"{created}  {info.folder}")
-        for problem in store.skipped:
+        for problem in seen.skipped:
             typer.echo(f"  skipped: {problem}")
-        for folder in unindexed:
+        for folder in seen.unindexed:
             typer.echo(f"  not indexed: {folder}")
+        for folder in seen.retired:
+            typer.echo(f"  retired during the read: {folder}")
     log_lines, log_problems = _log_lines(uri, main.storage)
     diff_lines, diff_problems = _diff_lines(main.storage, rehash=False)
     for line in _temp_lines(main.storage.temp_files()) + diff_lines + log_lines + _metrics_lines(uri):
@@ -266,33 +323,38 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
         raise typer.Exit(1)
 
 
-def verify(uri: UriArg, s3_endpoint: EndpointOpt = "") -> None:
+def verify(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: ConsistencyOpt = "fenced") -> None:
     """Re-hash every shard of every committed snapshot, every file of an fsdp2 run's sharded
     checkpoints, every diff batch of a differential run (against its commit record) and the mirrored
     step log; exit 1 naming each bad one, and the snapshot folders with a manifest that the index does
     not list. Exit 2: a missing store (folder or bucket), or a folder or prefix that holds nothing of a
-    run. A run with nothing to re-hash (no committed snapshot or diff batch: a log-only run, or one
+    run, or (``--storage-consistency fenced``) an S3 server that ignores conditional writes. A run with nothing to re-hash (no committed snapshot or diff batch: a log-only run, or one
     stopped before its first snapshot) is no usage error: exit 0 saying so, or 1 when its step log is damaged."""
-    main = open_store(uri, s3_endpoint)
+    main = open_store(uri, s3_endpoint, consistency=storage_consistency)
     stores = _stores(main)
     _refuse_no_run(uri, stores)
     bad, verified = [], 0
     for store in stores:
-        infos, unindexed = _listing(store)
-        verified += len(infos)
-        for info in infos:
-            problems = store.verify(info)
+        seen = listing(store)
+        for info in seen.infos:
+            problems = rehash(store, info)
             where = f"{SUBFOLDER}/{info.folder}" if isinstance(store, ShardedStore) else info.folder
+            if problems is None:
+                typer.echo(f"note step {info.step:>8}  {where}: retired during the read")
+                continue
+            verified += 1
             typer.echo(f"{'BAD' if problems else 'ok '}  step {info.step:>8}  {where}")
             for p in problems:
                 typer.echo(f"       {p}")
             bad += problems
-        for problem in store.skipped:
+        for problem in seen.skipped:
             typer.echo(f"BAD  {problem}")
             bad.append(problem)
-        if unindexed:
-            typer.echo(f"BAD  {_unindexed_line(unindexed)}")
-            bad += unindexed
+        if seen.unindexed:
+            typer.echo(f"BAD  {_unindexed_line(seen.unindexed)}")
+            bad += seen.unindexed
+        for folder in seen.retired:
+            typer.echo(f"note {folder}: retired during the read")
     lines, log_problems = _log_lines(uri, main.storage)
     diff_lines, diff_problems = _diff_lines(main.storage, rehash=True)
     for line in diff_lines + lines:

@@ -90,6 +90,10 @@ class StorageUnavailableError(StorageError):
     """The circuit breaker is open (too many operations failed in a row): the call was refused untried."""
 
 
+class StorageConsistencyError(StorageError):
+    """The S3 server does not honour the conditional writes that fencing rests on (``Storage.check_conditional_writes``)."""
+
+
 class PreconditionFailedError(FileExistsError):
     """A conditional put found other bytes than expected (someone else wrote the object first)."""
 
@@ -683,6 +687,46 @@ class Storage:
             self.delete(name)
         except (FileNotFoundError, PermissionError) as exc:
             raise type(exc)(f"{self.url()}: {exc}") from exc
+
+    def conditional_write_faults(self) -> builtins.list[str]:
+        """How the store fails the conditional writes fencing rests on, probed on a scratch object (deleted
+        after): [] when it refuses both a PUT with ``If-None-Match: *`` over an existing key and a PUT with
+        ``If-Match`` of a wrong ETag; else what it accepted. Local and memory stores compare under a lock
+        here (``put_if_match``), so only S3 is probed; they give [].
+
+        Raises:
+            StorageError: the probe's writes failed (as ``put``).
+        """
+        if self.protocol != "s3":
+            return []
+        name = f".raycheck-probe-{uuid.uuid4().hex[:8]}"
+        self.put(name, b"probe")
+        faults = []
+        try:
+            for what, expected in (("a PUT with If-None-Match: * over an existing key", None),
+                                   ("a PUT with If-Match of a wrong ETag", b"not the object held")):
+                try:
+                    self.put_if_match(name, b"overwritten", expected)
+                    faults.append(f"accepted {what}")
+                except PreconditionFailedError:
+                    pass
+        finally:
+            self.delete(name)
+        return faults
+
+    def check_conditional_writes(self) -> None:
+        """Refuse a store that does not honour conditional writes (``conditional_write_faults``).
+
+        Raises:
+            StorageConsistencyError: one line naming what the server accepted and the option that
+                accepts the weaker guarantee (``--storage-consistency unfenced``).
+            StorageError: the probe's writes failed.
+        """
+        if faults := self.conditional_write_faults():
+            raise StorageConsistencyError(
+                f"{self.url()}: the S3 server does not honour conditional writes (it {' and '.join(faults)}), so a stale "
+                f"writer could overwrite a newer one's index unnoticed; use a server that honours them, or pass "
+                f"--storage-consistency unfenced to accept that weaker guarantee")
 
     def check_bucket(self) -> None:
         """Check that an S3 store's bucket exists (a listing of a missing bucket would read as an empty

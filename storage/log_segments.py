@@ -12,7 +12,8 @@ of the worker processes) and durable in object storage when a segment containing
 uploaded: at most ``records_per_segment`` records, or ``max_age_s`` seconds of them, exist only on
 the local disk. Losing that disk loses those records and nothing earlier.
 
-``read_segments`` validates each segment (header and record checksums, identical headers) and the
+``read_segments`` validates each segment (header and record checksums, each record's trajectory tag,
+identical headers) and the
 step continuity across segments, and refuses a gap with ``StepLogGapError``.
 """
 
@@ -22,7 +23,7 @@ import re
 import time
 
 from raycheck.storage.backend import Storage
-from raycheck.storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogGapError, StepRecord, decode_header, scan_records
+from raycheck.storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogGapError, StepRecord, decode_header, header_tag, scan_records
 
 PREFIX = "log/"
 _NAME = re.compile(r"^log/segment-(\d{10})-(\d{10})\.bin$")
@@ -78,7 +79,7 @@ def read_segments(storage: Storage) -> tuple[dict | None, list[StepRecord]]:
         if header is not None and seg_header != header:
             raise StepLogCorruptError(f"{storage.url(name)}: header differs from the first segment's")
         header = seg_header
-        seg_records, end = scan_records(data, start, storage.url(name), first)
+        seg_records, end = scan_records(data, start, storage.url(name), first, header_tag(seg_header))
         if end != len(data) or len(seg_records) != last - first + 1:
             raise StepLogCorruptError(f"{storage.url(name)}: expected steps {first}..{last}, found {len(seg_records)} records")
         records.extend(seg_records)
@@ -104,8 +105,8 @@ class SegmentMirror:
     def sync(self, final: bool = False) -> int:
         with open(self.local_log, "rb") as fh:
             data = fh.read()
-        header_end = decode_header(data, self.local_log)[1]
-        available = len(scan_records(data, header_end, self.local_log, 0)[0])  # a torn tail is not mirrored
+        header, header_end = decode_header(data, self.local_log)
+        available = len(scan_records(data, header_end, self.local_log, 0, header_tag(header))[0])  # a torn tail is not mirrored
         head = data[:header_end]
         first = (self.mirrored // self.records_per_segment) * self.records_per_segment
         while first < available:

@@ -384,8 +384,12 @@ class SnapshotStore:
         manifest and its index update, or by a deleted index). Store-wide (every run's); for tools
         that report them (``raycheck inspect``, ``raycheck verify``); ``storage.backend.StorageError``
         when storage fails."""
-        listed = {e["folder"] for e in self._read_index()[0].entries}
+        listed = self.indexed()
         return [f for f in self._manifest_folders() if f not in listed]
+
+    def indexed(self) -> set[str]:
+        """The snapshot folders the index lists now (read afresh); ``storage.backend.StorageError`` when storage fails."""
+        return {e["folder"] for e in self._read_index()[0].entries}
 
     def _update_index(self, change: Callable[[_Index], list[dict]]) -> None:
         """Rewrite the index with the entries ``change`` returns for the current one, by compare-and-swap

@@ -3,7 +3,14 @@
 File layout (little-endian)::
 
     b"RCSTEPLG"  u32 header_len  header_json[header_len]  u32 crc32(header_json)
-    record*      each RECORD.size bytes: fields of StepRecord, then u32 crc32 of those field bytes
+    record*      each RECORD_BYTES (84) bytes: the fields of StepRecord (72 bytes), u64 trajectory tag,
+                 then u32 crc32 of those 80 bytes
+
+Every record names its trajectory: its tag (``trajectory_tag``) is a hash of the log header's run id
+and trajectory hash (``JobConfig.trajectory_sha256``: seed, batch size, lr, ... so the batch schedule
+too). A reader refuses a record whose tag is not its header's (``StepLogForeignError``, naming the
+step), so a record spliced in from another run's log, even one of the same seed, is never replayed.
+Logs of format version 1 (records without a tag) are refused with a message saying so.
 
 Durability point: ``StepLogWriter.append`` returns only after ``os.write`` of the whole record and
 ``os.fsync`` of the file have returned, so a record is durable (survives a crash of the process, the
@@ -21,6 +28,7 @@ be exact.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import pathlib
@@ -28,13 +36,14 @@ import struct
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field, replace
 
 from raycheck.storage.files import atomic_write
 
 MAGIC = b"RCSTEPLG"
-FORMAT_VERSION = 1
-_FIELDS = struct.Struct("<QQddddddQ")
+FORMAT_VERSION = 2
+"""Version 2 adds the trajectory tag to every record (version 1: raycheck before issue 32)."""
+_FIELDS = struct.Struct("<QQddddddQQ")
 _CRC = struct.Struct("<I")
 RECORD_BYTES = _FIELDS.size + _CRC.size
 
@@ -55,13 +64,17 @@ class StepLogGapError(StepLogError):
     """Step numbers are not consecutive: replay past the gap is impossible."""
 
 
+class StepLogForeignError(StepLogCorruptError):
+    """A checksummed record whose trajectory tag is not its log's: a record of another run or trajectory."""
+
+
 class StepLogConflictError(StepLogError):
     """A record differs from the one a log already holds for its step (two trajectories, one log)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
-    """Everything needed to replay ZO step ``step`` exactly (72 bytes + 4 of checksum).
+    """Everything needed to replay ZO step ``step`` exactly (80 bytes + 4 of checksum).
 
     Attributes:
         step: 0-based step number; the record turns state_step into state_(step+1).
@@ -70,6 +83,10 @@ class StepRecord:
         loss_plus, loss_minus: the two losses (float64), for audit and plots.
         lr, eps, weight_decay: the step's hyper-parameters.
         batch_id: identity (hash of sample indices) of the step's batch.
+        trajectory: the tag of the log the record belongs to (``trajectory_tag``); 0 until a log binds it:
+            ``StepLogWriter.append`` and the log keeper bind a new record to their log, a record read from
+            a log carries that log's tag. Not compared by ``==`` (two records of one step are equal
+            when their values are; ``encode`` tells their logs apart).
     """
 
     step: int
@@ -81,10 +98,40 @@ class StepRecord:
     eps: float
     weight_decay: float
     batch_id: int
+    trajectory: int = field(default=0, compare=False)
+
+    def bound(self, tag: int, path: str | os.PathLike) -> "StepRecord":
+        """This record bound to the log of trajectory tag ``tag`` (at ``path``, named in errors).
+
+        Raises:
+            StepLogForeignError: the record is bound to another trajectory already.
+        """
+        if self.trajectory == tag:
+            return self
+        if self.trajectory:
+            raise StepLogForeignError(f"{path}: the record of step {self.step} belongs to trajectory {self.trajectory:016x}, "
+                                      f"not to this log's {tag:016x}: a record of another run")
+        return replace(self, trajectory=tag)
 
     def encode(self) -> bytes:
+        """The record's 84 bytes (``RECORD_BYTES``). Raises ValueError: it is not bound to a log yet."""
+        if not self.trajectory:
+            raise ValueError(f"the record of step {self.step} is not bound to a log (StepRecord.bound) and cannot be encoded")
         body = _FIELDS.pack(*astuple(self))
         return body + _CRC.pack(zlib.crc32(body))
+
+
+def trajectory_tag(run_id: object, trajectory_sha256: object) -> int:
+    """The 64-bit tag (never 0) every record of a log of run ``run_id`` and trajectory hash
+    ``trajectory_sha256`` carries: equal for one run's logs and copies, unequal for any other run or
+    trajectory (another seed, batch size, lr, ... or another run id)."""
+    digest = hashlib.sha256(json.dumps([run_id, trajectory_sha256]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") | 1
+
+
+def header_tag(header: dict) -> int:
+    """``trajectory_tag`` of a log's header (its ``run_id`` and ``trajectory_sha256``)."""
+    return trajectory_tag(header.get("run_id"), header.get("trajectory_sha256"))
 
 
 def _encode_header(header: dict) -> bytes:
@@ -110,6 +157,10 @@ def decode_header(data: bytes, path: str | os.PathLike) -> tuple[dict, int]:
     if _CRC.unpack_from(data, start + n)[0] != zlib.crc32(body):
         raise StepLogCorruptError(f"{path}: header checksum mismatch")
     header = json.loads(body)
+    if header.get("format_version") == 1:
+        raise StepLogCorruptError(f"{path}: a step log of format version 1, whose records do not name their trajectory; "
+                                  f"this raycheck reads version {FORMAT_VERSION}: replay or finish that run with the raycheck "
+                                  f"that wrote it, or start a new --out")
     if header.get("format_version") != FORMAT_VERSION:
         raise StepLogCorruptError(f"{path}: format version {header.get('format_version')}, expected {FORMAT_VERSION}")
     return header, end
@@ -126,12 +177,13 @@ def _later_record(data: bytes, offset: int, low: int, high: int) -> tuple[int, i
     return None
 
 
-def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int) -> Iterator[tuple[StepRecord, int]]:
-    """Decode records from byte ``offset`` of ``data``, numbered from ``first_step``: yields (record,
-    byte offset just past it). Stops at a torn tail: a partial record, or a record that fails its
-    checksum and is followed only by zero bytes (or nothing).
+def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int, tag: int) -> Iterator[tuple[StepRecord, int]]:
+    """Decode records from byte ``offset`` of ``data``, numbered from ``first_step``, each of trajectory
+    tag ``tag``: yields (record, byte offset just past it). Stops at a torn tail: a partial record, or a
+    record that fails its checksum and is followed only by zero bytes (or nothing).
 
     Raises:
+        StepLogForeignError: a checksummed record carries another trajectory tag (named by its step).
         StepLogCorruptError: a record fails its checksum and more data follows it.
         StepLogGapError: a record's step does not follow its predecessor's: a gap (the skipped steps are
             named as missing), or records out of order (a step repeated or going backwards, or a step
@@ -149,6 +201,12 @@ def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int)
                 )
             return  # torn: the last record, or the last before a zero-filled tail
         rec = StepRecord(**dict(zip(StepRecord.__dataclass_fields__, _FIELDS.unpack(body))))
+        if rec.trajectory != tag:
+            raise StepLogForeignError(
+                f"{path}: the record of step {rec.step} at byte {offset} belongs to another run or trajectory "
+                f"(tag {rec.trajectory:016x}, this log's {tag:016x}): a record spliced in from another run's log; "
+                f"the log cannot be replayed past step {expect - 1}"
+            )
         if rec.step < expect:
             raise StepLogGapError(
                 f"{path}: record at byte {offset} is step {rec.step} again or out of order, expected step {expect}; "
@@ -170,16 +228,17 @@ def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int)
         yield rec, offset
 
 
-def scan_records(data: bytes, offset: int, path: str | os.PathLike, first_step: int) -> tuple[list[StepRecord], int]:
+def scan_records(data: bytes, offset: int, path: str | os.PathLike, first_step: int, tag: int) -> tuple[list[StepRecord], int]:
     """Decode the records of step log bytes ``data`` from byte ``offset`` on, the first being step
-    ``first_step`` (``path`` is named in errors); returns (records, byte offset just past the last
-    good record). A torn last record ends the scan without an error (``_records``).
+    ``first_step``, each of trajectory tag ``tag`` (``header_tag`` of the log's header; ``path`` is
+    named in errors); returns (records, byte offset just past the last good record). A torn last
+    record ends the scan without an error (``_records``).
 
     Raises:
-        StepLogCorruptError, StepLogGapError: as ``_records``.
+        StepLogForeignError, StepLogCorruptError, StepLogGapError: as ``_records``.
     """
     records, end = [], offset
-    for rec, end in _records(data, offset, path, first_step):
+    for rec, end in _records(data, offset, path, first_step, tag):
         records.append(rec)
     return records, end
 
@@ -199,7 +258,7 @@ def read_log(path: str | os.PathLike) -> tuple[dict, list[StepRecord], int]:
     path = pathlib.Path(path)
     data = path.read_bytes()
     header, start = decode_header(data, path)
-    records, end = scan_records(data, start, path, 0)
+    records, end = scan_records(data, start, path, 0, header_tag(header))
     return header, records, len(data) - end
 
 
@@ -233,7 +292,7 @@ def read_prefix(path: str | os.PathLike) -> LogPrefix:
     header, start = decode_header(data, path)
     records, end, damage = [], start, None
     try:
-        for rec, end in _records(data, start, path, 0):
+        for rec, end in _records(data, start, path, 0, header_tag(header)):
             records.append(rec)
     except (StepLogCorruptError, StepLogGapError) as exc:
         damage = exc
@@ -267,7 +326,7 @@ class StepLogReader:
         with open(self.path, "rb") as fh:
             fh.seek(self._offset)
             data = fh.read()
-        records, end = scan_records(data, 0, self.path, self.next_step)
+        records, end = scan_records(data, 0, self.path, self.next_step, header_tag(self.header))
         self._offset += end
         self.next_step += len(records)
         return records
@@ -280,6 +339,8 @@ class StepLogWriter:
         self.path = path
         self._fd = fd
         self.header = header
+        self.tag = header_tag(header)
+        """The trajectory tag every record of this log carries (``header_tag``)."""
         self.next_step = next_step
         self.cut_bytes = cut_bytes
         """Bytes of a torn tail removed when the log was opened (0 when it was clean)."""
@@ -325,7 +386,7 @@ class StepLogWriter:
         data = path.read_bytes()
         try:
             header, start = decode_header(data, path)
-            records, end = scan_records(data, start, path, 0)
+            records, end = scan_records(data, start, path, 0, header_tag(header))
         except StepLogError:
             os.close(fd)
             raise
@@ -335,14 +396,16 @@ class StepLogWriter:
         return cls(path, fd, header, len(records), len(data) - end)
 
     def append(self, record: StepRecord) -> None:
-        """Append ``record`` durably (write + fsync). See the module docstring for the durability point.
+        """Append ``record`` durably (write + fsync), bound to this log's trajectory tag (``StepRecord.bound``).
+        See the module docstring for the durability point.
 
         Raises:
             StepLogGapError: ``record.step`` is not ``self.next_step``.
+            StepLogForeignError: ``record`` is bound to another log's trajectory.
         """
         if record.step != self.next_step:
             raise StepLogGapError(f"{self.path}: appending step {record.step}, but the next step is {self.next_step}")
-        data = record.encode()
+        data = record.bound(self.tag, self.path).encode()
         if os.write(self._fd, data) != len(data):
             raise OSError(f"{self.path}: short write while appending step {record.step}")
         os.fsync(self._fd)
@@ -351,7 +414,7 @@ class StepLogWriter:
     def write_torn(self, step: int) -> None:
         """Failure injection: write the first half of a record for ``step``, as a crash mid-write would."""
         os.write(self._fd, StepRecord(step=step, seed=0, projected_grad=0.0, loss_plus=0.0, loss_minus=0.0,
-                                      lr=0.0, eps=0.0, weight_decay=0.0, batch_id=0).encode()[: RECORD_BYTES // 2])
+                                      lr=0.0, eps=0.0, weight_decay=0.0, batch_id=0, trajectory=self.tag).encode()[: RECORD_BYTES // 2])
         os.fsync(self._fd)
 
     def close(self) -> None:

@@ -50,6 +50,37 @@ def s3_endpoint():
     server.stop()
 
 
+S3RVER_VERSION = "3.7.1"
+S3RVER_DIR = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "s3rver"
+"""Where ``scripts/setup.sh`` installs s3rver (npm), the second S3 implementation the tests start."""
+
+
+@pytest.fixture(scope="session")
+def s3rver(tmp_path_factory):
+    """(endpoint URL, bucket) of s3rver (a Node S3 server that ignores If-Match and If-None-Match on PUT)
+    on 127.0.0.1 for the session; its credentials are S3RVER / S3RVER. Installed into ``S3RVER_DIR``
+    when missing (``scripts/setup.sh`` does it in CI); skipped only where node or npm are absent."""
+    import shutil
+    import subprocess
+    import uuid
+
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("s3rver (the second S3 implementation) needs node and npm, which are not installed")
+    modules = S3RVER_DIR / "node_modules"
+    if not (modules / "s3rver" / "package.json").is_file():
+        subprocess.run(["npm", "install", "--prefix", str(S3RVER_DIR), "--no-audit", "--no-fund", "--silent",
+                        f"s3rver@{S3RVER_VERSION}"], check=True, timeout=600)
+    port, bucket = free_port(), f"rc-{uuid.uuid4().hex[:10]}"
+    proc = subprocess.Popen(["node", str(pathlib.Path(__file__).with_name("s3rver_main.js")), str(modules), str(port),
+                             str(tmp_path_factory.mktemp("s3rver")), bucket], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "s3rver did not start"
+        yield f"http://127.0.0.1:{port}", bucket
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def make_bucket(endpoint: str, name: str) -> None:
     import s3fs
 

@@ -90,7 +90,7 @@ def test_shadow_stops_at_a_gap(tmp_path, tiny_model):
     params = trainable_parameters(tiny_model)
     writer = StepLogWriter.create(tmp_path / "log", header(params))
     writer.append(record(0))
-    os.write(writer._fd, record(2).encode())
+    os.write(writer._fd, record(2).bound(writer.tag, writer.path).encode())
     shadow = ShadowReplayer(params, tmp_path / "log")
     with pytest.raises(StepLogGapError, match="steps 1..1 are missing"):
         shadow.catch_up()

@@ -159,7 +159,7 @@ def test_resume_of_a_step_log_with_a_gap_or_out_of_order_records_is_refused_befo
     ``replay``), with Ray never initialised and the run directory as it was."""
     import ray
 
-    from raycheck.storage.steplog import StepRecord
+    from raycheck.storage.steplog import StepRecord, trajectory_tag
     from raycheck.training.zo import step_seed
 
     out = tmp_path / "run"
@@ -167,7 +167,8 @@ def test_resume_of_a_step_log_with_a_gap_or_out_of_order_records_is_refused_befo
     records = [StepRecord(step=s, seed=step_seed(cfg.seed, s), projected_grad=0.5, loss_plus=0.7, loss_minus=0.69,
                           lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay, batch_id=s) for s in steps]
     log = out / "steplog.bin"
-    log.write_bytes(log.read_bytes() + b"".join(r.encode() for r in records))
+    tag = trajectory_tag(cfg.run_id, cfg.trajectory_sha256())
+    log.write_bytes(log.read_bytes() + b"".join(r.bound(tag, log).encode() for r in records))
     before = tree_sha256(out)
     result = resume(out)
     assert result.exit_code == 1, result.output

@@ -47,7 +47,7 @@ class GapTrainer:
     def fit(self) -> None:
         writer = StepLogWriter.open(self.path)
         writer.append(record(0))
-        os.write(writer._fd, record(2).encode())
+        os.write(writer._fd, record(2).bound(writer.tag, writer.path).encode())
         writer.close()
         self.release.wait(600)
 

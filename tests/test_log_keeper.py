@@ -21,7 +21,16 @@ from raycheck.orchestrator.controller import Controller, reference_config
 from raycheck.orchestrator.summary import durability
 from raycheck.storage.backend import Storage, StorageUnavailableError
 from raycheck.storage.log_segments import read_segments, segment_name
-from raycheck.storage.steplog import StepLogConflictError, StepLogGapError, StepLogWriter, StepRecord, read_header, read_records
+from raycheck.storage.steplog import (
+    RECORD_BYTES,
+    StepLogConflictError,
+    StepLogGapError,
+    StepLogWriter,
+    StepRecord,
+    header_tag,
+    read_header,
+    read_records,
+)
 from raycheck.training.model import default_cache_dir
 from raycheck.training.rank0_log import KeeperSender, KeeperUnreachableError, open_local_log, replicated_append
 from raycheck.training.zo import ZOHyper, step_seed
@@ -53,7 +62,7 @@ def test_appends_in_order_refuses_a_gap_and_a_differing_record_and_takes_a_resen
     assert keeper.end() == 4 and read_records(tmp_path / "steplog.bin") == [rec(i) for i in range(4)]  # nothing refused got in
     keeper.close()
     reopened = LogKeeper(tmp_path / "steplog.bin")  # the file is the keeper's state
-    assert reopened.header() == {**HEADER, "format_version": 1, "record_bytes": 76}
+    assert reopened.header() == {**HEADER, "format_version": 2, "record_bytes": 84}
     assert reopened.records(0) == [rec(i) for i in range(4)]
     with pytest.raises(FileNotFoundError, match="no step log to keep"):
         LogKeeper(tmp_path / "missing.bin")
@@ -175,6 +184,28 @@ def test_rank0_rebuilds_its_local_log_from_the_keeper_or_brings_the_keeper_up_to
     assert opened.discarded == f"{other} belongs to another log (header differs)" and opened.rebuilt_steps == 10
     assert read_records(other) == keeper.records(0)
     opened.writer.close()
+
+
+@pytest.mark.parametrize("local_steps", [5, 7])
+def test_rank0_and_the_keeper_disagreeing_on_a_step_both_hold_is_an_error_naming_it(tmp_path, local_steps):
+    """Rank 0's node-local log holds another step 3 than the keeper's copy (same header, same lengths or
+    the local one longer): neither is silently chosen, the error names the step and nothing is sent."""
+    keeper = keeper_with(tmp_path / "keeper.bin", 5)
+    local = tmp_path / "scratch" / "steplog.bin"
+    open_local_log(local, keeper).writer.close()
+    data = bytearray(local.read_bytes())
+    at = len(data) - 2 * RECORD_BYTES  # step 3 of 0..4
+    data[at:at + RECORD_BYTES] = rec(3, grad=9.0).bound(header_tag(HEADER), local).encode()
+    local.write_bytes(bytes(data))
+    writer = StepLogWriter.open(local)
+    for step in range(5, local_steps):
+        writer.append(rec(step))
+    writer.close()
+    with pytest.raises(StepLogConflictError, match=rf"^{local} and the log keeper's copy disagree at step 3: one holds a record "
+                                                   r"of another run or trajectory; check both with raycheck inspect"):
+        open_local_log(local, keeper)
+    assert keeper.end() == 5 and len(read_records(local)) == local_steps  # nothing sent, nothing rebuilt
+    StepLogWriter.open(local, lock_timeout_s=0).close()  # the refused open released its lock
 
 
 class RefusingKeeper:

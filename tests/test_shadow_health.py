@@ -31,7 +31,7 @@ def gapped_log(tmp_path, tiny_model):
     writer = StepLogWriter.create(tmp_path / "steplog.bin", {"layout_sha256": layout_sha256(layout), "generator": GENERATOR,
                                                                "model": "tiny"})
     writer.append(record(0))
-    os.write(writer._fd, record(2).encode())  # what a broken writer would leave
+    os.write(writer._fd, record(2).bound(writer.tag, writer.path).encode())  # what a broken writer would leave
     writer.close()
     return tmp_path / "steplog.bin"
 

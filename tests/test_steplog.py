@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import re
@@ -39,7 +40,7 @@ def test_roundtrip_keeps_every_field_exactly(tmp_path):
     make_log(tmp_path / "log", 5).close()
     assert read_records(tmp_path / "log") == [rec(i) for i in range(5)]
     assert read_header(tmp_path / "log")["model"] == "x"
-    assert RECORD_BYTES == 76
+    assert RECORD_BYTES == 84
 
 
 def test_append_refuses_a_gap_or_a_repeat(tmp_path):
@@ -87,7 +88,7 @@ def test_a_zero_filled_tail_longer_than_a_record_is_torn_and_cut(tmp_path, torn_
     """What some filesystems leave after a crash: the file extended with zeros, after a whole or a
     half-written last record. Every record before it is intact, so the log continues."""
     w = make_log(tmp_path / "log", 4)
-    os.write(w._fd, rec(4).encode()[:torn_bytes] + bytes(3 * RECORD_BYTES + 5))
+    os.write(w._fd, rec(4).bound(w.tag, w.path).encode()[:torn_bytes] + bytes(3 * RECORD_BYTES + 5))
     w.close()
     assert read_records(tmp_path / "log") == [rec(i) for i in range(4)]
     w = StepLogWriter.open(tmp_path / "log")
@@ -121,7 +122,7 @@ def test_a_non_zero_garbage_tail_longer_than_a_record_is_refused(tmp_path, garba
 
 def test_gap_in_the_file_is_refused_with_the_missing_steps(tmp_path):
     w = make_log(tmp_path / "log", 2)
-    os.write(w._fd, rec(5).encode())  # bypass the writer's own check, as a foreign writer could
+    os.write(w._fd, rec(5).bound(w.tag, w.path).encode())  # bypass the writer's own check, as a foreign writer could
     w.close()
     with pytest.raises(StepLogGapError, match=r"is step 5, expected step 2; steps 2\.\.4 are missing, so the log cannot be "
                                               r"replayed past step 1$"):
@@ -134,7 +135,7 @@ def test_swapped_records_are_refused_as_out_of_order_not_as_missing(tmp_path):
     w = make_log(tmp_path / "log", 2)
     start = os.lseek(w._fd, 0, os.SEEK_CUR)
     for step in (3, 2, 4):
-        os.write(w._fd, rec(step).encode())
+        os.write(w._fd, rec(step).bound(w.tag, w.path).encode())
     w.close()
     with pytest.raises(StepLogGapError, match=rf"record at byte {start} is step 3, expected step 2, and step 2 follows it at "
                                               rf"byte {start + RECORD_BYTES}: the records are out of order, so the log "
@@ -155,9 +156,9 @@ def test_reader_follows_appends_and_waits_on_a_partial_record(tmp_path):
     w = make_log(tmp_path / "log", 2)
     r = StepLogReader(tmp_path / "log")
     assert [x.step for x in r.poll()] == [0, 1]
-    os.write(w._fd, rec(2).encode()[:30])
+    os.write(w._fd, rec(2).bound(w.tag, w.path).encode()[:30])
     assert r.poll() == []
-    os.write(w._fd, rec(2).encode()[30:])
+    os.write(w._fd, rec(2).bound(w.tag, w.path).encode()[30:])
     w.next_step = 3
     w.append(rec(3))
     assert [x.step for x in r.poll()] == [2, 3]
@@ -274,7 +275,7 @@ def test_every_read_error_names_the_log(tmp_path):
     w = make_log(path, 2)
     gap_at = os.path.getsize(path)
     reader = StepLogReader(path, start_step=2)
-    os.write(w._fd, rec(4).encode())
+    os.write(w._fd, rec(4).bound(w.tag, w.path).encode())
     w.close()
     with pytest.raises(StepLogGapError, match=f"^{re.escape(str(path))}: record at byte \\d+ is step 4, expected step 2"):
         reader.poll()
@@ -293,7 +294,7 @@ def test_read_log_reports_the_bytes_of_a_torn_tail(tmp_path):
 
 def test_read_prefix_returns_the_records_before_a_gap_and_the_gap(tmp_path):
     w = make_log(tmp_path / "log", 3)
-    os.write(w._fd, rec(5).encode() + rec(6).encode())
+    os.write(w._fd, rec(5).bound(w.tag, w.path).encode() + rec(6).bound(w.tag, w.path).encode())
     w.close()
     prefix = read_prefix(tmp_path / "log")
     assert (prefix.header["model"], prefix.records, prefix.torn_bytes) == ("x", [rec(i) for i in range(3)], 0)
@@ -334,23 +335,25 @@ def test_a_torn_append_is_the_first_half_of_a_zeroed_record_of_its_step(tmp_path
 
 
 def test_the_file_is_laid_out_as_documented(tmp_path):
-    """The bytes on disk, decoded by hand from the module docstring's layout (what an old log or
-    another reader relies on): magic, u32 header length, sorted JSON header, its crc32, then one
-    76-byte record per step: the fields little-endian, then the crc32 of those 72 bytes."""
+    """The bytes on disk, decoded by hand from the module docstring's layout (what another reader
+    relies on): magic, u32 header length, sorted JSON header, its crc32, then one 84-byte record per
+    step: the fields little-endian, the trajectory tag (sha256 of [run id, trajectory hash], its first
+    8 bytes, lowest bit set), then the crc32 of those 80 bytes."""
     make_log(tmp_path / "log", 2).close()
     data = (tmp_path / "log").read_bytes()
     assert data[:8] == b"RCSTEPLG"
     n = int.from_bytes(data[8:12], "little")
     body = data[12 : 12 + n]
-    assert body == json.dumps({"format_version": 1, "model": "x", "record_bytes": 76}, sort_keys=True).encode()
+    assert body == json.dumps({"format_version": 2, "model": "x", "record_bytes": 84}, sort_keys=True).encode()
     assert int.from_bytes(data[12 + n : 16 + n], "little") == zlib.crc32(body)
     records = data[16 + n :]
-    assert len(records) == 2 * 76
+    assert len(records) == 2 * 84
+    tag = int.from_bytes(hashlib.sha256(b"[null, null]").digest()[:8], "little") | 1
     for step in range(2):
-        fields, crc = records[76 * step : 76 * step + 72], records[76 * step + 72 : 76 * (step + 1)]
+        fields, crc = records[84 * step : 84 * step + 80], records[84 * step + 80 : 84 * (step + 1)]
         r = rec(step)
-        assert fields == struct.pack("<QQddddddQ", r.step, r.seed, r.projected_grad, r.loss_plus, r.loss_minus, r.lr, r.eps,
-                                     r.weight_decay, r.batch_id)
+        assert fields == struct.pack("<QQddddddQQ", r.step, r.seed, r.projected_grad, r.loss_plus, r.loss_minus, r.lr, r.eps,
+                                     r.weight_decay, r.batch_id, tag)
         assert int.from_bytes(crc, "little") == zlib.crc32(fields)
 
 
@@ -363,12 +366,24 @@ def test_a_short_header_is_refused_with_what_is_missing(tmp_path, cut, problem):
         read_header(tmp_path / "log")
 
 
-def test_a_header_of_another_format_version_is_refused(tmp_path):
-    path = tmp_path / "log"
-    body = json.dumps({"format_version": 2}).encode()
+def write_header_only(path, header: dict) -> None:
+    body = json.dumps(header).encode()
     path.write_bytes(b"RCSTEPLG" + len(body).to_bytes(4, "little") + body + zlib.crc32(body).to_bytes(4, "little"))
-    with pytest.raises(StepLogCorruptError, match="format version 2, expected 1"):
-        read_records(path)
+
+
+def test_a_header_of_another_format_version_is_refused(tmp_path):
+    write_header_only(tmp_path / "log", {"format_version": 3})
+    with pytest.raises(StepLogCorruptError, match="format version 3, expected 2"):
+        read_records(tmp_path / "log")
+
+
+def test_a_log_of_format_version_1_is_refused_saying_why_and_what_to_do(tmp_path):
+    """raycheck before issue 32 wrote 76-byte records that do not name their trajectory."""
+    write_header_only(tmp_path / "log", {"format_version": 1, "record_bytes": 76})
+    for read in (read_records, read_prefix, StepLogWriter.open):
+        with pytest.raises(StepLogCorruptError, match=r"a step log of format version 1, whose records do not name their "
+                                                      r"trajectory; this raycheck reads version 2: .* or start a new --out$"):
+            read(tmp_path / "log")
 
 
 def test_a_short_write_raises_naming_the_step_and_its_torn_half_is_cut_on_reopen(tmp_path, monkeypatch):

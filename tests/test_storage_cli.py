@@ -19,6 +19,7 @@ from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import MANIFEST, SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, StepRecord
 from raycheck.training.model import default_cache_dir
+from raycheck.training.zo import step_seed
 
 
 def make_run(root):
@@ -105,9 +106,9 @@ def test_verify_of_a_run_with_no_snapshot_says_there_is_nothing_to_rehash_and_ex
                     run_id="logonly")
     prepare(cfg, RunDir(tmp_path))
     writer = StepLogWriter.open(tmp_path / "steplog.bin")
-    for step in range(3):
-        writer.append(StepRecord(step=step, seed=step, projected_grad=0.5, loss_plus=0.1, loss_minus=0.2, lr=1e-6,
-                                 eps=1e-3, weight_decay=0.0, batch_id=step))
+    for step in range(3):  # this run's records (inspect and verify check each one's seed)
+        writer.append(StepRecord(step=step, seed=step_seed(cfg.seed, step), projected_grad=0.5, loss_plus=0.1, loss_minus=0.2,
+                                 lr=1e-6, eps=1e-3, weight_decay=0.0, batch_id=step))
     writer.close()
     result = CliRunner().invoke(app, ["verify", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from raycheck.actors.log_keeper import MAX_RECORDS_PER_CALL, read_range
-from raycheck.storage.steplog import StepLogError, StepLogWriter, StepRecord, read_header, read_records
+from raycheck.storage.steplog import StepLogConflictError, StepLogError, StepLogWriter, StepRecord, read_header, read_records
 
 log = logging.getLogger(__name__)
 
@@ -77,21 +77,33 @@ def _open_or_create(path: pathlib.Path, header: dict) -> tuple[StepLogWriter, st
 
 def open_local_log(path: str | pathlib.Path, keeper) -> LocalLogOpened:
     """Open rank 0's node-local log at ``path`` and make it and ``keeper`` (a ``LogKeeper`` or
-    ``RemoteKeeper``) hold the same steps: a shorter local log (a replacement on another node, a fresh
-    scratch directory) is rebuilt from the keeper; a longer one (durability ``process``: the keeper
-    missed the last sends) brings the keeper up to date.
+    ``RemoteKeeper``) hold the same steps: the steps both hold are compared record by record (byte for
+    byte); a shorter local log (a replacement on another node, a fresh scratch directory) is rebuilt
+    from the keeper; a longer one (durability ``process``: the keeper missed the last sends) brings the
+    keeper up to date.
 
     Raises:
         StepLogBusyError: another process still appends to the local log.
-        StepLogConflictError: the local log and the keeper disagree on a step (keeper's ``append_many``).
+        StepLogConflictError: the local log and the keeper disagree on a step both hold (named), never a
+            silent choice of one of them.
         ValueError, RayActorError, GetTimeoutError: the keeper cannot be reached (``RemoteKeeper``).
     """
     path = pathlib.Path(path)
     writer, discarded = _open_or_create(path, keeper.header())
     local, kept = writer.next_step, keeper.end()
+    mine = read_records(path)
+    both = min(local, kept)
+    for first in range(0, both, MAX_RECORDS_PER_CALL):
+        theirs = read_range(keeper, first, min(both, first + MAX_RECORDS_PER_CALL))
+        if (step := next((r.step for r, t in zip(mine[first:], theirs) if r.encode() != t.encode()), None)) is not None:
+            writer.close()
+            raise StepLogConflictError(
+                f"{path} and the log keeper's copy disagree at step {step}: one holds a record of another run or "
+                f"trajectory; check both with raycheck inspect, then delete the wrong one (rank 0's copy is rebuilt "
+                f"from the keeper's) or start a new --out")
     for record in read_range(keeper, local, kept):
         writer.append(record)
-    missed = read_records(path)[kept:local] if local > kept else []
+    missed = mine[kept:local] if local > kept else []
     for first in range(0, len(missed), MAX_RECORDS_PER_CALL):  # bounded messages
         keeper.append_many(missed[first:first + MAX_RECORDS_PER_CALL])
     return LocalLogOpened(writer, local, max(0, kept - local), max(0, local - kept), discarded)

@@ -29,7 +29,7 @@ from raycheck.job.config import JobConfig
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import layout_of
 from raycheck.storage.snapshots import NoSnapshotError
-from raycheck.storage.steplog import StepLogGapError, StepRecord, read_header, read_records
+from raycheck.storage.steplog import StepLogGapError, StepRecord, read_header, read_records, trajectory_tag
 from raycheck.training.state import load_into
 from raycheck.training.zo import ZOHyper, check_dtype, check_generator, check_records, replay_records_
 
@@ -120,7 +120,8 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
         if header is not None:  # None: no log written yet, nothing to replay or check
             check_generator(header, f"the step log ({result['log_source']})")
             check_dtype(header, cfg.dtype, f"the step log ({result['log_source']})")
-        check_records(records, cfg.seed, f"the step log ({result['log_source']})", ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay))
+        check_records(records, cfg.seed, f"the step log ({result['log_source']})", ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay),
+                      trajectory_tag(cfg.run_id, cfg.trajectory_sha256()))
         result["replayed_steps"] = replay_records_(params, records)
     return {**result, "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 

@@ -314,23 +314,30 @@ def replay_step_(
                                           _update(name, p, projected_grad, lr, weight_decay)])
 
 
-def check_records(records: Iterable, run_seed: int, source: str, hyper: ZOHyper | None = None) -> None:
+def check_records(records: Iterable, run_seed: int, source: str, hyper: ZOHyper | None = None,
+                  trajectory: int | None = None) -> None:
     """Refuse step log records that are not this run's: each record's ``seed`` must be
-    ``step_seed(run_seed, step)`` and, with ``hyper``, its ``lr``, ``eps`` and ``weight_decay`` those of
-    ``hyper``. A record of another run (a log of another seed whose header was edited, records spliced
-    in from another run's log) has a valid checksum and the right step number, so neither the log's
-    checksums nor its gap check see it; replaying it would build another run's state.
+    ``step_seed(run_seed, step)``; with ``hyper``, its ``lr``, ``eps`` and ``weight_decay`` those of
+    ``hyper``; with ``trajectory`` (``storage.steplog.trajectory_tag`` of the run id and trajectory hash,
+    which covers the batch schedule), its trajectory tag that one. A record of another run (a log of
+    another seed whose header was edited, records spliced in from another run's log, even of the same
+    seed) has a valid checksum and the right step number, so neither the log's checksums nor its gap
+    check see it; replaying it would build another run's state.
 
     Raises:
         storage.steplog.StepLogCorruptError: the first record that is not this run's (``source`` names the log).
     """
-    if (foreign := first_foreign_record(records, run_seed, hyper)) is not None:
+    if (foreign := first_foreign_record(records, run_seed, hyper, trajectory)) is not None:
         raise StepLogCorruptError(f"{source}: {foreign[1]}; the log cannot be replayed")
 
 
-def first_foreign_record(records: Iterable, run_seed: int, hyper: ZOHyper | None = None) -> tuple[int, str] | None:
+def first_foreign_record(records: Iterable, run_seed: int, hyper: ZOHyper | None = None,
+                         trajectory: int | None = None) -> tuple[int, str] | None:
     """(step, why) of the first of ``records`` that is not this run's by ``check_records``' rule; None when all are."""
     for rec in records:
+        if trajectory is not None and rec.trajectory != trajectory:
+            return rec.step, (f"the record of step {rec.step} belongs to another run or trajectory (tag {rec.trajectory:016x}, "
+                              f"expected {trajectory:016x}): a record of another run")
         want = (step_seed(run_seed, rec.step),) + ((hyper.lr, hyper.eps, hyper.weight_decay) if hyper else ())
         got = (rec.seed, rec.lr, rec.eps, rec.weight_decay)[:len(want)]
         if got != want:
