@@ -410,6 +410,8 @@ class ShadowSpec:
     poll_interval_s: float = 0.05
     shard: int = 0
     shards: int = 1
+    threads: int = 1
+    """Torch threads of the actor, which its fused replay splits large tensors over (``JobConfig.shadow_threads``)."""
     shipped: dict | None = None
     """The driver's shipped assets (``training.assets.ship``): a model folder's files come from there."""
     layout: list | None = None

@@ -62,7 +62,7 @@ class ShadowActor:
     """
 
     def __init__(self, spec: ShadowSpec) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(spec.threads)
         self.spec = spec
         self.started_unix_s = time.time()
         self.actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None

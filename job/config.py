@@ -453,6 +453,10 @@ class JobConfig:
     shadow_shards: int = 1
     """CPU actors the shadow is split into (``actors.shards``): each holds and replays a contiguous
     range of units, 1..the model's unit count (checked against the model by ``actors.shards.split_units``)."""
+    shadow_threads: int = 1
+    """Threads of each shadow actor (each shard): its replay splits every large tensor over them
+    (``training.noise``; the same bits on any count). Size them with ``raycheck policy --elements
+    --replay-rate``; the actors ask Ray for no CPU, so leave the cores they use free of workers."""
     worker_resource: str = ""
     """A Ray custom resource each train worker asks one unit of (besides its CPU or GPU), placing the
     workers on the nodes that offer it; empty: any node (``orchestrator.cluster.plan_placement``)."""
@@ -508,6 +512,8 @@ class JobConfig:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
         if self.shadow_shards < 1:
             raise ValueError(f"shadow_shards must be >= 1, got {self.shadow_shards}")
+        if self.shadow_threads < 1:
+            raise ValueError(f"shadow_threads must be >= 1, got {self.shadow_threads}")
         if self.shadow_shards > 1 and not self.uses_shadow:
             raise ValueError(f"shadow_shards {self.shadow_shards} needs strategy shadow (this run: {self.strategy})")
         self._check_groups()

@@ -465,6 +465,9 @@ def run(
                                                 "units (embeddings, layers, norm, head) balanced by size, spread across nodes: "
                                                 "replay work and memory per actor / K. 1..the model's unit count (tiny: 4, "
                                                 "smollm2-135m: 32); --fail STEP:shadow:N kills shard N only.")] = 1,
+    shadow_threads: Annotated[int, typer.Option(min=1, help="Threads of each shadow actor (each shard): its replay splits large "
+                                                 "tensors over them, the same bits on any count. `raycheck policy --elements "
+                                                 "--replay-rate` says how many cores keep up.")] = 1,
     settle_failures: Annotated[bool, typer.Option(help="Before each injected failure, wait until the shadow has caught up and "
                                                    "snapshots are committed, so the recovery source depends on the failure "
                                                    "steps alone (reproducible experiments; real failures do not wait).")] = False,
@@ -520,7 +523,7 @@ def run(
                                max_in_process_restarts=max_in_process_restarts, warm_standby=warm_standby,
                                start_timeout_s=start_timeout),
             elastic=ElasticConfig(min_workers=min_workers, resize_interval_s=parse_duration(elastic_resize_interval)),
-            eval_samples=eval_samples, hash_every_steps=hash_every, shadow_shards=shadow_shards, device=device, dtype=dtype,
+            eval_samples=eval_samples, hash_every_steps=hash_every, shadow_shards=shadow_shards, shadow_threads=shadow_threads, device=device, dtype=dtype,
             shadow_env=parse_env(shadow_env, "--shadow-env"), worker_resource=worker_resource, shadow_resource=shadow_resource,
             durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],
         )

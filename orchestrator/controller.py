@@ -436,7 +436,7 @@ class Controller:
             store=self.cfg.snapshot_store(), persister_name=self.cfg.persister_name,
             snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot.every_steps, hash_every=self.cfg.hash_every_steps,
             layout=read_header(self.run_dir.step_log)["layout"],
-            shipped=self.shipped,
+            shipped=self.shipped, threads=self.cfg.shadow_threads,
         )
 
     # -- monitoring ---------------------------------------------------------------------------

@@ -418,7 +418,7 @@ def test_configuration_errors_name_the_options_typed(tmp_path, args, message):
 @pytest.mark.parametrize(("args", "message"), [
     (["policy", "--step-time", "1s", "--replay-time", "1s", "--snapshot-time", "1s", "--restart-time", "1s", "--mtbf", "3h",
       "--shadow-loss", "1.5"], "error: Invalid value for '--shadow-loss': Input should be less than or equal to 1"),
-    (["policy", "--step-time", "1s"], "error: Missing option '--replay-time'."),
+    (["policy", "--step-time", "1s"], "error: Missing option '--snapshot-time'."),
     (["replay"], "error: Missing argument 'RUN_OR_STORE'."),
     (["verify"], "error: Missing argument 'URI'."),
     (["run", "--no-such-option"], "error: No such option: --no-such-option"),
