@@ -103,7 +103,7 @@ def test_residue_script_prints_a_row_per_dtype_and_arithmetic(capsys):
         ("float32", "raycheck"), ("bfloat16", "raycheck"), ("bfloat16", "torch half ops"),
         ("float16", "raycheck"), ("float16", "torch half ops")]
     out = capsys.readouterr().out
-    assert "| tiny | bfloat16 | raycheck | 3,219,776 |" in out and "| 6.1 MiB | 12.3 MiB |" in out
+    assert "| tiny | bfloat16 | raycheck | 3,219,776 |" in out and out.count("| 6.1 MiB |\n") == 4
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

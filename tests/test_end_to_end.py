@@ -28,7 +28,7 @@ from raycheck.orchestrator.schedule import failure_schedule, parse_schedule
 from raycheck.orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN, STANDBY_BREAKDOWN
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.snapshots import SnapshotStore
-from raycheck.storage.steplog import read_records
+from raycheck.storage.steplog import RECORD_BYTES, read_records
 from raycheck.training.model import default_cache_dir
 from raycheck.training.state import state_sha256
 
@@ -219,7 +219,7 @@ def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_pat
     assert [(r["incarnation"], r["source"], r["step"]) for r in s["shadow_restarts"]] == [(1, "snapshot", 3), (2, "snapshot", 6)]
     assert [(r["failure_step"], r["path"], r["source"], r["base_step"], r["replayed_steps"], r["restored_step"]) for r in s["recoveries"]] == [
         (2, "standby", "object_store", 2, 0, 2), (8, "standby", "storage", 6, 2, 8)]
-    assert [(t["bytes"], t["step"]) for t in s["torn_tails_cut"]] == [(38, 8)]
+    assert [(t["bytes"], t["step"]) for t in s["torn_tails_cut"]] == [(RECORD_BYTES // 2, 8)]  # half a record
     events = RunDir.read(RunDir(pathlib.Path(s["config"]["out_dir"])).events)
     supervisors = [e["pid"] for e in events if e["kind"] == "standby_supervisor"]
     assert len(supervisors) == 1 and len([e for e in events if e["kind"] == "worker_group"]) == 1
