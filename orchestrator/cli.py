@@ -186,9 +186,10 @@ def _given_options(ctx: typer.Context) -> dict[str, object]:
     return {name: value for name, value in ctx.params.items() if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
 
 
-def _resumed_config(out: pathlib.Path) -> JobConfig:
-    """The configuration of the run in ``out``, to resume it (exit 2 when there is none; it may have
-    finished: ``_finished_summary``)."""
+def _resumed_config(out: pathlib.Path, verify: bool) -> JobConfig:
+    """The configuration of the run in ``out``, to resume it (exit 2 when there is none, or when ``out``
+    is a copy or a move of the run directory its ``config.json`` names; it may have finished:
+    ``_finished_summary``)."""
     saved = out / "config.json"
     if not saved.is_file():
         raise _refuse(f"{out} holds no run to resume (no config.json); to resume from the run's storage alone, "
@@ -200,9 +201,30 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
         raise _refuse(f"{saved} is damaged ({type(exc).__name__}: {exc}); this run cannot be resumed") from exc
     if pathlib.Path(cfg.out_dir).resolve() != out.resolve():
+        if not pathlib.Path(cfg.out_dir).exists():
+            raise _moved(out, cfg, verify)
         raise _refuse(f"{out} is a copy of the run directory {cfg.out_dir} (its config.json names that one, and its "
                       f"storage {cfg.storage.uri}): resume the run with --out {cfg.out_dir}")
     return cfg
+
+
+PATH_FIELDS = ("out_dir", "storage.uri", "data", "model", "cache_dir")
+"""The ``JobConfig`` fields that may name a place on this machine (a path, a ``file://`` URI; a model
+or storage name that is neither never lies inside a run directory)."""
+
+
+def _moved(out: pathlib.Path, cfg: JobConfig, verify: bool) -> typer.Exit:
+    """The refusal (exit 2) of ``--resume --out out`` where ``out`` is the run directory ``cfg.out_dir``
+    moved (that path no longer exists): what of ``cfg`` still points into the old path, and the command
+    that moves the run back and resumes it there."""
+    old = pathlib.Path(cfg.out_dir)
+    inside = [f"{option(path)} {value}" for path in PATH_FIELDS
+              if (value := str(cfg.get(path))) and (where := local_path(value)) is not None and where.is_relative_to(old)]
+    move = shlex.join(["mv", str(out.resolve()), str(old)])
+    if not old.parent.exists():
+        move = f"{shlex.join(['mkdir', '-p', str(old.parent)])} && {move}"
+    return _refuse(f"{out} is the run directory {old}, moved: {old} no longer exists, and the run's config.json still "
+                   f"points there ({', '.join(inside)}); move it back and resume it: {move} && {resume_command(old, verify)}")
 
 
 def _finished_summary(out: pathlib.Path, cfg: JobConfig) -> dict | None:
@@ -541,7 +563,7 @@ def run(
             saved = _stored_config(cfg, out, scratch_dir)
             given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
         else:
-            saved = _resumed_config(out)
+            saved = _resumed_config(out, verify)
             finished = _finished_summary(out, saved)
             if finished and not verify:
                 for line in ignored_warning(given):  # e.g. --steps 99: a finished run is not extended

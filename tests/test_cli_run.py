@@ -12,6 +12,7 @@ import json
 import pathlib
 import shutil
 import socket
+import subprocess
 import uuid
 
 import pytest
@@ -126,6 +127,34 @@ def test_resume_of_a_copied_run_directory_is_refused_and_touches_neither_directo
     assert f"error: {copy} is a copy of the run directory {out.resolve()}" in result.output
     assert f"resume the run with --out {out.resolve()}" in result.output
     assert (tree_sha256(out), tree_sha256(copy)) == (before, before_copy)
+
+
+@pytest.mark.parametrize("parent_left", [True, False])
+def test_resume_of_a_moved_run_directory_names_the_old_path_and_the_command_that_works(tmp_path, parent_left):
+    """A run directory moved away (its old path gone) is not called a copy: the refusal says it was moved,
+    what of its config.json still points at the old path (``--out``, its default snapshot store), and the
+    command that moves it back (re-creating the old parent folder when that is gone too) and resumes it;
+    that command's move brings the run back where its config.json names it. Nothing is touched."""
+    out = tmp_path / "old" / "run"
+    prepared_run(out)
+    moved = tmp_path / "new home" / "run"
+    moved.parent.mkdir()
+    shutil.move(out, moved)
+    if not parent_left:
+        out.parent.rmdir()
+    before = tree_sha256(moved)
+    result = resume(moved)
+    assert result.exit_code == 2, result.output
+    mkdir = "" if parent_left else f"mkdir -p {out.parent} && "
+    assert result.output.splitlines() == [
+        f"error: {moved} is the run directory {out}, moved: {out} no longer exists, and the run's config.json still "
+        f"points there (--out {out}, --storage {out / 'snapshots'}); move it back and resume it: "
+        f"{mkdir}mv '{moved}' {out} && raycheck run --resume --out {out}"]
+    assert "a copy" not in result.output and tree_sha256(moved) == before
+    command = result.output.split("resume it: ")[1].strip()
+    subprocess.run(command.split(" && raycheck ")[0], shell=True, check=True)  # the move; the resume itself starts Ray
+    assert not moved.exists() and tree_sha256(out) == before
+    assert json.loads((out / "config.json").read_text())["out_dir"] == str(out)
 
 
 def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
