@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import pathlib
 import re
 import shlex
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from inspect import signature
@@ -338,9 +340,27 @@ def resume_command(out: pathlib.Path, verify: bool) -> str:
     return shlex.join(["raycheck", "run", "--resume", "--out", str(out.resolve()), *(["--verify"] if verify else [])])
 
 
+EXIT_INTERRUPTED = 130
+"""The exit code of an interrupted ``raycheck run``, as a shell gives a command that SIGINT ended."""
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is an interrupt (Ctrl-C) or was raised after one, while it was handled (the interrupt
+    is in its chain of causes and contexts): e.g. a Ray call of the failure path that found the core worker
+    already shut down. The interrupt was seen first, so the run was interrupted, whatever failed after it."""
+    seen: set[int] = set()  # a chain set by hand may loop
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def _interrupted(out: pathlib.Path, verify: bool, steps: int) -> typer.Exit:
     """Print, after Ctrl-C stopped ``raycheck run``, the command line that resumes the run in ``out``
-    of ``steps`` steps (or that nothing is left to resume); returns the exit to raise (code 130, as a shell gives SIGINT)."""
+    of ``steps`` steps (or that nothing is left to resume); returns the exit to raise (``EXIT_INTERRUPTED``)."""
     saved = out / "config.json"
     summary = RunDir.read_json(out / "summary.json")
     if not saved.is_file():
@@ -350,7 +370,7 @@ def _interrupted(out: pathlib.Path, verify: bool, steps: int) -> typer.Exit:
                    "(--verify) was cut short", err=True)
     else:
         typer.echo(f"interrupted: the run stopped; resume it with:\n  {resume_command(out, verify)}", err=True)
-    return typer.Exit(130)
+    return typer.Exit(EXIT_INTERRUPTED)
 
 
 FINISHED_KEYS = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
@@ -595,7 +615,9 @@ def run(
     except InfeasibleError as exc:  # the adaptive policy's first plan, made before anything in the run directory is touched
         raise _refuse(f"--snapshot-policy adaptive has no snapshot plan for the assumed costs (--mtbf {cfg.snapshot.mtbf_s:g} s): "
                       f"{exc}") from exc
-    except KeyboardInterrupt as exc:  # Ctrl-C: the run has written its summary and killed its actors
+    except BaseException as exc:  # Ctrl-C (the run has written its summary), or what failed after it: still an interrupt
+        if not interrupted(exc):
+            raise
         raise _interrupted(out, verify, cfg.steps) from exc
     typer.echo(json.dumps(printed_summary(summary, out, verify), indent=2))
     typer.echo(f"summary: {out / 'summary.json'}   metrics: {out / 'metrics.parquet'}")
@@ -639,5 +661,25 @@ SHORT_HELP = {
 for _command in app.registered_commands:
     _command.short_help = _command.short_help or SHORT_HELP.get(getattr(_command.callback, "__name__", ""))
 
+
+def main() -> None:
+    """The ``raycheck`` command: ``app``. A command interrupted while this process is connected to Ray ends
+    here with ``EXIT_INTERRUPTED`` at once (``os._exit``, after flushing the output and the logs): Ray's
+    exit hook (``ray.shutdown``) would run while a daemon thread still waits in a Ray call (the run's
+    ``ray-train-fit``), and a Ray call after that shutdown ends the process with exit 1 ("The core worker
+    has already been shutdown"). The run's actors end with its driver; a cluster that ``ray.init``
+    started here is ended by Ray's reaper process."""
+    try:
+        app()
+    except SystemExit as exc:
+        ray = sys.modules.get("ray")  # never imported for a command that did not use Ray
+        if exc.code == EXIT_INTERRUPTED and ray is not None and ray.is_initialized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(EXIT_INTERRUPTED)
+        raise
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import socket
 import subprocess
+import sys
 import uuid
 
 import pytest
@@ -492,6 +493,75 @@ def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, m
         "finished": [f"interrupted: the run had finished ({out / 'summary.json'}); only its failure-free reference "
                      "(--verify) was cut short"],
     }[reached]
+
+
+@pytest.mark.parametrize("after", ["RaySystemError", "RuntimeError from", "none"])
+def test_an_error_raised_after_the_interrupt_still_exits_130(tmp_path, monkeypatch, after):
+    """The interrupt is seen first, and the failure path's Ray call then fails (a Ray call after the core worker
+    was shut down; or an error raised from the interrupt): the run was interrupted, so it exits 130 with the
+    command that resumes it, as a bare interrupt does, not 1 with a traceback. The same error without an
+    interrupt before it is no interrupt: it reaches the caller (exit 1)."""
+    import raycheck.orchestrator.controller
+    from ray.exceptions import RaySystemError
+
+    out = tmp_path / "run"
+    shutdown = "System error: The core worker has already been shutdown."
+
+    def failing(cfg, verify, echo, assets=None) -> dict:
+        out.mkdir(exist_ok=True)
+        RunDir.write_json(out / "config.json", cfg.to_dict())
+        if after == "none":
+            raise RaySystemError(shutdown)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            if after == "RaySystemError":
+                raise RaySystemError(shutdown)  # its __context__ is the interrupt
+            raise RuntimeError("the journal is gone") from exc
+
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", failing)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--out", str(out)])
+    if after == "none":
+        assert result.exit_code == 1 and isinstance(result.exception, RaySystemError), result.output
+        return
+    assert result.exit_code == 130 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.splitlines() == ["interrupted: the run stopped; resume it with:",
+                                          f"  raycheck run --resume --out {out}"]
+
+
+@pytest.mark.parametrize(("code", "connected", "ends"), [(130, True, "_exit 130"), (130, False, "SystemExit 130"),
+                                                         (1, True, "SystemExit 1"), (0, True, "SystemExit 0")])
+def test_the_raycheck_command_ends_an_interrupt_with_130_before_ray_s_exit_hook(monkeypatch, code, connected, ends):
+    """``raycheck`` (``cli.main``): a command interrupted while this process is connected to Ray ends the process
+    with 130 at once, after flushing its output and logs, so that Ray's exit hook never runs beside a thread still
+    in a Ray call (which ends the process with 1: "The core worker has already been shutdown"); any other exit,
+    or an interrupt without Ray, leaves through ``SystemExit`` with its code. Ray and ``os._exit`` are stand-ins."""
+    import logging
+    import types
+
+    import raycheck.orchestrator.cli as cli
+
+    calls: list[str] = []
+
+    class Ended(BaseException):
+        pass
+
+    def exit_now(status: int):
+        calls.append(f"_exit {status}")
+        raise Ended
+
+    def command():
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli, "app", command)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: connected))
+    monkeypatch.setattr(logging, "shutdown", lambda: calls.append("logs flushed"))
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises((Ended, SystemExit)) as raised:
+        cli.main()
+    if raised.type is SystemExit:
+        calls.append(f"SystemExit {raised.value.code}")
+    assert calls == (["logs flushed", ends] if ends.startswith("_exit") else [ends])
 
 
 def test_an_interrupted_run_logs_one_line_without_a_traceback(caplog):
