@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import pathlib
 import re
 import shlex
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from inspect import signature
@@ -186,9 +188,10 @@ def _given_options(ctx: typer.Context) -> dict[str, object]:
     return {name: value for name, value in ctx.params.items() if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
 
 
-def _resumed_config(out: pathlib.Path) -> JobConfig:
-    """The configuration of the run in ``out``, to resume it (exit 2 when there is none; it may have
-    finished: ``_finished_summary``)."""
+def _resumed_config(out: pathlib.Path, verify: bool) -> JobConfig:
+    """The configuration of the run in ``out``, to resume it (exit 2 when there is none, or when ``out``
+    is a copy or a move of the run directory its ``config.json`` names; it may have finished:
+    ``_finished_summary``)."""
     saved = out / "config.json"
     if not saved.is_file():
         raise _refuse(f"{out} holds no run to resume (no config.json); to resume from the run's storage alone, "
@@ -200,9 +203,30 @@ def _resumed_config(out: pathlib.Path) -> JobConfig:
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
         raise _refuse(f"{saved} is damaged ({type(exc).__name__}: {exc}); this run cannot be resumed") from exc
     if pathlib.Path(cfg.out_dir).resolve() != out.resolve():
+        if not pathlib.Path(cfg.out_dir).exists():
+            raise _moved(out, cfg, verify)
         raise _refuse(f"{out} is a copy of the run directory {cfg.out_dir} (its config.json names that one, and its "
                       f"storage {cfg.storage.uri}): resume the run with --out {cfg.out_dir}")
     return cfg
+
+
+PATH_FIELDS = ("out_dir", "storage.uri", "data", "model", "cache_dir")
+"""The ``JobConfig`` fields that may name a place on this machine (a path, a ``file://`` URI; a model
+or storage name that is neither never lies inside a run directory)."""
+
+
+def _moved(out: pathlib.Path, cfg: JobConfig, verify: bool) -> typer.Exit:
+    """The refusal (exit 2) of ``--resume --out out`` where ``out`` is the run directory ``cfg.out_dir``
+    moved (that path no longer exists): what of ``cfg`` still points into the old path, and the command
+    that moves the run back and resumes it there."""
+    old = pathlib.Path(cfg.out_dir)
+    inside = [f"{option(path)} {value}" for path in PATH_FIELDS
+              if (value := str(cfg.get(path))) and (where := local_path(value)) is not None and where.is_relative_to(old)]
+    move = shlex.join(["mv", str(out.resolve()), str(old)])
+    if not old.parent.exists():
+        move = f"{shlex.join(['mkdir', '-p', str(old.parent)])} && {move}"
+    return _refuse(f"{out} is the run directory {old}, moved: {old} no longer exists, and the run's config.json still "
+                   f"points there ({', '.join(inside)}); move it back and resume it: {move} && {resume_command(old, verify)}")
 
 
 def _finished_summary(out: pathlib.Path, cfg: JobConfig) -> dict | None:
@@ -316,9 +340,27 @@ def resume_command(out: pathlib.Path, verify: bool) -> str:
     return shlex.join(["raycheck", "run", "--resume", "--out", str(out.resolve()), *(["--verify"] if verify else [])])
 
 
+EXIT_INTERRUPTED = 130
+"""The exit code of an interrupted ``raycheck run``, as a shell gives a command that SIGINT ended."""
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is an interrupt (Ctrl-C) or was raised after one, while it was handled (the interrupt
+    is in its chain of causes and contexts): e.g. a Ray call of the failure path that found the core worker
+    already shut down. The interrupt was seen first, so the run was interrupted, whatever failed after it."""
+    seen: set[int] = set()  # a chain set by hand may loop
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def _interrupted(out: pathlib.Path, verify: bool, steps: int) -> typer.Exit:
     """Print, after Ctrl-C stopped ``raycheck run``, the command line that resumes the run in ``out``
-    of ``steps`` steps (or that nothing is left to resume); returns the exit to raise (code 130, as a shell gives SIGINT)."""
+    of ``steps`` steps (or that nothing is left to resume); returns the exit to raise (``EXIT_INTERRUPTED``)."""
     saved = out / "config.json"
     summary = RunDir.read_json(out / "summary.json")
     if not saved.is_file():
@@ -328,7 +370,7 @@ def _interrupted(out: pathlib.Path, verify: bool, steps: int) -> typer.Exit:
                    "(--verify) was cut short", err=True)
     else:
         typer.echo(f"interrupted: the run stopped; resume it with:\n  {resume_command(out, verify)}", err=True)
-    return typer.Exit(130)
+    return typer.Exit(EXIT_INTERRUPTED)
 
 
 FINISHED_KEYS = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
@@ -544,7 +586,7 @@ def run(
             saved = _stored_config(cfg, out, scratch_dir)
             given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
         else:
-            saved = _resumed_config(out)
+            saved = _resumed_config(out, verify)
             finished = _finished_summary(out, saved)
             if finished and not verify:
                 for line in ignored_warning(given):  # e.g. --steps 99: a finished run is not extended
@@ -576,7 +618,9 @@ def run(
     except InfeasibleError as exc:  # the adaptive policy's first plan, made before anything in the run directory is touched
         raise _refuse(f"--snapshot-policy adaptive has no snapshot plan for the assumed costs (--mtbf {cfg.snapshot.mtbf_s:g} s): "
                       f"{exc}") from exc
-    except KeyboardInterrupt as exc:  # Ctrl-C: the run has written its summary and killed its actors
+    except BaseException as exc:  # Ctrl-C (the run has written its summary), or what failed after it: still an interrupt
+        if not interrupted(exc):
+            raise
         raise _interrupted(out, verify, cfg.steps) from exc
     typer.echo(json.dumps(printed_summary(summary, out, verify), indent=2))
     typer.echo(f"summary: {out / 'summary.json'}   metrics: {out / 'metrics.parquet'}")
@@ -620,5 +664,25 @@ SHORT_HELP = {
 for _command in app.registered_commands:
     _command.short_help = _command.short_help or SHORT_HELP.get(getattr(_command.callback, "__name__", ""))
 
+
+def main() -> None:
+    """The ``raycheck`` command: ``app``. A command interrupted while this process is connected to Ray ends
+    here with ``EXIT_INTERRUPTED`` at once (``os._exit``, after flushing the output and the logs): Ray's
+    exit hook (``ray.shutdown``) would run while a daemon thread still waits in a Ray call (the run's
+    ``ray-train-fit``), and a Ray call after that shutdown ends the process with exit 1 ("The core worker
+    has already been shutdown"). The run's actors end with its driver; a cluster that ``ray.init``
+    started here is ended by Ray's reaper process."""
+    try:
+        app()
+    except SystemExit as exc:
+        ray = sys.modules.get("ray")  # never imported for a command that did not use Ray
+        if exc.code == EXIT_INTERRUPTED and ray is not None and ray.is_initialized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(EXIT_INTERRUPTED)
+        raise
+
+
 if __name__ == "__main__":
-    app()
+    main()

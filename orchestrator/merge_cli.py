@@ -23,7 +23,7 @@ from raycheck.storage.merge import (
     write_hf_export,
 )
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError
-from raycheck.training.model import MODEL_NAMES, default_cache_dir, model_folder
+from raycheck.training.model import MODEL_NAMES, check_outside_cache, default_cache_dir, model_folder
 
 
 def merge(
@@ -35,7 +35,7 @@ def merge(
              "to take from source NAME. Every unit exactly once. Repeatable.")],
     out: Annotated[str, typer.Option(help="Empty store for the composite snapshot (path, file:// or s3://; an S3 bucket must exist).")],
     export_hf_dir: Annotated[pathlib.Path | None, typer.Option(
-        "--export-hf", help="Also write the merged parameters as a Hugging Face folder here: a new or empty folder (needs --model).")] = None,
+        "--export-hf", help="Also write the merged parameters as a Hugging Face folder here: a new or empty folder outside the model cache (needs --model).")] = None,
     model: Annotated[str, typer.Option(help=f"Model for --export-hf (config and layout): {', '.join(MODEL_NAMES)}, a model folder or a cached model id.")] = "",
     s3_endpoint: EndpointOpt = "",
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
@@ -52,10 +52,13 @@ def merge(
     except MergeError as exc:
         raise typer.BadParameter(str(exc)) from exc
     sources = [Source(name, open_store(uri, s3_endpoint), step) for name, uri, step in parsed]
-    made = _new_local_folder(out)
-    out_store = open_store(out, s3_endpoint, create=True)
+    made = None
     committed = False
     try:
+        if export_hf_dir is not None:  # before the output store is made: a refused merge writes nothing
+            check_outside_cache(export_hf_dir, cache_dir)
+        made = _new_local_folder(out)
+        out_store = open_store(out, s3_endpoint, create=True)
         check_output(out_store)
         prepared = prepare_merge(sources, takes)
         export = None

@@ -29,7 +29,7 @@ from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import RunIdentity, layout_of
 from raycheck.storage.snapshots import FencedError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import StepLogCorruptError, StepLogError, StepLogGapError, StepRecord, header_tag, read_prefix
-from raycheck.training.model import default_cache_dir, model_folder
+from raycheck.training.model import check_outside_cache, default_cache_dir, model_folder
 
 EXIT_DAMAGED = 1
 EXIT_REFUSED = 2
@@ -438,7 +438,7 @@ def replay(
     to: Annotated[str, typer.Option(help="With --write-snapshot: commit into this store instead (path, file://, s3://; it "
                                          "must be writable; implies --write-snapshot).")] = "",
     export_hf_dir: Annotated[pathlib.Path | None, typer.Option(
-        "--export-hf", help="Also write the state as a transformers folder here (new or empty), as `merge --export-hf` does.")] = None,
+        "--export-hf", help="Also write the state as a transformers folder here (new or empty, outside the model cache), as `merge --export-hf` does.")] = None,
     from_initial: Annotated[bool, typer.Option(help="Ignore snapshots: replay every step from the initial weights "
                                                     "(an independent check of the snapshots).")] = False,
     s3_endpoint: EndpointOpt = "",
@@ -462,6 +462,8 @@ def replay(
     from raycheck.training.state import state_sha256
 
     try:
+        if export_hf_dir is not None:  # before anything is read or probed
+            check_outside_cache(export_hf_dir, cache_dir)
         run = find_run(run_or_store, s3_endpoint)
         check_step(run, step)
         target = None

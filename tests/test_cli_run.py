@@ -12,6 +12,8 @@ import json
 import pathlib
 import shutil
 import socket
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -126,6 +128,34 @@ def test_resume_of_a_copied_run_directory_is_refused_and_touches_neither_directo
     assert f"error: {copy} is a copy of the run directory {out.resolve()}" in result.output
     assert f"resume the run with --out {out.resolve()}" in result.output
     assert (tree_sha256(out), tree_sha256(copy)) == (before, before_copy)
+
+
+@pytest.mark.parametrize("parent_left", [True, False])
+def test_resume_of_a_moved_run_directory_names_the_old_path_and_the_command_that_works(tmp_path, parent_left):
+    """A run directory moved away (its old path gone) is not called a copy: the refusal says it was moved,
+    what of its config.json still points at the old path (``--out``, its default snapshot store), and the
+    command that moves it back (re-creating the old parent folder when that is gone too) and resumes it;
+    that command's move brings the run back where its config.json names it. Nothing is touched."""
+    out = tmp_path / "old" / "run"
+    prepared_run(out)
+    moved = tmp_path / "new home" / "run"
+    moved.parent.mkdir()
+    shutil.move(out, moved)
+    if not parent_left:
+        out.parent.rmdir()
+    before = tree_sha256(moved)
+    result = resume(moved)
+    assert result.exit_code == 2, result.output
+    mkdir = "" if parent_left else f"mkdir -p {out.parent} && "
+    assert result.output.splitlines() == [
+        f"error: {moved} is the run directory {out}, moved: {out} no longer exists, and the run's config.json still "
+        f"points there (--out {out}, --storage {out / 'snapshots'}); move it back and resume it: "
+        f"{mkdir}mv '{moved}' {out} && raycheck run --resume --out {out}"]
+    assert "a copy" not in result.output and tree_sha256(moved) == before
+    command = result.output.split("resume it: ")[1].strip()
+    subprocess.run(command.split(" && raycheck ")[0], shell=True, check=True)  # the move; the resume itself starts Ray
+    assert not moved.exists() and tree_sha256(out) == before
+    assert json.loads((out / "config.json").read_text())["out_dir"] == str(out)
 
 
 def test_resume_of_another_trajectory_is_refused_and_touches_nothing(tmp_path):
@@ -463,6 +493,75 @@ def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, m
         "finished": [f"interrupted: the run had finished ({out / 'summary.json'}); only its failure-free reference "
                      "(--verify) was cut short"],
     }[reached]
+
+
+@pytest.mark.parametrize("after", ["RaySystemError", "RuntimeError from", "none"])
+def test_an_error_raised_after_the_interrupt_still_exits_130(tmp_path, monkeypatch, after):
+    """The interrupt is seen first, and the failure path's Ray call then fails (a Ray call after the core worker
+    was shut down; or an error raised from the interrupt): the run was interrupted, so it exits 130 with the
+    command that resumes it, as a bare interrupt does, not 1 with a traceback. The same error without an
+    interrupt before it is no interrupt: it reaches the caller (exit 1)."""
+    import raycheck.orchestrator.controller
+    from ray.exceptions import RaySystemError
+
+    out = tmp_path / "run"
+    shutdown = "System error: The core worker has already been shutdown."
+
+    def failing(cfg, verify, echo, assets=None) -> dict:
+        out.mkdir(exist_ok=True)
+        RunDir.write_json(out / "config.json", cfg.to_dict())
+        if after == "none":
+            raise RaySystemError(shutdown)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            if after == "RaySystemError":
+                raise RaySystemError(shutdown)  # its __context__ is the interrupt
+            raise RuntimeError("the journal is gone") from exc
+
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", failing)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--out", str(out)])
+    if after == "none":
+        assert result.exit_code == 1 and isinstance(result.exception, RaySystemError), result.output
+        return
+    assert result.exit_code == 130 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.splitlines() == ["interrupted: the run stopped; resume it with:",
+                                          f"  raycheck run --resume --out {out}"]
+
+
+@pytest.mark.parametrize(("code", "connected", "ends"), [(130, True, "_exit 130"), (130, False, "SystemExit 130"),
+                                                         (1, True, "SystemExit 1"), (0, True, "SystemExit 0")])
+def test_the_raycheck_command_ends_an_interrupt_with_130_before_ray_s_exit_hook(monkeypatch, code, connected, ends):
+    """``raycheck`` (``cli.main``): a command interrupted while this process is connected to Ray ends the process
+    with 130 at once, after flushing its output and logs, so that Ray's exit hook never runs beside a thread still
+    in a Ray call (which ends the process with 1: "The core worker has already been shutdown"); any other exit,
+    or an interrupt without Ray, leaves through ``SystemExit`` with its code. Ray and ``os._exit`` are stand-ins."""
+    import logging
+    import types
+
+    import raycheck.orchestrator.cli as cli
+
+    calls: list[str] = []
+
+    class Ended(BaseException):
+        pass
+
+    def exit_now(status: int):
+        calls.append(f"_exit {status}")
+        raise Ended
+
+    def command():
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli, "app", command)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: connected))
+    monkeypatch.setattr(logging, "shutdown", lambda: calls.append("logs flushed"))
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises((Ended, SystemExit)) as raised:
+        cli.main()
+    if raised.type is SystemExit:
+        calls.append(f"SystemExit {raised.value.code}")
+    assert calls == (["logs flushed", ends] if ends.startswith("_exit") else [ends])
 
 
 def test_an_interrupted_run_logs_one_line_without_a_traceback(caplog):

@@ -30,7 +30,7 @@ from raycheck.storage.merge import (
 )
 from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from raycheck.storage.units import group_by_unit, parameter_of, unit_of
-from raycheck.training.model import model_folder
+from raycheck.training.model import default_cache_dir, model_folder
 from raycheck.training.state import state_sha256
 
 
@@ -370,6 +370,30 @@ def snapshot_args(root, out) -> list[str]:
 
 def files_under(folder) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("cache", ["in use", "default"])
+def test_an_export_into_the_model_cache_is_refused_in_one_line_and_writes_nothing(tiny_stores, tmp_path, monkeypatch, cache):
+    """A new folder inside the model cache (the one in use, or the default one while another is in use)
+    would be deleted by the next first use of its name as a model (``training.model._build_once`` removes
+    a folder without ``DONE``): the export is refused with one line and exit 2, before the merge makes
+    its output store, and neither the export folder nor the store is created."""
+    from raycheck.orchestrator.cli import app
+
+    root, _, _, _ = tiny_stores
+    in_use = tmp_path / "cache"
+    in_use.mkdir()
+    monkeypatch.setenv("RAYCHECK_CACHE", str(tmp_path / "default cache"))  # default_cache_dir(), never the real one
+    holder = in_use if cache == "in use" else default_cache_dir()
+    export = holder / f"export-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(app, ["merge", *snapshot_args(root, out), "--export-hf", str(export), "--model", "tiny",
+                                      "--cache-dir", str(in_use)])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [
+        f"error: export folder {export} is inside the model cache {holder}, which deletes a folder without a DONE file "
+        f"at the next first use of its model name: export into a folder outside {holder}"]
+    assert not export.exists() and not out.exists() and list(in_use.iterdir()) == []
 
 
 def test_merge_command_checks_the_model_and_the_export_folder_before_it_commits(tiny_stores, tmp_path):

@@ -426,6 +426,20 @@ def test_an_export_folder_that_holds_files_is_refused_before_the_replay(made, tm
     assert hashlib.sha256((tmp_path / "hf" / "other.safetensors").read_bytes()).hexdigest() == hashlib.sha256(b"x").hexdigest()
 
 
+def test_an_export_into_the_model_cache_is_refused_before_the_replay(made, tmp_path):
+    """``replay --export-hf`` shares ``merge``'s refusal of a folder inside the model cache in use (its next
+    first use as a model name would delete the export): one line, exit 2, nothing replayed or written."""
+    run, _ = made
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    result = replay(run, "--step", 2, "--export-hf", cache / "hf", "--cache-dir", cache)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [
+        f"error: export folder {cache / 'hf'} is inside the model cache {cache}, which deletes a folder without a DONE "
+        f"file at the next first use of its model name: export into a folder outside {cache}"]
+    assert list(cache.iterdir()) == []
+
+
 def _damaged_copy(run: pathlib.Path, to: pathlib.Path, record: int, damage) -> pathlib.Path:
     """A copy of ``run`` whose log has ``damage(data, start of record)`` applied at ``record``."""
     _copy_run(run, to)

@@ -55,6 +55,21 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("RAYCHECK_CACHE", pathlib.Path.home() / ".cache" / "raycheck"))
 
 
+def check_outside_cache(folder: str | os.PathLike, cache_dir: str | os.PathLike) -> None:
+    """Refuse ``folder`` (an export target) inside the model cache: ``cache_dir`` (the one in use) or
+    ``default_cache_dir()``. The cache owns its folders: one without a ``DONE`` file is deleted at the
+    next first use of its name (``_build_once``), and with it anything exported there.
+
+    Raises:
+        ValueError: ``folder`` is one of those caches or lies inside one.
+    """
+    target = pathlib.Path(folder).resolve()
+    for cache in dict.fromkeys(pathlib.Path(c).resolve() for c in (cache_dir, default_cache_dir())):
+        if target.is_relative_to(cache):
+            raise ValueError(f"export folder {folder} is inside the model cache {cache}, which deletes a folder without "
+                             f"a DONE file at the next first use of its model name: export into a folder outside {cache}")
+
+
 def package_dir(package: str) -> pathlib.Path:
     """Folder of an installed data package, located without importing it.
 
