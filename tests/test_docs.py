@@ -80,3 +80,12 @@ def test_the_summary_page_carries_the_breakdown_components():
         assert f"``{component}``" in text, component
     for column in summary.METRIC_COLUMNS:
         assert f"`{column}`" in text, column
+
+
+def test_the_readme_is_a_short_guide_that_links_into_the_site():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250  # issue 37: a guide; the reference is the site
+    assert "![" in text and (ROOT / "docs" / "img" / "flow.svg").is_file()
+    for page in ("how-to/own-model.md", "how-to/cluster.md", "how-to/resume.md", "how-to/inspect-verify.md",
+                 "how-to/experiments.md", "performance.md", "reference/cli.md", "reference/summary.md"):
+        assert f"](docs/{page})" in text, page
