@@ -1,9 +1,9 @@
-# raycheck: `make run` runs the main job on the embedded default; `make test` type-checks the packages (mypy) and runs the tests.
+# raycheck: `make run` runs the main job on the embedded default; `make test` type-checks the packages (mypy) and runs the tests; `make docs` builds the documentation site.
 VENV := .venv
 STAMP := $(VENV)/.installed
 RUN_ARGS ?= --model smollm2-135m --steps 50 --fail 20:worker --fail 30:shadow --fail 40:both --snapshot-policy adaptive --mtbf 10min --verify --overwrite --out runs/default
 
-.PHONY: setup run test bench experiment experiment-quick mutate
+.PHONY: setup run test docs bench experiment experiment-quick mutate
 
 setup: $(STAMP)
 
@@ -17,6 +17,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q --durations=25
+
+# The documentation site (mkdocs.yml): the generated reference pages written from the code, then a strict build into site/.
+docs: $(STAMP)
+	$(VENV)/bin/python docs/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # Mutation check of the core (not part of `make test`; about 30 min on 2 loaded cores, see docs/testing.md).
 # Settings in pyproject.toml [tool.mutmut]; MUTANTS='raycheck.training.zo.*' limits it to matching mutants.

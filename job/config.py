@@ -239,7 +239,7 @@ class SnapshotConfig:
     persister_direct_io: bool = True
     """The persister's local snapshot writes bypass the page cache (``Storage(write_direct=True)``:
     ``O_DIRECT``, 256 KiB per ``fdatasync``), so its own thread, at ``persister_priority``, moves the
-    bytes to the disk instead of the kernel's flusher threads at normal priority (README, Storage);
+    bytes to the disk instead of the kernel's flusher threads at normal priority (docs/performance.md#snapshot-writes-and-the-logs-fsync);
     False: buffered writes. Other snapshot writers (training ranks, tools) always write buffered."""
 
     def __post_init__(self) -> None:
@@ -266,7 +266,7 @@ class StorageConfig:
     consistency: str = "fenced"
     """``fenced``: a remote store must honour conditional writes (probed at the start,
     ``Storage.check_conditional_writes``), or the run is refused; ``unfenced``: run on one that does not,
-    accepting that a stale writer is no longer fenced off (README, Storage)."""
+    accepting that a stale writer is no longer fenced off (docs/storage.md)."""
 
     def __post_init__(self) -> None:
         if self.consistency not in STORAGE_CONSISTENCIES:

@@ -49,7 +49,7 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
         ValueError: the model, data or shard count is unusable (``DataError`` for data), or the
             model or data changed since the run in ``cfg`` started (``AssetMismatchError``).
         OSError: the snapshot storage cannot be reached (wrong endpoint, bucket or credentials);
-            ``StorageConsistencyError``: it ignores conditional writes and the ``storage`` config's ``consistency`` is ``fenced``.
+            ``StorageConsistencyError``: it ignores conditional writes and ``job.config.StorageConfig.consistency`` is ``fenced``.
     """
     cfg, assets = read_assets(cfg)
     if cfg.shadow_shards > 1:

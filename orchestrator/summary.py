@@ -380,3 +380,73 @@ def failed_summary(error: str, shadow_shards: list[dict] | None, base: dict) -> 
     last seen; None without a shadow), then ``base`` (``Collected.base``'s fields)."""
     return {"ok": False, "error": error, "final_step": None, "state_sha256": None, "shadow_equal": None,
             "bitwise_equal": None, "shadow_shards": shadow_shards, **base}
+
+
+SUMMARY_FIELDS: dict[str, str] = {
+    "ok": "Whether the run finished without an error (the exit code is 0 only when it did and, with ``--verify``, "
+          "recovery was exact).",
+    "error": "``<ErrorType>: message`` of a run that failed; null otherwise. Whatever fails inside a run (after the run "
+             "directory is claimed), the driver still writes ``summary.json`` (``ok`` false, ``error``, ``phase`` "
+             "``failed``), kills its shadow and persister, and exits 1.",
+    "final_step": "The worker's last step (its ``final`` event); null for a failed run.",
+    "state_sha256": "sha256 of the worker's final state.",
+    "shadow_state_sha256": "sha256 of the shadow's final state (the assembled state with shards); null without a shadow.",
+    "shadow_equal": "Whether the shadow's final state hash equals the worker's; null without a shadow.",
+    "reference_state_sha256": "sha256 of the failure-free reference's final state (``--verify``; null without).",
+    "bitwise_equal": "Whether the final state equals the failure-free reference's bit for bit (``--verify``; null without).",
+    "failures": "The injected failures: ``[{step, target, how}]``.",
+    "recoveries": "One entry per worker recovery (``recoveries``, below): ``at_step``, ``failure_step``, ``source`` "
+                  "(``object_store`` | ``storage`` | ``initial``), ``path`` (``new_process``: Ray Train started a "
+                  "replacement worker; ``in_process``: the worker's own process rolled back; ``standby``: a warm "
+                  "standby executor took over), ``seconds`` (failure to restored), ``restart_seconds`` (failure to the "
+                  "restore beginning), ``load_seconds``, ``replay_seconds``, ``base_step``, ``replayed_steps``, "
+                  "``recompute_steps``, ``breakdown`` (seconds per component from the failure to the first step done, "
+                  "below; docs/recovery.md), ``first_step_seconds``.",
+    "lost_steps": "Durable steps that no recovery restored, summed over the recoveries (0 unless something durable was lost).",
+    "torn_tails_cut": "The ``torn_tail_cut`` events: step-log appends cut short by a failure and cut off the log.",
+    "accuracy_before": "Held-out accuracy before training (``eval_metric`` ``loss``: the held-out loss in nats per token).",
+    "accuracy_after": "Held-out accuracy (or loss) after training.",
+    "eval_metric": "What ``accuracy_before`` and ``accuracy_after`` hold: ``accuracy`` (classification) or ``loss`` (causal-lm).",
+    "mean_step_seconds": "Mean step time without checkpointing, over the metric rows.",
+    "mean_log_append_seconds": "Mean step-log append time (the loop blocked until the record is durable at ``--durability``).",
+    "checkpoint_block_seconds_total": "Training-loop time blocked by checkpointing, summed over the steps.",
+    "mean_checkpoint_block_seconds": "The same per step.",
+    "worker_checkpoints": "Full-state and first-order strategies: the last worker incarnation's checkpointer, except "
+                          "``bytes``: summed over the incarnations, the last one's in ``incarnation_bytes``; null otherwise.",
+    "worker_cpu_capability": "The worker's torch CPU capability (``DEFAULT``, ``AVX2``, ...).",
+    "shadow_replay_seconds_per_step": "The shadow's replay seconds per step (the slowest shard's).",
+    "shadow_replay_over_step": "``shadow_replay_seconds_per_step`` over ``mean_step_seconds``: below 1 the shadow keeps up.",
+    "shadow_max_lag_steps": "The most steps the shadow lagged behind the log.",
+    "shadow_hashes": "The shadow's state sha256 per step (``--hash-every``; empty with shards: a shard holds part of the state).",
+    "shadow_cpu_capability": "The shadow's torch CPU capability.",
+    "shadow_shards": "Per shard: units, elements, replay seconds per step, replay over step, restarts, actor ids; null without a shadow.",
+    "worker_hashes": "The worker's state sha256 after each hashed step (``--hash-every``), keyed by steps done.",
+    "snapshots": "The persister's counts, bytes and last durable step, the storage circuit breaker's state (``storage``), "
+                 "and the step log mirror's ``log_mirrored_steps``.",
+    "durability": "The step log's level, the log keeper's node and rank 0's, ``node_held`` (``durability``, below); "
+                  "null without a log keeper.",
+    "replans": "The adaptive policy's re-plans (``replan`` events).",
+    "resumes": "The ``resume`` events: one per ``raycheck run --resume``.",
+    "metrics": "``missing_step_count`` and ``missing_steps`` (``[first, last]`` ranges): steps the step log holds without "
+               "a metrics row, whose row was lost across Ctrl-C and ``--resume``; no timings are invented for them, "
+               "and ``raycheck inspect`` names them too (``metric_coverage``, below).",
+    "phase": "The controller's last state (``failed`` for a run that raised).",
+    "algo": "``zo`` or ``fo``.",
+    "strategy": "The checkpointing strategy.",
+    "dtype": "The parameter dtype.",
+    "shadow_restarts": "Restarts of the shadow (or its shards) by this driver; null without a shadow.",
+    "persister_restarts": "Restarts of the snapshot persister by this driver.",
+    "config_stored": "Whether the configuration is in the remote storage, so the run resumes from the bucket alone.",
+    "snapshot_policy": "``fixed`` or ``adaptive`` (``--snapshot-policy``).",
+    "storage_consistency": "``fenced``, or ``unfenced`` when ``--storage-consistency unfenced`` accepted a store without "
+                           "conditional writes.",
+    "wall_seconds": "The driver's wall time from its start to the summary.",
+    "trajectory_sha256": "Hash of the settings that determine the trajectory (``job.config.JobConfig.trajectory_sha256``).",
+    "placement": "Where each component ran: the policy, the driver, the persister, the shadow shards and the workers, "
+                 "each with ``node_id`` and ``node_ip``.",
+    "config": "The run's configuration (``config.json``'s nested form).",
+}
+"""Every top-level field of ``summary.json``, with what it holds: ``run_summary`` (and ``failed_summary``, a
+subset) and the controller's ``Controller._summary_base`` and ``Controller._finish_shadow`` fields. The
+summary reference of the documentation (docs/reference/summary.md) is written from this, and
+tests/test_docs.py checks that it names exactly the fields the code writes."""

@@ -23,7 +23,7 @@ Local writes and the step log's fsync: a local ``put`` writes its bytes ``write_
 time and ``os.fdatasync``-s each chunk, optionally paced to ``write_rate_bytes_per_s``, so that a big
 object (a snapshot shard) never has more than one chunk per writing thread in flight. A step log
 append on the same disk waits, in its fsync, for the writes in flight (the disk's queue and the cache
-flush); measured with ``experiments.durability_bench --snapshot-load`` (README, Storage). With
+flush); measured with ``experiments.durability_bench --snapshot-load`` (docs/performance.md#snapshot-writes-and-the-logs-fsync). With
 ``write_direct`` a local put bypasses the page cache (``O_DIRECT``: ``storage.files.write_synced_pieces``),
 so the writing thread itself, at its own CPU and I/O priority, moves the bytes to the disk.
 
@@ -282,7 +282,7 @@ class CircuitBreaker:
 
 LOCAL_WRITE_CHUNK_BYTES = 1 << 18
 """Bytes a local ``put`` writes between two ``os.fdatasync`` calls (256 KiB: chosen with
-``experiments.durability_bench --snapshot-load``; README, Storage)."""
+``experiments.durability_bench --snapshot-load``; docs/performance.md#snapshot-writes-and-the-logs-fsync)."""
 
 TEMP_MAX_AGE_S = 6 * 3600.0
 """Seconds since its last modification after which a temp file of ``atomic_write`` counts as left by a

@@ -1,6 +1,6 @@
 """The GPU path as far as a CPU-only machine can check it: ``--device``, ``--shadow-env``, and
 ``scripts/device-check`` saying that there is no GPU. GPU exactness itself is checked by the script on
-a machine with one (README, "Exactness")."""
+a machine with one (docs/exactness.md)."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def test_storage_settings_reach_a_node_without_them_and_a_component_that_cannot_
 @pytest.mark.raytrain
 def test_a_submitted_job_survives_a_worker_a_shadow_and_rank_0s_node_and_resumes_from_the_bucket_alone(
         three_nodes, s3_endpoint, tmp_path, monkeypatch):
-    """One run on the cluster, every fault domain in turn. ``ray job submit`` (as the README shows) starts
+    """One run on the cluster, every fault domain in turn. ``ray job submit`` (as docs/how-to/cluster.md shows) starts
     a 10-step run at ``--durability node``: a train worker dies at step 2, the shadow at step 4, and at
     step 5 rank 0's whole node is taken down (a spare train node joined first); rank 0 is then held
     during step 7 (the test gate) until the bucket's log segments hold the 7 durable steps, and the job is

@@ -88,7 +88,7 @@ def unresolved_name(ref: str) -> str | None:
 def sources() -> list[pathlib.Path]:
     files = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).glob("*.py"))]
     return files + sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py")) + [
-        ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        ROOT / "README.md", ROOT / "mkdocs.yml", *sorted((ROOT / "docs").rglob("*.py")), *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def test_every_module_name_and_file_that_the_repository_names_exists():
