@@ -18,6 +18,11 @@ from raycheck.training.state import state_sha256
 from raycheck.training.zo import GENERATOR, step_seed
 
 
+
+def trajectory_of(cfg: JobConfig) -> dict:
+    """The header fields that name ``cfg``'s trajectory (its records' tag, ``storage.steplog.header_tag``)."""
+    return {"run_id": cfg.run_id, "trajectory_sha256": cfg.trajectory_sha256()}
+
 def failure(**kw) -> StepFailure:
     return StepFailure(**{"world": 1, "error": InjectedWorkerFailure, "restarts_done": 0, "max_restarts": 3, **kw})
 
@@ -54,13 +59,14 @@ def test_restore_of_perturbed_weights_without_a_snapshot_starts_from_the_initial
     worker holds them already; an in-process restart holds the failed step's perturbed weights and passes
     ``initial``: both end bitwise equal, while replaying onto the perturbed weights would not."""
     log = tmp_path / "steplog.bin"
-    writer = StepLogWriter.create(log, {"layout_sha256": layout_sha256(parameter_layout(_initial())), "generator": GENERATOR})
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", strategy="log-only",
+                    zo={"lr": 1e-2}, weight_decay=0.1)
+    writer = StepLogWriter.create(log, {"layout_sha256": layout_sha256(parameter_layout(_initial())), "generator": GENERATOR,
+                                        **trajectory_of(cfg)})
     for step in range(3):
         writer.append(StepRecord(step=step, seed=step_seed(0, step), projected_grad=0.25 * (step + 1), loss_plus=1.0,
                                  loss_minus=0.9, lr=1e-2, eps=1e-3, weight_decay=0.1, batch_id=step))
     writer.close()
-    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", strategy="log-only",
-                    zo={"lr": 1e-2}, weight_decay=0.1)
 
     fresh = _initial()
     cold = restore(fresh, cfg, log, 3)
@@ -78,12 +84,13 @@ def test_restore_refuses_a_logged_record_of_another_run(tmp_path):
     """A record with a valid checksum and the right step number, but another run's seed (spliced in from
     the log of a run of seed 1), is refused: before the fix the restore replayed it (a wrong state)."""
     log = tmp_path / "steplog.bin"
-    writer = StepLogWriter.create(log, {"layout_sha256": layout_sha256(parameter_layout(_initial())), "generator": GENERATOR})
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", strategy="log-only")
+    writer = StepLogWriter.create(log, {"layout_sha256": layout_sha256(parameter_layout(_initial())), "generator": GENERATOR,
+                                        **trajectory_of(cfg)})
     for step, seed in enumerate([0, 0, 1]):
         writer.append(StepRecord(step=step, seed=step_seed(seed, step), projected_grad=0.25, loss_plus=1.0, loss_minus=0.9,
                                  lr=1e-6, eps=1e-3, weight_decay=0.0, batch_id=step))
     writer.close()
-    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", strategy="log-only")
     assert restore(_initial(), cfg, log, 2)["replayed_steps"] == 2  # this run's records
     with pytest.raises(StepLogCorruptError, match=r"the step log \(local\): the record of step 2 is not this run's"):
         restore(_initial(), cfg, log, 3)

@@ -223,7 +223,9 @@ def _log(folder, **header) -> str:
     params = _params()
     folder.mkdir()
     path = folder / "log"
-    writer = StepLogWriter.create(path, {"layout_sha256": layout_sha256(parameter_layout(params)), **header})
+    run = JobConfig(out_dir=str(folder), cache_dir=str(folder))  # JobConfig's default run: its records' trajectory tag
+    writer = StepLogWriter.create(path, {"layout_sha256": layout_sha256(parameter_layout(params)), "run_id": run.run_id,
+                                         "trajectory_sha256": run.trajectory_sha256(), **header})
     writer.append(StepRecord(step=0, seed=step_seed(0, 0), projected_grad=0.1, loss_plus=1.0, loss_minus=0.9, lr=1e-6,
                              eps=1e-3, weight_decay=0.0, batch_id=0))  # a record of JobConfig's default run
     writer.close()
