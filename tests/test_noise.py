@@ -22,7 +22,7 @@ from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cli import app
 from raycheck.orchestrator.controller import prepare
 from raycheck.storage.steplog import StepLogWriter, StepRecord
-from raycheck.training import noise
+from raycheck.training import noise, zo
 from raycheck.training.model import default_cache_dir, layout_sha256, parameter_layout
 from raycheck.training.recovery import from_storage
 from raycheck.training.zo import GENERATOR, GeneratorMismatchError, check_generator, step_seed
@@ -279,3 +279,25 @@ def test_resume_refuses_an_old_log_of_the_same_trajectory_with_one_error_line(tm
     assert result.exit_code == 2, result.output
     assert "error: " in result.output and "names no generator (an old log" in result.output
     assert "Traceback" not in result.output and RunDir(tmp_path).step_log.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_pass_over_many_tensors_cut_across_threads_has_the_reference_bits(dtype):
+    """``noise.apply_all_`` cuts the blocks of all the pass's tensors into one share per thread, the cuts
+    falling inside tensors and between them: every element still has the bits of the unfused ops."""
+    shapes = [(300_001,), (5,), (70_000, 3), (1,), (99_999,)]
+    start = [(noise.gaussian(11, i, math.prod(s)).view(s) * 0.02).to(dtype) for i, s in enumerate(shapes)]
+    ops = [noise.Perturb(1e-3), noise.Perturb(-2e-3), noise.Perturb(1e-3), noise.Update(0.37, 1e-3, 0.01)]
+    expected = [t.clone() for t in start]
+    for i, t in enumerate(expected):
+        zo.apply_reference_(t, 42, i, ops)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = [t.clone() for t in start]
+            noise.apply_all_([(t, 42, i, ops) for i, t in enumerate(got)])
+            assert noise._threads(sum((t.numel() + 3) // 4 for t in got)) == threads  # the cut is exercised
+            assert [sha256(t.view(torch.uint8).reshape(-1)) for t in got] == [sha256(t.view(torch.uint8).reshape(-1)) for t in expected]
+    finally:
+        torch.set_num_threads(before)

@@ -347,7 +347,7 @@ def _apply_numba(k0, k1, index, bits, kind, prog, first_block, last_block):
 
 
 def _threads(blocks: int) -> int:
-    """Threads for a kernel over ``blocks`` blocks: torch's thread count (the cores this process was
+    """Threads for a pass over ``blocks`` blocks: torch's thread count (the cores this process was
     given: ``torch.set_num_threads``, Ray's ``num_cpus``), at most one per ``_MIN_CHUNKS`` chunks."""
     return max(1, min(torch.get_num_threads(), blocks // (_CHUNK_BLOCKS * _MIN_CHUNKS)))
 
@@ -364,25 +364,40 @@ def _reset_pool() -> None:
 os.register_at_fork(after_in_child=_reset_pool)  # a forked child has the pool object but not its threads
 
 
-def _run_split(kernel: Callable[..., None], args: tuple, blocks: int) -> None:
-    """``kernel(*args, first_block, last_block)`` over [0, blocks), split into contiguous whole-chunk
-    ranges run on ``_threads(blocks)`` threads (the caller's among them; the kernels release the GIL).
-    Every element is computed by the same ops whatever the split: the bits do not depend on it."""
+def _run_all(kernel: Callable[..., None], jobs: Sequence[tuple[tuple, int]]) -> None:
+    """``kernel(*args, first_block, last_block)`` over [0, blocks) for every (args, blocks) of ``jobs``
+    (the tensors of a pass), on ``_threads`` of their total blocks: the jobs' blocks, one after another,
+    are cut into that many equal contiguous shares, each share run by one thread (the caller's among
+    them; the kernels release the GIL), so a pass over many tensors hands work off once, not per tensor.
+    Every element is computed by the same ops whatever the cut: the bits do not depend on it."""
     global _pool
-    threads = _threads(blocks)
+    total = sum(blocks for _, blocks in jobs)
+    threads = _threads(total)
     if threads == 1:
-        kernel(*args, 0, blocks)
+        _run_share(kernel, [(args, 0, blocks) for args, blocks in jobs])
         return
-    chunks = -(-blocks // _CHUNK_BLOCKS)
-    edges = [min(blocks, (chunks * t // threads) * _CHUNK_BLOCKS) for t in range(threads + 1)]
+    bounds = [total * t // threads for t in range(threads + 1)]
+    shares: list[list[tuple[tuple, int, int]]] = [[] for _ in range(threads)]
+    offset = 0
+    for args, blocks in jobs:
+        for t, share in enumerate(shares):
+            lo, hi = max(bounds[t], offset), min(bounds[t + 1], offset + blocks)
+            if lo < hi:
+                share.append((args, lo - offset, hi - offset))
+        offset += blocks
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="raycheck-noise")
-    futures = [_pool.submit(kernel, *args, lo, hi) for lo, hi in zip(edges[1:-1], edges[2:])]
+    futures = [_pool.submit(_run_share, kernel, share) for share in shares[1:]]
     try:
-        kernel(*args, edges[0], edges[1])
+        _run_share(kernel, shares[0])
     finally:
         for f in futures:
             f.result()
+
+
+def _run_share(kernel: Callable[..., None], share: Sequence[tuple[tuple, int, int]]) -> None:
+    for args, lo, hi in share:
+        kernel(*args, lo, hi)
 
 
 def _program(ops: Sequence[Op]) -> np.ndarray:
@@ -497,7 +512,7 @@ def gaussian(seed: int, index: int, numel: int, device: torch.device | str = "cp
     if torch.device(device).type != "cpu":
         return gaussian_torch(seed, index, numel, device)
     out = torch.empty(numel, dtype=torch.float32)
-    _run_split(_gaussian_numba, (k0, k1, index, out.numpy()), (numel + 3) // 4)
+    _run_all(_gaussian_numba, [((k0, k1, index, out.numpy()), (numel + 3) // 4)])
     return out
 
 
@@ -508,9 +523,9 @@ def apply_(p: torch.Tensor, seed: int, index: int, ops: Sequence[Op]) -> None:
     Bitwise the same as ``z = zo.noise(seed, index, p)`` followed by ``zo.perturb_(p, z, op.scale)`` /
     ``zo.update_(p, z, op.projected_grad, op.lr, op.weight_decay)`` for each op (the contract in
     ``training/zo.py``: z rounded once to p's dtype; every float32 * + - rounded on its own; p rounded to
-    its dtype after each op), on any thread count (``torch.get_num_threads()``; the tensor is split in
-    whole chunks of ``4 * _CHUNK_BLOCKS`` elements). Extra memory: three chunk buffers per thread
-    (48 KiB), nothing proportional to ``p``; a non-contiguous ``p`` is worked on as a contiguous copy.
+    its dtype after each op), on any thread count (``torch.get_num_threads()``). Extra memory: three
+    chunk buffers per thread (48 KiB), nothing proportional to ``p``; a non-contiguous ``p`` is worked
+    on as a contiguous copy.
 
     ``p``: any shape, float32, bfloat16 or float16, on the CPU.
 
@@ -518,13 +533,24 @@ def apply_(p: torch.Tensor, seed: int, index: int, ops: Sequence[Op]) -> None:
         ValueError: ``p`` not on the CPU or of another dtype; seed or index out of range (``gaussian``).
         TypeError: an op that is not a ``Perturb`` or ``Update``.
     """
-    if p.device.type != "cpu" or p.dtype not in _KINDS:
-        raise ValueError(f"noise.apply_ takes a CPU float32, bfloat16 or float16 tensor, got {p.dtype} on {p.device}")
-    k0, k1 = _check(seed, index, p.numel())
-    kind, as_bits = _KINDS[p.dtype]
-    work = p.detach() if p.is_contiguous() else p.detach().contiguous()
-    bits = work.view(as_bits).numpy().reshape(-1).view(np.uint32 if kind == _FLOAT32 else np.uint16)
-    _run_split(_apply_numba, (k0, k1, index, bits, kind, _program(ops)), (p.numel() + 3) // 4)
-    if work.data_ptr() != p.data_ptr():
-        with torch.no_grad():
-            p.copy_(work)
+    apply_all_([(p, seed, index, ops)])
+
+
+def apply_all_(passes: Sequence[tuple[torch.Tensor, int, int, Sequence[Op]]]) -> None:
+    """``apply_(p, seed, index, ops)`` for every (p, seed, index, ops) of ``passes`` (the tensors of one
+    pass over a model), the threads sharing the work of all of them (``_run_all``). Raises as ``apply_``."""
+    jobs, works = [], []
+    for p, seed, index, ops in passes:
+        if p.device.type != "cpu" or p.dtype not in _KINDS:
+            raise ValueError(f"noise.apply_ takes a CPU float32, bfloat16 or float16 tensor, got {p.dtype} on {p.device}")
+        k0, k1 = _check(seed, index, p.numel())
+        kind, as_bits = _KINDS[p.dtype]
+        work = p.detach() if p.is_contiguous() else p.detach().contiguous()
+        bits = work.view(as_bits).numpy().reshape(-1).view(np.uint32 if kind == _FLOAT32 else np.uint16)
+        jobs.append(((k0, k1, index, bits, kind, _program(ops)), (p.numel() + 3) // 4))
+        works.append(work)
+    _run_all(_apply_numba, jobs)
+    for (p, *_), work in zip(passes, works):
+        if work.data_ptr() != p.data_ptr():
+            with torch.no_grad():
+                p.copy_(work)

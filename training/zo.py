@@ -273,6 +273,16 @@ def apply_reference_(p: torch.Tensor, seed: int, index: int, ops: Sequence[noise
             update_(p, z, op.projected_grad, op.lr, op.weight_decay)
 
 
+def apply_all_(passes: Sequence[tuple[torch.Tensor, int, int, Sequence[noise_gen.Op]]]) -> None:
+    """``apply_`` for every (p, seed, index, ops) of ``passes`` (one pass over a model): the CPU
+    tensors in one call of ``noise.apply_all_``, so its threads share the whole pass, the others one by one."""
+    fused = [item for item in passes if item[0].device.type == "cpu" and item[0].dtype in noise_gen.KERNEL_DTYPES]
+    noise_gen.apply_all_(fused)
+    for item in passes:
+        if not (item[0].device.type == "cpu" and item[0].dtype in noise_gen.KERNEL_DTYPES):
+            apply_(*item)
+
+
 def _update(name: str, p: torch.Tensor, projected_grad: float, lr: float, weight_decay: float) -> noise_gen.Update:
     return noise_gen.Update(projected_grad, lr, weight_decay if decays(name, p) else 0.0)
 
@@ -280,8 +290,7 @@ def _update(name: str, p: torch.Tensor, projected_grad: float, lr: float, weight
 def perturb_all_(params: Mapping[str, torch.Tensor], seed: int, scale: float) -> None:
     """p <- p + z * scale for every parameter (MeZO steps 1 and 2), each z regenerated from ``seed``:
     the worker's extra memory is one chunk per thread, never a copy of the weights (``apply_``)."""
-    for i, p in enumerate(params.values()):
-        apply_(p, seed, i, [noise_gen.Perturb(scale)])
+    apply_all_([(p, seed, i, [noise_gen.Perturb(scale)]) for i, p in enumerate(params.values())])
 
 
 def reset_and_update_all_(
@@ -289,8 +298,8 @@ def reset_and_update_all_(
 ) -> None:
     """MeZO steps 3 and 5 on every parameter in one pass each: p <- p + eps z (the reset), then the
     update (weight decay where ``decays``), z regenerated from ``seed`` once for both."""
-    for i, (name, p) in enumerate(params.items()):
-        apply_(p, seed, i, [noise_gen.Perturb(hyper.eps), _update(name, p, projected_grad, hyper.lr, hyper.weight_decay)])
+    apply_all_([(p, seed, i, [noise_gen.Perturb(hyper.eps), _update(name, p, projected_grad, hyper.lr, hyper.weight_decay)])
+                for i, (name, p) in enumerate(params.items())])
 
 
 def replay_step_(
@@ -309,9 +318,9 @@ def replay_step_(
     holds only a shard's contiguous range (``actors.shards``); z of position i is that of parameter
     ``first_index + i``.
     """
-    for i, (name, p) in enumerate(params.items()):
-        apply_(p, seed, first_index + i, [noise_gen.Perturb(eps), noise_gen.Perturb(-2 * eps), noise_gen.Perturb(eps),
-                                          _update(name, p, projected_grad, lr, weight_decay)])
+    apply_all_([(p, seed, first_index + i, [noise_gen.Perturb(eps), noise_gen.Perturb(-2 * eps), noise_gen.Perturb(eps),
+                                             _update(name, p, projected_grad, lr, weight_decay)])
+                for i, (name, p) in enumerate(params.items())])
 
 
 def check_records(records: Iterable, run_seed: int, source: str, hyper: ZOHyper | None = None,
