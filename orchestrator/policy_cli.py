@@ -118,13 +118,16 @@ def _throughput(elements: str | None, replay_rate: str | None, device_replay_rat
 
 def _replay_time(replay: str | None, throughput: ReplayThroughput | None, step_s: float, shadow_cores: int | None) -> tuple[str, int | None]:
     """``--replay-time`` as given, or the sized shadow's replay of a step (and its cores)."""
+    if throughput is not None and replay is not None:
+        raise typer.BadParameter("give --replay-time or --elements with --replay-rate, not both: the sized shadow's "
+                                 "replay time would contradict the one given", param_hint="--replay-time")
     if throughput is None:
         if replay is None:
             raise typer.BadParameter("give --replay-time, or --elements and --replay-rate to size the shadow",
                                      param_hint="--replay-time")
         return replay, shadow_cores
     cores = shadow_cores or cores_to_keep_up(throughput, step_s)
-    return (replay if replay is not None else f"{shadow_replay_step_s(throughput, cores)}s"), cores
+    return f"{shadow_replay_step_s(throughput, cores)}s", cores
 
 
 def _sizing(throughput: ReplayThroughput, costs: MeasuredCosts, cores: int) -> dict[str, float | int]:

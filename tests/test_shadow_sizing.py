@@ -68,6 +68,7 @@ def test_policy_sizes_the_shadow_and_derives_its_replay_time():
     (["--elements", "135M"], "--elements and --replay-rate size the shadow together"),
     (["--elements", "lots", "--replay-rate", "1M"], "'lots' is not a count"),
     (["--replay-time", "1s", "--device-replay-rate", "1G"], "--device-replay-rate needs --elements and --replay-rate"),
+    (["--replay-time", "200ms", "--elements", "135M", "--replay-rate", "175M"], "give --replay-time or --elements with --replay-rate, not both"),
 ])
 def test_policy_refuses_incomplete_sizing_options_in_one_line(extra, message):
     result = CliRunner().invoke(app, [*ARGS, *extra])

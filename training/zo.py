@@ -254,12 +254,7 @@ def apply_(p: torch.Tensor, seed: int, index: int, ops: Sequence[noise_gen.Op]) 
     CPU: the fused kernel ``noise.apply_`` (on ``torch.get_num_threads()`` threads). CUDA: the fused
     Triton kernel ``noise_triton.apply_`` where Triton is installed, else (and for other dtypes or a
     non-contiguous tensor) ``apply_reference_``: one parameter's z is held while its ops run."""
-    if p.device.type == "cpu" and p.dtype in noise_gen.KERNEL_DTYPES:
-        noise_gen.apply_(p, seed, index, ops)
-    elif p.device.type == "cuda" and p.dtype in noise_gen.KERNEL_DTYPES and p.is_contiguous() and noise_triton.available():
-        noise_triton.apply_(p, seed, index, ops)
-    else:
-        apply_reference_(p, seed, index, ops)
+    apply_all_([(p, seed, index, ops)])
 
 
 def apply_reference_(p: torch.Tensor, seed: int, index: int, ops: Sequence[noise_gen.Op]) -> None:
@@ -276,11 +271,15 @@ def apply_reference_(p: torch.Tensor, seed: int, index: int, ops: Sequence[noise
 def apply_all_(passes: Sequence[tuple[torch.Tensor, int, int, Sequence[noise_gen.Op]]]) -> None:
     """``apply_`` for every (p, seed, index, ops) of ``passes`` (one pass over a model): the CPU
     tensors in one call of ``noise.apply_all_``, so its threads share the whole pass, the others one by one."""
-    fused = [item for item in passes if item[0].device.type == "cpu" and item[0].dtype in noise_gen.KERNEL_DTYPES]
-    noise_gen.apply_all_(fused)
-    for item in passes:
-        if not (item[0].device.type == "cpu" and item[0].dtype in noise_gen.KERNEL_DTYPES):
-            apply_(*item)
+    on_cpu = [item[0].device.type == "cpu" and item[0].dtype in noise_gen.KERNEL_DTYPES for item in passes]
+    noise_gen.apply_all_([item for item, cpu in zip(passes, on_cpu) if cpu])
+    for (p, seed, index, ops), cpu in zip(passes, on_cpu):
+        if cpu:
+            continue
+        if p.device.type == "cuda" and p.dtype in noise_gen.KERNEL_DTYPES and p.is_contiguous() and noise_triton.available():
+            noise_triton.apply_(p, seed, index, ops)
+        else:
+            apply_reference_(p, seed, index, ops)
 
 
 def _update(name: str, p: torch.Tensor, projected_grad: float, lr: float, weight_decay: float) -> noise_gen.Update:
