@@ -14,6 +14,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,11 +131,18 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
     shutil.rmtree(out / "runs", ignore_errors=True)
     reference_cfg = job_config(preset, REFERENCE_STRATEGY[preset.algo], out / "runs" / "reference", cache_dir, failures=False,
                                durability=durability)
+    runs = len(strategies) + 1 + ("shadow" in strategies)  # the reference, each strategy, the 2-shard shadow run
+    started = time.monotonic()
+
+    def progress(done: int) -> str:  # runs done of all, and the time left at the mean run's pace so far
+        left_s = (time.monotonic() - started) / done * (runs - done)
+        return f"run {done + 1} of {runs}, about {left_s / 60:.1f} min left"
+
     reference = Controller(reference_cfg, quiet).run()
     echo(f"[experiment] reference done in {reference['wall_seconds']:.0f} s")
     shards = []
-    for strategy in strategies:
-        echo(f"[experiment] {strategy} ...")
+    for i, strategy in enumerate(strategies, start=1):
+        echo(f"[experiment] {strategy} ({progress(i)}) ...")
         cfg = job_config(preset, strategy, out / "runs" / strategy, cache_dir, failure_kind=failure_kind, durability=durability)
         summary = Controller(cfg, quiet).run()
         summary["reference_state_sha256"] = reference["state_sha256"]
@@ -146,6 +154,7 @@ def run_experiment(preset: Preset, out: pathlib.Path, cache_dir: str, strategies
              f"blocked {summary['checkpoint_block_seconds_total']:.3f} s, {len(summary['recoveries'])} recoveries, "
              f"{summary['wall_seconds']:.0f} s")
     if "shadow" in strategies:
+        echo(f"[experiment] {progress(runs - 1)}")
         shards.extend(_sharded_run(preset, out, cache_dir, echo, quiet, durability))
         _write_table(shards, out / "shards.parquet")
     collect_results(out, preset.algo, strategies)

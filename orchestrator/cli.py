@@ -24,6 +24,7 @@ from typer.core import TyperGroup
 from raycheck.job.config import (PROMPT, DifferentialConfig, ElasticConfig, FailureSpec, FaultConfig, FOConfig, JobConfig, LayerwiseConfig,
                                  OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
 from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.console import RunConsole, summary_table
 from raycheck.orchestrator.experiment_cli import experiment
 from raycheck.orchestrator.merge_cli import merge
 from raycheck.orchestrator.policy_cli import parse_duration, policy
@@ -76,8 +77,11 @@ app = typer.Typer(
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug detail.")] = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def _main(ctx: typer.Context, verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Show every step and every event's detail, and log debug detail.")] = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,  # the module's name only with --verbose
+                        format="%(levelname)s %(name)s: %(message)s" if verbose else "%(levelname)s: %(message)s")
+    ctx.obj = {"verbose": verbose}
 
 
 def _storage_uri(uri: str) -> str:
@@ -119,7 +123,7 @@ def parameter(path: str) -> str:
     return OPTION_OF_FIELD.get(path, path.split(".")[-1])
 
 
-RESUME_OPTIONS = ("out", "resume", "verify", *(parameter(path) for path in RESUME_BUDGETS))
+RESUME_OPTIONS = ("out", "resume", "verify", "json_output", *(parameter(path) for path in RESUME_BUDGETS))
 """``raycheck run`` options that apply to a ``--resume``; any other one given is ignored, with a warning."""
 
 
@@ -489,6 +493,8 @@ def run(
                                                "empty or new --out: resume from the run's storage alone.")] = False,
     verify: Annotated[bool, typer.Option(help="Run (or reuse) the failure-free reference and compare bitwise (with --resume of a "
                                                "run that finished: only that).")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="End with the summary as JSON (for scripts) instead of the "
+                                                             "table.")] = False,
     eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
     hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps (a sharded "
                                                   "shadow records none: a shard holds part of the state; its final shadow_state_sha256 is still compared).")] = 0,
@@ -601,14 +607,15 @@ def run(
     if cfg is None:  # refused options are let through only when resuming, and resume_config replaced them
         raise RuntimeError("no job configuration to run")
     cfg, assets = _checked_job(cfg)
+    console = RunConsole(typer.echo, verbose=(ctx.obj or {}).get("verbose", False))
     try:
         with driver_lock(out):  # one driver per run directory (a live run is neither resumed nor overwritten)
             for p in replaced:  # every check has passed: only now is the old run deleted
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
             if finished:  # nothing left to train: only the comparison a fresh --verify run ends with
-                summary = compare_with_reference(cfg, finished, echo=typer.echo, assets=assets)
+                summary = compare_with_reference(cfg, finished, echo=console, assets=assets)
             else:
-                summary = run_job(cfg, verify=verify, echo=typer.echo, assets=assets)
+                summary = run_job(cfg, verify=verify, echo=console, assets=assets)
     except RunDirectoryError as exc:
         raise _refuse(str(exc)) from exc
     except (ResumeMismatchError, GeneratorMismatchError, DtypeMismatchError) as exc:  # raised before anything in the run directory is touched
@@ -622,8 +629,9 @@ def run(
         if not interrupted(exc):
             raise
         raise _interrupted(out, verify, cfg.steps) from exc
-    typer.echo(json.dumps(printed_summary(summary, out, verify), indent=2))
-    typer.echo(f"summary: {out / 'summary.json'}   metrics: {out / 'metrics.parquet'}")
+    printed = printed_summary(summary, out, verify)
+    for line in [json.dumps(printed, indent=2)] if json_output else summary_table(summary, printed, out):
+        typer.echo(line)
     if not summary["ok"]:
         typer.echo(f"error: training failed: {summary['error']}", err=True)
         raise typer.Exit(1)

@@ -3,6 +3,7 @@ where a run's processes go on a cluster (``plan_placement``), and what reaches t
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,7 +35,9 @@ def connect(namespace: str, num_cpus: int, dashboard: bool = False, worker_logs:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", namespace=namespace)
         return False
-    ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=dashboard, log_to_driver=worker_logs)
+    quiet = not logging.getLogger(__name__).isEnabledFor(logging.DEBUG)  # Ray's INFO lines ("Started a local Ray instance") with --verbose
+    ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=dashboard, log_to_driver=worker_logs,
+             logging_level=logging.WARNING if quiet else logging.INFO)
     return True
 
 

@@ -32,9 +32,9 @@ workers' restart budget, ``JobConfig.faults.max_worker_failures``, is Ray Train'
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import math
 import pathlib
 import shutil
 import threading
@@ -56,6 +56,7 @@ from raycheck.actors.shadow import ShadowSpec
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, worker_need
+from raycheck.orchestrator.console import InjectedFailureMessages, RunConsole, injected_pids, one_line
 from raycheck.orchestrator.control import (Action, EmitPhase, Failed, FailRun, Initialising, Limits, LogKeeperStatus, Observation, Phase,
                                            PersisterStatus, RestartPersister, RestartShadow, State, Stop, component_actions, step,
                                            worker_failures_and_recoveries, worker_group_status)
@@ -82,26 +83,6 @@ log = logging.getLogger(__name__)
 
 class PersisterFailedError(RuntimeError):
     """The snapshot persister died more often than ``JobConfig.faults.max_persister_restarts`` allows."""
-
-
-def event_line(event: dict, recovery_seconds: float | None = None) -> str:
-    """The progress line of a journal event: ``[raycheck] KIND: key=value, ...`` without its ``kind``,
-    ``inputs``, ``marker`` and ``*unix_s`` fields, each float to 3 significant digits (from 1000 up, a
-    whole number: 1234.5 -> 1234; ``events.jsonl`` and ``summary.json`` keep every digit). A
-    ``recovery`` shows its own ``seconds`` as ``restore_seconds`` and ``recovery_seconds`` (from the
-    failure to the restored state, seconds) as ``seconds``, named as in summary.json."""
-    shown = dict(event)
-    if event["kind"] == "recovery":
-        shown["restore_seconds"] = shown.pop("seconds")
-        shown["seconds"] = recovery_seconds
-
-    def short(value: object) -> object:
-        if not isinstance(value, float) or not math.isfinite(value):
-            return value
-        return f"{value:.3g}" if abs(value) < 1e3 else f"{value:.0f}"
-
-    fields = ", ".join(f"{k}={short(v)}" for k, v in shown.items() if k not in ("kind", "inputs", "marker") and not k.endswith("unix_s"))
-    return f"[raycheck] {event['kind']}: {fields}"
 
 
 STORAGE_OUTAGE_NEEDS_SERVER = (
@@ -291,7 +272,8 @@ class Controller:
 
     Args:
         cfg: the job configuration.
-        echo: where progress lines go (default ``print``).
+        echo: where progress lines go (default ``print``), or the ``orchestrator.console.RunConsole``
+            that shows them (its progress bar, its ``verbose`` detail).
         storage_outage: takes the snapshot storage down for the given seconds and returns at once
             (e.g. ``experiments.s3_server.LocalS3Server.outage``); required by ``storage`` failures.
 
@@ -299,7 +281,7 @@ class Controller:
         ValueError: ``cfg`` has a storage failure and no ``storage_outage`` is given.
     """
 
-    def __init__(self, cfg: JobConfig, echo: Callable[[str], None] = print,
+    def __init__(self, cfg: JobConfig, echo: Callable[[str], None] | RunConsole = print,
                  storage_outage: Callable[[float], None] | None = None, assets: Assets | None = None) -> None:
         if storage_outage is None and any(f.target == "storage" for f in cfg.faults.failures):
             raise ValueError(STORAGE_OUTAGE_NEEDS_SERVER)
@@ -314,7 +296,8 @@ class Controller:
         self.channel = RunChannel(cfg)
         self.journal: Any = None  # the journal actor's handle once started
         self.record = RunRecord(self.run_dir)
-        self.echo = echo
+        self.echo = self.console = echo if isinstance(echo, RunConsole) else RunConsole(echo)
+        self.ray_messages = InjectedFailureMessages()
         self.state: State = Initialising()
         """Where the run stands (``orchestrator.control``); ``phase`` is its phase."""
         self.shadow_lag: dict[int, int] = {}
@@ -335,6 +318,8 @@ class Controller:
         self._calibration_requested = False
         self._printed_steps = 0
         self._seen_events = 0
+        self._earlier = (len(self.record.events), len(self.record.metrics))
+        """The events and metric rows of earlier drivers of this run (a resume): followed, not shown again."""
 
     @property
     def phase(self) -> Phase:
@@ -423,7 +408,7 @@ class Controller:
         except RayActorError as exc:
             return LogKeeperStatus(str(self.run_dir.step_log), died=last_line(exc))
         except GetTimeoutError as exc:
-            log.warning("the step log keeper did not answer %s: %s", method, exc)
+            log.warning("the step log keeper did not answer %s (%s)", method, one_line(exc))
         return LogKeeperStatus(str(self.run_dir.step_log))
 
     def _mirror_status(self) -> dict:
@@ -446,32 +431,31 @@ class Controller:
         events = self.record.events
         self.metrics.recoveries(recoveries(events, self.record.metrics))
         by_event = recovery_of_event(events, self.record.metrics)
-        lines: list[tuple[float, str]] = []  # printed in time order across both streams
+        shown: list[tuple[float, Callable[[], None]]] = []  # shown in time order across both streams
         for i, e in enumerate(events[self._seen_events:], start=self._seen_events):
             seconds = by_event[i].get("seconds") if i in by_event else None
-            shown = ({**e, "checkpoints": run_checkpoints(e["checkpoints"], self.record.metrics, events)}
-                     if e["kind"] == "final" and "checkpoints" in e else e)  # the run's bytes, not the last incarnation's
-            lines.append((e["unix_s"], event_line(shown, seconds)))
+            if i >= self._earlier[0]:
+                e_shown = ({**e, "checkpoints": run_checkpoints(e["checkpoints"], self.record.metrics, events)}
+                           if e["kind"] == "final" and "checkpoints" in e else e)  # the run's bytes, not the last incarnation's
+                shown.append((e["unix_s"], functools.partial(self.console.event, e_shown, seconds)))
+                if e["kind"] == "failure" and e["target"] == "storage" and self.storage_outage is not None:  # set when one is due
+                    self.storage_outage(e["seconds"])
             self.metrics.event(e, seconds)
-            if e["kind"] == "failure" and e["target"] == "storage" and self.storage_outage is not None:  # set when one is due
-                self.storage_outage(e["seconds"])
         self._seen_events = len(events)
         rows = self.record.metrics
         shadow_step = self.shadow.status.get("step", 0) if self.shadow else None
-        for r in rows[self._printed_steps:]:
-            line = (f"step {r['step'] + 1:>4}/{self.cfg.steps}  loss {r['loss']:.4f}  step {r['step_seconds']:.2f} s  "
-                    f"checkpoint block {r['checkpoint_block_seconds'] * 1e3:.2f} ms")
-            lag = 0
-            if shadow_step is not None:
-                lag = max(0, r["step"] + 1 - shadow_step)
+        for i, r in enumerate(rows[self._printed_steps:], start=self._printed_steps):
+            lag = None if shadow_step is None else max(0, r["step"] + 1 - shadow_step)
+            if lag is not None:
                 self.shadow_lag.setdefault(r["step"], lag)
-                line += f"  shadow lag {lag} steps"
             self._plan(r, events)
-            self.metrics.step(r, lag, self.snapshot_interval[r["step"]])
-            lines.append((r["unix_s"], line))
-        for _, line in sorted(lines, key=lambda x: x[0]):
-            self.echo(line)
+            self.metrics.step(r, lag or 0, self.snapshot_interval[r["step"]])
+            if i >= self._earlier[1]:
+                shown.append((r["unix_s"], functools.partial(self.console.step, r, lag)))
+        for _, show in sorted(shown, key=lambda x: x[0]):
+            show()
         self._printed_steps = len(rows)
+        self.ray_messages.release(injected_pids(events))
 
     def _plan(self, row: dict, events: list[dict]) -> None:
         """Feed the cost-model policy with this step's measurements; apply and record a re-plan."""
@@ -504,7 +488,7 @@ class Controller:
         except ActorDiedError as exc:
             return PersisterStatus(self.persister_restarts, died=type(exc).__name__)
         except (RayActorError, GetTimeoutError) as exc:
-            log.warning("snapshot persister did not answer %s: %s", method, exc)
+            log.warning("the snapshot persister did not answer %s (%s)", method, one_line(exc))
             self.persister_status = {**self.persister_status, "unavailable": f"{type(exc).__name__}: {exc}"[:300]}
             return PersisterStatus(self.persister_restarts)
         self.metrics.storage({**self.persister_status, **self._mirror_status()}, self._printed_steps)
@@ -529,20 +513,21 @@ class Controller:
         try:
             self.persister = self._start_persister()
         except ValueError as err:  # the old name not yet released: next poll
-            log.warning("snapshot persister restart failed (%s); retrying", err)
+            log.warning("the snapshot persister could not restart yet (%s); retrying", one_line(err))
             return
         self.persister_restarts += 1
         try:
             self._placed_persister(ray.get(self.persister.status.remote(), timeout=120))
         except (RayActorError, GetTimeoutError) as err:  # it died starting: the next poll sees it dead
-            log.warning("the restarted snapshot persister did not answer (%s)", err)
+            log.warning("the restarted snapshot persister did not answer (%s); retrying", one_line(err))
             return
         self.channel.event("persister_restart", reason=reason[:100], seconds=time.time() - t0)
         if self.shadow is not None:
             try:
                 self.shadow.snapshot_now(timeout_s=600)
             except (RayActorError, GetTimeoutError) as err:  # a dead shadow is restarted by its keeper
-                log.warning("shadow did not snapshot after the persister restart: %s", err)
+                log.warning("the shadow could not snapshot after the persister restart (%s); the next planned snapshot "
+                            "will be taken", one_line(err))
 
     def _act(self, actions: tuple[Action, ...]) -> bool:
         """Execute ``actions`` (``orchestrator.control.step``'s) in order; returns whether one was ``Stop``.
@@ -614,9 +599,11 @@ class Controller:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            self.console.end()
             try:
                 self._kill_actors()
             finally:
+                self.ray_messages.uninstall(injected_pids(self.record.events))
                 if summary is not None:
                     self.run_dir.write_json(self.run_dir.root / "summary.json", summary)
         return summary
@@ -633,7 +620,7 @@ class Controller:
             try:  # what came in since the last drain (e.g. a restart during the final checks)
                 self.record.drain(self.channel)
             except RayError as exc:
-                log.warning("the journal did not answer its last drain: %s", exc)
+                log.warning("the journal did not answer its last drain (%s)", one_line(exc))
             ray.kill(self.journal, no_restart=True)
 
     def _summary_base(self) -> dict:
@@ -663,7 +650,7 @@ class Controller:
                 self.channel.event(kind, **fields)
                 return
         except RayError as exc:
-            log.warning("the journal did not take the %s event: %s", kind, exc)
+            log.warning("the journal did not take the %s event (%s)", kind, one_line(exc))
         self.record.write_event(kind, **fields)
 
     def _placement(self) -> dict:
@@ -705,6 +692,7 @@ class Controller:
         if cfg.storage.remote:  # beside the log segments: --resume --storage URI needs nothing else
             self._store_config()
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
+        self.ray_messages.install()
         self.shipped = ship(self.assets)
         self.placed["driver"] = this_node()
         nodes = alive_nodes()
@@ -738,6 +726,7 @@ class Controller:
                 raise start_failure("the shadow", exc, cfg.faults.start_timeout_s, self._planned().replica) from exc
             self.echo(f"[raycheck] shadow ready at step {shadow.status['step']}")
         self.echo(f"[raycheck] training {cfg.steps} steps ({cfg.algo}, strategy {cfg.strategy})")
+        self.console.begin(cfg.steps, done=len(self.record.metrics))
 
         outcome: dict = {}
 

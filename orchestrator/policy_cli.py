@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from raycheck.orchestrator.console import format_duration
 from raycheck.policies.compare import Option, compare, recommend
 from raycheck.policies.costs import InfeasibleError, MeasuredCosts
 from raycheck.policies.models import Strategy
@@ -67,14 +68,6 @@ def format_count(n: float) -> str:
         if n >= size:
             return f"{n / size:.3g}{suffix}"
     return f"{n:.3g}"
-
-
-def format_duration(seconds: float) -> str:
-    """A short human reading of ``seconds``: 850 ms, 42 s, 3.5 min, 2.1 h, 1.5 d."""
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0), ("s", 1.0)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds * 1e3:.3g} ms"
 
 
 def _seconds(flag: str, text: str) -> float:

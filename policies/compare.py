@@ -78,7 +78,7 @@ def _classical(rule: Callable[[float, float], float], costs: MeasuredCosts) -> i
         return 1
     interval_s = rule(costs.snapshot_s, costs.mtbf_s)
     if not math.isfinite(interval_s):
-        raise InfeasibleError(f"snapshot_s={costs.snapshot_s:g} s with mtbf_s={costs.mtbf_s:g} s: the interval "
+        raise InfeasibleError(f"a snapshot of {costs.snapshot_s:.3g} s with an MTBF of {costs.mtbf_s:.4g} s: the interval "
                               "overflows; a snapshot this slow never pays off")
     return steps_for(interval_s, costs.step_s)
 

@@ -110,7 +110,7 @@ class AdaptiveInterval:
         """
         decision = self.replanner.update(step, measurements, failures=failures, elapsed_s=elapsed_s)
         if decision.infeasible and self.infeasible is None:
-            log.warning("keeping the %d-step interval: %s", self.every_steps, decision.infeasible)
+            log.warning("the snapshot interval stays at %d steps: %s", self.every_steps, decision.infeasible)
         self.infeasible = decision.infeasible
         if decision.record is not None:
             log.info("re-plan at step %d: %s; inputs %s", step, decision.record.reason, decision.record.inputs)

@@ -130,8 +130,8 @@ def check_background(costs: MeasuredCosts, interval_steps: int) -> None:
         raise InfeasibleError(f"interval_steps must be >= 1, got {interval_steps}")
     if costs.snapshot_s > interval_steps * costs.step_s:
         raise InfeasibleError(
-            f"a snapshot takes snapshot_s={costs.snapshot_s:g} s but one is due every {interval_steps} steps "
-            f"x step_s={costs.step_s:g} s = {interval_steps * costs.step_s:g} s: it would not finish before the next; "
+            f"a snapshot takes {costs.snapshot_s:.3g} s but one is due every {interval_steps} steps of "
+            f"{costs.step_s:.3g} s = {interval_steps * costs.step_s:.3g} s: it would not finish before the next; "
             f"snapshot every >= {min_background_steps(costs)} steps, or make snapshots faster"
         )
 
@@ -147,9 +147,9 @@ def check_shadow(costs: MeasuredCosts, interval_steps: int | None = None) -> Non
     """
     if costs.replay_step_s >= costs.step_s:
         raise InfeasibleError(
-            f"the shadow replays a step in replay_step_s={costs.replay_step_s:g} s but training takes "
-            f"step_s={costs.step_s:g} s: its lag grows without bound; make replay faster than a step "
-            f"(fused replay, a sharded shadow on more CPUs) or use full-async snapshots"
+            f"the shadow replays a step in {costs.replay_step_s:.3g} s but training takes {costs.step_s:.3g} s "
+            f"a step: its lag grows without bound; give the shadow more CPUs (--shadow-threads, --shadow-shards) "
+            f"or use --strategy full-async"
         )
     if interval_steps is None:
         return
@@ -161,9 +161,9 @@ def check_shadow(costs: MeasuredCosts, interval_steps: int | None = None) -> Non
         raise InfeasibleError(
             f"a shadow restarted from its snapshot (every {interval_steps} steps) catches up at "
             f"{1 - costs.replay_step_s / _step_with_append_s(costs):.3g} steps per replayed step "
-            f"(replay_step_s={costs.replay_step_s:g} s against step_s={costs.step_s:g} s): its expected catch-up of "
-            f"{ratio * costs.mtbf_s:.3g} s outlasts mtbf_s={costs.mtbf_s:g} s, so it is almost always behind; "
-            f"{shorter}make replay faster (fused replay, a sharded shadow on more CPUs) or use full-async snapshots"
+            f"(a replay of {costs.replay_step_s:.3g} s against a step of {costs.step_s:.3g} s): its expected catch-up of "
+            f"{ratio * costs.mtbf_s:.3g} s outlasts the MTBF of {costs.mtbf_s:.4g} s, so it is almost always behind; "
+            f"{shorter}give the shadow more CPUs (--shadow-threads, --shadow-shards) or use --strategy full-async"
         )
 
 

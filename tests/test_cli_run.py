@@ -112,7 +112,7 @@ def test_resume_verify_of_a_finished_run_compares_it_with_the_reference(tmp_path
     assert "nothing to resume" not in result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary == {**finished, "reference_state_sha256": "a" * 64 if same else "b" * 64, "bitwise_equal": same}
-    assert ('"bitwise_equal": true' if same else "error: recovery was not exact") in result.output
+    assert ("recovery exact: bitwise equal to the failure-free run" if same else "error: recovery was not exact") in result.output
 
 
 def test_resume_of_a_copied_run_directory_is_refused_and_touches_neither_directory(tmp_path):
@@ -260,7 +260,7 @@ def test_a_failed_run_prints_its_error_logged_steps_and_resume_command_not_an_em
 
     monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", failed)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "6", "--max-shadow-restarts", "0",
-                                      "--fail", "2:shadow", "--verify", "--out", str(out)])
+                                      "--fail", "2:shadow", "--verify", "--json", "--out", str(out)])
     assert result.exit_code == 1, result.output
     block = json.loads(result.output[:result.output.index("}\n") + 1])
     assert block == {"ok": False, "error": error, "phase": "failed", "logged_steps": 3,
@@ -271,8 +271,9 @@ def test_a_failed_run_prints_its_error_logged_steps_and_resume_command_not_an_em
     monkeypatch.setattr(raycheck.orchestrator.controller, "run_job",
                         lambda cfg, verify, echo, assets=None: failed_summary(error, None, {"phase": "failed"}))
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "6", "--out", str(out)])
-    assert json.loads(result.output[:result.output.index("}\n") + 1]) == {
-        "ok": False, "error": error, "phase": "failed", "resume": f"raycheck run --resume --out {out}"}
+    assert result.output.splitlines() == ["raycheck run failed", f"  error    {error}", "  phase    failed",
+                                          f"  resume   raycheck run --resume --out {out}",
+                                          f"  results  {out}/summary.json, {out}/metrics.parquet", f"error: training failed: {error}"]
 
 
 @pytest.mark.parametrize("damage", ["null", '{"steps": 5}', "{not json"])

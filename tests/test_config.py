@@ -4,7 +4,6 @@ import json
 import pytest
 
 from raycheck.job.config import COMPONENTS, STRATEGIES, FailureSpec, FaultConfig, JobConfig, LayerwiseConfig, OldConfigError, SnapshotConfig
-from raycheck.orchestrator.controller import event_line
 from raycheck.policies.models import Strategy
 from raycheck.policies.strategies import RunStrategy
 
@@ -79,16 +78,6 @@ def test_a_strategy_is_kept_as_its_string_and_config_json_round_trips(algo, stra
     loaded = JobConfig.from_dict(json.loads(saved))
     assert loaded == cfg and type(loaded.strategy) is str
     assert json.dumps(loaded.to_dict(), sort_keys=True) == saved
-
-
-def test_progress_lines_print_floats_to_3_significant_digits_and_leave_the_event_whole():
-    event = {"kind": "recovery", "unix_s": 1.5, "step": 7, "load_seconds": 0.03001784600019164, "seconds": 0.41234,
-             "source": "snapshot", "bytes": 123456, "wall_s": 12345.678, "exact": True, "inputs": {"a": 0.123456}}
-    assert event_line(event, 2.000123) == ("[raycheck] recovery: step=7, load_seconds=0.03, source=snapshot, bytes=123456, "
-                                           "wall_s=12346, exact=True, restore_seconds=0.412, seconds=2")
-    assert event["load_seconds"] == 0.03001784600019164 and event["seconds"] == 0.41234  # events.jsonl keeps every digit
-    assert event_line({"kind": "failure", "unix_s": 2.0, "step": 3, "target": "worker", "lr": 1e-06}) == (
-        "[raycheck] failure: step=3, target=worker, lr=1e-06")
 
 
 def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():

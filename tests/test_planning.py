@@ -47,4 +47,4 @@ def test_a_shadow_slower_than_a_step_keeps_the_plan_and_the_planner_says_why():
         assert planner.observe(step, row(0.5), {"replay_seconds_per_step": 0.8}, persister, [], failures=0,
                                elapsed_s=0.5 * (step + 1)) is None
     assert planner.every_steps == first
-    assert planner.infeasible.startswith("the shadow replays a step in replay_step_s=0.8 s but training takes step_s=0.5 s")
+    assert planner.infeasible.startswith("the shadow replays a step in 0.8 s but training takes 0.5 s a step")

@@ -8,7 +8,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from raycheck.orchestrator.policy_cli import app, format_duration, parse_duration
+from raycheck.orchestrator.console import format_duration
+from raycheck.orchestrator.policy_cli import app, parse_duration
 from raycheck.policies.costs import MeasuredCosts
 from raycheck.policies.models import Strategy, optimal_interval_steps, waste_shadow
 
@@ -90,7 +91,7 @@ def test_policy_does_not_recommend_a_shadow_that_catches_up_for_hours_between_fa
             "--load-time", "30s", "--mtbf", "1h"]
     out = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
     shadow = [o for o in out["options"] if o["strategy"] == "shadow"]
-    assert len(shadow) == 2 and all(o["waste_ratio"] is None and "outlasts mtbf_s=3600 s" in o["error"] for o in shadow)
+    assert len(shadow) == 2 and all(o["waste_ratio"] is None and "outlasts the MTBF of 3600 s" in o["error"] for o in shadow)
     assert out["recommended"]["strategy"] == "full-async"
     table = " ".join(CliRunner().invoke(app, args).output.split())
     assert "shadow/optimal infeasible: a shadow restarted from its snapshot (every 25 steps) catches up at 0.00833 steps" in table

@@ -159,7 +159,7 @@ def test_adaptive_interval_warns_once_per_infeasible_spell(caplog):
         assert policy.infeasible is None
         reasons = [policy.observe(step, replay_step_s=1.5) for step in range(1, 8)]  # replay slower than a step
         assert reasons == [None] * 7 and policy.every_steps == k0
-        assert policy.infeasible.startswith("the shadow replays a step in replay_step_s=1.5 s but training takes step_s=1 s")
+        assert policy.infeasible.startswith("the shadow replays a step in 1.5 s but training takes 1 s a step")
         for step in range(8, 40):  # feasible again: the estimate comes back under a step (it may re-plan)
             policy.observe(step, replay_step_s=0.2)
         assert policy.infeasible is None
@@ -167,8 +167,8 @@ def test_adaptive_interval_warns_once_per_infeasible_spell(caplog):
             policy.observe(step, replay_step_s=1.5)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2
-    assert warnings[0].startswith(f"keeping the {k0}-step interval: the shadow replays a step in replay_step_s=1.5 s")
-    assert re.match(r"keeping the \d+-step interval: the shadow replays a step in replay_step_s=1\.\d+ s", warnings[1])
+    assert warnings[0].startswith(f"the snapshot interval stays at {k0} steps: the shadow replays a step in 1.5 s")
+    assert re.match(r"the snapshot interval stays at \d+ steps: the shadow replays a step in 1\.\d+ s", warnings[1])
     assert all("its lag grows without bound" in w for w in warnings)
 
 
@@ -201,10 +201,10 @@ def test_waste_shadow_exactly_at_a_high_failure_rate_by_hand():
 
 
 def test_feasibility_bounds_and_their_messages():
-    with pytest.raises(InfeasibleError, match="replay_step_s=2 s but training takes step_s=2 s"):
+    with pytest.raises(InfeasibleError, match="replays a step in 2 s but training takes 2 s a step"):
         waste_shadow(costs(replay_step_s=2.0), 10)  # replay as slow as a step: the lag still grows
     assert waste_full_async(costs(snapshot_s=5.0), 3) > 0  # 5 s fits in 3 steps of 2 s
-    with pytest.raises(InfeasibleError, match=r"one is due every 2 steps x step_s=2 s = 4 s: it would not finish"):
+    with pytest.raises(InfeasibleError, match=r"one is due every 2 steps of 2 s = 4 s: it would not finish"):
         waste_full_async(costs(snapshot_s=5.0), 2)
     assert waste_full_async(costs(snapshot_s=1.0), 1) > 0  # one step is a valid interval
     with pytest.raises(InfeasibleError) as err:
@@ -233,4 +233,4 @@ def test_adaptive_interval_warns_when_its_very_first_estimate_is_infeasible(capl
     with caplog.at_level(logging.WARNING, logger="raycheck.policies.interval"):
         assert policy.observe(1, replay_step_s=1.5) is None
     [warning] = [r.getMessage() for r in caplog.records]
-    assert warning.startswith(f"keeping the {policy.every_steps}-step interval: the shadow replays a step in replay_step_s=1.5 s")
+    assert warning.startswith(f"the snapshot interval stays at {policy.every_steps} steps: the shadow replays a step in 1.5 s")

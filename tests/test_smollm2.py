@@ -53,3 +53,12 @@ def test_smollm2_worker_failure_recovers_bitwise_equal_to_the_failure_free_run(t
     assert summary["state_sha256"] == summary["reference_state_sha256"] == reference["state_sha256"]
     assert len(reference["worker_hashes"]) == STEPS and summary["worker_hashes"] == reference["worker_hashes"]
     assert summary["shadow_equal"] is True and summary["shadow_state_sha256"] == reference["state_sha256"]
+
+    console = proc.stdout + proc.stderr  # what the user sees: sentences and the table, none of Ray's text for the injected death
+    assert "A worker died" not in console and "Traceback" not in console and "(raylet)" not in console, console[-3000:]
+    assert f"[raycheck] worker 0 failed after step {FAILURE_STEP} (injected: exit)" in console, console[-3000:]
+    assert f"[raycheck] worker 0 restored at step {FAILURE_STEP} from " in console, console[-3000:]
+    lines = proc.stdout.splitlines()
+    title = f"raycheck run finished: {STEPS} steps, recovery exact: bitwise equal to the failure-free run"
+    assert title in lines and lines[lines.index(title) + 2] == f"  failures    worker after step {FAILURE_STEP} (exit)", proc.stdout[-2000:]
+    assert lines[-1] == f"  results     {out}/summary.json, {out}/metrics.parquet"

@@ -238,7 +238,7 @@ class FaultInjector:
 
     def _announce_worker_failure(self, index: int, step: int, how: str | None, rank: int) -> None:
         self.run.event("failure", step=step, target="worker", how=how, rank=rank, marker=marker(index, "worker"),
-                       durable_steps=self.durable_steps())
+                       durable_steps=self.durable_steps(), **({"pid": os.getpid()} if rank == self.rank else {}))
 
     def maybe_fail(self, step: int, writer: StepLogWriter | None = None) -> None:
         """Inject the failures due at ``step`` (may not return). ``writer``: rank 0's step log writer."""
