@@ -30,6 +30,7 @@ from raycheck.orchestrator.merge_cli import merge
 from raycheck.orchestrator.policy_cli import parse_duration, policy
 from raycheck.orchestrator.replay_cli import replay
 from raycheck.orchestrator.schedule import parse_schedule
+from raycheck.orchestrator.signals import EXIT_TERMINATED, Terminated, terminate_as_interrupt
 from raycheck.orchestrator.driver_lock import LOCK_NAME, RunDirectoryError, driver_lock
 from raycheck.orchestrator.storage_cli import inspect, verify
 from raycheck.orchestrator.stored_config import StoredConfigError, load_config
@@ -348,33 +349,36 @@ EXIT_INTERRUPTED = 130
 """The exit code of an interrupted ``raycheck run``, as a shell gives a command that SIGINT ended."""
 
 
-def interrupted(exc: BaseException) -> bool:
-    """Whether ``exc`` is an interrupt (Ctrl-C) or was raised after one, while it was handled (the interrupt
-    is in its chain of causes and contexts): e.g. a Ray call of the failure path that found the core worker
-    already shut down. The interrupt was seen first, so the run was interrupted, whatever failed after it."""
+def interrupted(exc: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt (Ctrl-C, or ``SIGTERM`` as ``orchestrator.signals.Terminated``) that ``exc`` is or was
+    raised after, while it was handled (the interrupt is in its chain of causes and contexts): e.g. a Ray
+    call of the failure path that found the core worker already shut down. The interrupt was seen first, so
+    the run was interrupted, whatever failed after it. None: no interrupt."""
     seen: set[int] = set()  # a chain set by hand may loop
     link: BaseException | None = exc
     while link is not None and id(link) not in seen:
         if isinstance(link, KeyboardInterrupt):
-            return True
+            return link
         seen.add(id(link))
         link = link.__cause__ or link.__context__
-    return False
+    return None
 
 
-def _interrupted(out: pathlib.Path, verify: bool, steps: int) -> typer.Exit:
-    """Print, after Ctrl-C stopped ``raycheck run``, the command line that resumes the run in ``out``
-    of ``steps`` steps (or that nothing is left to resume); returns the exit to raise (``EXIT_INTERRUPTED``)."""
+def _interrupted(out: pathlib.Path, verify: bool, steps: int, interrupt: KeyboardInterrupt) -> typer.Exit:
+    """Print, after Ctrl-C or ``SIGTERM`` (``interrupt``) stopped ``raycheck run``, the command line that
+    resumes the run in ``out`` of ``steps`` steps (or that nothing is left to resume); returns the exit to
+    raise (``EXIT_INTERRUPTED``, or ``EXIT_TERMINATED`` after ``SIGTERM``)."""
     saved = out / "config.json"
     summary = RunDir.read_json(out / "summary.json")
+    what = "stopped by SIGTERM" if isinstance(interrupt, Terminated) else "interrupted"
     if not saved.is_file():
-        typer.echo("interrupted before the run started: nothing to resume; run the same command again", err=True)
+        typer.echo(f"{what} before the run started: nothing to resume; run the same command again", err=True)
     elif summary and summary.get("ok") and summary.get("final_step") == steps:
-        typer.echo(f"interrupted: the run had finished ({out / 'summary.json'}); only its failure-free reference "
+        typer.echo(f"{what}: the run had finished ({out / 'summary.json'}); only its failure-free reference "
                    "(--verify) was cut short", err=True)
     else:
-        typer.echo(f"interrupted: the run stopped; resume it with:\n  {resume_command(out, verify)}", err=True)
-    return typer.Exit(EXIT_INTERRUPTED)
+        typer.echo(f"{what}: the run stopped; resume it with:\n  {resume_command(out, verify)}", err=True)
+    return typer.Exit(EXIT_TERMINATED if isinstance(interrupt, Terminated) else EXIT_INTERRUPTED)
 
 
 FINISHED_KEYS = ("ok", "strategy", "final_step", "state_sha256", "shadow_equal", "reference_state_sha256", "bitwise_equal",
@@ -609,7 +613,7 @@ def run(
     cfg, assets = _checked_job(cfg)
     console = RunConsole(typer.echo, verbose=(ctx.obj or {}).get("verbose", False))
     try:
-        with driver_lock(out):  # one driver per run directory (a live run is neither resumed nor overwritten)
+        with terminate_as_interrupt(), driver_lock(out):  # SIGTERM (ray job stop) as Ctrl-C; one driver per run directory (a live run is neither resumed nor overwritten)
             for p in replaced:  # every check has passed: only now is the old run deleted
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
             if finished:  # nothing left to train: only the comparison a fresh --verify run ends with
@@ -625,10 +629,11 @@ def run(
     except InfeasibleError as exc:  # the adaptive policy's first plan, made before anything in the run directory is touched
         raise _refuse(f"--snapshot-policy adaptive has no snapshot plan for the assumed costs (--mtbf {cfg.snapshot.mtbf_s:g} s): "
                       f"{exc}") from exc
-    except BaseException as exc:  # Ctrl-C (the run has written its summary), or what failed after it: still an interrupt
-        if not interrupted(exc):
+    except BaseException as exc:  # Ctrl-C or SIGTERM (the run has written its summary), or what failed after it: still an interrupt
+        interrupt = interrupted(exc)
+        if interrupt is None:
             raise
-        raise _interrupted(out, verify, cfg.steps) from exc
+        raise _interrupted(out, verify, cfg.steps, interrupt) from exc
     printed = printed_summary(summary, out, verify)
     for line in [json.dumps(printed, indent=2)] if json_output else summary_table(summary, printed, out):
         typer.echo(line)
@@ -675,7 +680,7 @@ for _command in app.registered_commands:
 
 def main() -> None:
     """The ``raycheck`` command: ``app``. A command interrupted while this process is connected to Ray ends
-    here with ``EXIT_INTERRUPTED`` at once (``os._exit``, after flushing the output and the logs): Ray's
+    here with ``EXIT_INTERRUPTED`` (``EXIT_TERMINATED`` after ``SIGTERM``) at once (``os._exit``, after flushing the output and the logs): Ray's
     exit hook (``ray.shutdown``) would run while a daemon thread still waits in a Ray call (the run's
     ``ray-train-fit``), and a Ray call after that shutdown ends the process with exit 1 ("The core worker
     has already been shutdown"). The run's actors end with its driver; a cluster that ``ray.init``
@@ -684,11 +689,11 @@ def main() -> None:
         app()
     except SystemExit as exc:
         ray = sys.modules.get("ray")  # never imported for a command that did not use Ray
-        if exc.code == EXIT_INTERRUPTED and ray is not None and ray.is_initialized():
+        if exc.code in (EXIT_INTERRUPTED, EXIT_TERMINATED) and ray is not None and ray.is_initialized():
             sys.stdout.flush()
             sys.stderr.flush()
             logging.shutdown()
-            os._exit(EXIT_INTERRUPTED)
+            os._exit(exc.code)
         raise
 
 

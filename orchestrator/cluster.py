@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from raycheck.orchestrator.signals import reclaim_sigterm
+
 if TYPE_CHECKING:
     from raycheck.job.config import JobConfig
 
@@ -24,7 +26,8 @@ def connect(namespace: str, num_cpus: int, dashboard: bool = False, worker_logs:
     """Connect this driver to Ray; returns True when it started a local cluster itself.
 
     Inside ``ray job submit`` (``RAY_ADDRESS`` set) it joins that cluster; otherwise it starts one
-    with ``num_cpus`` CPUs. ``RAY_TMPDIR`` defaults to ``/tmp/raycheck-ray``. ``worker_logs`` forwards
+    with ``num_cpus`` CPUs. ``SIGTERM`` stays an interrupt where ``raycheck run`` made it one
+    (``orchestrator.signals``). ``RAY_TMPDIR`` defaults to ``/tmp/raycheck-ray``. ``worker_logs`` forwards
     the output of every Ray process to this terminal (noisy; errors reach the summary either way).
     """
     for k, v in RAY_ENV.items():
@@ -32,13 +35,15 @@ def connect(namespace: str, num_cpus: int, dashboard: bool = False, worker_logs:
     os.environ.setdefault("RAY_TMPDIR", "/tmp/raycheck-ray")
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    if joined:
         ray.init(address="auto", namespace=namespace)
-        return False
-    quiet = not logging.getLogger(__name__).isEnabledFor(logging.DEBUG)  # Ray's INFO lines ("Started a local Ray instance") with --verbose
-    ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=dashboard, log_to_driver=worker_logs,
-             logging_level=logging.WARNING if quiet else logging.INFO)
-    return True
+    else:
+        quiet = not logging.getLogger(__name__).isEnabledFor(logging.DEBUG)  # Ray's INFO lines ("Started a local Ray instance") with --verbose
+        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=dashboard, log_to_driver=worker_logs,
+                 logging_level=logging.WARNING if quiet else logging.INFO)
+    reclaim_sigterm()  # ray.init's own SIGTERM handler exits without a summary
+    return not joined
 
 
 NODE_ID_LABEL = "ray.io/node-id"

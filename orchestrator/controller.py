@@ -173,8 +173,8 @@ def log_failure(exc: BaseException) -> None:
     """Log why a run failed: one error line for an ``EXPECTED_FAILURES`` one (its traceback at debug
     level, shown with ``--verbose``); the error with its traceback for anything else. An interrupt
     (Ctrl-C) is one warning line: the caller says how to resume."""
-    if isinstance(exc, KeyboardInterrupt):
-        log.warning("the run was interrupted (KeyboardInterrupt)")
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (orchestrator.signals.Terminated: "stopped by SIGTERM")
+        log.warning("the run was %s", str(exc) or "interrupted (Ctrl-C)")
         log.debug("the run was interrupted: traceback", exc_info=exc)
     elif isinstance(exc, EXPECTED_FAILURES):
         log.error("the run failed: %s", exc)
@@ -595,6 +595,7 @@ class Controller:
         except BaseException as exc:  # the run directory always gets a summary
             log_failure(exc)
             summary = self._failure_summary(exc)
+            self.run_dir.write_json(self.run_dir.root / "summary.json", summary)  # before any Ray call: SIGKILL follows SIGTERM
             self._announce_failure(summary)
             if not isinstance(exc, Exception):
                 raise

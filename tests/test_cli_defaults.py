@@ -19,6 +19,7 @@ NOT_FIELDS = {
     "overwrite": "what to do with an existing run directory, not part of the run",
     "resume": "continue the run in --out (its config.json), not part of the run",
     "verify": "run the failure-free reference too, not part of the run",
+    "json_output": "how the summary is printed (--json), not part of the run",
     "fail_schedule": "random failures, drawn into JobConfig.faults.failures with --fail",
     "fail_seed": "the seed of --fail-schedule's draw",
 }

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -496,6 +497,36 @@ def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, m
     }[reached]
 
 
+def test_sigterm_stops_the_run_like_ctrl_c_and_exits_143_with_the_resume_command(tmp_path, monkeypatch):
+    """``ray job stop`` and a pod eviction send SIGTERM: the run's own failure path runs (here replaced: the
+    signal arrives while it trains), the command that resumes it is printed, the exit code is 143, and the
+    previous SIGTERM handler is back afterwards."""
+    import signal
+
+    import raycheck.orchestrator.controller
+    from raycheck.orchestrator.signals import Terminated
+
+    out, seen = tmp_path / "run", []
+
+    def terminated(cfg, verify, echo, assets=None) -> dict:
+        RunDir.write_json(out / "config.json", cfg.to_dict())
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises in this, the main thread, at once
+        except Terminated as exc:
+            seen.append(str(exc))
+            raise
+        raise AssertionError("SIGTERM did not interrupt the run")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", terminated)
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--out", str(out)])
+    assert result.exit_code == 143 and isinstance(result.exception, SystemExit), result.output
+    assert seen == ["stopped by SIGTERM"]
+    assert result.output.splitlines() == ["stopped by SIGTERM: the run stopped; resume it with:", f"  raycheck run --resume --out {out}"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.parametrize("after", ["RaySystemError", "RuntimeError from", "none"])
 def test_an_error_raised_after_the_interrupt_still_exits_130(tmp_path, monkeypatch, after):
     """The interrupt is seen first, and the failure path's Ray call then fails (a Ray call after the core worker
@@ -573,7 +604,7 @@ def test_an_interrupted_run_logs_one_line_without_a_traceback(caplog):
     except KeyboardInterrupt as exc:
         log_failure(exc)
     assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.levelname != "DEBUG"] == [
-        ("WARNING", "the run was interrupted (KeyboardInterrupt)", None)]
+        ("WARNING", "the run was interrupted (Ctrl-C)", None)]
 
 
 @pytest.mark.parametrize("again_in", ["_last_event", "_kill_actors"])

@@ -119,7 +119,7 @@ def test_a_submitted_job_survives_a_worker_a_shadow_and_rank_0s_node_and_resumes
     a 10-step run at ``--durability node``: a train worker dies at step 2, the shadow at step 4, and at
     step 5 rank 0's whole node is taken down (a spare train node joined first); rank 0 is then held
     during step 7 (the test gate) until the bucket's log segments hold the 7 durable steps, and the job is
-    stopped: the driver dies. Its run directory is deleted (rank 0's scratch lies on the train nodes,
+    stopped: its driver, sent SIGTERM, writes its summary and ends. Its run directory is deleted (rank 0's scratch lies on the train nodes,
     private to them). ``raycheck run --resume --storage s3://... --out NEW --verify`` on the nodes left
     ends bitwise equal to the failure-free run, every logged step kept. Prints the node failure's
     recovery figures."""
@@ -150,6 +150,9 @@ def test_a_submitted_job_survives_a_worker_a_shadow_and_rank_0s_node_and_resumes
     while (status := jobs.get_job_status(job_id)) not in (JobStatus.STOPPED, JobStatus.FAILED):  # SIGTERM, then SIGKILL
         assert time.monotonic() < deadline + 60, status
         time.sleep(0.5)
+    stopped = json.loads((out / "summary.json").read_text())  # ray job stop's SIGTERM ends the driver as Ctrl-C does
+    assert (stopped["ok"], stopped["error"], stopped["phase"]) == (False, "Terminated: stopped by SIGTERM", "failed")
+    assert "stopped by SIGTERM: the run stopped; resume it with:" in jobs.get_job_logs(job_id)
     events = RunDir.read(out / "events.jsonl")
     assert_the_job_survived_each_failure(three_nodes, names, events)
     held = next(e for e in events if e["kind"] == "held")
