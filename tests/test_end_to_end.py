@@ -260,7 +260,7 @@ def test_two_workers_equal_one_the_failed_one_is_replaced_alone_and_the_adaptive
     # measured slower than its step, the policy keeps its 1-step plan and says why, with the figures it measured.
     assert s["snapshot_policy"] == "adaptive"
     for e in (e for e in events if e["kind"] == "plan_infeasible"):
-        replay_s, step_s = map(float, re.search(r"replay_step_s=(\S+) s but training takes step_s=(\S+) s", e["reason"]).groups())
+        replay_s, step_s = map(float, re.search(r"replays a step in (\S+) s but training takes (\S+) s a step", e["reason"]).groups())
         assert replay_s >= step_s, e
     intervals = pq.read_table(pathlib.Path(s["config"]["out_dir"]) / "metrics.parquet").column("snapshot_interval_steps")
     if not s["replans"]:
