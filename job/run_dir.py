@@ -29,6 +29,11 @@ class RunDir:
     def metrics(self) -> pathlib.Path:
         return self.root / "metrics.jsonl"
 
+    @property
+    def controller_state(self) -> pathlib.Path:
+        """The driver's ``Controller.state_dict`` (the planner's measured costs, the restart counts), for ``--resume``."""
+        return self.root / "controller.json"
+
     @staticmethod
     def write_json(path: pathlib.Path, value: dict) -> None:
         """Replace ``path`` with ``value`` as JSON, atomically and durably (``storage.files.atomic_write``):

@@ -90,7 +90,8 @@ def _failure(e: dict) -> str:
     after = f"after step {e['step']}"
     target = e["target"]
     if target == "worker":
-        return f"worker {e.get('rank', 0)} failed {after} (injected: {e['how']}); the step log holds {_plural(e['durable_steps'], 'step')}"
+        how = f": {e['how']}" if e.get("how") else ""
+        return f"worker {e.get('rank', 0)} failed {after} (injected{how}); the step log holds {_plural(e['durable_steps'], 'step')}"
     if target == "shadow":
         return f"shadow{_shard(e)} killed {after} (injected)" + ("" if e.get("found", True) else "; no live shadow was found")
     if target == "persister":

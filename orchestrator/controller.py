@@ -320,6 +320,28 @@ class Controller:
         self._seen_events = 0
         self._earlier = (len(self.record.events), len(self.record.metrics))
         """The events and metric rows of earlier drivers of this run (a resume): followed, not shown again."""
+        saved = RunDir.read_json(self.run_dir.controller_state)
+        if saved is not None and saved.get("run_id") == cfg.run_id:  # a resume: go on with what was measured and counted
+            self.load_state_dict(saved)
+
+    def state_dict(self) -> dict:
+        """What the driver measured and counted that a resumed driver goes on with (saved as
+        ``controller.json`` in the run directory as steps come in): the snapshot planner's
+        ``state_dict`` (its measured costs, the interval in force, its re-plans), the interval in force at
+        each step it observed (so a resumed driver does not observe those steps again), the snapshot persister's
+        restarts (its budget, ``faults.max_persister_restarts``, is the run's, not each driver's) and
+        whether the calibration snapshot was taken. The workers' failures are counted from the events."""
+        return {"run_id": self.cfg.run_id, "planner": self.planner.state_dict() if self.planner else None,
+                "snapshot_interval": self.snapshot_interval, "persister_restarts": self.persister_restarts,
+                "calibration_requested": self._calibration_requested}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state_dict``'s ``state`` of an earlier driver of this run."""
+        if self.planner is not None and state.get("planner") is not None:
+            self.planner.load_state_dict(state["planner"])
+        self.snapshot_interval = {int(step): k for step, k in state["snapshot_interval"].items()}  # JSON keys are strings
+        self.persister_restarts = state["persister_restarts"]
+        self._calibration_requested = state["calibration_requested"]
 
     @property
     def phase(self) -> Phase:
@@ -448,12 +470,15 @@ class Controller:
             lag = None if shadow_step is None else max(0, r["step"] + 1 - shadow_step)
             if lag is not None:
                 self.shadow_lag.setdefault(r["step"], lag)
-            self._plan(r, events)
+            if r["step"] not in self.snapshot_interval:  # an earlier driver's row was planned by it (load_state_dict)
+                self._plan(r, events)
             self.metrics.step(r, lag or 0, self.snapshot_interval[r["step"]])
             if i >= self._earlier[1]:
                 shown.append((r["unix_s"], functools.partial(self.console.step, r, lag)))
         for _, show in sorted(shown, key=lambda x: x[0]):
             show()
+        if len(rows) > self._printed_steps or not self.run_dir.controller_state.exists():
+            self.run_dir.write_json(self.run_dir.controller_state, self.state_dict())
         self._printed_steps = len(rows)
         self.ray_messages.release(injected_pids(events))
 

@@ -40,6 +40,22 @@ class SnapshotPlanner:
         costs = MeasuredCosts(mtbf_s=mtbf_s, **INITIAL_COSTS)
         self.policy = AdaptiveInterval(Replanner(costs, strategy=Strategy.SHADOW, cooldown_steps=cooldown_steps))
         self._recoveries_seen = 0
+        self._elapsed_before_s = 0.0
+        """Wall-clock seconds of the run's earlier drivers (``load_state_dict``): a resumed run's MTBF estimate
+        counts the failure-free time before the resume too."""
+
+    def state_dict(self) -> dict:
+        """The measured costs, the interval in force and its re-plans, the recoveries counted and the
+        elapsed seconds: what ``load_state_dict`` needs to go on where this planner stopped."""
+        return {"policy": self.policy.state_dict(), "recoveries_seen": self._recoveries_seen,
+                "elapsed_s": self.policy.replanner.elapsed_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state_dict``'s ``state`` (a resumed run): its estimates, interval and re-plans; later
+        ``observe`` calls add their ``elapsed_s`` to the elapsed seconds saved."""
+        self.policy.load_state_dict(state["policy"])
+        self._recoveries_seen = state["recoveries_seen"]
+        self._elapsed_before_s = state["elapsed_s"]
 
     @property
     def every_steps(self) -> int:
@@ -52,7 +68,8 @@ class SnapshotPlanner:
 
     def observe(self, step: int, metric: dict, shadow: dict, persister: dict, recoveries: list[dict],
                 failures: int, elapsed_s: float) -> ReplanRecord | None:
-        """One executed step's measurements; returns a re-plan when the interval changes."""
+        """One executed step's measurements (``elapsed_s``: seconds since this driver started); returns a
+        re-plan when the interval changes."""
         measured = {
             "step_s": metric["step_seconds"],
             "log_append_s": metric["log_append_seconds"],
@@ -66,4 +83,4 @@ class SnapshotPlanner:
             if "restart_seconds" in rec:
                 measured["restart_s"] = rec["restart_seconds"]
         self._recoveries_seen = len(recoveries)
-        return self.policy.observe(step, failures=failures, elapsed_s=elapsed_s, **measured)
+        return self.policy.observe(step, failures=failures, elapsed_s=self._elapsed_before_s + elapsed_s, **measured)

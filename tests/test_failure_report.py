@@ -8,6 +8,7 @@ import logging
 from raycheck.actors.journal import RunChannel
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
+from raycheck.orchestrator.console import RunConsole
 from raycheck.orchestrator.controller import Controller, PersisterFailedError, log_failure
 from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from raycheck.storage.steplog import StepLogWriter
@@ -49,16 +50,22 @@ def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
 
 
 def test_the_recovery_progress_line_names_its_times_as_the_summary_does(tmp_path):
-    """The worker's ``recovery`` event measures the restore alone (``seconds``); the progress line calls
-    that ``restore_seconds`` and gives, as ``summary.json`` does, ``seconds`` from the failure to the restored state."""
+    """The worker's ``recovery`` event measures the restore alone (``seconds``); the console's sentence gives, as
+    ``summary.json`` does, the seconds from the failure to the restored state, and the ``--verbose`` detail line
+    calls the event's own ``restore_seconds``."""
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6)
-    lines: list[str] = []
-    controller = Controller(cfg, echo=lines.append)
-    controller.record.drain = lambda channel: None  # the events below are what the journal delivered
-    controller.record.events = [
-        {"kind": "failure", "step": 3, "target": "worker", "durable_steps": 3, "unix_s": 100.0},
-        {"kind": "recovery", "at_step": 3, "restored_step": 3, "source": "object_store", "base_step": 3, "replayed_steps": 0,
-         "seconds": 0.25, "load_seconds": 0.2, "replay_seconds": 0.0, "unix_s": 117.5}]
-    controller._follow()
-    [recovery] = [line for line in lines if line.startswith("[raycheck] recovery:")]
-    assert "restore_seconds=0.25" in recovery and "seconds=17.5" in recovery.replace("restore_seconds=0.25", ""), recovery
+    events = [{"kind": "failure", "step": 3, "target": "worker", "durable_steps": 3, "unix_s": 100.0},
+              {"kind": "recovery", "at_step": 3, "restored_step": 3, "source": "object_store", "base_step": 3, "replayed_steps": 0,
+               "seconds": 0.25, "load_seconds": 0.2, "replay_seconds": 0.0, "unix_s": 117.5}]
+    for verbose in (False, True):
+        lines: list[str] = []
+        controller = Controller(cfg, echo=RunConsole(lines.append, verbose=verbose, bar=False))
+        controller.record.drain = lambda channel: None  # the events below are what the journal delivered
+        controller.record.events = events
+        controller._follow()
+        if verbose:
+            [recovery] = [line for line in lines if line.startswith("[raycheck] recovery:")]
+            assert "restore_seconds=0.25" in recovery and "seconds=17.5" in recovery.replace("restore_seconds=0.25", ""), recovery
+        else:
+            assert lines == ["[raycheck] worker 0 failed after step 3 (injected); the step log holds 3 steps",
+                             "[raycheck] worker 0 restored at step 3 from the shadow's image in a new process, 17.5 s after the failure"]

@@ -48,3 +48,26 @@ def test_a_shadow_slower_than_a_step_keeps_the_plan_and_the_planner_says_why():
                                elapsed_s=0.5 * (step + 1)) is None
     assert planner.every_steps == first
     assert planner.infeasible.startswith("the shadow replays a step in 0.8 s but training takes 0.5 s a step")
+
+
+def test_a_planner_saved_and_loaded_goes_on_with_its_measured_costs_interval_and_elapsed_time():
+    """``--resume`` keeps what was measured: a planner loaded from another's ``state_dict`` (through JSON, as
+    ``controller.json`` holds it) has its interval, re-plans, estimates and recoveries counted, and, fed the
+    same next steps with the seconds since ITS start, decides exactly as the one that never stopped."""
+    import json
+
+    shadow, persister = {"replay_seconds_per_step": 0.1}, {"written": 2, "failed": 0, "write_seconds": 1.0}
+    recs = [{"load_seconds": 2.0, "restart_seconds": 20.0}]
+    planner = SnapshotPlanner(mtbf_s=600.0, cooldown_steps=0)
+    for step in range(12):
+        planner.observe(step, row(0.5), shadow, persister, recs, failures=1, elapsed_s=0.5 * (step + 1))
+    assert planner.every_steps != SnapshotPlanner(mtbf_s=600.0).every_steps  # it measured something new
+    resumed = SnapshotPlanner(mtbf_s=600.0, cooldown_steps=0)
+    resumed.load_state_dict(json.loads(json.dumps(planner.state_dict())))
+    assert resumed.every_steps == planner.every_steps and resumed.policy.records == planner.policy.records
+    assert resumed.state_dict() == planner.state_dict()
+    for step in range(12, 40):  # the run goes on: 2000 s more without failure, the MTBF estimate grows
+        elapsed = 0.5 * 12 + 100.0 * (step - 11)
+        expected = planner.observe(step, row(0.5), shadow, persister, recs, failures=1, elapsed_s=elapsed)
+        assert resumed.observe(step, row(0.5), shadow, persister, recs, failures=1, elapsed_s=elapsed - 0.5 * 12) == expected
+    assert resumed.state_dict() == planner.state_dict() and len(planner.policy.records) > 2
