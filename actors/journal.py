@@ -34,7 +34,7 @@ class Journal:
 
     ``events`` and ``metrics`` are append-only lists of dict rows, each with ``unix_s`` (seconds since
     the epoch, set here when the sender did not). Failure markers are strings (``"<failure index>.<part>"``,
-    ``training.faults``) claimed at most once. The shadow pointer is the dict of ``ShadowKeeper._publish``.
+    ``workers.faults``) claimed at most once. The shadow pointer is the dict of ``ShadowKeeper._publish``.
     """
 
     def __init__(self) -> None:

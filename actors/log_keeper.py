@@ -1,7 +1,7 @@
 """The log keeper: the replica of the step log on the driver's node, served over Ray.
 
 Rank 0 appends every step record to its own node-local log (``JobConfig.scratch_dir``) and sends it to
-the keeper (``training.rank0_log``). The keeper appends it to the run directory's ``steplog.bin`` (the
+the keeper (``workers.rank0_log``). The keeper appends it to the run directory's ``steplog.bin`` (the
 keeper runs on the driver's node, so that file is local to it), fsynced, holds the records in memory
 (84 bytes each) and serves them over Ray to the shadow (``KeeperLogSource``), to recovery and to the
 failure injector; it also mirrors its log to the run's storage URI as segments

@@ -1,7 +1,7 @@
 """Write the documentation's generated reference pages from the code, so they cannot drift from it:
 
 - ``docs/reference/cli.md``: the help of every ``raycheck`` command, as click prints it
-  (``typer.main.get_command`` of ``orchestrator.cli.app``), and every ``JobConfig`` field with its
+  (``typer.main.get_command`` of ``cli.main.app``), and every ``JobConfig`` field with its
   ``raycheck run`` option, its default and its docstring;
 - ``docs/reference/summary.md``: every ``summary.json`` field (``orchestrator.summary.SUMMARY_FIELDS``), the
   recovery breakdown's components (``orchestrator.summary.BREAKDOWN``'s docstring) and the columns of
@@ -72,7 +72,7 @@ def cli_page() -> str:
     from typer._click.core import Context
 
     from raycheck.job.config import COMPONENTS, JobConfig
-    from raycheck.orchestrator.cli import app, parameter
+    from raycheck.cli.main import app, parameter
     from raycheck.training.model import default_cache_dir
 
     root = typer.main.get_command(app)

@@ -1,6 +1,6 @@
 """Benchmark: the per-step blocked time of each step-log durability level beside the full-async staging copy.
 
-Measures in one run, with the components a training run uses (``training.rank0_log.replicated_append``:
+Measures in one run, with the components a training run uses (``workers.rank0_log.replicated_append``:
 rank 0's local append, then the send to a ``LogKeeperActor`` on a local Ray cluster):
 
 - ``process``: the 84-byte record written and fsynced in rank 0's local log (the send is queued);
@@ -69,9 +69,9 @@ from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.tensor_files import load, save_file
 from raycheck.storage.steplog import StepRecord, header_tag
 from raycheck.training.model import load_model, trainable_parameters
-from raycheck.training.rank0_log import KeeperSender, open_local_log, replicated_append
+from raycheck.workers.rank0_log import KeeperSender, open_local_log, replicated_append
 from raycheck.training.state import copy_state
-from raycheck.training.worker import on_cpu
+from raycheck.workers.worker import on_cpu
 
 LEVELS = ("process", "node", "cluster")
 WARMUP_RECORDS = 20

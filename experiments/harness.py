@@ -50,7 +50,7 @@ FAILURE_KINDS = {
     "exit": "the worker process exits (os._exit(1)): Ray Train starts a new process, which restores the state",
     "raise": "the step raises and the process survives: it restores the state in process (training.in_process)",
     "standby": "the worker process exits (os._exit(1)) and a warm standby, loaded before it was needed, takes over "
-               "(training.standby; zo only): Ray Train sees no failure",
+               "(workers.standby; zo only): Ray Train sees no failure",
 }
 """``raycheck experiment --failure-kind``: how each injected worker failure happens (``FailureSpec.how``)."""
 

@@ -1,6 +1,6 @@
 """Benchmark: a single worker's recovery through the in-process restart (``raise``: ``--fail STEP:worker:raise``,
 the process survives, ``training.in_process``), through a warm standby (``standby``: ``--fail STEP:worker``
-with ``--warm-standby``, the process dies and a loaded standby executor takes over, ``training.standby``)
+with ``--warm-standby``, the process dies and a loaded standby executor takes over, ``workers.standby``)
 and through a replacement worker (``exit``: ``--fail STEP:worker``, Ray Train restarts the worker group,
 a new process imports and loads everything).
 
@@ -30,7 +30,7 @@ KINDS = {"raise": ("raise", []), "standby": ("exit", ["--warm-standby"]), "exit"
 def run_once(out: pathlib.Path, kind: str, steps: int, fail_step: int, model: str) -> dict:
     """One ``raycheck run`` with a worker failure of ``kind`` (``KINDS``); its one recovery row of ``summary.json``."""
     how, extra = KINDS[kind]
-    cmd = [sys.executable, "-m", "raycheck.orchestrator.cli", "run", "--model", model, "--steps", str(steps),
+    cmd = [sys.executable, "-m", "raycheck.cli", "run", "--model", model, "--steps", str(steps),
            "--fail", f"{fail_step}:worker:{how}", *extra, "--out", str(out), "--overwrite"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     summary = json.loads((out / "summary.json").read_text())

@@ -255,7 +255,7 @@ def append_inflation_text(inflation: dict) -> str:
     """One sentence on ``report_tables.append_inflation``'s figures, for ``report.md`` and the CLI's summary."""
     verdict = "met" if inflation["met"] else "missed"
     level = f" at durability {inflation['durability']}" if inflation["durability"] else ""
-    return (f"The step log under snapshot load (issue 10): our mean append{level}, while the shadow's snapshots were "
+    return (f"The step log under snapshot load: our mean append{level}, while the shadow's snapshots were "
             f"written to the same disk, {inflation['loaded_mean_s'] * 1e3:.3g} ms; the log-only run's median (no snapshots, "
             f"the same durability) {inflation['quiet_median_s'] * 1e3:.3g} ms: {inflation['ratio']:.3g}x the quiet "
             f"(log-only) median (target <= {inflation['target']:g}x: {verdict}).")
@@ -266,7 +266,7 @@ _PATH_TITLE = {
     "in_process": "`in_process`: the worker process survived the failure and restored the state itself "
                   "(`training.in_process`); it has no Ray Train, process start, import or load component",
     "standby": "`standby`: the step executor's process died and the warm standby, loaded before, took over "
-               "(`training.standby`); it has no Ray Train, process start, import or load component",
+               "(`workers.standby`); it has no Ray Train, process start, import or load component",
 }
 
 

@@ -74,7 +74,7 @@ _MAX_DOUBLINGS = 16
 _NOT_FLOAT = ("strategy", "model", "source", "path", "bitwise_equal", "durability")
 PATHS = ("new_process", "in_process", "standby")
 """How a worker recovered (``recoveries.parquet``'s ``path``): Ray Train started a new process, the
-failed process restored itself (``training.in_process``), or a warm standby took over (``training.standby``)."""
+failed process restored itself (``training.in_process``), or a warm standby took over (``workers.standby``)."""
 NEW_PROCESS_START = tuple(c.removesuffix("_s") for _, c in BREAKDOWN[:BREAKDOWN.index(("restore_began_unix_s", "log_setup_s"))])
 """The breakdown's components that start a new process (Ray Train's restart of the worker group, then
 imports, model and data load): the floor of a ``new_process`` recovery, counted as one."""

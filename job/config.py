@@ -36,7 +36,7 @@ WORKER_TARGETS = ("worker", "both")
 """The failure targets that kill a train worker, the only ones whose ``FailureSpec.how`` says how it dies."""
 DURABILITIES = ("process", "node", "cluster")
 STORAGE_CONSISTENCIES = ("fenced", "unfenced")
-"""Fault domains a step record survives before its update (``training.rank0_log``)."""
+"""Fault domains a step record survives before its update (``workers.rank0_log``)."""
 DEVICES = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """The parameter dtypes a ZO run may hold and perturb its weights in (``JobConfig.dtype``), by the name
@@ -70,11 +70,11 @@ class FailureSpec:
             ``persister`` (the snapshot persister actor is killed; the controller restarts it), or
             ``storage`` (the snapshot storage server is down for ``how`` seconds; needs a server the
             controller can stop, see ``Controller(storage_outage=...)``), or ``node`` (rank 0 takes down
-            its whole Ray node, raylet and every process, ``training.faults.take_down_node``; needs
+            its whole Ray node, raylet and every process, ``workers.faults.take_down_node``; needs
             another node for the workers, ``orchestrator.controller.check_node_failures``). A ``shadow`` failure kills
             every shard of a sharded shadow, or only shard ``how`` when it is a number (``12:shadow:1``).
         how: for ``worker`` and ``both``, how the worker dies: ``exit`` (``os._exit(1)``, the default),
-            ``raise`` (``training.faults.InjectedWorkerFailure``: the process survives; one worker restarts
+            ``raise`` (``workers.faults.InjectedWorkerFailure``: the process survives; one worker restarts
             in process, ``training.in_process``), ``sigkill``, or ``torn`` (rank 0 dies half-way through
             writing a step log record: a torn tail); for ``storage``, the outage in seconds (e.g. ``20``);
             for ``shadow``, the shard number, or None (every shard); None for the others, which have no
@@ -286,7 +286,7 @@ class FaultConfig:
     """Failures to inject (``FailureSpec``)."""
     settle_failures: bool = False
     """Before each injected failure, wait until the shadow has replayed every durable step and every
-    snapshot and background checkpoint handed on is committed (``training.faults``), so that which
+    snapshot and background checkpoint handed on is committed (``workers.faults``), so that which
     source serves a recovery depends on the failure steps alone, not on machine speed. For tests and
     reproducible failure experiments; a real failure does not wait, so the default is off."""
     max_shadow_restarts: int = 10
@@ -303,7 +303,7 @@ class FaultConfig:
     restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
     warm_standby: bool = False
     """ZO, one worker, CPU: the Ray Train worker supervises a step executor actor and keeps a second one
-    loaded and waiting (``training.standby``); when the executor's process dies, the standby takes over
+    loaded and waiting (``workers.standby``); when the executor's process dies, the standby takes over
     without a Ray Train restart. Each promotion counts against ``max_worker_failures``. Off by default:
     two more processes import torch and load the model at the start (``docs/recovery.md``)."""
     recovery_timeout_s: float = 600.0
@@ -540,7 +540,8 @@ class JobConfig:
         """Validate the injected failures against the run: its steps, strategy, shards and workers."""
         for f in self.faults.failures:
             if f.step >= self.steps:
-                raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1})")
+                raise ValueError(f"failure at step {f.step} is past the last step ({self.steps - 1}; --fail counts steps from 0, "
+                                 f"0..{self.steps - 1} for {self.steps} steps)")
             if f.target in ("shadow", "both") and not self.uses_shadow:
                 raise ValueError(f"failure {f.step}:{f.target} kills the shadow, which only strategy shadow has (this run: {self.strategy})")
             if f.shard is not None and f.shard >= self.shadow_shards:

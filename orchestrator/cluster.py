@@ -26,7 +26,7 @@ def connect(namespace: str, num_cpus: int, dashboard: bool = False, worker_logs:
     """Connect this driver to Ray; returns True when it started a local cluster itself.
 
     Inside ``ray job submit`` (``RAY_ADDRESS`` set) it joins that cluster; otherwise it starts one
-    with ``num_cpus`` CPUs. ``SIGTERM`` stays an interrupt where ``raycheck run`` made it one
+    with ``num_cpus`` CPUs; either way the output of the cluster's other processes stays in Ray's logs. ``SIGTERM`` stays an interrupt where ``raycheck run`` made it one
     (``orchestrator.signals``). ``RAY_TMPDIR`` defaults to ``/tmp/raycheck-ray``. ``worker_logs`` forwards
     the output of every Ray process to this terminal (noisy; errors reach the summary either way).
     """
@@ -36,12 +36,12 @@ def connect(namespace: str, num_cpus: int, dashboard: bool = False, worker_logs:
     if ray.is_initialized():
         return False
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    if joined:
-        ray.init(address="auto", namespace=namespace)
+    quiet = not logging.getLogger(__name__).isEnabledFor(logging.DEBUG)  # Ray's INFO lines ("Started a local Ray instance") with --verbose
+    level = logging.WARNING if quiet else logging.INFO
+    if joined:  # the workers' and actors' output stays in Ray's logs (ray job logs shows the driver's) unless worker_logs
+        ray.init(address="auto", namespace=namespace, log_to_driver=worker_logs, logging_level=level)
     else:
-        quiet = not logging.getLogger(__name__).isEnabledFor(logging.DEBUG)  # Ray's INFO lines ("Started a local Ray instance") with --verbose
-        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=dashboard, log_to_driver=worker_logs,
-                 logging_level=logging.WARNING if quiet else logging.INFO)
+        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=dashboard, log_to_driver=worker_logs, logging_level=level)
     reclaim_sigterm()  # ray.init's own SIGTERM handler exits without a summary
     return not joined
 

@@ -187,6 +187,7 @@ class RunConsole:
         self.total = 0
         self.recent: list[float] = []
         self._show_next = True
+        self._warm = False
 
     def __call__(self, line: str) -> None:
         if self.progress is not None:
@@ -195,7 +196,7 @@ class RunConsole:
             self.echo(line)
 
     def begin(self, total: int, done: int = 0) -> None:
-        self.total, self.recent, self._show_next = total, [], True
+        self.total, self.recent, self._show_next, self._warm = total, [], True, False
         if self.bar and self.progress is None:
             self.progress = Progress(TextColumn("steps"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -205,7 +206,9 @@ class RunConsole:
 
     def step(self, row: dict, shadow_lag: int | None = None) -> None:
         done = row["step"] + 1
-        self.recent = (self.recent + [row["step_seconds"]])[-10:]
+        if self._warm:  # a start's first step (imports, caches, allocator) says little of the rest: no ETA from it
+            self.recent = (self.recent + [row["step_seconds"]])[-10:]
+        self._warm = True
         info = (f"loss {row['loss']:.4f}  {row['step_seconds']:.2f} s/step  checkpoint stall "
                 f"{format_duration(row['checkpoint_block_seconds'])}" + ("" if shadow_lag is None else f"  shadow {shadow_lag} behind"))
         if self.progress is not None and self.task is not None:
@@ -214,7 +217,7 @@ class RunConsole:
         if self.verbose or not self.bar and (self._show_next or done % every == 0 or done == self.total):
             left = _mean(self.recent) * (self.total - done)
             self(f"step {done:>4}/{self.total}  {100 * done / max(1, self.total):3.0f}%  {info}"
-                 + (f"  ETA {format_duration(left)}" if done < self.total else ""))
+                 + (f"  ETA {format_duration(left)}" if self.recent and done < self.total else ""))
         self._show_next = False
 
     def event(self, event: dict, recovery_seconds: float | None = None) -> None:
@@ -224,7 +227,7 @@ class RunConsole:
         elif line is not None:
             self(line)
         if event["kind"] == "recovery":
-            self._show_next = True  # the first step after a restore has its line
+            self._show_next, self._warm = True, False  # the first step after a restore has its line, and no say in the ETA
 
     def end(self) -> None:
         if self.progress is not None:
@@ -343,7 +346,7 @@ def summary_table(summary: dict, printed: dict, out: object) -> list[str]:
 
     Args:
         summary: the run's ``summary.json`` dict.
-        printed: ``orchestrator.cli.printed_summary``'s block (for a failed run: ``logged_steps``, ``resume``).
+        printed: ``cli.main.printed_summary``'s block (for a failed run: ``logged_steps``, ``resume``).
         out: the run directory.
     """
     if not summary.get("ok"):

@@ -17,7 +17,7 @@ The step log's replica is the log keeper (``actors.log_keeper``), pinned to the 
 the run directory's ``steplog.bin``; it mirrors the log to remote storage and, on a resume whose run
 directory lost its log, starts from the segments there. The configuration is put in the run's
 storage too (``orchestrator.stored_config``), and the failures due before the durable step count
-as fired (``training.faults.fired_before``), so a driver with an empty run directory resumes from
+as fired (``workers.faults.fired_before``), so a driver with an empty run directory resumes from
 the storage alone (``raycheck run --resume --storage URI``). A keeper that dies fails the run
 (``LogKeeperFailedError``, with its summary): its file and rank 0's local log keep every step.
 
@@ -73,8 +73,8 @@ from raycheck.storage.backend import STORAGE_ENV, StorageError, StorageUnreachab
 from raycheck.storage.steplog import StepLogCorruptError, StepLogWriter, read_header, read_prefix, trajectory_tag
 from raycheck.storage.units import describe_units
 from raycheck.training.assets import ASSETS_KEY, Assets, read_assets, ship
-from raycheck.training.faults import PARTS, fired_before, marker
-from raycheck.training.model import is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
+from raycheck.workers.faults import PARTS, fired_before, marker
+from raycheck.training.model import default_cache_dir, is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from raycheck.training.node import this_node
 from raycheck.training.zo import GENERATOR, ZOHyper, check_dtype, check_generator, check_records
 
@@ -112,13 +112,13 @@ class ComponentStartError(RuntimeError):
 
 
 def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, fired: Collection[str] = ()) -> None:
-    """Refuse ``node`` failures (``training.faults.take_down_node``) still to fire on a cluster where the
+    """Refuse ``node`` failures (``workers.faults.take_down_node``) still to fire on a cluster where the
     run could not survive one: rank 0's node must not be the driver's (its loss would end the run), and
     after it is gone another node must host the train workers.
 
     Args:
         nodes: the alive nodes (``alive_nodes``); driver_node_id: the driver's node.
-        fired: the failure markers already claimed (``training.faults.marker``): a resumed run whose node
+        fired: the failure markers already claimed (``workers.faults.marker``): a resumed run whose node
             failure fired before is not refused for the node it took down.
 
     Raises:
@@ -573,11 +573,11 @@ class Controller:
 
     def _trainer(self) -> TorchTrainer:
         if self.cfg.algo == "fo":
-            from raycheck.training.fo_worker import train_loop_per_worker
+            from raycheck.workers.fo_worker import train_loop_per_worker
         elif self.cfg.faults.warm_standby:
-            from raycheck.training.standby import train_loop_per_worker
+            from raycheck.workers.standby import train_loop_per_worker
         else:
-            from raycheck.training.worker import train_loop_per_worker
+            from raycheck.workers.worker import train_loop_per_worker
         cfg = self.cfg
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
@@ -612,7 +612,8 @@ class Controller:
         """
         self.t_start = time.time()
         self.run_dir.root.mkdir(parents=True, exist_ok=True)
-        self.echo(f"[raycheck] preparing {self.cfg.model} (first use converts it once) in {self.run_dir.root}")
+        first_use = is_builtin(self.cfg.model) and not (pathlib.Path(self.cfg.cache_dir or default_cache_dir()) / self.cfg.model).is_dir()
+        self.echo(f"[raycheck] preparing {self.cfg.model}{' (converted once, on this first use)' if first_use else ''} in {self.run_dir.root}")
         prepare(self.cfg, self.run_dir)
         summary = None
         try:

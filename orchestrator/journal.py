@@ -4,7 +4,7 @@ waits until no actor of an earlier driver of the run is alive (``wait_for_previo
 
 A resumed driver starts a new journal (the old one died with the old driver) and seeds it with the
 failure markers its ``events.jsonl`` names (``claims_in``), then (once the log keeper tells the
-durable step) with those of every failure due before it (``training.faults.fired_before``: what a
+durable step) with those of every failure due before it (``workers.faults.fired_before``: what a
 run directory lost, e.g. a resume from the storage alone), so a failure that already fired does not
 fire again.
 """
@@ -73,7 +73,7 @@ def start_journal(cfg: JobConfig, claims: list[str]):
 
 def claims_in(events: list[dict]) -> list[str]:
     """The failure markers a run's events show as claimed (pure): the ``marker`` of each failure event
-    (``training.faults`` names in it the marker it claimed, or for a ``both`` failure's worker part the
+    (``workers.faults`` names in it the marker it claimed, or for a ``both`` failure's worker part the
     one the dying rank will claim: the driver may have died before it did)."""
     return [e["marker"] for e in events if e["kind"] == "failure" and "marker" in e]
 

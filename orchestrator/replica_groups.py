@@ -8,7 +8,7 @@ other workers keep their processes and go on. Ray ships one such backend, torchf
 torch.distributed process group per replica group (of one worker), and the run's step exchange
 (``actors.step_exchange``) created by the backend in Ray Train's controller process, as torchft's
 lighthouse is, so it lives exactly as long as the fit. The workers sum their losses and meet at
-barriers through it (``training.worker``).
+barriers through it (``workers.worker``).
 """
 
 from __future__ import annotations

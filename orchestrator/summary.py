@@ -73,7 +73,7 @@ STANDBY_BREAKDOWN = (
     ("unix_s", "replay_s"),
     ("first_step_unix_s", "first_step_s"),
 )
-"""The chain of a warm standby's promotion (``training.standby``; a ``recovery`` event with ``path``
+"""The chain of a warm standby's promotion (``workers.standby``; a ``recovery`` event with ``path``
 ``standby``): the standby's process, imports, model and data were loaded before the failure, and Ray Train
 never restarts anything. ``detection_s``: until the supervisor's wait on the dead executor raised;
 ``promotion_s``: the promotion's budget claim and event, and the standby's ``run`` call reaching it (or the
@@ -149,7 +149,7 @@ def recoveries(events: list[dict], executions: Sequence[dict] = ()) -> list[dict
 
     ``path`` (when the event names it): ``new_process`` (Ray Train started a replacement worker),
     ``in_process`` (the worker's process rolled back and went on, ``training.in_process``) or ``standby``
-    (a warm standby executor took over from a dead one, ``training.standby``).
+    (a warm standby executor took over from a dead one, ``workers.standby``).
 
     For a recovery whose event carries the worker's stamps, also ``breakdown`` (``breakdown``: the
     component seconds, from the ``worker_group`` event of its group, its own stamps and the first
@@ -440,7 +440,8 @@ SUMMARY_FIELDS: dict[str, str] = {
     "snapshot_policy": "``fixed`` or ``adaptive`` (``--snapshot-policy``).",
     "storage_consistency": "``fenced``, or ``unfenced`` when ``--storage-consistency unfenced`` accepted a store without "
                            "conditional writes.",
-    "wall_seconds": "The driver's wall time from its start to the summary.",
+    "wall_seconds": "The driver's wall time from its start to the summary, seconds (the failure-free reference that "
+                    "``--verify`` runs afterwards not included: its own summary has its time).",
     "trajectory_sha256": "Hash of the settings that determine the trajectory (``job.config.JobConfig.trajectory_sha256``).",
     "placement": "Where each component ran: the policy, the driver, the persister, the shadow shards and the workers, "
                  "each with ``node_id`` and ``node_ip``.",

@@ -137,7 +137,7 @@ class Replanner:
         moved = abs(candidate - self.interval_steps) / self.interval_steps
         if moved <= self.threshold or step - self.last_change_step < self.cooldown_steps:
             return Decision(interval_steps=self.interval_steps)
-        reason = f"optimum moved {moved:.0%} (> {self.threshold:.0%}): {self.interval_steps} -> {candidate} steps"
+        reason = f"the optimum moved {moved:.0%} (more than {self.threshold:.0%})"
         record = self._record(step, self.interval_steps, candidate, costs, reason)
         self.interval_steps, self.last_change_step = candidate, step
         return Decision(interval_steps=candidate, record=record)

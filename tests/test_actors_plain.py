@@ -26,7 +26,7 @@ def record(step: int) -> StepRecord:
 
 
 def worker_step_(params, r: StepRecord) -> None:
-    """Step ``r`` as the worker executes it (training/worker.py): +eps and -2 eps over all parameters
+    """Step ``r`` as the worker executes it (workers/worker.py): +eps and -2 eps over all parameters
     phase by phase, then the reset and the update in one pass, z regenerated for each pass."""
     for scale in (r.eps, -2 * r.eps):
         perturb_all_(params, r.seed, scale)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import raycheck.orchestrator.api
 from raycheck.job.config import JobConfig
 from raycheck.orchestrator.api import job_config
-from raycheck.orchestrator.cli import app, option
+from raycheck.cli.main import app, option
 
 NOT_FIELDS = {
     "overwrite": "what to do with an existing run directory, not part of the run",

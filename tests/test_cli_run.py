@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import ResumeMismatchError, prepare
 from raycheck.training.model import default_cache_dir
 
@@ -338,7 +338,7 @@ def test_an_out_under_a_file_is_refused_in_one_line(tmp_path):
 def test_resume_takes_the_restart_budgets_given_on_the_command_line_and_warns_about_the_rest(tmp_path):
     """The restart budgets are not part of the trajectory: given with ``--resume`` they replace the
     saved ones (a notice each); any other option given is named in one warning line and ignored."""
-    from raycheck.orchestrator.cli import resume_config
+    from raycheck.cli.main import resume_config
 
     saved = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, faults={"max_persister_restarts": 1})
     cfg, notes = resume_config(saved, {"out": tmp_path, "resume": True, "max_persister_restarts": 5, "max_shadow_restarts": 10,
@@ -571,7 +571,7 @@ def test_the_raycheck_command_ends_an_interrupt_with_130_before_ray_s_exit_hook(
     import logging
     import types
 
-    import raycheck.orchestrator.cli as cli
+    import raycheck.cli.main as cli
 
     calls: list[str] = []
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from conftest import make_bucket
 from raycheck.job.config import JobConfig, StorageConfig
 from raycheck.orchestrator.api import check_job
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.storage.backend import PreconditionFailedError, Storage, StorageConsistencyError
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.training.model import default_cache_dir

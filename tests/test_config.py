@@ -103,7 +103,7 @@ def test_failures_and_strategies_that_do_not_fit_are_refused_up_front():
 def test_a_storage_failure_is_refused_before_an_existing_run_is_touched(tmp_path):
     from typer.testing import CliRunner
 
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     out = tmp_path / "run"
     out.mkdir()
@@ -181,7 +181,7 @@ def test_a_config_in_the_flat_form_of_an_older_raycheck_is_refused_in_one_line(t
     assert str(err.value).startswith("configuration written by an older raycheck") and "\n" not in str(err.value)
     from typer.testing import CliRunner
 
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     out = tmp_path / "run"
     out.mkdir()
@@ -205,7 +205,7 @@ NONSENSE = [
     (["--lr", "-0.001"], "error: --lr must be a finite number > 0, got -0.001"),
     (["--eps", "0"], "error: --eps must be a finite number > 0, got 0.0"),
     (["--workers", "2", "--fail", "3:worker:torn"], "error: failure 3:worker:torn tears rank 0's step-log append"),
-    (["--fail", "99"], "error: failure at step 99 is past the last step (7)"),
+    (["--fail", "99"], "error: failure at step 99 is past the last step (7; --fail counts steps from 0, 0..7 for 8 steps)"),
 ]
 
 
@@ -214,7 +214,7 @@ def test_the_cli_refuses_nonsense_with_one_line_and_exit_2_touching_nothing(tmp_
     import ray
     from typer.testing import CliRunner
 
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     existing = tmp_path / "existing"
     existing.mkdir()

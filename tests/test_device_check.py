@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from raycheck.job.config import JobConfig
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.cluster import shadow_actor_options
 from raycheck.storage.backend import storage_env
 

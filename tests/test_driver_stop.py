@@ -39,7 +39,7 @@ def child_env():
 
 
 def raycheck(env: dict, *args: str) -> list[str]:
-    return [sys.executable, "-m", "raycheck.orchestrator.cli", "run", *args]
+    return [sys.executable, "-m", "raycheck.cli", "run", *args]
 
 
 def test_sigterm_leaves_a_summary_and_the_resumed_run_keeps_its_planner_and_is_exact(tmp_path, child_env):

@@ -17,16 +17,16 @@ from raycheck.experiments.dtype_residue import main as residue_main
 from raycheck.experiments.dtype_residue import round_trip_residue, step_memory_bytes
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import prepare
-from raycheck.orchestrator.replay_cli import LoggedRun, initial_params
+from raycheck.cli.replay import LoggedRun, initial_params
 from raycheck.storage.manifest import layout_of
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotStore
 from raycheck.storage.steplog import StepLogWriter
 from raycheck.training.model import default_cache_dir, layout_sha256, load_model, parameter_layout, trainable_parameters
-from raycheck.training.recovery import from_storage
+from raycheck.workers.recovery import from_storage
 from raycheck.training.state import copy_state, load_into, state_sha256
-from raycheck.training.worker import zo_step_
+from raycheck.workers.worker import zo_step_
 from raycheck.training.zo import (DTYPES, GENERATOR, DtypeMismatchError, ZOHyper, noise, perturb_, replay_records_, step_seed,
                                   update_)
 

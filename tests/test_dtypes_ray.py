@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from test_end_to_end import cluster  # noqa: F401  (the module's local Ray cluster)
 from test_own_model_data import write_rows
 

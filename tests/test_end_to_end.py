@@ -22,7 +22,7 @@ from conftest import free_port, make_bucket
 from raycheck.experiments.s3_server import LocalS3Server
 from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import Controller
 from raycheck.orchestrator.schedule import failure_schedule, parse_schedule
 from raycheck.orchestrator.summary import BREAKDOWN, IN_PROCESS_BREAKDOWN, STANDBY_BREAKDOWN
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 OUTAGE_S = 20.0  # long enough for the breaker to open (three failed operations of about 4 s each)
 SEED, POISSON_MTBF_STEPS = 53, 4.0  # poisson:4 over 12 steps with this seed fails at steps 0 and 11
 
-# Failures hit a settled run (training/faults.py): a worker failure waits for a live shadow, a shadow
+# Failures hit a settled run (workers/faults.py): a worker failure waits for a live shadow, a shadow
 # kill or a corrupted snapshot for the shadow to have replayed every durable step and for its
 # snapshots to be committed. So each recovery's source and base below follow from the failure steps.
 
@@ -206,7 +206,7 @@ def test_poisson_schedule_of_failures_is_exact(workers, reference):
 
 
 def test_shadow_kill_storage_fallback_and_torn_tail_are_exact(reference, tmp_path_factory):
-    """With a warm standby (``training.standby``): step 2: the worker's executor process exits, the
+    """With a warm standby (``workers.standby``): step 2: the worker's executor process exits, the
     standby takes over from the shadow's image. Step 4: the shadow dies once its snapshot of step 3 is
     committed; its restart starts there. Step 8: the shadow dies once the snapshot of step 6 is
     committed, then rank 0 dies half-way through the log append of step 8: the torn tail is cut, and

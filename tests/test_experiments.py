@@ -131,7 +131,7 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
 def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
     from typer.testing import CliRunner
 
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     result = CliRunner().invoke(app, ["experiment", "--failure-kind", "sigkill", "--out", str(tmp_path)])
     assert result.exit_code == 2 and result.output.startswith("error: --failure-kind 'sigkill': choose from exit, raise")
@@ -157,7 +157,7 @@ def test_experiment_cli_never_empties_a_folder_it_did_not_write_and_replaces_res
 
     import raycheck.experiments.harness as harness
     import raycheck.orchestrator.cluster as cluster
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     started = []
     monkeypatch.setattr(harness, "run_experiment", lambda preset, out, *args, **kwargs: started.append(out))
@@ -271,7 +271,7 @@ def test_fo_row_sums_bytes_over_incarnations_and_measures_the_loss_deviation_aft
 def test_experiment_cli_refuses_a_zo_strategy_with_algo_fo_in_one_line(tmp_path):
     from typer.testing import CliRunner
 
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     result = CliRunner().invoke(app, ["experiment", "--algo", "fo", "--strategy", "layerwise", "--strategy", "shadow",
                                       "--out", str(tmp_path)])

@@ -2,7 +2,7 @@
 differential checkpoints, with the full-state baselines and with overlapped snapshots recovers bitwise; a merged checkpoint
 resumes and layer-wise recovery works.
 
-Failures hit a settled run (training/faults.py): every rank waits until rank 0's background
+Failures hit a settled run (workers/faults.py): every rank waits until rank 0's background
 checkpoint writes are committed before the failing rank dies, so what each recovery restores
 follows from the failure step."""
 

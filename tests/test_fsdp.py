@@ -26,7 +26,7 @@ import typer
 
 from conftest import free_port
 from raycheck.job.config import JobConfig
-from raycheck.orchestrator.cli import resume_config
+from raycheck.cli.main import resume_config
 from raycheck.storage.backend import Storage, StorageError
 from raycheck.storage.dcp_store import ShardedStore
 from raycheck.storage.manifest import RunIdentity

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raycheck.job.config import FailureSpec, JobConfig
-from raycheck.orchestrator.cli import resume_config
+from raycheck.cli.main import resume_config
 from raycheck.orchestrator.controller import Controller
 from test_fo_ray import cluster  # noqa: F401 (the fixture: a local Ray cluster for this module)
 from raycheck.training.model import default_cache_dir

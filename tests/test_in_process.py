@@ -1,5 +1,5 @@
 """The in-process restart's decision (``training.in_process.decide``, every branch) and its restore from
-weights that are not the initial ones (``training.recovery.restore``'s ``initial``), without Ray."""
+weights that are not the initial ones (``workers.recovery.restore``'s ``initial``), without Ray."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 
 from raycheck.job.config import JobConfig
 from raycheck.storage.steplog import StepLogCorruptError, StepLogWriter, StepRecord
-from raycheck.training.faults import InjectedWorkerFailure
+from raycheck.workers.faults import InjectedWorkerFailure
 from raycheck.training.in_process import StepFailure, decide
 from raycheck.training.model import layout_sha256, parameter_layout
-from raycheck.training.recovery import restore
+from raycheck.workers.recovery import restore
 from raycheck.training.state import state_sha256
 from raycheck.training.zo import GENERATOR, step_seed
 

@@ -1,37 +1,27 @@
 """The layers' import direction (``docs/architecture.md``, "Layers"), checked without Ray: every import
-of every module of the seven packages, at module level or inside a function (``TYPE_CHECKING`` blocks
-included), read with ``ast``. No module imports a layer above its own: there is no list of exceptions.
-
-A module's layer is that of the longest pattern in ``RANK`` that names it or a package above it, so a
-package's layer holds for each of its modules except those that a longer pattern places elsewhere: the
-Ray Train worker modules of ``training`` sit above ``actors`` (they use the actors' clients, the actors
-use ``training``'s algorithm core), and the command line (``orchestrator.cli`` and the ``*_cli`` modules
-beside it) sits on top (it composes everything, ``experiments`` included)."""
+of every module of the nine packages, at module level or inside a function (``TYPE_CHECKING`` blocks
+included), read with ``ast``. A package is one layer: the order below is by folder alone, with no module
+placed apart and no list of exceptions, and no module imports a layer above its own."""
 
 from __future__ import annotations
 
 import ast
-import fnmatch
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKERS = ("training.worker", "training.fo_worker", "training.standby", "training.recovery", "training.faults", "training.worker_env",
-           "training.rank0_log")
-"""What the Ray Train workers run: the train loops and the modules through which they reach the actors."""
-RANK = {"storage": 0, "policies": 0, "job": 1, "training": 2, "actors": 3, **dict.fromkeys(WORKERS, 4),
-        "orchestrator": 5, "experiments": 6, "orchestrator.cli": 7, "orchestrator.*_cli": 7}
-"""Layer of each package or module pattern (``fnmatch``), lowest first; equal layers are peers."""
-PACKAGES = sorted({pattern.split(".")[0] for pattern in RANK})
+RANK = {"storage": 0, "policies": 0, "job": 1, "training": 2, "actors": 3, "workers": 4, "orchestrator": 5, "experiments": 6,
+        "cli": 7}
+"""Layer of each package (folder), lowest first; equal layers are peers. ``training`` is the algorithm core, the
+actors use it, the workers use the actors' clients, the orchestrator starts both, the experiments drive the
+orchestrator and the command line composes everything."""
+PACKAGES = sorted(RANK)
 
 
 def rank(module: str) -> int:
-    """The layer of ``module``: that of the longest ``RANK`` pattern matching it or a package above it;
-    -1 for a module outside the packages (the standard library, third parties)."""
-    module = module.removeprefix("raycheck.")  # the installed name of each package (``raycheck/__init__.py``)
-    parents = [".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)]
-    matching = [p for p in RANK if any(fnmatch.fnmatchcase(name, p) for name in parents)]
-    return RANK[max(matching, key=len)] if matching else -1
+    """The layer of ``module``: that of its package; -1 for a module outside the packages (the standard
+    library, third parties)."""
+    return RANK.get(module.removeprefix("raycheck.").split(".")[0], -1)  # the installed name of each package (``raycheck/__init__.py``)
 
 
 def imported(source: str) -> set[str]:
@@ -68,10 +58,10 @@ def test_the_parser_sees_imports_at_module_level_and_inside_functions():
     assert imported(source) == {"os", "storage.units", "actors.shards", "training.state", "orchestrator.cluster"}
 
 
-def test_a_module_takes_the_layer_of_its_longest_pattern():
-    assert [rank(m) for m in ("storage.steplog", "policies.models", "job.config", "training.zo", "training.worker_env",
-                              "actors.shadow", "training.worker", "orchestrator.controller", "experiments.harness",
-                              "orchestrator.replay_cli", "orchestrator.cli", "os", "ray.train")] == \
+def test_a_module_takes_the_layer_of_its_folder():
+    assert [rank(m) for m in ("storage.steplog", "policies.models", "job.config", "training.zo", "workers.worker_env",
+                              "actors.shadow", "workers.worker", "orchestrator.controller", "experiments.harness",
+                              "cli.replay", "raycheck.cli.main", "os", "ray.train")] == \
         [0, 0, 1, 2, 4, 3, 4, 5, 6, 7, 7, -1, -1]
 
 
@@ -79,19 +69,19 @@ def test_an_upward_import_is_found_even_inside_a_function():
     sources = {
         "job.config": "def f():\n    from training.data import PROMPT\n",       # job above training: no
         "training.zo": "from actors.shadow import ShadowSpec\n",               # training's core above actors: no
-        "training.recovery": "from actors.journal import RunChannel\n",         # a worker module: yes
-        "actors.shadow": "import training.faults\nfrom training.zo import noise\n",
-        "orchestrator.controller": "from orchestrator.cli import app\nfrom orchestrator.cluster import connect\n",
-        "orchestrator.experiment_cli": "from experiments.harness import PRESETS\n",
+        "workers.recovery": "from actors.journal import RunChannel\n",          # workers above actors: no
+        "actors.shadow": "import workers.faults\nfrom training.zo import noise\n",
+        "orchestrator.controller": "from cli.main import app\nfrom orchestrator.cluster import connect\n",
+        "cli.experiment": "from experiments.harness import PRESETS\n",
         "storage.snapshots": "from policies.interval import SnapshotSchedule\n",  # peers
     }
     assert upward(sources) == {("job.config", "training.data"), ("training.zo", "actors.shadow"),
-                               ("actors.shadow", "training.faults"), ("orchestrator.controller", "orchestrator.cli")}
+                               ("actors.shadow", "workers.faults"), ("orchestrator.controller", "cli.main")}
 
 
 def test_no_module_imports_a_layer_above_its_own():
     sources = package_sources()
-    assert {"job.config", "training.worker", "orchestrator.cli"} <= sources.keys()
+    assert {"job.config", "workers.worker", "cli.main"} <= sources.keys()
     assert sorted(upward(sources)) == [], "an upward import: import downward (docs/architecture.md, Layers)"
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from raycheck.orchestrator.storage_cli import listing, rehash
+from raycheck.cli.storage import listing, rehash
 from raycheck.storage.backend import Storage
 from raycheck.storage.snapshots import MANIFEST, SnapshotStore
 

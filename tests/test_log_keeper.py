@@ -1,5 +1,5 @@
 """The log keeper (the step log's replica, ``actors.log_keeper``) and rank 0's side of it
-(``training.rank0_log``), without Ray: real files, a real moto bucket for the segments."""
+(``workers.rank0_log``), without Ray: real files, a real moto bucket for the segments."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from raycheck.actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, LogKeeper, read_range
 from conftest import make_bucket
 from raycheck.job.config import JobConfig
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import Controller, reference_config
 from raycheck.orchestrator.summary import durability
 from raycheck.storage.backend import Storage, StorageUnavailableError
@@ -32,7 +32,7 @@ from raycheck.storage.steplog import (
     read_records,
 )
 from raycheck.training.model import default_cache_dir
-from raycheck.training.rank0_log import KeeperSender, KeeperUnreachableError, open_local_log, replicated_append
+from raycheck.workers.rank0_log import KeeperSender, KeeperUnreachableError, open_local_log, replicated_append
 from raycheck.training.zo import ZOHyper, step_seed
 
 SEED = 7

@@ -14,7 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from raycheck.orchestrator.merge_cli import merge as merge_command
+from raycheck.cli.merge import merge as merge_command
 from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, StorageError
 from raycheck.storage.merge import (
     MergeError,
@@ -378,7 +378,7 @@ def test_an_export_into_the_model_cache_is_refused_in_one_line_and_writes_nothin
     would be deleted by the next first use of its name as a model (``training.model._build_once`` removes
     a folder without ``DONE``): the export is refused with one line and exit 2, before the merge makes
     its output store, and neither the export folder nor the store is created."""
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     root, _, _, _ = tiny_stores
     in_use = tmp_path / "cache"

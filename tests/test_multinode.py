@@ -21,7 +21,7 @@ from cluster import SPARE_GPU_NODE, mount_namespace
 from conftest import make_bucket
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.cluster import alive_nodes, plan_placement
 from raycheck.orchestrator.controller import start_persister
 from raycheck.orchestrator.summary import recoveries as summary_recoveries
@@ -132,7 +132,7 @@ def test_a_submitted_job_survives_a_worker_a_shadow_and_rank_0s_node_and_resumes
     job_id = f"rc-{uuid.uuid4().hex[:8]}"
     submit = ray_job_submit(three_nodes, "--no-wait", "--submission-id", job_id, "--working-dir", str(REPO),
                             "--runtime-env-json", json.dumps({"env_vars": {"RAYCHECK_TEST_HOLD_AT_STEP": "7"}}), "--",
-                            "python", "-m", "raycheck.orchestrator.cli", "run", "--model", "tiny", "--steps", "10", "--eval-samples", "0",
+                            "python", "-m", "raycheck.cli", "run", "--model", "tiny", "--steps", "10", "--eval-samples", "0",
                             "--fail", "2:worker", "--fail", "4:shadow", "--fail", "5:node", "--settle-failures",
                             "--durability", "node", "--snapshot-every", "3", "--storage", uri, "--s3-endpoint", s3_endpoint,
                             *placement, "--out", str(out))

@@ -1,5 +1,5 @@
 """``--fail STEP:node`` without a cluster: parsing, the refusals, and which processes count as rank 0's
-node (``training.faults.node_processes``, on real process trees; the run itself is in
+node (``workers.faults.node_processes``, on real process trees; the run itself is in
 ``tests/test_multinode.py``)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.orchestrator.cluster import Node
 from raycheck.orchestrator.controller import check_node_failures
-from raycheck.training.faults import node_processes
+from raycheck.workers.faults import node_processes
 
 HEAD = Node("head", "10.0.0.1", {"driver": 1.0})
 GPU_A = Node("gpu-a", "10.0.0.2", {"CPU": 2.0, "train": 2.0})

@@ -19,12 +19,12 @@ from typer.testing import CliRunner
 from raycheck.actors.shadow import ShadowReplayer
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import prepare
 from raycheck.storage.steplog import StepLogWriter, StepRecord
 from raycheck.training import noise, zo
 from raycheck.training.model import default_cache_dir, layout_sha256, parameter_layout
-from raycheck.training.recovery import from_storage
+from raycheck.workers.recovery import from_storage
 from raycheck.training.zo import GENERATOR, GeneratorMismatchError, check_generator, step_seed
 from raycheck.training.zo import noise as zo_noise
 
@@ -262,7 +262,7 @@ def test_a_restore_before_any_logged_step_replays_nothing_when_no_copy_of_the_lo
         def __init__(self, *args) -> None:
             raise ValueError("no keeper registered")
 
-    monkeypatch.setattr("raycheck.training.recovery.RemoteKeeper", NoKeeper)
+    monkeypatch.setattr("raycheck.workers.recovery.RemoteKeeper", NoKeeper)
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), storage={"uri": f"memory://{tmp_path.name}"})
     params = _params()
     result = from_storage(params, cfg, None, 0)

@@ -2,7 +2,7 @@
 unit-sharded snapshots, the shadow's replay, ``raycheck replay`` (with ``--export-hf``), ``raycheck
 merge --export-hf --model FOLDER``, and a replay refused once the folder's weights changed.
 
-The run is made by the worker's own step (``training.worker.zo_step_``) on a JSONL classification file
+The run is made by the worker's own step (``workers.worker.zo_step_``) on a JSONL classification file
 loaded as the driver loads it (``training.assets.read_assets``)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from raycheck.actors.shadow import ShadowReplayer
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.api import job_config
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import prepare
 from raycheck.storage.steplog import StepLogWriter, read_header
 from test_own_model_data import gpt2_folder, reviews, write_rows
@@ -25,7 +25,7 @@ from raycheck.training.assets import read_assets
 from raycheck.training.data import make_encoder
 from raycheck.training.model import load_model, load_tokenizer, trainable_parameters
 from raycheck.training.state import copy_state, state_sha256
-from raycheck.training.worker import timed_append, zo_step_
+from raycheck.workers.worker import timed_append, zo_step_
 from raycheck.training.zo import ZOHyper
 
 STEPS, SNAPSHOT_STEP = 4, 2

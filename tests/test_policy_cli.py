@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from raycheck.orchestrator.console import format_duration
-from raycheck.orchestrator.policy_cli import app, parse_duration
+from raycheck.cli.policy import app, parse_duration
 from raycheck.policies.costs import MeasuredCosts
 from raycheck.policies.models import Strategy, optimal_interval_steps, waste_shadow
 

@@ -1,6 +1,6 @@
 """``raycheck replay``: any logged step rebuilt bitwise, also under other CPU kernels; clear refusals.
 
-The run is made without Ray by the worker's own step (``training.worker.zo_step_``) on the tiny model,
+The run is made without Ray by the worker's own step (``workers.worker.zo_step_``) on the tiny model,
 with the machine's best CPU kernels, its step log written by ``StepLogWriter`` and a snapshot of step 3
 committed with the run's identity, as the persister does. Its state sha256 after every step is what
 the replay must reproduce.
@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import prepare
 from raycheck.storage.backend import Storage
 from raycheck.storage.log_segments import SegmentMirror
@@ -35,7 +35,7 @@ from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, read_log
 from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
 from raycheck.training.state import copy_state, state_sha256
-from raycheck.training.worker import timed_append, zo_step_
+from raycheck.workers.worker import timed_append, zo_step_
 from raycheck.training.zo import ZOHyper, step_seed
 
 STEPS, SNAPSHOT_STEP = 6, 3
@@ -91,7 +91,7 @@ def test_replay_under_the_default_cpu_kernels_prints_the_worker_s_sha256(made):
     ATEN_CPU_CAPABILITY=default and numba's generic CPU target, in its own process."""
     run, hashes = made
     probe = ("import sys, torch; print('capability', torch.backends.cpu.get_cpu_capability()); "
-             "from orchestrator.cli import app; sys.argv = ['raycheck', 'replay', *sys.argv[1:]]; app()")
+             "from cli.main import app; sys.argv = ['raycheck', 'replay', *sys.argv[1:]]; app()")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "NUMBA_CPU_NAME": "generic",
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", probe, str(run), "--step", "5"], env=env, capture_output=True, text=True,

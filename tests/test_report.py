@@ -293,7 +293,7 @@ def test_the_step_log_under_snapshot_load_is_our_mean_append_over_the_log_only_m
     assert rt.append_inflation([runs[0], {**runs[3], "durability": "node"}]) is None  # levels differ: not comparable
     assert rt.append_inflation([runs[0], {**runs[3], "durability": "process"}])["ratio"] == pytest.approx(3.0)
     report = rp.main([str(write(tmp_path, runs, standard_recoveries())), "--mtbf-s", "600", "--seeds", "3"])
-    line = ("The step log under snapshot load (issue 10): our mean append at durability process, while the shadow's snapshots were written to "
+    line = ("The step log under snapshot load: our mean append at durability process, while the shadow's snapshots were written to "
             "the same disk, 0.24 ms; the log-only run's median (no snapshots, the same durability) 0.08 ms: 3x the "
             "quiet (log-only) median (target <= 2x: missed).")
     assert line in capsys.readouterr().out and line in report.files["report"].read_text()
@@ -336,7 +336,7 @@ def test_experiment_report_only_rebuilds_the_report_from_existing_results(tmp_pa
     """``raycheck experiment --report-only``: no run, no Ray; the report comes from the Parquet files in --out."""
     from typer.testing import CliRunner
 
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     runner = CliRunner()
     result = runner.invoke(app, ["experiment", "--report-only", "--out", str(tmp_path)])

@@ -24,7 +24,7 @@ from raycheck.actors.persister import PersisterActor
 from conftest import free_port, make_bucket
 from raycheck.experiments.s3_server import LocalS3Server
 from raycheck.job.config import JobConfig
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.control import within_budget
 from raycheck.orchestrator.controller import Controller, PersisterFailedError
 from raycheck.storage.backend import RetryPolicy, Storage, StorageUnreachableError

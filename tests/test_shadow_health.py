@@ -73,7 +73,7 @@ def test_the_driver_writes_a_failed_summary_and_exits_non_zero_when_the_run_rais
     from typer.testing import CliRunner
 
     import raycheck.orchestrator.controller
-    from raycheck.orchestrator.cli import app
+    from raycheck.cli.main import app
 
     def cluster_fails(*args, **kwargs):
         raise RuntimeError("injected: the cluster did not start")

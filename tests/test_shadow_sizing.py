@@ -8,8 +8,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from raycheck.orchestrator.cli import app
-from raycheck.orchestrator.policy_cli import parse_count
+from raycheck.cli.main import app
+from raycheck.cli.policy import parse_count
 from raycheck.policies.shadow_sizing import ReplayThroughput, cores_to_keep_up, lag_replay_s, shadow_replay_step_s
 
 SMOLLM2 = ReplayThroughput(elements=134_515_008, elements_per_s_per_core=150e6)

@@ -36,7 +36,7 @@ def test_smollm2_worker_failure_recovers_bitwise_equal_to_the_failure_free_run(t
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "RAY_TMPDIR": ray_tmpdir}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "raycheck.orchestrator.cli", "run", "--model", "smollm2-135m", "--steps", str(STEPS),
+    cmd = [sys.executable, "-m", "raycheck.cli", "run", "--model", "smollm2-135m", "--steps", str(STEPS),
            "--batch-size", "4", "--seq-len", "32", "--lr", "1e-4", "--fail", f"{FAILURE_STEP}:worker",
            "--snapshot-every", "2", "--hash-every", "1", "--eval-samples", "0", "--verify", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)

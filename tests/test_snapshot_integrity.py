@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from raycheck.actors.persister import SnapshotPersister
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.storage.backend import PreconditionFailedError, RetryPolicy, Storage, StorageError
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.manifest import RunIdentity, layout_of, layout_sha256

@@ -121,8 +121,8 @@ def test_a_layerwise_check_due_while_the_writer_is_busy_is_postponed_not_waited_
 
 
 def test_full_sync_blocks_until_each_checkpoint_is_committed_and_resumes_bitwise(encoder, data, tmp_path):
-    """``FullCheckpointer(asynchronous=False)``, what strategy full-sync runs (``training.worker``,
-    ``training.fo_worker``; the full-async case runs end to end through Ray in ``tests/test_fo_ray.py``): a
+    """``FullCheckpointer(asynchronous=False)``, what strategy full-sync runs (``workers.worker``,
+    ``workers.fo_worker``; the full-async case runs end to end through Ray in ``tests/test_fo_ray.py``): a
     checkpoint every 2 steps is committed, listed in the store, before ``after_step`` returns; the loop's
     stall is at least the write; a resume from each checkpoint reaches the uninterrupted state bitwise."""
     store = SnapshotStore(str(tmp_path), keep_last=100)

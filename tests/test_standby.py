@@ -1,4 +1,4 @@
-"""The warm standby's decisions without Ray (``training.standby``): when it applies, how the supervisor
+"""The warm standby's decisions without Ray (``workers.standby``): when it applies, how the supervisor
 promotes a standby, and the budget that ends a run whose executor keeps dying. The promotion through real
 Ray actors: ``tests/test_end_to_end.py`` (the ``shadow`` run)."""
 
@@ -9,7 +9,7 @@ from ray.exceptions import ActorDiedError
 
 from raycheck.job.config import JobConfig
 from raycheck.policies.budgets import within_budget
-from raycheck.training.standby import StandbyBudgetSpentError, supervise
+from raycheck.workers.standby import StandbyBudgetSpentError, supervise
 
 
 @pytest.mark.parametrize("kw, named", [

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from conftest import free_port
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import prepare
 from raycheck.storage.backend import Storage, StorageCredentialsError
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore

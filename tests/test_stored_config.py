@@ -14,13 +14,13 @@ from typer.testing import CliRunner
 from conftest import free_port, make_bucket
 from raycheck.job.config import FailureSpec, JobConfig, default_scratch_dir
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import prepare
 from raycheck.orchestrator.stored_config import CONFIG_OBJECT, StoredConfigError, load_config, save_config
 from raycheck.storage.backend import Storage
 from raycheck.storage.log_segments import SegmentMirror
 from raycheck.storage.steplog import StepLogWriter, StepRecord
-from raycheck.training.faults import fired_before
+from raycheck.workers.faults import fired_before
 from raycheck.training.model import default_cache_dir
 
 SECRET = "s3cret-" + uuid.uuid4().hex

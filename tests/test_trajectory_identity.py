@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from raycheck.actors.log_keeper import LogKeeper
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.cli import app
+from raycheck.cli.main import app
 from raycheck.orchestrator.controller import check_resumed_log, prepare
 from raycheck.storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogForeignError, StepLogWriter, StepRecord, read_log, read_prefix, trajectory_tag
 from raycheck.training.model import default_cache_dir

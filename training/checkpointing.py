@@ -35,8 +35,8 @@ from raycheck.training.state import copy_into
 
 @runtime_checkable
 class Checkpointer(Protocol):
-    """What a training loop calls on its checkpointer (``training.fo_worker``; the ZO full-state
-    baselines of ``training.worker``): ``FullCheckpointer`` (and ``training.sharded.ShardedCheckpointer``),
+    """What a training loop calls on its checkpointer (``workers.fo_worker``; the ZO full-state
+    baselines of ``workers.worker``): ``FullCheckpointer`` (and ``training.sharded.ShardedCheckpointer``),
     ``training.layerwise.LayerwiseCheckpointer``, ``training.differential.DiffCheckpointer`` and
     ``training.overlapped.OverlappedCheckpointer`` implement it (structurally: none inherits from it).
     """

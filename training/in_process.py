@@ -1,8 +1,8 @@
 """In-process restart of a single ZO worker: whether a step that raised is rolled back in the process.
 
 When a step raises and the process is still alive (a transient runtime error, a data error, an injected
-``worker:raise``), the train function (``training.worker``) need not die: it rolls back to the freshest
-complete state with the same restore a replacement worker runs (``training.recovery.restore``), reusing
+``worker:raise``), the train function (``workers.worker``) need not die: it rolls back to the freshest
+complete state with the same restore a replacement worker runs (``workers.recovery.restore``), reusing
 its loaded model, tokenizer, data, step log writer and Ray actor handles, and re-executes the step. No
 Ray Train restart, no new process, no imports: ``docs/recovery.md`` measures what that saves.
 
@@ -12,7 +12,7 @@ of iterations; faults that leave the process unusable need a process restart, it
 torchft (Meta, PyTorch fault tolerance): a failed step of a replica group is discarded and training goes
 on in the same process from a healthy state ("the process survives"), the job is not restarted.
 
-This module is the decision alone (pure, ``decide``); the rollback is in ``training.worker``.
+This module is the decision alone (pure, ``decide``); the rollback is in ``workers.worker``.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def _hf_cache_snapshot(model: str) -> pathlib.Path:
         return pathlib.Path(snapshot_download(model, local_files_only=True))
     except Exception as exc:  # HFValidationError (not an id), LocalEntryNotFoundError (not cached)
         raise ValueError(f"model {model!r} is not a built-in name ({', '.join(MODEL_NAMES)}), not a folder, and not in "
-                         f"the local Hugging Face cache ({type(exc).__name__}); nothing is downloaded: give a model folder "
+                         f"the local Hugging Face cache; nothing is downloaded: give a model folder "
                          f"or fetch it first (huggingface-cli download {model})") from exc
 
 

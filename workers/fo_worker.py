@@ -17,7 +17,7 @@ rank runs the checkpointer (full-sync / full-async, each writing its rows throug
 restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
 
 Restore at start (after a failure, or when the storage already holds a checkpoint, e.g. a merged
-one): the newest committed checkpoint (``training.recovery.from_storage``; for ``differential``
+one): the newest committed checkpoint (``workers.recovery.from_storage``; for ``differential``
 followed by the replay of the committed records after it). Steps after the durable point are
 recomputed with the same batches, so exact strategies rejoin the failure-free trajectory bit for bit.
 """
@@ -33,13 +33,13 @@ from raycheck.training import sharded as sharded_fo
 from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
 from raycheck.training.data import PromptEncoder, batch_indices
 from raycheck.training.differential import DiffCheckpointer
-from raycheck.training.faults import FaultInjector
+from raycheck.workers.faults import FaultInjector
 from raycheck.training.fo import FOHyper, FOTrainer
 from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import OverlappedCheckpointer
-from raycheck.training.recovery import from_storage
+from raycheck.workers.recovery import from_storage
 from raycheck.training.state import state_sha256
-from raycheck.training.worker_env import mean_over_workers, record_start, worker_env
+from raycheck.workers.worker_env import mean_over_workers, record_start, worker_env
 
 
 def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Checkpointer:

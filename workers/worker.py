@@ -5,7 +5,7 @@ Per step t (rank r of W workers; every worker holds identical weights):
   loss-  ->  +eps z  ->  the groups' terms of every worker (one float64 all-reduce), reduced in group
   order (``training.groups``: the losses do not depend on the worker count)
   ->  g_t  ->  rank 0 appends the step record durably to its node-local log and sends it to the log
-  keeper (``JobConfig.durability`` ``node``, ``cluster``: acknowledged before going on; ``training.rank0_log``)
+  keeper (``JobConfig.durability`` ``node``, ``cluster``: acknowledged before going on; ``workers.rank0_log``)
   ->  every worker applies the update. Every worker reads the log's length from the keeper, never a
   file of another node.
 
@@ -33,14 +33,14 @@ from raycheck.policies.strategies import RunStrategy
 from raycheck.storage.steplog import StepLogWriter, StepRecord
 from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.data import batch_id, batch_indices
-from raycheck.training.faults import FaultInjector
+from raycheck.workers.faults import FaultInjector
 from raycheck.training.groups import Exchange, example_groups, group_vector, groups_of_rank, reduce_groups
 from raycheck.training.model import trainable_parameters
 from raycheck.training.in_process import StepFailure, decide
-from raycheck.training.rank0_log import KeeperSender, KeeperUnreachableError, local_log_path, open_local_log, replicated_append
-from raycheck.training.recovery import restore
+from raycheck.workers.rank0_log import KeeperSender, KeeperUnreachableError, local_log_path, open_local_log, replicated_append
+from raycheck.workers.recovery import restore
 from raycheck.training.state import state_sha256
-from raycheck.training.worker_env import WorkerEnv, record_start, sum_over_workers, worker_env
+from raycheck.workers.worker_env import WorkerEnv, record_start, sum_over_workers, worker_env
 from raycheck.training.zo import ZOHyper, perturb_all_, reset_and_update_all_, step_seed
 
 
@@ -54,7 +54,7 @@ def barrier_of(exchange: RemoteExchange | None, world: int) -> Callable[[str], N
 
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry point; ``config`` is ``JobConfig.to_dict()`` (with ``faults.warm_standby`` the
-    entry point is ``training.standby``'s, which runs ``zo_loop`` in a step executor)."""
+    entry point is ``workers.standby``'s, which runs ``zo_loop`` in a step executor)."""
     zo_loop(worker_env(config))
 
 
@@ -62,7 +62,7 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
     """A ZO worker from its start (``env``: its configuration, place, model and data) to the run's last
     step: restore when the run is resuming, then steps until ``cfg.steps`` (rolled back in process after
     an exception, ``training.in_process``), then the ``final`` event (rank 0). ``promoted``: a warm
-    standby's promotion stamps (``training.standby``), recorded in its ``recovery`` event."""
+    standby's promotion stamps (``workers.standby``), recorded in its ``recovery`` event."""
     cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)  # on the CPU until the restore is done
@@ -146,7 +146,7 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
 
 def open_rank0_log(cfg, keeper: RemoteKeeper, run) -> StepLogWriter:
     """Rank 0's node-local step log (``local_log_path``), made equal to the keeper's
-    (``training.rank0_log.open_local_log``); records how in a ``step_log`` event (this node, the
+    (``workers.rank0_log.open_local_log``); records how in a ``step_log`` event (this node, the
     keeper's, the steps rebuilt from or sent to the keeper) and a cut torn tail in ``torn_tail_cut``."""
     opened = open_local_log(local_log_path(cfg), keeper)
     if opened.writer.cut_bytes:

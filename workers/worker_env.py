@@ -30,7 +30,7 @@ class WorkerEnv:
     ``data_loaded_unix_s``: ``worker_env``); a restore's ``recovery`` event carries them, for the
     recovery breakdown (``orchestrator.summary.BREAKDOWN``). ``initial_weights()``: the model's initial
     parameters again (``trainable_parameters`` order, on the CPU), loaded anew from the node's model cache,
-    for an in-process restart that finds no snapshot (``training.recovery.restore``'s ``initial``).
+    for an in-process restart that finds no snapshot (``workers.recovery.restore``'s ``initial``).
     """
 
     cfg: JobConfig
@@ -52,8 +52,8 @@ def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], f
     accuracy before training (when ``eval_samples``; ``accuracy``, when given, computes it on every
     rank, e.g. a sharded model's collective evaluation). Only rank 0 writes these events (with
     ``replica_groups`` every rank that restored writes its ``recovery``: a replaced worker restores
-    alone; ``path`` ``new_process`` and the process id: ``training.worker`` records ``in_process`` ones; with
-    ``promoted``, the stamps of a warm standby's promotion (``training.standby``), ``path`` ``standby`` with
+    alone; ``path`` ``new_process`` and the process id: ``workers.worker`` records ``in_process`` ones; with
+    ``promoted``, the stamps of a warm standby's promotion (``workers.standby``), ``path`` ``standby`` with
     those stamps instead of the process start's); every rank records where it runs, its process id and the
     world size (a ``placement`` event, for the summary)."""
     env.run.event("placement", component="worker", rank=env.rank, world=env.world, pid=os.getpid(), **this_node())
@@ -76,7 +76,7 @@ def worker_env(config: dict, place: tuple[int, int] | None = None) -> WorkerEnv:
     restarts), and load the model (initial weights), tokenizer and data: a model folder's files and a
     data file's splits from Ray's object store, never from the driver's paths. Each phase is stamped
     (``WorkerEnv.stamps``). ``place``: (rank, world size) of a process outside Ray Train's worker group
-    (a step executor, ``training.standby``); default: Ray Train's context."""
+    (a step executor, ``workers.standby``); default: Ray Train's context."""
     stamps = {"process_created_unix_s": psutil.Process().create_time(), "worker_start_unix_s": time.time()}
     config = dict(config)
     shipped = config.pop(ASSETS_KEY, None)

@@ -25,14 +25,14 @@ from raycheck.job.config import (PROMPT, DifferentialConfig, ElasticConfig, Fail
                                  OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.console import RunConsole, summary_table
-from raycheck.orchestrator.experiment_cli import experiment
-from raycheck.orchestrator.merge_cli import merge
-from raycheck.orchestrator.policy_cli import parse_duration, policy
-from raycheck.orchestrator.replay_cli import replay
+from raycheck.cli.experiment import experiment
+from raycheck.cli.merge import merge
+from raycheck.cli.policy import parse_duration, policy
+from raycheck.cli.replay import replay
 from raycheck.orchestrator.schedule import parse_schedule
 from raycheck.orchestrator.signals import EXIT_TERMINATED, Terminated, terminate_as_interrupt
 from raycheck.orchestrator.driver_lock import LOCK_NAME, RunDirectoryError, driver_lock
-from raycheck.orchestrator.storage_cli import inspect, verify
+from raycheck.cli.storage import inspect, verify
 from raycheck.orchestrator.stored_config import StoredConfigError, load_config
 from raycheck.policies.costs import InfeasibleError
 from raycheck.storage.backend import local_path
@@ -460,7 +460,7 @@ def run(
     fail: Annotated[
         list[str],
         typer.Option(help="Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], "
-                          "TARGET worker|shadow|both|corrupt|persister|node, HOW exit|raise|sigkill|torn (worker only; raise: an exception, "
+                          "TARGET worker|shadow|both|corrupt|persister|node|storage, HOW exit|raise|sigkill|torn (worker only; raise: an exception, "
                           "the process survives, see --max-in-process-restarts); "
                           "node: rank 0 takes down its whole Ray node (raylet and every process; needs another node "
                           "for the workers, the driver's node hosting none, and an s3:// --storage); "

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from raycheck.orchestrator.storage_cli import EndpointOpt, open_store
+from raycheck.cli.storage import EndpointOpt, open_store
 from raycheck.storage.backend import local_path
 from raycheck.storage.merge import (
     MergeError,

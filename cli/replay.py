@@ -23,7 +23,7 @@ from typing import Annotated
 import typer
 
 from raycheck.job.config import OldConfigError, refuse_flat
-from raycheck.orchestrator.storage_cli import EndpointOpt, open_store, run_of, unlogged_kind, unlogged_run
+from raycheck.cli.storage import EndpointOpt, open_store, run_of, unlogged_kind, unlogged_run
 from raycheck.storage.backend import Storage, local_path, split_uri
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import RunIdentity, layout_of

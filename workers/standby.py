@@ -3,14 +3,14 @@
 With ``faults.warm_standby`` (``JobConfig``: ZO, one worker, CPU) the Ray Train worker's train function
 (``train_loop_per_worker`` here) is a thin supervisor. The training runs in a step executor
 (``StepExecutor``, in a Ray actor on the supervisor's node): its constructor loads what a worker holds
-(``training.worker_env.worker_env``: imports, model with its initial weights, tokenizer, data) and its
-``run`` is the worker's loop (``training.worker.zo_loop``). A second executor is started beside it, loads
+(``workers.worker_env.worker_env``: imports, model with its initial weights, tokenizer, data) and its
+``run`` is the worker's loop (``workers.worker.zo_loop``). A second executor is started beside it, loads
 the same and waits. When the active executor's process dies (its ``run`` call raises Ray's
 ``ActorDiedError``: ``os._exit``, SIGKILL, the OOM killer), the supervisor promotes the standby: its
 ``run`` restores the freshest complete state through the one restore entry point
-(``training.recovery.restore``: the live shadow's image through the object store, else the newest
+(``workers.recovery.restore``: the live shadow's image through the object store, else the newest
 snapshot plus the log tail), opens rank 0's node-local step log (the same node, so the same file, made
-equal to the log keeper's: ``training.worker.open_rank0_log``) and goes on; a new standby starts loading
+equal to the log keeper's: ``workers.worker.open_rank0_log``) and goes on; a new standby starts loading
 in the background. Ray Train never sees the failure. Its ``recovery`` event has ``path`` ``standby``
 and the stamps of ``orchestrator.summary.STANDBY_BREAKDOWN``.
 
@@ -39,8 +39,8 @@ from raycheck.actors.journal import RunChannel
 from raycheck.job.config import JobConfig
 from raycheck.policies.budgets import within_budget
 from raycheck.training.assets import ASSETS_KEY
-from raycheck.training.worker import zo_loop
-from raycheck.training.worker_env import worker_env
+from raycheck.workers.worker import zo_loop
+from raycheck.workers.worker_env import worker_env
 
 E = TypeVar("E")
 
