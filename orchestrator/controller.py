@@ -752,8 +752,10 @@ class Controller:
             except (RayActorError, GetTimeoutError) as exc:
                 raise start_failure("the shadow", exc, cfg.faults.start_timeout_s, self._planned().replica) from exc
             self.echo(f"[raycheck] shadow ready at step {shadow.status['step']}")
-        self.echo(f"[raycheck] training {cfg.steps} steps ({cfg.algo}, strategy {cfg.strategy})")
-        self.console.begin(cfg.steps, done=len(self.record.metrics))
+        done = len(self.record.metrics)
+        self.echo(f"[raycheck] {f'resuming after step {durable} of' if durable else 'training'} {cfg.steps} steps "
+                  f"({cfg.algo}, strategy {cfg.strategy})")
+        self.console.begin(cfg.steps, done=done)
 
         outcome: dict = {}
 
