@@ -18,8 +18,9 @@ from typing import Annotated
 
 import typer
 from typer._click.core import Context
+from typer._click.formatting import HelpFormatter
 from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer 0.29 vendors click: its own classes
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from raycheck.job.config import (PROMPT, DifferentialConfig, ElasticConfig, FailureSpec, FaultConfig, FOConfig, JobConfig, LayerwiseConfig,
                                  OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
@@ -64,6 +65,37 @@ def _one_line_usage_errors() -> Iterator[None]:
         raise
     except UsageError as exc:
         raise _refuse(exc.format_message()) from exc
+
+
+RUN_SECTIONS: dict[str, tuple[str, ...]] = {
+    "Run": ("model", "data", "steps", "fail", "verify", "out", "resume", "overwrite", "algo", "strategy", "workers", "device",
+            "dtype", "json_output", "help"),
+    "Data and task": ("task", "text_column", "label_column", "label_words", "prompt_template", "prompt_column",
+                      "completion_column", "batch_size", "seq_len", "seed", "eval_samples"),
+    "Zeroth-order (MeZO)": ("lr", "eps", "weight_decay", "torch_threads", "hash_every"),
+    "First-order": ("fo_lr", "fo_max_grad_norm", "fo_parallelism", "micro_batch_size", "layer_threshold", "layer_staleness_steps",
+                    "layer_max_bytes_per_check", "diff_full_every", "diff_batch_steps", "diff_topk", "overlap_chunks"),
+    "Failures and restarts": ("fail_schedule", "fail_seed", "settle_failures", "max_shadow_restarts", "max_persister_restarts",
+                              "max_worker_failures", "max_in_process_restarts", "warm_standby", "min_workers",
+                              "elastic_resize_interval"),
+    "Snapshots, step log and storage": ("snapshot_every", "snapshot_policy", "mtbf", "keep_snapshots", "durability", "storage", "s3_endpoint",
+                                        "storage_consistency", "persister_priority", "persister_direct_io", "scratch_dir",
+                                        "cache_dir"),
+    "Shadow and placement": ("shadow_shards", "shadow_threads", "shadow_env", "worker_resource", "shadow_resource", "start_timeout"),
+}
+"""``raycheck run --help``'s sections, in order, and the options of each (by parameter name): what most runs set first."""
+
+
+class _Sectioned(TyperCommand):
+    """A command whose ``--help`` lists its options under ``RUN_SECTIONS``' headings instead of one list."""
+
+    def format_options(self, ctx: Context, formatter: HelpFormatter) -> None:
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        for title, names in RUN_SECTIONS.items():
+            rows = [row for name in names if (row := records.get(name)) is not None]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 app = typer.Typer(
@@ -403,7 +435,7 @@ def printed_summary(summary: dict, out: pathlib.Path, verify: bool) -> dict:
     return failed
 
 
-@app.command()
+@app.command(cls=_Sectioned)
 def run(
     ctx: typer.Context,
     model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}, a local Hugging Face model folder (config.json + "

@@ -78,3 +78,19 @@ def test_the_prompt_templates_help_shows_its_newline_as_typed():
     shown = " ".join(result.output.split())
     assert "[default: Review: {text}\\nSentiment:]" in shown and "\\n (backslash n, as typed) for a newline" in shown
     assert JobConfig(out_dir="x", cache_dir="x").prompt_template == "Review: {text}\nSentiment:"
+
+
+def test_run_help_lists_every_option_once_under_its_section():
+    """``raycheck run --help`` groups its options (``cli.main.RUN_SECTIONS``): each option in exactly one
+    section, none left out, and the options most runs set come first."""
+    import typer.main
+
+    from raycheck.cli.main import RUN_SECTIONS
+
+    command = typer.main.get_command(app).commands["run"]
+    listed = [name for names in RUN_SECTIONS.values() for name in names]
+    assert sorted(listed) == sorted([p.name for p in command.params] + ["help"])
+    text = CliRunner().invoke(app, ["run", "--help"]).output
+    headings = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings == list(RUN_SECTIONS)
+    assert text.index("--steps") < text.index("--fo-lr") and text.index("--fail ") < text.index("--fail-schedule")
