@@ -234,7 +234,11 @@ def _resumed_config(out: pathlib.Path, verify: bool) -> JobConfig:
         raise _refuse(f"{out} holds no run to resume (no config.json); to resume from the run's storage alone, "
                       "add --storage URI (and --s3-endpoint)")
     try:
-        cfg = JobConfig.from_dict(json.loads(saved.read_text()))
+        loaded = json.loads(saved.read_text())
+        if isinstance(loaded, dict) and not {"run_id", "out_dir", "algo", "strategy", "steps"} & loaded.keys():  # e.g. a model's
+            raise _refuse(f"{saved} is not a raycheck run's configuration (another tool's config.json?): {out} holds no "
+                          "run to resume")
+        cfg = JobConfig.from_dict(loaded)
     except OldConfigError as exc:
         raise _refuse(f"{saved}: {exc}") from exc
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
@@ -492,7 +496,7 @@ def run(
     fail: Annotated[
         list[str],
         typer.Option(help="Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], "
-                          "TARGET worker|shadow|both|corrupt|persister|node|storage, HOW exit|raise|sigkill|torn (worker only; raise: an exception, "
+                          "TARGET one of worker, shadow, both, corrupt, persister, node, storage; HOW one of exit, raise, sigkill, torn (worker only; raise: an exception, "
                           "the process survives, see --max-in-process-restarts); "
                           "node: rank 0 takes down its whole Ray node (raylet and every process; needs another node "
                           "for the workers, the driver's node hosting none, and an s3:// --storage); "

@@ -686,3 +686,14 @@ def _hold_and_die(out: pathlib.Path) -> None:
 
     with driver_lock(out):
         os._exit(9)
+
+
+def test_resume_of_another_tools_config_json_says_it_is_not_a_raycheck_run(tmp_path):
+    """A folder whose ``config.json`` is a Hugging Face model's (another tool's) is not called damaged."""
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"activation_function": "gelu_new", "model_type": "gpt2", "n_layer": 2}))
+    result = CliRunner().invoke(app, ["run", "--resume", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [f"error: {out / 'config.json'} is not a raycheck run's configuration (another tool's "
+                                          f"config.json?): {out} holds no run to resume"]
