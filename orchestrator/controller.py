@@ -73,10 +73,10 @@ from raycheck.storage.backend import STORAGE_ENV, StorageError, StorageUnreachab
 from raycheck.storage.steplog import StepLogCorruptError, StepLogWriter, read_header, read_prefix, trajectory_tag
 from raycheck.storage.units import describe_units
 from raycheck.training.assets import ASSETS_KEY, Assets, read_assets, ship
-from raycheck.workers.faults import PARTS, fired_before, marker
 from raycheck.training.model import default_cache_dir, is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from raycheck.training.node import this_node
 from raycheck.training.zo import GENERATOR, ZOHyper, check_dtype, check_generator, check_records
+from raycheck.workers.faults import PARTS, fired_before, marker
 
 log = logging.getLogger(__name__)
 
