@@ -323,10 +323,10 @@ def _model_arg(model: str) -> str:
 
 
 def _check_resumed_log(cfg: JobConfig, out: pathlib.Path) -> None:
-    """``orchestrator.controller.check_resumed_log`` on the step log in ``out`` (when there is one), before
+    """``orchestrator.prepare.check_resumed_log`` on the step log in ``out`` (when there is one), before
     the model, the data or Ray: another run's log exits 2, a damaged one (a gap, a step out of order, a
     corrupt record) exits 1, each with one line."""
-    from raycheck.orchestrator.controller import ResumeMismatchError, check_resumed_log
+    from raycheck.orchestrator.prepare import ResumeMismatchError, check_resumed_log
     from raycheck.training.zo import DtypeMismatchError, GeneratorMismatchError
 
     run = RunDir(out)
@@ -581,7 +581,8 @@ def run(
 ) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
     from raycheck.orchestrator.api import run_job
-    from raycheck.orchestrator.controller import ResumeMismatchError, compare_with_reference
+    from raycheck.orchestrator.prepare import ResumeMismatchError
+    from raycheck.orchestrator.runs import compare_with_reference
     from raycheck.training.zo import DtypeMismatchError, GeneratorMismatchError
 
     resuming = resume and (out / "config.json").is_file()  # the run's config.json decides, not the options typed

@@ -71,7 +71,7 @@ class FailureSpec:
             ``storage`` (the snapshot storage server is down for ``how`` seconds; needs a server the
             controller can stop, see ``Controller(storage_outage=...)``), or ``node`` (rank 0 takes down
             its whole Ray node, raylet and every process, ``workers.faults.take_down_node``; needs
-            another node for the workers, ``orchestrator.controller.check_node_failures``). A ``shadow`` failure kills
+            another node for the workers, ``orchestrator.prepare.check_node_failures``). A ``shadow`` failure kills
             every shard of a sharded shadow, or only shard ``how`` when it is a number (``12:shadow:1``).
         how: for ``worker`` and ``both``, how the worker dies: ``exit`` (``os._exit(1)``, the default),
             ``raise`` (``workers.faults.InjectedWorkerFailure``: the process survives; one worker restarts

@@ -77,7 +77,7 @@ def run_job(cfg: JobConfig, *, verify: bool = False, echo: Callable[[str], None]
     Raises:
         ValueError, OSError: see ``check_job`` (raised before the cluster starts).
     """
-    from raycheck.orchestrator.controller import run_job as run_controller
+    from raycheck.orchestrator.runs import run_job as run_controller
 
     if assets is None:
         cfg, assets = check_job(cfg)

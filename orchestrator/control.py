@@ -10,9 +10,14 @@ Initialising -> Running <-> Recovering(failures_pending) -> Finished | Failed(re
   recoveries, and goes back once each has its recovery; ``Finished`` or ``Failed`` once ``fit`` has
   returned (ok or not). A change of phase is an ``EmitPhase``; a terminal state adds ``Stop``.
 - A failed shadow shard is restarted (``RestartShadow``) only while no worker recovery is pending, a
-  dead persister is restarted (``RestartPersister``), each within its budget (``Limits``, -1:
-  unlimited; ``within_budget``); past it, and whenever the log keeper died, the run fails
-  (``FailRun``, the state ``Failed``), before any other action of that iteration.
+  dead persister is restarted (``RestartPersister``, and the shadow snapshots at once), each within its
+  budget (``Limits``, -1: unlimited; ``within_budget``); past it, and whenever the log keeper died, the
+  run fails (``FailRun``, the state ``Failed``), before any other action of that iteration.
+- The adaptive snapshot policy (``PlanStatus``, from the steps the observation fed it): each re-plan
+  is recorded (``RecordReplan``) and the shadow snapshots at the planned interval (``SetInterval``);
+  the first step of each spell without a feasible plan is reported (``ReportInfeasible``); and until
+  a snapshot has been written, one is taken at once (``TakeSnapshot``, the calibration snapshot: the
+  policy needs a measured snapshot cost, not the assumed one).
 
 The worker group's budget (``Limits.max_worker_failures``) is Ray Train's own restart budget
 (``FailureConfig.max_failures``, the mechanism that restarts the group): once spent, ``fit`` fails and
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Union
 
 from raycheck.policies.budgets import within_budget
+from raycheck.policies.replan import ReplanRecord
 
 
 class Phase(enum.Enum):
@@ -113,14 +119,47 @@ class LogKeeperStatus:
 
 
 @dataclass(frozen=True)
+class InfeasiblePlan:
+    """The first step of a spell in which the measured costs admit no snapshot plan (the interval in
+    force is kept): ``reason`` is ``policies.costs.InfeasibleError``'s message."""
+
+    step: int
+    interval_steps: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanStatus:
+    """The adaptive snapshot policy after the steps one observation fed it
+    (``orchestrator.planning.SnapshotPlanner.observe_rows``)."""
+
+    step: int
+    """The newest step fed so far (-1: none yet)."""
+    interval_steps: int
+    """The interval the policy plans, in steps."""
+    in_force_steps: int
+    """The interval the shadow snapshots at now, in steps."""
+    replans: tuple[ReplanRecord, ...] = ()
+    """The re-plans of the steps this observation fed, oldest first."""
+    infeasible: tuple[InfeasiblePlan, ...] = ()
+    """The spells without a feasible plan that began at the steps this observation fed."""
+    calibration_requested: bool = False
+    """Whether the calibration snapshot was taken already (by this driver or an earlier one of the run)."""
+    snapshots_written: int = 0
+    """Snapshots the persister has written (its last status)."""
+
+
+@dataclass(frozen=True)
 class Observation:
     """What one iteration of the driver's loop saw: the worker group and each component the run has
-    (None: the run has none, e.g. no shadow in a first-order run, no log keeper without a step log)."""
+    (None: the run has none, e.g. no shadow in a first-order run, no log keeper without a step log, no
+    plan without the adaptive snapshot policy)."""
 
     workers: WorkerGroupStatus
     persister: PersisterStatus
     shadow: ShadowStatus | None = None
     log_keeper: LogKeeperStatus | None = None
+    plan: PlanStatus | None = None
 
 
 @dataclass(frozen=True)
@@ -196,9 +235,41 @@ class RestartShadow:
 
 @dataclass(frozen=True)
 class RestartPersister:
-    """Start a new snapshot persister after one died (``reason``: the error type)."""
+    """Start a new snapshot persister after one died (``reason``: the error type); once it answers, with
+    ``snapshot``, the shadow snapshots at once, so durability in storage resumes without waiting for the
+    next interval."""
 
     reason: str
+    snapshot: bool = False
+
+
+@dataclass(frozen=True)
+class RecordReplan:
+    """Record a re-plan of the snapshot interval (a ``replan`` event)."""
+
+    record: ReplanRecord
+
+
+@dataclass(frozen=True)
+class SetInterval:
+    """Make the shadow (every shard, and each later incarnation) snapshot every ``every_steps`` steps."""
+
+    every_steps: int
+
+
+@dataclass(frozen=True)
+class ReportInfeasible:
+    """Record that the policy has no feasible plan from ``plan.step`` on (a ``plan_infeasible`` event)."""
+
+    plan: InfeasiblePlan
+
+
+@dataclass(frozen=True)
+class TakeSnapshot:
+    """Have the shadow hand its state to the persister now, without waiting (the calibration snapshot,
+    of step ``step``: a ``calibration_snapshot`` event)."""
+
+    step: int
 
 
 @dataclass(frozen=True)
@@ -215,7 +286,7 @@ class Stop:
     """Leave the loop: the run has ended (``Finished`` or ``Failed`` through ``fit``)."""
 
 
-Action = Union[EmitPhase, RestartShadow, RestartPersister, FailRun, Stop]
+Action = Union[EmitPhase, RestartShadow, RestartPersister, RecordReplan, SetInterval, ReportInfeasible, TakeSnapshot, FailRun, Stop]
 
 
 # -- decisions --------------------------------------------------------------------------------------
@@ -238,12 +309,13 @@ def shard_action(shard: ShardStatus, sharded: bool, max_restarts: int, recovery_
     return None if recovery_pending else RestartShadow(shard.shard)
 
 
-def persister_action(persister: PersisterStatus, max_restarts: int) -> RestartPersister | FailRun | None:
-    """Restart a dead snapshot persister within ``max_restarts``; past it fail the run."""
+def persister_action(persister: PersisterStatus, max_restarts: int, snapshot: bool = False) -> RestartPersister | FailRun | None:
+    """Restart a dead snapshot persister within ``max_restarts`` (``snapshot``: the shadow snapshots into
+    the new one); past it fail the run."""
     if persister.died is None:
         return None
     if within_budget(persister.restarts, max_restarts):
-        return RestartPersister(persister.died)
+        return RestartPersister(persister.died, snapshot)
     return FailRun("persister", f"the snapshot persister died after {persister.restarts} restarts (max_persister_restarts "
                                 f"{max_restarts}): {persister.died}; the step log holds every step: resume with --resume, "
                                 "with a larger --max-persister-restarts if the persister keeps dying")
@@ -258,15 +330,32 @@ def log_keeper_action(keeper: LogKeeperStatus) -> FailRun | None:
 
 
 def component_actions(limits: Limits, shadow: ShadowStatus | None = None, persister: PersisterStatus | None = None,
-                      log_keeper: LogKeeperStatus | None = None, recovery_pending: bool = False) -> tuple[Action, ...]:
+                      log_keeper: LogKeeperStatus | None = None, recovery_pending: bool = False,
+                      has_shadow: bool | None = None) -> tuple[Action, ...]:
     """The repairs the component snapshots call for, shadow shards first, then the persister, then the
-    log keeper; when one is beyond repair, only its ``FailRun`` (the first such)."""
+    log keeper; when one is beyond repair, only its ``FailRun`` (the first such). A restarted persister
+    gets a snapshot at once when the run has a shadow (``has_shadow``; None: whether ``shadow`` is given)."""
     decided: list[Action | None] = [shard_action(s, len(shadow.shards) > 1, limits.max_shadow_restarts, recovery_pending) for s in shadow.shards] if shadow else []
-    decided.append(persister_action(persister, limits.max_persister_restarts) if persister else None)
+    snapshot = shadow is not None if has_shadow is None else has_shadow
+    decided.append(persister_action(persister, limits.max_persister_restarts, snapshot=snapshot) if persister else None)
     decided.append(log_keeper_action(log_keeper) if log_keeper else None)
     actions = tuple(a for a in decided if a is not None)
     failed = [a for a in actions if isinstance(a, FailRun)]
     return (failed[0],) if failed else actions
+
+
+def plan_actions(plan: PlanStatus) -> tuple[Action, ...]:
+    """What the adaptive snapshot policy's ``plan`` calls for, in order: a ``RecordReplan`` per re-plan,
+    ``SetInterval`` when the planned interval is not the one in force, a ``ReportInfeasible`` per spell
+    begun, and the calibration ``TakeSnapshot`` (of the step after the newest) while no snapshot has been
+    written and none was requested."""
+    actions: list[Action] = [RecordReplan(r) for r in plan.replans]
+    if plan.interval_steps != plan.in_force_steps:
+        actions.append(SetInterval(plan.interval_steps))
+    actions += [ReportInfeasible(spell) for spell in plan.infeasible]
+    if plan.step >= 0 and not plan.calibration_requested and not plan.snapshots_written:
+        actions.append(TakeSnapshot(plan.step + 1))
+    return tuple(actions)
 
 
 def workers_state(workers: WorkerGroupStatus) -> State:
@@ -283,8 +372,8 @@ def step(state: State, observation: Observation, limits: Limits) -> tuple[State,
 
     A terminal state stays as it is (``Stop``). A component beyond repair: ``Failed(reason)`` and its
     ``FailRun`` alone. Otherwise the state of the worker group (``workers_state``), an ``EmitPhase``
-    when its phase differs from ``state``'s, the component repairs (``component_actions``), and ``Stop``
-    when the new state is terminal.
+    when its phase differs from ``state``'s, the component repairs (``component_actions``), the snapshot
+    policy's actions (``plan_actions``), and ``Stop`` when the new state is terminal.
     """
     if isinstance(state, (Finished, Failed)):
         return state, (Stop(),)
@@ -294,5 +383,6 @@ def step(state: State, observation: Observation, limits: Limits) -> tuple[State,
         return Failed(repairs[0].reason), repairs
     after = workers_state(observation.workers)
     emit: tuple[Action, ...] = (EmitPhase(after.phase),) if after.phase is not state.phase else ()
+    plan = plan_actions(observation.plan) if observation.plan is not None else ()
     stop: tuple[Action, ...] = (Stop(),) if isinstance(after, (Finished, Failed)) else ()
-    return after, emit + repairs + stop
+    return after, emit + repairs + plan + stop

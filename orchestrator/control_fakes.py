@@ -7,8 +7,10 @@ package (and under the type checker); ``tests/test_control.py`` drives the state
 
 from __future__ import annotations
 
-from raycheck.orchestrator.control import (Action, LogKeeperStatus, Observation, PersisterStatus, RestartPersister, RestartShadow, ShadowStatus,
-                                           ShardStatus, WorkerGroupStatus, worker_group_status)
+from raycheck.orchestrator.control import (Action, InfeasiblePlan, LogKeeperStatus, Observation, PersisterStatus, PlanStatus, RestartPersister,
+                                           RestartShadow, SetInterval, ShadowStatus, ShardStatus, TakeSnapshot, WorkerGroupStatus,
+                                           worker_group_status)
+from raycheck.policies.replan import ReplanRecord
 
 
 class FakeWorkerGroup:
@@ -85,19 +87,49 @@ class FakeLogKeeper:
         return LogKeeperStatus("run/steplog.bin", self.died)
 
 
-class FakeRun:
-    """One fake of each component; ``observe`` bundles their snapshots, ``execute`` carries out the
-    repairs among ``step``'s actions on them (as ``Controller._act`` does on the real ones)."""
+class FakePlanner:
+    """The adaptive snapshot policy fed step by step: ``feed`` one step (a re-plan to ``interval``, or the
+    start of a spell without a feasible plan, ``infeasible``), ``status`` the plan of the steps fed since
+    the last one (as ``orchestrator.planning.SnapshotPlanner.observe_rows`` returns it)."""
 
-    def __init__(self, shards: int = 1, persister_restarts: int = 0) -> None:
+    def __init__(self, interval: int = 10) -> None:
+        self.step, self.interval, self.in_force = -1, interval, interval
+        self.replans: list[ReplanRecord] = []
+        self.infeasible: list[InfeasiblePlan] = []
+        self.calibration_requested, self.written = False, 0
+
+    def feed(self, interval: int | None = None, infeasible: str | None = None) -> None:
+        self.step += 1
+        if interval is not None:
+            self.replans.append(ReplanRecord(step=self.step, previous_interval_steps=self.interval, interval_steps=interval,
+                                             expected_waste_ratio=0.1, reason="measured costs changed", inputs={}))
+            self.interval = interval
+        if infeasible is not None:
+            self.infeasible.append(InfeasiblePlan(self.step, self.interval, infeasible))
+
+    def status(self) -> PlanStatus:
+        plan = PlanStatus(step=self.step, interval_steps=self.interval, in_force_steps=self.in_force, replans=tuple(self.replans),
+                          infeasible=tuple(self.infeasible), calibration_requested=self.calibration_requested,
+                          snapshots_written=self.written)
+        self.replans, self.infeasible = [], []
+        return plan
+
+
+class FakeRun:
+    """One fake of each component (a planner with ``planner``); ``observe`` bundles their snapshots,
+    ``execute`` carries out the repairs and plan changes among ``step``'s actions on them (as
+    ``Controller._act`` does on the real ones)."""
+
+    def __init__(self, shards: int = 1, persister_restarts: int = 0, planner: FakePlanner | None = None) -> None:
         self.workers = FakeWorkerGroup()
         self.shadow = FakeShadow(shards)
         self.persister = FakePersister(persister_restarts)
         self.log_keeper = FakeLogKeeper()
+        self.planner = planner
 
     def observe(self) -> Observation:
         return Observation(workers=self.workers.status(), persister=self.persister.status(), shadow=self.shadow.status(),
-                           log_keeper=self.log_keeper.status())
+                           log_keeper=self.log_keeper.status(), plan=self.planner.status() if self.planner else None)
 
     def execute(self, actions: tuple[Action, ...]) -> None:
         for action in actions:
@@ -105,3 +137,7 @@ class FakeRun:
                 self.shadow.restart(action.shard)
             elif isinstance(action, RestartPersister):
                 self.persister.restart()
+            elif isinstance(action, SetInterval) and self.planner:
+                self.planner.in_force = action.every_steps
+            elif isinstance(action, TakeSnapshot) and self.planner:
+                self.planner.calibration_requested = True

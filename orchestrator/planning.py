@@ -1,14 +1,18 @@
-"""The controller's side of the cost-model snapshot policy: measurements in, interval decisions out.
+"""The controller's side of the cost-model snapshot policy: measurements in, a frozen plan status out.
 
 The decision itself is ``policies`` code (``AdaptiveInterval`` over a ``Replanner``); this module
 only gathers what the running job measured (step time, shadow replay time per step, snapshot write
-time, log-append time, restart and load times of recoveries, failures and elapsed time) and feeds it.
+time, log-append time, restart and load times of recoveries, failures and elapsed time), feeds it,
+and reports the plan as an ``orchestrator.control.PlanStatus``, from which ``orchestrator.control.step``
+decides what the controller does.
 """
 
 from __future__ import annotations
 
 from typing import TypedDict
 
+from raycheck.orchestrator.control import InfeasiblePlan, PlanStatus, worker_failures_and_recoveries
+from raycheck.orchestrator.summary import recoveries
 from raycheck.policies.costs import MeasuredCosts
 from raycheck.policies.interval import AdaptiveInterval
 from raycheck.policies.models import Strategy
@@ -43,12 +47,14 @@ class SnapshotPlanner:
         self._elapsed_before_s = 0.0
         """Wall-clock seconds of the run's earlier drivers (``load_state_dict``): a resumed run's MTBF estimate
         counts the failure-free time before the resume too."""
+        self.fed_through = -1
+        """The newest step fed (``observe_rows``), -1 before the first: a resumed driver does not feed a step twice."""
 
     def state_dict(self) -> dict:
-        """The measured costs, the interval in force and its re-plans, the recoveries counted and the
-        elapsed seconds: what ``load_state_dict`` needs to go on where this planner stopped."""
+        """The measured costs, the interval in force and its re-plans, the recoveries counted, the newest
+        step fed and the elapsed seconds: what ``load_state_dict`` needs to go on where this planner stopped."""
         return {"policy": self.policy.state_dict(), "recoveries_seen": self._recoveries_seen,
-                "elapsed_s": self.policy.replanner.elapsed_s}
+                "elapsed_s": self.policy.replanner.elapsed_s, "fed_through": self.fed_through}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from ``state_dict``'s ``state`` (a resumed run): its estimates, interval and re-plans; later
@@ -56,6 +62,11 @@ class SnapshotPlanner:
         self.policy.load_state_dict(state["policy"])
         self._recoveries_seen = state["recoveries_seen"]
         self._elapsed_before_s = state["elapsed_s"]
+        self.fed_through = state.get("fed_through", -1)  # absent in the state of a driver before it was saved
+
+    def interval_at(self, step: int) -> int:
+        """The interval planned once ``step`` was fed, in steps (the newest re-plan at or before it)."""
+        return [r for r in self.policy.records if r.step <= step][-1].interval_steps
 
     @property
     def every_steps(self) -> int:
@@ -84,3 +95,25 @@ class SnapshotPlanner:
                 measured["restart_s"] = rec["restart_seconds"]
         self._recoveries_seen = len(recoveries)
         return self.policy.observe(step, failures=failures, elapsed_s=self._elapsed_before_s + elapsed_s, **measured)
+
+    def observe_rows(self, rows: list[dict], events: list[dict], shadow: dict, persister: dict, *, t_start: float,
+                     in_force_steps: int, calibration_requested: bool) -> PlanStatus:
+        """Feed the metric rows of steps not fed yet (``rows``: the run's ``metrics.jsonl`` rows, each with
+        ``step``, ``step_seconds``, ``log_append_seconds``, ``unix_s``), with the shadow's and persister's
+        last statuses, the run's events (its failures and recoveries) and ``t_start`` (this driver's start,
+        unix seconds); returns the plan (``in_force_steps``: the shadow's interval; ``calibration_requested``:
+        whether the calibration snapshot was taken), with the re-plans and infeasible spells of these steps."""
+        failures, _ = worker_failures_and_recoveries(events)
+        done = recoveries(events)
+        replans: list[ReplanRecord] = []
+        spells: list[InfeasiblePlan] = []
+        for row in (r for r in rows if r["step"] > self.fed_through):
+            feasible = self.infeasible is None
+            record = self.observe(row["step"], row, shadow, persister, done, failures, elapsed_s=row["unix_s"] - t_start)
+            replans += [record] if record is not None else []
+            if feasible and self.infeasible:  # the first step of a spell, as the policy's warning
+                spells.append(InfeasiblePlan(row["step"], self.every_steps, self.infeasible))
+            self.fed_through = row["step"]
+        return PlanStatus(step=self.fed_through, interval_steps=self.every_steps, in_force_steps=in_force_steps,
+                          replans=tuple(replans), infeasible=tuple(spells), calibration_requested=calibration_requested,
+                          snapshots_written=persister.get("written", 0))

@@ -242,6 +242,11 @@ class ShadowKeeper:
                     self.restart(action.shard)
             time.sleep(0.1)
 
+    @property
+    def interval_steps(self) -> int:
+        """The snapshot interval the shards snapshot at, in steps (``set_interval``)."""
+        return self.shards[0].spec.snapshot_every_steps
+
     def set_interval(self, every_steps: int) -> None:
         """Apply a new snapshot interval now and to every later incarnation of every shard."""
         for shard in self.shards:
@@ -306,6 +311,21 @@ class ShadowKeeper:
                         "replay_over_step": replay_s / mean_step_s if replay_s is not None and mean_step_s else None,
                         "restarts": shard.incarnation, "actor_ids": list(shard.actor_ids)})
         return out
+
+    def final_figures(self, sha: str | None, mean_step_s: float | None, max_lag_steps: int | None) -> dict:
+        """The shadow's fields of a finished run's summary: its final state hash ``sha``, its replay time
+        per step (seconds, and over ``mean_step_s``), ``max_lag_steps``, its recorded hashes, its CPU
+        capability and ``shard_figures``."""
+        replay_s = self.status.get("replay_seconds_per_step")
+        return {
+            "shadow_state_sha256": sha,
+            "shadow_replay_seconds_per_step": replay_s,
+            "shadow_replay_over_step": (replay_s or 0) / mean_step_s if mean_step_s else None,
+            "shadow_max_lag_steps": max_lag_steps,
+            "shadow_hashes": {str(k): v for k, v in sorted(self.hashes(timeout_s=60).items())},
+            "shadow_cpu_capability": self.status.get("cpu_capability"),
+            "shadow_shards": self.shard_figures(mean_step_s),
+        }
 
     def kill(self) -> None:
         """Kill every shard's current incarnation."""

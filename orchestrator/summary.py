@@ -335,7 +335,7 @@ def run_summary(c: Collected) -> dict:
     recoveries (``recoveries``), lost steps, step and checkpoint-block times (seconds), snapshot and
     durability figures, re-plans and resumes, the steps of the step log without a metrics row
     (``metrics``: ``metric_coverage`` of the log keeper's ``end``; None without a keeper), then ``c.base``. ``reference_state_sha256`` and
-    ``bitwise_equal`` are None (``orchestrator.controller.run_job`` fills them with ``verify``)."""
+    ``bitwise_equal`` are None (``orchestrator.runs.run_job`` fills them with ``verify``)."""
     events, rows = c.events, c.rows
     final: dict = next((e for e in reversed(events) if e["kind"] == "final"), {})
     block_s = [r["checkpoint_block_seconds"] for r in rows]

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.cli.main import app
-from raycheck.orchestrator.controller import ResumeMismatchError, prepare
+from raycheck.orchestrator.prepare import ResumeMismatchError, prepare
 from raycheck.training.model import default_cache_dir
 
 
@@ -227,13 +227,13 @@ def test_resume_on_another_worker_count_is_refused_first_when_the_state_does_not
 def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
     """The exit code's logic alone (the run itself is replaced): a shadow run whose persister never
     reported a status (it could not start) has no durable snapshot, so the run exits 4, not 0."""
-    import raycheck.orchestrator.controller
+    import raycheck.orchestrator.runs
 
     def finished(cfg, verify, echo, assets=None) -> dict:
         return {"ok": True, "error": None, "strategy": cfg.strategy, "final_step": cfg.steps, "lost_steps": 0,
                 "shadow_equal": True, "bitwise_equal": None, "snapshots": {}}
 
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", finished)
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job", finished)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "8", "--out", str(tmp_path / "run")])
     assert result.exit_code == 4, result.output
     assert ("error: the last snapshot (step None) is not durable: the snapshot persister never reported a status. "
@@ -243,7 +243,7 @@ def test_a_run_whose_persister_never_answered_exits_4(tmp_path, monkeypatch):
 def test_a_failed_run_prints_its_error_logged_steps_and_resume_command_not_an_empty_or_null_block(tmp_path, monkeypatch):
     """The exit code's and the printed block's logic alone (the run is replaced by what a shadow past its
     restart budget leaves: ``orchestrator.summary.failed_summary``'s fields and a step log of 3 steps)."""
-    import raycheck.orchestrator.controller
+    import raycheck.orchestrator.runs
     from raycheck.orchestrator.summary import failed_summary
     from raycheck.storage.steplog import StepLogWriter, StepRecord
 
@@ -259,7 +259,7 @@ def test_a_failed_run_prints_its_error_logged_steps_and_resume_command_not_an_em
         writer.close()
         return failed_summary(error, None, {"phase": "failed", "strategy": cfg.strategy, "wall_seconds": 1.5})
 
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", failed)
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job", failed)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "6", "--max-shadow-restarts", "0",
                                       "--fail", "2:shadow", "--verify", "--json", "--out", str(out)])
     assert result.exit_code == 1, result.output
@@ -269,7 +269,7 @@ def test_a_failed_run_prints_its_error_logged_steps_and_resume_command_not_an_em
     assert result.output.splitlines()[-1] == f"error: training failed: {error}"
 
     out.rename(tmp_path / "first")  # a run that failed before its step log existed: no steps are claimed
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job",
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job",
                         lambda cfg, verify, echo, assets=None: failed_summary(error, None, {"phase": "failed"}))
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "6", "--out", str(out)])
     assert result.output.splitlines() == ["raycheck run failed", f"  error    {error}", "  phase    failed",
@@ -350,7 +350,7 @@ def test_resume_takes_the_restart_budgets_given_on_the_command_line_and_warns_ab
 
 
 def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatch):
-    import raycheck.orchestrator.controller
+    import raycheck.orchestrator.runs
 
     out = tmp_path / "run"
     prepared_run(out, faults={"max_persister_restarts": 1})
@@ -360,7 +360,7 @@ def test_resume_with_a_larger_persister_budget_runs_with_it(tmp_path, monkeypatc
         seen.append(cfg)
         return {"ok": False, "error": "stop here"}
 
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", finished)
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job", finished)
     result = CliRunner().invoke(app, ["run", "--resume", "--max-persister-restarts", "5", "--out", str(out)])
     assert result.exit_code == 1, result.output
     assert [c.faults.max_persister_restarts for c in seen] == [5], result.output
@@ -474,7 +474,7 @@ def test_usage_errors_that_click_finds_are_one_error_line_with_exit_2(args, mess
 def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, monkeypatch, reached):
     """Ctrl-C (the run's own handling replaced: it writes the summary and re-raises): no traceback, exit
     130, and the ``--resume`` command for a run that started and did not finish."""
-    import raycheck.orchestrator.controller
+    import raycheck.orchestrator.runs
 
     out = tmp_path / "my run"  # a space: the printed command quotes it
 
@@ -486,7 +486,7 @@ def test_ctrl_c_exits_130_with_the_command_line_that_resumes_the_run(tmp_path, m
             RunDir.write_json(out / "summary.json", {"ok": True, "final_step": cfg.steps})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", interrupted)
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job", interrupted)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--verify", "--out", str(out)])
     assert result.exit_code == 130 and isinstance(result.exception, SystemExit), result.output
     assert result.output.splitlines() == {
@@ -503,7 +503,7 @@ def test_sigterm_stops_the_run_like_ctrl_c_and_exits_143_with_the_resume_command
     previous SIGTERM handler is back afterwards."""
     import signal
 
-    import raycheck.orchestrator.controller
+    import raycheck.orchestrator.runs
     from raycheck.orchestrator.signals import Terminated
 
     out, seen = tmp_path / "run", []
@@ -519,7 +519,7 @@ def test_sigterm_stops_the_run_like_ctrl_c_and_exits_143_with_the_resume_command
         raise AssertionError("SIGTERM did not interrupt the run")
 
     before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", terminated)
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job", terminated)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--out", str(out)])
     assert result.exit_code == 143 and isinstance(result.exception, SystemExit), result.output
     assert seen == ["stopped by SIGTERM"]
@@ -533,7 +533,7 @@ def test_an_error_raised_after_the_interrupt_still_exits_130(tmp_path, monkeypat
     was shut down; or an error raised from the interrupt): the run was interrupted, so it exits 130 with the
     command that resumes it, as a bare interrupt does, not 1 with a traceback. The same error without an
     interrupt before it is no interrupt: it reaches the caller (exit 1)."""
-    import raycheck.orchestrator.controller
+    import raycheck.orchestrator.runs
     from ray.exceptions import RaySystemError
 
     out = tmp_path / "run"
@@ -551,7 +551,7 @@ def test_an_error_raised_after_the_interrupt_still_exits_130(tmp_path, monkeypat
                 raise RaySystemError(shutdown)  # its __context__ is the interrupt
             raise RuntimeError("the journal is gone") from exc
 
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", failing)
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job", failing)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--out", str(out)])
     if after == "none":
         assert result.exit_code == 1 and isinstance(result.exception, RaySystemError), result.output
@@ -607,7 +607,7 @@ def test_an_interrupted_run_logs_one_line_without_a_traceback(caplog):
         ("WARNING", "the run was interrupted (Ctrl-C)", None)]
 
 
-@pytest.mark.parametrize("again_in", ["_last_event", "_kill_actors"])
+@pytest.mark.parametrize("again_in", ["_announce_failure", "_kill_actors"])
 def test_an_interrupt_during_the_failure_path_still_leaves_a_summary(tmp_path, monkeypatch, again_in):
     """Ctrl-C stops the run, and a second interrupt arrives while the failure path talks to Ray (``timeout -s
     INT`` signals the driver twice; a user presses Ctrl-C again): first while the journal takes the ``phase``
@@ -624,7 +624,7 @@ def test_an_interrupt_during_the_failure_path_still_leaves_a_summary(tmp_path, m
 
     monkeypatch.setattr(controller, "_run", interrupted)
     monkeypatch.setattr(controller, again_in, interrupted)
-    if again_in == "_last_event":
+    if again_in == "_announce_failure":
         monkeypatch.setattr(controller, "_kill_actors", lambda: None)
     with pytest.raises(KeyboardInterrupt):
         controller.run()
@@ -652,7 +652,7 @@ def test_a_second_driver_on_a_live_run_directory_is_refused_and_a_dead_one_leave
     kernel dropped the lock) does not block the next driver."""
     import multiprocessing
 
-    import raycheck.orchestrator.controller
+    import raycheck.orchestrator.runs
     from raycheck.orchestrator.driver_lock import LOCK_NAME, RunDirectoryBusyError, driver_lock
 
     out = tmp_path / "run"
@@ -674,7 +674,7 @@ def test_a_second_driver_on_a_live_run_directory_is_refused_and_a_dead_one_leave
     dead.join()
     assert dead.exitcode == 9 and (out / LOCK_NAME).exists()  # died holding it: the file stays, the lock does not
     seen = []
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job",
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job",
                         lambda cfg, verify, echo, assets=None: seen.append(cfg) or {"ok": False, "error": "stop here"})
     result = CliRunner().invoke(app, ["run", "--resume", "--out", str(out)])
     assert result.exit_code == 1 and len(seen) == 1, result.output

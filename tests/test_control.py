@@ -3,9 +3,10 @@ time over fake components (``orchestrator.control_fakes``), each iteration's exa
 
 from __future__ import annotations
 
-from raycheck.orchestrator.control_fakes import FakeRun
-from raycheck.orchestrator.control import (EmitPhase, Failed, FailRun, Finished, Initialising, Limits, Phase, Recovering, RestartPersister,
-                                           RestartShadow, Running, State, Stop, step)
+from raycheck.orchestrator.control_fakes import FakePlanner, FakeRun
+from raycheck.orchestrator.control import (EmitPhase, Failed, FailRun, Finished, Initialising, InfeasiblePlan, Limits, Phase, Recovering,
+                                           ReportInfeasible, RestartPersister, RestartShadow, Running, SetInterval, State, Stop, TakeSnapshot,
+                                           step)
 
 LIMITS = Limits(max_shadow_restarts=2, max_persister_restarts=2, max_worker_failures=10)
 
@@ -40,7 +41,7 @@ def test_a_dead_persister_is_restarted_within_its_budget_then_the_run_fails():
     state, _ = iterate(run, Initialising())
     for used in range(2):
         run.persister.kill()
-        assert iterate(run, state) == (Running(), (RestartPersister("ActorDiedError"),))
+        assert iterate(run, state) == (Running(), (RestartPersister("ActorDiedError", snapshot=True),))
         assert run.persister.restarts == used + 1
     run.persister.kill()
     reason = ("the snapshot persister died after 2 restarts (max_persister_restarts 2): ActorDiedError; the step log holds "
@@ -99,7 +100,7 @@ def test_minus_one_is_an_unlimited_budget():
     run.shadow.restarts = [10**6]
     run.shadow.kill()
     run.persister.kill()
-    assert iterate(run, Running(), unlimited) == (Running(), (RestartShadow(0), RestartPersister("ActorDiedError")))
+    assert iterate(run, Running(), unlimited) == (Running(), (RestartShadow(0), RestartPersister("ActorDiedError", snapshot=True)))
     assert (run.shadow.restarts, run.persister.restarts) == ([10**6 + 1], 10**6 + 1)
 
 
@@ -155,3 +156,51 @@ def test_a_run_without_shadow_or_log_keeper_decides_from_the_workers_and_persist
     observation = run.observe()
     bare = type(observation)(workers=observation.workers, persister=observation.persister)
     assert step(Initialising(), bare, LIMITS) == (Running(), (EmitPhase(Phase.RUNNING),))
+
+
+def test_the_calibration_snapshot_is_taken_once_at_the_first_step_unless_one_was_written():
+    planner = FakePlanner()
+    run = FakeRun(planner=planner)
+    state, actions = iterate(run, Initialising())
+    assert (state, actions) == (Running(), (EmitPhase(Phase.RUNNING),))  # no step fed yet: nothing to calibrate from
+    planner.feed()
+    assert iterate(run, state) == (Running(), (TakeSnapshot(1),))  # the snapshot of the next step
+    planner.feed()
+    assert iterate(run, state) == (Running(), ())  # requested once, by this driver or an earlier one
+    resumed = FakePlanner()
+    resumed.written = 1  # the persister has written one already: the policy has a measured cost
+    resumed.feed()
+    assert iterate(FakeRun(planner=resumed), Running()) == (Running(), ())
+
+
+def test_a_replan_is_recorded_and_applied_to_the_shadow_and_each_infeasible_spell_reported_once():
+    planner = FakePlanner(interval=10)
+    planner.calibration_requested = True
+    run = FakeRun(planner=planner)
+    state, _ = iterate(run, Initialising())
+    planner.feed(interval=7)
+    planner.feed(interval=5)  # two re-plans between two observations: both recorded, the newest applied
+    state, actions = iterate(run, state)
+    assert [type(a).__name__ for a in actions] == ["RecordReplan", "RecordReplan", "SetInterval"]
+    assert ([a.record.interval_steps for a in actions[:2]], actions[2]) == ([7, 5], SetInterval(5))
+    assert planner.in_force == 5 and iterate(run, state) == (Running(), ())
+    planner.feed(infeasible="the shadow replays slower than a step")
+    planner.feed()  # the spell goes on: no second report
+    state, actions = iterate(run, state)
+    assert actions == (ReportInfeasible(InfeasiblePlan(2, 5, "the shadow replays slower than a step")),)
+
+
+def test_plan_actions_come_after_the_repairs_and_before_stop_and_not_after_a_component_fails():
+    planner = FakePlanner(interval=10)
+    run = FakeRun(planner=planner)
+    state, _ = iterate(run, Initialising())
+    planner.feed(interval=4)
+    run.persister.kill()
+    run.workers.finish()
+    state, actions = iterate(run, state)
+    assert [type(a).__name__ for a in actions] == ["EmitPhase", "RestartPersister", "RecordReplan", "SetInterval", "TakeSnapshot", "Stop"]
+    dead = FakeRun(planner=FakePlanner())
+    dead.planner.feed(interval=3)
+    dead.log_keeper.kill("disk full")
+    state, actions = iterate(dead, Running())
+    assert isinstance(state, Failed) and [type(a).__name__ for a in actions] == ["FailRun"]

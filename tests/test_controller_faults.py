@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError
 from conftest import free_port
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
+import raycheck.orchestrator.controller
 from raycheck.orchestrator.controller import Controller
 from raycheck.storage.steplog import StepLogWriter, StepRecord, read_header
 from raycheck.training.model import default_cache_dir
@@ -77,7 +78,7 @@ def test_a_shadow_that_keeps_failing_is_restarted_within_its_budget_then_the_run
         return dataclasses.replace(spec(self), log_keeper_name="", log_path=str(gapped))
 
     monkeypatch.setattr(Controller, "_shadow_spec", file_spec)
-    monkeypatch.setattr(Controller, "_trainer", lambda self: GapTrainer(gapped, release))
+    monkeypatch.setattr(raycheck.orchestrator.controller, "trainer", lambda cfg, shipped, placement: GapTrainer(gapped, release))
     try:
         returned = Controller(cfg, echo=lambda _: None).run()
     finally:

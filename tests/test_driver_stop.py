@@ -73,7 +73,7 @@ def test_sigterm_leaves_a_summary_and_the_resumed_run_keeps_its_planner_and_is_e
     assert (stopped["ok"], stopped["error"], stopped["phase"]) == (False, "Terminated: stopped by SIGTERM", "failed")
     saved = json.loads((out / "controller.json").read_text())
     observed = observed_steps(out)
-    assert STOP_AFTER <= observed == len(saved["snapshot_interval"]) < STEPS
+    assert STOP_AFTER <= observed == saved["planner"]["fed_through"] + 1 < STEPS
 
     resumed = subprocess.run(raycheck(child_env, "--resume", "--verify", "--out", str(out)), env=child_env, cwd=REPO,
                              capture_output=True, text=True, timeout=900)
@@ -88,4 +88,6 @@ def test_sigterm_leaves_a_summary_and_the_resumed_run_keeps_its_planner_and_is_e
     assert rows[-1]["step"] == STEPS - 1 and len({r["step"] for r in rows}) == len(rows)
     assert final["planner"]["elapsed_s"] > saved["planner"]["elapsed_s"]  # the MTBF estimate counts both drivers' time
     intervals = pq.read_table(out / "metrics.parquet").column("snapshot_interval_steps").to_pylist()
-    assert None not in intervals and intervals[:observed] == [saved["snapshot_interval"][str(r["step"])] for r in rows[:observed]]
+    planned = [r for r in saved["planner"]["policy"]["records"]]  # the interval at a step: the newest re-plan at or before it
+    assert None not in intervals and intervals[:observed] == [[p for p in planned if p["step"] <= r["step"]][-1]["interval_steps"]
+                                                              for r in rows[:observed]]

@@ -1,4 +1,4 @@
-"""What Ray Train is given for replica groups and elastic runs (``Controller._trainer``, built without Ray),
+"""What Ray Train is given for replica groups and elastic runs (``orchestrator.trainer.trainer``, built without Ray),
 and the refusals of ``min_workers``."""
 
 from __future__ import annotations
@@ -7,14 +7,12 @@ import pytest
 
 from raycheck.job.config import JobConfig
 from raycheck.orchestrator.cluster import Placement
-from raycheck.orchestrator.controller import Controller
+from raycheck.orchestrator.trainer import trainer
 from raycheck.orchestrator.replica_groups import ReplicaGroupsBackend, ReplicaGroupsConfig
 
 
 def trainer_for(cfg: JobConfig):
-    controller = Controller(cfg, echo=lambda _: None)
-    controller.placement = Placement({}, None, None, "one node: everything on it")
-    return controller._trainer()
+    return trainer(cfg, {}, Placement({}, None, None, "one node: everything on it"))
 
 
 def test_two_workers_are_two_replica_groups_and_an_elastic_run_gets_a_worker_range(tmp_path):

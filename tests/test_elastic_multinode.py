@@ -14,7 +14,8 @@ from cluster import LocalCluster, NodeSpec
 from conftest import make_bucket
 from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.job.run_dir import RunDir
-from raycheck.orchestrator.controller import Controller, reference_config
+from raycheck.orchestrator.controller import Controller
+from raycheck.orchestrator.runs import reference_config
 from raycheck.training.model import default_cache_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain, pytest.mark.multinode]

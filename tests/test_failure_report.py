@@ -9,7 +9,8 @@ from raycheck.actors.journal import RunChannel
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.console import RunConsole
-from raycheck.orchestrator.controller import Controller, PersisterFailedError, log_failure
+from raycheck.orchestrator.controller import Controller, log_failure
+from raycheck.orchestrator.components import PersisterFailedError
 from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from raycheck.storage.steplog import StepLogWriter
 
@@ -36,7 +37,7 @@ def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
     controller.shadow = ShadowKeeper(cfg, RunChannel(cfg), controller._shadow_spec())
     controller.shadow.restarts.append({"shard": 1, "seconds": 2.5})
     controller.shadow.shards[1].incarnation = 3
-    controller.persister_restarts = 1
+    controller._restarts_before = 1  # an earlier driver of the run restarted its persister once
     summary = controller._failure_summary(ShadowFailedError("shadow shard 1 failed after 3 restarts"))
     assert (summary["ok"], summary["phase"], summary["error"]) == (
         False, "failed", "ShadowFailedError: shadow shard 1 failed after 3 restarts")

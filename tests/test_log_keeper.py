@@ -17,7 +17,8 @@ from raycheck.actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, Lo
 from conftest import make_bucket
 from raycheck.job.config import JobConfig
 from raycheck.cli.main import app
-from raycheck.orchestrator.controller import Controller, reference_config
+from raycheck.orchestrator.controller import Controller
+from raycheck.orchestrator.runs import reference_config
 from raycheck.orchestrator.summary import durability
 from raycheck.storage.backend import Storage, StorageUnavailableError
 from raycheck.storage.log_segments import read_segments, segment_name

@@ -23,7 +23,7 @@ from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.cli.main import app
 from raycheck.orchestrator.cluster import alive_nodes, plan_placement
-from raycheck.orchestrator.controller import start_persister
+from raycheck.orchestrator.components import start_persister
 from raycheck.orchestrator.summary import recoveries as summary_recoveries
 from raycheck.storage.backend import STORAGE_ENV, Storage
 from raycheck.storage.log_segments import read_segments

@@ -15,7 +15,7 @@ import pytest
 
 from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.orchestrator.cluster import Node
-from raycheck.orchestrator.controller import check_node_failures
+from raycheck.orchestrator.prepare import check_node_failures
 from raycheck.workers.faults import node_processes
 
 HEAD = Node("head", "10.0.0.1", {"driver": 1.0})

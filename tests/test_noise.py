@@ -20,7 +20,7 @@ from raycheck.actors.shadow import ShadowReplayer
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.cli.main import app
-from raycheck.orchestrator.controller import prepare
+from raycheck.orchestrator.prepare import prepare
 from raycheck.storage.steplog import StepLogWriter, StepRecord
 from raycheck.training import noise, zo
 from raycheck.training.model import default_cache_dir, layout_sha256, parameter_layout

@@ -18,7 +18,7 @@ from raycheck.actors.shadow import ShadowReplayer
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.api import job_config
 from raycheck.cli.main import app
-from raycheck.orchestrator.controller import prepare
+from raycheck.orchestrator.prepare import prepare
 from raycheck.storage.steplog import StepLogWriter, read_header
 from test_own_model_data import gpt2_folder, reviews, write_rows
 from raycheck.training.assets import read_assets

@@ -48,16 +48,14 @@ def test_every_process_gets_the_drivers_storage_settings_and_nothing_else(monkey
 
 
 def test_the_worker_group_gets_the_placement_and_the_runs_failure_budget_not_the_injected_count(tmp_path):
-    """Ray Train's worker group (``Controller._trainer``, built without Ray) restarts at most
+    """Ray Train's worker group (``orchestrator.trainer.trainer``, built without Ray) restarts at most
     ``faults.max_worker_failures`` times, whatever the injected failures: a real run's budget must not depend on them."""
     from raycheck.job.config import FailureSpec, JobConfig
-    from raycheck.orchestrator.controller import Controller
+    from raycheck.orchestrator.trainer import trainer
 
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", faults={"failures": (FailureSpec.parse("2:worker"),)})
     for budget in (10, -1, 3):
-        controller = Controller(cfg.replace(faults={"max_worker_failures": budget}), echo=lambda _: None)
-        controller.placement = plan([HEAD, GPU, CPU_A], worker_resource="train")
-        trainer = controller._trainer()
-        assert trainer.run_config.failure_config.max_failures == budget
-        assert trainer.scaling_config.resources_per_worker == {"CPU": 1.0, "train": 1.0}
+        group = trainer(cfg.replace(faults={"max_worker_failures": budget}), {}, plan([HEAD, GPU, CPU_A], worker_resource="train"))
+        assert group.run_config.failure_config.max_failures == budget
+        assert group.scaling_config.resources_per_worker == {"CPU": 1.0, "train": 1.0}
     assert JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny").faults.max_worker_failures == 10

@@ -71,3 +71,31 @@ def test_a_planner_saved_and_loaded_goes_on_with_its_measured_costs_interval_and
         expected = planner.observe(step, row(0.5), shadow, persister, recs, failures=1, elapsed_s=elapsed)
         assert resumed.observe(step, row(0.5), shadow, persister, recs, failures=1, elapsed_s=elapsed - 0.5 * 12) == expected
     assert resumed.state_dict() == planner.state_dict() and len(planner.policy.records) > 2
+
+
+def test_observe_rows_feeds_each_step_once_and_reports_its_replans_spells_and_intervals():
+    """``observe_rows`` (what the controller calls each iteration): only the rows past the newest step fed,
+    each once even when the same rows come again (a resumed driver's earlier rows); the status carries the
+    re-plans and the first step of an infeasible spell of these rows alone, and ``interval_at`` gives each
+    step the interval planned once it was fed."""
+    planner = SnapshotPlanner(mtbf_s=600.0, cooldown_steps=0)
+    first = planner.every_steps
+    persister = {"written": 2, "failed": 0, "write_seconds": 1.0}
+    rows = [{"step": s, "unix_s": 100.0 + 0.5 * s, **row(0.5)} for s in range(6)]
+    plan = planner.observe_rows(rows, [], {"replay_seconds_per_step": 0.1}, persister, t_start=100.0, in_force_steps=first,
+                                calibration_requested=True)
+    assert (plan.step, plan.interval_steps, plan.in_force_steps, plan.snapshots_written) == (5, planner.every_steps, first, 2)
+    assert plan.replans and plan.replans[0].previous_interval_steps == first and not plan.infeasible
+    assert planner.policy.replanner.estimates["step_s"].count == 6
+    again = planner.observe_rows(rows, [], {"replay_seconds_per_step": 0.1}, persister, t_start=100.0,
+                                 in_force_steps=plan.interval_steps, calibration_requested=True)
+    assert (again.step, again.replans, planner.policy.replanner.estimates["step_s"].count) == (5, (), 6)  # nothing fed twice
+    changed = plan.replans[0].step
+    assert [planner.interval_at(s) for s in range(changed)] == [first] * changed
+    assert planner.interval_at(5) == planner.interval_at(10**6) == planner.every_steps
+    slow = [{"step": s, "unix_s": 104.0 + 0.5 * s, **row(0.5)} for s in range(6, 20)]
+    plan = planner.observe_rows(rows + slow, [], {"replay_seconds_per_step": 5.0}, persister, t_start=100.0,
+                                in_force_steps=plan.interval_steps, calibration_requested=True)
+    assert len(plan.infeasible) == 1 and plan.step == 19 and plan.interval_steps == planner.every_steps
+    assert plan.infeasible[0].interval_steps == planner.every_steps and 6 <= plan.infeasible[0].step < 19
+    assert plan.infeasible[0].reason.startswith("the shadow replays a step in")

@@ -82,7 +82,7 @@ def test_the_persister_s_store_writes_direct_by_default_and_the_run_s_other_stor
     (default on; ``--no-persister-direct-io`` off); the store travels pickled, its direct writes with it."""
     import pickle
 
-    import raycheck.orchestrator.controller as controller
+    import raycheck.orchestrator.components as controller
     from raycheck.job.config import JobConfig
 
     class Handle:

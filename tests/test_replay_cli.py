@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.cli.main import app
-from raycheck.orchestrator.controller import prepare
+from raycheck.orchestrator.prepare import prepare
 from raycheck.storage.backend import Storage
 from raycheck.storage.log_segments import SegmentMirror
 from raycheck.storage.manifest import RunIdentity

@@ -26,7 +26,9 @@ from raycheck.experiments.s3_server import LocalS3Server
 from raycheck.job.config import JobConfig
 from raycheck.cli.main import app
 from raycheck.orchestrator.control import within_budget
-from raycheck.orchestrator.controller import Controller, PersisterFailedError
+import raycheck.orchestrator.controller
+from raycheck.orchestrator.components import PersisterFailedError, PersisterHandle
+from raycheck.orchestrator.controller import Controller
 from raycheck.storage.backend import RetryPolicy, Storage, StorageUnreachableError
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import RunIdentity
@@ -289,16 +291,17 @@ def test_a_persister_restarted_during_an_outage_comes_up_and_its_spent_budget_fa
                     faults={"max_persister_restarts": 1})
     restarted, release = threading.Event(), threading.Event()
     trainer = PersisterKiller(cfg, server, restarted, release)
-    restart = Controller._restart_persister
+    restart = PersisterHandle.restart
 
-    def restart_and_signal(self: Controller, exc: Exception) -> None:
-        used = self.persister_restarts
-        restart(self, exc)
-        if self.persister_restarts > used:
+    def restart_and_signal(self: PersisterHandle, reason: str) -> bool:
+        used = self.restarts
+        answered = restart(self, reason)
+        if self.restarts > used:
             restarted.set()
+        return answered
 
-    monkeypatch.setattr(Controller, "_restart_persister", restart_and_signal)
-    monkeypatch.setattr(Controller, "_trainer", lambda self: trainer)
+    monkeypatch.setattr(PersisterHandle, "restart", restart_and_signal)
+    monkeypatch.setattr(raycheck.orchestrator.controller, "trainer", lambda cfg, shipped, placement: trainer)
     try:
         returned = Controller(cfg, echo=lambda _: None).run()
     finally:

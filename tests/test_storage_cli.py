@@ -12,7 +12,7 @@ from conftest import free_port
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.cli.main import app
-from raycheck.orchestrator.controller import prepare
+from raycheck.orchestrator.prepare import prepare
 from raycheck.storage.backend import Storage, StorageCredentialsError
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.diffs import DiffStore
@@ -88,7 +88,7 @@ def test_an_empty_step_log_says_no_steps(tmp_path):
                                                       ("zo", "full-sync", "--strategy full-sync logs")])
 def test_a_run_that_logs_no_steps_by_design_says_so_not_no_steps(tmp_path, algo, strategy, kind):
     """A fresh user read "step log: no steps" on a first-order run as damage: its run directory (made
-    as a run starts it, ``controller.prepare``, with a snapshot of its own) says that such runs log none."""
+    as a run starts it, ``orchestrator.prepare.prepare``, with a snapshot of its own) says that such runs log none."""
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo=algo, strategy=strategy,
                     steps=6, run_id="unlogged")
     prepare(cfg, RunDir(tmp_path))

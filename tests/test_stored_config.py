@@ -15,7 +15,7 @@ from conftest import free_port, make_bucket
 from raycheck.job.config import FailureSpec, JobConfig, default_scratch_dir
 from raycheck.job.run_dir import RunDir
 from raycheck.cli.main import app
-from raycheck.orchestrator.controller import prepare
+from raycheck.orchestrator.prepare import prepare
 from raycheck.orchestrator.stored_config import CONFIG_OBJECT, StoredConfigError, load_config, save_config
 from raycheck.storage.backend import Storage
 from raycheck.storage.log_segments import SegmentMirror
@@ -89,7 +89,7 @@ def test_failures_due_before_the_durable_step_count_as_fired():
 
 
 def test_resume_from_the_bucket_alone_starts_the_saved_run_in_the_new_directory(tmp_path, bucket, s3_endpoint, monkeypatch):
-    import raycheck.orchestrator.controller
+    import raycheck.orchestrator.runs
 
     cfg = run_config(tmp_path, bucket, s3_endpoint, faults={"max_persister_restarts": 1})
     mirror_a_log(cfg, tmp_path, steps=2)
@@ -100,7 +100,7 @@ def test_resume_from_the_bucket_alone_starts_the_saved_run_in_the_new_directory(
         seen.append(cfg)
         return {"ok": False, "error": "stop here"}
 
-    monkeypatch.setattr(raycheck.orchestrator.controller, "run_job", finished)
+    monkeypatch.setattr(raycheck.orchestrator.runs, "run_job", finished)
     new = tmp_path / "new"
     result = resume_from(bucket, s3_endpoint, new, "--max-persister-restarts", "5")
     assert result.exit_code == 1, result.output

@@ -14,7 +14,7 @@ from raycheck.actors.log_keeper import LogKeeper
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.cli.main import app
-from raycheck.orchestrator.controller import check_resumed_log, prepare
+from raycheck.orchestrator.prepare import check_resumed_log, prepare
 from raycheck.storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogForeignError, StepLogWriter, StepRecord, read_log, read_prefix, trajectory_tag
 from raycheck.training.model import default_cache_dir
 from raycheck.training.zo import ZOHyper, check_records, step_seed

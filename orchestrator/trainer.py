@@ -1,0 +1,45 @@
+"""The Ray Train trainer of a run: the workers' loop for its algorithm, its worker count and placement,
+and Ray Train's own restart budget (``FailureConfig.max_failures``)."""
+
+from __future__ import annotations
+
+import pathlib
+
+from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # what ray.train exports (Ray Train v2)
+from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
+
+from raycheck.job.config import JobConfig
+from raycheck.orchestrator.cluster import Placement, runtime_env
+from raycheck.orchestrator.group_timeline import GroupTimeline
+from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
+from raycheck.training.assets import ASSETS_KEY
+
+
+def trainer(cfg: JobConfig, shipped: dict, placement: Placement) -> TorchTrainer:
+    """The ``TorchTrainer`` of ``cfg``'s run: first-order workers (``workers.fo_worker``), ZO workers with a
+    warm standby (``workers.standby``) or without (``workers.worker``); ``shipped``: the assets in Ray's
+    object store (``training.assets.ship``); ``placement``: the workers' resources and label selector."""
+    if cfg.algo == "fo":
+        from raycheck.workers.fo_worker import train_loop_per_worker
+    elif cfg.faults.warm_standby:
+        from raycheck.workers.standby import train_loop_per_worker
+    else:
+        from raycheck.workers.worker import train_loop_per_worker
+    return TorchTrainer(
+        train_loop_per_worker=train_loop_per_worker,
+        train_loop_config={**cfg.to_dict(), ASSETS_KEY: shipped},
+        torch_config=ReplicaGroupsConfig(cfg.exchange_name, cfg.namespace, cfg.workers) if cfg.replica_groups else None,
+        scaling_config=ScalingConfig(num_workers=(cfg.elastic.min_workers, cfg.workers) if cfg.is_elastic else cfg.workers,
+                                     elastic_resize_monitor_interval_s=cfg.elastic.resize_interval_s,
+                                     use_gpu=cfg.device == "cuda",
+                                     resources_per_worker=placement.worker_resources,
+                                     label_selector=placement.worker_label_selector),
+        run_config=RunConfig(
+            name=f"raycheck-{cfg.run_id}",
+            storage_path=str(pathlib.Path(cfg.out_dir).resolve() / "ray_train"),
+            failure_config=FailureConfig(max_failures=cfg.faults.max_worker_failures),
+            worker_runtime_env=runtime_env(),
+            # the controller's side of the recovery breakdown; Ray annotates UserCallback, and takes any RayTrainCallback
+            callbacks=[GroupTimeline(cfg)],  # type: ignore[list-item]
+        ),
+    )
