@@ -55,7 +55,7 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("RAYCHECK_CACHE", pathlib.Path.home() / ".cache" / "raycheck"))
 
 
-def check_outside_cache(folder: str | os.PathLike, cache_dir: str | os.PathLike) -> None:
+def check_outside_cache(folder: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -> None:
     """Refuse ``folder`` (an export target) inside the model cache: ``cache_dir`` (the one in use) or
     ``default_cache_dir()``. The cache owns its folders: one without a ``DONE`` file is deleted at the
     next first use of its name (``_build_once``), and with it anything exported there.
@@ -114,7 +114,7 @@ def _build_once(target: pathlib.Path, build) -> pathlib.Path:
     return target
 
 
-def tokenizer_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def tokenizer_dir(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """Folder with SmolLM2's tokenizer, extracted from the GGUF file on first use."""
     cache_dir = pathlib.Path(cache_dir or default_cache_dir())
 
@@ -127,7 +127,7 @@ def tokenizer_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     return _build_once(cache_dir / "smollm2-135m-tokenizer", build)
 
 
-def model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def model_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """Folder with the fp32 safetensors weights and config of model ``name``, built on first use.
 
     Raises:
@@ -199,7 +199,7 @@ def is_builtin(model: str) -> bool:
     return model in MODEL_NAMES
 
 
-def model_folder(model: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def model_folder(model: str, cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """The local folder of ``model`` on this (the driver's) machine: a built-in name's cache folder, a
     folder path, or a model id's snapshot in the local Hugging Face cache (``HF_HOME``; never downloaded).
 
@@ -269,7 +269,7 @@ def check_loadable(folder: pathlib.Path) -> None:
                          "write the folder with save_pretrained of the model it configures")
 
 
-def read_model_files(model: str, cache_dir: str | os.PathLike | None = None) -> ModelFiles:
+def read_model_files(model: str, cache_dir: str | os.PathLike[str] | None = None) -> ModelFiles:
     """Read the config, weights and tokenizer files of ``model`` (``model_folder``) on the driver.
 
     Raises:
@@ -283,7 +283,7 @@ def read_model_files(model: str, cache_dir: str | os.PathLike | None = None) -> 
     return ModelFiles(source=model, files=files, sha256=files_sha256(files))
 
 
-def materialise(files: ModelFiles, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def materialise(files: ModelFiles, cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """Write shipped model files into this node's cache (``<cache>/shipped/<sha256>``, once per node)."""
     cache_dir = pathlib.Path(cache_dir or default_cache_dir())
 
@@ -295,7 +295,7 @@ def materialise(files: ModelFiles, cache_dir: str | os.PathLike | None = None) -
     return _build_once(cache_dir / "shipped" / files.sha256, build)
 
 
-def load_model(name: str, cache_dir: str | os.PathLike | None = None, files: ModelFiles | None = None,
+def load_model(name: str, cache_dir: str | os.PathLike[str] | None = None, files: ModelFiles | None = None,
                dtype: str = "float32") -> torch.nn.Module:
     """Load a model on the CPU, in eval mode, with ``requires_grad`` off (ZO training).
 
@@ -347,7 +347,7 @@ def read_parameters(folder: pathlib.Path, layout: list[list], dtype: str = "floa
     return params
 
 
-def load_tokenizer(cache_dir: str | os.PathLike | None = None, files: ModelFiles | None = None):
+def load_tokenizer(cache_dir: str | os.PathLike[str] | None = None, files: ModelFiles | None = None):
     """The model's own tokenizer when its shipped ``files`` have one, else SmolLM2's (the built-ins')."""
     from transformers import AutoTokenizer
 
