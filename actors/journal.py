@@ -17,7 +17,7 @@ process that emits it dies), and a metric row sent before an acknowledged event 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -123,11 +123,11 @@ class RunChannel:
     def _call(self, method: str, *args):
         return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
 
-    def event(self, kind: str, **fields) -> None:
+    def event(self, kind: str, **fields: Any) -> None:
         """Record an event (``unix_s`` now unless given); returns once the journal has it."""
         self._call("event", {"kind": kind, **fields, "unix_s": fields.get("unix_s", time.time())})
 
-    def metric(self, **row) -> None:
+    def metric(self, **row: Any) -> None:
         """Send a metric row (``unix_s`` now unless given) without waiting; recorded in order with this
         process's other calls."""
         self.handle.metric.remote({**row, "unix_s": row.get("unix_s", time.time())})

@@ -390,7 +390,7 @@ class RemoteKeeper:
         return self._call("wait_for", end, timeout_s, timeout_s=timeout_s + self.timeout_s)
 
 
-def read_range(keeper, start: int, end: int) -> list[StepRecord]:
+def read_range(keeper: LogKeeper | RemoteKeeper, start: int, end: int) -> list[StepRecord]:
     """Records ``start..end - 1`` of ``keeper`` (a ``LogKeeper`` or ``RemoteKeeper``), fetched in bounded calls.
 
     Raises:

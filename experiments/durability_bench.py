@@ -279,7 +279,7 @@ def _child_writer(folder: str, state_file: str, idle: bool, options: dict, conn)
         conn.send(time.perf_counter() - t0)
 
 
-def process_writer(state_file: pathlib.Path, idle: bool, **options) -> Writer:
+def process_writer(state_file: pathlib.Path, idle: bool, **options: Any) -> Writer:
     """Snapshots written by a process of its own (``multiprocessing`` spawn; the state read from
     ``state_file``) into ``Storage(folder, **options)``, at idle priority when ``idle``; killed once
     ``done`` is set."""

@@ -59,7 +59,7 @@ import json
 import pathlib
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -118,7 +118,7 @@ def eval_indices(size: int, n: int) -> np.ndarray:
     return np.sort(batch_indices(EVAL_SEED, 0, size, n))
 
 
-def eval_loss(model, encoder: PromptEncoder, split: Split, indices: np.ndarray, chunk: int = 16) -> float:
+def eval_loss(model: torch.nn.Module, encoder: PromptEncoder, split: Split, indices: np.ndarray, chunk: int = 16) -> float:
     """Mean cross-entropy over the label words (nats) of ``split``'s samples ``indices``, evaluated
     ``chunk`` samples at a time (``training.data.classification_loss``, no gradients)."""
     total = 0.0
@@ -166,7 +166,7 @@ def restart_points(restart_at: int, seeds: int, gap: int) -> list[int]:
     return [restart_at + i * gap for i in range(seeds)]
 
 
-def make_checkpointer(name: str, root: pathlib.Path, trainer: FOTrainer, args):
+def make_checkpointer(name: str, root: pathlib.Path, trainer: FOTrainer, args: argparse.Namespace):
     store = SnapshotStore(Storage(str(root / name)), keep_last=KEEP_ALL if name == "layerwise" else 2)
     if name == "full-async":
         return store, FullCheckpointer(store, args.full_async_every, asynchronous=True)
@@ -179,7 +179,7 @@ def make_checkpointer(name: str, root: pathlib.Path, trainer: FOTrainer, args):
     return store, DiffCheckpointer(store, DiffStore(store.storage), trainer.applied_gradients, args.full_every, args.batch_steps, topk)
 
 
-def weights_of(state) -> dict[str, np.ndarray]:
+def weights_of(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """A copy of the weights of a training state (no optimizer slots)."""
     return {n: np.array(as_numpy(t), copy=True) for n, t in state.items() if parameter_of(n) is None}
 
@@ -199,7 +199,7 @@ def restore(name: str, store: SnapshotStore, trainer: FOTrainer) -> int:
     return DiffStore(store.storage).replay(loaded.info.step, trainer.replay_gradients).end_step
 
 
-def calibrate_full_every(trainer: FOTrainer, split: Split, args) -> dict:
+def calibrate_full_every(trainer: FOTrainer, split: Split, args: argparse.Namespace) -> dict:
     """Choose the differential full-checkpoint interval from costs measured on ``trainer``, then put
     its state back bitwise (the run starts from the state it had).
 
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def restart_all(ckpts: dict, encoder, hyper: FOHyper, args, reference: FOTrainer, reference_sha: dict[int, str]) -> dict:
+def restart_all(ckpts: dict, encoder: PromptEncoder, hyper: FOHyper, args: argparse.Namespace, reference: FOTrainer, reference_sha: dict[int, str]) -> dict:
     """Restore every strategy but layer-wise at the restart step; returns the findings per strategy.
     ``reference_sha``: step -> the failure-free state's sha256 (the restart step's, full-async's
     checkpoint's and each overlapped snapshot's); a restore is bitwise equal when its state hashes as
@@ -376,7 +376,7 @@ def restart_all(ckpts: dict, encoder, hyper: FOHyper, args, reference: FOTrainer
     return found
 
 
-def layerwise_deviation(args, points: list[int], store: SnapshotStore, reference: SnapshotStore | None, encoder,
+def layerwise_deviation(args: argparse.Namespace, points: list[int], store: SnapshotStore, reference: SnapshotStore | None, encoder: PromptEncoder,
                         hyper: FOHyper, split: Split, eval_split: Split, evaluate: np.ndarray | None, rows: list[dict],
                         evals: dict[int, float]) -> dict:
     """Restart from the newest layer-wise composite at each restart point, train ``--post-restart``
@@ -415,7 +415,7 @@ def layerwise_deviation(args, points: list[int], store: SnapshotStore, reference
     return out
 
 
-def summarise(args, names: list[str], rows: list[dict], stats: dict, restart: dict, changes: list[dict],
+def summarise(args: argparse.Namespace, names: list[str], rows: list[dict], stats: dict, restart: dict, changes: list[dict],
               deviation: dict | None, full_bytes: int, calibration: dict | None) -> dict:
     """The run's figures (``fo_bench.json``); ``full_bytes``: bytes of one full checkpoint of the state,
     ``calibration``: ``calibrate_full_every``'s measurements (None when ``--full-every`` was given)."""

@@ -43,7 +43,7 @@ from raycheck.training.model import load_model, trainable_parameters
 from raycheck.training.state import copy_state
 
 
-def raw_write(fs, root: str, blobs: list[bytes], local: bool) -> None:
+def raw_write(fs: fsspec.AbstractFileSystem, root: str, blobs: list[bytes], local: bool) -> None:
     if local:
         fs.makedirs(root, exist_ok=True)
     for i, blob in enumerate(blobs):

@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -25,7 +26,7 @@ from raycheck.training.model import load_model, load_tokenizer
 from raycheck.training.state import copy_into, copy_state
 
 
-def timed(fn) -> float:
+def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import pathlib
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 from raycheck.job.config import JobConfig
 from raycheck.training.assets import Assets, read_assets
 from raycheck.training.model import default_cache_dir
 
 
-def job_config(out_dir: str | pathlib.Path, **fields) -> JobConfig:
+def job_config(out_dir: str | pathlib.Path, **fields: Any) -> JobConfig:
     """A ``JobConfig`` with the run directory ``out_dir`` made absolute, a new 8-hex-digit run id and the
     default model cache (``training.model.default_cache_dir``) unless given; any ``JobConfig`` field
     may be passed (``model``, ``data``, ``task``, ``steps``, ...; a component such as ``faults`` as its

@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 from raycheck.actors.journal import RunChannel
 from raycheck.job.config import JobConfig
+
+if TYPE_CHECKING:
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2._internal.execution.worker_group import Worker, WorkerGroup, WorkerGroupContext
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +48,20 @@ class GroupTimeline(ControllerCallback, WorkerGroupCallback):
     def _stamp(self, name: str) -> None:
         self.stamps[name] = time.time()
 
-    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+    def before_controller_execute_failure_decision(self, failure_decision: FailureDecision) -> None:
         self._stamp("detected_unix_s")
 
-    def before_worker_group_start(self, worker_group_context) -> None:
+    def before_worker_group_start(self, worker_group_context: WorkerGroupContext) -> None:
         self._stamp("group_start_unix_s")
 
-    def before_init_train_context(self, workers) -> dict:
+    def before_init_train_context(self, workers: list[Worker]) -> dict[str, list[Any]]:
         self._stamp("workers_created_unix_s")
         return {}
 
-    def after_worker_group_start(self, worker_group) -> None:
+    def after_worker_group_start(self, worker_group: WorkerGroup) -> None:
         self._stamp("group_ready_unix_s")
 
-    def after_worker_group_training_start(self, worker_group) -> None:
+    def after_worker_group_training_start(self, worker_group: WorkerGroup) -> None:
         """Send the stamps since the last launch as a ``worker_group`` event (a lost journal is logged, not raised)."""
         stamps, self.stamps = self.stamps, {}
         self.starts += 1

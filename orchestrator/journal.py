@@ -12,6 +12,7 @@ fire again.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -34,7 +35,7 @@ def run_actors(cfg: JobConfig) -> list[str]:
                   and (a["name"] in ours or a["name"].startswith(f"{cfg.shadow_name}-")))
 
 
-def wait_for_previous_driver(cfg: JobConfig, timeout_s: float = 60.0, echo=print) -> None:
+def wait_for_previous_driver(cfg: JobConfig, timeout_s: float = 60.0, echo: Callable[[str], object] = print) -> None:
     """Return once no actor of run ``cfg.run_id`` is alive: when a driver dies, Ray removes its actors
     within seconds, and a ``--resume`` started meanwhile would find their names taken. Polls Ray's
     named actors every 0.5 s (Ray has no notification of an actor's removal to wait on).
@@ -95,7 +96,7 @@ class RunRecord:
         self._cursors = (self._cursors[0] + len(events), self._cursors[1] + len(metrics))
         self._keep(events, metrics)
 
-    def write_event(self, kind: str, **fields) -> None:
+    def write_event(self, kind: str, **fields: Any) -> None:
         """Record an event of the driver directly (when no journal answers, e.g. a run that failed
         before or while starting it)."""
         self._keep([{"kind": kind, **fields, "unix_s": time.time()}], [])

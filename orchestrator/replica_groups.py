@@ -14,7 +14,7 @@ barriers through it (``workers.worker``).
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.train.backend import BackendConfig
@@ -23,6 +23,9 @@ from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGr
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycheck.actors.step_exchange import StepExchangeActor
+
+if TYPE_CHECKING:
+    from ray.train._internal.base_worker_group import BaseWorkerGroup
 
 EXCHANGE_KEEP_STEPS = 1024
 """Complete steps whose parts the step exchange keeps: a replacement restored at the durable step re-executes
@@ -59,7 +62,7 @@ class ReplicaGroupsBackend(_TorchBackend):
         super().__init__()
         self.exchange: Any = None  # the actor handle (ray types a handle's methods as Never)
 
-    def on_start(self, worker_group, backend_config: BackendConfig) -> None:
+    def on_start(self, worker_group: BaseWorkerGroup, backend_config: BackendConfig) -> None:
         if not isinstance(backend_config, ReplicaGroupsConfig):
             raise TypeError(f"the replica groups backend needs a ReplicaGroupsConfig, got a {type(backend_config).__name__}")
         if self.exchange is None:

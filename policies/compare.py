@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from raycheck.policies.costs import InfeasibleError, MeasuredCosts
 from raycheck.policies.models import (
@@ -60,7 +61,7 @@ class Option:
         w = self.waste_ratio
         return None if w is None else DAY_H if math.isinf(w) else DAY_H * w / (1 + w)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": str(self.strategy), "rule": self.rule, "interval_steps": self.interval_steps,
             "interval_s": self.interval_s, "waste_ratio": self.waste_ratio, "overhead_pct": self.overhead_pct,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from raycheck.policies.replan import ReplanRecord, Replanner
 
@@ -117,9 +118,9 @@ class AdaptiveInterval:
             self.records.append(decision.record)
         return decision.record
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"replanner": self.replanner.state_dict(), "records": [r.to_dict() for r in self.records]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.replanner.load_state_dict(state["replanner"])
         self.records = [ReplanRecord(**r) for r in state["records"]]

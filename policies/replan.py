@@ -11,6 +11,7 @@ import dataclasses
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from raycheck.policies.costs import InfeasibleError, MeasuredCosts
 from raycheck.policies.models import Strategy, expected_waste, optimal_interval_steps
@@ -43,10 +44,10 @@ class RobustEwma:
         self.count += 1
         return self.value
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"samples": list(self.samples), "value": self.value, "count": self.count}
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.samples, self.value, self.count = list(state["samples"]), state["value"], state["count"]
 
 
@@ -62,7 +63,7 @@ class ReplanRecord:
     inputs: dict[str, float]
     """The estimated ``MeasuredCosts`` fields (seconds) the plan was computed from."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -147,7 +148,7 @@ class Replanner:
         return ReplanRecord(step=step, previous_interval_steps=previous, interval_steps=interval,
                             expected_waste_ratio=waste, reason=reason, inputs=costs.to_dict())
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "interval_steps": self.interval_steps,
             "last_change_step": self.last_change_step,
@@ -156,7 +157,7 @@ class Replanner:
             "estimates": {n: e.state_dict() for n, e in self.estimates.items()},
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.interval_steps, self.last_change_step = state["interval_steps"], state["last_change_step"]
         self.failures, self.elapsed_s = state["failures"], state["elapsed_s"]
         for name, est in state["estimates"].items():

@@ -57,12 +57,14 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import fsspec
 
 from raycheck.storage.files import DIRECT_ALIGN_BYTES, TEMP_MARK, atomic_write_pieces
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class StorageError(OSError):
@@ -270,7 +272,7 @@ class CircuitBreaker:
                 self._changed.wait(min(left_s, self._retry_in_s() or left_s))
             return True
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """``{"state": "closed" | "open" | "half_open", "consecutive_failures", "opened", "probes",
         "backoff_s", "retry_in_s"}`` (half-open: a probe is due or running)."""
         with self._changed:
@@ -360,7 +362,7 @@ class _Tally:
             yield piece
 
 
-def _upload(f, pieces: Iterable[bytes | memoryview]) -> None:
+def _upload(f: fsspec.spec.AbstractBufferedFile, pieces: Iterable[bytes | memoryview]) -> None:
     """Write ``pieces`` to the S3 file ``f`` (fsspec, opened ``"wb"``: it uploads a part each time its
     buffer reaches the block size) and close it, which completes the upload (a single PUT when it never
     reached one block). On any error the multipart upload is aborted and ``f`` is dropped unclosed, so
@@ -378,7 +380,7 @@ def _upload(f, pieces: Iterable[bytes | memoryview]) -> None:
         raise
 
 
-def _filesystem(protocol: str, options: dict, timeout_s: float):
+def _filesystem(protocol: str, options: dict[str, Any], timeout_s: float) -> fsspec.AbstractFileSystem:
     if protocol == "s3":
         opts = {
             "endpoint_url": options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL"),
@@ -420,7 +422,7 @@ class Storage:
 
     def __init__(self, uri: str, *, retry: RetryPolicy = RetryPolicy(), create: bool = True,
                  write_chunk_bytes: int | None = LOCAL_WRITE_CHUNK_BYTES, write_rate_bytes_per_s: float | None = None,
-                 write_direct: bool = False, **options) -> None:
+                 write_direct: bool = False, **options: Any) -> None:
         protocol, rest = split_uri(uri)
         if protocol not in self.SCHEMES:
             raise ValueError(f"{uri!r}: unsupported storage scheme {protocol!r}; use one of {', '.join(self.SCHEMES)}")
@@ -443,7 +445,7 @@ class Storage:
         elif protocol == "file" and not os.path.isdir(self.root):
             raise FileNotFoundError(f"{self.root}: no such folder")
 
-    def __reduce__(self):  # rebuild in the receiving process (thread pools and clients do not pickle)
+    def __reduce__(self) -> tuple[Callable[..., Storage], tuple[Any, ...]]:  # rebuild in the receiving process (thread pools and clients do not pickle)
         return (_rebuild, (self.uri, self.retry, self.options, self.write_chunk_bytes, self.write_rate_bytes_per_s,
                            self.write_direct))
 
@@ -459,7 +461,7 @@ class Storage:
         return self.path(rel) if self.protocol == "file" else f"{self.protocol}://{self.path(rel)}"
 
     # -- the bounded call ---------------------------------------------------------------------
-    def _call(self, what: str, fn, *args):
+    def _call(self, what: str, fn: Callable[..., _T], *args: Any) -> _T:
         admission = self.breaker.admit()
         if admission is Admission.REFUSED:
             state = self.breaker.state()
@@ -598,10 +600,10 @@ class Storage:
 
     def get(self, rel: str) -> bytes:
         """The bytes of object ``rel``. Raises ``FileNotFoundError`` when it does not exist."""
-        return self._call(f"get {self.url(rel)}", self.fs.cat_file, self.path(rel))
+        return cast(bytes, self._call(f"get {self.url(rel)}", self.fs.cat_file, self.path(rel)))  # fsspec: untyped
 
     def exists(self, rel: str) -> bool:
-        return self._call(f"exists {self.url(rel)}", self.fs.exists, self.path(rel))
+        return cast(bool, self._call(f"exists {self.url(rel)}", self.fs.exists, self.path(rel)))  # fsspec: untyped
 
     def list(self, prefix: str = "") -> list[str]:
         """Relative paths of every object under ``prefix`` (recursive), sorted; [] if none."""
@@ -821,7 +823,7 @@ class Storage:
             pass
 
 
-def _rebuild(uri: str, retry: RetryPolicy, options: dict, write_chunk_bytes: int | None = LOCAL_WRITE_CHUNK_BYTES,
+def _rebuild(uri: str, retry: RetryPolicy, options: dict[str, Any], write_chunk_bytes: int | None = LOCAL_WRITE_CHUNK_BYTES,
              write_rate_bytes_per_s: float | None = None, write_direct: bool = False) -> Storage:
     return Storage(uri, retry=retry, write_chunk_bytes=write_chunk_bytes, write_rate_bytes_per_s=write_rate_bytes_per_s,
                    write_direct=write_direct, **options)

@@ -31,7 +31,7 @@ class BackgroundWriter:
     def __init__(self, name: str, max_pending: int = 2) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._queue: queue.Queue[tuple[Callable[[], None], str] | None] = queue.Queue(maxsize=max_pending)
         self._idle = threading.Condition()
         self._unfinished = 0
         self.errors: list[str] = []
@@ -112,6 +112,6 @@ class Postponements:
             self.steps += step - self.due_since
             self.due_since = None
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """``postponed_checks`` and ``postponed_steps`` (for a checkpointer's ``close``)."""
         return {"postponed_checks": self.checks, "postponed_steps": self.steps}

@@ -28,9 +28,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 import time
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Generator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -74,12 +75,12 @@ class _StorageFS(FileSystemBase):
     put whole when it closes (atomic, retried); ``written`` records (bytes, sha256) of each. A read
     stream is verified against ``expected`` (path -> manifest entry) before DCP parses it."""
 
-    def __init__(self, storage: Storage, expected: Mapping[str, dict] | None = None) -> None:
+    def __init__(self, storage: Storage, expected: Mapping[str, dict[str, Any]] | None = None) -> None:
         self.storage, self.expected = storage, expected or {}
         self.written: dict[str, tuple[int, str]] = {}
 
     @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         path = str(path)
         if "w" in mode:
             stream = _Buffer()
@@ -95,28 +96,28 @@ class _StorageFS(FileSystemBase):
                                        "(corrupt or not part of the checkpoint)")
         yield io.BytesIO(data)
 
-    def concat_path(self, path, suffix: str) -> str:
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return f"{path}/{suffix}"
 
-    def rename(self, path, new_path) -> None:  # DCP writes .metadata.tmp, then renames it
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:  # DCP writes .metadata.tmp, then renames it
         self.storage.put(str(new_path), self.storage.get(str(path)))
         self.written[str(new_path)] = self.written.pop(str(path))
         self.storage.delete(str(path))
 
-    def init_path(self, path) -> str:
+    def init_path(self, path: str | os.PathLike[str]) -> str:
         return str(path)
 
-    def mkdir(self, path) -> None:
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
         pass  # object paths need no folders; a local put creates its folder
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return True
 
-    def exists(self, path) -> bool:
+    def exists(self, path: str | os.PathLike[str]) -> bool:
         return self.storage.exists(str(path))
 
-    def rm_file(self, path) -> None:
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
         self.storage.delete(str(path))
 
 
@@ -138,7 +139,7 @@ def _folder_problems(manifest: object, folder: str) -> list[str]:
     return problems
 
 
-def global_layout(state: Mapping[str, torch.Tensor]) -> list[list]:
+def global_layout(state: Mapping[str, torch.Tensor]) -> list[list[Any]]:
     """``[[name, torch dtype, global shape], ...]`` of ``state`` (a DTensor's ``shape`` is its global
     one): the same at every world size."""
     return [[n, str(t.dtype), list(t.shape)] for n, t in state.items()]
@@ -163,7 +164,7 @@ class ShardedStore(SnapshotStore):
         create: make a missing local ``SUBFOLDER`` (False for read-only tools).
     """
 
-    def __init__(self, storage: Storage | str, keep_last: int = 3, create: bool = True, **kw) -> None:
+    def __init__(self, storage: Storage | str, keep_last: int = 3, create: bool = True, **kw: Any) -> None:
         root = storage if isinstance(storage, Storage) else Storage(storage)
         sub = Storage(f"{root.uri.rstrip('/')}/{SUBFOLDER}", retry=root.retry, create=create, write_chunk_bytes=root.write_chunk_bytes,
                       write_rate_bytes_per_s=root.write_rate_bytes_per_s, write_direct=root.write_direct, **root.options)
@@ -172,7 +173,7 @@ class ShardedStore(SnapshotStore):
     def _manifest_problems(self, manifest: object, folder: str) -> list[str]:
         return _folder_problems(manifest, folder)
 
-    def save(self, step: int, state: Mapping[str, torch.Tensor], config: Mapping | None = None,
+    def save(self, step: int, state: Mapping[str, torch.Tensor], config: Mapping[str, Any] | None = None,
              group: dist.ProcessGroup | None = None) -> Saved:
         """Write ``state`` (name -> tensor or DTensor) as the checkpoint of step ``step`` and commit it.
 

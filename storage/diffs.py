@@ -92,7 +92,7 @@ class DiffBatch:
     sha256: str
     encoding: str
     topk_ratio: float
-    tensors: dict
+    tensors: dict[str, list[int]]
     commit: str
 
     @property
@@ -364,7 +364,8 @@ class DiffStore:
         """Whether commit record ``path`` names this store's run (unreadable: whether its name's ``tag`` is the run's)."""
         assert self.identity is not None
         try:
-            return json.loads(self.storage.get(path)).get("run") == self.identity.as_dict()
+            run: object = json.loads(self.storage.get(path)).get("run")
+            return run == self.identity.as_dict()
         except FileNotFoundError:
             return False
         except (ValueError, AttributeError, UnicodeDecodeError):

@@ -144,7 +144,7 @@ def _write_chunks(fd: int, pieces: Iterable[bytes | memoryview], chunk_bytes: in
         os.fdatasync(fd)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | memoryview, chunk_bytes: int | None = None,
+def atomic_write(path: str | os.PathLike[str], data: bytes | memoryview, chunk_bytes: int | None = None,
                  pacer: WritePacer | None = None) -> None:
     """Replace the local file ``path`` with ``data``, atomically and durably (``atomic_write_pieces`` of
     the one piece ``data``). The one atomic write of the project (storage objects, the step log's
@@ -156,7 +156,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | memoryview, chunk_bytes:
     atomic_write_pieces(path, (data,), chunk_bytes, pacer)
 
 
-def atomic_write_pieces(path: str | os.PathLike, pieces: Iterable[bytes | memoryview], chunk_bytes: int | None = None,
+def atomic_write_pieces(path: str | os.PathLike[str], pieces: Iterable[bytes | memoryview], chunk_bytes: int | None = None,
                         pacer: WritePacer | None = None, direct: bool = False) -> None:
     """Replace the local file ``path`` with the concatenation of ``pieces``, atomically and durably: the
     bytes go to a temp name unique to this call in the same folder (``write_synced_pieces``: written, then
@@ -189,7 +189,7 @@ def atomic_write_pieces(path: str | os.PathLike, pieces: Iterable[bytes | memory
     fsync_dir(os.path.dirname(path) or ".")
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
     """``os.fsync`` the folder ``path`` (makes the names created or renamed in it durable).
 
     Raises:

@@ -19,8 +19,10 @@ step continuity across segments, and refuses a gap with ``StepLogGapError``.
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from typing import Any
 
 from raycheck.storage.backend import Storage
 from raycheck.storage.steplog import RECORD_BYTES, StepLogCorruptError, StepLogGapError, StepRecord, decode_header, header_tag, scan_records
@@ -57,14 +59,14 @@ def segment_of(storage: Storage, step: int) -> str | None:
     return None
 
 
-def read_segments(storage: Storage) -> tuple[dict | None, list[StepRecord]]:
+def read_segments(storage: Storage) -> tuple[dict[str, Any] | None, list[StepRecord]]:
     """(header, records) of the log mirrored in ``storage``; (None, []) when there is none.
 
     Raises:
         StepLogCorruptError: a segment fails a checksum, or headers differ between segments.
         StepLogGapError: a step is missing between segments.
     """
-    header: dict | None = None
+    header: dict[str, Any] | None = None
     records: list[StepRecord] = []
     for first, (last, name) in sorted(_segments(storage).items()):
         if first > len(records):
@@ -90,7 +92,7 @@ class SegmentMirror:
     """Copies a local step log into ``storage`` as segments. Call ``sync`` periodically and once with
     ``final=True`` at the end; it uploads what is new and returns the number of steps now mirrored."""
 
-    def __init__(self, storage: Storage, local_log, records_per_segment: int = 100, max_age_s: float = 10.0) -> None:
+    def __init__(self, storage: Storage, local_log: str | os.PathLike[str], records_per_segment: int = 100, max_age_s: float = 10.0) -> None:
         if records_per_segment < 1:
             raise ValueError(f"records_per_segment must be >= 1, got {records_per_segment}")
         self.storage, self.local_log = storage, local_log

@@ -14,10 +14,14 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from raycheck.storage.units import group_by_unit
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 3
 """Manifest and index format (3: run identity, layout hash, manifest sha256 and writer epochs in the index)."""
@@ -50,7 +54,7 @@ class RunIdentity:
         """8 hex digits naming the run in its snapshot folders (so retention only cleans its own)."""
         return hashlib.sha256(self.run_id.encode()).hexdigest()[:8]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -88,12 +92,12 @@ def folder_step(folder: str) -> int:
     return int(m.group(1))
 
 
-def layout_of(state: Mapping) -> list[list]:
+def layout_of(state: Mapping[str, np.ndarray | torch.Tensor]) -> list[list[Any]]:
     """``[[name, dtype (numpy str, e.g. '<f4'), shape], ...]`` of a state (arrays or tensors), in order."""
     return [[n, _numpy(a).dtype.str, list(a.shape)] for n, a in state.items()]
 
 
-def _numpy(a) -> np.ndarray:
+def _numpy(a: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(a, np.ndarray):
         return a
     from raycheck.storage.tensor_files import as_numpy  # imports torch: only for a state of tensors
@@ -101,12 +105,12 @@ def _numpy(a) -> np.ndarray:
     return as_numpy(a)
 
 
-def layout_sha256(layout: list[list]) -> str:
+def layout_sha256(layout: list[list[Any]]) -> str:
     """sha256 of a layout (``layout_of``): names, dtypes, shapes, order."""
     return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()
 
 
-def other_layout(theirs: list[list], ours: list[list]) -> str:
+def other_layout(theirs: list[list[Any]], ours: list[list[Any]]) -> str:
     """What a snapshot of layout ``theirs`` is to a model of layout ``ours`` (``layout_of``; they
     differ): the same tensors in another dtype (``a snapshot of another dtype (bfloat16; the model is
     float32)``), else ``a snapshot of another model``."""
@@ -118,7 +122,7 @@ def other_layout(theirs: list[list], ours: list[list]) -> str:
     return f"a snapshot of another dtype ({', '.join(names[0])}; the model is {', '.join(names[1])})"
 
 
-def manifest_layout(manifest: Mapping) -> list[list]:
+def manifest_layout(manifest: Mapping[str, Any]) -> list[list[Any]]:
     """The layout a (schema-valid) manifest describes, in its canonical order."""
     specs = {n: t for u in manifest["units"].values() for n, t in u["tensors"].items()}
     return [[n, specs[n]["dtype"], list(specs[n]["shape"])] for n in manifest["names"]]
@@ -226,7 +230,7 @@ def manifest_problems(manifest: object, folder: str) -> list[str]:
     return problems
 
 
-def index_entries(index: object) -> list[dict]:
+def index_entries(index: object) -> list[dict[str, Any]]:
     """The ``snapshots`` entries (``{"folder", "manifest_sha256"}``, oldest first) of a parsed index.
 
     Raises:

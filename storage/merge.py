@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from safetensors import safe_open
@@ -143,7 +144,7 @@ def safe_name(name: object) -> bool:
     return isinstance(name, str) and _SAFE_NAME.fullmatch(name) is not None and ".." not in name
 
 
-def _name_problems(label: str, units: Mapping[str, dict]) -> list[str]:
+def _name_problems(label: str, units: Mapping[str, dict[str, Any]]) -> list[str]:
     """Unsafe unit or tensor names in a manifest's ``units``, and tensors listed under another unit
     than their own (``storage.units.unit_of``): a merge would write them elsewhere."""
     problems = []
@@ -205,7 +206,7 @@ def describe_units(units: Sequence[str]) -> str:
     return ", ".join(out)
 
 
-def _unit_order(unit: str) -> tuple:
+def _unit_order(unit: str) -> tuple[int, int, str]:
     m = _LAYER_UNIT.match(unit)
     return (1, int(m.group(1)), "") if m else ({"embed": 0, "norm": 2, "lm_head": 3}.get(unit, 4), 0, unit)
 
@@ -288,7 +289,7 @@ def plan_merge(resolved: Mapping[str, SnapshotInfo], takes: Sequence[Take]) -> d
     return {u: chosen[u][0] for u in ref_units}
 
 
-def _layout_difference(tensors: Mapping[str, dict], reference: Mapping[str, dict]) -> str:
+def _layout_difference(tensors: Mapping[str, dict[str, Any]], reference: Mapping[str, dict[str, Any]]) -> str:
     missing = [n for n in reference if n not in tensors]
     extra = [n for n in tensors if n not in reference]
     if missing or extra:
@@ -309,7 +310,7 @@ class PreparedMerge:
     state: dict[str, np.ndarray]
     unit_sources: dict[str, str]
     unit_steps: dict[str, int]
-    config: dict
+    config: dict[str, Any]
 
     @property
     def step(self) -> int:

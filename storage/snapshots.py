@@ -52,7 +52,7 @@ from raycheck.storage.backend import TEMP_MAX_AGE_S, PreconditionFailedError, St
 from raycheck.storage import tensor_files
 from raycheck.storage.tensor_files import load as st_load
 from raycheck.storage.manifest import (
-    FOLDER,
+    FOLDER as FOLDER,  # re-exported (cli.storage imports it from here)
     FORMAT_VERSION,
     RunIdentity,
     check_name,
@@ -95,7 +95,7 @@ class SnapshotInfo:
 
     step: int
     folder: str
-    manifest: dict
+    manifest: dict[str, Any]
 
     @property
     def bytes(self) -> int:
@@ -117,7 +117,7 @@ class SnapshotInfo:
 class _Index(NamedTuple):
     raw: bytes | None
     """The index's bytes as read (None: no index yet): the expected value of the next conditional write."""
-    entries: list[dict]
+    entries: list[dict[str, Any]]
     epochs: dict[str, int]
     generation: int
 
@@ -148,7 +148,7 @@ class SnapshotStore:
     """
 
     def __init__(self, storage: Storage | str, keep_last: int = 3, parallel_puts: int = 4, *,
-                 identity: RunIdentity | None = None, epoch: int = 0, layout: list[list] | None = None,
+                 identity: RunIdentity | None = None, epoch: int = 0, layout: list[list[Any]] | None = None,
                  temp_max_age_s: float = TEMP_MAX_AGE_S, step_log: bool = False) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -174,7 +174,7 @@ class SnapshotStore:
             raise ValueError("claim_epoch needs a run identity")
         start, run_id = self.epoch, self.identity.run_id
 
-        def bump(index: _Index) -> list[dict]:
+        def bump(index: _Index) -> list[dict[str, Any]]:
             self.epoch = max(start, index.epochs.get(run_id, 0)) + 1
             return index.entries
 
@@ -193,7 +193,7 @@ class SnapshotStore:
         self,
         step: int,
         state: Mapping[str, np.ndarray],
-        config: Mapping | None = None,
+        config: Mapping[str, Any] | None = None,
         unit_steps: Mapping[str, int] | None = None,
     ) -> SnapshotInfo:
         """Persist ``state`` (ordered name -> array) as the snapshot of ``step`` and commit it.
@@ -221,7 +221,7 @@ class SnapshotStore:
         step: int,
         changed: Mapping[str, np.ndarray],
         names: Sequence[str],
-        config: Mapping | None = None,
+        config: Mapping[str, Any] | None = None,
         full_state: Mapping[str, np.ndarray] | None = None,
     ) -> SnapshotInfo:
         """Commit the state of ``step`` incrementally: the units of ``changed`` get new shards, every
@@ -265,7 +265,7 @@ class SnapshotStore:
         if problems:
             raise ValueError("cannot write the composite snapshot of step %d:\n  %s" % (step, "\n  ".join(problems)))
         state = dict(changed)
-        base_units: dict[str, dict] = {}
+        base_units: dict[str, dict[str, Any]] = {}
         if base is not None:
             base_units = base.manifest["units"]
             rewrite = self._failing_units(base, referenced)
@@ -287,7 +287,7 @@ class SnapshotStore:
         """unit -> problem, for the units of ``base`` whose shard fails verification."""
         return {u: problem for u, (_, problem) in zip(units, self._read_units(base, units)) if problem}
 
-    def _check_layout(self, step: int, layout: list[list]) -> None:
+    def _check_layout(self, step: int, layout: list[list[Any]]) -> None:
         """Refuse a state that is empty, has unsafe names, or does not cover the run's layout."""
         if not layout:
             raise ValueError(f"refusing to write an empty snapshot of step {step}: a snapshot must hold the whole state")
@@ -313,7 +313,7 @@ class SnapshotStore:
         return f"step-{step:010d}-{writer}{uuid.uuid4().hex[:8]}"
 
     def _put_units(self, folder: str, state: Mapping[str, np.ndarray], units: Mapping[str, list[str]], step: int,
-                   unit_steps: Mapping[str, int]) -> dict[str, dict]:
+                   unit_steps: Mapping[str, int]) -> dict[str, dict[str, Any]]:
         """Write one safetensors shard per unit under ``folder``, ``parallel_puts`` at a time, each streamed
         from the arrays' memory and hashed as it is written (``tensor_files.put``); returns the manifest entries."""
         with concurrent.futures.ThreadPoolExecutor(self.parallel_puts, thread_name_prefix="snapshot-put") as pool:
@@ -331,8 +331,8 @@ class SnapshotStore:
                 }
         return entries
 
-    def _commit(self, folder: str, step: int, names: list[str], config: Mapping | None,
-                units: dict[str, dict]) -> SnapshotInfo:
+    def _commit(self, folder: str, step: int, names: list[str], config: Mapping[str, Any] | None,
+                units: dict[str, dict[str, Any]]) -> SnapshotInfo:
         """Write the manifest (after every shard), then the index (the commit point), then retain."""
         manifest: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
@@ -346,7 +346,7 @@ class SnapshotStore:
         manifest["layout_sha256"] = layout_sha256(manifest_layout(manifest))
         return self._commit_manifest(folder, manifest)
 
-    def _commit_manifest(self, folder: str, manifest: dict) -> SnapshotInfo:
+    def _commit_manifest(self, folder: str, manifest: dict[str, Any]) -> SnapshotInfo:
         """Write ``manifest`` (after every file it lists), then the index (the commit point), then retain."""
         step = manifest["step"]
         blob = json.dumps(manifest, indent=1).encode()
@@ -391,7 +391,7 @@ class SnapshotStore:
         """The snapshot folders the index lists now (read afresh); ``storage.backend.StorageError`` when storage fails."""
         return {e["folder"] for e in self._read_index()[0].entries}
 
-    def _update_index(self, change: Callable[[_Index], list[dict]]) -> None:
+    def _update_index(self, change: Callable[[_Index], list[dict[str, Any]]]) -> None:
         """Rewrite the index with the entries ``change`` returns for the current one, by compare-and-swap
         (re-read and redone when another writer won the race), fenced by this run's epoch.
 
@@ -622,7 +622,7 @@ class SnapshotStore:
         tensors = self.load_units(info, list(info.manifest["units"]) if units is None else units)
         return {n: tensors[n] for n in info.manifest["names"] if n in tensors}
 
-    def load_latest(self, max_step: int | None = None, layout: builtins.list[builtins.list] | None = None,
+    def load_latest(self, max_step: int | None = None, layout: builtins.list[builtins.list[Any]] | None = None,
                     units: builtins.list[str] | None = None) -> Loaded:
         """The newest snapshot (at most ``max_step``) that verifies and has ``layout`` (default: the
         store's; ``storage.manifest.layout_of`` of the model restored into). Snapshots that are
@@ -659,5 +659,5 @@ class Loaded(NamedTuple):
     skipped: list[str]
 
 
-def _order(info: SnapshotInfo) -> tuple:
+def _order(info: SnapshotInfo) -> tuple[int, float]:
     return (info.step, info.manifest["created_unix_s"])

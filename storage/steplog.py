@@ -36,6 +36,7 @@ import struct
 import time
 import zlib
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import astuple, dataclass, field, replace
 
 from raycheck.storage.files import atomic_write
@@ -100,7 +101,7 @@ class StepRecord:
     batch_id: int
     trajectory: int = field(default=0, compare=False)
 
-    def bound(self, tag: int, path: str | os.PathLike) -> "StepRecord":
+    def bound(self, tag: int, path: str | os.PathLike[str]) -> "StepRecord":
         """This record bound to the log of trajectory tag ``tag`` (at ``path``, named in errors).
 
         Raises:
@@ -129,17 +130,17 @@ def trajectory_tag(run_id: object, trajectory_sha256: object) -> int:
     return int.from_bytes(digest[:8], "little") | 1
 
 
-def header_tag(header: dict) -> int:
+def header_tag(header: dict[str, Any]) -> int:
     """``trajectory_tag`` of a log's header (its ``run_id`` and ``trajectory_sha256``)."""
     return trajectory_tag(header.get("run_id"), header.get("trajectory_sha256"))
 
 
-def _encode_header(header: dict) -> bytes:
+def _encode_header(header: dict[str, Any]) -> bytes:
     body = json.dumps(header, sort_keys=True).encode()
     return MAGIC + _CRC.pack(len(body)) + body + _CRC.pack(zlib.crc32(body))
 
 
-def decode_header(data: bytes, path: str | os.PathLike) -> tuple[dict, int]:
+def decode_header(data: bytes, path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
     """The header of a step log's bytes ``data`` (read from ``path``, named in errors): (header, byte
     offset of the first record).
 
@@ -177,7 +178,7 @@ def _later_record(data: bytes, offset: int, low: int, high: int) -> tuple[int, i
     return None
 
 
-def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int, tag: int) -> Iterator[tuple[StepRecord, int]]:
+def _records(data: bytes, offset: int, path: str | os.PathLike[str], first_step: int, tag: int) -> Iterator[tuple[StepRecord, int]]:
     """Decode records from byte ``offset`` of ``data``, numbered from ``first_step``, each of trajectory
     tag ``tag``: yields (record, byte offset just past it). Stops at a torn tail: a partial record, or a
     record that fails its checksum and is followed only by zero bytes (or nothing).
@@ -228,7 +229,7 @@ def _records(data: bytes, offset: int, path: str | os.PathLike, first_step: int,
         yield rec, offset
 
 
-def scan_records(data: bytes, offset: int, path: str | os.PathLike, first_step: int, tag: int) -> tuple[list[StepRecord], int]:
+def scan_records(data: bytes, offset: int, path: str | os.PathLike[str], first_step: int, tag: int) -> tuple[list[StepRecord], int]:
     """Decode the records of step log bytes ``data`` from byte ``offset`` on, the first being step
     ``first_step``, each of trajectory tag ``tag`` (``header_tag`` of the log's header; ``path`` is
     named in errors); returns (records, byte offset just past the last good record). A torn last
@@ -243,13 +244,13 @@ def scan_records(data: bytes, offset: int, path: str | os.PathLike, first_step: 
     return records, end
 
 
-def read_header(path: str | os.PathLike) -> dict:
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The header of the step log at ``path``."""
     path = pathlib.Path(path)
     return decode_header(path.read_bytes(), path)[0]
 
 
-def read_log(path: str | os.PathLike) -> tuple[dict, list[StepRecord], int]:
+def read_log(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[StepRecord], int]:
     """(header, complete checksummed records, bytes of a torn tail) of the log, read only.
 
     Raises:
@@ -273,13 +274,13 @@ class LogPrefix:
         damage: the gap or corrupt record that ends the prefix (None: the whole log is intact).
     """
 
-    header: dict
+    header: dict[str, Any]
     records: list[StepRecord]
     torn_bytes: int
     damage: StepLogCorruptError | StepLogGapError | None
 
 
-def read_prefix(path: str | os.PathLike) -> LogPrefix:
+def read_prefix(path: str | os.PathLike[str]) -> LogPrefix:
     """The records of the log at ``path`` up to its first gap or corrupt record, and that damage,
     read only (``read_log`` raises on the damage instead; recovery uses it).
 
@@ -299,7 +300,7 @@ def read_prefix(path: str | os.PathLike) -> LogPrefix:
     return LogPrefix(header, records, 0 if damage else len(data) - end, damage)
 
 
-def read_records(path: str | os.PathLike) -> list[StepRecord]:
+def read_records(path: str | os.PathLike[str]) -> list[StepRecord]:
     """All complete, checksummed records of the log (a torn tail is ignored, not cut)."""
     return read_log(path)[1]
 
@@ -311,7 +312,7 @@ class StepLogReader:
     ``poll()`` returns the records that became complete since the last call, in order.
     """
 
-    def __init__(self, path: str | os.PathLike, start_step: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], start_step: int = 0) -> None:
         self.path = pathlib.Path(path)
         data = self.path.read_bytes()
         self.header, self._records_offset = decode_header(data, self.path)
@@ -335,7 +336,7 @@ class StepLogReader:
 class StepLogWriter:
     """The single appender of a step log (rank 0 of the training workers)."""
 
-    def __init__(self, path: pathlib.Path, fd: int, header: dict, next_step: int, cut_bytes: int) -> None:
+    def __init__(self, path: pathlib.Path, fd: int, header: dict[str, Any], next_step: int, cut_bytes: int) -> None:
         self.path = path
         self._fd = fd
         self.header = header
@@ -346,7 +347,7 @@ class StepLogWriter:
         """Bytes of a torn tail removed when the log was opened (0 when it was clean)."""
 
     @classmethod
-    def create(cls, path: str | os.PathLike, header: dict) -> "StepLogWriter":
+    def create(cls, path: str | os.PathLike[str], header: dict[str, Any]) -> "StepLogWriter":
         """Create a new log with ``header`` (atomically: written to a temp name, fsynced, renamed).
 
         Raises:
@@ -360,7 +361,7 @@ class StepLogWriter:
         return cls.open(path)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, lock_timeout_s: float = 120.0) -> "StepLogWriter":
+    def open(cls, path: str | os.PathLike[str], lock_timeout_s: float = 120.0) -> "StepLogWriter":
         """Open an existing log for appending, cutting a torn tail (made durable before returning).
 
         The writer holds an exclusive ``flock`` on the log until it closes or its process dies, so a

@@ -18,8 +18,12 @@ shard carries the parameter and its matching optimizer state together (LayerChec
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import torch
 
 _BASES = r"(?:model\.|transformer\.|gpt_neox\.|model\.decoder\.)?"
 _LAYER = re.compile(rf"^{_BASES}(?:layers|h|blocks)\.(\d+)\.")
@@ -77,12 +81,12 @@ class UnitLayout:
             ``model.embed_tokens.weight``); such a tensor is stored once, under the name it maps to.
     """
 
-    units: dict
+    units: dict[str, list[str]]
     recognised: bool
-    tied: dict
+    tied: dict[str, str]
 
 
-def describe_units(model) -> UnitLayout:
+def describe_units(model: torch.nn.Module) -> UnitLayout:
     """Derive the units of ``model`` (a ``torch.nn.Module`` causal LM) from its module tree: the
     largest ``ModuleList`` holds the decoder layers, ``nn.Embedding`` modules outside it are the
     embeddings, ``get_output_embeddings()`` the head, the rest the final norm; then check that the
@@ -91,8 +95,9 @@ def describe_units(model) -> UnitLayout:
 
     lists = [(p, m) for p, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
     layers_path, layers = max(lists, key=lambda pm: len(pm[1]), default=("", []))
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    kind_of = {}
+    # a transformers model's method (nn.Module.__getattr__ types any attribute as Tensor | Module)
+    head = cast("Callable[[], torch.nn.Module | None]", model.get_output_embeddings)() if hasattr(model, "get_output_embeddings") else None
+    kind_of: dict[str, str] = {}
     for path, module in model.named_modules():
         if layers_path and path.startswith(layers_path + "."):
             kind_of[path] = f"layer.{int(path[len(layers_path) + 1:].split('.')[0]):03d}"

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from raycheck.job.config import JobConfig
 from raycheck.training.data import Split, load_data_file, load_rotten_tomatoes, make_encoder
 from raycheck.training.model import ModelFiles, is_builtin, load_tokenizer, read_model_files
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 ASSETS_KEY = "assets"
 """The train loop config's key of the shipped references (``ship``); not a ``JobConfig`` field."""
@@ -44,7 +49,7 @@ def file_sha256(path: str | pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def _checked(cfg: JobConfig, field: str, found: str, what: str) -> dict:
+def _checked(cfg: JobConfig, field: str, found: str, what: str) -> dict[str, str]:
     """``{field: found}``, or ``AssetMismatchError`` when ``cfg`` already records another hash (a resume)."""
     recorded = getattr(cfg, field)
     if recorded and recorded != found:
@@ -80,7 +85,7 @@ def read_assets(cfg: JobConfig) -> tuple[JobConfig, Assets]:
     return cfg.replace(**hashes), Assets(model=files, data=data)
 
 
-def ship(assets: Assets) -> dict:
+def ship(assets: Assets) -> dict[str, ObjectRef[Any] | None]:
     """Put ``assets`` in Ray's object store (the driver must be connected); returns ``{"model": ref or
     None, "data": ref or None}``, the value of ``ASSETS_KEY`` and of ``ShadowSpec.model_files``'s source."""
     import ray
@@ -88,7 +93,7 @@ def ship(assets: Assets) -> dict:
     return {name: None if value is None else ray.put(value) for name, value in (("model", assets.model), ("data", assets.data))}
 
 
-def fetch(shipped: dict | None, name: str):
+def fetch(shipped: Mapping[str, ObjectRef[Any] | None] | None, name: str) -> Any:
     """The shipped asset ``name`` (``ray.get`` of its reference), or None when it was not shipped."""
     import ray
 
@@ -96,14 +101,14 @@ def fetch(shipped: dict | None, name: str):
     return None if ref is None else ray.get(ref)
 
 
-def shipped_model(shipped: dict | None, model: str) -> ModelFiles | None:
+def shipped_model(shipped: Mapping[str, ObjectRef[Any] | None] | None, model: str) -> ModelFiles | None:
     """The shipped files of ``model`` (None for a built-in name), for a worker or shadow on any node.
 
     Raises:
         RuntimeError: ``model`` is a folder or model id but the driver shipped no files: it would be
             read by path, which the cluster rule forbids (a driver bug, not a user error).
     """
-    files = fetch(shipped, "model")
+    files: ModelFiles | None = fetch(shipped, "model")
     if files is None and not is_builtin(model):
         raise RuntimeError(f"model {model} was not shipped by the driver (training.assets.ship); a worker or shadow "
                            "never reads the driver's folder by path")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class Checkpointer(Protocol):
         (``FullCheckpointer`` raises its error; the others report it in ``close``'s ``errors``).
         """
 
-    def close(self, timeout_s: float = 600.0) -> dict:
+    def close(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Take what is still due or postponed at the last step, wait for every write (``timeout_s``
         seconds: the checkpointer says what a longer wait does) and stop the background thread. Returns
         the checkpointer's statistics, at least ``checkpoints`` (committed), ``bytes`` and ``last_step``
@@ -75,7 +75,7 @@ class CheckpointWriter(Protocol):
     """Where ``FullCheckpointer`` commits: a ``storage.snapshots.SnapshotStore``, or a
     ``training.sharded.ShardedWriter`` under FSDP2; ``write`` returns once committed, with the bytes written."""
 
-    def write(self, step: int, state: Mapping[str, np.ndarray], /, config: Mapping | None = None) -> _Committed: ...
+    def write(self, step: int, state: Mapping[str, np.ndarray], /, config: Mapping[str, Any] | None = None) -> _Committed: ...
 
 
 class FullCheckpointer:
@@ -97,7 +97,7 @@ class FullCheckpointer:
             checkpoint that did not commit is never silent.
     """
 
-    def __init__(self, store: CheckpointWriter, every: int, asynchronous: bool, config: Mapping | None = None,
+    def __init__(self, store: CheckpointWriter, every: int, asynchronous: bool, config: Mapping[str, Any] | None = None,
                  postpone_when_busy: bool = False) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
@@ -171,7 +171,7 @@ class FullCheckpointer:
         False after ``timeout_s`` seconds."""
         return self._wait(timeout_s)
 
-    def close(self, timeout_s: float = 600.0) -> dict:
+    def close(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Take a checkpoint still postponed at the last step (from the final state), wait for the
         background write and stop its thread; returns ``checkpoints``, ``bytes``, ``last_step``,
         ``write_seconds`` (per checkpoint), ``stage_seconds`` (per staged copy: the loop's whole stall,

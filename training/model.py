@@ -22,10 +22,14 @@ import pathlib
 import shutil
 import tempfile
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -55,7 +59,7 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("RAYCHECK_CACHE", pathlib.Path.home() / ".cache" / "raycheck"))
 
 
-def check_outside_cache(folder: str | os.PathLike, cache_dir: str | os.PathLike) -> None:
+def check_outside_cache(folder: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -> None:
     """Refuse ``folder`` (an export target) inside the model cache: ``cache_dir`` (the one in use) or
     ``default_cache_dir()``. The cache owns its folders: one without a ``DONE`` file is deleted at the
     next first use of its name (``_build_once``), and with it anything exported there.
@@ -85,7 +89,7 @@ def package_dir(package: str) -> pathlib.Path:
 
 
 @contextlib.contextmanager
-def _locked(path: pathlib.Path):
+def _locked(path: pathlib.Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -95,7 +99,7 @@ def _locked(path: pathlib.Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _build_once(target: pathlib.Path, build) -> pathlib.Path:
+def _build_once(target: pathlib.Path, build: Callable[[pathlib.Path], object]) -> pathlib.Path:
     """Run ``build(tmp_dir)`` and move the result to ``target`` atomically, once across processes."""
     if (target / "DONE").exists():
         return target
@@ -114,7 +118,7 @@ def _build_once(target: pathlib.Path, build) -> pathlib.Path:
     return target
 
 
-def tokenizer_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def tokenizer_dir(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """Folder with SmolLM2's tokenizer, extracted from the GGUF file on first use."""
     cache_dir = pathlib.Path(cache_dir or default_cache_dir())
 
@@ -127,7 +131,7 @@ def tokenizer_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     return _build_once(cache_dir / "smollm2-135m-tokenizer", build)
 
 
-def model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def model_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """Folder with the fp32 safetensors weights and config of model ``name``, built on first use.
 
     Raises:
@@ -178,7 +182,7 @@ class ModelFiles:
     """
 
     source: str
-    files: dict
+    files: dict[str, bytes]
     sha256: str
 
     @property
@@ -186,7 +190,7 @@ class ModelFiles:
         return "tokenizer.json" in self.files or "tokenizer.model" in self.files or "vocab.json" in self.files
 
 
-def files_sha256(files: dict) -> str:
+def files_sha256(files: Mapping[str, bytes]) -> str:
     """sha256 over the files' names and contents, in name order (independent of read order)."""
     h = hashlib.sha256()
     for name in sorted(files):
@@ -199,7 +203,7 @@ def is_builtin(model: str) -> bool:
     return model in MODEL_NAMES
 
 
-def model_folder(model: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def model_folder(model: str, cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """The local folder of ``model`` on this (the driver's) machine: a built-in name's cache folder, a
     folder path, or a model id's snapshot in the local Hugging Face cache (``HF_HOME``; never downloaded).
 
@@ -253,7 +257,7 @@ def check_loadable(folder: pathlib.Path) -> None:
     hf_logging.set_verbosity_error()  # its own load report would come before our one line
     try:
         # transformers types the result as the model alone; output_loading_info=True makes it (model, info)
-        loaded: tuple[torch.nn.Module, dict[str, list]] = AutoModelForCausalLM.from_pretrained(  # type: ignore[assignment]
+        loaded: tuple[torch.nn.Module, dict[str, list[str]]] = AutoModelForCausalLM.from_pretrained(  # type: ignore[assignment]
             folder, dtype=torch.float32, output_loading_info=True)
         _, info = loaded
     except (KeyError, ValueError, OSError, TypeError) as exc:
@@ -269,7 +273,7 @@ def check_loadable(folder: pathlib.Path) -> None:
                          "write the folder with save_pretrained of the model it configures")
 
 
-def read_model_files(model: str, cache_dir: str | os.PathLike | None = None) -> ModelFiles:
+def read_model_files(model: str, cache_dir: str | os.PathLike[str] | None = None) -> ModelFiles:
     """Read the config, weights and tokenizer files of ``model`` (``model_folder``) on the driver.
 
     Raises:
@@ -283,7 +287,7 @@ def read_model_files(model: str, cache_dir: str | os.PathLike | None = None) -> 
     return ModelFiles(source=model, files=files, sha256=files_sha256(files))
 
 
-def materialise(files: ModelFiles, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def materialise(files: ModelFiles, cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """Write shipped model files into this node's cache (``<cache>/shipped/<sha256>``, once per node)."""
     cache_dir = pathlib.Path(cache_dir or default_cache_dir())
 
@@ -295,7 +299,7 @@ def materialise(files: ModelFiles, cache_dir: str | os.PathLike | None = None) -
     return _build_once(cache_dir / "shipped" / files.sha256, build)
 
 
-def load_model(name: str, cache_dir: str | os.PathLike | None = None, files: ModelFiles | None = None,
+def load_model(name: str, cache_dir: str | os.PathLike[str] | None = None, files: ModelFiles | None = None,
                dtype: str = "float32") -> torch.nn.Module:
     """Load a model on the CPU, in eval mode, with ``requires_grad`` off (ZO training).
 
@@ -319,7 +323,7 @@ def load_model(name: str, cache_dir: str | os.PathLike | None = None, files: Mod
     return model
 
 
-def read_parameters(folder: pathlib.Path, layout: list[list], dtype: str = "float32") -> "OrderedDict[str, torch.Tensor] | None":
+def read_parameters(folder: pathlib.Path, layout: list[list[Any]], dtype: str = "float32") -> "OrderedDict[str, torch.Tensor] | None":
     """The parameters of ``layout`` (``parameter_layout``: names, shapes and dtypes, in order) read
     straight from the safetensors files in ``folder``, without building the model: no ``transformers``
     import, which is most of a shadow's start-up (about 3 s of CPU on a quiet core). Each tensor is
@@ -347,7 +351,7 @@ def read_parameters(folder: pathlib.Path, layout: list[list], dtype: str = "floa
     return params
 
 
-def load_tokenizer(cache_dir: str | os.PathLike | None = None, files: ModelFiles | None = None):
+def load_tokenizer(cache_dir: str | os.PathLike[str] | None = None, files: ModelFiles | None = None) -> PreTrainedTokenizerBase:
     """The model's own tokenizer when its shipped ``files`` have one, else SmolLM2's (the built-ins')."""
     from transformers import AutoTokenizer
 
@@ -361,11 +365,11 @@ def trainable_parameters(model: torch.nn.Module) -> "OrderedDict[str, torch.Tens
     return OrderedDict((n, p.data) for n, p in model.named_parameters())
 
 
-def parameter_layout(params: "OrderedDict[str, torch.Tensor]") -> list[list]:
+def parameter_layout(params: "OrderedDict[str, torch.Tensor]") -> list[list[Any]]:
     """``[[name, shape, dtype], ...]`` in order: what a step log header records."""
     return [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in params.items()]
 
 
-def layout_sha256(layout: list[list]) -> str:
+def layout_sha256(layout: list[list[Any]]) -> str:
     """sha256 of a parameter layout (names, shapes, dtypes, order)."""
     return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ray
 
 
-def this_node() -> dict:
+def this_node() -> dict[str, str | None]:
     """``node_id`` (hex) and ``node_ip`` of the Ray node this process runs on (driver, worker or
     actor); both None in a process not connected to Ray (e.g. a plain class under test)."""
     if not ray.is_initialized():

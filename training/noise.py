@@ -53,6 +53,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numba
 import numpy as np
@@ -60,6 +61,11 @@ import torch
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+if TYPE_CHECKING:
+    from numba.core.base import BaseContext as TargetContext
+    from numba.core.typing.context import BaseContext as TypingContext
+    from numba.core.typing.templates import Signature
 
 GENERATOR = "philox4x32-10:box-muller-poly:float64->float32:v1"
 """Names the generator and its version; recorded in the step log header (``zo.GENERATOR``)."""
@@ -117,7 +123,7 @@ _kernel = numba.njit(cache=True, fastmath=False, error_model="numpy", nogil=True
 _U = numba.uint64
 
 @_inline
-def _philox_block(c0, c1, c2, c3, k0, k1):
+def _philox_block(c0: np.uint64, c1: np.uint64, c2: np.uint64, c3: np.uint64, k0: np.uint64, k1: np.uint64) -> tuple[np.uint64, np.uint64, np.uint64, np.uint64]:
     """One Philox4x32-10 block; all values uint64 holding 32-bit words."""
     m32 = _U(_M32)
     for r in range(PHILOX_ROUNDS):
@@ -131,7 +137,7 @@ def _philox_block(c0, c1, c2, c3, k0, k1):
 
 
 @_kernel
-def _philox_numba(ctr, key, out):
+def _philox_numba(ctr: np.ndarray, key: np.ndarray, out: np.ndarray) -> None:
     """out[n, 4] = philox4x32-10(ctr[n, 4], key[2]), uint32 arrays."""
     k0, k1 = _U(key[0]), _U(key[1])
     for n in range(ctr.shape[0]):
@@ -139,35 +145,35 @@ def _philox_numba(ctr, key, out):
             _U(ctr[n, 0]), _U(ctr[n, 1]), _U(ctr[n, 2]), _U(ctr[n, 3]), k0, k1)
 
 
-def _bitcast(name: str, src: types.Type, dst: types.Type, dst_ir: ir.Type):
+def _bitcast(name: str, src: types.Type, dst: types.Type, dst_ir: ir.Type) -> Callable[..., Any]:
     """A numba intrinsic ``name(x)``: the value of type ``dst`` with the IEEE-754 bits of ``x`` (exact)."""
 
-    def cast(typingctx, x):
+    def cast(typingctx: TypingContext, x: types.Type) -> tuple[Signature, Callable[..., ir.Value]]:
         return dst(src), lambda context, builder, signature, args: builder.bitcast(args[0], dst_ir)
 
     cast.__name__ = name
     return intrinsic(cast)
 
 
-_bits_f64 = _bitcast("_bits_f64", types.float64, types.uint64, ir.IntType(64))
-_f64_bits = _bitcast("_f64_bits", types.uint64, types.float64, ir.DoubleType())
-_bits_f32 = _bitcast("_bits_f32", types.float32, types.uint32, ir.IntType(32))
-_f32_bits = _bitcast("_f32_bits", types.uint32, types.float32, ir.FloatType())
+_bits_f64: Callable[[float], np.uint64] = _bitcast("_bits_f64", types.float64, types.uint64, ir.IntType(64))
+_f64_bits: Callable[[np.uint64], float] = _bitcast("_f64_bits", types.uint64, types.float64, ir.DoubleType())
+_bits_f32: Callable[[np.float32], np.uint32] = _bitcast("_bits_f32", types.float32, types.uint32, ir.IntType(32))
+_f32_bits: Callable[[np.uint32], np.float32] = _bitcast("_f32_bits", types.uint32, types.float32, ir.FloatType())
 
 
 @intrinsic
-def _sqrt(typingctx, x):
+def _sqrt(typingctx: TypingContext, x: types.Type) -> tuple[Signature, Callable[..., ir.Value]]:
     """sqrt of a float64 as LLVM's ``llvm.sqrt.f64``: IEEE-754's correctly rounded square root (as libm's
     ``sqrt``, which numba's ``math.sqrt`` calls), but an intrinsic LLVM can vectorise (``vsqrtpd``)."""
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature, args: Sequence[ir.Value]) -> ir.Value:
         return builder.call(builder.module.declare_intrinsic("llvm.sqrt", [ir.DoubleType()]), [args[0]])
 
     return types.float64(types.float64), codegen
 
 
 @_inline
-def _radius(a):
+def _radius(a: np.uint64) -> float:
     """sqrt(-2 ln x), x = (a + 1) 2^-32: step 1 of the module docstring."""
     bits = _bits_f64((numba.float64(a) + 1.0) * 2.3283064365386963e-10)  # 2^-32
     e = numba.int32(bits >> _U(52)) - numba.int32(1022)  # int32: converted to float64 by one vector op
@@ -181,11 +187,11 @@ def _radius(a):
     for k in range(4, -1, -1):
         p = p * s2 + _ATANH[k]
     ln = numba.float64(e) * _LN2 + (s * 2.0) * p
-    return _sqrt(ln * -2.0)
+    return _sqrt(ln * -2.0)  # type: ignore[call-arg, arg-type]  # numba's stubs type an @intrinsic's call with its typing function's (typingctx, x); jitted code passes x
 
 
 @_inline
-def _circle(b):
+def _circle(b: np.uint64) -> tuple[float, float]:
     """(cos, sin) of a uniform angle from word b: step 2 of the module docstring."""
     phi = (numba.float64(numba.int32(b & _U(0x3FFFFFFF))) - 536870911.5) * _PHI_SCALE
     x2 = phi * phi
@@ -211,7 +217,7 @@ stay in L1/L2, and a thread's share of a tensor is a whole number of chunks."""
 
 
 @_inline
-def _values(key0, key1, stream, start, m, w, z):
+def _values(key0: np.uint64, key1: np.uint64, stream: np.uint64, start: int, m: int, w: np.ndarray, z: np.ndarray) -> None:
     """z[:4 m] = elements 4 start .. 4 (start + m) - 1 of stream (key, ``stream``), float32, in element
     order: the Philox words of blocks start .. start + m - 1, then their values (word 2h -> radius, word
     2h + 1 -> angle; element 4 b + j = value j of block b). ``w``: uint32 [4, >= m] scratch."""
@@ -229,7 +235,7 @@ def _values(key0, key1, stream, start, m, w, z):
 
 
 @_kernel
-def _gaussian_numba(k0, k1, index, out, first_block, last_block):
+def _gaussian_numba(k0: int, k1: int, index: int, out: np.ndarray, first_block: int, last_block: int) -> None:
     """out[4 first_block : 4 last_block] (clipped to out.size) = those elements of stream (key (k0, k1),
     ``index``), float32."""
     w = np.empty((4, _CHUNK_BLOCKS), np.uint32)
@@ -251,7 +257,7 @@ KERNEL_DTYPES = frozenset(_KINDS)
 
 
 @_inline
-def _widen(h, kind):
+def _widen(h: np.unsignedinteger, kind: int) -> np.float32:
     """The float32 value of the bits ``h`` (uint) of a parameter of dtype ``kind``: exact.
 
     float16: c10's ``fp16_ieee_to_fp32_value`` (c10/util/Half.h; M. Dukhan's FP16 library), all exact
@@ -269,7 +275,7 @@ def _widen(h, kind):
 
 
 @_inline
-def _narrow(x, kind):
+def _narrow(x: np.float32, kind: int) -> np.uint64:
     """The bits (uint64) of float32 ``x`` rounded to nearest-even to dtype ``kind``, as torch rounds.
 
     bfloat16: c10's ``round_to_nearest_even`` (NaN -> 0x7FC0); float16: c10's
@@ -292,7 +298,7 @@ _PERTURB, _UPDATE = 0.0, 1.0
 
 
 @_inline
-def _ops(bits, base, cnt, z, x, prog, kind):
+def _ops(bits: np.ndarray, base: int, cnt: int, z: np.ndarray, x: np.ndarray, prog: np.ndarray, kind: int) -> None:
     """``_apply_numba``'s work on one chunk (``cnt`` elements from ``base``, their float32 z in ``z``,
     ``x`` scratch), for one dtype ``kind``: called with a constant ``kind``, so that every loop below is
     branch-free and vectorised for that dtype."""
@@ -322,7 +328,7 @@ def _ops(bits, base, cnt, z, x, prog, kind):
 
 
 @_kernel
-def _apply_numba(k0, k1, index, bits, kind, prog, first_block, last_block):
+def _apply_numba(k0: int, k1: int, index: int, bits: np.ndarray, kind: int, prog: np.ndarray, first_block: int, last_block: int) -> None:
     """Run ``prog`` on elements 4 first_block .. 4 last_block - 1 (clipped to bits.size) of a parameter
     held as ``bits`` (uint32 for float32, uint16 for bfloat16 and float16; ``kind``), in place.
 
@@ -364,7 +370,7 @@ def _reset_pool() -> None:
 os.register_at_fork(after_in_child=_reset_pool)  # a forked child has the pool object but not its threads
 
 
-def _run_all(kernel: Callable[..., None], jobs: Sequence[tuple[tuple, int]]) -> None:
+def _run_all(kernel: Callable[..., None], jobs: Sequence[tuple[tuple[Any, ...], int]]) -> None:
     """``kernel(*args, first_block, last_block)`` over [0, blocks) for every (args, blocks) of ``jobs``
     (the tensors of a pass), on ``_threads`` of their total blocks: the jobs' blocks, one after another,
     are cut into that many equal contiguous shares, each share run by one thread (the caller's among
@@ -377,7 +383,7 @@ def _run_all(kernel: Callable[..., None], jobs: Sequence[tuple[tuple, int]]) -> 
         _run_share(kernel, [(args, 0, blocks) for args, blocks in jobs])
         return
     bounds = [total * t // threads for t in range(threads + 1)]
-    shares: list[list[tuple[tuple, int, int]]] = [[] for _ in range(threads)]
+    shares: list[list[tuple[tuple[Any, ...], int, int]]] = [[] for _ in range(threads)]
     offset = 0
     for args, blocks in jobs:
         for t, share in enumerate(shares):
@@ -395,7 +401,7 @@ def _run_all(kernel: Callable[..., None], jobs: Sequence[tuple[tuple, int]]) -> 
             f.result()
 
 
-def _run_share(kernel: Callable[..., None], share: Sequence[tuple[tuple, int, int]]) -> None:
+def _run_share(kernel: Callable[..., None], share: Sequence[tuple[tuple[Any, ...], int, int]]) -> None:
     for args, lo, hi in share:
         kernel(*args, lo, hi)
 

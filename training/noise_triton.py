@@ -60,7 +60,7 @@ def _kernels() -> ModuleType:
     return triton_kernels
 
 
-def _launch(kernel, numel: int, block: int, device: torch.device, *args) -> None:
+def _launch(kernel: str, numel: int, block: int, device: torch.device, *args: object) -> None:
     k = _kernels()
     if device.type == "cpu" and not k.INTERPRETED:
         raise ValueError("the Triton kernels run on CPU tensors only under Triton's interpreter "

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -141,7 +141,7 @@ class OverlappedCheckpointer:
     """
 
     def __init__(self, store: SnapshotStore, every: int, chunks: int, hyper: FOHyper,
-                 gradients: Callable[[], Mapping[str, torch.Tensor]], config: Mapping | None = None,
+                 gradients: Callable[[], Mapping[str, torch.Tensor]], config: Mapping[str, Any] | None = None,
                  max_pending: int = 1) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
@@ -256,7 +256,7 @@ class OverlappedCheckpointer:
         submitted yet: it needs its later steps); False on timeout."""
         return self._writer.drain(timeout_s)
 
-    def close(self, timeout_s: float = 600.0) -> dict:
+    def close(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Complete an open window from the current (final) state: its remaining chunks are staged now,
         outside the loop, so the snapshot is of the last step (a snapshot still postponed at the last
         step is staged whole now, once a buffer set is free). Then wait for every write (at most

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -42,6 +42,11 @@ from raycheck.storage.snapshots import NoSnapshotError
 from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.state import state_sha256
 
+if TYPE_CHECKING:
+    from raycheck.job.config import JobConfig
+    from raycheck.training.data import PromptEncoder, Split
+    from raycheck.training.fo import FOTrainer
+
 def shard_scorer(scorer: torch.nn.Module) -> None:
     """``fully_shard`` each decoder layer of ``scorer.lm`` (``lm.model.layers``), then ``scorer`` itself (the
     root: the remaining parameters). Needs the default process group (gloo on CPU)."""
@@ -56,7 +61,7 @@ def checkpoint_group() -> dist.ProcessGroup:
     group first when none exists. Every rank calls it, once."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return dist.new_group(backend="gloo")
+    return cast(dist.ProcessGroup, dist.new_group(backend="gloo"))  # torch: new_group is unannotated
 
 
 def full_state(view: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
@@ -65,7 +70,7 @@ def full_state(view: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tens
     return OrderedDict((n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in view.items())
 
 
-def evaluate(trainer, encoder, split, limit: int, batch_size: int = 16) -> float:
+def evaluate(trainer: FOTrainer, encoder: PromptEncoder, split: Split, limit: int, batch_size: int = 16) -> float:
     """Accuracy on the first ``limit`` samples of ``split`` (the samples of ``training.data.accuracy``),
     scored through the trainer's root module (FSDP2 gathers each group's rows in its forward; a forward
     that bypasses the root is refused): argmax of the label words' logits as the training loss computes
@@ -108,8 +113,8 @@ class ShardedWriter:
     def __init__(self, store: ShardedStore, live: Mapping[str, torch.Tensor], group: dist.ProcessGroup) -> None:
         self.store, self.live, self.group = store, live, group
 
-    def write(self, step: int, staged: Mapping[str, np.ndarray], config: Mapping | None = None) -> Written:
-        state = {}
+    def write(self, step: int, staged: Mapping[str, np.ndarray], config: Mapping[str, Any] | None = None) -> Written:
+        state: dict[str, torch.Tensor] = {}
         for name, array in staged.items():
             local, like = torch.from_numpy(array), self.live[name]
             state[name] = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
@@ -117,7 +122,7 @@ class ShardedWriter:
         return Written(step, self.store.save(step, state, config, self.group).rank_bytes)
 
 
-def sharded_store(cfg) -> ShardedStore:
+def sharded_store(cfg: JobConfig) -> ShardedStore:
     """The sharded checkpoints of run ``cfg`` (a ``JobConfig``): its identity and writer epoch."""
     return ShardedStore(Storage(cfg.storage.uri, **cfg.storage.options), keep_last=cfg.snapshot.keep,
                         identity=RunIdentity(cfg.run_id, cfg.trajectory_sha256()), epoch=cfg.writer_epoch)
@@ -131,19 +136,19 @@ class ShardedCheckpointer(FullCheckpointer):
         return super().after_step(steps_done, lambda: local_view(state()))
 
 
-def sharded_checkpointer(cfg, trainer, group: dist.ProcessGroup) -> ShardedCheckpointer:
+def sharded_checkpointer(cfg: JobConfig, trainer: FOTrainer, group: dist.ProcessGroup) -> ShardedCheckpointer:
     """Every rank's checkpointer for ``cfg.strategy`` (full-sync or full-async) under FSDP2."""
     writer = ShardedWriter(sharded_store(cfg), trainer.state_view(), group)
     config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy, "fo_parallelism": "fsdp2"}
     return ShardedCheckpointer(writer, cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC, config)
 
 
-def durable_steps(cfg) -> int:
+def durable_steps(cfg: JobConfig) -> int:
     """The step of the newest committed sharded checkpoint of run ``cfg`` (0: none)."""
     return max((i.step for i in sharded_store(cfg).list()), default=0)
 
 
-def restore_sharded(trainer, cfg, group: dist.ProcessGroup) -> dict:
+def restore_sharded(trainer: FOTrainer, cfg: JobConfig, group: dist.ProcessGroup) -> dict[str, Any]:
     """Load the newest committed sharded checkpoint into ``trainer`` at this world size (a collective);
     returns the ``recovery`` event's fields (``source`` ``storage``, or ``initial`` with the initial
     weights kept when none loads; ``base_step``, ``replayed_steps`` 0, ``load_seconds``,

@@ -102,11 +102,12 @@ import hashlib
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from raycheck.job.config import DTYPE_NAMES
-from raycheck.storage.steplog import StepLogCorruptError
+from raycheck.storage.steplog import StepLogCorruptError, StepRecord
 from raycheck.training import noise as noise_gen
 from raycheck.training import noise_triton
 
@@ -129,7 +130,7 @@ def dtype_name(params: Mapping[str, torch.Tensor]) -> str:
     return str(next(iter(params.values())).dtype).removeprefix("torch.")
 
 
-def check_dtype(header: dict, dtype: str, source: str) -> None:
+def check_dtype(header: dict[str, Any], dtype: str, source: str) -> None:
     """Refuse to replay (or resume) a log written in another parameter dtype than ``dtype``: the round
     trip and the update round to the parameters' dtype, so another dtype is another trajectory.
 
@@ -150,7 +151,7 @@ class GeneratorMismatchError(ValueError):
     """A step log was written with another perturbation generator than this replayer's."""
 
 
-def check_generator(header: dict, source: str) -> None:
+def check_generator(header: dict[str, Any], source: str) -> None:
     """Refuse to replay a log whose header names another generator than ``GENERATOR``.
 
     Raises:
@@ -322,7 +323,7 @@ def replay_step_(
                 for i, (name, p) in enumerate(params.items())])
 
 
-def check_records(records: Iterable, run_seed: int, source: str, hyper: ZOHyper | None = None,
+def check_records(records: Iterable[StepRecord], run_seed: int, source: str, hyper: ZOHyper | None = None,
                   trajectory: int | None = None) -> None:
     """Refuse step log records that are not this run's: each record's ``seed`` must be
     ``step_seed(run_seed, step)``; with ``hyper``, its ``lr``, ``eps`` and ``weight_decay`` those of
@@ -339,7 +340,7 @@ def check_records(records: Iterable, run_seed: int, source: str, hyper: ZOHyper 
         raise StepLogCorruptError(f"{source}: {foreign[1]}; the log cannot be replayed")
 
 
-def first_foreign_record(records: Iterable, run_seed: int, hyper: ZOHyper | None = None,
+def first_foreign_record(records: Iterable[StepRecord], run_seed: int, hyper: ZOHyper | None = None,
                          trajectory: int | None = None) -> tuple[int, str] | None:
     """(step, why) of the first of ``records`` that is not this run's by ``check_records``' rule; None when all are."""
     for rec in records:
@@ -354,7 +355,7 @@ def first_foreign_record(records: Iterable, run_seed: int, hyper: ZOHyper | None
     return None
 
 
-def replay_records_(params: Mapping[str, torch.Tensor], records: Iterable) -> int:
+def replay_records_(params: Mapping[str, torch.Tensor], records: Iterable[StepRecord]) -> int:
     """Re-execute logged steps on ``params`` (in place), oldest first, with ``replay_step_``.
 
     ``records``: ``storage.steplog.StepRecord`` values (their ``seed``, ``projected_grad``, ``lr``,

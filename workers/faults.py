@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import psutil
 import ray
@@ -32,7 +32,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from raycheck.actors.journal import RunChannel
 from raycheck.actors.shadow_actor import find_shards
-from raycheck.job.config import JobConfig
+from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.storage.steplog import StepLogWriter
 
 
@@ -101,7 +101,7 @@ PARTS = {"worker": ("worker",), "shadow": ("shadow", "shadow-killed"), "both": (
 ``node`` failure is announced as a worker failure)."""
 
 
-def fired_before(failures, durable_steps: int) -> list[str]:
+def fired_before(failures: Sequence[FailureSpec], durable_steps: int) -> list[str]:
     """Every marker of the failures (``FailureSpec`` sequence, indexed as in ``JobConfig.failures``) due
     at a step below ``durable_steps`` (pure). Those fired before the run logged their step: a failure
     fires during its step, before that step's record is committed, so a resumed run whose log holds

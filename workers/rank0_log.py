@@ -21,9 +21,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raycheck.actors.log_keeper import MAX_RECORDS_PER_CALL, read_range
 from raycheck.storage.steplog import StepLogConflictError, StepLogError, StepLogWriter, StepRecord, read_header, read_records
+
+if TYPE_CHECKING:
+    from raycheck.actors.log_keeper import LogKeeper, RemoteKeeper
+    from raycheck.job.config import JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +36,7 @@ SEND_TRIES = 5
 """Tries of one send to the keeper (``KeeperSender``: 0.5, 1, 2, 4 s between them) before ``KeeperUnreachableError``."""
 
 
-def local_log_path(cfg) -> pathlib.Path:
+def local_log_path(cfg: JobConfig) -> pathlib.Path:
     """Rank 0's node-local step log: ``steplog.bin`` in ``cfg.scratch_dir`` (a ``JobConfig``)."""
     return pathlib.Path(cfg.scratch_dir) / "steplog.bin"
 
@@ -75,7 +80,7 @@ def _open_or_create(path: pathlib.Path, header: dict) -> tuple[StepLogWriter, st
     return StepLogWriter.create(path, header), discarded
 
 
-def open_local_log(path: str | pathlib.Path, keeper) -> LocalLogOpened:
+def open_local_log(path: str | pathlib.Path, keeper: LogKeeper | RemoteKeeper) -> LocalLogOpened:
     """Open rank 0's node-local log at ``path`` and make it and ``keeper`` (a ``LogKeeper`` or
     ``RemoteKeeper``) hold the same steps: the steps both hold are compared record by record (byte for
     byte); a shorter local log (a replacement on another node, a fresh scratch directory) is rebuilt

@@ -58,7 +58,7 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
             "load_seconds": time.perf_counter() - t0, "replay_seconds": 0.0, "state_loaded_unix_s": time.time()}
 
 
-def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict | None, list[StepRecord], str]:
+def log_tail(cfg: JobConfig, local_log: str | pathlib.Path | None, start: int, end: int) -> tuple[dict | None, list[StepRecord], str]:
     """(header, records ``start..end - 1``, where they came from) of the run's step log, from the first
     of these that holds ``end`` steps: ``local_log`` (rank 0's node-local log; None elsewhere), the log
     keeper (``cfg.log_keeper_name``), the log segments in the run's storage (``cfg.storage.remote``).
@@ -86,7 +86,7 @@ def log_tail(cfg: JobConfig, local_log, start: int, end: int) -> tuple[dict | No
     raise StepLogGapError(f"no copy of the step log holds the {end} durable steps: {'; '.join(reasons)}")
 
 
-def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log, log_end: int | None,
+def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log: str | pathlib.Path | None, log_end: int | None,
                  initial: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> dict:
     """Load the newest verified snapshot of this run (at or before ``log_end`` when given, with the
     layout of ``params``; else the initial weights: ``initial()`` loaded into ``params``, or, with
@@ -126,7 +126,7 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
     return {**result, "load_seconds": t1 - t0, "replay_seconds": time.perf_counter() - t1}
 
 
-def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log, log_end: int | None,
+def restore(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local_log: str | pathlib.Path | None, log_end: int | None,
             initial: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> dict:
     """Restore ``params`` (on the CPU, holding the initial weights; or any weights, with ``initial``
     returning the initial ones: an in-process restart, ``training.in_process``) to the freshest complete state.

@@ -22,6 +22,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -42,6 +43,11 @@ from raycheck.workers.recovery import restore
 from raycheck.training.state import state_sha256
 from raycheck.workers.worker_env import WorkerEnv, record_start, sum_over_workers, worker_env
 from raycheck.training.zo import ZOHyper, perturb_all_, reset_and_update_all_, step_seed
+
+if TYPE_CHECKING:
+    from raycheck.actors.journal import RunChannel
+    from raycheck.job.config import JobConfig
+    from raycheck.training.data import CausalLMEncoder, PromptEncoder, Split
 
 
 def barrier_of(exchange: RemoteExchange | None, world: int) -> Callable[[str], None]:
@@ -144,7 +150,7 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
         run.event("final", **final)
 
 
-def open_rank0_log(cfg, keeper: RemoteKeeper, run) -> StepLogWriter:
+def open_rank0_log(cfg: JobConfig, keeper: RemoteKeeper, run: RunChannel) -> StepLogWriter:
     """Rank 0's node-local step log (``local_log_path``), made equal to the keeper's
     (``workers.rank0_log.open_local_log``); records how in a ``step_log`` event (this node, the
     keeper's, the steps rebuilt from or sent to the keeper) and a cut torn tail in ``torn_tail_cut``."""
@@ -157,7 +163,7 @@ def open_rank0_log(cfg, keeper: RemoteKeeper, run) -> StepLogWriter:
     return opened.writer
 
 
-def reopen_rank0_log(cfg, keeper: RemoteKeeper, run, writer: StepLogWriter,
+def reopen_rank0_log(cfg: JobConfig, keeper: RemoteKeeper, run: RunChannel, writer: StepLogWriter,
                      sender: KeeperSender) -> tuple[StepLogWriter, KeeperSender]:
     """An in-process restart's rank 0 log (``training.in_process``): stop ``sender`` (a send that failed for
     good leaves its records in the local log, which the reopening sends again), close ``writer`` and open
@@ -202,7 +208,7 @@ def on_cpu(params: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor
 
 
 def zo_step_(
-    params: Mapping[str, torch.Tensor], model: torch.nn.Module, encoder, train, cfg, step: int, rank: int, world: int,
+    params: Mapping[str, torch.Tensor], model: torch.nn.Module, encoder: PromptEncoder | CausalLMEncoder, train: Split, cfg: JobConfig, step: int, rank: int, world: int,
     hyper: ZOHyper, fail: Callable[[], None], commit: Callable[[StepRecord], float], exchange: Exchange | None = None,
 ) -> tuple[StepRecord, float]:
     """Execute MeZO step ``step`` on ``params`` (in place; the tensors of ``model``, on its device).
