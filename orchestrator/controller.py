@@ -248,9 +248,9 @@ class Controller:
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.ray_messages.install()
         self.shipped = ship(self.assets)
-        self.driver_node = this_node()
+        self.driver_node, driver_id = this_node(), ray.get_runtime_context().get_node_id()
         nodes = alive_nodes()
-        self.placement = placement = plan_placement(nodes, driver_node_id=self.driver_node["node_id"], workers=cfg.workers,
+        self.placement = placement = plan_placement(nodes, driver_node_id=driver_id, workers=cfg.workers,
                                                     use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
                                                     replica_resource=cfg.shadow_resource)
         wait_for_previous_driver(cfg, echo=self.echo)  # a resume right after its driver died: Ray is removing its actors
@@ -264,7 +264,7 @@ class Controller:
         durable = self.log_keeper.await_ready() if self.log_keeper is not None else 0
         fired = fired_before(cfg.faults.failures, durable)  # even when the run directory was lost
         ray.get(self.journal.seed.remote(fired))
-        check_node_failures(cfg, nodes, self.driver_node["node_id"], fired=[*claims_in(self.record.events), *fired])
+        check_node_failures(cfg, nodes, driver_id, fired=[*claims_in(self.record.events), *fired])
         if cfg.uses_shadow:
             self.shadow = ShadowKeeper(cfg, self.channel, self._shadow_spec(), placement=placement.replica)
             self.shadow.start()
