@@ -14,10 +14,7 @@ from typing import Any, Literal
 
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
-from raycheck.storage.backend import Storage, local_path, node_local
-from raycheck.storage.diffs import DiffStore
-from raycheck.storage.manifest import RunIdentity
-from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.backend import local_path, node_local
 
 FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
@@ -729,20 +726,6 @@ class JobConfig:
             nested[name] = value
         return dataclasses.replace(self, **nested)  # type: ignore[arg-type]
 
-    def snapshot_store(self, direct: bool = False) -> SnapshotStore:
-        """The run's snapshot store (built fresh: safe to call in any process): it writes and restores
-        only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``; a merge
-        result only as the starting point of a run without a step log (``SnapshotStore``'s ``step_log``).
-        ``direct``: its local writes bypass the page cache (``Storage``'s ``write_direct``)."""
-        return SnapshotStore(Storage(self.storage.uri, write_direct=direct, **self.storage.options), keep_last=self.snapshot.keep,
-                             identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch,
-                             step_log=self.uses_step_log)
-
-    def diff_store(self) -> DiffStore:
-        """The run's differential gradient records (``differential``), in its snapshot storage: it writes
-        and replays only this run's batches (identity: run id and trajectory hash)."""
-        return DiffStore(Storage(self.storage.uri, **self.storage.options), identity=RunIdentity(self.run_id, self.trajectory_sha256()))
-
     @property
     def uses_shadow(self) -> bool:
         """True when a CPU shadow replays the step log (strategy ``shadow``)."""
@@ -754,33 +737,11 @@ class JobConfig:
         return self.algo == "zo" and self.strategy in STEP_LOG
 
     @property
-    def shadow_name(self) -> str:
-        return f"raycheck-shadow-{self.run_id}"
-
-    @property
-    def persister_name(self) -> str:
-        return f"raycheck-persister-{self.run_id}"
-
-    @property
-    def journal_name(self) -> str:
-        """The run's journal actor (``actors.journal``)."""
-        return f"raycheck-journal-{self.run_id}"
-
-    @property
-    def log_keeper_name(self) -> str:
-        return f"raycheck-log-keeper-{self.run_id}"
-
-    @property
     def replica_groups(self) -> bool:
         """Each train worker is its own Ray Train replica group, so a failure replaces only the failed
         worker (``orchestrator.replica_groups``): ZO runs with a step log and more than one worker, not elastic
         (Ray 2.60 restarts the whole group on a resize: its replica groups and elastic scaling are not integrated)."""
         return self.algo == "zo" and self.uses_step_log and self.workers > 1 and not self.is_elastic
-
-    @property
-    def exchange_name(self) -> str:
-        """The step exchange of this driver incarnation's fit (``actors.step_exchange``; with ``replica_groups``)."""
-        return f"raycheck-exchange-{self.run_id}-{self.writer_epoch}"
 
 
 def default_scratch_dir(out_dir: str, run_id: str) -> str:

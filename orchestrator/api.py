@@ -17,6 +17,7 @@ import uuid
 from typing import Callable
 
 from raycheck.job.config import JobConfig
+from raycheck.job.stores import snapshot_store
 from raycheck.training.assets import Assets, read_assets
 from raycheck.training.model import default_cache_dir
 
@@ -59,7 +60,7 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
         params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
         split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
     if cfg.storage.remote:  # a local store is made by the run: checking it here would leave a folder behind
-        storage = cfg.snapshot_store().storage
+        storage = snapshot_store(cfg).storage
         storage.probe()
         if cfg.storage.consistency == "fenced":
             storage.check_conditional_writes()

@@ -55,6 +55,8 @@ from raycheck.actors.persister import PersisterActor
 from raycheck.actors.shadow import ShadowSpec
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
+from raycheck.job.names import exchange_name, log_keeper_name, persister_name
+from raycheck.job.stores import snapshot_store
 from raycheck.orchestrator.cluster import Node, Placement, alive_nodes, connect, plan_placement, runtime_env, worker_need
 from raycheck.orchestrator.console import InjectedFailureMessages, RunConsole, injected_pids, one_line
 from raycheck.orchestrator.control import (Action, EmitPhase, Failed, FailRun, Initialising, Limits, LogKeeperStatus, Observation, Phase,
@@ -258,13 +260,13 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
 
 
 def start_persister(cfg: JobConfig, placement: Placement):
-    """Start the run's snapshot persister (named ``cfg.persister_name``) where ``placement`` puts the
+    """Start the run's snapshot persister (named ``persister_name(cfg)``) where ``placement`` puts the
     replicas, with the driver's storage settings (``runtime_env``), writing local snapshots with direct I/O
     unless ``snapshot.persister_direct_io`` is off; returns its handle at once."""
     return ray.remote(PersisterActor).options(
-        name=cfg.persister_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=4,
+        name=persister_name(cfg), namespace=cfg.namespace, num_cpus=0, max_concurrency=4,
         runtime_env=runtime_env(), **placement.replica,
-    ).remote(cfg.snapshot_store(direct=cfg.snapshot.persister_direct_io), priority=cfg.snapshot.persister_priority)
+    ).remote(snapshot_store(cfg, direct=cfg.snapshot.persister_direct_io), priority=cfg.snapshot.persister_priority)
 
 
 class Controller:
@@ -398,9 +400,9 @@ class Controller:
         """Start the log keeper over the run directory's step log, pinned to this (the driver's) node,
         mirroring to and (when its log lacks steps) resuming from the run's remote storage; returns
         before it is ready (``_await_log_keeper``)."""
-        storage = self.cfg.snapshot_store().storage if self.cfg.storage.remote else None
+        storage = snapshot_store(self.cfg).storage if self.cfg.storage.remote else None
         self.log_keeper = ray.remote(LogKeeperActor).options(
-            name=self.cfg.log_keeper_name, namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
+            name=log_keeper_name(self.cfg), namespace=self.cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(str(self.run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage,
                  commit_to_storage=self.cfg.durability == "cluster",
@@ -439,8 +441,8 @@ class Controller:
 
     def _shadow_spec(self) -> ShadowSpec:
         return ShadowSpec(
-            model=self.cfg.model, cache_dir=self.cfg.cache_dir, dtype=self.cfg.dtype, log_keeper_name=self.cfg.log_keeper_name,
-            store=self.cfg.snapshot_store(), persister_name=self.cfg.persister_name,
+            model=self.cfg.model, cache_dir=self.cfg.cache_dir, dtype=self.cfg.dtype, log_keeper_name=log_keeper_name(self.cfg),
+            store=snapshot_store(self.cfg), persister_name=persister_name(self.cfg),
             snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot.every_steps, hash_every=self.cfg.hash_every_steps,
             layout=read_header(self.run_dir.step_log)["layout"],
             shipped=self.shipped, threads=self.cfg.shadow_threads,
@@ -582,7 +584,7 @@ class Controller:
         return TorchTrainer(
             train_loop_per_worker=train_loop_per_worker,
             train_loop_config={**cfg.to_dict(), ASSETS_KEY: self.shipped},
-            torch_config=ReplicaGroupsConfig(cfg.exchange_name, cfg.namespace, cfg.workers) if cfg.replica_groups else None,
+            torch_config=ReplicaGroupsConfig(exchange_name(cfg), cfg.namespace, cfg.workers) if cfg.replica_groups else None,
             scaling_config=ScalingConfig(num_workers=(cfg.elastic.min_workers, cfg.workers) if cfg.is_elastic else cfg.workers,
                                          elastic_resize_monitor_interval_s=cfg.elastic.resize_interval_s,
                                          use_gpu=cfg.device == "cuda",
@@ -715,7 +717,7 @@ class Controller:
 
     def _run(self) -> dict:
         cfg = self.cfg
-        self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
+        self.cfg = cfg = cfg.replace(writer_epoch=snapshot_store(cfg).claim_epoch())  # fences older incarnations
         if cfg.storage.remote:  # beside the log segments: --resume --storage URI needs nothing else
             self._store_config()
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))

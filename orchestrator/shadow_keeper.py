@@ -39,6 +39,7 @@ from raycheck.actors.shadow import ShadowSpec
 from raycheck.actors.shadow_actor import ShadowActor
 from raycheck.actors.shards import assemble
 from raycheck.job.config import JobConfig
+from raycheck.job.names import shadow_name
 from raycheck.orchestrator.cluster import shadow_actor_options
 from raycheck.orchestrator.control import FailRun, ShadowStatus, ShardStatus, shard_action
 from raycheck.training.state import state_sha256
@@ -82,7 +83,7 @@ class ShardKeeper:
     @property
     def name(self) -> str:
         """The current incarnation's actor name."""
-        prefix = self.cfg.shadow_name if self.spec.shards == 1 else f"{self.cfg.shadow_name}-s{self.spec.shard}"
+        prefix = shadow_name(self.cfg) if self.spec.shards == 1 else f"{shadow_name(self.cfg)}-s{self.spec.shard}"
         return f"{prefix}-{self.incarnation}"
 
     def start(self) -> None:
