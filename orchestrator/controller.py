@@ -134,7 +134,7 @@ def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, 
     if len(nodes) < 2:
         raise ValueError(f"failure {node_failures[0]} takes down rank 0's node, which on a one-node cluster is the "
                          "driver's: the run would end with it; use a cluster of several nodes")
-    need = worker_need(cfg.device == "cuda", cfg.worker_resource)
+    need = worker_need(cfg.device == "cuda", cfg.placement.worker_resource)
     hosts = [n.node_id for n in nodes if n.can_host(need)]
     if driver_node_id in hosts:
         raise ValueError(f"failure {node_failures[0]} would take down the driver's node, which can host a train worker "
@@ -245,7 +245,7 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         "run_id": cfg.run_id,
         "model": cfg.model,
         "model_sha256": cfg.model_sha256,
-        "data_sha256": cfg.data_sha256,
+        "data_sha256": cfg.data.sha256,
         "units_recognised": units.recognised,
         "tied": units.tied,
         "dtype": cfg.dtype,
@@ -445,7 +445,7 @@ class Controller:
             store=snapshot_store(self.cfg), persister_name=persister_name(self.cfg),
             snapshot_every_steps=self.planner.every_steps if self.planner else self.cfg.snapshot.every_steps, hash_every=self.cfg.hash_every_steps,
             layout=read_header(self.run_dir.step_log)["layout"],
-            shipped=self.shipped, threads=self.cfg.shadow_threads,
+            shipped=self.shipped, threads=self.cfg.placement.shadow_threads,
         )
 
     # -- monitoring ---------------------------------------------------------------------------
@@ -726,8 +726,8 @@ class Controller:
         self.placed["driver"] = this_node()
         nodes = alive_nodes()
         self.placement = plan_placement(nodes, driver_node_id=self.placed["driver"]["node_id"], workers=cfg.workers,
-                                        use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
-                                        replica_resource=cfg.shadow_resource)
+                                        use_gpu=cfg.device == "cuda", worker_resource=cfg.placement.worker_resource,
+                                        replica_resource=cfg.placement.shadow_resource)
         wait_for_previous_driver(cfg, echo=self.echo)  # a resume right after its driver died: Ray is removing its actors
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
         # start-ups overlap: the persister starts while the log keeper is awaited, the shadow (after the
@@ -824,7 +824,7 @@ class Controller:
         return run_summary(Collected(
             ok=outcome.get("ok", False), error=outcome.get("error"), events=self.record.events, executions=self.record.metrics, rows=rows,
             shadow=shadow, persisted=persisted, mirror=self._mirror_status(),
-            keeper=self.log_keeper_status if self.log_keeper else None, durability_level=cfg.durability, task=cfg.task,
+            keeper=self.log_keeper_status if self.log_keeper else None, durability_level=cfg.durability, task=cfg.data.task,
             base=self._summary_base()))
 
 

@@ -1,4 +1,4 @@
-"""Keeps the live shadow replayer (K shard actors with ``JobConfig.shadow_shards``): starts them,
+"""Keeps the live shadow replayer (K shard actors with ``JobConfig.placement.shadow_shards``): starts them,
 watches them without blocking, restarts one when it fails.
 
 A shard (the whole shadow when K = 1) has failed when its actor is dead or when its replay thread has
@@ -174,14 +174,14 @@ def combined_status(statuses: list[dict]) -> dict:
 
 
 class ShadowKeeper:
-    """Owns the shadow of a run: ``cfg.shadow_shards`` shard actors (one ``ShardKeeper`` each).
+    """Owns the shadow of a run: ``cfg.placement.shadow_shards`` shard actors (one ``ShardKeeper`` each).
     ``poll`` never blocks; ``status`` combines the last statuses seen (``combined_status``)."""
 
     def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec, placement: dict | None = None) -> None:
         self.cfg, self.run = cfg, run
         self.restarts: list[dict] = []
         """Every shard restart in the order recorded (``seconds``: failure until the new incarnation answered)."""
-        k = cfg.shadow_shards
+        k = cfg.placement.shadow_shards
         self.shards = [ShardKeeper(cfg, run, dataclasses.replace(spec, shard=i, shards=k, hash_every=spec.hash_every if k == 1 else 0),
                                    self._publish, self.restarts, placement) for i in range(k)]
 

@@ -431,7 +431,7 @@ def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(referen
     one manifest) is committed; it restarts from its units of that snapshot while shard 0 keeps its
     actor. Step 10: a worker dies and restores, through the object store, the image assembled from
     the restarted shard 1 and the original shard 0."""
-    s = job(tmp_path_factory, "shards", "7:shadow:1 10:worker", shadow_shards=2)
+    s = job(tmp_path_factory, "shards", "7:shadow:1 10:worker", placement={"shadow_shards": 2})
     assert_exact(s, reference)
     assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [(10, "object_store", 10)]
     assert [(r["shard"], r["incarnation"], r["source"], r["step"]) for r in s["shadow_restarts"]] == [(1, 1, "snapshot", 6)]

@@ -38,7 +38,7 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt2run")
     folder = gpt2_folder(root / "my-gpt2")
     data = write_rows(root / "reviews.jsonl", reviews(20))
-    cfg, assets = read_assets(job_config(root / "run", model=str(folder), data=str(data), steps=STEPS, batch_size=4,
+    cfg, assets = read_assets(job_config(root / "run", model=str(folder), data={"path": str(data)}, steps=STEPS, batch_size=4,
                                          run_id="gpt2", zo={"lr": 1e-3}))
     pathlib.Path(cfg.out_dir).mkdir()
     prepare(cfg, RunDir(pathlib.Path(cfg.out_dir)))
