@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from raycheck.job.names import journal_name
+
 if TYPE_CHECKING:  # the journal actor's process imports no torch (``job.config`` does)
     from raycheck.job.config import JobConfig
 
@@ -111,7 +113,7 @@ class RunChannel:
     """
 
     def __init__(self, cfg: JobConfig) -> None:
-        self.name, self.namespace = cfg.journal_name, cfg.namespace
+        self.name, self.namespace = journal_name(cfg), cfg.namespace
         self._handle = None
 
     @property

@@ -9,7 +9,7 @@ images to the persister on the snapshot schedule and serves images and hashes (b
 without Ray); ``actors.shadow_actor.ShadowActor`` is the thin Ray shell that builds them from a
 ``ShadowSpec`` and serves images through the object store.
 
-Sharded (``JobConfig.shadow_shards`` K > 1): K actors each hold and replay only the contiguous range
+Sharded (``JobConfig.placement.shadow_shards`` K > 1): K actors each hold and replay only the contiguous range
 of units ``actors.shards.split_units`` gives them (memory and replay work / K), start from their own
 units of the newest snapshot, snapshot on an interval grid shared by every shard
 (``AlignedSchedule``) and hand their parts to the persister, which commits a step only once every
@@ -411,7 +411,7 @@ class ShadowSpec:
     shard: int = 0
     shards: int = 1
     threads: int = 1
-    """Torch threads of the actor, which its fused replay splits large tensors over (``JobConfig.shadow_threads``)."""
+    """Torch threads of the actor, which its fused replay splits large tensors over (``JobConfig.placement.shadow_threads``)."""
     shipped: dict | None = None
     """The driver's shipped assets (``training.assets.ship``): a model folder's files come from there."""
     layout: list | None = None

@@ -13,8 +13,8 @@ import shutil
 import sys
 import uuid
 from collections.abc import Iterator
-from inspect import signature
-from typing import Annotated
+from inspect import Parameter, Signature, signature
+from typing import Annotated, Any, get_type_hints
 
 import typer
 from typer._click.core import Context
@@ -22,13 +22,13 @@ from typer._click.formatting import HelpFormatter
 from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer 0.29 vendors click: its own classes
 from typer.core import TyperCommand, TyperGroup
 
-from raycheck.job.config import (PROMPT, DifferentialConfig, ElasticConfig, FailureSpec, FaultConfig, FOConfig, JobConfig, LayerwiseConfig,
-                                 OldConfigError, OverlappedConfig, SnapshotConfig, StorageConfig, ZOConfig)
+from raycheck.job.config import COMPONENTS, JobConfig, OldConfigError, field_spec
+from raycheck.job.options import SECTIONS, Opt, option_of
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.console import RunConsole, summary_table
 from raycheck.cli.experiment import experiment
 from raycheck.cli.merge import merge
-from raycheck.cli.policy import parse_duration, policy
+from raycheck.cli.policy import policy
 from raycheck.cli.replay import replay
 from raycheck.orchestrator.schedule import parse_schedule
 from raycheck.orchestrator.signals import EXIT_TERMINATED, Terminated, terminate_as_interrupt
@@ -38,7 +38,7 @@ from raycheck.orchestrator.stored_config import StoredConfigError, load_config
 from raycheck.policies.costs import InfeasibleError
 from raycheck.storage.backend import local_path
 from raycheck.storage.steplog import StepLogError, read_log
-from raycheck.training.model import MODEL_NAMES, default_cache_dir
+from raycheck.training.model import default_cache_dir
 
 
 class _Commands(TyperGroup):
@@ -67,23 +67,36 @@ def _one_line_usage_errors() -> Iterator[None]:
         raise _refuse(exc.format_message()) from exc
 
 
+HAND_SECTIONS = {"verify": "Run", "out": "Run", "resume": "Run", "overwrite": "Run", "json_output": "Run", "help": "Run",
+                 "fail_schedule": "Failures and restarts", "fail_seed": "Failures and restarts"}
+"""The sections of ``raycheck run``'s options that fill no field of their own (declared in ``_hand_options``)."""
+
+HELP_ORDER = ("model", "data", "steps", "fail", "verify", "out", "resume", "overwrite", "algo", "strategy", "workers", "device",
+              "dtype", "json_output", "help",
+              "task", "text_column", "label_column", "label_words", "prompt_template", "prompt_column", "completion_column",
+              "batch_size", "seq_len", "seed", "eval_samples",
+              "lr", "eps", "weight_decay", "torch_threads", "hash_every",
+              "fo_lr", "fo_max_grad_norm", "fo_parallelism", "micro_batch_size", "layer_threshold", "layer_staleness_steps",
+              "layer_max_bytes_per_check", "diff_full_every", "diff_batch_steps", "diff_topk", "overlap_chunks",
+              "fail_schedule", "fail_seed", "settle_failures", "max_shadow_restarts", "max_persister_restarts",
+              "max_worker_failures", "max_in_process_restarts", "warm_standby", "min_workers", "elastic_resize_interval",
+              "snapshot_every", "snapshot_policy", "mtbf", "keep_snapshots", "durability", "storage", "s3_endpoint",
+              "storage_consistency", "persister_priority", "persister_direct_io", "scratch_dir", "cache_dir",
+              "shadow_shards", "shadow_threads", "shadow_env", "worker_resource", "shadow_resource", "start_timeout")
+"""The order of ``raycheck run --help``'s options (by parameter name), what most runs set first; each option's section
+is its field's (``job.options.Opt.section``) or ``HAND_SECTIONS``'."""
+
+RUN_FIELDS: dict[str, tuple[str, Opt]] = {o.parameter: (path, o) for path in JobConfig.field_paths()
+                                          if (o := option_of(field_spec(JobConfig, path))) is not None}
+"""``raycheck run``'s options that fill a ``JobConfig`` field, by parameter name: (the field's path, its ``Opt``)."""
+
+COMMAND_DEFAULTS = {"cache_dir": default_cache_dir()}
+"""The options' defaults for the fields that have none (this machine's)."""
+
 RUN_SECTIONS: dict[str, tuple[str, ...]] = {
-    "Run": ("model", "data", "steps", "fail", "verify", "out", "resume", "overwrite", "algo", "strategy", "workers", "device",
-            "dtype", "json_output", "help"),
-    "Data and task": ("task", "text_column", "label_column", "label_words", "prompt_template", "prompt_column",
-                      "completion_column", "batch_size", "seq_len", "seed", "eval_samples"),
-    "Zeroth-order (MeZO)": ("lr", "eps", "weight_decay", "torch_threads", "hash_every"),
-    "First-order": ("fo_lr", "fo_max_grad_norm", "fo_parallelism", "micro_batch_size", "layer_threshold", "layer_staleness_steps",
-                    "layer_max_bytes_per_check", "diff_full_every", "diff_batch_steps", "diff_topk", "overlap_chunks"),
-    "Failures and restarts": ("fail_schedule", "fail_seed", "settle_failures", "max_shadow_restarts", "max_persister_restarts",
-                              "max_worker_failures", "max_in_process_restarts", "warm_standby", "min_workers",
-                              "elastic_resize_interval"),
-    "Snapshots, step log and storage": ("snapshot_every", "snapshot_policy", "mtbf", "keep_snapshots", "durability", "storage", "s3_endpoint",
-                                        "storage_consistency", "persister_priority", "persister_direct_io", "scratch_dir",
-                                        "cache_dir"),
-    "Shadow and placement": ("shadow_shards", "shadow_threads", "shadow_env", "worker_resource", "shadow_resource", "start_timeout"),
-}
-"""``raycheck run --help``'s sections, in order, and the options of each (by parameter name): what most runs set first."""
+    title: tuple(name for name in HELP_ORDER if HAND_SECTIONS.get(name) == title or name in RUN_FIELDS and RUN_FIELDS[name][1].section == title)
+    for title in SECTIONS}
+"""``raycheck run --help``'s sections, in order, and the options of each (by parameter name)."""
 
 
 class _Sectioned(TyperCommand):
@@ -117,43 +130,27 @@ def _main(ctx: typer.Context, verbose: Annotated[bool, typer.Option(
     ctx.obj = {"verbose": verbose}
 
 
-def _storage_uri(uri: str) -> str:
-    """A local path made absolute; URIs as given."""
-    folder = local_path(uri) if uri else None
-    return uri if folder is None else str(folder)
-
-
 def _refuse(message: str) -> typer.Exit:
     """Print ``error: message`` (one line) to stderr; returns the exit (code 2) to raise."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(2)
 
 
-OPTION_OF_FIELD = {
-    "out_dir": "out", "hash_every_steps": "hash_every",
-    "fo.lr": "fo_lr", "fo.max_grad_norm": "fo_max_grad_norm", "fo.parallelism": "fo_parallelism",
-    "layerwise.threshold": "layer_threshold", "layerwise.staleness_bound_steps": "layer_staleness_steps",
-    "layerwise.max_bytes_per_check": "layer_max_bytes_per_check",
-    "differential.full_every_steps": "diff_full_every", "differential.batch_steps": "diff_batch_steps",
-    "differential.topk": "diff_topk", "overlapped.chunks": "overlap_chunks",
-    "snapshot.every_steps": "snapshot_every", "snapshot.policy": "snapshot_policy", "snapshot.mtbf_s": "mtbf",
-    "snapshot.keep": "keep_snapshots", "storage.uri": "storage", "storage.options": "s3_endpoint",
-    "storage.consistency": "storage_consistency",
-    "faults.failures": "fail", "faults.start_timeout_s": "start_timeout", "elastic.resize_interval_s": "elastic_resize_interval",
-}
-"""``JobConfig`` field paths whose ``raycheck run`` option has another name (the names users' scripts
-use); any other field's option is its last name (``zo.lr``: ``--lr``)."""
+FIELD_PARAMETERS = {"out_dir": "out", **{path: name for name, (path, _) in RUN_FIELDS.items()}}
+"""The ``raycheck run`` parameter of each ``JobConfig`` field path that has one (``layerwise.threshold``:
+``layer_threshold``, the names users' scripts use)."""
 RESUME_BUDGETS = ("faults.max_shadow_restarts", "faults.max_persister_restarts", "faults.max_worker_failures",
-                  "faults.max_in_process_restarts", "worker_resource", "shadow_resource", "faults.start_timeout_s")
+                  "faults.max_in_process_restarts", "placement.worker_resource", "placement.shadow_resource",
+                  "faults.start_timeout_s")
 """Fields (paths) that ``--resume`` takes from the command line over the run's ``config.json``: restart
 budgets and placement, not part of the trajectory (a run that spent one resumes with a larger one; a
 run resumed on another cluster is placed there)."""
 
 
 def parameter(path: str) -> str:
-    """The ``raycheck run`` parameter that fills the ``JobConfig`` field ``path``: its entry in
-    ``OPTION_OF_FIELD``, else the path's last name."""
-    return OPTION_OF_FIELD.get(path, path.split(".")[-1])
+    """The ``raycheck run`` parameter that fills the ``JobConfig`` field ``path``: its option's
+    (``FIELD_PARAMETERS``), else the path's last name."""
+    return FIELD_PARAMETERS.get(path, path.split(".")[-1])
 
 
 RESUME_OPTIONS = ("out", "resume", "verify", "json_output", *(parameter(path) for path in RESUME_BUDGETS))
@@ -251,7 +248,7 @@ def _resumed_config(out: pathlib.Path, verify: bool) -> JobConfig:
     return cfg
 
 
-PATH_FIELDS = ("out_dir", "storage.uri", "data", "model", "cache_dir")
+PATH_FIELDS = ("out_dir", "storage.uri", "data.path", "model", "cache_dir")
 """The ``JobConfig`` fields that may name a place on this machine (a path, a ``file://`` URI; a model
 or storage name that is neither never lies inside a run directory)."""
 
@@ -299,14 +296,6 @@ def _stored_config(given: JobConfig, out: pathlib.Path, scratch_dir: str) -> Job
         raise _refuse(f"snapshot storage {given.storage.uri} is not usable: {exc}") from exc
 
 
-def parse_env(pairs: list[str], option: str) -> dict[str, str]:
-    """``KEY=VALUE`` strings as a dict. Raises ``ValueError`` naming ``option`` for one without ``=``."""
-    bad = [p for p in pairs if "=" not in p]
-    if bad:
-        raise ValueError(f"{option} {bad[0]!r}: expected KEY=VALUE, e.g. ATEN_CPU_CAPABILITY=default")
-    return dict(p.split("=", 1) for p in pairs)
-
-
 def _require_cuda() -> None:
     """Refuse ``--device cuda`` (exit 2) on a machine where torch sees no CUDA device."""
     import torch
@@ -315,11 +304,6 @@ def _require_cuda() -> None:
         raise _refuse(f"--device cuda: torch.cuda.is_available() is false on this machine (torch {torch.__version__}, "
                       f"built for CUDA {torch.version.cuda or 'none: a CPU-only build'}); run on a node with a GPU and a "
                       "CUDA build of torch, or use --device cpu")
-
-
-def _model_arg(model: str) -> str:
-    """``--model`` as the configuration keeps it: a built-in name or model id as given, a folder absolute."""
-    return model if model in MODEL_NAMES or not pathlib.Path(model).is_dir() else str(pathlib.Path(model).resolve())
 
 
 def _check_resumed_log(cfg: JobConfig, out: pathlib.Path) -> None:
@@ -439,89 +423,7 @@ def printed_summary(summary: dict, out: pathlib.Path, verify: bool) -> dict:
     return failed
 
 
-@app.command(cls=_Sectioned)
-def run(
-    ctx: typer.Context,
-    model: Annotated[str, typer.Option(help=f"Model: {', '.join(MODEL_NAMES)}, a local Hugging Face model folder (config.json + "
-                                             "*.safetensors) or a model id in the local Hugging Face cache (never downloaded).")] = "smollm2-135m",
-    data: Annotated[str, typer.Option(help="Training data: a local .jsonl, .csv or .parquet file (default: the Rotten Tomatoes "
-                                           "snippets); every 10th row is held out.")] = "",
-    task: Annotated[str, typer.Option(help="classification (a prompt scored by its label words) or causal-lm (loss on the "
-                                           "completion tokens; needs --data).")] = "classification",
-    text_column: Annotated[str, typer.Option(help="Column of the text (classification; causal-lm without prompt/completion).")] = "text",
-    label_column: Annotated[str, typer.Option(help="Classification: column of the label (a label word or its 0-based index).")] = "label",
-    label_words: Annotated[str, typer.Option(help="Classification: label words, comma-separated.")] = "negative,positive",
-    prompt_template: Annotated[str, typer.Option(help="Classification: the prompt, {text} standing for the text and \\n "
-                                                      "(backslash n, as typed) for a newline.")] = PROMPT.replace("\n", "\\n"),  # as typed: help shows \n, not a space
-    prompt_column: Annotated[str, typer.Option(help="Causal LM: column of the prompt.")] = "prompt",
-    completion_column: Annotated[str, typer.Option(help="Causal LM: column of the completion (the tokens the loss is on).")] = "completion",
-    algo: Annotated[str, typer.Option(help="zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).")] = "zo",
-    strategy: Annotated[str, typer.Option(help=(
-        "Checkpointing strategy. zo: shadow (step log + CPU shadow + snapshots, default), full-sync, full-async, "
-        "log-only; fo: layerwise (default), differential, overlapped, full-sync, full-async. full-* and overlapped "
-        "checkpoint every --snapshot-every steps."))] = "",
-    fo_lr: Annotated[float, typer.Option(help="fo: AdamW learning rate (constant).")] = 1e-5,
-    fo_max_grad_norm: Annotated[float, typer.Option(min=0, help="fo: clip the gradients' global L2 norm to this (0: off).")] = 1.0,
-    fo_parallelism: Annotated[str, typer.Option(help=(
-        "fo: ddp (every worker holds the whole state) or fsdp2 (state sharded over the workers with FSDP2; checkpoints "
-        "per rank with torch DCP, so --resume --workers N may change the worker count; full-sync/full-async only)."))] = "ddp",
-    layer_threshold: Annotated[float, typer.Option(min=0, help=(
-        "fo layerwise: rewrite a unit at a check (every --snapshot-every steps) when its weights' relative change "
-        "since its persisted version exceeds this."))] = 1e-3,
-    layer_staleness_steps: Annotated[int, typer.Option(min=1, help="fo layerwise: rewrite a unit whose persisted version is this many steps old.")] = 100,
-    layer_max_bytes_per_check: Annotated[int, typer.Option(min=0, help="fo layerwise: bytes written per check, forced units included (0: no limit).")] = 0,
-    diff_full_every: Annotated[int, typer.Option(min=1, help="fo differential: steps between full checkpoints.")] = 50,
-    diff_batch_steps: Annotated[int, typer.Option(min=1, help="fo differential: per-step gradient records per object.")] = 5,
-    diff_topk: Annotated[float, typer.Option(min=0, max=1, help="fo differential: 0 exact records; else the fraction of elements kept (top-k, approximate).")] = 0.0,
-    overlap_chunks: Annotated[int, typer.Option(min=1, help=(
-        "fo overlapped: stage each snapshot in this many chunks, one per step (GoCkpt); the snapshot is of the last one's step."))] = 4,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 50,
-    batch_size: Annotated[int, typer.Option(min=1, help="Samples per step (split across workers).")] = 8,
-    seq_len: Annotated[int, typer.Option(min=8, help="Maximum prompt length in tokens.")] = 32,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-6,
-    eps: Annotated[float, typer.Option(help="MeZO perturbation scale.")] = 1e-3,
-    weight_decay: Annotated[float, typer.Option(help="Weight decay for matrices.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Run seed (batches and perturbations).")] = 0,
-    workers: Annotated[int, typer.Option(min=1, help="Ray Train workers (data parallel, gloo).")] = 1,
-    micro_batch_size: Annotated[int, typer.Option(min=0, help="zo: examples per example group; each group is one forward pass "
-                                                    "whichever worker runs it, so the losses do not depend on --workers "
-                                                    "(docs/elastic.md). A divisor of --batch-size giving at least --workers groups; "
-                                                    "0: batch-size / workers.")] = 0,
-    min_workers: Annotated[int, typer.Option(min=0, help="zo: elastic: go on with as few as this many workers when a node "
-                                               "is lost, grow back to --workers when the cluster can place them (bitwise the "
-                                               "same trajectory; docs/elastic.md). 0: a fixed --workers.")] = 0,
-    elastic_resize_interval: Annotated[str, typer.Option(help="With --min-workers: how often Ray Train checks whether more "
-                                                         "workers can be placed, e.g. 60s.")] = "60s",
-    torch_threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker (fixed for reproducibility).")] = 1,
-    fail: Annotated[
-        list[str],
-        typer.Option(help="Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], "
-                          "TARGET one of worker, shadow, both, corrupt, persister, node, storage; HOW one of exit, raise, sigkill, torn (worker only; raise: an exception, "
-                          "the process survives, see --max-in-process-restarts); "
-                          "node: rank 0 takes down its whole Ray node (raylet and every process; needs another node "
-                          "for the workers, the driver's node hosting none, and an s3:// --storage); "
-                          "storage:SECONDS needs a server raycheck owns (tests, experiments/s3_server.py). Repeatable."),
-    ] = [],
-    fail_schedule: Annotated[
-        str, typer.Option(help="Random failures: poisson:MTBF_STEPS[:TARGET] or weibull:MTBF_STEPS:SHAPE[:TARGET], seeded by --fail-seed.")
-    ] = "",
-    fail_seed: Annotated[int, typer.Option(help="Seed of --fail-schedule.")] = 0,
-    snapshot_every: Annotated[int, typer.Option(min=0, help="Fixed snapshot/checkpoint interval in steps (0: log only).")] = 10,
-    snapshot_policy: Annotated[str, typer.Option(help="fixed (--snapshot-every) or adaptive (cost model, re-planned from measured costs).")] = "fixed",
-    mtbf: Annotated[str, typer.Option(help="Assumed job MTBF for the adaptive policy, e.g. 30min, 3h.")] = "1h",
-    keep_snapshots: Annotated[int, typer.Option(min=1, help="Complete snapshots to keep.")] = 3,
-    persister_priority: Annotated[str, typer.Option(help="CPU and I/O priority of the snapshot persister's process: normal, or "
-                                                         "idle (SCHED_IDLE, nice 19, idle I/O: it writes only in CPU time the "
-                                                         "training leaves).")] = "normal",
-    persister_direct_io: Annotated[bool, typer.Option(help="The persister writes local snapshots with direct I/O (O_DIRECT, "
-                                                           "no page cache: the disk work runs at its own priority); "
-                                                           "--no-persister-direct-io: buffered.")] = True,
-    storage: Annotated[str, typer.Option(help="Snapshot storage: a path, file://PATH or s3://BUCKET/PREFIX. Default: <out>/snapshots.")] = "",
-    s3_endpoint: Annotated[str, typer.Option(help="S3 endpoint URL (default: $AWS_ENDPOINT_URL; keys from $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY).")] = "",
-    storage_consistency: Annotated[str, typer.Option(help="fenced: a remote --storage must honour conditional writes "
-                                                          "(probed at the start) or the run is refused; unfenced: run on one "
-                                                          "that ignores them, without fencing of stale writers (recorded in "
-                                                          "summary.json).")] = "fenced",
+def _hand_options(
     out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out (after the driver died): same run id and settings "
@@ -535,87 +437,64 @@ def run(
                                                "run that finished: only that).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="End with the summary as JSON (for scripts) instead of the "
                                                              "table.")] = False,
-    eval_samples: Annotated[int, typer.Option(min=0, help="Held-out snippets scored before and after (0: skip).")] = 200,
-    hash_every: Annotated[int, typer.Option(min=0, help="Record worker and shadow state sha256 every N steps (a sharded "
-                                                  "shadow records none: a shard holds part of the state; its final shadow_state_sha256 is still compared).")] = 0,
-    max_shadow_restarts: Annotated[int, typer.Option(help="Restarts of a failed shadow before the run fails (-1: unlimited; per shard).")] = 10,
-    max_persister_restarts: Annotated[int, typer.Option(help="Restarts of a dead snapshot persister before the run fails (-1: unlimited).")] = 10,
-    max_worker_failures: Annotated[int, typer.Option(help="Worker-group restarts after a train worker failed before the run fails "
-                                                          "(-1: unlimited; injected failures count).")] = 10,
-    max_in_process_restarts: Annotated[int, typer.Option(min=0, help="zo only (ignored by --algo fo), one worker: a step "
-                                                         "that raises (the process alive) is rolled back to the freshest state in the same process and "
-                                                         "re-executed, without a Ray Train restart, at most this many times per "
-                                                         "worker process; then (or with 0) Ray Train restarts the worker.")] = 3,
-    warm_standby: Annotated[bool, typer.Option(help="zo, one worker, cpu: train in a step executor actor with a second one loaded "
-                                                    "and waiting; when the executor's process dies the standby takes over "
-                                                    "without a Ray Train restart (counts against --max-worker-failures).")] = False,
-    shadow_shards: Annotated[int, typer.Option(min=1, help="Split the shadow into K CPU actors, each replaying a contiguous range of "
-                                                "units (embeddings, layers, norm, head) balanced by size, spread across nodes: "
-                                                "replay work and memory per actor / K. 1..the model's unit count (tiny: 4, "
-                                                "smollm2-135m: 32); --fail STEP:shadow:N kills shard N only.")] = 1,
-    shadow_threads: Annotated[int, typer.Option(min=1, help="Threads of each shadow actor (each shard): its replay splits large "
-                                                 "tensors over them, the same bits on any count. `raycheck policy --elements "
-                                                 "--replay-rate` says how many cores keep up.")] = 1,
-    settle_failures: Annotated[bool, typer.Option(help="Before each injected failure, wait until the shadow has caught up and "
-                                                   "snapshots are committed, so the recovery source depends on the failure "
-                                                   "steps alone (reproducible experiments; real failures do not wait).")] = False,
-    device: Annotated[str, typer.Option(help="zo: where the workers compute, cpu or cuda (one GPU per worker; the step "
-                                               "log and the shadow stay on the CPU; see scripts/device-check).")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="zo: the dtype the workers hold and perturb the parameters in: float32, bfloat16 "
-                                              "or float16 (half the memory; the shadow, recoveries and replay use the same one, "
-                                              "bitwise: see docs/dtypes.md). algo fo trains in float32.")] = "float32",
-    shadow_env: Annotated[list[str], typer.Option(help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), "
-                                                       "e.g. ATEN_CPU_CAPABILITY=default. Repeatable.")] = [],
-    durability: Annotated[str, typer.Option(help="zo step log: a step is durable before its update when fsynced on rank 0's node "
-                                                 "(process), also acknowledged by the log keeper on the driver's node (node), or also uploaded "
-                                                 "to the remote --storage (cluster, group commit).")] = "node",
-    scratch_dir: Annotated[str, typer.Option(help="Node-local directory for rank 0's own step log (default: a per-run "
-                                                  "directory under the system temp dir; never the run directory).")] = "",
-    cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
-    worker_resource: Annotated[str, typer.Option(help="Ray custom resource each train worker asks one unit of (places the "
-                                                      "workers on the nodes offering it).")] = "",
-    shadow_resource: Annotated[str, typer.Option(help="Ray custom resource each shadow shard and the snapshot persister ask one "
-                                                      "unit of. Default: on 2+ nodes, off every node that can host a train worker.")] = "",
-    start_timeout: Annotated[float, typer.Option(min=1, help="Seconds the persister and each shadow "
-                                                            "shard may take to start before the run fails.")] = 300.0,
+    fail_schedule: Annotated[
+        str, typer.Option(help="Random failures: poisson:MTBF_STEPS[:TARGET] or weibull:MTBF_STEPS:SHAPE[:TARGET], seeded by --fail-seed.")
+    ] = "",
+    fail_seed: Annotated[int, typer.Option(help="Seed of --fail-schedule.")] = 0,
 ) -> None:
+    """``raycheck run``'s options that fill no ``JobConfig`` field of their own (``HAND_SECTIONS``); the others
+    come from the fields (``_run_signature``)."""
+
+
+def _run_signature() -> Signature:
+    """``run``'s parameters: the context, ``_hand_options``', and one option per ``RUN_FIELDS`` entry, described by its
+    field's ``Opt`` (type, help, range) with the field's default (shown as typed: ``Opt.show``), in ``HELP_ORDER``."""
+    params = dict(signature(_hand_options, eval_str=True).parameters)
+    for name, (path, o) in RUN_FIELDS.items():
+        component, _, leaf = path.rpartition(".")
+        kind = o.type or get_type_hints(COMPONENTS[component] if component else JobConfig)[leaf]
+        default = COMMAND_DEFAULTS[name] if name in COMMAND_DEFAULTS else JobConfig.default(path)
+        params[name] = Parameter(name, Parameter.KEYWORD_ONLY, annotation=Annotated[kind, typer.Option(help=o.help, min=o.min, max=o.max)],
+                                 default=o.show(default) if o.show else default)
+    ordered = [params[name] for name in HELP_ORDER if name in params]
+    return Signature([Parameter("ctx", Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+                      *(p.replace(kind=Parameter.KEYWORD_ONLY) for p in ordered)])
+
+
+def options_config(options: dict[str, Any]) -> JobConfig:
+    """The ``JobConfig`` that ``raycheck run``'s ``options`` (by parameter name) describe: each ``RUN_FIELDS`` option's
+    value parsed (``Opt.parse``) into its field, ``--fail-schedule``'s failures added to ``--fail``'s, ``--out`` the run
+    directory (absolute) and a new run id.
+
+    Raises:
+        ValueError: a value no run can use (the message names the field).
+    """
+    nested: dict[str, Any] = {}
+    for name, (path, o) in RUN_FIELDS.items():
+        component, _, leaf = path.rpartition(".")
+        value = o.parse(options[name]) if o.parse else options[name]
+        if component:
+            nested.setdefault(component, {})[leaf] = value
+        else:
+            nested[leaf] = value
+    if options["fail_schedule"]:
+        nested["faults"]["failures"] += parse_schedule(options["fail_schedule"], options["steps"], options["fail_seed"])
+    return JobConfig(out_dir=str(options["out"].resolve()), run_id=uuid.uuid4().hex[:8], **nested)
+
+
+def run(ctx: typer.Context, **options: Any) -> None:
     """Fine-tune (MeZO, or AdamW with --algo fo) under Ray Train, inject failures, recover; writes summary.json and metrics.parquet."""
     from raycheck.orchestrator.api import run_job
     from raycheck.orchestrator.prepare import ResumeMismatchError
     from raycheck.orchestrator.runs import compare_with_reference
     from raycheck.training.zo import DtypeMismatchError, GeneratorMismatchError
 
+    out, resume, verify = options["out"], options["resume"], options["verify"]
     resuming = resume and (out / "config.json").is_file()  # the run's config.json decides, not the options typed
     finished: dict | None = None  # the summary of a finished run that --resume --verify compares with its reference
+    cfg: JobConfig | None
     try:
-        failures = tuple(FailureSpec.parse(f) for f in fail)
-        if fail_schedule:
-            failures += parse_schedule(fail_schedule, steps, fail_seed)
-        cfg = JobConfig(
-            out_dir=str(out.resolve()), cache_dir=str(cache_dir.resolve()), model=_model_arg(model), data=data and str(pathlib.Path(data).resolve()),
-            task=task, text_column=text_column, label_column=label_column, label_words=label_words,
-            prompt_template=prompt_template.replace("\\n", "\n"),
-            prompt_column=prompt_column, completion_column=completion_column, algo=algo, strategy=strategy, steps=steps,
-            batch_size=batch_size, seq_len=seq_len, seed=seed, workers=workers, torch_threads=torch_threads,
-            weight_decay=weight_decay, zo=ZOConfig(lr=lr, eps=eps, micro_batch_size=micro_batch_size),
-            fo=FOConfig(lr=fo_lr, max_grad_norm=fo_max_grad_norm, parallelism=fo_parallelism),
-            layerwise=LayerwiseConfig(threshold=layer_threshold, staleness_bound_steps=layer_staleness_steps,
-                                      max_bytes_per_check=layer_max_bytes_per_check),
-            differential=DifferentialConfig(full_every_steps=diff_full_every, batch_steps=diff_batch_steps, topk=diff_topk),
-            overlapped=OverlappedConfig(chunks=overlap_chunks),
-            snapshot=SnapshotConfig(every_steps=snapshot_every, policy=snapshot_policy, mtbf_s=parse_duration(mtbf), keep=keep_snapshots,
-                                    persister_priority=persister_priority, persister_direct_io=persister_direct_io),
-            storage=StorageConfig(uri=_storage_uri(storage), options={"endpoint_url": s3_endpoint} if s3_endpoint else {},
-                                  consistency=storage_consistency),
-            faults=FaultConfig(failures=failures, settle_failures=settle_failures, max_shadow_restarts=max_shadow_restarts,
-                               max_persister_restarts=max_persister_restarts, max_worker_failures=max_worker_failures,
-                               max_in_process_restarts=max_in_process_restarts, warm_standby=warm_standby,
-                               start_timeout_s=start_timeout),
-            elastic=ElasticConfig(min_workers=min_workers, resize_interval_s=parse_duration(elastic_resize_interval)),
-            eval_samples=eval_samples, hash_every_steps=hash_every, shadow_shards=shadow_shards, shadow_threads=shadow_threads, device=device, dtype=dtype,
-            shadow_env=parse_env(shadow_env, "--shadow-env"), worker_resource=worker_resource, shadow_resource=shadow_resource,
-            durability=durability, scratch_dir=scratch_dir, run_id=uuid.uuid4().hex[:8],
-        )
+        cfg = options_config(options)
     except ValueError as exc:  # nonsense configuration: refused before anything is touched
         if not resuming:
             raise _refuse(option_names(str(exc))) from exc
@@ -626,25 +505,9 @@ def run(
         from raycheck.orchestrator.controller import STORAGE_OUTAGE_NEEDS_SERVER
 
         raise _refuse(f"--fail: {STORAGE_OUTAGE_NEEDS_SERVER}")
-    replaced = [] if resume else _entries_to_replace(out, overwrite)
+    replaced = [] if resume else _entries_to_replace(out, options["overwrite"])
     if resume:
-        given = _given_options(ctx)
-        if storage and not resuming and cfg is not None:  # a new run directory: everything from the storage
-            saved = _stored_config(cfg, out, scratch_dir)
-            given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
-        else:
-            saved = _resumed_config(out, verify)
-            finished = _finished_summary(out, saved)
-            if finished and not verify:
-                for line in ignored_warning(given):  # e.g. --steps 99: a finished run is not extended
-                    typer.echo(line, err=True)
-                typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
-                raise typer.Exit(0)
-        cfg, notes = resume_config(saved, given)
-        for line in notes:
-            typer.echo(line, err=True)
-        if resuming and not finished:
-            _check_resumed_log(cfg, out)
+        cfg, finished = _resume(ctx, cfg, out, resuming, verify, options["storage"], options["scratch_dir"])
     if cfg is None:  # refused options are let through only when resuming, and resume_config replaced them
         raise RuntimeError("no job configuration to run")
     cfg, assets = _checked_job(cfg)
@@ -671,6 +534,41 @@ def run(
         if interrupt is None:
             raise
         raise _interrupted(out, verify, cfg.steps, interrupt) from exc
+    _report(summary, cfg, out, verify, options["json_output"])
+
+
+run.__signature__ = _run_signature()  # type: ignore[attr-defined]
+app.command(cls=_Sectioned)(run)
+
+
+def _resume(ctx: typer.Context, cfg: JobConfig | None, out: pathlib.Path, resuming: bool, verify: bool, storage: str,
+            scratch_dir: str) -> tuple[JobConfig, dict | None]:
+    """``--resume``: the configuration to run (the saved one, with the options it takes: ``resume_config``) and the
+    summary of a run that finished (None: training goes on). A finished run without ``--verify`` exits 0 here."""
+    given = _given_options(ctx)
+    finished = None
+    if storage and not resuming and cfg is not None:  # a new run directory: everything from the storage
+        saved = _stored_config(cfg, out, scratch_dir)
+        given = {name: value for name, value in given.items() if name not in FROM_STORAGE_OPTIONS}
+    else:
+        saved = _resumed_config(out, verify)
+        finished = _finished_summary(out, saved)
+        if finished and not verify:
+            for line in ignored_warning(given):  # e.g. --steps 99: a finished run is not extended
+                typer.echo(line, err=True)
+            typer.echo(f"{out}: the run already finished (summary.json); nothing to resume")
+            raise typer.Exit(0)
+    resumed, notes = resume_config(saved, given)
+    for line in notes:
+        typer.echo(line, err=True)
+    if resuming and not finished:
+        _check_resumed_log(resumed, out)
+    return resumed, finished
+
+
+def _report(summary: dict, cfg: JobConfig, out: pathlib.Path, verify: bool, json_output: bool) -> None:
+    """Print the summary (a table, or JSON); exit 1 when training failed, 3 when recovery was not exact, 4 when the
+    last snapshot is not durable."""
     printed = printed_summary(summary, out, verify)
     for line in [json.dumps(printed, indent=2)] if json_output else summary_table(summary, printed, out):
         typer.echo(line)

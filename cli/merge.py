@@ -23,7 +23,8 @@ from raycheck.storage.merge import (
     write_hf_export,
 )
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError
-from raycheck.training.model import MODEL_NAMES, check_outside_cache, default_cache_dir, model_folder
+from raycheck.job.config import MODEL_NAMES
+from raycheck.training.model import check_outside_cache, default_cache_dir, model_folder
 
 
 def merge(

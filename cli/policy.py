@@ -11,40 +11,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from raycheck.job.options import parse_duration
 from raycheck.orchestrator.console import format_duration
 from raycheck.policies.compare import Option, compare, recommend
 from raycheck.policies.costs import InfeasibleError, MeasuredCosts
 from raycheck.policies.models import Strategy
 from raycheck.policies.shadow_sizing import (DEFAULT_UTILIZATION, ReplayThroughput, cores_to_keep_up, lag_replay_s,
                                              shadow_replay_step_s)
-
-UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-_ZERO = re.compile(r"^\s*(0+(\.0*)?|\.0+)\s*$")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([a-z]+)\s*$")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration with a unit: ``1.2s``, ``250ms``, ``5min``, ``3h``, ``2d``, ``80us``; or a
-    bare ``0`` (zero in any unit).
-
-    Raises:
-        ValueError: no number, no unit (on a number other than 0), or an unknown unit; the message lists the units.
-    """
-    if _ZERO.match(text):
-        return 0.0
-    match = _DURATION.match(text.lower())
-    if not match or match.group(3) not in UNITS_S:
-        raise ValueError(f"{text!r} is not a duration: write a number and a unit, e.g. 1.2s, 250ms, 5min, 3h, 2d "
-                         f"(units: {', '.join(UNITS_S)})")
-    number, exponent, unit = match.groups()
-    try:
-        seconds = float(number) * 10.0 ** int(exponent or 0) * UNITS_S[unit]
-    except OverflowError:
-        seconds = math.inf
-    if not math.isfinite(seconds):
-        raise ValueError(f"{text!r} is too large a duration")
-    return seconds
-
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgb]?)\s*(?:/s)?\s*$", re.I)
 _COUNT_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}

@@ -71,7 +71,8 @@ def cli_page() -> str:
     import typer
     from typer._click.core import Context
 
-    from raycheck.job.config import COMPONENTS, JobConfig
+    from raycheck.job.config import COMPONENTS, JobConfig, field_spec
+    from raycheck.job.options import option_of
     from raycheck.cli.main import app, parameter
     from raycheck.training.model import default_cache_dir
 
@@ -104,7 +105,8 @@ def cli_page() -> str:
         option = parameter(path)
         flag = f"`--{option.replace('_', '-')}`" if option in run_options else ""
         default = declared[component].get(name, dataclasses.MISSING)
-        shown = "" if default is dataclasses.MISSING else f"`{default!r}`"
+        unit = getattr(option_of(field_spec(JobConfig, path)), "unit", "")
+        shown = "" if default is dataclasses.MISSING else f"`{default!r}`" + (f" {unit}" if unit else "")
         what = docs[component].get(name) or getattr(run_options.get(option), "help", None) or ""  # else the option's help
         out.append(f"| {path} | {flag} | {one_line(shown)} | {one_line(what)} |")
     return "\n".join(out) + "\n"

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from raycheck.job.config import FailureSpec, FaultConfig, SnapshotConfig, ZOConfig
+from raycheck.job.config import DataConfig, FailureSpec, FaultConfig, SnapshotConfig, ZOConfig
 from raycheck.orchestrator.api import job_config, run_job
 
 
@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=None, help="model cache (default: $RAYCHECK_CACHE or ~/.cache/raycheck)")
     args = parser.parse_args(argv)
 
-    fields = dict(model=args.model, data=args.data, task="classification", text_column="text", label_column="label",
-                  label_words="negative,positive", steps=args.steps, batch_size=4, seq_len=32, eval_samples=8, dtype=args.dtype,
+    fields = dict(model=args.model, data=DataConfig(path=args.data, task="classification", text_column="text", label_column="label",
+                                                    label_words="negative,positive"), steps=args.steps, batch_size=4, seq_len=32, eval_samples=8, dtype=args.dtype,
                   zo=ZOConfig(lr=1e-4), snapshot=SnapshotConfig(every_steps=2),
                   faults=FaultConfig(failures=(FailureSpec(step=args.fail_step, target="worker"),)))
     if args.cache_dir:

@@ -190,12 +190,12 @@ def collect_results(out: pathlib.Path, algo: str, strategies: tuple[str, ...]) -
 
 def _sharded_run(preset: Preset, out: pathlib.Path, cache_dir: str, echo: Callable[[str], None],
                  quiet: Callable[[str], None], durability: str) -> list[dict]:
-    """The extra failure-free ``shadow`` run with ``shadow_shards=2``; returns its ``shard_rows``."""
+    """The extra failure-free ``shadow`` run with ``placement.shadow_shards`` 2; returns its ``shard_rows``."""
     from raycheck.orchestrator.controller import Controller
 
     echo(f"[experiment] shadow with 2 shards, {preset.shard_run_steps} steps, no failures ...")
     cfg = job_config(preset, "shadow", out / "runs" / "shadow-2shards", cache_dir, failures=False, durability=durability).replace(
-        shadow_shards=2, steps=min(preset.steps, preset.shard_run_steps))
+        placement={"shadow_shards": 2}, steps=min(preset.steps, preset.shard_run_steps))
     summary = Controller(cfg, quiet).run()
     rows = shard_rows(summary)
     echo("[experiment] shadow with 2 shards: ok={} shadow_equal={} replay/step {}".format(

@@ -12,12 +12,11 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from raycheck.job.options import (absolute, duration_text, endpoint_of, endpoint_options, env_pairs, opt, parse_duration, parse_env,
+                                  shown_newlines, storage_uri, typed_newlines)
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
-from raycheck.storage.backend import Storage, local_path, node_local
-from raycheck.storage.diffs import DiffStore
-from raycheck.storage.manifest import RunIdentity
-from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.backend import local_path, node_local
 
 FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
@@ -48,6 +47,8 @@ LABEL_WORDS = (" negative", " positive")  # label 0 = rotten, 1 = fresh
 """Classification's default prompt and label words (the Rotten Tomatoes snippets, ``training.data``)."""
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """An environment variable name (``shadow_env`` keys)."""
+MODEL_NAMES = ("smollm2-135m", "tiny")
+"""The built-in models, by name (``training.model`` builds each into a node's cache from installed wheels)."""
 SEED_LIMIT = 2**64
 """Run seeds are packed as unsigned 64-bit integers (``training.zo.derive_seed``, ``numpy`` generators)."""
 
@@ -134,6 +135,21 @@ class FailureSpec:
         return cls(step=int(parts[0]), **dict(zip(("target", "how"), parts[1:])))
 
 
+def parse_failures(texts: list[str]) -> tuple[FailureSpec, ...]:
+    """``--fail`` values (``STEP[:TARGET[:HOW]]``) as ``FaultConfig.failures``."""
+    return tuple(FailureSpec.parse(text) for text in texts)
+
+
+def failure_texts(failures: tuple[FailureSpec, ...]) -> list[str]:
+    """``parse_failures``' inverse: each failure as ``--fail`` takes it."""
+    return [":".join(str(part) for part in (f.step, f.target, f.how) if part is not None) for f in failures]
+
+
+def model_arg(model: str) -> str:
+    """``--model`` as the configuration keeps it: a built-in name or model id as given, a folder absolute."""
+    return model if model in MODEL_NAMES or not pathlib.Path(model).is_dir() else str(pathlib.Path(model).resolve())
+
+
 def _require_at_least(owner: str, component: object, names: tuple[str, ...], low: int) -> None:
     """Raise ``ValueError`` naming ``owner.name`` for the first of ``names`` on ``component`` below ``low``."""
     for name in names:
@@ -145,11 +161,16 @@ def _require_at_least(owner: str, component: object, names: tuple[str, ...], low
 class ZOConfig:
     """MeZO (algo ``zo``): the zeroth-order optimiser and how a step's batch is split."""
 
-    lr: float = 1e-6
+    lr: float = field(default=1e-6, metadata=opt('--lr', 'Zeroth-order (MeZO)',
+            help='Learning rate.'))
     """MeZO learning rate, constant."""
-    eps: float = 1e-3
+    eps: float = field(default=1e-3, metadata=opt('--eps', 'Zeroth-order (MeZO)',
+            help='MeZO perturbation scale.'))
     """MeZO perturbation scale."""
-    micro_batch_size: int = 0
+    micro_batch_size: int = field(default=0, metadata=opt('--micro-batch-size', 'First-order', min=0, unit="examples",
+            help='zo: examples per example group; each group is one forward pass whichever worker runs it, '
+            'so the losses do not depend on --workers (docs/elastic.md). A divisor of --batch-size '
+            'giving at least --workers groups; 0: batch-size / workers.'))
     """Examples per example group (``training.groups``): the step's batch is scored in groups of this many
     examples, each group one forward pass whichever worker computes it, so the losses do not depend
     on the worker count (docs/elastic.md). ``batch_size`` must be a multiple, with at least ``workers`` groups.
@@ -166,11 +187,16 @@ class ZOConfig:
 class FOConfig:
     """First-order training (algo ``fo``): AdamW and how the workers share the state."""
 
-    lr: float = 1e-5
+    lr: float = field(default=1e-5, metadata=opt('--fo-lr', 'First-order',
+            help='fo: AdamW learning rate (constant).'))
     """AdamW learning rate, constant."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata=opt('--fo-max-grad-norm', 'First-order', min=0,
+            help="fo: clip the gradients' global L2 norm to this (0: off)."))
     """Clip the global L2 norm of the gradients to this before each AdamW step (0: no clipping)."""
-    parallelism: str = "ddp"
+    parallelism: str = field(default="ddp", metadata=opt('--fo-parallelism', 'First-order',
+            help='fo: ddp (every worker holds the whole state) or fsdp2 (state sharded over the workers with'
+            ' FSDP2; checkpoints per rank with torch DCP, so --resume --workers N may change the worker'
+            ' count; full-sync/full-async only).'))
     """``ddp`` (every worker holds the whole state; DDP averages the gradients) or ``fsdp2`` (FSDP2
     ``fully_shard``: parameters and moments split over the workers, checkpoints written per rank with
     torch DCP and resharded on load, so a ``--resume`` may change ``workers``; strategies full-sync and
@@ -188,11 +214,14 @@ class FOConfig:
 class DifferentialConfig:
     """Strategy ``differential``: full checkpoints and per-step gradient records between them."""
 
-    full_every_steps: int = 50
+    full_every_steps: int = field(default=50, metadata=opt('--diff-full-every', 'First-order', min=1, unit="steps",
+            help='fo differential: steps between full checkpoints.'))
     """Steps between full checkpoints (LowDiff's F)."""
-    batch_steps: int = 5
+    batch_steps: int = field(default=5, metadata=opt('--diff-batch-steps', 'First-order', min=1,
+            help='fo differential: per-step gradient records per object.'))
     """Per-step gradient records written together as one object."""
-    topk: float = 0.0
+    topk: float = field(default=0.0, metadata=opt('--diff-topk', 'First-order', min=0, max=1,
+            help='fo differential: 0 exact records; else the fraction of elements kept (top-k, approximate).'))
     """0 for exact records (bitwise recovery); in (0, 1] the fraction of each gradient's elements kept
     (top-k by magnitude; approximate recovery)."""
 
@@ -206,7 +235,9 @@ class DifferentialConfig:
 class OverlappedConfig:
     """Strategy ``overlapped`` (``training.overlapped``)."""
 
-    chunks: int = 4
+    chunks: int = field(default=4, metadata=opt('--overlap-chunks', 'First-order', min=1,
+            help='fo overlapped: stage each snapshot in this many chunks, one per step (GoCkpt); the '
+            "snapshot is of the last one's step."))
     """m, the chunks (balanced by bytes) a snapshot is staged in, one per step over m consecutive steps;
     1 is a one-shot staged copy."""
 
@@ -221,22 +252,30 @@ PERSISTER_PRIORITIES = ("normal", "idle")
 class SnapshotConfig:
     """When snapshots (checkpoints) are taken and how many are kept."""
 
-    every_steps: int = 10
+    every_steps: int = field(default=10, metadata=opt('--snapshot-every', 'Snapshots, step log and storage', min=0, unit="steps",
+            help='Fixed snapshot/checkpoint interval in steps (0: log only).'))
     """Fixed snapshot interval in steps (0: log-only); ignored when ``policy`` is adaptive."""
-    policy: str = "fixed"
+    policy: str = field(default="fixed", metadata=opt('--snapshot-policy', 'Snapshots, step log and storage',
+            help='fixed (--snapshot-every) or adaptive (cost model, re-planned from measured costs).'))
     """``fixed`` (every ``every_steps`` steps) or ``adaptive`` (the cost model's optimum for the
     costs measured while the job runs, re-planned as they change: ``policies.replan``)."""
-    mtbf_s: float = 3600.0
+    mtbf_s: float = field(default=3600.0, metadata=opt('--mtbf', 'Snapshots, step log and storage', unit="s", type=str, parse=parse_duration, show=duration_text,
+            help='Assumed job MTBF for the adaptive policy, e.g. 30min, 3h.'))
     """Assumed mean time between failures of the job, seconds, for the adaptive policy (refined by
     the failures it sees)."""
-    keep: int = 3
+    keep: int = field(default=3, metadata=opt('--keep-snapshots', 'Snapshots, step log and storage', min=1,
+            help='Complete snapshots to keep.'))
     """Complete snapshots kept in the storage."""
-    persister_priority: str = "normal"
+    persister_priority: str = field(default="normal", metadata=opt('--persister-priority', 'Snapshots, step log and storage',
+            help="CPU and I/O priority of the snapshot persister's process: normal, or idle (SCHED_IDLE, "
+            'nice 19, idle I/O: it writes only in CPU time the training leaves).'))
     """CPU and I/O priority of the snapshot persister's process: ``normal``, or ``idle`` (every thread at
     ``SCHED_IDLE``, nice 19 and idle I/O class: ``storage.priority.lower_to_idle``), so that its
     serialising, hashing and writing take only CPU time the training processes leave; its snapshots
     then become durable later, or not at all while the CPUs are saturated."""
-    persister_direct_io: bool = True
+    persister_direct_io: bool = field(default=True, metadata=opt('--persister-direct-io', 'Snapshots, step log and storage',
+            help='The persister writes local snapshots with direct I/O (O_DIRECT, no page cache: the disk '
+            'work runs at its own priority); --no-persister-direct-io: buffered.'))
     """The persister's local snapshot writes bypass the page cache (``Storage(write_direct=True)``:
     ``O_DIRECT``, 256 KiB per ``fdatasync``), so its own thread, at ``persister_priority``, moves the
     bytes to the disk instead of the kernel's flusher threads at normal priority (docs/performance.md#snapshot-writes-and-the-logs-fsync);
@@ -258,12 +297,18 @@ class SnapshotConfig:
 class StorageConfig:
     """Where snapshots (and, remote, the step log's segments and the stored config) go."""
 
-    uri: str = ""
+    uri: str = field(default="", metadata=opt('--storage', 'Snapshots, step log and storage', parse=storage_uri,
+            help='Snapshot storage: a path, file://PATH or s3://BUCKET/PREFIX. Default: <out>/snapshots.'))
     """Snapshot storage URI (a path, ``file://``, ``s3://bucket/prefix``); empty: ``<out_dir>/snapshots``."""
-    options: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict, metadata=opt('--s3-endpoint', 'Snapshots, step log and storage', type=str, parse=endpoint_options, show=endpoint_of,
+            help='S3 endpoint URL (default: $AWS_ENDPOINT_URL; keys from '
+            '$AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY).'))
     """Backend options, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``; credentials come from the
     standard AWS environment variables."""
-    consistency: str = "fenced"
+    consistency: str = field(default="fenced", metadata=opt('--storage-consistency', 'Snapshots, step log and storage',
+            help='fenced: a remote --storage must honour conditional writes (probed at the start) or the run'
+            ' is refused; unfenced: run on one that ignores them, without fencing of stale writers '
+            '(recorded in summary.json).'))
     """``fenced``: a remote store must honour conditional writes (probed at the start,
     ``Storage.check_conditional_writes``), or the run is refused; ``unfenced``: run on one that does not,
     accepting that a stale writer is no longer fenced off (docs/storage.md)."""
@@ -282,33 +327,55 @@ class StorageConfig:
 class FaultConfig:
     """Injected failures, and the budgets and timeouts of recovering from any failure."""
 
-    failures: tuple[FailureSpec, ...] = ()
+    failures: tuple[FailureSpec, ...] = field(default=(), metadata=opt('--fail', 'Run', type=list[str], parse=parse_failures, show=failure_texts,
+            help='Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], TARGET one '
+            'of worker, shadow, both, corrupt, persister, node, storage; HOW one of exit, raise, '
+            'sigkill, torn (worker only; raise: an exception, the process survives, see '
+            '--max-in-process-restarts); node: rank 0 takes down its whole Ray node (raylet and every '
+            "process; needs another node for the workers, the driver's node hosting none, and an s3:// "
+            '--storage); storage:SECONDS needs a server raycheck owns (tests, '
+            'experiments/s3_server.py). Repeatable.'))
     """Failures to inject (``FailureSpec``)."""
-    settle_failures: bool = False
+    settle_failures: bool = field(default=False, metadata=opt('--settle-failures', 'Failures and restarts',
+            help='Before each injected failure, wait until the shadow has caught up and snapshots are '
+            'committed, so the recovery source depends on the failure steps alone (reproducible '
+            'experiments; real failures do not wait).'))
     """Before each injected failure, wait until the shadow has replayed every durable step and every
     snapshot and background checkpoint handed on is committed (``workers.faults``), so that which
     source serves a recovery depends on the failure steps alone, not on machine speed. For tests and
     reproducible failure experiments; a real failure does not wait, so the default is off."""
-    max_shadow_restarts: int = 10
+    max_shadow_restarts: int = field(default=10, metadata=opt('--max-shadow-restarts', 'Failures and restarts',
+            help='Restarts of a failed shadow before the run fails (-1: unlimited; per shard).'))
     """Restarts of a failed shadow (its actor died or its replay thread stopped) before the run fails
     (-1: unlimited); with several shards, each shard has this budget of its own."""
-    max_persister_restarts: int = 10
+    max_persister_restarts: int = field(default=10, metadata=opt('--max-persister-restarts', 'Failures and restarts',
+            help='Restarts of a dead snapshot persister before the run fails (-1: unlimited).'))
     """Restarts of a dead snapshot persister before the run fails (-1: unlimited; ``orchestrator.controller``)."""
-    max_worker_failures: int = 10
+    max_worker_failures: int = field(default=10, metadata=opt('--max-worker-failures', 'Failures and restarts',
+            help='Worker-group restarts after a train worker failed before the run fails (-1: unlimited; '
+            'injected failures count).'))
     """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
     before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
-    max_in_process_restarts: int = 3
+    max_in_process_restarts: int = field(default=3, metadata=opt('--max-in-process-restarts', 'Failures and restarts', min=0,
+            help='zo only (ignored by --algo fo), one worker: a step that raises (the process alive) is '
+            'rolled back to the freshest state in the same process and re-executed, without a Ray Train'
+            ' restart, at most this many times per worker process; then (or with 0) Ray Train restarts '
+            'the worker.'))
     """ZO (ignored by ``algo`` fo), one worker: in-process restarts per worker process (``training.in_process``): a step that raises
     is rolled back to the freshest complete state in the same process and re-executed, without a Ray Train
     restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
-    warm_standby: bool = False
+    warm_standby: bool = field(default=False, metadata=opt('--warm-standby', 'Failures and restarts',
+            help='zo, one worker, cpu: train in a step executor actor with a second one loaded and waiting; '
+            "when the executor's process dies the standby takes over without a Ray Train restart "
+            '(counts against --max-worker-failures).'))
     """ZO, one worker, CPU: the Ray Train worker supervises a step executor actor and keeps a second one
     loaded and waiting (``workers.standby``); when the executor's process dies, the standby takes over
     without a Ray Train restart. Each promotion counts against ``max_worker_failures``. Off by default:
     two more processes import torch and load the model at the start (``docs/recovery.md``)."""
     recovery_timeout_s: float = 600.0
     """Seconds a recovery may take before the run fails."""
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = field(default=300.0, metadata=opt('--start-timeout', 'Shadow and placement', min=1, unit="s",
+            help='Seconds the persister and each shadow shard may take to start before the run fails.'))
     """Seconds the snapshot persister and each shadow shard may take to start (be placed on a node and
     construct) before the run fails, naming the component."""
 
@@ -334,12 +401,17 @@ class FaultConfig:
 class ElasticConfig:
     """ZO with a step log: the worker count may shrink when a node is lost and grow back (docs/elastic.md)."""
 
-    min_workers: int = 0
+    min_workers: int = field(default=0, metadata=opt('--min-workers', 'Failures and restarts', min=0,
+            help='zo: elastic: go on with as few as this many workers when a node is lost, grow back to '
+            '--workers when the cluster can place them (bitwise the same trajectory; docs/elastic.md). '
+            '0: a fixed --workers.'))
     """Fewest train workers the run goes on with (Ray Train elastic ``ScalingConfig(num_workers=(min_workers,
     workers))``): when a node is lost and no replacement can be placed, training continues on fewer workers
     and grows back to ``workers`` when the cluster can place them; the trajectory stays the same bits
     (``zo.micro_batch_size``). 0: a fixed ``workers``."""
-    resize_interval_s: float = 60.0
+    resize_interval_s: float = field(default=60.0, metadata=opt('--elastic-resize-interval', 'Failures and restarts', unit="s", type=str, parse=parse_duration, show=duration_text,
+            help='With --min-workers: how often Ray Train checks whether more workers can be placed, e.g. '
+            '60s.'))
     """With ``min_workers``: seconds between Ray Train's checks whether more workers can be placed
     (``ScalingConfig.elastic_resize_monitor_interval_s``)."""
 
@@ -349,7 +421,100 @@ class ElasticConfig:
             raise ValueError(f"elastic.min_workers must be >= 0 (0: a fixed worker count), got {self.min_workers}")
 
 
-COMPONENTS = {"zo": ZOConfig, "fo": FOConfig, "layerwise": LayerwiseConfig, "differential": DifferentialConfig,
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What a run trains on: the data file (or the built-in snippets), the task, and how a row becomes a
+    prompt (``training.data``). The file itself is read on the driver only (``training.data.load_data_file``)."""
+
+    path: str = field(default="", metadata=opt('--data', 'Run', parse=absolute,
+            help='Training data: a local .jsonl, .csv or .parquet file (default: the Rotten Tomatoes '
+            'snippets); every 10th row is held out.'))
+    """A local JSONL, CSV or Parquet file (read on the driver only, ``training.data.load_data_file``);
+    empty: the Rotten Tomatoes snippets."""
+    sha256: str = ""
+    """sha256 of the data file's bytes, set by the driver; part of the trajectory."""
+    task: str = field(default="classification", metadata=opt('--task', 'Data and task',
+            help='classification (a prompt scored by its label words) or causal-lm (loss on the completion '
+            'tokens; needs --data).'))
+    """``classification`` (a prompt scored by its label words) or ``causal-lm`` (token loss on the
+    completion: prompt/completion columns, or one text column); ``causal-lm`` needs ``path``."""
+    text_column: str = field(default="text", metadata=opt('--text-column', 'Data and task',
+            help='Column of the text (classification; causal-lm without prompt/completion).'))
+    label_column: str = field(default="label", metadata=opt('--label-column', 'Data and task',
+            help='Classification: column of the label (a label word or its 0-based index).'))
+    """Classification: the label of a row is a label word or its 0-based index in ``label_words``."""
+    label_words: str = field(default=",".join(w.strip() for w in LABEL_WORDS), metadata=opt('--label-words', 'Data and task',
+            help='Classification: label words, comma-separated.'))
+    """Classification: the label words, comma-separated (each scored with a leading space)."""
+    prompt_template: str = field(default=PROMPT, metadata=opt('--prompt-template', 'Data and task', parse=typed_newlines, show=shown_newlines,
+            help='Classification: the prompt, {text} standing for the text and \\n (backslash n, as typed) '
+            'for a newline.'))
+    """Classification: the prompt, ``{text}`` standing for the text column (once)."""
+    prompt_column: str = field(default="prompt", metadata=opt('--prompt-column', 'Data and task',
+            help='Causal LM: column of the prompt.'))
+    completion_column: str = field(default="completion", metadata=opt('--completion-column', 'Data and task',
+            help='Causal LM: column of the completion (the tokens the loss is on).'))
+    """Causal LM: the columns of a prompt/completion file (loss on the completion tokens); a file with
+    only ``text_column`` is trained on all of its tokens."""
+
+    def __post_init__(self) -> None:
+        """Validate the task, label words and prompt template (not the file: the driver reads that)."""
+        if self.task not in TASKS:
+            raise ValueError(f"data.task {self.task!r}: choose one of {', '.join(TASKS)}")
+        if self.task == "causal-lm" and not self.path:
+            raise ValueError("data.task causal-lm needs a data file (--data FILE with prompt/completion or text columns)")
+        words = [w.strip() for w in self.label_words.split(",")]
+        if len(words) < 2 or not all(words) or len(set(words)) != len(words):
+            raise ValueError(f"data.label_words {self.label_words!r}: give two or more distinct words, comma-separated, "
+                             "e.g. negative,positive")
+        if self.prompt_template.count("{text}") != 1:
+            raise ValueError(f"data.prompt_template {self.prompt_template!r} must contain {{text}} exactly once")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig:
+    """Where the run's processes go and how the shadow is split: none of it is part of the trajectory
+    (``orchestrator.cluster.plan_placement``, ``actors.shards``)."""
+
+    worker_resource: str = field(default="", metadata=opt('--worker-resource', 'Shadow and placement',
+            help='Ray custom resource each train worker asks one unit of (places the workers on the nodes '
+            'offering it).'))
+    """A Ray custom resource each train worker asks one unit of (besides its CPU or GPU), placing the
+    workers on the nodes that offer it; empty: any node (``orchestrator.cluster.plan_placement``)."""
+    shadow_resource: str = field(default="", metadata=opt('--shadow-resource', 'Shadow and placement',
+            help='Ray custom resource each shadow shard and the snapshot persister ask one unit of. Default:'
+            ' on 2+ nodes, off every node that can host a train worker.'))
+    """A Ray custom resource each shadow shard and the snapshot persister ask one unit of; empty: on
+    a cluster of two or more nodes, off every node that could host a train worker (``plan_placement``)."""
+    shadow_shards: int = field(default=1, metadata=opt('--shadow-shards', 'Shadow and placement', min=1,
+            help='Split the shadow into K CPU actors, each replaying a contiguous range of units '
+            '(embeddings, layers, norm, head) balanced by size, spread across nodes: replay work and '
+            "memory per actor / K. 1..the model's unit count (tiny: 4, smollm2-135m: 32); --fail "
+            'STEP:shadow:N kills shard N only.'))
+    """CPU actors the shadow is split into (``actors.shards``): each holds and replays a contiguous
+    range of units, 1..the model's unit count (checked against the model by ``actors.shards.split_units``)."""
+    shadow_threads: int = field(default=1, metadata=opt('--shadow-threads', 'Shadow and placement', min=1,
+            help='Threads of each shadow actor (each shard): its replay splits large tensors over them, the '
+            'same bits on any count. `raycheck policy --elements --replay-rate` says how many cores '
+            'keep up.'))
+    """Threads of each shadow actor (each shard): its replay splits every large tensor over them
+    (``training.noise``; the same bits on any count). Size them with ``raycheck policy --elements
+    --replay-rate``; the actors ask Ray for no CPU, so leave the cores they use free of workers."""
+    shadow_env: dict = field(default_factory=dict, metadata=opt('--shadow-env', 'Shadow and placement', type=list[str], parse=parse_env, show=env_pairs,
+            help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), e.g. "
+            'ATEN_CPU_CAPABILITY=default. Repeatable.'))
+    """Environment variables of the shadow actor's process (Ray ``runtime_env`` ``env_vars``), e.g.
+    ``{"ATEN_CPU_CAPABILITY": "default"}`` or numba/torch settings of a node type; empty: inherit."""
+
+    def __post_init__(self) -> None:
+        _require_at_least("placement", self, ("shadow_shards", "shadow_threads"), 1)
+        for key, value in self.shadow_env.items():
+            if not (isinstance(key, str) and ENV_NAME.match(key) and isinstance(value, str)):
+                raise ValueError(f"placement.shadow_env {key!r}={value!r}: expected NAME=VALUE, NAME letters, digits and _ "
+                                 "(not starting with a digit)")
+
+
+COMPONENTS = {"data": DataConfig, "placement": PlacementConfig, "zo": ZOConfig, "fo": FOConfig, "layerwise": LayerwiseConfig, "differential": DifferentialConfig,
               "overlapped": OverlappedConfig, "snapshot": SnapshotConfig, "storage": StorageConfig, "faults": FaultConfig,
               "elastic": ElasticConfig}
 """``JobConfig``'s components by field name: each a frozen dataclass that validates its own fields."""
@@ -369,57 +534,79 @@ def refuse_flat(d: dict) -> None:
                              "with the raycheck that started it, or start it anew")
 
 
+NESTED_NAMES = {"data": "data.path", "data_sha256": "data.sha256", "task": "data.task", "text_column": "data.text_column",
+                "label_column": "data.label_column", "label_words": "data.label_words", "prompt_template": "data.prompt_template",
+                "prompt_column": "data.prompt_column", "completion_column": "data.completion_column",
+                "worker_resource": "placement.worker_resource", "shadow_resource": "placement.shadow_resource",
+                "shadow_shards": "placement.shadow_shards", "shadow_threads": "placement.shadow_threads",
+                "shadow_env": "placement.shadow_env"}
+"""The run-level fields of raycheck before its ``data`` and ``placement`` components, by name -> their path now."""
+
+
+def nest_data_and_placement(d: dict) -> dict:
+    """``d``, a configuration as ``config.json`` holds it, with the fields that an earlier raycheck kept at the
+    top level (``NESTED_NAMES``: ``data`` as the file's path, ``task``, ``shadow_shards``, ...) moved into the
+    ``data`` and ``placement`` components, so that a run it started resumes here (its trajectory hash is the
+    same); ``d`` itself when it holds none of them."""
+    flat = {name: value for name, value in d.items() if name in NESTED_NAMES and not (name == "data" and isinstance(value, dict))}
+    if not flat:
+        return d
+    nested: dict[str, Any] = {name: value for name, value in d.items() if name not in flat}
+    for name, value in flat.items():
+        component, _, leaf = NESTED_NAMES[name].partition(".")
+        nested[component] = {**nested.get(component, {}), leaf: value}
+    return nested
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     """Everything a run needs: run-level fields, and one frozen component per concern (``COMPONENTS``:
-    ``zo``, ``fo``, ``layerwise``, ``differential``, ``overlapped``, ``snapshot``, ``storage``, ``faults``,
-    ``elastic``), each validating its own fields; the checks across components are here. A field is named
+    ``data``, ``placement``, ``zo``, ``fo``, ``layerwise``, ``differential``, ``overlapped``, ``snapshot``, ``storage``,
+    ``faults``, ``elastic``), each validating its own fields; the checks across components are here. It describes
+    and validates a run; the objects it describes are built elsewhere (``job.stores``, ``job.names``). A field is named
     by its path, e.g. ``layerwise.threshold`` (``get``). Fields that change the training trajectory are
     listed in ``TRAJECTORY``. A component may be given as a dict of its fields (the others at their
     defaults), as ``config.json`` holds it; ``replace`` takes dicts of changes."""
 
     out_dir: str
     """Run directory: step log, snapshots (by default), events, metrics, summary."""
-    cache_dir: str
+    cache_dir: str = field(metadata=opt('--cache-dir', 'Snapshots, step log and storage', type=pathlib.Path, parse=absolute,
+            help='Converted-model cache.'))
     """Where converted models live (see ``training.model.default_cache_dir``)."""
-    model: str = "smollm2-135m"
+    model: str = field(default="smollm2-135m", metadata=opt('--model', 'Run', parse=model_arg,
+            help=f"Model: {', '.join(MODEL_NAMES)}, "
+            'a local Hugging Face model folder (config.json + *.safetensors) or a model id in the local'
+            ' Hugging Face cache (never downloaded).'))
     """A built-in name (``smollm2-135m``, ``tiny``), a local Hugging Face model folder, or a model id in
     the local Hugging Face cache (``training.model.model_folder``; read on the driver only)."""
     model_sha256: str = ""
     """sha256 of the model folder's files (``training.model.files_sha256``), set by the driver
     (``orchestrator.api.check_job``); empty for a built-in name. Part of the trajectory."""
-    data: str = ""
-    """A local JSONL, CSV or Parquet file (read on the driver only, ``training.data.load_data_file``);
-    empty: the Rotten Tomatoes snippets."""
-    data_sha256: str = ""
-    """sha256 of the data file's bytes, set by the driver; part of the trajectory."""
-    task: str = "classification"
-    """``classification`` (a prompt scored by its label words) or ``causal-lm`` (token loss on the
-    completion: prompt/completion columns, or one text column); ``causal-lm`` needs ``data``."""
-    text_column: str = "text"
-    label_column: str = "label"
-    """Classification: the label of a row is a label word or its 0-based index in ``label_words``."""
-    label_words: str = ",".join(w.strip() for w in LABEL_WORDS)
-    """Classification: the label words, comma-separated (each scored with a leading space)."""
-    prompt_template: str = PROMPT
-    """Classification: the prompt, ``{text}`` standing for the text column (once)."""
-    prompt_column: str = "prompt"
-    completion_column: str = "completion"
-    """Causal LM: the columns of a prompt/completion file (loss on the completion tokens); a file with
-    only ``text_column`` is trained on all of its tokens."""
-    algo: str = "zo"
+    data: DataConfig = field(default_factory=DataConfig)
+    algo: str = field(default="zo", metadata=opt('--algo', 'Run',
+            help='zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).'))
     """``zo`` (MeZO, zeroth-order, the step log) or ``fo`` (AdamW, first-order)."""
-    strategy: str = ""
+    strategy: str = field(default="", metadata=opt('--strategy', 'Run',
+            help='Checkpointing strategy. zo: shadow (step log + CPU shadow + snapshots, default), '
+            'full-sync, full-async, log-only; fo: layerwise (default), differential, overlapped, '
+            'full-sync, full-async. full-* and overlapped checkpoint every --snapshot-every steps.'))
     """How progress is made durable: one of ``STRATEGIES[algo]``; empty: ``shadow`` for ``zo``,
     ``layerwise`` for ``fo``."""
-    steps: int = 50
-    batch_size: int = 8
-    seq_len: int = 32
-    seed: int = 0
-    workers: int = 1
-    torch_threads: int = 1
+    steps: int = field(default=50, metadata=opt('--steps', 'Run', min=1, unit="steps",
+            help='Training steps.'))
+    batch_size: int = field(default=8, metadata=opt('--batch-size', 'Data and task', min=1, unit="examples",
+            help='Samples per step (split across workers).'))
+    seq_len: int = field(default=32, metadata=opt('--seq-len', 'Data and task', min=8, unit="tokens",
+            help='Maximum prompt length in tokens.'))
+    seed: int = field(default=0, metadata=opt('--seed', 'Data and task',
+            help='Run seed (batches and perturbations).'))
+    workers: int = field(default=1, metadata=opt('--workers', 'Run', min=1,
+            help='Ray Train workers (data parallel, gloo).'))
+    torch_threads: int = field(default=1, metadata=opt('--torch-threads', 'Zeroth-order (MeZO)', min=1,
+            help='Torch threads per worker (fixed for reproducibility).'))
     """Torch threads per worker, fixed so forward passes are reproducible across restarts."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=opt('--weight-decay', 'Zeroth-order (MeZO)',
+            help='Weight decay for matrices.'))
     """Weight decay of the matrices (>= 0), in both optimisers (MeZO's update, AdamW's decoupled decay)."""
     zo: ZOConfig = field(default_factory=ZOConfig)
     fo: FOConfig = field(default_factory=FOConfig)
@@ -430,46 +617,44 @@ class JobConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
-    eval_samples: int = 200
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    eval_samples: int = field(default=200, metadata=opt('--eval-samples', 'Data and task', min=0,
+            help='Held-out snippets scored before and after (0: skip).'))
     """Held-out snippets scored before and after training (0 skips evaluation)."""
-    hash_every_steps: int = 0
+    hash_every_steps: int = field(default=0, metadata=opt('--hash-every', 'Zeroth-order (MeZO)', min=0, unit="steps",
+            help='Record worker and shadow state sha256 every N steps (a sharded shadow records none: a '
+            'shard holds part of the state; its final shadow_state_sha256 is still compared).'))
     """Record the worker's and shadow's state sha256 every this many steps (0: only at the end)."""
     run_id: str = "run"
     writer_epoch: int = 0
     """This driver incarnation's writer epoch in the snapshot index (``SnapshotStore.claim_epoch``, set
     by the controller at each start and ``--resume``); writers of an older one are fenced."""
     namespace: str = "raycheck"
-    device: str = "cpu"
+    device: str = field(default="cpu", metadata=opt('--device', 'Run',
+            help='zo: where the workers compute, cpu or cuda (one GPU per worker; the step log and the '
+            'shadow stay on the CPU; see scripts/device-check).'))
     """Where the ZO workers compute: ``cpu`` or ``cuda`` (one GPU per worker, Ray Train ``use_gpu``). The
     step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
     the device is part of the trajectory (``trajectory_sha256``) when it is not ``cpu``."""
-    dtype: str = "float32"
+    dtype: str = field(default="float32", metadata=opt('--dtype', 'Run',
+            help='zo: the dtype the workers hold and perturb the parameters in: float32, bfloat16 or float16'
+            ' (half the memory; the shadow, recoveries and replay use the same one, bitwise: see '
+            'docs/dtypes.md). algo fo trains in float32.'))
     """The dtype the ZO workers hold and perturb the parameters in (``DTYPE_NAMES``: float32,
     bfloat16, float16); the shadow, recoveries, snapshots and ``raycheck replay`` use the same one (the
     step log header records it). Part of the trajectory (``trajectory_sha256``) when it is not float32."""
-    shadow_env: dict = field(default_factory=dict)
-    """Environment variables of the shadow actor's process (Ray ``runtime_env`` ``env_vars``), e.g.
-    ``{"ATEN_CPU_CAPABILITY": "default"}`` or numba/torch settings of a node type; empty: inherit."""
-    shadow_shards: int = 1
-    """CPU actors the shadow is split into (``actors.shards``): each holds and replays a contiguous
-    range of units, 1..the model's unit count (checked against the model by ``actors.shards.split_units``)."""
-    shadow_threads: int = 1
-    """Threads of each shadow actor (each shard): its replay splits every large tensor over them
-    (``training.noise``; the same bits on any count). Size them with ``raycheck policy --elements
-    --replay-rate``; the actors ask Ray for no CPU, so leave the cores they use free of workers."""
-    worker_resource: str = ""
-    """A Ray custom resource each train worker asks one unit of (besides its CPU or GPU), placing the
-    workers on the nodes that offer it; empty: any node (``orchestrator.cluster.plan_placement``)."""
-    shadow_resource: str = ""
-    """A Ray custom resource each shadow shard and the snapshot persister ask one unit of; empty: on
-    a cluster of two or more nodes, off every node that could host a train worker (``plan_placement``)."""
-    durability: str = "node"
+    durability: str = field(default="node", metadata=opt('--durability', 'Snapshots, step log and storage',
+            help="zo step log: a step is durable before its update when fsynced on rank 0's node (process), "
+            "also acknowledged by the log keeper on the driver's node (node), or also uploaded to the "
+            'remote --storage (cluster, group commit).'))
     """When a step's record counts as durable (before its update): ``process`` (fsynced in rank 0's
     node-local log; sent to the log keeper without waiting) or ``node`` (also acknowledged by the log
     keeper on the driver's node; survives the loss of rank 0's node when that is another node) or
     ``cluster`` (also in the remote storage, ``JobConfig.storage``, as a log segment, uploaded by the keeper with group
     commit; survives the loss of every node)."""
-    scratch_dir: str = ""
+    scratch_dir: str = field(default="", metadata=opt('--scratch-dir', 'Snapshots, step log and storage',
+            help="Node-local directory for rank 0's own step log (default: a per-run directory under the "
+            'system temp dir; never the run directory).'))
     """Node-local directory of rank 0's own step log (never the run directory); empty: a per-run
     directory under the system temp directory (``default_scratch_dir``)."""
     extra: dict = field(default_factory=dict)
@@ -478,9 +663,12 @@ class JobConfig:
                   "torch_threads", "fo.lr", "fo.max_grad_norm")
     """The paths of the fields that determine the trajectory (``trajectory_sha256`` adds the conditional ones)."""
 
-    DATA_TRAJECTORY = ("model_sha256", "data_sha256", "task", "text_column", "label_column", "label_words",
-                       "prompt_template", "prompt_column", "completion_column")
-    """Trajectory fields counted only away from their defaults (at a default, a field adds nothing to the hash)."""
+    DATA_TRAJECTORY = {"model_sha256": "model_sha256", "data_sha256": "data.sha256", "task": "data.task",
+                       "text_column": "data.text_column", "label_column": "data.label_column", "label_words": "data.label_words",
+                       "prompt_template": "data.prompt_template", "prompt_column": "data.prompt_column",
+                       "completion_column": "data.completion_column"}
+    """Trajectory fields counted only away from their defaults (at a default, a field adds nothing to the hash), by the
+    key the hash names each one with (the field's name before ``DataConfig``, so that no run's hash changed) -> its path."""
 
     def __post_init__(self) -> None:
         for name, kind in COMPONENTS.items():  # a dict (config.json, a caller's shorthand) becomes its component
@@ -510,12 +698,8 @@ class JobConfig:
             object.__setattr__(self, "strategy", DEFAULT_STRATEGY[self.algo].value)  # a plain str, as config.json holds it
         if self.strategy not in STRATEGIES[self.algo]:
             raise ValueError(f"strategy {self.strategy!r} for algo {self.algo}: choose one of {', '.join(STRATEGIES[self.algo])}")
-        if self.shadow_shards < 1:
-            raise ValueError(f"shadow_shards must be >= 1, got {self.shadow_shards}")
-        if self.shadow_threads < 1:
-            raise ValueError(f"shadow_threads must be >= 1, got {self.shadow_threads}")
-        if self.shadow_shards > 1 and not self.uses_shadow:
-            raise ValueError(f"shadow_shards {self.shadow_shards} needs strategy shadow (this run: {self.strategy})")
+        if self.placement.shadow_shards > 1 and not self.uses_shadow:
+            raise ValueError(f"placement.shadow_shards {self.placement.shadow_shards} needs strategy shadow (this run: {self.strategy})")
         self._check_groups()
         self._check_elastic()
         self._check_failures()
@@ -544,9 +728,9 @@ class JobConfig:
                                  f"0..{self.steps - 1} for {self.steps} steps)")
             if f.target in ("shadow", "both") and not self.uses_shadow:
                 raise ValueError(f"failure {f.step}:{f.target} kills the shadow, which only strategy shadow has (this run: {self.strategy})")
-            if f.shard is not None and f.shard >= self.shadow_shards:
+            if f.shard is not None and f.shard >= (shards := self.placement.shadow_shards):
                 raise ValueError(f"failure {f.step}:shadow:{f.how} names shard {f.how}, but the shadow has "
-                                 f"{self.shadow_shards} shard(s) (0..{self.shadow_shards - 1}): set --shadow-shards")
+                                 f"{shards} shard(s) (0..{shards - 1}): set --shadow-shards")
             if f.how == "torn" and not self.uses_step_log:
                 raise ValueError(f"failure {f.step}:worker:torn tears a step-log record; strategy {self.strategy} has no step log")
             if f.how == "torn" and self.workers > 1:
@@ -554,20 +738,9 @@ class JobConfig:
                                  f"rank ({self.workers - 1}), which has no log writer: use workers=1 or another HOW")
 
     def _check_data(self) -> None:
-        """Validate the task and its columns, label words and prompt template (not the file: the driver
-        reads that, ``training.data.load_data_file``)."""
-        if self.task not in TASKS:
-            raise ValueError(f"task {self.task!r}: choose one of {', '.join(TASKS)}")
-        if self.task == "causal-lm" and not self.data:
-            raise ValueError("task causal-lm needs a data file (--data FILE with prompt/completion or text columns)")
-        if self.task == "causal-lm" and self.algo != "zo":
-            raise ValueError(f"task causal-lm runs with algo zo only, not algo {self.algo}")
-        words = [w.strip() for w in self.label_words.split(",")]
-        if len(words) < 2 or not all(words) or len(set(words)) != len(words):
-            raise ValueError(f"label_words {self.label_words!r}: give two or more distinct words, comma-separated, "
-                             "e.g. negative,positive")
-        if self.prompt_template.count("{text}") != 1:
-            raise ValueError(f"prompt_template {self.prompt_template!r} must contain {{text}} exactly once")
+        """Validate the task against the algorithm (``DataConfig`` checks its own fields)."""
+        if self.data.task == "causal-lm" and self.algo != "zo":
+            raise ValueError(f"data.task causal-lm runs with algo zo only, not algo {self.algo}")
 
     def _check_node_failures(self) -> None:
         """A ``node`` failure loses whatever rank 0's node stored itself: refuse a storage on a local path."""
@@ -577,7 +750,7 @@ class JobConfig:
                                  f"{self.storage.uri!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
 
     def _check_runtime(self) -> None:
-        """Validate ``device``, ``dtype`` (both ZO only), ``faults.warm_standby`` (ZO, one worker, CPU) and ``shadow_env``
+        """Validate ``device``, ``dtype`` (both ZO only), ``faults.warm_standby`` (ZO, one worker, CPU) and ``placement.shadow_env``
         (which needs a strategy with a shadow)."""
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r}: choose one of {', '.join(DEVICES)}")
@@ -592,12 +765,8 @@ class JobConfig:
         if self.dtype != "float32" and self.algo != "zo":
             raise ValueError(f"dtype {self.dtype} is for the ZO path (algo zo) only: algo {self.algo} (AdamW, its moments and "
                              "gradient records) trains in float32; leave dtype out or use algo zo")
-        for key, value in self.shadow_env.items():
-            if not (isinstance(key, str) and ENV_NAME.match(key) and isinstance(value, str)):
-                raise ValueError(f"shadow_env {key!r}={value!r}: expected NAME=VALUE, NAME letters, digits and _ "
-                                 "(not starting with a digit)")
-        if self.shadow_env and not self.uses_shadow:
-            raise ValueError(f"shadow_env is set, but strategy {self.strategy} has no shadow")
+        if self.placement.shadow_env and not self.uses_shadow:
+            raise ValueError(f"placement.shadow_env is set, but strategy {self.strategy} has no shadow")
 
     def _check_groups(self) -> None:
         """Validate ``zo.micro_batch_size`` (ZO only) against ``batch_size`` and ``workers`` (``example_group_size``)."""
@@ -666,6 +835,17 @@ class JobConfig:
         return value
 
     @classmethod
+    def default(cls, path: str) -> object:
+        """The default of the field at ``path`` (``steps``, ``layerwise.threshold``); ``dataclasses.MISSING`` for
+        ``out_dir`` and ``cache_dir``, which have none.
+
+        Raises:
+            KeyError: no such field.
+        """
+        spec = field_spec(cls, path)
+        return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+
+    @classmethod
     def field_paths(cls) -> tuple[str, ...]:
         """Every field's path, run-level names and each component's ``component.name``, in declaration order."""
         return tuple(f"{f.name}.{c.name}" if f.name in COMPONENTS else f.name
@@ -685,8 +865,7 @@ class JobConfig:
         if self.fo.parallelism != "ddp":  # sharded state reshards: the worker count may change within the run
             values.pop("workers", None)
             values["fo.parallelism"] = self.fo.parallelism
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        values.update({k: getattr(self, k) for k in self.DATA_TRAJECTORY if getattr(self, k) != defaults[k]})
+        values.update({key: self.get(path) for key, path in self.DATA_TRAJECTORY.items() if self.get(path) != self.default(path)})
         if self.device != "cpu":
             values["device"] = self.device
         if self.dtype != "float32":
@@ -699,7 +878,8 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "JobConfig":
-        """The configuration ``to_dict`` gave.
+        """The configuration ``to_dict`` gave; the form of an earlier raycheck, whose data and placement fields
+        were at the top level, is read too (``nest_data_and_placement``).
 
         Raises:
             OldConfigError: ``d`` is in the flat form of raycheck before its components (its
@@ -707,7 +887,7 @@ class JobConfig:
             ValueError, TypeError: a field no run can use, or an unknown one.
         """
         refuse_flat(d)
-        return cls(**d)
+        return cls(**nest_data_and_placement(d))
 
     def replace(self, **changes: object) -> "JobConfig":
         """A copy with ``changes``: run-level fields by name; a component by name, as a dict of the
@@ -729,20 +909,6 @@ class JobConfig:
             nested[name] = value
         return dataclasses.replace(self, **nested)  # type: ignore[arg-type]
 
-    def snapshot_store(self, direct: bool = False) -> SnapshotStore:
-        """The run's snapshot store (built fresh: safe to call in any process): it writes and restores
-        only this run's snapshots (identity: run id and trajectory hash), at ``writer_epoch``; a merge
-        result only as the starting point of a run without a step log (``SnapshotStore``'s ``step_log``).
-        ``direct``: its local writes bypass the page cache (``Storage``'s ``write_direct``)."""
-        return SnapshotStore(Storage(self.storage.uri, write_direct=direct, **self.storage.options), keep_last=self.snapshot.keep,
-                             identity=RunIdentity(self.run_id, self.trajectory_sha256()), epoch=self.writer_epoch,
-                             step_log=self.uses_step_log)
-
-    def diff_store(self) -> DiffStore:
-        """The run's differential gradient records (``differential``), in its snapshot storage: it writes
-        and replays only this run's batches (identity: run id and trajectory hash)."""
-        return DiffStore(Storage(self.storage.uri, **self.storage.options), identity=RunIdentity(self.run_id, self.trajectory_sha256()))
-
     @property
     def uses_shadow(self) -> bool:
         """True when a CPU shadow replays the step log (strategy ``shadow``)."""
@@ -754,33 +920,25 @@ class JobConfig:
         return self.algo == "zo" and self.strategy in STEP_LOG
 
     @property
-    def shadow_name(self) -> str:
-        return f"raycheck-shadow-{self.run_id}"
-
-    @property
-    def persister_name(self) -> str:
-        return f"raycheck-persister-{self.run_id}"
-
-    @property
-    def journal_name(self) -> str:
-        """The run's journal actor (``actors.journal``)."""
-        return f"raycheck-journal-{self.run_id}"
-
-    @property
-    def log_keeper_name(self) -> str:
-        return f"raycheck-log-keeper-{self.run_id}"
-
-    @property
     def replica_groups(self) -> bool:
         """Each train worker is its own Ray Train replica group, so a failure replaces only the failed
         worker (``orchestrator.replica_groups``): ZO runs with a step log and more than one worker, not elastic
         (Ray 2.60 restarts the whole group on a resize: its replica groups and elastic scaling are not integrated)."""
         return self.algo == "zo" and self.uses_step_log and self.workers > 1 and not self.is_elastic
 
-    @property
-    def exchange_name(self) -> str:
-        """The step exchange of this driver incarnation's fit (``actors.step_exchange``; with ``replica_groups``)."""
-        return f"raycheck-exchange-{self.run_id}-{self.writer_epoch}"
+
+def field_spec(cls: type, path: str) -> dataclasses.Field:
+    """The ``dataclasses.Field`` of ``cls`` (``JobConfig``) at ``path``: a run-level name or ``component.name``.
+
+    Raises:
+        KeyError: no such field.
+    """
+    component, _, name = path.rpartition(".")
+    owner = COMPONENTS[component] if component else cls
+    fields = {f.name: f for f in dataclasses.fields(owner)}
+    if name not in fields or (not component and name in COMPONENTS):
+        raise KeyError(path)
+    return fields[name]
 
 
 def default_scratch_dir(out_dir: str, run_id: str) -> str:

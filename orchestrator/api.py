@@ -3,7 +3,7 @@
 
     from raycheck.orchestrator.api import job_config, run_job
 
-    cfg = job_config("runs/mine", model="/models/my-gpt2", data="train.jsonl", steps=100)
+    cfg = job_config("runs/mine", model="/models/my-gpt2", data={"path": "train.jsonl"}, steps=100)
     summary = run_job(cfg, verify=True)
 
 Everything is checked before the cluster starts: a bad configuration, model or data file raises
@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Callable
 
 from raycheck.job.config import JobConfig
+from raycheck.job.stores import snapshot_store
 from raycheck.training.assets import Assets, read_assets
 from raycheck.training.model import default_cache_dir
 
@@ -24,8 +25,9 @@ from raycheck.training.model import default_cache_dir
 def job_config(out_dir: str | pathlib.Path, **fields: Any) -> JobConfig:
     """A ``JobConfig`` with the run directory ``out_dir`` made absolute, a new 8-hex-digit run id and the
     default model cache (``training.model.default_cache_dir``) unless given; any ``JobConfig`` field
-    may be passed (``model``, ``data``, ``task``, ``steps``, ...; a component such as ``faults`` as its
-    dataclass or as a dict of its fields, e.g. ``faults={"failures": (FailureSpec(step=3),)}``).
+    may be passed (``model``, ``steps``, ...; a component such as ``data`` or ``faults`` as its
+    dataclass or as a dict of its fields, e.g. ``data={"path": "train.jsonl", "task": "causal-lm"}``,
+    ``faults={"failures": (FailureSpec(step=3),)}``).
 
     Raises:
         ValueError: a setting no run can use (the message names the field).
@@ -43,7 +45,7 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
     Nothing is written on this machine.
 
     Returns:
-        (``cfg`` with ``model_sha256`` and ``data_sha256`` set, the ``Assets`` to ship).
+        (``cfg`` with ``model_sha256`` and ``data.sha256`` set, the ``Assets`` to ship).
 
     Raises:
         ValueError: the model, data or shard count is unusable (``DataError`` for data), or the
@@ -52,14 +54,14 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
             ``StorageConsistencyError``: it ignores conditional writes and ``job.config.StorageConfig.consistency`` is ``fenced``.
     """
     cfg, assets = read_assets(cfg)
-    if cfg.shadow_shards > 1:
+    if cfg.placement.shadow_shards > 1:
         from raycheck.actors.shards import split_units
         from raycheck.training.model import load_model, trainable_parameters
 
         params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
-        split_units({n: p.numel() for n, p in params.items()}, cfg.shadow_shards)
+        split_units({n: p.numel() for n, p in params.items()}, cfg.placement.shadow_shards)
     if cfg.storage.remote:  # a local store is made by the run: checking it here would leave a folder behind
-        storage = cfg.snapshot_store().storage
+        storage = snapshot_store(cfg).storage
         storage.probe()
         if cfg.storage.consistency == "fenced":
             storage.check_conditional_writes()

@@ -62,8 +62,8 @@ def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
 
 def shadow_actor_options(cfg: JobConfig) -> dict:
     """Extra ``.options(...)`` of a shadow actor of run ``cfg``: its ``runtime_env`` (the driver's storage
-    settings and ``cfg.shadow_env``, ``runtime_env``)."""
-    return {"runtime_env": runtime_env(cfg.shadow_env)}
+    settings and ``cfg.placement.shadow_env``, ``runtime_env``)."""
+    return {"runtime_env": runtime_env(cfg.placement.shadow_env)}
 
 
 @dataclass(frozen=True)

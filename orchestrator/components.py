@@ -18,7 +18,9 @@ from raycheck.actors.journal import RunChannel
 from raycheck.actors.log_keeper import LogKeeperActor
 from raycheck.actors.persister import PersisterActor
 from raycheck.job.config import JobConfig
+from raycheck.job.names import log_keeper_name, persister_name
 from raycheck.job.run_dir import RunDir
+from raycheck.job.stores import snapshot_store
 from raycheck.orchestrator.cluster import Placement, runtime_env
 from raycheck.orchestrator.console import one_line
 from raycheck.orchestrator.control import LogKeeperStatus, PersisterStatus
@@ -68,13 +70,13 @@ def storage_failure(what: str, node: dict, uri: str, cause: BaseException) -> Co
 
 
 def start_persister(cfg: JobConfig, placement: Placement):
-    """Start the run's snapshot persister (named ``cfg.persister_name``) where ``placement`` puts the
+    """Start the run's snapshot persister (named ``persister_name(cfg)``) where ``placement`` puts the
     replicas, with the driver's storage settings (``runtime_env``), writing local snapshots with direct I/O
     unless ``snapshot.persister_direct_io`` is off; returns its handle at once."""
     return ray.remote(PersisterActor).options(
-        name=cfg.persister_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=4,
+        name=persister_name(cfg), namespace=cfg.namespace, num_cpus=0, max_concurrency=4,
         runtime_env=runtime_env(), **placement.replica,
-    ).remote(cfg.snapshot_store(direct=cfg.snapshot.persister_direct_io), priority=cfg.snapshot.persister_priority)
+    ).remote(snapshot_store(cfg, direct=cfg.snapshot.persister_direct_io), priority=cfg.snapshot.persister_priority)
 
 
 class PersisterHandle:
@@ -173,9 +175,9 @@ class LogKeeperHandle:
         self.cfg, self.run_dir, self.channel = cfg, run_dir, channel
         self.status: dict = {}
         """Its last status (``LogKeeperActor.status``)."""
-        storage = cfg.snapshot_store().storage if cfg.storage.remote else None
+        storage = snapshot_store(cfg).storage if cfg.storage.remote else None
         self.actor: Any = ray.remote(LogKeeperActor).options(
-            name=cfg.log_keeper_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
+            name=log_keeper_name(cfg), namespace=cfg.namespace, num_cpus=0, max_concurrency=8, runtime_env=runtime_env(),
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(str(run_dir.step_log.absolute()), resume_from=storage, mirror_to=storage, commit_to_storage=cfg.durability == "cluster",
                  hyper=ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay))

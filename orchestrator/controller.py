@@ -47,7 +47,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from raycheck.actors.journal import RunChannel
 from raycheck.actors.shadow import ShadowSpec
 from raycheck.job.config import JobConfig
+from raycheck.job.names import log_keeper_name, persister_name
 from raycheck.job.run_dir import RunDir
+from raycheck.job.stores import snapshot_store
 from raycheck.orchestrator.cluster import Placement, alive_nodes, connect, plan_placement
 from raycheck.orchestrator.components import (ComponentStartError, LogKeeperFailedError, LogKeeperHandle, PersisterFailedError,
                                               PersisterHandle, start_failure)
@@ -197,10 +199,10 @@ class Controller:
     def _shadow_spec(self) -> ShadowSpec:
         cfg = self.cfg
         return ShadowSpec(
-            model=cfg.model, cache_dir=cfg.cache_dir, dtype=cfg.dtype, log_keeper_name=cfg.log_keeper_name, store=cfg.snapshot_store(),
-            persister_name=cfg.persister_name, snapshot_every_steps=self.planner.every_steps if self.planner else cfg.snapshot.every_steps,
+            model=cfg.model, cache_dir=cfg.cache_dir, dtype=cfg.dtype, log_keeper_name=log_keeper_name(cfg), store=snapshot_store(cfg),
+            persister_name=persister_name(cfg), snapshot_every_steps=self.planner.every_steps if self.planner else cfg.snapshot.every_steps,
             hash_every=cfg.hash_every_steps, layout=read_header(self.run_dir.step_log)["layout"], shipped=self.shipped,
-            threads=cfg.shadow_threads,
+            threads=cfg.placement.shadow_threads,
         )
 
     def run(self) -> dict:
@@ -242,7 +244,7 @@ class Controller:
 
     def _run(self) -> dict:
         cfg = self.cfg
-        self.cfg = cfg = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # fences older incarnations
+        self.cfg = cfg = cfg.replace(writer_epoch=snapshot_store(cfg).claim_epoch())  # fences older incarnations
         if cfg.storage.remote:  # beside the log segments: --resume --storage URI needs nothing else
             self._store_config()
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
@@ -251,8 +253,8 @@ class Controller:
         self.driver_node, driver_id = this_node(), ray.get_runtime_context().get_node_id()
         nodes = alive_nodes()
         self.placement = placement = plan_placement(nodes, driver_node_id=driver_id, workers=cfg.workers,
-                                                    use_gpu=cfg.device == "cuda", worker_resource=cfg.worker_resource,
-                                                    replica_resource=cfg.shadow_resource)
+                                                    use_gpu=cfg.device == "cuda", worker_resource=cfg.placement.worker_resource,
+                                                    replica_resource=cfg.placement.shadow_resource)
         wait_for_previous_driver(cfg, echo=self.echo)  # a resume right after its driver died: Ray is removing its actors
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
         # start-ups overlap: the persister starts while the log keeper is awaited, the shadow (after the
@@ -466,7 +468,7 @@ class Controller:
         return run_summary(Collected(
             ok=outcome.get("ok", False), error=outcome.get("error"), events=self.record.events, executions=self.record.metrics, rows=rows,
             shadow=shadow, persisted=persisted, mirror=self.log_keeper.mirror_status() if self.log_keeper else {},
-            keeper=self.log_keeper.status if self.log_keeper else None, durability_level=cfg.durability, task=cfg.task,
+            keeper=self.log_keeper.status if self.log_keeper else None, durability_level=cfg.durability, task=cfg.data.task,
             base=self._summary_base()))
 
     def _finish_shadow(self, shadow: ShadowKeeper, ok: bool, mean_step_s: float | None) -> dict:

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycheck.actors.journal import CALL_TIMEOUT_S, JournalActor, RunChannel
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
+from raycheck.job.names import journal_name, log_keeper_name, persister_name, shadow_name
 
 
 class RunActiveError(RuntimeError):
@@ -30,9 +31,9 @@ class RunActiveError(RuntimeError):
 def run_actors(cfg: JobConfig) -> list[str]:
     """The names of run ``cfg.run_id``'s actors alive in ``cfg.namespace``: its journal, log keeper,
     persister, and every shadow incarnation (``<shadow_name>-...``)."""
-    ours = (cfg.journal_name, cfg.log_keeper_name, cfg.persister_name)
+    ours = (journal_name(cfg), log_keeper_name(cfg), persister_name(cfg))
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == cfg.namespace
-                  and (a["name"] in ours or a["name"].startswith(f"{cfg.shadow_name}-")))
+                  and (a["name"] in ours or a["name"].startswith(f"{shadow_name(cfg)}-")))
 
 
 def wait_for_previous_driver(cfg: JobConfig, timeout_s: float = 60.0, echo: Callable[[str], object] = print) -> None:
@@ -56,7 +57,7 @@ def wait_for_previous_driver(cfg: JobConfig, timeout_s: float = 60.0, echo: Call
 
 
 def start_journal(cfg: JobConfig, claims: list[str]):
-    """Start this run's journal actor (``cfg.journal_name`` in ``cfg.namespace``) on the node of the
+    """Start this run's journal actor (``journal_name(cfg)`` in ``cfg.namespace``) on the node of the
     calling process (the driver), seeded with ``claims``; returns its handle once it answers.
 
     It asks for no CPU (side actors must not take the trainer's CPUs) and runs one call at a time.
@@ -67,7 +68,7 @@ def start_journal(cfg: JobConfig, claims: list[str]):
     """
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     handle: Any = ray.remote(JournalActor).options(  # Any: ray types a handle's methods as Never
-        name=cfg.journal_name, namespace=cfg.namespace, num_cpus=0, max_concurrency=1, scheduling_strategy=here).remote()
+        name=journal_name(cfg), namespace=cfg.namespace, num_cpus=0, max_concurrency=1, scheduling_strategy=here).remote()
     ray.get(handle.seed.remote(list(claims)), timeout=CALL_TIMEOUT_S)
     return handle
 

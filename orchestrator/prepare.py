@@ -85,7 +85,7 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         "run_id": cfg.run_id,
         "model": cfg.model,
         "model_sha256": cfg.model_sha256,
-        "data_sha256": cfg.data_sha256,
+        "data_sha256": cfg.data.sha256,
         "units_recognised": units.recognised,
         "tied": units.tied,
         "dtype": cfg.dtype,
@@ -120,7 +120,7 @@ def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, 
     if len(nodes) < 2:
         raise ValueError(f"failure {node_failures[0]} takes down rank 0's node, which on a one-node cluster is the "
                          "driver's: the run would end with it; use a cluster of several nodes")
-    need = worker_need(cfg.device == "cuda", cfg.worker_resource)
+    need = worker_need(cfg.device == "cuda", cfg.placement.worker_resource)
     hosts = [n.node_id for n in nodes if n.can_host(need)]
     if driver_node_id in hosts:
         raise ValueError(f"failure {node_failures[0]} would take down the driver's node, which can host a train worker "

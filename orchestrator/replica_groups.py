@@ -36,7 +36,7 @@ class ReplicaGroupsConfig(TorchConfig):
     """``TorchTrainer(torch_config=...)``: every worker its own replica group, plus the step exchange.
 
     Args:
-        exchange_name: the step exchange actor's name (``JobConfig.exchange_name``), in ``namespace``.
+        exchange_name: the step exchange actor's name (``job.names.exchange_name``), in ``namespace``.
         world: the workers (Ray Train's world size): ranks of the exchange.
         **kwargs: ``TorchConfig``'s (``backend``, ``init_method``, ``timeout_s``).
     """

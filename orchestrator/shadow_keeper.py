@@ -1,4 +1,4 @@
-"""Keeps the live shadow replayer (K shard actors with ``JobConfig.shadow_shards``): starts them,
+"""Keeps the live shadow replayer (K shard actors with ``JobConfig.placement.shadow_shards``): starts them,
 watches them without blocking, restarts one when it fails.
 
 A shard (the whole shadow when K = 1) has failed when its actor is dead or when its replay thread has
@@ -39,6 +39,7 @@ from raycheck.actors.shadow import ShadowSpec
 from raycheck.actors.shadow_actor import ShadowActor
 from raycheck.actors.shards import assemble
 from raycheck.job.config import JobConfig
+from raycheck.job.names import shadow_name
 from raycheck.orchestrator.cluster import shadow_actor_options
 from raycheck.orchestrator.control import FailRun, ShadowStatus, ShardStatus, shard_action
 from raycheck.training.state import state_sha256
@@ -82,7 +83,7 @@ class ShardKeeper:
     @property
     def name(self) -> str:
         """The current incarnation's actor name."""
-        prefix = self.cfg.shadow_name if self.spec.shards == 1 else f"{self.cfg.shadow_name}-s{self.spec.shard}"
+        prefix = shadow_name(self.cfg) if self.spec.shards == 1 else f"{shadow_name(self.cfg)}-s{self.spec.shard}"
         return f"{prefix}-{self.incarnation}"
 
     def start(self) -> None:
@@ -173,14 +174,14 @@ def combined_status(statuses: list[dict]) -> dict:
 
 
 class ShadowKeeper:
-    """Owns the shadow of a run: ``cfg.shadow_shards`` shard actors (one ``ShardKeeper`` each).
+    """Owns the shadow of a run: ``cfg.placement.shadow_shards`` shard actors (one ``ShardKeeper`` each).
     ``poll`` never blocks; ``status`` combines the last statuses seen (``combined_status``)."""
 
     def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec, placement: dict | None = None) -> None:
         self.cfg, self.run = cfg, run
         self.restarts: list[dict] = []
         """Every shard restart in the order recorded (``seconds``: failure until the new incarnation answered)."""
-        k = cfg.shadow_shards
+        k = cfg.placement.shadow_shards
         self.shards = [ShardKeeper(cfg, run, dataclasses.replace(spec, shard=i, shards=k, hash_every=spec.hash_every if k == 1 else 0),
                                    self._publish, self.restarts, placement) for i in range(k)]
 

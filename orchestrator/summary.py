@@ -324,7 +324,7 @@ class Collected:
     durability_level: str
     """``JobConfig.durability``."""
     task: str
-    """``JobConfig.task``."""
+    """``JobConfig.data.task``."""
     base: dict
     """The fields known whatever happened (phase, restarts, placement, configuration, ...), last in the summary."""
 

@@ -9,6 +9,7 @@ from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # w
 from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
 
 from raycheck.job.config import JobConfig
+from raycheck.job.names import exchange_name
 from raycheck.orchestrator.cluster import Placement, runtime_env
 from raycheck.orchestrator.group_timeline import GroupTimeline
 from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
@@ -28,7 +29,7 @@ def trainer(cfg: JobConfig, shipped: dict, placement: Placement) -> TorchTrainer
     return TorchTrainer(
         train_loop_per_worker=train_loop_per_worker,
         train_loop_config={**cfg.to_dict(), ASSETS_KEY: shipped},
-        torch_config=ReplicaGroupsConfig(cfg.exchange_name, cfg.namespace, cfg.workers) if cfg.replica_groups else None,
+        torch_config=ReplicaGroupsConfig(exchange_name(cfg), cfg.namespace, cfg.workers) if cfg.replica_groups else None,
         scaling_config=ScalingConfig(num_workers=(cfg.elastic.min_workers, cfg.workers) if cfg.is_elastic else cfg.workers,
                                      elastic_resize_monitor_interval_s=cfg.elastic.resize_interval_s,
                                      use_gpu=cfg.device == "cuda",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,13 +37,17 @@ class LayerwiseConfig:
     (``job.config.JobConfig``, field ``layerwise``), whose checks come every ``snapshot.every_steps`` steps.
     A refusal names the field by its path there (``layerwise.threshold``)."""
 
-    threshold: float = 1e-3
+    threshold: float = field(default=1e-3, metadata={"raycheck.option": {"name": '--layer-threshold', "section": 'First-order', "min": 0,
+            "help": "fo layerwise: rewrite a unit at a check (every --snapshot-every steps) when its weights' "
+            'relative change since its persisted version exceeds this.'}})
     """Relative change (||w - w_persisted|| / ||w_persisted||, dimensionless, >= 0) a unit must exceed to
     be persisted before its staleness bound. Default from a measurement: see docs/first-order.md."""
-    staleness_bound_steps: int = 100
+    staleness_bound_steps: int = field(default=100, metadata={"raycheck.option": {"name": '--layer-staleness-steps', "section": 'First-order', "min": 1, "unit": "steps",
+            "help": 'fo layerwise: rewrite a unit whose persisted version is this many steps old.'}})
     """A unit whose last persisted version is this many steps old or older is persisted regardless of its
     change (>= 1; bounds how old a restored unit can be)."""
-    max_bytes_per_check: int = 0
+    max_bytes_per_check: int = field(default=0, metadata={"raycheck.option": {"name": '--layer-max-bytes-per-check', "section": 'First-order', "min": 0, "unit": "bytes",
+            "help": 'fo layerwise: bytes written per check, forced units included (0: no limit).'}})
     """Bytes of unit shards written per check, forced units included (they are written even over it);
     units over the threshold that do not fit wait for a later check (0: no limit)."""
 

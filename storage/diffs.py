@@ -25,7 +25,7 @@ and the attempt id.)
 
 Commit rules: a batch counts only when its commit record exists and names its own batch object
 (``<same stem>.safetensors``: a record pointing anywhere else is skipped) and, for a store with a run
-identity (``job.config.JobConfig.diff_store``), names that run (``run``: another run's batch copied
+identity (``job.stores.diff_store``), names that run (``run``: another run's batch copied
 in is skipped), and it is trusted only
 after its size and sha256 match (``read``); names are unique per attempt, so a restarted run never writes into
 what a failed attempt left. A gap or a corrupt batch never yields a wrong state: an explicit

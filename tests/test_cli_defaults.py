@@ -1,9 +1,7 @@
-"""``raycheck run``'s defaults are ``JobConfig``'s (the one place they live), checked without Ray.
-
-The options repeat the defaults by hand, so that ``raycheck run --help`` shows them; these tests fail
-on any option whose default differs from the field it fills, and on an option or a field (a path, e.g.
-``layerwise.threshold``, whose option keeps its old name ``--layer-threshold``) that is new and not
-accounted for here."""
+"""``raycheck run``'s options come from the configuration's fields (``job.options.Opt`` in each field's metadata,
+the default the field's own), checked without Ray: every option fills one field or is one of the command's own
+(``cli.main.HAND_SECTIONS``), every field has an option or is listed here, and the options build the fields'
+defaults."""
 
 from __future__ import annotations
 
@@ -11,30 +9,22 @@ import typer
 from typer.testing import CliRunner
 
 import raycheck.orchestrator.api
-from raycheck.job.config import JobConfig
+from raycheck.job.config import JobConfig, field_spec
+from raycheck.job.options import SECTIONS, option_of
 from raycheck.orchestrator.api import job_config
-from raycheck.cli.main import app, option
-
-NOT_FIELDS = {
-    "overwrite": "what to do with an existing run directory, not part of the run",
-    "resume": "continue the run in --out (its config.json), not part of the run",
-    "verify": "run the failure-free reference too, not part of the run",
-    "json_output": "how the summary is printed (--json), not part of the run",
-    "fail_schedule": "random failures, drawn into JobConfig.faults.failures with --fail",
-    "fail_seed": "the seed of --fail-schedule's draw",
-}
-"""``raycheck run`` options that fill no ``JobConfig`` field of their own, and why."""
+from raycheck.cli.main import HAND_SECTIONS, RUN_FIELDS, app, parameter
 
 NO_OPTION = {
+    "out_dir": "--out, declared by the command (the run directory, made absolute; its default is the command's)",
     "model_sha256": "set by the driver from the model's files (raycheck.orchestrator.api.check_job)",
-    "data_sha256": "set by the driver from the data file",
+    "data.sha256": "set by the driver from the data file",
     "run_id": "a new one per run (--resume keeps the saved one)",
     "writer_epoch": "set by the controller at each start",
     "namespace": "the Ray namespace; the Python API may set it",
     "faults.recovery_timeout_s": "the Python API and the tests may set it",
     "extra": "free-form, for the Python API",
 }
-"""``JobConfig`` fields (paths) that ``raycheck run`` has no option for, and why."""
+"""``JobConfig`` fields (paths) that no ``Opt`` describes, and why."""
 
 
 def run_options() -> dict[str, str]:
@@ -43,11 +33,15 @@ def run_options() -> dict[str, str]:
     return {p.name: p.opts[0] for p in command.params}
 
 
-def test_every_option_fills_one_field_or_is_listed_and_every_field_has_an_option_or_is_listed():
+def test_every_option_fills_one_field_or_is_the_commands_own_and_every_field_has_an_option_or_is_listed():
     options = run_options()
-    field_of = {option(path): path for path in JobConfig.field_paths()}
-    assert {name for name, opt in options.items() if opt not in field_of} == set(NOT_FIELDS)
-    assert set(field_of.values()) - {field_of[opt] for opt in options.values() if opt in field_of} == set(NO_OPTION)
+    described = {path: o for path in JobConfig.field_paths() if (o := option_of(field_spec(JobConfig, path))) is not None}
+    assert set(described) == set(JobConfig.field_paths()) - set(NO_OPTION)
+    assert {name: path for name, (path, _) in RUN_FIELDS.items()} == {o.parameter: path for path, o in described.items()}
+    assert set(options) == set(RUN_FIELDS) | (set(HAND_SECTIONS) - {"help"})
+    for name, (path, o) in RUN_FIELDS.items():  # the option's name is its Opt's, and the field's parameter is the option's
+        assert options[name] == o.name and parameter(path) == name and o.section in SECTIONS, path
+    assert len({o.name for o in described.values()}) == len(described)  # no option fills two fields
 
 
 def test_the_options_defaults_are_the_fields_defaults(tmp_path, monkeypatch):
@@ -77,7 +71,7 @@ def test_the_prompt_templates_help_shows_its_newline_as_typed():
     assert result.exit_code == 0, result.output
     shown = " ".join(result.output.split())
     assert "[default: Review: {text}\\nSentiment:]" in shown and "\\n (backslash n, as typed) for a newline" in shown
-    assert JobConfig(out_dir="x", cache_dir="x").prompt_template == "Review: {text}\nSentiment:"
+    assert JobConfig(out_dir="x", cache_dir="x").data.prompt_template == "Review: {text}\nSentiment:"
 
 
 def test_run_help_lists_every_option_once_under_its_section():
@@ -90,6 +84,8 @@ def test_run_help_lists_every_option_once_under_its_section():
     command = typer.main.get_command(app).commands["run"]
     listed = [name for names in RUN_SECTIONS.values() for name in names]
     assert sorted(listed) == sorted([p.name for p in command.params] + ["help"])
+    for title, names in RUN_SECTIONS.items():  # each field's option under its Opt's section
+        assert all(RUN_FIELDS[name][1].section == title for name in names if name in RUN_FIELDS), title
     text = CliRunner().invoke(app, ["run", "--help"]).output
     headings = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert headings == list(RUN_SECTIONS)

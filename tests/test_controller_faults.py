@@ -20,6 +20,7 @@ from conftest import free_port
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 import raycheck.orchestrator.controller
+from raycheck.job.names import log_keeper_name, persister_name, shadow_name
 from raycheck.orchestrator.controller import Controller
 from raycheck.storage.steplog import StepLogWriter, StepRecord, read_header
 from raycheck.training.model import default_cache_dir
@@ -92,4 +93,4 @@ def test_a_shadow_that_keeps_failing_is_restarted_within_its_budget_then_the_run
     assert restart["source"] == "initial" and restart["step"] == 0
     events = RunDir(tmp_path / "run").read(RunDir(tmp_path / "run").events)
     assert [e["kind"] for e in events if e["kind"] in ("shadow_restart", "phase")][-2:] == ["shadow_restart", "phase"]
-    assert all(dead(name) for name in (f"{cfg.shadow_name}-0", f"{cfg.shadow_name}-1", cfg.persister_name, cfg.log_keeper_name))
+    assert all(dead(name) for name in (f"{shadow_name(cfg)}-0", f"{shadow_name(cfg)}-1", persister_name(cfg), log_keeper_name(cfg)))

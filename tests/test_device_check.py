@@ -61,16 +61,16 @@ def test_device_cuda_is_refused_with_one_line_before_anything_is_touched(tmp_pat
 def test_device_and_shadow_env_are_validated_and_only_a_gpu_device_changes_the_trajectory(tmp_path):
     base = dict(out_dir=str(tmp_path), cache_dir=str(tmp_path))
     cpu, cuda = JobConfig(**base), JobConfig(**base, device="cuda")
-    assert cpu.trajectory_sha256() == JobConfig(**base, shadow_env={"X": "1"}).trajectory_sha256()
+    assert cpu.trajectory_sha256() == JobConfig(**base, placement={"shadow_env": {"X": "1"}}).trajectory_sha256()
     assert cuda.trajectory_sha256() != cpu.trajectory_sha256()
     assert JobConfig.from_dict(cuda.to_dict()) == cuda
     assert shadow_actor_options(cpu) == {"runtime_env": {"env_vars": storage_env()}} and storage_env()  # conftest sets keys
-    assert shadow_actor_options(JobConfig(**base, shadow_env={"ATEN_CPU_CAPABILITY": "default"})) == {
+    assert shadow_actor_options(JobConfig(**base, placement={"shadow_env": {"ATEN_CPU_CAPABILITY": "default"}})) == {
         "runtime_env": {"env_vars": {**storage_env(), "ATEN_CPU_CAPABILITY": "default"}}}
     for bad, message in [(dict(device="tpu"), "device 'tpu': choose one of cpu, cuda"),
                          (dict(device="cuda", algo="fo"), "device cuda runs the ZO worker only"),
-                         (dict(shadow_env={"A=B": "1"}), "shadow_env 'A=B'='1': expected NAME=VALUE"),
-                         (dict(shadow_env={"A": "b"}, strategy="log-only"), "^shadow_env is set, but strategy log-only has no shadow$")]:
+                         (dict(placement={"shadow_env": {"A=B": "1"}}), "placement.shadow_env 'A=B'='1': expected NAME=VALUE"),
+                         (dict(placement={"shadow_env": {"A": "b"}}, strategy="log-only"), "^placement.shadow_env is set, but strategy log-only has no shadow$")]:
         with pytest.raises(ValueError, match=message):
             JobConfig(**base, **bad)
     result = CliRunner().invoke(app, ["run", "--model", "tiny", "--shadow-env", "NOVALUE", "--out", str(tmp_path / "r")])

@@ -49,7 +49,7 @@ def test_a_run_shrinks_to_one_worker_grows_back_to_two_and_stays_exact(elastic_c
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=10, batch_size=8,
                     workers=2, hash_every_steps=2,
                     eval_samples=0, durability="node",
-                    worker_resource="train", shadow_resource="replica",
+                    placement={"worker_resource": "train", "shadow_resource": "replica"},
                     run_id="elastic",
                     zo={"micro_batch_size": 4, "lr": 1e-4},
                     elastic={"min_workers": 1, "resize_interval_s": 2.0},

@@ -22,6 +22,7 @@ from conftest import free_port, make_bucket
 from raycheck.experiments.s3_server import LocalS3Server
 from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.job.run_dir import RunDir
+from raycheck.job.stores import snapshot_store
 from raycheck.cli.main import app
 from raycheck.orchestrator.controller import Controller
 from raycheck.orchestrator.schedule import failure_schedule, parse_schedule
@@ -422,7 +423,7 @@ def test_persister_kill_and_a_20s_s3_outage_are_exact_and_storage_resumes(refere
 
 
 def cfg_store(summary: dict):
-    return JobConfig.from_dict(summary["config"]).snapshot_store()
+    return snapshot_store(JobConfig.from_dict(summary["config"]))
 
 
 def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(reference, tmp_path_factory):
@@ -430,7 +431,7 @@ def test_two_shards_serve_an_assembled_image_restart_alone_and_are_exact(referen
     one manifest) is committed; it restarts from its units of that snapshot while shard 0 keeps its
     actor. Step 10: a worker dies and restores, through the object store, the image assembled from
     the restarted shard 1 and the original shard 0."""
-    s = job(tmp_path_factory, "shards", "7:shadow:1 10:worker", shadow_shards=2)
+    s = job(tmp_path_factory, "shards", "7:shadow:1 10:worker", placement={"shadow_shards": 2})
     assert_exact(s, reference)
     assert [(r["failure_step"], r["source"], r["restored_step"]) for r in s["recoveries"]] == [(10, "object_store", 10)]
     assert [(r["shard"], r["incarnation"], r["source"], r["step"]) for r in s["shadow_restarts"]] == [(1, 1, "snapshot", 6)]

@@ -30,7 +30,7 @@ def test_an_expected_failure_is_one_line_and_an_unexpected_one_keeps_its_traceba
 
 
 def test_the_failure_summary_keeps_the_shadow_and_persister_figures(tmp_path):
-    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, shadow_shards=2)
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(tmp_path), model="tiny", steps=6, placement={"shadow_shards": 2})
     controller = Controller(cfg, echo=lambda line: None)
     controller.t_start = 0.0
     StepLogWriter.create(controller.run_dir.step_log, {"layout": [["w", [2], "float32"]]}).close()  # the shadow spec reads it

@@ -10,6 +10,7 @@ import pytest
 
 from raycheck.actors.journal import Journal
 from raycheck.job.run_dir import RunDir
+from raycheck.job.names import journal_name
 from raycheck.orchestrator.journal import RunRecord, claims_in
 
 
@@ -126,7 +127,7 @@ def test_the_actor_keeps_each_senders_order_and_serves_claims_and_the_pointer_to
         assert channel.shadow_pointer() == {"shards": [{"shard": 0, "name": "s-3", "incarnation": 3}]}
         assert RunDir.read(RunDir(tmp_path).metrics) == record.metrics
         # a second driver of this run, while the first one's journal lives: it waits, then refuses
-        with pytest.raises(RunActiveError, match=rf"^run journal-actor's actors are still alive after 0.5 s \({cfg.journal_name}\)"):
+        with pytest.raises(RunActiveError, match=rf"^run journal-actor's actors are still alive after 0.5 s \({journal_name(cfg)}\)"):
             wait_for_previous_driver(cfg, timeout_s=0.5, echo=lambda _: None)
         threading.Timer(0.5, ray.kill, args=(journal,), kwargs={"no_restart": True}).start()  # the first driver's actors go
         wait_for_previous_driver(cfg, timeout_s=60, echo=lambda _: None)  # returns once Ray has removed it

@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 from raycheck.actors.log_keeper import MAX_RECORDS_PER_CALL, KeeperLogSource, LogKeeper, read_range
 from conftest import make_bucket
 from raycheck.job.config import JobConfig
+from raycheck.job.names import log_keeper_name
+from raycheck.job.stores import snapshot_store
 from raycheck.cli.main import app
 from raycheck.orchestrator.controller import Controller
 from raycheck.orchestrator.runs import reference_config
@@ -353,13 +355,13 @@ def test_a_bucket_holding_another_runs_log_fails_the_run_at_the_keepers_start_wi
     make_bucket(s3_endpoint, bucket)
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(default_cache_dir()), model="tiny", steps=4, eval_samples=0,
                     run_id=f"o-{uuid.uuid4().hex[:6]}", storage={"uri": f"s3://{bucket}/run", "options": {"endpoint_url": s3_endpoint}})
-    other = keeper_with(tmp_path / "other.bin", 2, mirror_to=cfg.snapshot_store().storage)
+    other = keeper_with(tmp_path / "other.bin", 2, mirror_to=snapshot_store(cfg).storage)
     assert other.flush()["log_mirrored_steps"] == 2
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="raycheck")
     try:
         summary = Controller(cfg, echo=lambda _: None).run()
         with pytest.raises(ValueError):
-            ray.get_actor(cfg.log_keeper_name, namespace="raycheck")
+            ray.get_actor(log_keeper_name(cfg), namespace="raycheck")
     finally:
         ray.shutdown()
     assert summary["error"] == json.loads((tmp_path / "run" / "summary.json").read_text())["error"]

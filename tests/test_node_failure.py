@@ -38,7 +38,7 @@ def test_a_node_failure_parses_and_is_refused_where_the_run_could_not_survive_it
                                              r".* is node-local: give --storage a URI every node reaches \(s3://BUCKET/PREFIX\)$"):
             node_cfg(tmp_path, storage={"uri": storage})
 
-    cfg = node_cfg(tmp_path, worker_resource="train")
+    cfg = node_cfg(tmp_path, placement={"worker_resource": "train"})
     check_node_failures(cfg, [HEAD, GPU_A, GPU_B, CPU], driver_node_id="head")  # accepted: returns
     check_node_failures(node_cfg(tmp_path).replace(faults={"failures": ()}), [HEAD], driver_node_id="head")  # no node failure: any cluster
     with pytest.raises(ValueError, match="which on a one-node cluster is the driver's: the run would end with it"):

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from raycheck.job.config import DataConfig
 from raycheck.orchestrator.api import job_config
 from raycheck.storage.units import describe_units, unit_of
 from raycheck.training.assets import AssetMismatchError, read_assets
@@ -52,9 +53,11 @@ def reviews(n: int = 20) -> list[dict]:
             for i in range(n)]
 
 
-def cfg_for(tmp_path, **fields):
-    """A job in ``tmp_path`` with the shared cache (the tokenizer is converted once per machine, not per test)."""
-    return job_config(tmp_path / "run", cache_dir=default_cache_dir(), seq_len=32, batch_size=4, **fields)
+def cfg_for(tmp_path, data: str = "", **fields):
+    """A job in ``tmp_path`` with the shared cache (the tokenizer is converted once per machine, not per test), training
+    on the file ``data``; ``fields`` named as ``DataConfig``'s (``task``, ``text_column``, ...) go in its ``data``."""
+    given = {name: fields.pop(name) for name in list(fields) if name in DataConfig.__dataclass_fields__}
+    return job_config(tmp_path / "run", cache_dir=default_cache_dir(), seq_len=32, batch_size=4, data={"path": data, **given}, **fields)
 
 
 def test_units_of_gpt2_and_qwen2_come_from_the_module_tree_and_tied_weights_are_found(tmp_path):
@@ -141,7 +144,7 @@ def test_classification_data_loads_from_each_format_with_every_tenth_row_held_ou
     assert len(train) == 18 and held.texts == ("film number 9 was great", "film number 19 was great")
     assert train.labels.tolist() == [i % 2 for i in range(20) if (i + 1) % 10]
     assert held.labels.tolist() == [1, 1]
-    assert cfg.data_sha256 == __import__("hashlib").sha256(data.read_bytes()).hexdigest()
+    assert cfg.data.sha256 == __import__("hashlib").sha256(data.read_bytes()).hexdigest()
 
 
 def test_labels_may_be_indices_and_templates_and_words_are_the_users(tmp_path):
@@ -222,12 +225,12 @@ def test_the_trajectory_hash_follows_the_model_files_and_data_content(tmp_path):
     data = write_rows(tmp_path / "d.jsonl", reviews(12))
     base = cfg_for(tmp_path, model=str(folder), data=str(data))
     cfg, _ = read_assets(base)
-    assert len(cfg.model_sha256) == 64 and len(cfg.data_sha256) == 64
+    assert len(cfg.model_sha256) == 64 and len(cfg.data.sha256) == 64
     assert cfg.trajectory_sha256() != base.trajectory_sha256()
 
     write_rows(data, reviews(13))
     cfg2, _ = read_assets(base)
-    assert cfg2.data_sha256 != cfg.data_sha256 and cfg2.trajectory_sha256() != cfg.trajectory_sha256()
+    assert cfg2.data.sha256 != cfg.data.sha256 and cfg2.trajectory_sha256() != cfg.trajectory_sha256()
     with pytest.raises(AssetMismatchError, match=rf"data file {data} has changed since this run started"):
         read_assets(cfg)  # a resume: its config records the old content
 

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from raycheck.actors.shadow import ShadowReplayer
 from raycheck.job.run_dir import RunDir
+from raycheck.job.stores import snapshot_store
 from raycheck.orchestrator.api import job_config
 from raycheck.cli.main import app
 from raycheck.orchestrator.prepare import prepare
@@ -37,7 +38,7 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt2run")
     folder = gpt2_folder(root / "my-gpt2")
     data = write_rows(root / "reviews.jsonl", reviews(20))
-    cfg, assets = read_assets(job_config(root / "run", model=str(folder), data=str(data), steps=STEPS, batch_size=4,
+    cfg, assets = read_assets(job_config(root / "run", model=str(folder), data={"path": str(data)}, steps=STEPS, batch_size=4,
                                          run_id="gpt2", zo={"lr": 1e-3}))
     pathlib.Path(cfg.out_dir).mkdir()
     prepare(cfg, RunDir(pathlib.Path(cfg.out_dir)))
@@ -51,7 +52,7 @@ def made(tmp_path_factory):
                  fail=lambda: None, commit=timed_append(writer))
         hashes[step + 1] = state_sha256(params)
         if step + 1 == SNAPSHOT_STEP:
-            cfg.snapshot_store().write(SNAPSHOT_STEP, copy_state(params))
+            snapshot_store(cfg).write(SNAPSHOT_STEP, copy_state(params))
     writer.close()
     assert len(set(hashes.values())) == STEPS + 1
     return pathlib.Path(cfg.out_dir), folder, hashes, cfg
@@ -62,7 +63,7 @@ def test_header_snapshot_units_and_the_shadow_follow_the_gpt2_layout(made):
     header = read_header(RunDir(run).step_log)
     assert header["model"] == str(folder) and header["model_sha256"] == cfg.model_sha256
     assert header["units_recognised"] is True and header["tied"] == {"lm_head.weight": "transformer.wte.weight"}
-    info = cfg.snapshot_store().list()[-1]
+    info = snapshot_store(cfg).list()[-1]
     shards = sorted(p.name for p in (run / "snapshots" / info.folder).iterdir() if p.suffix == ".safetensors")
     assert shards == ["embed.safetensors", "layer.000.safetensors", "layer.001.safetensors", "norm.safetensors"]
     params = trainable_parameters(load_model(str(folder)))
@@ -85,7 +86,7 @@ def test_replay_export_and_merge_export_load_as_the_same_gpt2(made, tmp_path):
                                       "--model", str(folder)])
     assert result.exit_code == 0, result.output
     weights = load_file(str(tmp_path / "merged-hf" / "model.safetensors"))
-    snapshot = cfg.snapshot_store().load(cfg.snapshot_store().list()[-1])
+    snapshot = snapshot_store(cfg).load(snapshot_store(cfg).list()[-1])
     assert set(weights) == set(snapshot) and all(np.array_equal(weights[n], snapshot[n]) for n in snapshot)
 
 

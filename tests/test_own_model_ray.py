@@ -35,4 +35,4 @@ def test_example_script_finetunes_a_gpt2_folder_on_jsonl_in_float16_with_a_worke
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
     config = json.loads((out / "config.json").read_text())
     assert config["model"] == str(folder) and config["model_sha256"] == read_model_files(str(folder)).sha256
-    assert config["data"] == str(data) and len(config["data_sha256"]) == 64
+    assert config["data"]["path"] == str(data) and len(config["data"]["sha256"]) == 64

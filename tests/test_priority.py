@@ -12,6 +12,7 @@ import pytest
 
 from raycheck.actors.persister import PersisterActor
 from raycheck.job.config import SnapshotConfig
+from raycheck.job.stores import snapshot_store
 from raycheck.storage.priority import lower_to_idle, priorities
 
 THREADS = """
@@ -95,7 +96,7 @@ def test_the_persister_s_store_writes_direct_by_default_and_the_run_s_other_stor
     monkeypatch.setattr(controller.ray, "remote", lambda cls: Handle())
     placement = type("Placement", (), {"replica": {}})()
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), storage={"uri": str(tmp_path / "s")})
-    assert cfg.snapshot.persister_direct_io and not cfg.snapshot_store().storage.write_direct
+    assert cfg.snapshot.persister_direct_io and not snapshot_store(cfg).storage.write_direct
     assert controller.start_persister(cfg, placement) == (True, "normal")
     off = cfg.replace(**{"snapshot.persister_direct_io": False, "snapshot.persister_priority": "idle"})
     assert controller.start_persister(off, placement) == (False, "idle")

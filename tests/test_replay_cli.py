@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
+from raycheck.job.stores import snapshot_store
 from raycheck.cli.main import app
 from raycheck.orchestrator.prepare import prepare
 from raycheck.storage.backend import Storage
@@ -57,7 +58,7 @@ def made(tmp_path_factory, encoder, data) -> tuple[pathlib.Path, dict[int, str]]
                  fail=lambda: None, commit=timed_append(writer))
         hashes[step + 1] = state_sha256(params)
         if step + 1 == SNAPSHOT_STEP:
-            cfg.snapshot_store().write(SNAPSHOT_STEP, copy_state(params))
+            snapshot_store(cfg).write(SNAPSHOT_STEP, copy_state(params))
     writer.close()
     assert len(set(hashes.values())) == STEPS + 1  # every step changed the state
     return out, hashes

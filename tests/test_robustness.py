@@ -24,6 +24,7 @@ from raycheck.actors.persister import PersisterActor
 from conftest import free_port, make_bucket
 from raycheck.experiments.s3_server import LocalS3Server
 from raycheck.job.config import JobConfig
+from raycheck.job.names import log_keeper_name, persister_name
 from raycheck.cli.main import app
 from raycheck.orchestrator.control import within_budget
 import raycheck.orchestrator.controller
@@ -257,15 +258,15 @@ class PersisterKiller:
         self.keeper_status: dict | None = None
 
     def _kill(self) -> None:
-        ray.kill(ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace), no_restart=True)
+        ray.kill(ray.get_actor(persister_name(self.cfg), namespace=self.cfg.namespace), no_restart=True)
 
     def fit(self) -> None:
         self.server.stop()
         self._kill()
         if self.restarted.wait(300):
-            handle = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
+            handle = ray.get_actor(persister_name(self.cfg), namespace=self.cfg.namespace)
             self.status_after_restart = ray.get(handle.flush.remote(60), timeout=120)
-            keeper = ray.get_actor(self.cfg.log_keeper_name, namespace=self.cfg.namespace)
+            keeper = ray.get_actor(log_keeper_name(self.cfg), namespace=self.cfg.namespace)
             # a record logged during the outage: the forced mirror round must upload it, and fails
             ray.get(keeper.append.remote(StepRecord(step=0, seed=1, projected_grad=0.5, loss_plus=1.0, loss_minus=0.0,
                                                        lr=1e-6, eps=1e-3, weight_decay=0.0, batch_id=7)), timeout=60)

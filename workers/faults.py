@@ -33,6 +33,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from raycheck.actors.journal import RunChannel
 from raycheck.actors.shadow_actor import find_shards
 from raycheck.job.config import FailureSpec, JobConfig
+from raycheck.job.names import persister_name
+from raycheck.job.stores import snapshot_store
 from raycheck.storage.steplog import StepLogWriter
 
 
@@ -167,7 +169,7 @@ class FaultInjector:
                 statuses = ray.get([s.status.remote() for s in shadow], timeout=60)
                 if all(st["last_snapshot_step"] != st["base"]["step"] for st in statuses):
                     handed = min(st["last_snapshot_step"] for st in statuses)
-            persister = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
+            persister = ray.get_actor(persister_name(self.cfg), namespace=self.cfg.namespace)
             deadline = time.monotonic() + 60  # bounded: a hand-off to a dead persister is skipped
             while True:
                 submitted = ray.get(persister.flush.remote(timeout_s), timeout=timeout_s + 30)["last_submitted_step"]
@@ -206,7 +208,7 @@ class FaultInjector:
 
     def _corrupt_newest_snapshot(self, index: int, step: int) -> None:
         self._settle_snapshots()
-        store = self.cfg.snapshot_store()
+        store = snapshot_store(self.cfg)
         infos = store.list()
         shard = infos[-1].manifest["units"][next(iter(infos[-1].manifest["units"]))]["path"] if infos else None
         if shard is not None:
@@ -217,7 +219,7 @@ class FaultInjector:
 
     def _kill_persister(self, index: int, step: int) -> None:
         try:
-            persister = ray.get_actor(self.cfg.persister_name, namespace=self.cfg.namespace)
+            persister = ray.get_actor(persister_name(self.cfg), namespace=self.cfg.namespace)
         except ValueError:
             persister = None
         self.run.event("failure", step=step, target="persister", how="ray.kill", marker=marker(index, "persister"),

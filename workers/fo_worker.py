@@ -4,7 +4,7 @@ Per step t (rank r of W workers, DDP over gloo when W > 1; every worker holds th
   batch t's shard r  ->  forward + backward (gradients averaged by DDP)  ->  [injected failure]  ->
   clip + AdamW  ->  average the loss over the workers (metrics)  ->  rank 0's checkpointer.
 
-Strategies (rank 0 persists; ``cfg.snapshot_store()`` holds every checkpoint):
+Strategies (rank 0 persists; ``snapshot_store(cfg)`` holds every checkpoint):
   ``full-sync`` / ``full-async``: ``training.checkpointing.FullCheckpointer`` every ``snapshot_every``.
   ``layerwise``: ``training.layerwise.LayerwiseCheckpointer`` every ``snapshot_every`` (LayerCheck).
   ``differential``: ``training.differential.DiffCheckpointer`` (LowDiff): gradient records every
@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 
 from raycheck.job.config import JobConfig
+from raycheck.job.stores import diff_store, snapshot_store
 from raycheck.policies.strategies import FULL_STATE, RunStrategy
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.training import sharded as sharded_fo
@@ -51,16 +52,16 @@ def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Ch
         return OverlappedCheckpointer(store, cfg.snapshot.every_steps, cfg.overlapped.chunks, trainer.hyper, trainer.applied_gradients, config)
     if cfg.strategy == RunStrategy.LAYERWISE:
         return LayerwiseCheckpointer(store, cfg.snapshot.every_steps, cfg.layerwise, config)
-    return DiffCheckpointer(store, cfg.diff_store(), trainer.applied_gradients, cfg.differential.full_every_steps,
+    return DiffCheckpointer(store, diff_store(cfg), trainer.applied_gradients, cfg.differential.full_every_steps,
                             cfg.differential.batch_steps, cfg.differential.topk, config)
 
 
 def durable_steps(cfg: JobConfig) -> int:
     """Steps durable in storage now: the newest committed checkpoint's, extended by the committed
     gradient records after it for ``differential``."""
-    store = cfg.snapshot_store()
+    store = snapshot_store(cfg)
     base = max((i.step for i in store.list()), default=0)
-    return cfg.diff_store().durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
+    return diff_store(cfg).durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
 
 
 def restore_first_order(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
@@ -71,7 +72,7 @@ def restore_first_order(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore
     result = from_storage(trainer.state_view(), cfg, None, None)
     if cfg.strategy == RunStrategy.DIFFERENTIAL:
         t1 = time.perf_counter()
-        replay = cfg.diff_store().replay(result["base_step"], trainer.replay_gradients)
+        replay = diff_store(cfg).replay(result["base_step"], trainer.replay_gradients)
         result.update(replayed_steps=replay.replayed_steps, replay_seconds=time.perf_counter() - t1, exact=replay.exact)
         if replay.stopped:
             result["skipped"] = [*result["skipped"], replay.stopped]
@@ -90,7 +91,7 @@ def train_loop_per_worker(config: dict) -> None:
     sharded = cfg.fo.parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
     group = sharded_fo.checkpoint_group() if sharded else None
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
-    store = cfg.snapshot_store()
+    store = snapshot_store(cfg)
     ckpt: Checkpointer | None = (sharded_fo.sharded_checkpointer(cfg, trainer, group) if group is not None
                                  else checkpointer(cfg, store, trainer) if rank == 0 else None)
     durable = (lambda: sharded_fo.durable_steps(cfg)) if sharded else (lambda: durable_steps(cfg))

@@ -26,6 +26,8 @@ from raycheck.actors.log_keeper import RemoteKeeper, read_range
 from raycheck.actors.shadow_actor import find_shards
 from raycheck.actors.shards import assemble
 from raycheck.job.config import JobConfig
+from raycheck.job.names import log_keeper_name
+from raycheck.job.stores import snapshot_store
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.manifest import layout_of
 from raycheck.storage.snapshots import NoSnapshotError
@@ -61,7 +63,7 @@ def from_shadow(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, log_en
 def log_tail(cfg: JobConfig, local_log: str | pathlib.Path | None, start: int, end: int) -> tuple[dict | None, list[StepRecord], str]:
     """(header, records ``start..end - 1``, where they came from) of the run's step log, from the first
     of these that holds ``end`` steps: ``local_log`` (rank 0's node-local log; None elsewhere), the log
-    keeper (``cfg.log_keeper_name``), the log segments in the run's storage (``cfg.storage.remote``).
+    keeper (``log_keeper_name(cfg)``), the log segments in the run's storage (``cfg.storage.remote``).
     The header is None when the segments hold no log (``end`` 0: nothing to replay).
 
     Raises:
@@ -74,12 +76,12 @@ def log_tail(cfg: JobConfig, local_log: str | pathlib.Path | None, start: int, e
             return read_header(local_log), records[start:end], "local"
         reasons.append(f"{local_log} holds {len(records)}")
     try:
-        keeper = RemoteKeeper(cfg.log_keeper_name, cfg.namespace)
+        keeper = RemoteKeeper(log_keeper_name(cfg), cfg.namespace)
         return keeper.header(), read_range(keeper, start, end), "keeper"
     except (ValueError, RayActorError, GetTimeoutError, StepLogGapError) as exc:
         reasons.append(f"the log keeper: {type(exc).__name__}: {exc}")
     if cfg.storage.remote:
-        header, records = read_segments(cfg.snapshot_store().storage)
+        header, records = read_segments(snapshot_store(cfg).storage)
         if len(records) >= end:
             return header, records[start:end], "segments"
         reasons.append(f"the segments in {cfg.storage.uri} hold {len(records)}")
@@ -105,7 +107,7 @@ def from_storage(params: "OrderedDict[str, torch.Tensor]", cfg: JobConfig, local
     """
     t0 = time.perf_counter()
     try:
-        info, state, skipped = cfg.snapshot_store().load_latest(max_step=log_end, layout=layout_of(params))
+        info, state, skipped = snapshot_store(cfg).load_latest(max_step=log_end, layout=layout_of(params))
         load_into(params, state)
         base, source = info.step, "storage"
     except (NoSnapshotError, OSError) as exc:  # OSError: storage unreachable; the local log still has every step

@@ -28,6 +28,8 @@ import ray
 import torch
 import torch.distributed as dist
 
+from raycheck.job.names import exchange_name, log_keeper_name
+from raycheck.job.stores import snapshot_store
 from raycheck.actors.log_keeper import RemoteKeeper
 from raycheck.actors.step_exchange import RemoteExchange
 from raycheck.policies.strategies import RunStrategy
@@ -73,10 +75,10 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     params = trainable_parameters(model)  # on the CPU until the restore is done
     hyper = ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay)
-    exchange = RemoteExchange(cfg.exchange_name, cfg.namespace, rank, cfg.faults.recovery_timeout_s) if cfg.replica_groups else None
+    exchange = RemoteExchange(exchange_name(cfg), cfg.namespace, rank, cfg.faults.recovery_timeout_s) if cfg.replica_groups else None
     barrier = barrier_of(exchange, world)
     if cfg.uses_step_log:
-        keeper = RemoteKeeper(cfg.log_keeper_name, cfg.namespace)
+        keeper = RemoteKeeper(log_keeper_name(cfg), cfg.namespace)
         faults = FaultInjector(cfg, run, rank, world, durable_steps=keeper.end, barrier=barrier)
         writer = open_rank0_log(cfg, keeper, run) if rank == 0 else None
         barrier("log-opened")  # rank 0's log equals the keeper's before anyone reads its length
@@ -86,9 +88,9 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
         resuming = promoted is not None or faults.fired() or log_end > 0
     else:  # full-state baselines: progress is durable at the newest committed checkpoint only
         writer, sender, log_end = None, None, None
-        checkpointer = FullCheckpointer(cfg.snapshot_store(), cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC,
+        checkpointer = FullCheckpointer(snapshot_store(cfg), cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC,
                                         {"trajectory_sha256": cfg.trajectory_sha256()}) if rank == 0 else None
-        faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in cfg.snapshot_store().list()), default=0),
+        faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: max((i.step for i in snapshot_store(cfg).list()), default=0),
                                flush=checkpointer.flush if checkpointer is not None else None)
         resuming = promoted is not None or faults.fired() or faults.durable_steps() > 0
 

@@ -1,0 +1,31 @@
+"""The objects a run's configuration describes, built from it: its snapshot store and its differential
+gradient records (``job.config.JobConfig`` describes and validates; it builds nothing itself). Each is
+built fresh, so it is safe to call in any process (driver, actor, train worker)."""
+
+from __future__ import annotations
+
+from raycheck.job.config import JobConfig
+from raycheck.storage.backend import Storage
+from raycheck.storage.diffs import DiffStore
+from raycheck.storage.manifest import RunIdentity
+from raycheck.storage.snapshots import SnapshotStore
+
+
+def run_identity(cfg: JobConfig) -> RunIdentity:
+    """What the run's stored objects are checked against: its run id and trajectory hash."""
+    return RunIdentity(cfg.run_id, cfg.trajectory_sha256())
+
+
+def snapshot_store(cfg: JobConfig, direct: bool = False) -> SnapshotStore:
+    """The run's snapshot store: it writes and restores only this run's snapshots (``run_identity``), at
+    ``cfg.writer_epoch``; a merge result only as the starting point of a run without a step log
+    (``SnapshotStore``'s ``step_log``). ``direct``: its local writes bypass the page cache (``Storage``'s
+    ``write_direct``)."""
+    return SnapshotStore(Storage(cfg.storage.uri, write_direct=direct, **cfg.storage.options), keep_last=cfg.snapshot.keep,
+                         identity=run_identity(cfg), epoch=cfg.writer_epoch, step_log=cfg.uses_step_log)
+
+
+def diff_store(cfg: JobConfig) -> DiffStore:
+    """The run's differential gradient records (strategy ``differential``), in its snapshot storage: it
+    writes and replays only this run's batches (``run_identity``)."""
+    return DiffStore(Storage(cfg.storage.uri, **cfg.storage.options), identity=run_identity(cfg))
