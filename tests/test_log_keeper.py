@@ -256,7 +256,7 @@ def test_durability_is_validated_and_the_default_scratch_dir_is_per_run_and_outs
     assert (ref.durability, ref.storage.remote, ref.trajectory_sha256()) == ("node", False, remote.trajectory_sha256())
 
     a, b = JobConfig(out_dir=str(tmp_path / "a"), **base), JobConfig(out_dir=str(tmp_path / "b"), **base)
-    assert a.durability == "node" and a.log_keeper_name == "raycheck-log-keeper-r1"
+    assert a.durability == "node" and log_keeper_name(a) == "raycheck-log-keeper-r1"
     assert a.scratch_dir != b.scratch_dir  # one run id in two directories: two scratch logs
     assert pathlib.Path(a.scratch_dir).parent == pathlib.Path(tempfile.gettempdir()) / "raycheck-scratch"
     assert JobConfig.from_dict(a.to_dict()).scratch_dir == a.scratch_dir  # the workers see the driver's choice
