@@ -300,7 +300,7 @@ class StorageConfig:
     uri: str = field(default="", metadata=opt('--storage', 'Snapshots, step log and storage', parse=storage_uri,
             help='Snapshot storage: a path, file://PATH or s3://BUCKET/PREFIX. Default: <out>/snapshots.'))
     """Snapshot storage URI (a path, ``file://``, ``s3://bucket/prefix``); empty: ``<out_dir>/snapshots``."""
-    options: dict = field(default_factory=dict, metadata=opt('--s3-endpoint', 'Snapshots, step log and storage', type=str, parse=endpoint_options, show=endpoint_of,
+    options: dict[str, Any] = field(default_factory=dict, metadata=opt('--s3-endpoint', 'Snapshots, step log and storage', type=str, parse=endpoint_options, show=endpoint_of,
             help='S3 endpoint URL (default: $AWS_ENDPOINT_URL; keys from '
             '$AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY).'))
     """Backend options, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``; credentials come from the
@@ -500,7 +500,7 @@ class PlacementConfig:
     """Threads of each shadow actor (each shard): its replay splits every large tensor over them
     (``training.noise``; the same bits on any count). Size them with ``raycheck policy --elements
     --replay-rate``; the actors ask Ray for no CPU, so leave the cores they use free of workers."""
-    shadow_env: dict = field(default_factory=dict, metadata=opt('--shadow-env', 'Shadow and placement', type=list[str], parse=parse_env, show=env_pairs,
+    shadow_env: dict[str, str] = field(default_factory=dict, metadata=opt('--shadow-env', 'Shadow and placement', type=list[str], parse=parse_env, show=env_pairs,
             help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), e.g. "
             'ATEN_CPU_CAPABILITY=default. Repeatable.'))
     """Environment variables of the shadow actor's process (Ray ``runtime_env`` ``env_vars``), e.g.
@@ -524,7 +524,7 @@ class OldConfigError(ValueError):
     """A configuration in the flat form of raycheck before its components (``JobConfig.from_dict``)."""
 
 
-def refuse_flat(d: dict) -> None:
+def refuse_flat(d: dict[str, Any]) -> None:
     """Raise ``OldConfigError`` (one line) when ``d``, a configuration as ``config.json`` holds it, is in
     the flat form of raycheck before its components: its ``storage`` is a string, the URI (the flat form
     always held one there)."""
@@ -543,7 +543,7 @@ NESTED_NAMES = {"data": "data.path", "data_sha256": "data.sha256", "task": "data
 """The run-level fields of raycheck before its ``data`` and ``placement`` components, by name -> their path now."""
 
 
-def nest_data_and_placement(d: dict) -> dict:
+def nest_data_and_placement(d: dict[str, Any]) -> dict[str, Any]:
     """``d``, a configuration as ``config.json`` holds it, with the fields that an earlier raycheck kept at the
     top level (``NESTED_NAMES``: ``data`` as the file's path, ``task``, ``shadow_shards``, ...) moved into the
     ``data`` and ``placement`` components, so that a run it started resumes here (its trajectory hash is the
@@ -657,7 +657,7 @@ class JobConfig:
             'system temp dir; never the run directory).'))
     """Node-local directory of rank 0's own step log (never the run directory); empty: a per-run
     directory under the system temp directory (``default_scratch_dir``)."""
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     TRAJECTORY = ("model", "algo", "steps", "batch_size", "seq_len", "seed", "zo.lr", "zo.eps", "weight_decay", "workers",
                   "torch_threads", "fo.lr", "fo.max_grad_norm")
@@ -872,12 +872,12 @@ class JobConfig:
             values["dtype"] = self.dtype
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """The nested form (``config.json``): run-level fields, and each component as a dict of its fields."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "JobConfig":
+    def from_dict(cls, d: dict[str, Any]) -> "JobConfig":
         """The configuration ``to_dict`` gave; the form of an earlier raycheck, whose data and placement fields
         were at the top level, is read too (``nest_data_and_placement``).
 
@@ -927,7 +927,7 @@ class JobConfig:
         return self.algo == "zo" and self.uses_step_log and self.workers > 1 and not self.is_elastic
 
 
-def field_spec(cls: type, path: str) -> dataclasses.Field:
+def field_spec(cls: type, path: str) -> dataclasses.Field[Any]:
     """The ``dataclasses.Field`` of ``cls`` (``JobConfig``) at ``path``: a run-level name or ``component.name``.
 
     Raises:

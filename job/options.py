@@ -71,7 +71,7 @@ def opt(name: str, section: str, *, help: str, **more: Any) -> dict[str, Opt]:
     return {OPTION: Opt(name=name, help=help, section=section, **more)}
 
 
-def option_of(spec: dataclasses.Field) -> Opt | None:
+def option_of(spec: dataclasses.Field[Any]) -> Opt | None:
     """The ``Opt`` of the dataclass field ``spec``; None for a field that no option sets."""
     meta = spec.metadata.get(OPTION)
     if meta is None or isinstance(meta, Opt):
@@ -143,7 +143,7 @@ def endpoint_options(endpoint: str) -> dict[str, str]:
     return {"endpoint_url": endpoint} if endpoint else {}
 
 
-def endpoint_of(options: dict) -> str:
+def endpoint_of(options: dict[str, Any]) -> str:
     """``endpoint_options``' inverse: the endpoint URL in ``options``, or empty."""
     return str(options.get("endpoint_url", ""))
 

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 from dataclasses import dataclass
+from typing import Any
 
 from raycheck.storage.files import atomic_write
 
@@ -35,19 +36,20 @@ class RunDir:
         return self.root / "controller.json"
 
     @staticmethod
-    def write_json(path: pathlib.Path, value: dict) -> None:
+    def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
         """Replace ``path`` with ``value`` as JSON, atomically and durably (``storage.files.atomic_write``):
         readers see the old or the new value."""
         atomic_write(path, json.dumps(value, indent=2, default=str).encode())
 
     @staticmethod
-    def read_json(path: pathlib.Path) -> dict | None:
+    def read_json(path: pathlib.Path) -> dict[str, Any] | None:
         try:
-            return json.loads(path.read_text())
+            loaded: dict[str, Any] = json.loads(path.read_text())
+            return loaded
         except FileNotFoundError:
             return None
 
-    def append(self, stream: pathlib.Path, rows: list[dict]) -> None:
+    def append(self, stream: pathlib.Path, rows: list[dict[str, Any]]) -> None:
         """Append ``rows`` to ``stream``, one JSON line each, in one write; fsynced for events."""
         if not rows:
             return
@@ -61,7 +63,7 @@ class RunDir:
             os.close(fd)
 
     @staticmethod
-    def read(stream: pathlib.Path) -> list[dict]:
+    def read(stream: pathlib.Path) -> list[dict[str, Any]]:
         """All complete lines of ``stream`` (a partial last line is ignored)."""
         if not stream.exists():
             return []
