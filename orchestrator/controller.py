@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import pathlib
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +51,7 @@ from raycheck.job.run_dir import RunDir
 from raycheck.job.stores import snapshot_store
 from raycheck.orchestrator.cluster import Placement, alive_nodes, connect, plan_placement
 from raycheck.orchestrator.components import (ComponentStartError, LogKeeperFailedError, LogKeeperHandle, PersisterFailedError,
-                                              PersisterHandle, start_failure)
+                                              PersisterHandle)
 from raycheck.orchestrator.console import InjectedFailureMessages, RunConsole, injected_pids, one_line
 from raycheck.orchestrator.control import (Action, EmitPhase, Failed, FailRun, Initialising, Limits, Observation, Phase, PlanStatus,
                                            RecordReplan, ReportInfeasible, RestartPersister, RestartShadow, SetInterval, State, Stop,
@@ -63,10 +62,10 @@ from raycheck.orchestrator.metrics import RunMetrics
 from raycheck.orchestrator.planning import SnapshotPlanner
 from raycheck.orchestrator.prepare import check_node_failures, prepare
 from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
-from raycheck.orchestrator.stored_config import save_config
-from raycheck.orchestrator.summary import Collected, failed_summary, mean_step_seconds, run_summary, write_metrics
-from raycheck.orchestrator.trainer import trainer
-from raycheck.storage.backend import StorageError
+from raycheck.orchestrator.stored_config import store_config
+from raycheck.orchestrator.summary import (Collected, failed_summary, mean_step_seconds, placement_record, run_summary, summary_base,
+                                           write_metrics)
+from raycheck.orchestrator.trainer import Fit, trainer
 from raycheck.storage.steplog import read_header
 from raycheck.training.assets import Assets, read_assets, ship
 from raycheck.training.model import default_cache_dir, is_builtin
@@ -137,14 +136,13 @@ class Controller:
         self.state: State = Initialising()
         """Where the run stands (``orchestrator.control``); ``phase`` is its phase."""
         self.planner = SnapshotPlanner(cfg.snapshot.mtbf_s) if cfg.snapshot.policy == "adaptive" and cfg.uses_shadow else None
-        self.calibration_requested = False
         self.placement: Placement | None = None
         self.driver_node: dict | None = None
         self.shadow: ShadowKeeper | None = None
         self.persister: PersisterHandle | None = None
         self.log_keeper: LogKeeperHandle | None = None
         self.config_stored = False
-        """Whether this start put the configuration in the run's remote storage (``_store_config``)."""
+        """Whether this start put the configuration in the run's remote storage (``store_config``)."""
         self._restarts_before = 0
         saved = RunDir.read_json(self.run_dir.controller_state)
         if saved is not None and saved.get("run_id") == cfg.run_id:  # a resume: go on with what was measured and counted
@@ -155,17 +153,15 @@ class Controller:
         ``controller.json`` in the run directory as steps come in): the snapshot planner's
         ``state_dict`` (its measured costs, the interval in force, its re-plans, the newest step fed), the
         snapshot persister's restarts (its budget, ``faults.max_persister_restarts``, is the run's, not each
-        driver's) and whether the calibration snapshot was taken. The workers' failures are counted from
-        the events."""
+        driver's). The workers' failures are counted from the events."""
         return {"run_id": self.cfg.run_id, "planner": self.planner.state_dict() if self.planner else None,
-                "persister_restarts": self.persister_restarts, "calibration_requested": self.calibration_requested}
+                "persister_restarts": self.persister_restarts}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from ``state_dict``'s ``state`` of an earlier driver of this run."""
         if self.planner is not None and state.get("planner") is not None:
             self.planner.load_state_dict(state["planner"])
         self._restarts_before = state["persister_restarts"]
-        self.calibration_requested = state["calibration_requested"]
 
     @property
     def phase(self) -> Phase:
@@ -181,16 +177,6 @@ class Controller:
         """The run's restart budgets."""
         cfg = self.cfg
         return Limits(cfg.faults.max_shadow_restarts, cfg.faults.max_persister_restarts, cfg.faults.max_worker_failures)
-
-    def _planned(self) -> Placement:
-        """The placement plan (``_run`` makes it before anything is placed).
-
-        Raises:
-            RuntimeError: none is planned yet.
-        """
-        if self.placement is None:
-            raise RuntimeError("no placement is planned yet")
-        return self.placement
 
     def _interval_at(self, step: int) -> int:
         """The snapshot interval planned at ``step``, in steps."""
@@ -246,7 +232,7 @@ class Controller:
         cfg = self.cfg
         self.cfg = cfg = cfg.replace(writer_epoch=snapshot_store(cfg).claim_epoch())  # fences older incarnations
         if cfg.storage.remote:  # beside the log segments: --resume --storage URI needs nothing else
-            self._store_config()
+            self.config_stored = store_config(cfg)
         connect(cfg.namespace, num_cpus=max(2, cfg.workers))
         self.ray_messages.install()
         self.shipped = ship(self.assets)
@@ -275,35 +261,20 @@ class Controller:
             self.channel.event("resume", durable_steps=durable, last_step_unix_s=rows[-1]["unix_s"] if rows else None)
         self.persister.await_ready()
         if self.shadow is not None:
-            try:
-                self.shadow.wait_ready(timeout_s=cfg.faults.start_timeout_s)
-            except (RayActorError, GetTimeoutError) as exc:
-                raise start_failure("the shadow", exc, cfg.faults.start_timeout_s, placement.replica) from exc
-            self.echo(f"[raycheck] shadow ready at step {self.shadow.status['step']}")
+            self.echo(f"[raycheck] shadow ready at step {self.shadow.wait_ready(timeout_s=cfg.faults.start_timeout_s)['step']}")
         self.echo(f"[raycheck] {f'resuming after step {durable} of' if durable else 'training'} {cfg.steps} steps "
                   f"({cfg.algo}, strategy {cfg.strategy})")
         self.console.begin(cfg.steps, done=len(self.record.metrics))
 
-        outcome: dict = {}
-
-        def fit() -> None:
-            try:
-                trainer(self.cfg, self.shipped, placement).fit()
-                outcome["ok"] = True
-            except Exception as exc:  # reported in the summary and by the exit code
-                outcome["ok"] = False
-                outcome["error"] = f"{type(exc).__name__}: {exc}"
-
-        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-        thread.start()
+        fit = Fit(trainer(cfg, self.shipped, placement))
         while True:
-            self.state, actions = step(self.state, self._observe(thread.is_alive(), outcome), self.limits)
+            self.state, actions = step(self.state, self._observe(fit.running, fit.outcome), self.limits)
             if self._act(actions):
                 break
             time.sleep(0.5)
         plan = self._follow()  # what came in after the last observation
         self._act(plan_actions(plan) if plan is not None else ())
-        return self._finish(outcome)
+        return self._finish(fit.outcome)
 
     def _persister_answered(self, status: dict) -> None:
         """Publish a persister status (and the step log mirror's) as metrics."""
@@ -330,8 +301,7 @@ class Controller:
         plan = None
         if self.planner is not None and self.shadow is not None:  # the adaptive policy plans a shadow's snapshots
             plan = self.planner.observe_rows(rows, events, self.shadow.status, self.persister.status if self.persister else {},
-                                             t_start=self.t_start, in_force_steps=self.shadow.interval_steps,
-                                             calibration_requested=self.calibration_requested)
+                                             t_start=self.t_start, in_force_steps=self.shadow.interval_steps)
         came_in = len(rows) > self.follower.rows_seen
         self.follower.follow(self.shadow.status.get("step", 0) if self.shadow else None, self._interval_at)
         if came_in or not self.run_dir.controller_state.exists():
@@ -364,8 +334,8 @@ class Controller:
             elif isinstance(action, ReportInfeasible):
                 self.channel.event("plan_infeasible", step=action.plan.step, interval_steps=action.plan.interval_steps,
                                    reason=action.plan.reason)
-            elif isinstance(action, TakeSnapshot) and self.shadow is not None:
-                self.calibration_requested = True
+            elif isinstance(action, TakeSnapshot) and self.shadow is not None and self.planner is not None:
+                self.planner.calibration_requested = True
                 self.shadow.snapshot_now(timeout_s=None)
                 self.channel.event("calibration_snapshot", step=action.step)
             elif isinstance(action, FailRun):
@@ -395,45 +365,16 @@ class Controller:
                 log.warning("the journal did not answer its last drain (%s)", one_line(exc))
             ray.kill(self.journal, no_restart=True)
 
-    def _store_config(self) -> None:
-        """Put the configuration in the run's storage (``save_config``); storage that fails here does not
-        stop the run (the step log is local, snapshots wait for storage): the run is then resumable from
-        its run directory only, which the warning and ``summary.json``'s ``config_stored`` say."""
-        try:
-            self.config_stored = save_config(self.cfg)
-        except StorageError as exc:
-            log.warning("the configuration could not be put in %s (%s): until a later start stores it, this run "
-                        "resumes from its run directory only, not from the bucket alone", self.cfg.storage.uri, exc)
-
     # -- the summary ----------------------------------------------------------------------------
     def _summary_base(self) -> dict:
-        """The summary fields known whatever happened (``_finish`` and ``_failure_summary`` add the rest)."""
-        cfg = self.cfg
-        return {
-            "phase": self.phase.value,
-            "algo": cfg.algo,
-            "strategy": cfg.strategy,
-            "dtype": cfg.dtype,
-            "shadow_restarts": self.shadow.restarts if self.shadow else None,
-            "persister_restarts": self.persister_restarts,
-            "config_stored": self.config_stored,
-            "snapshot_policy": cfg.snapshot.policy,
-            "storage_consistency": cfg.storage.consistency,
-            "wall_seconds": time.time() - self.t_start,
-            "trajectory_sha256": cfg.trajectory_sha256(),
-            "placement": self._placement(),
-            "config": cfg.to_dict(),
-        }
-
-    def _placement(self) -> dict:
-        """Where each component ran: ``policy`` (``Placement.policy``), ``driver``, ``persister`` (one
-        entry per incarnation), ``shadow_shards`` (per shard, one per incarnation that answered) and
-        ``workers`` (one per worker start: ``rank``, ``unix_s``); each entry has ``node_id`` and ``node_ip``."""
-        return {"policy": self.placement.policy if self.placement else None, "driver": self.driver_node,
-                "persister": self.persister.placed if self.persister else [],
-                "shadow_shards": [list(s.placements) for s in self.shadow.shards] if self.shadow else None,
-                "workers": [{k: e[k] for k in ("rank", "node_id", "node_ip", "unix_s")}
-                            for e in self.record.events if e["kind"] == "placement" and e["component"] == "worker"]}
+        """The summary fields known whatever happened (``orchestrator.summary.summary_base``)."""
+        shadow = self.shadow
+        placement = placement_record(self.placement.policy if self.placement else None, self.driver_node,
+                                     self.persister.placed if self.persister else [],
+                                     [list(s.placements) for s in shadow.shards] if shadow else None, self.record.events)
+        return summary_base(self.cfg, phase=self.phase.value, shadow_restarts=shadow.restarts if shadow else None,
+                            persister_restarts=self.persister_restarts, config_stored=self.config_stored,
+                            wall_seconds=time.time() - self.t_start, placement=placement)
 
     def _failure_summary(self, exc: BaseException) -> dict:
         """The summary of a run that raised ``exc``, from what the driver holds (no Ray call): phase
@@ -463,23 +404,11 @@ class Controller:
         intervals = {r["step"]: self._interval_at(r["step"]) for r in self.record.metrics}
         rows = write_metrics(self.record.metrics, {"shadow_lag_steps": self.follower.shadow_lag, "snapshot_interval_steps": intervals},
                              self.run_dir.root / "metrics.parquet")
-        shadow = self._finish_shadow(self.shadow, outcome.get("ok", False), mean_step_seconds(rows)) if self.shadow else {}
+        lag = max(self.follower.shadow_lag.values(), default=None)
+        shadow = self.shadow.finish(outcome.get("ok", False), lambda: self._flush(keeper=False), mean_step_seconds(rows), lag) if self.shadow else {}
         persisted = self._flush()
         return run_summary(Collected(
             ok=outcome.get("ok", False), error=outcome.get("error"), events=self.record.events, executions=self.record.metrics, rows=rows,
             shadow=shadow, persisted=persisted, mirror=self.log_keeper.mirror_status() if self.log_keeper else {},
             keeper=self.log_keeper.status if self.log_keeper else None, durability_level=cfg.durability, task=cfg.data.task,
             base=self._summary_base()))
-
-    def _finish_shadow(self, shadow: ShadowKeeper, ok: bool, mean_step_s: float | None) -> dict:
-        """The shadow's final state hash (after a last snapshot of the final state) and its figures."""
-        cfg = self.cfg
-        sha = None
-        if ok:
-            shadow.ensure_alive(timeout_s=600)
-            sha = shadow.state_sha256(cfg.steps, cfg.faults.recovery_timeout_s)
-            shadow.refresh_status(timeout_s=60)
-            durable = self._flush(keeper=False).get("last_durable_step")
-            if cfg.snapshot.every_steps and shadow.status["step"] > (durable or 0):  # e.g. its write failed in an outage
-                shadow.snapshot_now(timeout_s=600)  # the final state, so storage ends complete
-        return shadow.final_figures(sha, mean_step_s, max(self.follower.shadow_lag.values(), default=None))

@@ -49,12 +49,16 @@ class SnapshotPlanner:
         counts the failure-free time before the resume too."""
         self.fed_through = -1
         """The newest step fed (``observe_rows``), -1 before the first: a resumed driver does not feed a step twice."""
+        self.calibration_requested = False
+        """Whether the calibration snapshot was taken (``orchestrator.control.TakeSnapshot``): once a run."""
 
     def state_dict(self) -> dict:
         """The measured costs, the interval in force and its re-plans, the recoveries counted, the newest
-        step fed and the elapsed seconds: what ``load_state_dict`` needs to go on where this planner stopped."""
+        step fed, whether the calibration snapshot was taken and the elapsed seconds: what ``load_state_dict``
+        needs to go on where this planner stopped."""
         return {"policy": self.policy.state_dict(), "recoveries_seen": self._recoveries_seen,
-                "elapsed_s": self.policy.replanner.elapsed_s, "fed_through": self.fed_through}
+                "elapsed_s": self.policy.replanner.elapsed_s, "fed_through": self.fed_through,
+                "calibration_requested": self.calibration_requested}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from ``state_dict``'s ``state`` (a resumed run): its estimates, interval and re-plans; later
@@ -62,7 +66,8 @@ class SnapshotPlanner:
         self.policy.load_state_dict(state["policy"])
         self._recoveries_seen = state["recoveries_seen"]
         self._elapsed_before_s = state["elapsed_s"]
-        self.fed_through = state.get("fed_through", -1)  # absent in the state of a driver before it was saved
+        self.fed_through = state.get("fed_through", -1)  # both absent in the state of a driver before they were saved
+        self.calibration_requested = state.get("calibration_requested", True)
 
     def interval_at(self, step: int) -> int:
         """The interval planned once ``step`` was fed, in steps (the newest re-plan at or before it)."""
@@ -97,12 +102,12 @@ class SnapshotPlanner:
         return self.policy.observe(step, failures=failures, elapsed_s=self._elapsed_before_s + elapsed_s, **measured)
 
     def observe_rows(self, rows: list[dict], events: list[dict], shadow: dict, persister: dict, *, t_start: float,
-                     in_force_steps: int, calibration_requested: bool) -> PlanStatus:
+                     in_force_steps: int) -> PlanStatus:
         """Feed the metric rows of steps not fed yet (``rows``: the run's ``metrics.jsonl`` rows, each with
         ``step``, ``step_seconds``, ``log_append_seconds``, ``unix_s``), with the shadow's and persister's
         last statuses, the run's events (its failures and recoveries) and ``t_start`` (this driver's start,
-        unix seconds); returns the plan (``in_force_steps``: the shadow's interval; ``calibration_requested``:
-        whether the calibration snapshot was taken), with the re-plans and infeasible spells of these steps."""
+        unix seconds); returns the plan (``in_force_steps``: the shadow's interval), with the re-plans and
+        infeasible spells of these steps."""
         failures, _ = worker_failures_and_recoveries(events)
         done = recoveries(events)
         replans: list[ReplanRecord] = []
@@ -115,5 +120,5 @@ class SnapshotPlanner:
                 spells.append(InfeasiblePlan(row["step"], self.every_steps, self.infeasible))
             self.fed_through = row["step"]
         return PlanStatus(step=self.fed_through, interval_steps=self.every_steps, in_force_steps=in_force_steps,
-                          replans=tuple(replans), infeasible=tuple(spells), calibration_requested=calibration_requested,
+                          replans=tuple(replans), infeasible=tuple(spells), calibration_requested=self.calibration_requested,
                           snapshots_written=persister.get("written", 0))

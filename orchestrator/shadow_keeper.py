@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from raycheck.actors.journal import RunChannel
 from raycheck.actors.shadow import ShadowSpec
@@ -41,6 +41,7 @@ from raycheck.actors.shards import assemble
 from raycheck.job.config import JobConfig
 from raycheck.job.names import shadow_name
 from raycheck.orchestrator.cluster import shadow_actor_options
+from raycheck.orchestrator.components import start_failure
 from raycheck.orchestrator.control import FailRun, ShadowStatus, ShardStatus, shard_action
 from raycheck.training.state import state_sha256
 
@@ -178,7 +179,7 @@ class ShadowKeeper:
     ``poll`` never blocks; ``status`` combines the last statuses seen (``combined_status``)."""
 
     def __init__(self, cfg: JobConfig, run: RunChannel, spec: ShadowSpec, placement: dict | None = None) -> None:
-        self.cfg, self.run = cfg, run
+        self.cfg, self.run, self.placement = cfg, run, placement
         self.restarts: list[dict] = []
         """Every shard restart in the order recorded (``seconds``: failure until the new incarnation answered)."""
         k = cfg.placement.shadow_shards
@@ -208,9 +209,17 @@ class ShadowKeeper:
             shard.start()
 
     def wait_ready(self, timeout_s: float) -> dict:
-        """Block until every shard answers (first start only); returns ``status``."""
-        for shard in self.shards:
-            shard.wait_ready(timeout_s)
+        """Block until every shard answers (first start only); returns ``status``.
+
+        Raises:
+            orchestrator.components.ComponentStartError: a shard was not placed within ``timeout_s`` seconds
+                or its constructor raised.
+        """
+        try:
+            for shard in self.shards:
+                shard.wait_ready(timeout_s)
+        except (RayActorError, GetTimeoutError) as exc:
+            raise start_failure("the shadow", exc, timeout_s, self.placement or {}) from exc
         return self.status
 
     def observe(self) -> ShadowStatus:
@@ -313,10 +322,21 @@ class ShadowKeeper:
                         "restarts": shard.incarnation, "actor_ids": list(shard.actor_ids)})
         return out
 
-    def final_figures(self, sha: str | None, mean_step_s: float | None, max_lag_steps: int | None) -> dict:
-        """The shadow's fields of a finished run's summary: its final state hash ``sha``, its replay time
-        per step (seconds, and over ``mean_step_s``), ``max_lag_steps``, its recorded hashes, its CPU
-        capability and ``shard_figures``."""
+    def finish(self, ok: bool, flush: Callable[[], dict], mean_step_s: float | None, max_lag_steps: int | None) -> dict:
+        """The shadow's fields of a finished run's summary. With ``ok`` (``fit`` succeeded): every shard alive
+        (a failed one restarted within its budget), its state hash after ``cfg.steps`` steps, and, when the
+        persister's last durable step (``flush``: its flush, returning its status) is behind the shadow, a
+        last snapshot of the final state, so storage ends complete. Then: the final state hash (None
+        without ``ok``), its replay time per step (seconds, and over ``mean_step_s``), ``max_lag_steps``,
+        its recorded hashes, its CPU capability and ``shard_figures``."""
+        cfg, sha = self.cfg, None
+        if ok:
+            self.ensure_alive(timeout_s=600)
+            sha = self.state_sha256(cfg.steps, cfg.faults.recovery_timeout_s)
+            self.refresh_status(timeout_s=60)
+            durable = flush().get("last_durable_step")
+            if cfg.snapshot.every_steps and self.status["step"] > (durable or 0):  # e.g. its write failed in an outage
+                self.snapshot_now(timeout_s=600)
         replay_s = self.status.get("replay_seconds_per_step")
         return {
             "shadow_state_sha256": sha,

@@ -14,7 +14,7 @@ import logging
 import pathlib
 
 from raycheck.job.config import JobConfig, OldConfigError, default_scratch_dir, refuse_flat
-from raycheck.storage.backend import Storage
+from raycheck.storage.backend import Storage, StorageError
 from raycheck.storage.log_segments import read_segments
 from raycheck.storage.steplog import StepLogError
 
@@ -111,3 +111,14 @@ def _check_log(storage: Storage, cfg: JobConfig) -> None:
             f"{cfg.trajectory_sha256()[:12]}), its step log run {header.get('run_id')} (trajectory "
             f"{str(header.get('trajectory_sha256'))[:12]}); give the storage URI of one run (its own prefix)")
 
+
+def store_config(cfg: JobConfig) -> bool:
+    """``save_config``, at a run's start: storage that fails here does not stop the run (the step log is
+    local, snapshots wait for storage); it is then resumable from its run directory only, which the
+    warning says (and ``summary.json``'s ``config_stored``, False). Returns whether it was put there."""
+    try:
+        return save_config(cfg)
+    except StorageError as exc:
+        log.warning("the configuration could not be put in %s (%s): until a later start stores it, this run "
+                    "resumes from its run directory only, not from the bucket alone", cfg.storage.uri, exc)
+        return False

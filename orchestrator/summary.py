@@ -12,6 +12,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raycheck.job.config import JobConfig
+
 METRIC_COLUMNS = ("step", "loss", "step_seconds", "checkpoint_block_seconds", "log_append_seconds", "shadow_lag_steps",
                   "snapshot_interval_steps")
 
@@ -327,6 +329,41 @@ class Collected:
     """``JobConfig.data.task``."""
     base: dict
     """The fields known whatever happened (phase, restarts, placement, configuration, ...), last in the summary."""
+
+
+def placement_record(policy: str | None, driver: dict | None, persister: list[dict], shadow_shards: list[list[dict]] | None,
+                     events: list[dict]) -> dict:
+    """Where each component ran (pure): ``policy`` (``orchestrator.cluster.Placement.policy``), ``driver``,
+    ``persister`` (one entry per incarnation), ``shadow_shards`` (per shard, one per incarnation that
+    answered; None without a shadow) and ``workers`` (one per worker start, from the ``placement`` events:
+    ``rank``, ``unix_s``); each entry has ``node_id`` and ``node_ip``."""
+    return {"policy": policy, "driver": driver, "persister": persister, "shadow_shards": shadow_shards,
+            "workers": [{k: e[k] for k in ("rank", "node_id", "node_ip", "unix_s")}
+                        for e in events if e["kind"] == "placement" and e["component"] == "worker"]}
+
+
+def summary_base(cfg: JobConfig, *, phase: str, shadow_restarts: list[dict] | None, persister_restarts: int, config_stored: bool,
+                 wall_seconds: float, placement: dict) -> dict:
+    """The summary fields known whatever happened (pure; ``Collected.base``, last in ``run_summary`` and
+    ``failed_summary``): the phase, the algorithm, strategy and dtype, the shadow's and persister's restarts,
+    whether the configuration is in the remote storage, the snapshot policy, the storage consistency, the
+    driver's wall-clock seconds, the trajectory hash, where each component ran (``placement_record``) and
+    the configuration."""
+    return {
+        "phase": phase,
+        "algo": cfg.algo,
+        "strategy": cfg.strategy,
+        "dtype": cfg.dtype,
+        "shadow_restarts": shadow_restarts,
+        "persister_restarts": persister_restarts,
+        "config_stored": config_stored,
+        "snapshot_policy": cfg.snapshot.policy,
+        "storage_consistency": cfg.storage.consistency,
+        "wall_seconds": wall_seconds,
+        "trajectory_sha256": cfg.trajectory_sha256(),
+        "placement": placement,
+        "config": cfg.to_dict(),
+    }
 
 
 def run_summary(c: Collected) -> dict:

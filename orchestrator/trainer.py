@@ -1,9 +1,11 @@
 """The Ray Train trainer of a run: the workers' loop for its algorithm, its worker count and placement,
-and Ray Train's own restart budget (``FailureConfig.max_failures``)."""
+and Ray Train's own restart budget (``FailureConfig.max_failures``); and its ``fit`` run on a thread
+(``Fit``) while the driver watches."""
 
 from __future__ import annotations
 
 import pathlib
+import threading
 
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # what ray.train exports (Ray Train v2)
 from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
@@ -44,3 +46,25 @@ def trainer(cfg: JobConfig, shipped: dict, placement: Placement) -> TorchTrainer
             callbacks=[GroupTimeline(cfg)],  # type: ignore[list-item]
         ),
     )
+
+
+class Fit:
+    """``trainer.fit()`` on a daemon thread, started at once: ``running`` while it runs, then ``outcome``
+    (``ok``; ``error``: ``<ErrorType>: message`` of what it raised, reported in the summary and by the
+    exit code)."""
+
+    def __init__(self, trainer: TorchTrainer) -> None:
+        self.outcome: dict[str, object] = {}
+        self._thread = threading.Thread(target=self._fit, args=(trainer,), name="ray-train-fit", daemon=True)
+        self._thread.start()
+
+    def _fit(self, trainer: TorchTrainer) -> None:
+        try:
+            trainer.fit()
+            self.outcome["ok"] = True
+        except Exception as exc:
+            self.outcome.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()

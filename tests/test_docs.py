@@ -63,9 +63,8 @@ def _returned_keys(source: pathlib.Path, function: str) -> set[str]:
 
 
 def test_the_summary_reference_names_exactly_the_fields_the_code_writes():
-    controller = ROOT / "orchestrator" / "controller.py"
-    base = {k: None for k in _returned_keys(controller, "_summary_base")}
-    shadow = {k: None for k in _returned_keys(ROOT / "orchestrator" / "shadow_keeper.py", "final_figures")}
+    base = {k: None for k in _returned_keys(ROOT / "orchestrator" / "summary.py", "summary_base")}
+    shadow = {k: None for k in _returned_keys(ROOT / "orchestrator" / "shadow_keeper.py", "finish")}
     assert {"phase", "config", "placement"} <= base.keys() and {"shadow_shards", "shadow_hashes"} <= shadow.keys()
     written = run_summary(Collected(ok=True, error=None, events=[], executions=[], rows=[], shadow=shadow, persisted={},
                                     mirror={}, keeper={}, durability_level="node", task="classification", base=base))

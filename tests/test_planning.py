@@ -82,20 +82,19 @@ def test_observe_rows_feeds_each_step_once_and_reports_its_replans_spells_and_in
     first = planner.every_steps
     persister = {"written": 2, "failed": 0, "write_seconds": 1.0}
     rows = [{"step": s, "unix_s": 100.0 + 0.5 * s, **row(0.5)} for s in range(6)]
-    plan = planner.observe_rows(rows, [], {"replay_seconds_per_step": 0.1}, persister, t_start=100.0, in_force_steps=first,
-                                calibration_requested=True)
+    plan = planner.observe_rows(rows, [], {"replay_seconds_per_step": 0.1}, persister, t_start=100.0, in_force_steps=first)
     assert (plan.step, plan.interval_steps, plan.in_force_steps, plan.snapshots_written) == (5, planner.every_steps, first, 2)
     assert plan.replans and plan.replans[0].previous_interval_steps == first and not plan.infeasible
     assert planner.policy.replanner.estimates["step_s"].count == 6
     again = planner.observe_rows(rows, [], {"replay_seconds_per_step": 0.1}, persister, t_start=100.0,
-                                 in_force_steps=plan.interval_steps, calibration_requested=True)
+                                 in_force_steps=plan.interval_steps)
     assert (again.step, again.replans, planner.policy.replanner.estimates["step_s"].count) == (5, (), 6)  # nothing fed twice
     changed = plan.replans[0].step
     assert [planner.interval_at(s) for s in range(changed)] == [first] * changed
     assert planner.interval_at(5) == planner.interval_at(10**6) == planner.every_steps
     slow = [{"step": s, "unix_s": 104.0 + 0.5 * s, **row(0.5)} for s in range(6, 20)]
     plan = planner.observe_rows(rows + slow, [], {"replay_seconds_per_step": 5.0}, persister, t_start=100.0,
-                                in_force_steps=plan.interval_steps, calibration_requested=True)
+                                in_force_steps=plan.interval_steps)
     assert len(plan.infeasible) == 1 and plan.step == 19 and plan.interval_steps == planner.every_steps
     assert plan.infeasible[0].interval_steps == planner.every_steps and 6 <= plan.infeasible[0].step < 19
     assert plan.infeasible[0].reason.startswith("the shadow replays a step in")
