@@ -23,7 +23,7 @@ from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer 0.29 
 from typer.core import TyperCommand, TyperGroup
 
 from raycheck.job.config import COMPONENTS, JobConfig, OldConfigError, field_spec
-from raycheck.job.options import SECTIONS, Opt, option_of
+from raycheck.job.options import SECTIONS, Opt, metavar_of, option_of
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.console import RunConsole, summary_table
 from raycheck.cli.experiment import experiment
@@ -424,7 +424,7 @@ def printed_summary(summary: dict, out: pathlib.Path, verify: bool) -> dict:
 
 
 def _hand_options(
-    out: Annotated[pathlib.Path, typer.Option(help="Run directory.")] = pathlib.Path("runs/default"),
+    out: Annotated[pathlib.Path, typer.Option(help="Run directory.", metavar="DIR")] = pathlib.Path("runs/default"),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory (its reference/ is kept).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out (after the driver died): same run id and settings "
                                                "(from its config.json), restored from storage and the step log; "
@@ -438,9 +438,10 @@ def _hand_options(
     json_output: Annotated[bool, typer.Option("--json", help="End with the summary as JSON (for scripts) instead of the "
                                                              "table.")] = False,
     fail_schedule: Annotated[
-        str, typer.Option(help="Random failures: poisson:MTBF_STEPS[:TARGET] or weibull:MTBF_STEPS:SHAPE[:TARGET], seeded by --fail-seed.")
+        str, typer.Option(help="Random failures: poisson:MTBF_STEPS[:TARGET] or weibull:MTBF_STEPS:SHAPE[:TARGET], seeded by --fail-seed.",
+                          metavar="SPEC")
     ] = "",
-    fail_seed: Annotated[int, typer.Option(help="Seed of --fail-schedule.")] = 0,
+    fail_seed: Annotated[int, typer.Option(help="Seed of --fail-schedule.", metavar="N")] = 0,
 ) -> None:
     """``raycheck run``'s options that fill no ``JobConfig`` field of their own (``HAND_SECTIONS``); the others
     come from the fields (``_run_signature``)."""
@@ -454,7 +455,7 @@ def _run_signature() -> Signature:
         component, _, leaf = path.rpartition(".")
         kind = o.type or get_type_hints(COMPONENTS[component] if component else JobConfig)[leaf]
         default = COMMAND_DEFAULTS[name] if name in COMMAND_DEFAULTS else JobConfig.default(path)
-        params[name] = Parameter(name, Parameter.KEYWORD_ONLY, annotation=Annotated[kind, typer.Option(help=o.help, min=o.min, max=o.max)],
+        params[name] = Parameter(name, Parameter.KEYWORD_ONLY, annotation=Annotated[kind, typer.Option(help=o.help, min=o.min, max=o.max, metavar=metavar_of(o, kind))],
                                  default=o.show(default) if o.show else default)
     ordered = [params[name] for name in HELP_ORDER if name in params]
     return Signature([Parameter("ctx", Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),

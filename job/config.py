@@ -161,10 +161,10 @@ def _require_at_least(owner: str, component: object, names: tuple[str, ...], low
 class ZOConfig:
     """MeZO (algo ``zo``): the zeroth-order optimiser and how a step's batch is split."""
 
-    lr: float = field(default=1e-6, metadata=opt('--lr', 'Zeroth-order (MeZO)',
+    lr: float = field(default=1e-6, metadata=opt('--lr', 'Zeroth-order (MeZO)', metavar='NUMBER',
             help='Learning rate.'))
     """MeZO learning rate, constant."""
-    eps: float = field(default=1e-3, metadata=opt('--eps', 'Zeroth-order (MeZO)',
+    eps: float = field(default=1e-3, metadata=opt('--eps', 'Zeroth-order (MeZO)', metavar='NUMBER',
             help='MeZO perturbation scale.'))
     """MeZO perturbation scale."""
     micro_batch_size: int = field(default=0, metadata=opt('--micro-batch-size', 'First-order', min=0, unit="examples",
@@ -193,7 +193,7 @@ class FOConfig:
     max_grad_norm: float = field(default=1.0, metadata=opt('--fo-max-grad-norm', 'First-order', min=0,
             help="fo: clip the gradients' global L2 norm to this (0: off)."))
     """Clip the global L2 norm of the gradients to this before each AdamW step (0: no clipping)."""
-    parallelism: str = field(default="ddp", metadata=opt('--fo-parallelism', 'First-order',
+    parallelism: str = field(default="ddp", metadata=opt('--fo-parallelism', 'First-order', metavar='ddp|fsdp2',
             help='fo: ddp (every worker holds the whole state) or fsdp2 (state sharded over the workers with'
             ' FSDP2; checkpoints per rank with torch DCP, so --resume --workers N may change the worker'
             ' count; full-sync/full-async only).'))
@@ -255,18 +255,18 @@ class SnapshotConfig:
     every_steps: int = field(default=10, metadata=opt('--snapshot-every', 'Snapshots, step log and storage', min=0, unit="steps",
             help='Fixed snapshot/checkpoint interval in steps (0: log only).'))
     """Fixed snapshot interval in steps (0: log-only); ignored when ``policy`` is adaptive."""
-    policy: str = field(default="fixed", metadata=opt('--snapshot-policy', 'Snapshots, step log and storage',
+    policy: str = field(default="fixed", metadata=opt('--snapshot-policy', 'Snapshots, step log and storage', metavar='fixed|adaptive',
             help='fixed (--snapshot-every) or adaptive (cost model, re-planned from measured costs).'))
     """``fixed`` (every ``every_steps`` steps) or ``adaptive`` (the cost model's optimum for the
     costs measured while the job runs, re-planned as they change: ``policies.replan``)."""
-    mtbf_s: float = field(default=3600.0, metadata=opt('--mtbf', 'Snapshots, step log and storage', unit="s", type=str, parse=parse_duration, show=duration_text,
+    mtbf_s: float = field(default=3600.0, metadata=opt('--mtbf', 'Snapshots, step log and storage', metavar='DURATION', unit="s", type=str, parse=parse_duration, show=duration_text,
             help='Assumed job MTBF for the adaptive policy, e.g. 30min, 3h.'))
     """Assumed mean time between failures of the job, seconds, for the adaptive policy (refined by
     the failures it sees)."""
     keep: int = field(default=3, metadata=opt('--keep-snapshots', 'Snapshots, step log and storage', min=1,
             help='Complete snapshots to keep.'))
     """Complete snapshots kept in the storage."""
-    persister_priority: str = field(default="normal", metadata=opt('--persister-priority', 'Snapshots, step log and storage',
+    persister_priority: str = field(default="normal", metadata=opt('--persister-priority', 'Snapshots, step log and storage', metavar='normal|idle',
             help="CPU and I/O priority of the snapshot persister's process: normal, or idle (SCHED_IDLE, "
             'nice 19, idle I/O: it writes only in CPU time the training leaves).'))
     """CPU and I/O priority of the snapshot persister's process: ``normal``, or ``idle`` (every thread at
@@ -297,15 +297,15 @@ class SnapshotConfig:
 class StorageConfig:
     """Where snapshots (and, remote, the step log's segments and the stored config) go."""
 
-    uri: str = field(default="", metadata=opt('--storage', 'Snapshots, step log and storage', parse=storage_uri,
+    uri: str = field(default="", metadata=opt('--storage', 'Snapshots, step log and storage', metavar='URI', parse=storage_uri,
             help='Snapshot storage: a path, file://PATH or s3://BUCKET/PREFIX. Default: <out>/snapshots.'))
     """Snapshot storage URI (a path, ``file://``, ``s3://bucket/prefix``); empty: ``<out_dir>/snapshots``."""
-    options: dict[str, Any] = field(default_factory=dict, metadata=opt('--s3-endpoint', 'Snapshots, step log and storage', type=str, parse=endpoint_options, show=endpoint_of,
+    options: dict[str, Any] = field(default_factory=dict, metadata=opt('--s3-endpoint', 'Snapshots, step log and storage', metavar='URL', type=str, parse=endpoint_options, show=endpoint_of,
             help='S3 endpoint URL (default: $AWS_ENDPOINT_URL; keys from '
             '$AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY).'))
     """Backend options, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``; credentials come from the
     standard AWS environment variables."""
-    consistency: str = field(default="fenced", metadata=opt('--storage-consistency', 'Snapshots, step log and storage',
+    consistency: str = field(default="fenced", metadata=opt('--storage-consistency', 'Snapshots, step log and storage', metavar='fenced|unfenced',
             help='fenced: a remote --storage must honour conditional writes (probed at the start) or the run'
             ' is refused; unfenced: run on one that ignores them, without fencing of stale writers '
             '(recorded in summary.json).'))
@@ -327,7 +327,7 @@ class StorageConfig:
 class FaultConfig:
     """Injected failures, and the budgets and timeouts of recovering from any failure."""
 
-    failures: tuple[FailureSpec, ...] = field(default=(), metadata=opt('--fail', 'Run', type=list[str], parse=parse_failures, show=failure_texts,
+    failures: tuple[FailureSpec, ...] = field(default=(), metadata=opt('--fail', 'Run', metavar='STEP[:TARGET[:HOW]]', type=list[str], parse=parse_failures, show=failure_texts,
             help='Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], TARGET one '
             'of worker, shadow, both, corrupt, persister, node, storage; HOW one of exit, raise, '
             'sigkill, torn (worker only; raise: an exception, the process survives, see '
@@ -409,7 +409,7 @@ class ElasticConfig:
     workers))``): when a node is lost and no replacement can be placed, training continues on fewer workers
     and grows back to ``workers`` when the cluster can place them; the trajectory stays the same bits
     (``zo.micro_batch_size``). 0: a fixed ``workers``."""
-    resize_interval_s: float = field(default=60.0, metadata=opt('--elastic-resize-interval', 'Failures and restarts', unit="s", type=str, parse=parse_duration, show=duration_text,
+    resize_interval_s: float = field(default=60.0, metadata=opt('--elastic-resize-interval', 'Failures and restarts', metavar='DURATION', unit="s", type=str, parse=parse_duration, show=duration_text,
             help='With --min-workers: how often Ray Train checks whether more workers can be placed, e.g. '
             '60s.'))
     """With ``min_workers``: seconds between Ray Train's checks whether more workers can be placed
@@ -426,33 +426,33 @@ class DataConfig:
     """What a run trains on: the data file (or the built-in snippets), the task, and how a row becomes a
     prompt (``training.data``). The file itself is read on the driver only (``training.data.load_data_file``)."""
 
-    path: str = field(default="", metadata=opt('--data', 'Run', parse=absolute,
+    path: str = field(default="", metadata=opt('--data', 'Run', metavar='FILE', parse=absolute,
             help='Training data: a local .jsonl, .csv or .parquet file (default: the Rotten Tomatoes '
             'snippets); every 10th row is held out.'))
     """A local JSONL, CSV or Parquet file (read on the driver only, ``training.data.load_data_file``);
     empty: the Rotten Tomatoes snippets."""
     sha256: str = ""
     """sha256 of the data file's bytes, set by the driver; part of the trajectory."""
-    task: str = field(default="classification", metadata=opt('--task', 'Data and task',
+    task: str = field(default="classification", metadata=opt('--task', 'Data and task', metavar='classification|causal-lm',
             help='classification (a prompt scored by its label words) or causal-lm (loss on the completion '
             'tokens; needs --data).'))
     """``classification`` (a prompt scored by its label words) or ``causal-lm`` (token loss on the
     completion: prompt/completion columns, or one text column); ``causal-lm`` needs ``path``."""
-    text_column: str = field(default="text", metadata=opt('--text-column', 'Data and task',
+    text_column: str = field(default="text", metadata=opt('--text-column', 'Data and task', metavar='COLUMN',
             help='Column of the text (classification; causal-lm without prompt/completion).'))
-    label_column: str = field(default="label", metadata=opt('--label-column', 'Data and task',
+    label_column: str = field(default="label", metadata=opt('--label-column', 'Data and task', metavar='COLUMN',
             help='Classification: column of the label (a label word or its 0-based index).'))
     """Classification: the label of a row is a label word or its 0-based index in ``label_words``."""
-    label_words: str = field(default=",".join(w.strip() for w in LABEL_WORDS), metadata=opt('--label-words', 'Data and task',
+    label_words: str = field(default=",".join(w.strip() for w in LABEL_WORDS), metadata=opt('--label-words', 'Data and task', metavar='WORDS',
             help='Classification: label words, comma-separated.'))
     """Classification: the label words, comma-separated (each scored with a leading space)."""
-    prompt_template: str = field(default=PROMPT, metadata=opt('--prompt-template', 'Data and task', parse=typed_newlines, show=shown_newlines,
+    prompt_template: str = field(default=PROMPT, metadata=opt('--prompt-template', 'Data and task', metavar='TEXT', parse=typed_newlines, show=shown_newlines,
             help='Classification: the prompt, {text} standing for the text and \\n (backslash n, as typed) '
             'for a newline.'))
     """Classification: the prompt, ``{text}`` standing for the text column (once)."""
-    prompt_column: str = field(default="prompt", metadata=opt('--prompt-column', 'Data and task',
+    prompt_column: str = field(default="prompt", metadata=opt('--prompt-column', 'Data and task', metavar='COLUMN',
             help='Causal LM: column of the prompt.'))
-    completion_column: str = field(default="completion", metadata=opt('--completion-column', 'Data and task',
+    completion_column: str = field(default="completion", metadata=opt('--completion-column', 'Data and task', metavar='COLUMN',
             help='Causal LM: column of the completion (the tokens the loss is on).'))
     """Causal LM: the columns of a prompt/completion file (loss on the completion tokens); a file with
     only ``text_column`` is trained on all of its tokens."""
@@ -476,12 +476,12 @@ class PlacementConfig:
     """Where the run's processes go and how the shadow is split: none of it is part of the trajectory
     (``orchestrator.cluster.plan_placement``, ``actors.shards``)."""
 
-    worker_resource: str = field(default="", metadata=opt('--worker-resource', 'Shadow and placement',
+    worker_resource: str = field(default="", metadata=opt('--worker-resource', 'Shadow and placement', metavar='RESOURCE',
             help='Ray custom resource each train worker asks one unit of (places the workers on the nodes '
             'offering it).'))
     """A Ray custom resource each train worker asks one unit of (besides its CPU or GPU), placing the
     workers on the nodes that offer it; empty: any node (``orchestrator.cluster.plan_placement``)."""
-    shadow_resource: str = field(default="", metadata=opt('--shadow-resource', 'Shadow and placement',
+    shadow_resource: str = field(default="", metadata=opt('--shadow-resource', 'Shadow and placement', metavar='RESOURCE',
             help='Ray custom resource each shadow shard and the snapshot persister ask one unit of. Default:'
             ' on 2+ nodes, off every node that can host a train worker.'))
     """A Ray custom resource each shadow shard and the snapshot persister ask one unit of; empty: on
@@ -500,7 +500,7 @@ class PlacementConfig:
     """Threads of each shadow actor (each shard): its replay splits every large tensor over them
     (``training.noise``; the same bits on any count). Size them with ``raycheck policy --elements
     --replay-rate``; the actors ask Ray for no CPU, so leave the cores they use free of workers."""
-    shadow_env: dict[str, str] = field(default_factory=dict, metadata=opt('--shadow-env', 'Shadow and placement', type=list[str], parse=parse_env, show=env_pairs,
+    shadow_env: dict[str, str] = field(default_factory=dict, metadata=opt('--shadow-env', 'Shadow and placement', metavar='KEY=VALUE', type=list[str], parse=parse_env, show=env_pairs,
             help="KEY=VALUE set in the shadow actor's process (Ray runtime_env), e.g. "
             'ATEN_CPU_CAPABILITY=default. Repeatable.'))
     """Environment variables of the shadow actor's process (Ray ``runtime_env`` ``env_vars``), e.g.
@@ -570,10 +570,10 @@ class JobConfig:
 
     out_dir: str
     """Run directory: step log, snapshots (by default), events, metrics, summary."""
-    cache_dir: str = field(metadata=opt('--cache-dir', 'Snapshots, step log and storage', type=pathlib.Path, parse=absolute,
+    cache_dir: str = field(metadata=opt('--cache-dir', 'Snapshots, step log and storage', metavar='DIR', type=pathlib.Path, parse=absolute,
             help='Converted-model cache.'))
     """Where converted models live (see ``training.model.default_cache_dir``)."""
-    model: str = field(default="smollm2-135m", metadata=opt('--model', 'Run', parse=model_arg,
+    model: str = field(default="smollm2-135m", metadata=opt('--model', 'Run', metavar='NAME|DIR', parse=model_arg,
             help=f"Model: {', '.join(MODEL_NAMES)}, "
             'a local Hugging Face model folder (config.json + *.safetensors) or a model id in the local'
             ' Hugging Face cache (never downloaded).'))
@@ -583,10 +583,10 @@ class JobConfig:
     """sha256 of the model folder's files (``training.model.files_sha256``), set by the driver
     (``orchestrator.api.check_job``); empty for a built-in name. Part of the trajectory."""
     data: DataConfig = field(default_factory=DataConfig)
-    algo: str = field(default="zo", metadata=opt('--algo', 'Run',
+    algo: str = field(default="zo", metadata=opt('--algo', 'Run', metavar='zo|fo',
             help='zo (MeZO, zeroth-order, with a step log) or fo (AdamW, first-order).'))
     """``zo`` (MeZO, zeroth-order, the step log) or ``fo`` (AdamW, first-order)."""
-    strategy: str = field(default="", metadata=opt('--strategy', 'Run',
+    strategy: str = field(default="", metadata=opt('--strategy', 'Run', metavar='NAME',
             help='Checkpointing strategy. zo: shadow (step log + CPU shadow + snapshots, default), '
             'full-sync, full-async, log-only; fo: layerwise (default), differential, overlapped, '
             'full-sync, full-async. full-* and overlapped checkpoint every --snapshot-every steps.'))
@@ -598,7 +598,7 @@ class JobConfig:
             help='Samples per step (split across workers).'))
     seq_len: int = field(default=32, metadata=opt('--seq-len', 'Data and task', min=8, unit="tokens",
             help='Maximum prompt length in tokens.'))
-    seed: int = field(default=0, metadata=opt('--seed', 'Data and task',
+    seed: int = field(default=0, metadata=opt('--seed', 'Data and task', metavar='N',
             help='Run seed (batches and perturbations).'))
     workers: int = field(default=1, metadata=opt('--workers', 'Run', min=1,
             help='Ray Train workers (data parallel, gloo).'))
@@ -630,20 +630,20 @@ class JobConfig:
     """This driver incarnation's writer epoch in the snapshot index (``SnapshotStore.claim_epoch``, set
     by the controller at each start and ``--resume``); writers of an older one are fenced."""
     namespace: str = "raycheck"
-    device: str = field(default="cpu", metadata=opt('--device', 'Run',
+    device: str = field(default="cpu", metadata=opt('--device', 'Run', metavar='cpu|cuda',
             help='zo: where the workers compute, cpu or cuda (one GPU per worker; the step log and the '
             'shadow stay on the CPU; see scripts/device-check).'))
     """Where the ZO workers compute: ``cpu`` or ``cuda`` (one GPU per worker, Ray Train ``use_gpu``). The
     step log, the shadow and snapshots stay on the CPU; the forward passes differ between devices, so
     the device is part of the trajectory (``trajectory_sha256``) when it is not ``cpu``."""
-    dtype: str = field(default="float32", metadata=opt('--dtype', 'Run',
+    dtype: str = field(default="float32", metadata=opt('--dtype', 'Run', metavar='float32|bfloat16|float16',
             help='zo: the dtype the workers hold and perturb the parameters in: float32, bfloat16 or float16'
             ' (half the memory; the shadow, recoveries and replay use the same one, bitwise: see '
             'docs/dtypes.md). algo fo trains in float32.'))
     """The dtype the ZO workers hold and perturb the parameters in (``DTYPE_NAMES``: float32,
     bfloat16, float16); the shadow, recoveries, snapshots and ``raycheck replay`` use the same one (the
     step log header records it). Part of the trajectory (``trajectory_sha256``) when it is not float32."""
-    durability: str = field(default="node", metadata=opt('--durability', 'Snapshots, step log and storage',
+    durability: str = field(default="node", metadata=opt('--durability', 'Snapshots, step log and storage', metavar='process|node|cluster',
             help="zo step log: a step is durable before its update when fsynced on rank 0's node (process), "
             "also acknowledged by the log keeper on the driver's node (node), or also uploaded to the "
             'remote --storage (cluster, group commit).'))
@@ -652,7 +652,7 @@ class JobConfig:
     keeper on the driver's node; survives the loss of rank 0's node when that is another node) or
     ``cluster`` (also in the remote storage, ``JobConfig.storage``, as a log segment, uploaded by the keeper with group
     commit; survives the loss of every node)."""
-    scratch_dir: str = field(default="", metadata=opt('--scratch-dir', 'Snapshots, step log and storage',
+    scratch_dir: str = field(default="", metadata=opt('--scratch-dir', 'Snapshots, step log and storage', metavar='DIR',
             help="Node-local directory for rank 0's own step log (default: a per-run directory under the "
             'system temp dir; never the run directory).'))
     """Node-local directory of rank 0's own step log (never the run directory); empty: a per-run

@@ -42,6 +42,8 @@ class Opt:
             repeatable option).
         parse: turns the option's value into the field's (None: the value as it is).
         show: turns the field's default into the option's (the inverse of ``parse``; None: as it is).
+        metavar: what ``--help`` shows for the value (``STEP[:TARGET[:HOW]]``, ``zo|fo``); empty: from the unit
+            or the type (``metavar_of``).
     """
 
     name: str
@@ -53,6 +55,7 @@ class Opt:
     type: Any = None
     parse: Callable[[Any], Any] | None = None
     show: Callable[[Any], Any] | None = None
+    metavar: str = ""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"--[a-z0-9]+(-[a-z0-9]+)*", self.name):
@@ -64,6 +67,20 @@ class Opt:
     def parameter(self) -> str:
         """The option's parameter name (``--layer-threshold``: ``layer_threshold``)."""
         return self.name[2:].replace("-", "_")
+
+
+UNIT_METAVARS = {"s": "SECONDS", "steps": "STEPS", "bytes": "BYTES", "examples": "N", "tokens": "TOKENS"}
+"""The value's name in ``--help`` for an option with a unit and no ``metavar`` of its own."""
+
+
+def metavar_of(option: Opt, kind: Any) -> str:
+    """What ``--help`` shows for ``option``'s value: its ``metavar``, else its unit's name (``UNIT_METAVARS``),
+    else its type's (``kind``: ``int`` N, ``float`` NUMBER, anything else TEXT)."""
+    if option.metavar:
+        return option.metavar
+    if option.unit in UNIT_METAVARS:
+        return UNIT_METAVARS[option.unit]
+    return {int: "N", float: "NUMBER"}.get(kind, "TEXT")
 
 
 def opt(name: str, section: str, *, help: str, **more: Any) -> dict[str, Opt]:
