@@ -156,3 +156,14 @@ def test_refusals():
         ModelOptimizerState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1))
     with pytest.raises(ValueError, match="storage is required"):
         FirstOrderCheckpoints(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_an_optimizer_built_with_other_flags_loads():
+    """Flags (``foreach``, ``fused``, ...) are not state; a scheduler's ``initial_lr`` only one side has is left as is."""
+    ref = reference(2)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.01)  # foreach None, not False
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # adds initial_lr 0.5
+    ModelOptimizerState(model, opt).load(ref[2])
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["initial_lr"] == 0.5
+    assert all((a == ref[2][n]).all() for n, a in copy_state(ModelOptimizerState(model, opt).view()).items() if n in ref[2])

@@ -11,9 +11,12 @@ The state (``ModelOptimizerState.view``), in this order:
   name order), the parameter's shape, or ``(1,)`` for a 0-d tensor (Adam's step count), so
   ``storage.units.unit_of`` puts it in its parameter's unit, as ``training.fo.FOTrainer`` names them;
 * ``param_groups.<i>.<key>``: every numeric hyper-parameter of parameter group ``i`` (``lr``,
-  ``weight_decay``, ``betas``, ``momentum``, ...; a bool as 0/1, a tuple as a vector), float64, shape
-  ``(1,)`` or ``(len,)``: a scheduler's changes to them are restored with the state (the scheduler's own
-  counters are not: rebuild it from the restored step). Each group is a unit of its own.
+  ``weight_decay``, ``betas``, ``momentum``, ``initial_lr``, ...; a tuple as a vector; flags such as
+  ``foreach`` or ``amsgrad`` are not saved), float64, shape ``(1,)`` or ``(len,)``: a scheduler's changes
+  to them are restored with the state (the scheduler's own counters are not: rebuild it from the
+  restored step). Each group is a unit of its own. A load matches them by name (an entry only one side
+  has is left as it is), so an optimizer built with other flags still loads; the parameters and the
+  per-parameter state must match exactly.
 
 Torch optimizers create their per-parameter state lazily at the first ``step``. ``materialise_state``
 creates it eagerly for the optimizers whose lazy state is zeros (``Adam``, ``AdamW``, ``RMSprop``), for
@@ -119,11 +122,13 @@ def _slot_key(slot: str) -> tuple[int, str]:
 
 
 def _group_value(value: Any) -> list[float] | None:
-    """A parameter group's entry as floats (a number, a bool, or a tuple/list of numbers); None for
-    anything else (the parameters, None, strings, tensors: not saved)."""
-    if isinstance(value, (bool, int, float)):
+    """A parameter group's entry as floats (a number or a tuple/list of numbers); None for anything
+    else (the parameters, flags, None, strings, tensors: not saved)."""
+    if isinstance(value, bool):
+        return None  # a flag (foreach, fused, amsgrad, ...): set by the code, never by a scheduler
+    if isinstance(value, (int, float)):
         return [float(value)]
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, (bool, int, float)) for v in value):
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         return [float(v) for v in value]
     return None
 
@@ -201,7 +206,10 @@ class ModelOptimizerState:
         Raises:
             StateMismatchError: naming ``what`` and the first tensor that differs.
         """
-        ours = layout_of(self.view())
+        def strict(entries: list[list[Any]]) -> list[list[Any]]:  # the parameter groups are matched by name in load
+            return [e for e in entries if not e[0].startswith(GROUP_PREFIX)]
+
+        layout, ours = strict(layout), strict(layout_of(self.view()))
         if layout == ours:
             return
         theirs_by_name = {n: (d, s) for n, d, s in layout}
@@ -240,7 +248,7 @@ class ModelOptimizerState:
         for i, group in enumerate(self.optimizer.param_groups):
             for key in list(group):
                 name = f"{GROUP_PREFIX}{i}.{key}"
-                if name in view:
+                if name in view and name in state and np.asarray(as_numpy(state[name])).size == view[name].numel():
                     values = [float(v) for v in np.asarray(as_numpy(state[name]), dtype=np.float64).ravel()]
                     group[key] = _restored_value(group[key], values)
 
