@@ -150,7 +150,8 @@ class FirstOrderCheckpoints:
         """What ``restore`` loaded: ``step``, ``folder`` (None: nothing), ``seconds``, ``skipped`` (newer
         snapshots that did not load, with the reason), ``ray_checkpoint`` (``ray.train.get_checkpoint()``'s
         path, or None), ``unit_steps`` (unit -> the step its tensors belong to: a composite's)."""
-        self._reported: str | None = None
+        self._reported: str | None = None  # the folder last attached to a report (rank 0)
+        self._last_steps_done = 0
         self._warned_unmanaged = False
         self.closed = False
 
@@ -202,6 +203,7 @@ class FirstOrderCheckpoints:
                                  unit_steps={u: int(s["step"]) for u, s in chosen.manifest["units"].items()})
             same = ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder)
             self._reported = chosen.folder if same else None
+        self._last_steps_done = int(self.restored["step"])
         self.restored.update(seconds=time.perf_counter() - t0, ray_checkpoint=ray_ckpt.path if ray_ckpt is not None else None)
         if ray_ckpt is not None:
             ray_step = folder_step(os.path.basename(ray_ckpt.path.rstrip("/")))
@@ -226,6 +228,7 @@ class FirstOrderCheckpoints:
         if self.closed:
             raise RuntimeError("after_step after close()")
         t0 = time.perf_counter()
+        self._last_steps_done = steps_done
         if self.checkpointer is not None:
             self.checkpointer.after_step(steps_done, self.state.view)
         if self.report_enabled and steps_done % self.report_every_steps == 0:
@@ -273,7 +276,8 @@ class FirstOrderCheckpoints:
     def close(self, steps_done: int | None = None, metrics: Mapping[str, Any] | None = None, timeout_s: float = 600.0) -> dict[str, Any]:
         """Call once on every rank after the loop: rank 0 takes a checkpoint still postponed, waits for
         every write (at most ``timeout_s`` seconds) and stops the writer; then every rank reports once
-        more (``steps_done``: the step in that report, default the last ``after_step``'s), rank 0
+        more (``steps_done``: the step in that report, default the last ``after_step``'s; every rank
+        reports the same), rank 0
         attaching the newest committed snapshot if not reported yet, so it is ``Result.checkpoint``.
         Returns rank 0's checkpointer statistics (``checkpoints``, ``bytes``, ``last_step``, ...; ``{}``
         elsewhere) with ``storage`` and ``newest`` (the newest committed snapshot's folder, rank 0).
@@ -292,8 +296,7 @@ class FirstOrderCheckpoints:
             own = self._own()
             stats.update(storage=self.storage_uri, newest=own[-1].folder if own else None)
         if self.report_enabled:
-            last = steps_done if steps_done is not None else stats.get("last_step") or self.restored["step"]
-            self._report(int(last), metrics)
+            self._report(steps_done if steps_done is not None else self._last_steps_done, metrics)
         return stats
 
     @staticmethod
