@@ -45,7 +45,7 @@ import torch
 
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import RunStrategy
-from raycheck.storage.backend import Storage
+from raycheck.storage.backend import Storage, local_path
 from raycheck.storage.manifest import RunIdentity, folder_step, manifest_layout
 from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
@@ -71,14 +71,6 @@ def _ray_context() -> Any | None:
         return ray.train.get_context()
     except (RuntimeError, ImportError, AttributeError):
         return None
-
-
-def _local_path(uri: str) -> str | None:
-    """The filesystem path of a local storage URI (``/abs``, ``file:///abs``, a relative path); None for
-    another scheme."""
-    if uri.startswith("file://"):
-        return uri[len("file://"):]
-    return None if "://" in uri else os.path.abspath(uri)
 
 
 class FirstOrderCheckpoints:
@@ -242,7 +234,7 @@ class FirstOrderCheckpoints:
 
         assert self._ctx is not None
         sc = self._ctx.get_storage()
-        local = _local_path(self.storage_uri)
+        local = local_path(self.storage_uri)
         root = os.path.realpath(local) if local is not None else self.storage_uri.split("://", 1)[1]
         experiment = os.path.realpath(sc.experiment_fs_path) if local is not None else sc.experiment_fs_path
         if not (root + "/").startswith(experiment.rstrip("/") + "/"):
