@@ -1,0 +1,210 @@
+"""Your own first-order training loop under Ray Train, checkpointed by raycheck (layer-wise by default).
+
+    python examples/own_loop_fo.py --out /tmp/own-loop --fail-step 7 --verify
+    ray job submit --working-dir . -- python examples/own_loop_fo.py --out /shared/own-loop --fail-step 7 --verify
+
+Everything the user owns is in this file: the model (``TinyMLP``, a residual MLP: no Hugging Face), the
+data (``batch_of(step)``: a seeded, deterministic function of the step), the loss (``loss_fn``),
+``torch.optim.AdamW`` and the ``train_loop_per_worker`` that Ray Train's ``TorchTrainer`` runs. raycheck
+is three calls in that loop (``workers.own_loop.FirstOrderCheckpoints``: ``restore``, ``after_step``,
+``close``) and one after it (``load_checkpoint(result.checkpoint, ...)``).
+
+``--fail-step N``: the rank-0 worker process exits (``os._exit(1)``) in step N (0-based: after N steps,
+between its backward and ``optimizer.step``; its background writes settled first), once: a marker file in ``--out`` keeps the restarted worker
+from failing again; Ray Train (``FailureConfig(max_failures=2)``) restarts the worker group, which
+restores the newest committed checkpoint and recomputes the lost steps. ``--verify`` also runs the
+failure-free loop and compares the final states (sha256 over every tensor: weights, AdamW moments and
+step counts, parameter groups; ``training.state.state_sha256``). Layer-wise checkpoints use threshold
+0 by default (every changed unit is rewritten at each check), so every strategy here must be bitwise
+exact; with ``--layer-threshold`` > 0 a layer-wise restore is approximate by design and ``--verify``
+checks its bound instead: every unit of the restored composite at most ``--layer-staleness-steps`` old.
+Prints a JSON summary; exits 0 only when the run finished, ``Result.checkpoint`` is the newest
+committed snapshot and loads, and (``--verify``) recovery was exact (or within the bound).
+
+Ray: connects to the cluster of ``$RAY_ADDRESS`` (what ``ray job submit`` sets) or ``--address``, else
+starts a local one (``ray.init(address="local")``, never another process's local cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from typing import Any
+
+import torch
+
+import ray
+import ray.train
+import ray.train.torch
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.training.optim_state import ModelOptimizerState
+from raycheck.training.state import state_sha256
+from raycheck.workers.own_loop import STRATEGIES, FirstOrderCheckpoints, load_checkpoint
+
+FEATURES, HIDDEN, CLASSES, BATCH = 16, 64, 4, 32
+
+
+class TinyMLP(torch.nn.Module):
+    """A residual MLP: ``embed`` (16 -> 64), ``layers.0..3`` (64 -> 64, tanh, residual), ``head`` (64 -> 4).
+    ``layers.<i>`` names make each block its own checkpoint unit (``storage.units.unit_of``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(FEATURES, HIDDEN)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+        self.head = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return self.head(h)
+
+
+TEACHER = torch.Generator().manual_seed(1234)
+PROJECTION = torch.randn(FEATURES, CLASSES, generator=TEACHER)
+
+
+def batch_of(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step``: ``BATCH`` x ``FEATURES`` float32 inputs and int64 labels in [0, CLASSES) from a fixed
+    random teacher, a pure function of (seed, step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randn(BATCH, FEATURES, generator=g)
+    return x, (x @ PROJECTION).argmax(dim=1)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy with label smoothing 0.1 (the user's own loss)."""
+    return torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """The user's loop; the three raycheck calls are marked."""
+    torch.set_num_threads(1)  # the same arithmetic in every run: bitwise comparable
+    out, ctx = pathlib.Path(config["out"]), ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(config["seed"])
+    model = TinyMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.01, foreach=False)
+    if world > 1:
+        model = ray.train.torch.prepare_model(model)  # DDP over gloo: gradients averaged over the ranks
+
+    ckpt = FirstOrderCheckpoints(  # raycheck (1/3): storage defaults to <Ray Train experiment dir>/raycheck
+        model, optimizer, strategy=config["strategy"], every_steps=config["every"],
+        settings={k: config[k] for k in ("seed", "lr", "steps", "strategy")},
+        layerwise=LayerwiseConfig(threshold=config["threshold"], staleness_bound_steps=config["staleness"]))
+    start = ckpt.restore()  # raycheck (2/3): model AND optimizer, in place; 0: nothing committed yet
+    if rank == 0:
+        with open(out / f"{config['name']}.events.jsonl", "a") as f:
+            f.write(json.dumps({"event": "start", "step": start, **{k: ckpt.restored.get(k) for k in
+                                ("folder", "ray_checkpoint", "unit_steps")}}) + "\n")
+
+    for step in range(start, config["steps"]):
+        x, y = batch_of(step, config["seed"])
+        loss = loss_fn(model(x[rank::world]), y[rank::world])
+        loss.backward()
+        marker = out / "failed.marker"
+        if step == config["fail_step"] and rank == 0 and not marker.exists():
+            marker.touch()
+            ckpt.flush()  # settle the writes in flight, so the restore point follows from the step (a real crash may lose one)
+            os._exit(1)  # the process dies: Ray Train restarts the worker group
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ckpt.after_step(step + 1, {"loss": loss.item()})  # raycheck (3/3): checkpoints and Ray Train reports
+
+    stats = ckpt.close(config["steps"])
+    if rank == 0:
+        final = {"state_sha256": state_sha256(ModelOptimizerState(model, optimizer).view()), "checkpoints": stats.get("checkpoints"),
+                 "newest": stats.get("newest"), "storage": stats.get("storage")}
+        (out / f"{config['name']}.final.json").write_text(json.dumps(final))
+
+
+def run(args: argparse.Namespace, name: str, fail_step: int | None) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
+    """One ``TorchTrainer`` run of the loop; returns (Result, the final record, the start events)."""
+    out = pathlib.Path(args.out).resolve()
+    config = dict(out=str(out), name=name, seed=args.seed, lr=args.lr, steps=args.steps, every=args.every,
+                  strategy=args.strategy, threshold=args.layer_threshold, staleness=args.layer_staleness_steps,
+                  fail_step=-1 if fail_step is None else fail_step)
+    trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=args.workers),
+                           run_config=RunConfig(name=name, storage_path=str(out / "ray"),
+                                                failure_config=FailureConfig(max_failures=2)))
+    result = trainer.fit()
+    final = json.loads((out / f"{name}.final.json").read_text())
+    events = [json.loads(line) for line in (out / f"{name}.events.jsonl").read_text().splitlines()]
+    return result, final, events
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", required=True, help="the run's folder (Ray Train's storage, the checkpoints, the marker)")
+    parser.add_argument("--fail-step", type=int, default=None, help="the rank-0 worker exits in this step (0-based), once")
+    parser.add_argument("--verify", action="store_true", help="also run the failure-free loop and compare bitwise")
+    parser.add_argument("--strategy", default="layerwise", choices=STRATEGIES)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints")
+    parser.add_argument("--workers", type=int, default=1, help="Ray Train workers (DDP over gloo when > 1)")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layer-threshold", type=float, default=0.0, help="layer-wise: relative change that rewrites a unit (0: exact)")
+    parser.add_argument("--layer-staleness-steps", type=int, default=100, help="layer-wise: a unit this old is rewritten")
+    parser.add_argument("--address", default=None, help="a Ray cluster (default: $RAY_ADDRESS, else a new local one)")
+    args = parser.parse_args(argv)
+    if args.fail_step is not None and not 0 <= args.fail_step < args.steps:
+        parser.error(f"--fail-step must be in 0..{args.steps - 1}")
+
+    out = pathlib.Path(args.out).resolve()
+    if out.exists() and any(out.iterdir()):  # Ray Train would resume the runs found there, and the marker would stop the failure
+        parser.error(f"--out {out} is not empty: give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    if not ray.is_initialized():
+        address = args.address or os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, **({"num_cpus": max(2, args.workers + 1), "include_dashboard": False} if address == "local" else {}))
+
+    result, final, events = run(args, "failing", args.fail_step)
+    restores = [e for e in events if e["step"] > 0 or e["folder"]]
+    ckpt_path = result.checkpoint.path if result.checkpoint is not None else None
+    newest = SnapshotStore(final["storage"]).list()[-1].folder if final["storage"] else None
+    fresh_model = TinyMLP()
+    fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
+    loaded_step = load_checkpoint(result.checkpoint, fresh_model, fresh_opt) if result.checkpoint is not None else None
+    loaded_sha = state_sha256(ModelOptimizerState(fresh_model, fresh_opt).view())
+    summary: dict[str, Any] = {
+        "strategy": args.strategy, "steps": args.steps, "workers": args.workers, "every_steps": args.every,
+        "layer_threshold": args.layer_threshold if args.strategy == "layerwise" else None,
+        "fail_step": args.fail_step, "worker_starts": len(events),
+        "restored_from_steps": [e["step"] for e in restores],
+        "checkpoints": final["storage"], "checkpoints_committed_by_last_worker": final["checkpoints"],
+        "result_checkpoint": ckpt_path, "result_checkpoint_step": loaded_step,
+        "result_checkpoint_is_newest": ckpt_path is not None and os.path.basename(ckpt_path) == newest,
+        "result_checkpoint_loads_final_state": loaded_step == args.steps and loaded_sha == final["state_sha256"],
+        "state_sha256": final["state_sha256"],
+    }
+    ok = summary["result_checkpoint_is_newest"] and loaded_step is not None
+    if args.fail_step is not None:
+        ok = ok and len(events) >= 2
+    if args.verify:
+        _, reference, _ = run(args, "reference", None)
+        bitwise = final["state_sha256"] == reference["state_sha256"]
+        summary.update(reference_sha256=reference["state_sha256"], bitwise_equal=bitwise)
+        approximate = args.strategy == "layerwise" and args.layer_threshold > 0
+        if approximate:  # LayerCheck's bound: every restored unit at most the staleness bound old
+            ages = [e["step"] - s for e in restores for s in (e["unit_steps"] or {}).values()]
+            summary["recovery"] = "within bound" if max(ages, default=0) <= args.layer_staleness_steps else "beyond bound"
+            ok = ok and summary["recovery"] == "within bound"
+        else:
+            summary["recovery"] = "exact" if bitwise else "NOT exact"
+            ok = ok and bitwise
+    print(json.dumps(summary, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

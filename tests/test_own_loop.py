@@ -1,0 +1,169 @@
+"""A user's own first-order loop (``workers.own_loop``, ``training.optim_state``), without Ray: the state
+view of a real tiny model + AdamW, restore round trips bitwise (sha256 of every tensor) for each
+strategy, the layer-wise composite with each unit's optimizer state, and the one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, UnsupportedOptimizerError
+from raycheck.training.state import copy_state, state_sha256
+from raycheck.storage.units import unit_of
+from raycheck.workers.own_loop import FirstOrderCheckpoints, load_checkpoint
+
+
+class Net(torch.nn.Module):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(6, hidden)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(3))
+        self.head = torch.nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return self.head(h)
+
+
+def make(hidden: int = 16, lr: float = 1e-2) -> tuple[Net, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    model = Net(hidden)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
+
+
+def step(model: Net, opt: torch.optim.Optimizer, i: int) -> None:
+    g = torch.Generator().manual_seed(1000 + i)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 2, (8,), generator=g)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def reference(steps: int) -> list[dict]:
+    """The failure-free states after 0..steps steps (copies)."""
+    model, opt = make()
+    view = ModelOptimizerState(model, opt)
+    states = [copy_state(view.view())]
+    for i in range(steps):
+        step(model, opt, i)
+        states.append(copy_state(view.view()))
+    return states
+
+
+def test_state_view_layout():
+    model, opt = make()
+    view = ModelOptimizerState(model, opt).view()
+    names = list(view)
+    assert names[:2] == ["embed.weight", "embed.bias"]
+    assert "optim.exp_avg.layers.1.weight" in names and "optim.step.head.bias" in names
+    assert view["optim.step.head.bias"].shape == (1,) and view["param_groups.0.lr"].dtype == torch.float64
+    assert unit_of("optim.exp_avg_sq.layers.1.weight") == unit_of("layers.1.weight") == "layer.001"
+    # the eager state is what AdamW's first step creates: same trajectory as a plain optimizer
+    plain_model, plain_opt = make()
+    for i in range(3):
+        step(model, opt, i)
+        step(plain_model, plain_opt, i)
+    assert state_sha256(ModelOptimizerState(plain_model, plain_opt).view()) == state_sha256(ModelOptimizerState(model, opt).view())
+
+
+def test_round_trip_restores_lr_and_is_bitwise():
+    ref = reference(6)
+    model, opt = make(lr=0.5)  # another lr: the saved parameter group's lr wins
+    ModelOptimizerState(model, opt).load(ref[3])
+    assert opt.param_groups[0]["lr"] == 1e-2 and isinstance(opt.param_groups[0]["amsgrad"], bool)
+    for i in range(3, 6):
+        step(model, opt, i)
+    assert state_sha256(ModelOptimizerState(model, opt).view()) == state_sha256(ref[6])
+
+
+@pytest.mark.parametrize("strategy", ["full-sync", "full-async", "layerwise"])
+def test_restore_resumes_bitwise(tmp_path, strategy):
+    ref = reference(12)
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), strategy=strategy, every_steps=3, report=False,
+                                 layerwise=LayerwiseConfig(threshold=0.0), settings={"lr": 1e-2})
+    assert ckpt.restore() == 0
+    for i in range(8):  # "fails" after step 8: the last checkpoint is of step 6
+        step(model, opt, i)
+        ckpt.after_step(i + 1)
+    ckpt.flush()
+    stats = ckpt.close()
+    assert stats["last_step"] == 6 and stats["newest"].startswith("step-0000000006")
+
+    model, opt = make(lr=0.3)
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), strategy=strategy, every_steps=3, report=False,
+                                 layerwise=LayerwiseConfig(threshold=0.0), settings={"lr": 1e-2})
+    start = ckpt.restore()
+    assert start == 6 and state_sha256(ModelOptimizerState(model, opt).view()) == state_sha256(ref[6])
+    for i in range(start, 12):
+        step(model, opt, i)
+        ckpt.after_step(i + 1)
+    stats = ckpt.close()
+    assert state_sha256(ModelOptimizerState(model, opt).view()) == state_sha256(ref[12])
+    assert stats["last_step"] == 12
+    # the committed snapshot loads in one call, into a fresh model and optimizer
+    model, opt = make()
+    assert load_checkpoint(str(tmp_path / "ckpt" / stats["newest"]), model, opt) == 12
+    assert state_sha256(ModelOptimizerState(model, opt).view()) == state_sha256(ref[12])
+
+
+def test_layerwise_composite_units_carry_their_optimizer_state(tmp_path):
+    """Threshold 5e-3: some units are rewritten at a check, others referenced from an older one; each
+    unit (weights, moments, step count) is restored as it was at its own step."""
+    ref = reference(12)
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path), every_steps=3, report=False,
+                                 layerwise=LayerwiseConfig(threshold=5e-2, staleness_bound_steps=100))
+    ckpt.restore()
+    for i in range(12):
+        step(model, opt, i)
+        ckpt.after_step(i + 1)
+    ckpt.close()
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path), every_steps=3, report=False)
+    assert ckpt.restore() == 12
+    unit_steps = ckpt.restored["unit_steps"]
+    assert len(set(unit_steps.values())) > 1, unit_steps  # a real composite
+    restored = copy_state(ModelOptimizerState(model, opt).view())
+    for name, array in restored.items():
+        assert (array == ref[unit_steps[unit_of(name)]][name]).all(), name
+
+
+def test_mismatch_is_refused_and_nothing_is_overwritten(tmp_path):
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path), strategy="full-sync", every_steps=1, report=False)
+    step(model, opt, 0)
+    ckpt.after_step(1)
+    ckpt.close()
+    other, other_opt = make(hidden=12)
+    before = state_sha256(ModelOptimizerState(other, other_opt).view())
+    ckpt = FirstOrderCheckpoints(other, other_opt, str(tmp_path), strategy="full-sync", every_steps=1, report=False)
+    with pytest.raises(StateMismatchError, match=r"'embed.weight' is <f4 \[16, 6\] there, <f4 \[12, 6\] here; nothing was loaded"):
+        ckpt.restore()
+    assert state_sha256(ModelOptimizerState(other, other_opt).view()) == before
+
+
+def test_refusals():
+    model, _ = make()
+    with pytest.raises(ValueError, match="differential.*not supported"):
+        FirstOrderCheckpoints(model, torch.optim.AdamW(model.parameters()), "/tmp/unused", strategy="differential")
+    with pytest.raises(UnsupportedOptimizerError, match="Adamax"):
+        ModelOptimizerState(model, torch.optim.Adamax(model.parameters()))
+    with pytest.raises(UnsupportedOptimizerError, match="dampening"):
+        ModelOptimizerState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1))
+    with pytest.raises(ValueError, match="storage is required"):
+        FirstOrderCheckpoints(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_an_optimizer_built_with_other_flags_loads():
+    """Flags (``foreach``, ``fused``, ...) are not state; a scheduler's ``initial_lr`` only one side has is left as is."""
+    ref = reference(2)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.01)  # foreach None, not False
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # adds initial_lr 0.5
+    ModelOptimizerState(model, opt).load(ref[2])
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["initial_lr"] == 0.5
+    assert all((a == ref[2][n]).all() for n, a in copy_state(ModelOptimizerState(model, opt).view()).items() if n in ref[2])

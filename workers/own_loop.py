@@ -1,0 +1,342 @@
+"""Checkpoints for YOUR first-order training loop: your Ray Train ``train_loop_per_worker``, your
+``torch.nn.Module``, your loss and batches, your ``torch.optim`` optimizer. raycheck is the library
+the loop calls (``from raycheck.workers.own_loop import FirstOrderCheckpoints, load_checkpoint``)::
+
+    ckpt = FirstOrderCheckpoints(model, optimizer, strategy="layerwise", every_steps=5)
+    start = ckpt.restore()              # newest committed state into model AND optimizer; 0: none
+    for step in range(start, steps):
+        loss = loss_fn(model, batch_of(step)); loss.backward(); optimizer.step(); optimizer.zero_grad()
+        ckpt.after_step(step + 1)       # the strategy's checkpoint, written off the training thread
+    ckpt.close()                        # waits for the writes, reports the newest one to Ray Train
+
+What is saved is ``training.optim_state.ModelOptimizerState``'s view: the parameters, each one's
+optimizer tensors (``optim.<slot>.<parameter>``, in that parameter's unit) and the parameter groups'
+numeric hyper-parameters (``param_groups.<i>.lr``, ...). Strategies: ``full-sync``, ``full-async``
+(``training.checkpointing.FullCheckpointer``) and ``layerwise`` (``training.layerwise.LayerwiseCheckpointer``:
+composites of units from different steps, each with its own optimizer state; exact with threshold 0).
+``differential`` and ``overlapped`` are refused: both replay the applied gradients through raycheck's own
+AdamW (``training.fo.replay_adamw_``), not through your optimizer.
+
+Ray Train: every rank restores (the state is read from storage by each; rank 0 picks the snapshot and
+the others load the same one), rank 0 writes. Every ``report_every_steps`` steps (default: the
+checkpoint interval) and at ``close`` every rank calls ``ray.train.report`` (lockstep, as Ray Train v2
+requires), and rank 0 attaches the newest committed snapshot not reported yet as
+``ray.train.Checkpoint(path=<its folder>)`` with ``CheckpointUploadMode.NO_UPLOAD``: no byte is copied,
+so the storage must be inside the run's Ray Train experiment directory (the default,
+``<experiment dir>/raycheck``). ``Result.checkpoint`` of a finished run is then the newest committed
+state and ``load_checkpoint(result.checkpoint, model, optimizer)`` loads it. Leave
+``CheckpointConfig(num_to_keep=...)`` unset: raycheck's retention (``keep``) deletes old snapshots, and a
+composite's shards may live in older folders. ``ray.train.get_checkpoint()`` in a restarted worker is the
+newest reported snapshot; ``restore`` loads the newest committed one, never older than it (asynchronous
+writes commit between reports).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.policies.strategies import RunStrategy
+from raycheck.storage.backend import Storage, local_path
+from raycheck.storage.manifest import RunIdentity, folder_step, manifest_layout
+from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
+from raycheck.training.layerwise import LayerwiseCheckpointer
+from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, unwrap
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = (RunStrategy.FULL_SYNC.value, RunStrategy.FULL_ASYNC.value, RunStrategy.LAYERWISE.value)
+"""The strategies a user's loop can checkpoint with."""
+
+NOT_SUPPORTED = {
+    RunStrategy.DIFFERENTIAL.value: "it replays the recorded gradients through raycheck's own AdamW, not through your optimizer",
+    RunStrategy.OVERLAPPED.value: "its catch-up replays the applied gradients through raycheck's own AdamW, not through your optimizer",
+}
+
+
+def _ray_context() -> Any | None:
+    """Ray Train's context in a Ray Train worker, None elsewhere."""
+    try:
+        import ray.train
+
+        return ray.train.get_context()
+    except (RuntimeError, ImportError, AttributeError):
+        return None
+
+
+class FirstOrderCheckpoints:
+    """Checkpoints of ``model`` + ``optimizer`` from a user's own training loop (see the module docstring).
+
+    Args:
+        model: your ``torch.nn.Module`` (a DDP wrapper is unwrapped: the names are the bare model's).
+        optimizer: your ``torch.optim`` optimizer over ``model``'s parameters; its per-parameter state is
+            created now if missing (``training.optim_state.materialise_state``).
+        storage: where snapshots go: a local folder, ``file://``, ``s3://bucket/prefix``. Default in a
+            Ray Train worker: ``<Ray Train experiment dir>/raycheck``; required elsewhere. Every rank must
+            reach it (a shared filesystem or a bucket) to restore.
+        strategy: ``full-sync``, ``full-async`` or ``layerwise`` (``STRATEGIES``).
+        every_steps: steps between checkpoints (>= 1).
+        run_id: the run the snapshots belong to (a restore takes only this run's). Default: the Ray
+            Train experiment name, else ``"own-loop"``.
+        settings: what fixes your trajectory (lr, seed, batch size, ...; JSON-able): hashed into the run
+            identity, so a snapshot of other settings is skipped, never loaded.
+        layerwise: the layer-wise rule (threshold, staleness bound, bytes per check); default
+            ``LayerwiseConfig()`` (threshold 1e-3: approximate; threshold 0: every changed unit is
+            rewritten at each check, so a restore is exact).
+        keep: committed snapshots kept (>= 1; older ones deleted by raycheck, shards a kept composite
+            references excepted).
+        report: call ``ray.train.report`` (default: True in a Ray Train worker).
+        report_every_steps: steps between reports (default ``every_steps``); every rank reports at the
+            same steps.
+
+    Raises:
+        ValueError: an unknown strategy, ``every_steps`` or ``keep`` < 1, no ``storage`` outside Ray Train,
+            ``differential`` / ``overlapped`` (not supported, the message says why).
+        training.optim_state.UnsupportedOptimizerError: an optimizer whose state cannot be created up front.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, storage: str | None = None, *,
+                 strategy: str = "layerwise", every_steps: int = 10, run_id: str | None = None,
+                 settings: Mapping[str, Any] | None = None, layerwise: LayerwiseConfig | None = None, keep: int = 3,
+                 report: bool | None = None, report_every_steps: int | None = None) -> None:
+        if strategy in NOT_SUPPORTED:
+            raise ValueError(f"strategy {strategy!r} is not supported from your own loop: {NOT_SUPPORTED[strategy]}; "
+                             f"use one of {', '.join(STRATEGIES)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+        if every_steps < 1 or keep < 1 or (report_every_steps is not None and report_every_steps < 1):
+            raise ValueError(f"every_steps, keep and report_every_steps must be >= 1, got {every_steps}, {keep}, {report_every_steps}")
+        self._ctx = _ray_context()
+        if storage is None:
+            if self._ctx is None:
+                raise ValueError("storage is required outside a Ray Train worker (a folder or s3:// URI)")
+            storage = f"{self._ctx.get_storage().experiment_fs_path}/raycheck"
+        self.storage_uri, self.strategy, self.every_steps = storage, strategy, every_steps
+        self.rank = self._ctx.get_world_rank() if self._ctx is not None else (
+            torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+        self.world = self._ctx.get_world_size() if self._ctx is not None else (
+            torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+        self.report_enabled = self._ctx is not None if report is None else report
+        self.report_every_steps = report_every_steps or every_steps
+        self.state = ModelOptimizerState(model, optimizer)
+        run_id = run_id or (self._ctx.get_experiment_name() if self._ctx is not None else "own-loop")
+        trajectory = hashlib.sha256(json.dumps(dict(settings or {}), sort_keys=True, default=str).encode()).hexdigest()
+        self.store = SnapshotStore(Storage(storage), keep_last=keep, identity=RunIdentity(run_id, trajectory))
+        config = {"strategy": strategy, "optimizer": type(optimizer).__name__, "settings": dict(settings or {})}
+        self.checkpointer: Checkpointer | None = None
+        if self.rank == 0:
+            self.store.claim_epoch()  # fences the writers of an earlier incarnation of this run
+            self.checkpointer = (LayerwiseCheckpointer(self.store, every_steps, layerwise or LayerwiseConfig(), config)
+                                 if strategy == RunStrategy.LAYERWISE else
+                                 FullCheckpointer(self.store, every_steps, strategy == RunStrategy.FULL_ASYNC, config))
+        self.restored: dict[str, Any] = {"step": 0, "folder": None}
+        """What ``restore`` loaded: ``step``, ``folder`` (None: nothing), ``seconds``, ``skipped`` (newer
+        snapshots that did not load, with the reason), ``ray_checkpoint`` (``ray.train.get_checkpoint()``'s
+        path, or None), ``unit_steps`` (unit -> the step its tensors belong to: a composite's)."""
+        self._reported: str | None = None  # the folder last attached to a report (rank 0)
+        self._last_steps_done = 0
+        self._warned_unmanaged = False
+        self.closed = False
+
+    # -- restore ----------------------------------------------------------------------------------
+    def _own(self) -> list[SnapshotInfo]:
+        assert self.store.identity is not None
+        return [i for i in self.store.list() if i.manifest["run"] == self.store.identity.as_dict()]
+
+    def restore(self) -> int:
+        """Load the newest committed snapshot of this run that verifies into the model and the optimizer
+        (parameters, per-parameter state, parameter groups' hyper-parameters), in place, bitwise as
+        saved; with several ranks, every rank loads the snapshot rank 0 chose. Returns its step (the
+        steps done: the loop goes on with ``range(start, steps)``), 0 when there is none.
+
+        Raises:
+            training.optim_state.StateMismatchError: the newest snapshot's tensors differ from this model's
+                and optimizer's (names, shapes, dtypes; the first one is named); nothing was loaded.
+        """
+        t0 = time.perf_counter()
+        ray_ckpt = None
+        if self._ctx is not None:
+            import ray.train
+
+            ray_ckpt = ray.train.get_checkpoint()
+        chosen, state = None, None
+        if self.rank == 0:
+            own = self._own()
+            if own:  # refuse another model's or optimizer's state before reading any shard
+                self.state.check(manifest_layout(own[-1].manifest), f"snapshot {own[-1].folder} in {self.storage_uri}")
+            skipped: list[str] = []
+            for info in reversed(own):  # newest first; one that fails verification is skipped
+                try:
+                    chosen, state = info, self.store.load(info)
+                    break
+                except SnapshotCorruptError as exc:
+                    skipped.append(str(exc))
+            self.restored["skipped"] = skipped
+        if self.world > 1 and torch.distributed.is_initialized():  # every rank loads rank 0's choice
+            box = [chosen.folder if chosen is not None else None]
+            torch.distributed.broadcast_object_list(box, src=0)
+            if self.rank != 0 and box[0] is not None:
+                chosen = next(i for i in self._own() if i.folder == box[0])
+                state = self.store.load(chosen)
+        if chosen is not None and state is not None:
+            self.state.load(state, f"snapshot {chosen.folder}")
+            if isinstance(self.checkpointer, LayerwiseCheckpointer):
+                self.checkpointer.resume(chosen, self.state.view())
+            self.restored.update(step=chosen.step, folder=chosen.folder,
+                                 unit_steps={u: int(s["step"]) for u, s in chosen.manifest["units"].items()})
+            same = ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder)
+            self._reported = chosen.folder if same else None
+        self._last_steps_done = int(self.restored["step"])
+        self.restored.update(seconds=time.perf_counter() - t0, ray_checkpoint=ray_ckpt.path if ray_ckpt is not None else None)
+        if ray_ckpt is not None:
+            ray_step = folder_step(os.path.basename(ray_ckpt.path.rstrip("/")))
+            if ray_step > self.restored["step"]:
+                log.warning("restored step %d, older than Ray Train's latest reported checkpoint %s (it did not verify)",
+                            self.restored["step"], ray_ckpt.path)
+        return int(self.restored["step"])
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def after_step(self, steps_done: int, metrics: Mapping[str, Any] | None = None) -> float:
+        """Call after every optimizer step on every rank, ``steps_done`` the steps done so far (>= 1).
+        Rank 0 takes the strategy's checkpoint when due (full-sync writes it now; full-async and
+        layerwise stage a copy and write it on a background thread). Every ``report_every_steps`` steps
+        every rank calls ``ray.train.report`` with ``metrics`` (plain numbers; rank 0's are the ones Ray
+        keeps) plus ``step`` and ``checkpoint_step``, rank 0 attaching the newest committed snapshot not
+        reported yet. Returns the seconds this call blocked the loop (checkpoint and report).
+
+        Raises:
+            RuntimeError: called after ``close``.
+            storage.backend.StorageError: a full-state write failed (``FullCheckpointer``).
+        """
+        if self.closed:
+            raise RuntimeError("after_step after close()")
+        t0 = time.perf_counter()
+        self._last_steps_done = steps_done
+        if self.checkpointer is not None:
+            self.checkpointer.after_step(steps_done, self.state.view)
+        if self.report_enabled and steps_done % self.report_every_steps == 0:
+            self._report(steps_done, metrics)
+        return time.perf_counter() - t0
+
+    def _checkpoint_of(self, info: SnapshotInfo) -> Any | None:
+        """``ray.train.Checkpoint`` of ``info``'s folder in place (no copy), or None when the storage is
+        outside Ray Train's experiment directory (warned once: Ray Train only takes its own)."""
+        import ray.train
+
+        assert self._ctx is not None
+        sc = self._ctx.get_storage()
+        local = local_path(self.storage_uri)
+        root = os.path.realpath(local) if local is not None else self.storage_uri.split("://", 1)[1]
+        experiment = os.path.realpath(sc.experiment_fs_path) if local is not None else sc.experiment_fs_path
+        if not (root + "/").startswith(experiment.rstrip("/") + "/"):
+            if not self._warned_unmanaged:
+                log.warning("storage %s is outside Ray Train's experiment directory %s: checkpoints are not reported "
+                            "to Ray Train (NO_UPLOAD takes only its own)", self.storage_uri, sc.experiment_fs_path)
+                self._warned_unmanaged = True
+            return None
+        return ray.train.Checkpoint(path=f"{root}/{info.folder}", filesystem=sc.storage_filesystem)
+
+    def _report(self, steps_done: int, metrics: Mapping[str, Any] | None) -> None:
+        import ray.train
+
+        checkpoint, newest_step = None, None
+        if self.rank == 0:
+            own = self._own()
+            if own:
+                newest_step = own[-1].step
+                if own[-1].folder != self._reported:
+                    checkpoint = self._checkpoint_of(own[-1])
+                    if checkpoint is not None:
+                        self._reported = own[-1].folder
+        row = {**dict(metrics or {}), "step": steps_done, "checkpoint_step": newest_step}
+        ray.train.report(row, checkpoint=checkpoint, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+
+    def flush(self, timeout_s: float = 600.0) -> bool:
+        """Wait until every checkpoint handed to the background has finished (rank 0; True elsewhere);
+        False after ``timeout_s`` seconds."""
+        return self.checkpointer.flush(timeout_s) if self.checkpointer is not None else True
+
+    def close(self, steps_done: int | None = None, metrics: Mapping[str, Any] | None = None, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Call once on every rank after the loop: rank 0 takes a checkpoint still postponed, waits for
+        every write (at most ``timeout_s`` seconds) and stops the writer; then every rank reports once
+        more (``steps_done``: the step in that report, default the last ``after_step``'s; every rank
+        reports the same), rank 0
+        attaching the newest committed snapshot if not reported yet, so it is ``Result.checkpoint``.
+        Returns rank 0's checkpointer statistics (``checkpoints``, ``bytes``, ``last_step``, ...; ``{}``
+        elsewhere) with ``storage`` and ``newest`` (the newest committed snapshot's folder, rank 0).
+
+        Raises:
+            TimeoutError, storage.backend.StorageError: a full-state write did not finish or failed.
+        """
+        if self.closed:
+            return {}
+        self.closed = True
+        stats: dict[str, Any] = {}
+        if self.checkpointer is not None:
+            stats = self.checkpointer.close(timeout_s)
+            if stats.get("errors"):
+                log.warning("failed checkpoint writes: %s", stats["errors"])
+            own = self._own()
+            stats.update(storage=self.storage_uri, newest=own[-1].folder if own else None)
+        if self.report_enabled:
+            self._report(steps_done if steps_done is not None else self._last_steps_done, metrics)
+        return stats
+
+    @staticmethod
+    def load(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """``load_checkpoint``."""
+        return load_checkpoint(checkpoint, model, optimizer)
+
+
+def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Load one committed snapshot, e.g. ``Result.checkpoint`` of a finished run, into ``model`` (and
+    ``optimizer``: its per-parameter state and parameter groups), in place, bitwise; returns its step.
+
+    Args:
+        checkpoint: a ``ray.train.Checkpoint`` reported by ``FirstOrderCheckpoints``, or the path / URI of
+            a snapshot folder (``<storage>/step-...``).
+        model: the same architecture (a DDP wrapper is unwrapped).
+        optimizer: the same optimizer class and parameter groups; None: the parameters only.
+
+    Raises:
+        FileNotFoundError: the folder is not a committed snapshot of its store (not in its index).
+        storage.snapshots.SnapshotCorruptError: a shard is missing or altered.
+        training.optim_state.StateMismatchError: names, shapes or dtypes differ (the first is named);
+            nothing was loaded.
+    """
+    path = str(getattr(checkpoint, "path", checkpoint)).rstrip("/")
+    fs = getattr(checkpoint, "filesystem", None)
+    if fs is not None and getattr(fs, "type_name", "local") != "local":
+        path = f"{fs.type_name}://{path}"
+    root, _, folder = path.rpartition("/")
+    store = SnapshotStore(Storage(root, create=False))
+    info = next((i for i in store.list() if i.folder == folder), None)
+    if info is None:
+        raise FileNotFoundError(f"{path} is not a committed snapshot of {root} (not in its index)")
+    state = store.load(info)
+    what = f"snapshot {path}"
+    if optimizer is not None:
+        ModelOptimizerState(model, optimizer).load(state, what)
+        return info.step
+    params = dict(unwrap(model).named_parameters())
+    for name, p in params.items():
+        if name not in state:
+            raise StateMismatchError(f"{what} does not fit the model: it has no tensor {name!r}; nothing was loaded")
+        if tuple(state[name].shape) != tuple(p.shape):
+            raise StateMismatchError(f"{what} does not fit the model: {name!r} is {list(state[name].shape)} there, "
+                                     f"{list(p.shape)} here; nothing was loaded")
+    from raycheck.storage.tensor_files import to_tensor
+
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(to_tensor(state[name]).reshape(p.shape))
+    return info.step
