@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pathlib
 import sys
@@ -166,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
         address = args.address or os.environ.get("RAY_ADDRESS") or "local"
-        ray.init(address=address, **({"num_cpus": max(2, args.workers + 1), "include_dashboard": False} if address == "local" else {}))
+        local = {"num_cpus": max(2, args.workers + 1), "include_dashboard": False, "log_to_driver": False,
+                 "logging_level": logging.WARNING}  # the workers' output stays in Ray's logs (session_latest/logs)
+        ray.init(address=address, **(local if address == "local" else {}))
 
     result, final, events = run(args, "failing", args.fail_step)
     restores = [e for e in events if e["step"] > 0 or e["folder"]]
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "result_checkpoint_loads_final_state": loaded_step == args.steps and loaded_sha == final["state_sha256"],
         "state_sha256": final["state_sha256"],
     }
-    ok = summary["result_checkpoint_is_newest"] and loaded_step is not None
+    ok = summary["result_checkpoint_is_newest"] and summary["result_checkpoint_loads_final_state"]
     if args.fail_step is not None:
         ok = ok and len(events) >= 2
     if args.verify:

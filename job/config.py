@@ -167,7 +167,7 @@ class ZOConfig:
     eps: float = field(default=1e-3, metadata=opt('--eps', 'Zeroth-order (MeZO)', metavar='NUMBER',
             help='MeZO perturbation scale.'))
     """MeZO perturbation scale."""
-    micro_batch_size: int = field(default=0, metadata=opt('--micro-batch-size', 'First-order', min=0, unit="examples",
+    micro_batch_size: int = field(default=0, metadata=opt('--micro-batch-size', 'Zeroth-order (MeZO)', min=0, unit="examples",
             help='zo: examples per example group; each group is one forward pass whichever worker runs it, '
             'so the losses do not depend on --workers (docs/elastic.md). A divisor of --batch-size '
             'giving at least --workers groups; 0: batch-size / workers.'))
@@ -256,7 +256,7 @@ class SnapshotConfig:
             help='Fixed snapshot/checkpoint interval in steps (0: log only).'))
     """Fixed snapshot interval in steps (0: log-only); ignored when ``policy`` is adaptive."""
     policy: str = field(default="fixed", metadata=opt('--snapshot-policy', 'Snapshots, step log and storage', metavar='fixed|adaptive',
-            help='fixed (--snapshot-every) or adaptive (cost model, re-planned from measured costs).'))
+            help='fixed (--snapshot-every) or adaptive (cost model, re-planned from measured costs; zo with the shadow strategy).'))
     """``fixed`` (every ``every_steps`` steps) or ``adaptive`` (the cost model's optimum for the
     costs measured while the job runs, re-planned as they change: ``policies.replan``)."""
     mtbf_s: float = field(default=3600.0, metadata=opt('--mtbf', 'Snapshots, step log and storage', metavar='DURATION', unit="s", type=str, parse=parse_duration, show=duration_text,
@@ -328,13 +328,13 @@ class FaultConfig:
     """Injected failures, and the budgets and timeouts of recovering from any failure."""
 
     failures: tuple[FailureSpec, ...] = field(default=(), metadata=opt('--fail', 'Run', metavar='STEP[:TARGET[:HOW]]', type=list[str], parse=parse_failures, show=failure_texts,
-            help='Inject a failure during step STEP (0-based, 0..steps-1): STEP[:TARGET[:HOW]], TARGET one '
-            'of worker, shadow, both, corrupt, persister, node, storage; HOW one of exit, raise, '
-            'sigkill, torn (worker only; raise: an exception, the process survives, see '
-            '--max-in-process-restarts); node: rank 0 takes down its whole Ray node (raylet and every '
-            "process; needs another node for the workers, the driver's node hosting none, and an s3:// "
-            '--storage); storage:SECONDS needs a server raycheck owns (tests, '
-            'experiments/s3_server.py). Repeatable.'))
+            help='Inject a failure during step STEP (0-based, 0..steps-1). TARGET (default worker): worker, shadow, '
+            'both (the shadow, then a worker), corrupt (flip a byte of the newest snapshot), persister, node, storage. '
+            'HOW, for worker and both: exit (default), raise (an exception, the process survives, see '
+            '--max-in-process-restarts), sigkill, torn; for shadow: the shard number; for storage: the outage in '
+            "seconds (STEP:storage:SECONDS; needs a server raycheck owns: tests, experiments/s3_server.py). node: rank 0 "
+            "takes down its whole Ray node (raylet and every process; needs another node for the workers, the driver's "
+            'node hosting none, and an s3:// --storage). Repeatable.'))
     """Failures to inject (``FailureSpec``)."""
     settle_failures: bool = field(default=False, metadata=opt('--settle-failures', 'Failures and restarts',
             help='Before each injected failure, wait until the shadow has caught up and snapshots are '
@@ -717,6 +717,9 @@ class JobConfig:
         if scratch == run_dir or run_dir in scratch.parents:  # rank 0's log would be the log keeper's file
             raise ValueError(f"scratch_dir {self.scratch_dir} is inside the run directory {self.out_dir}: rank 0's "
                              "node-local step log must live elsewhere (e.g. leave --scratch-dir out for the default)")
+        if self.snapshot.policy == "adaptive" and not self.uses_shadow:  # the cost model plans a shadow's snapshots
+            raise ValueError(f"snapshot.policy adaptive plans the shadow's snapshots: it needs algo zo with strategy shadow "
+                             f"(this run: {self.algo} {self.strategy}); set a fixed interval with snapshot.every_steps")
         self._check_fo()
         self._check_runtime()
 

@@ -135,7 +135,7 @@ class Controller:
         self.follower = RunFollower(self.record, self.console, self.metrics, storage_outage)
         self.state: State = Initialising()
         """Where the run stands (``orchestrator.control``); ``phase`` is its phase."""
-        self.planner = SnapshotPlanner(cfg.snapshot.mtbf_s) if cfg.snapshot.policy == "adaptive" and cfg.uses_shadow else None
+        self.planner = SnapshotPlanner(cfg.snapshot.mtbf_s) if cfg.snapshot.policy == "adaptive" else None  # a shadow's (JobConfig)
         self.placement: Placement | None = None
         self.driver_node: dict | None = None
         self.shadow: ShadowKeeper | None = None

@@ -645,6 +645,22 @@ def test_an_adaptive_run_whose_assumed_costs_admit_no_plan_is_refused_in_one_lin
     assert result.output.count("\n") == 1 and not out.exists()
 
 
+def test_the_adaptive_policy_outside_the_shadow_strategy_is_refused_not_ignored(tmp_path):
+    """The cost model plans the shadow's snapshots: ``--snapshot-policy adaptive`` with another strategy (first
+    order, a ZO baseline) is refused in one line before anything is written, not run at a fixed interval
+    under a summary that says adaptive."""
+    for extra in (["--algo", "fo"], ["--strategy", "full-async"], ["--strategy", "log-only"]):
+        out = tmp_path / extra[-1]
+        result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", *extra, "--snapshot-policy", "adaptive",
+                                          "--out", str(out)])
+        assert result.exit_code == 2, result.output
+        strategy = "layerwise" if extra[-1] == "fo" else extra[-1]
+        algo = "fo" if extra[-1] == "fo" else "zo"
+        assert result.output == (f"error: --snapshot-policy adaptive plans the shadow's snapshots: it needs algo zo with --strategy "
+                                 f"shadow (this run: {algo} {strategy}); set a fixed interval with --snapshot-every\n")
+        assert not out.exists()
+
+
 def test_a_second_driver_on_a_live_run_directory_is_refused_and_a_dead_one_leaves_no_lock(tmp_path, monkeypatch):
     """While one driver holds ``--out`` (``orchestrator.driver_lock``), ``--resume`` and ``--overwrite`` of that
     directory are refused in one line naming the holder, and nothing in it changes; a driver that ends

@@ -86,12 +86,12 @@ def test_restore_resumes_bitwise(tmp_path, strategy):
     ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), strategy=strategy, every_steps=3, report=False,
                                  layerwise=LayerwiseConfig(threshold=0.0), settings={"lr": 1e-2})
     assert ckpt.restore() == 0
-    for i in range(8):  # "fails" after step 8: the last checkpoint is of step 6
+    for i in range(8):  # "fails" after step 8 (no close: the process dies): the last checkpoint is of step 6
         step(model, opt, i)
         ckpt.after_step(i + 1)
     ckpt.flush()
-    stats = ckpt.close()
-    assert stats["last_step"] == 6 and stats["newest"].startswith("step-0000000006")
+    assert ckpt.checkpointer is not None and ckpt.checkpointer.close()["last_step"] == 6  # the writer stopped, as at a death
+    assert [i.step for i in ckpt.store.list()] == [3, 6]
 
     model, opt = make(lr=0.3)
     ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), strategy=strategy, every_steps=3, report=False,
@@ -108,6 +108,26 @@ def test_restore_resumes_bitwise(tmp_path, strategy):
     model, opt = make()
     assert load_checkpoint(str(tmp_path / "ckpt" / stats["newest"]), model, opt) == 12
     assert state_sha256(ModelOptimizerState(model, opt).view()) == state_sha256(ref[12])
+
+
+@pytest.mark.parametrize("strategy", ["full-sync", "layerwise"])
+def test_close_checkpoints_the_trained_state_when_the_last_step_is_not_on_the_interval(tmp_path, strategy):
+    """8 steps at an interval of 3: the loop's last checkpoint would be step 6's; ``close`` adds step 8's, so the
+    newest committed snapshot (``Result.checkpoint``) is the trained state, bitwise."""
+    ref = reference(8)
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), strategy=strategy, every_steps=3, report=False,
+                                 layerwise=LayerwiseConfig(threshold=0.0))
+    for i in range(8):
+        step(model, opt, i)
+        ckpt.after_step(i + 1)
+    stats = ckpt.close()
+    assert stats["last_step"] == 8 and stats["newest"].startswith("step-0000000008")
+    fresh, fresh_opt = make()
+    assert load_checkpoint(str(tmp_path / "ckpt" / stats["newest"]), fresh, fresh_opt) == 8
+    assert state_sha256(ModelOptimizerState(fresh, fresh_opt).view()) == state_sha256(ref[8])
+    with pytest.raises(FileNotFoundError, match=r"^no checkpoint to load \(None"):
+        load_checkpoint(None, fresh, fresh_opt)
 
 
 def test_layerwise_composite_units_carry_their_optimizer_state(tmp_path):

@@ -48,7 +48,7 @@ from raycheck.policies.strategies import RunStrategy
 from raycheck.storage.backend import Storage, local_path
 from raycheck.storage.manifest import RunIdentity, folder_step, manifest_layout
 from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
-from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
+from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, unwrap
 
@@ -132,7 +132,7 @@ class FirstOrderCheckpoints:
         trajectory = hashlib.sha256(json.dumps(dict(settings or {}), sort_keys=True, default=str).encode()).hexdigest()
         self.store = SnapshotStore(Storage(storage), keep_last=keep, identity=RunIdentity(run_id, trajectory))
         config = {"strategy": strategy, "optimizer": type(optimizer).__name__, "settings": dict(settings or {})}
-        self.checkpointer: Checkpointer | None = None
+        self.checkpointer: FullCheckpointer | LayerwiseCheckpointer | None = None
         if self.rank == 0:
             self.store.claim_epoch()  # fences the writers of an earlier incarnation of this run
             self.checkpointer = (LayerwiseCheckpointer(self.store, every_steps, layerwise or LayerwiseConfig(), config)
@@ -266,8 +266,9 @@ class FirstOrderCheckpoints:
         return self.checkpointer.flush(timeout_s) if self.checkpointer is not None else True
 
     def close(self, steps_done: int | None = None, metrics: Mapping[str, Any] | None = None, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Call once on every rank after the loop: rank 0 takes a checkpoint still postponed, waits for
-        every write (at most ``timeout_s`` seconds) and stops the writer; then every rank reports once
+        """Call once on every rank after the loop: rank 0 checkpoints the state of the last ``after_step``
+        when no checkpoint holds it yet (the loop's step count need not be a multiple of the interval:
+        ``Result.checkpoint`` is the trained state), waits for every write (at most ``timeout_s`` seconds) and stops the writer; then every rank reports once
         more (``steps_done``: the step in that report, default the last ``after_step``'s; every rank
         reports the same), rank 0
         attaching the newest committed snapshot if not reported yet, so it is ``Result.checkpoint``.
@@ -282,6 +283,10 @@ class FirstOrderCheckpoints:
         self.closed = True
         stats: dict[str, Any] = {}
         if self.checkpointer is not None:
+            last, schedule = self._last_steps_done, self.checkpointer.schedule
+            if last and schedule.last_step is not None and schedule.last_step < last:  # the trained state, not an earlier one
+                schedule.set_interval(1)
+                self.checkpointer.after_step(last, self.state.view)
             stats = self.checkpointer.close(timeout_s)
             if stats.get("errors"):
                 log.warning("failed checkpoint writes: %s", stats["errors"])
@@ -308,20 +313,27 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
         optimizer: the same optimizer class and parameter groups; None: the parameters only.
 
     Raises:
-        FileNotFoundError: the folder is not a committed snapshot of its store (not in its index).
+        FileNotFoundError: ``checkpoint`` is None, or the folder is not a committed snapshot of its store
+            (not in its index; the message names the store's newest).
         storage.snapshots.SnapshotCorruptError: a shard is missing or altered.
         training.optim_state.StateMismatchError: names, shapes or dtypes differ (the first is named);
             nothing was loaded.
     """
+    if checkpoint is None:
+        raise FileNotFoundError("no checkpoint to load (None: e.g. the Result.checkpoint of a run that reported none, "
+                                "or storage outside Ray Train's experiment directory)")
     path = str(getattr(checkpoint, "path", checkpoint)).rstrip("/")
     fs = getattr(checkpoint, "filesystem", None)
     if fs is not None and getattr(fs, "type_name", "local") != "local":
         path = f"{fs.type_name}://{path}"
     root, _, folder = path.rpartition("/")
     store = SnapshotStore(Storage(root, create=False))
-    info = next((i for i in store.list() if i.folder == folder), None)
+    infos = store.list()
+    info = next((i for i in infos if i.folder == folder), None)
     if info is None:
-        raise FileNotFoundError(f"{path} is not a committed snapshot of {root} (not in its index)")
+        newest = max(infos, key=lambda i: i.step, default=None)
+        hint = f"; its newest snapshot is {root}/{newest.folder}" if newest is not None else ""
+        raise FileNotFoundError(f"{path} is not a committed snapshot of {root} (not in its index){hint}")
     state = store.load(info)
     what = f"snapshot {path}"
     if optimizer is not None:
