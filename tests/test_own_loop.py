@@ -187,3 +187,12 @@ def test_an_optimizer_built_with_other_flags_loads():
     ModelOptimizerState(model, opt).load(ref[2])
     assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["initial_lr"] == 0.5
     assert all((a == ref[2][n]).all() for n, a in copy_state(ModelOptimizerState(model, opt).view()).items() if n in ref[2])
+
+
+def test_a_setting_no_loop_can_use_is_refused_naming_it(tmp_path):
+    model, opt = make()
+    for given, message in (({"every_steps": 0}, "every_steps must be >= 1, got 0"), ({"keep": 0}, "keep must be >= 1, got 0"),
+                           ({"report_every_steps": -2}, "report_every_steps must be >= 1, got -2")):
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), report=False, **given)
+    assert not (tmp_path / "ckpt").exists()  # refused before the store is made

@@ -113,8 +113,9 @@ class FirstOrderCheckpoints:
                              f"use one of {', '.join(STRATEGIES)}")
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
-        if every_steps < 1 or keep < 1 or (report_every_steps is not None and report_every_steps < 1):
-            raise ValueError(f"every_steps, keep and report_every_steps must be >= 1, got {every_steps}, {keep}, {report_every_steps}")
+        for name, value in (("every_steps", every_steps), ("keep", keep), ("report_every_steps", report_every_steps)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self._ctx = _ray_context()
         if storage is None:
             if self._ctx is None:
