@@ -38,9 +38,8 @@ import torch
 
 from raycheck.storage.manifest import layout_of
 from raycheck.storage.tensor_files import as_numpy, to_tensor
+from raycheck.training.fo import OPTIM_SLOTS
 
-SLOT_ORDER = ("exp_avg", "exp_avg_sq", "step")
-"""Known slots first, in ``training.fo.OPTIM_SLOTS``' order (so AdamW's layout is ``FOTrainer``'s)."""
 
 GROUP_PREFIX = "param_groups."
 """``param_groups.<i>.<key>``: a parameter group's numeric hyper-parameter, float64."""
@@ -118,7 +117,8 @@ def materialise_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _slot_key(slot: str) -> tuple[int, str]:
-    return (SLOT_ORDER.index(slot) if slot in SLOT_ORDER else len(SLOT_ORDER), slot)
+    """``training.fo.OPTIM_SLOTS`` first, in their order (so AdamW's layout is ``FOTrainer``'s), then any other slot by name."""
+    return (OPTIM_SLOTS.index(slot) if slot in OPTIM_SLOTS else len(OPTIM_SLOTS), slot)
 
 
 def _group_value(value: Any) -> list[float] | None:
