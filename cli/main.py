@@ -79,7 +79,7 @@ HELP_ORDER = ("model", "data", "steps", "fail", "verify", "out", "resume", "over
               "fo_lr", "fo_max_grad_norm", "fo_parallelism", "layer_threshold", "layer_staleness_steps",
               "layer_max_bytes_per_check", "diff_full_every", "diff_batch_steps", "diff_topk", "overlap_chunks",
               "fail_schedule", "fail_seed", "settle_failures", "max_shadow_restarts", "max_persister_restarts",
-              "max_worker_failures", "max_in_process_restarts", "warm_standby", "min_workers", "elastic_resize_interval",
+              "max_worker_failures", "max_preemptions", "max_in_process_restarts", "warm_standby", "min_workers", "elastic_resize_interval",
               "snapshot_every", "snapshot_policy", "mtbf", "keep_snapshots", "durability", "storage", "s3_endpoint",
               "storage_consistency", "persister_priority", "persister_direct_io", "scratch_dir", "cache_dir",
               "shadow_shards", "shadow_threads", "shadow_env", "worker_resource", "shadow_resource", "start_timeout")
@@ -139,7 +139,7 @@ def _refuse(message: str) -> typer.Exit:
 FIELD_PARAMETERS = {"out_dir": "out", **{path: name for name, (path, _) in RUN_FIELDS.items()}}
 """The ``raycheck run`` parameter of each ``JobConfig`` field path that has one (``layerwise.threshold``:
 ``layer_threshold``, the names users' scripts use)."""
-RESUME_BUDGETS = ("faults.max_shadow_restarts", "faults.max_persister_restarts", "faults.max_worker_failures",
+RESUME_BUDGETS = ("faults.max_shadow_restarts", "faults.max_persister_restarts", "faults.max_worker_failures", "faults.max_preemptions",
                   "faults.max_in_process_restarts", "placement.worker_resource", "placement.shadow_resource",
                   "faults.start_timeout_s")
 """Fields (paths) that ``--resume`` takes from the command line over the run's ``config.json``: restart

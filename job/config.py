@@ -18,9 +18,9 @@ from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
 from raycheck.storage.backend import local_path, node_local
 
-FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node"]
+FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node", "preempt", "preempt-shadow"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
-TARGETS = ("worker", "shadow", "both", "corrupt", "persister", "storage", "node")
+TARGETS = ("worker", "shadow", "both", "corrupt", "persister", "storage", "node", "preempt", "preempt-shadow")
 ALGOS = ("zo", "fo")
 STRATEGIES = {
     "zo": (RunStrategy.SHADOW, RunStrategy.FULL_SYNC, RunStrategy.FULL_ASYNC, RunStrategy.LOG_ONLY),
@@ -32,6 +32,11 @@ FO_PARALLELISMS = ("ddp", "fsdp2")
 """How first-order workers share the state: ``ddp`` (each holds all of it) or ``fsdp2`` (sharded, ``training.sharded``)."""
 HOWS = ("exit", "raise", "sigkill", "torn")
 WORKER_TARGETS = ("worker", "both")
+PREEMPT_TARGETS = ("preempt", "preempt-shadow")
+"""Failures that drain a node with a deadline (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``) and take it
+down at the deadline: rank 0's node, or the node of the shadow's shard 0."""
+DEFAULT_PREEMPT_GRACE_S = 30.0
+"""The notice a ``preempt`` failure gives by default, in seconds (about GCP's; AWS gives 120 s)."""
 """The failure targets that kill a train worker, the only ones whose ``FailureSpec.how`` says how it dies."""
 DURABILITIES = ("process", "node", "cluster")
 STORAGE_CONSISTENCIES = ("fenced", "unfenced")
@@ -71,13 +76,17 @@ class FailureSpec:
             ``persister`` (the snapshot persister actor is killed; the controller restarts it), or
             ``storage`` (the snapshot storage server is down for ``how`` seconds; needs a server the
             controller can stop, see ``Controller(storage_outage=...)``), or ``node`` (rank 0 takes down
-            its whole Ray node, raylet and every process, ``workers.faults.take_down_node``; needs
-            another node for the workers, ``orchestrator.prepare.check_node_failures``). A ``shadow`` failure kills
+            its whole Ray node, raylet and every process, ``workers.preempt.take_down_node``; needs
+            another node for the workers, ``orchestrator.prepare.check_node_failures``), or ``preempt`` /
+            ``preempt-shadow`` (a preemption notice: rank 0's node, or shadow shard 0's, is drained with a
+            deadline ``how`` seconds away, default ``DEFAULT_PREEMPT_GRACE_S``, and taken down at the deadline:
+            ``workers.preempt``). A ``shadow`` failure kills
             every shard of a sharded shadow, or only shard ``how`` when it is a number (``12:shadow:1``).
         how: for ``worker`` and ``both``, how the worker dies: ``exit`` (``os._exit(1)``, the default),
             ``raise`` (``workers.faults.InjectedWorkerFailure``: the process survives; one worker restarts
             in process, ``training.in_process``), ``sigkill``, or ``torn`` (rank 0 dies half-way through
             writing a step log record: a torn tail); for ``storage``, the outage in seconds (e.g. ``20``);
+            for ``preempt`` and ``preempt-shadow``, the notice (grace) in whole seconds, >= 0 (e.g. ``10``);
             for ``shadow``, the shard number, or None (every shard); None for the others, which have no
             how. ``exit`` given for a target other than a worker one (the default that ``config.json``
             files of earlier versions record for every target) reads as None, so both forms load alike.
@@ -104,6 +113,10 @@ class FailureSpec:
             if how is None or not how.replace(".", "", 1).isdigit() or not float(how) > 0:
                 got = "none" if how in (None, "exit") else repr(how)  # "exit": an earlier version's default
                 raise ValueError(f"a storage failure needs its outage in seconds, e.g. {self.step}:storage:20 (got {got})")
+        elif self.target in PREEMPT_TARGETS:
+            if how is not None and not how.isdigit():
+                raise ValueError(f"a {self.target} failure takes its notice in whole seconds, e.g. {self.step}:{self.target}:10 "
+                                 f"(got {how!r})")
         elif self.target == "shadow":
             if how is not None and not how.isdigit():
                 raise ValueError(f"a shadow failure selects a shard by its number, e.g. {self.step}:shadow:1 (got {how!r})")
@@ -119,6 +132,13 @@ class FailureSpec:
         return int(self.how) if self.target == "shadow" and self.how is not None else None
 
     @property
+    def grace_s(self) -> float | None:
+        """The notice of a ``preempt`` / ``preempt-shadow`` failure, in seconds (None for the other targets)."""
+        if self.target not in PREEMPT_TARGETS:
+            return None
+        return DEFAULT_PREEMPT_GRACE_S if self.how is None else float(self.how)
+
+    @property
     def outage_s(self) -> float | None:
         """The seconds a ``storage`` failure keeps the storage server down (None for the other targets)."""
         return float(self.how) if self.target == "storage" and self.how is not None else None
@@ -129,8 +149,8 @@ class FailureSpec:
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or not parts[0].isdigit():
             raise ValueError(f"bad failure {text!r}: expected STEP[:TARGET[:HOW]], e.g. 20:worker:exit")
-        if len(parts) == 3 and parts[1] not in ("worker", "both", "storage") and not (parts[1] == "shadow" and parts[2].isdigit()):
-            raise ValueError(f"bad failure {text!r}: HOW applies to worker, both and storage failures only "
+        if len(parts) == 3 and parts[1] not in ("worker", "both", "storage", *PREEMPT_TARGETS) and not (parts[1] == "shadow" and parts[2].isdigit()):
+            raise ValueError(f"bad failure {text!r}: HOW applies to worker, both, storage and preempt failures only "
                              f"(a shadow failure takes a shard number instead, e.g. {parts[0]}:shadow:1)")
         return cls(step=int(parts[0]), **dict(zip(("target", "how"), parts[1:])))
 
@@ -334,7 +354,10 @@ class FaultConfig:
             '--max-in-process-restarts), sigkill, torn; for shadow: the shard number; for storage: the outage in '
             "seconds (STEP:storage:SECONDS; needs a server raycheck owns: tests, experiments/s3_server.py). node: rank 0 "
             "takes down its whole Ray node (raylet and every process; needs another node for the workers, the driver's "
-            'node hosting none, and an s3:// --storage). Repeatable.'))
+            'node hosting none, and an s3:// --storage). preempt[:GRACE] and preempt-shadow[:GRACE]: a preemption '
+            "notice: rank 0's node (or the shadow's) is drained with a deadline GRACE seconds away (default 30; ray "
+            "drain-node --reason DRAIN_NODE_REASON_PREEMPTION), what it holds is saved, and it is taken down at the "
+            'deadline (needs another node for what it held). Repeatable.'))
     """Failures to inject (``FailureSpec``)."""
     settle_failures: bool = field(default=False, metadata=opt('--settle-failures', 'Failures and restarts',
             help='Before each injected failure, wait until the shadow has caught up and snapshots are '
@@ -356,6 +379,12 @@ class FaultConfig:
             'injected failures count).'))
     """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
     before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
+    max_preemptions: int = field(default=-1, metadata=opt('--max-preemptions', 'Failures and restarts',
+            help='Restarts after a preemption notice (a node drained with a deadline) before the run fails (-1: '
+            'unlimited); counted apart from --max-worker-failures.'))
+    """Worker-group restarts after a preemption (Ray Train's ``FailureConfig.max_preemption_failures``), counted
+    apart from ``max_worker_failures`` (-1: unlimited); a shadow shard or persister moved off a draining node does
+    not count against ``max_shadow_restarts`` / ``max_persister_restarts`` either."""
     max_in_process_restarts: int = field(default=3, metadata=opt('--max-in-process-restarts', 'Failures and restarts', min=0,
             help='zo only (ignored by --algo fo), one worker: a step that raises (the process alive) is '
             'rolled back to the freshest state in the same process and re-executed, without a Ray Train'
@@ -380,7 +409,7 @@ class FaultConfig:
     construct) before the run fails, naming the component."""
 
     def __post_init__(self) -> None:
-        for name in ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures"):
+        for name in ("max_shadow_restarts", "max_persister_restarts", "max_worker_failures", "max_preemptions"):
             if getattr(self, name) < -1:
                 raise ValueError(f"faults.{name} must be >= 0, or -1 for unlimited, got {getattr(self, name)}")
         if self.max_in_process_restarts < 0:
@@ -746,10 +775,11 @@ class JobConfig:
             raise ValueError(f"data.task causal-lm runs with algo zo only, not algo {self.algo}")
 
     def _check_node_failures(self) -> None:
-        """A ``node`` failure loses whatever rank 0's node stored itself: refuse a storage on a local path."""
+        """A ``node`` or ``preempt`` failure loses whatever that node stored itself: refuse a storage on a local path."""
         for f in self.faults.failures:
-            if f.target == "node" and node_local(self.storage.uri):
-                raise ValueError(f"failure {f.step}:node takes down rank 0's node with every file on it, but storage "
+            if f.target in ("node", *PREEMPT_TARGETS) and node_local(self.storage.uri):
+                node = "the shadow's node" if f.target == "preempt-shadow" else "rank 0's node"
+                raise ValueError(f"failure {f.step}:{f.target} takes down {node} with every file on it, but storage "
                                  f"{self.storage.uri!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
 
     def _check_runtime(self) -> None:

@@ -142,7 +142,20 @@ class PersisterHandle:
         self.on_status(self.status)
         return PersisterStatus(self.restarts)
 
-    def restart(self, reason: str) -> bool:
+    def move(self, reason: str, timeout_s: float) -> bool:
+        """Start the persister again elsewhere (e.g. off a draining node: Ray places nothing new there) once its
+        pending write has finished (``flush``, at most ``timeout_s``), not counted against its restart
+        budget; returns whether the new one answers."""
+        self.poll("flush", timeout_s, timeout_s=timeout_s + 30)
+        ray.kill(self.actor, no_restart=True)
+        deadline = time.monotonic() + 60
+        while True:  # the killed one's name is released within a moment
+            started = self.restart(reason, counted=False)
+            if started or time.monotonic() > deadline:
+                return started
+            time.sleep(0.2)
+
+    def restart(self, reason: str, counted: bool = True) -> bool:
         """Start a new persister (same name) after one died (``reason``: the error type); returns whether
         it answers. It starts even while storage is unreachable (it reports that in its status and
         retries). One whose name Ray has not released yet is not counted: the next poll sees the old
@@ -153,7 +166,7 @@ class PersisterHandle:
         except ValueError as err:  # the old name not yet released: next poll
             log.warning("the snapshot persister could not restart yet (%s); retrying", one_line(err))
             return False
-        self.restarts += 1
+        self.restarts += int(counted)
         try:
             self._placed(ray.get(self.actor.status.remote(), timeout=120))
         except (RayActorError, GetTimeoutError) as err:  # it died starting: the next poll sees it dead

@@ -13,6 +13,9 @@ Initialising -> Running <-> Recovering(failures_pending) -> Finished | Failed(re
   dead persister is restarted (``RestartPersister``, and the shadow snapshots at once), each within its
   budget (``Limits``, -1: unlimited; ``within_budget``); past it, and whenever the log keeper died, the
   run fails (``FailRun``, the state ``Failed``), before any other action of that iteration.
+- A preemption notice (``orchestrator.preemption.DrainNotice``: a draining node that holds a component)
+  is recorded (``RecordNotice``); shadow shards on it hand off their image and move (``HandOffShadow``),
+  a persister on it finishes its write and moves (``MovePersister``); neither counts against a budget.
 - The adaptive snapshot policy (``PlanStatus``, from the steps the observation fed it): each re-plan
   is recorded (``RecordReplan``) and the shadow snapshots at the planned interval (``SetInterval``);
   the first step of each spell without a feasible plan is reported (``ReportInfeasible``); and until
@@ -30,6 +33,7 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
+from raycheck.orchestrator.preemption import DrainNotice
 from raycheck.policies.budgets import within_budget
 from raycheck.policies.replan import ReplanRecord
 
@@ -160,6 +164,8 @@ class Observation:
     shadow: ShadowStatus | None = None
     log_keeper: LogKeeperStatus | None = None
     plan: PlanStatus | None = None
+    notices: tuple[DrainNotice, ...] = ()
+    """Preemption notices first seen in this iteration (``orchestrator.preemption.DrainWatch``)."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +279,31 @@ class TakeSnapshot:
 
 
 @dataclass(frozen=True)
+class RecordNotice:
+    """Record a preemption notice (a ``preemption_notice`` event: the node, its deadline, what it holds)."""
+
+    notice: DrainNotice
+
+
+@dataclass(frozen=True)
+class HandOffShadow:
+    """Shadow shards ``shards`` sit on a draining node: have the shadow hand its current image to the persister,
+    wait until it is committed, then start those shards again elsewhere (from that snapshot), not counted
+    against ``max_shadow_restarts``."""
+
+    notice: DrainNotice
+    shards: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MovePersister:
+    """The persister sits on a draining node: let it finish its pending write, then start it again elsewhere,
+    not counted against ``max_persister_restarts``."""
+
+    notice: DrainNotice
+
+
+@dataclass(frozen=True)
 class FailRun:
     """End the run as failed: ``component`` (``shadow``, ``persister`` or ``log_keeper``) is beyond
     repair; ``reason`` is the whole message of the run's error."""
@@ -286,7 +317,8 @@ class Stop:
     """Leave the loop: the run has ended (``Finished`` or ``Failed`` through ``fit``)."""
 
 
-Action = Union[EmitPhase, RestartShadow, RestartPersister, RecordReplan, SetInterval, ReportInfeasible, TakeSnapshot, FailRun, Stop]
+Action = Union[EmitPhase, RestartShadow, RestartPersister, RecordReplan, SetInterval, ReportInfeasible, TakeSnapshot, RecordNotice,
+               HandOffShadow, MovePersister, FailRun, Stop]
 
 
 # -- decisions --------------------------------------------------------------------------------------
@@ -358,6 +390,21 @@ def plan_actions(plan: PlanStatus) -> tuple[Action, ...]:
     return tuple(actions)
 
 
+def preemption_actions(notices: tuple[DrainNotice, ...], has_shadow: bool) -> tuple[Action, ...]:
+    """What each new preemption notice calls for, in order: record it, then (when the node holds them) the
+    shadow's hand-off (before the persister moves: the hand-off is written by the persister of the node)
+    and the persister's move. The train workers on the node need nothing from the driver: Ray Train tells
+    them (``workers.preempt``) and restarts them at the deadline."""
+    actions: list[Action] = []
+    for notice in notices:
+        actions.append(RecordNotice(notice))
+        if notice.shards and has_shadow:
+            actions.append(HandOffShadow(notice, notice.shards))
+        if "persister" in notice.components:
+            actions.append(MovePersister(notice))
+    return tuple(actions)
+
+
 def workers_state(workers: WorkerGroupStatus) -> State:
     """The state the worker group alone puts the run in."""
     if not workers.running:
@@ -372,8 +419,9 @@ def step(state: State, observation: Observation, limits: Limits) -> tuple[State,
 
     A terminal state stays as it is (``Stop``). A component beyond repair: ``Failed(reason)`` and its
     ``FailRun`` alone. Otherwise the state of the worker group (``workers_state``), an ``EmitPhase``
-    when its phase differs from ``state``'s, the component repairs (``component_actions``), the snapshot
-    policy's actions (``plan_actions``), and ``Stop`` when the new state is terminal.
+    when its phase differs from ``state``'s, the component repairs (``component_actions``), what new
+    preemption notices call for (``preemption_actions``, while the run goes on), the snapshot policy's
+    actions (``plan_actions``), and ``Stop`` when the new state is terminal.
     """
     if isinstance(state, (Finished, Failed)):
         return state, (Stop(),)
@@ -384,5 +432,6 @@ def step(state: State, observation: Observation, limits: Limits) -> tuple[State,
     after = workers_state(observation.workers)
     emit: tuple[Action, ...] = (EmitPhase(after.phase),) if after.phase is not state.phase else ()
     plan = plan_actions(observation.plan) if observation.plan is not None else ()
+    preempted = preemption_actions(observation.notices, observation.shadow is not None) if not isinstance(after, (Finished, Failed)) else ()
     stop: tuple[Action, ...] = (Stop(),) if isinstance(after, (Finished, Failed)) else ()
-    return after, emit + repairs + plan + stop
+    return after, emit + repairs + preempted + plan + stop

@@ -53,13 +53,15 @@ from raycheck.orchestrator.cluster import Placement, alive_nodes, connect, plan_
 from raycheck.orchestrator.components import (ComponentStartError, LogKeeperFailedError, LogKeeperHandle, PersisterFailedError,
                                               PersisterHandle)
 from raycheck.orchestrator.console import InjectedFailureMessages, RunConsole, injected_pids, one_line
-from raycheck.orchestrator.control import (Action, EmitPhase, Failed, FailRun, Initialising, Limits, Observation, Phase, PlanStatus,
-                                           RecordReplan, ReportInfeasible, RestartPersister, RestartShadow, SetInterval, State, Stop,
-                                           TakeSnapshot, component_actions, plan_actions, step, worker_group_status)
+from raycheck.orchestrator.control import (Action, EmitPhase, Failed, FailRun, HandOffShadow, Initialising, Limits, MovePersister,
+                                           Observation, Phase, PlanStatus, RecordNotice, RecordReplan, ReportInfeasible, RestartPersister,
+                                           RestartShadow, SetInterval, State, Stop, TakeSnapshot, component_actions, plan_actions, step,
+                                           worker_group_status)
 from raycheck.orchestrator.follow import RunFollower
 from raycheck.orchestrator.journal import RunRecord, claims_in, start_journal, wait_for_previous_driver
 from raycheck.orchestrator.metrics import RunMetrics
 from raycheck.orchestrator.planning import SnapshotPlanner
+from raycheck.orchestrator.preemption import DrainWatch, held_by_node
 from raycheck.orchestrator.prepare import check_node_failures, prepare
 from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from raycheck.orchestrator.stored_config import store_config
@@ -141,6 +143,7 @@ class Controller:
         self.shadow: ShadowKeeper | None = None
         self.persister: PersisterHandle | None = None
         self.log_keeper: LogKeeperHandle | None = None
+        self.drains = DrainWatch()
         self.config_stored = False
         """Whether this start put the configuration in the run's remote storage (``store_config``)."""
         self._restarts_before = 0
@@ -291,7 +294,14 @@ class Controller:
         keeper = self.log_keeper.poll() if self.log_keeper is not None else None
         plan = self._follow()
         return Observation(workers=worker_group_status(running, outcome, self.record.events), persister=persister,
-                           shadow=shadow, log_keeper=keeper, plan=plan)
+                           shadow=shadow, log_keeper=keeper, plan=plan, notices=self.drains.poll(self._held_by_node()))
+
+    def _held_by_node(self) -> dict[str, tuple[str, ...]]:
+        """Node id -> the run's components on it now (``orchestrator.preemption.held_by_node``)."""
+        workers = {e["rank"]: e["node_id"] for e in self.record.events if e["kind"] == "placement" and e["component"] == "worker"}
+        shards = [s.status.get("node_id") for s in self.shadow.shards] if self.shadow else []
+        persister = self.persister.placed[-1]["node_id"] if self.persister and self.persister.placed else None
+        return held_by_node(workers, shards, persister)
 
     def _follow(self) -> PlanStatus | None:
         """Drain the journal, feed the new steps to the snapshot planner, show new events and steps, and
@@ -338,9 +348,55 @@ class Controller:
                 self.planner.calibration_requested = True
                 self.shadow.snapshot_now(timeout_s=None)
                 self.channel.event("calibration_snapshot", step=action.step)
+            elif isinstance(action, RecordNotice):
+                n = action.notice
+                self.channel.event("preemption_notice", node_id=n.node_id, deadline_unix_s=n.deadline_unix_s, grace_s=n.grace_s,
+                                   components=list(n.components))
+            elif isinstance(action, HandOffShadow) and self.shadow is not None:
+                self._hand_off_shadow(action)
+            elif isinstance(action, MovePersister) and self.persister is not None:
+                t0 = time.time()
+                moved = self.persister.move("preemption", timeout_s=self._time_left(action.notice.deadline_unix_s))
+                self.channel.event("preemption_saved" if moved else "preemption_unsaved", component="persister",
+                                   node_id=action.notice.node_id, seconds=time.time() - t0,
+                                   step=self.persister.status.get("last_durable_step"))
             elif isinstance(action, FailRun):
                 raise FAILURES[action.component](action.reason)
         return any(isinstance(action, Stop) for action in actions)
+
+    @staticmethod
+    def _time_left(deadline_unix_s: float | None) -> float:
+        """Seconds until a notice's deadline (at least 1; 600 without a deadline)."""
+        return max(1.0, deadline_unix_s - time.time()) if deadline_unix_s is not None else 600.0
+
+    def _hand_off_shadow(self, action: HandOffShadow) -> None:
+        """Carry out ``HandOffShadow``: the shadow's image of now committed by the persister, then the shards on
+        the draining node moved (``ShadowKeeper.hand_off``); a ``preemption_saved`` event with the snapshot's
+        step, or ``preemption_unsaved`` with why (the shards then restart from the newest snapshot and the
+        log tail when the node goes, as after any shadow failure)."""
+        assert self.shadow is not None and self.persister is not None
+        t0, timeout_s = time.time(), self._time_left(action.notice.deadline_unix_s)
+        persister = self.persister
+        replayed = self.shadow.status.get("step")
+
+        def committed(step: int) -> int | None:
+            deadline = time.monotonic() + timeout_s
+            while True:  # the image reaches the persister a moment after the shadow handed it
+                persister.poll("flush", timeout_s, timeout_s=timeout_s + 30)
+                durable = persister.status.get("last_durable_step")
+                if (durable is not None and durable >= step) or time.monotonic() > deadline:
+                    return durable
+                time.sleep(0.05)
+
+        try:
+            step = self.shadow.hand_off(action.shards, committed, timeout_s)
+        except (RayActorError, GetTimeoutError) as err:
+            self.channel.event("preemption_unsaved", component="shadow", node_id=action.notice.node_id, shards=list(action.shards),
+                               error=one_line(err)[:300], seconds=time.time() - t0)
+            return
+        self.channel.event("preemption_saved", component="shadow", node_id=action.notice.node_id, shards=list(action.shards),
+                           step=step, replayed_step=replayed, seconds=time.time() - t0,
+                           before_deadline=action.notice.deadline_unix_s is None or time.time() <= action.notice.deadline_unix_s)
 
     def _flush(self, keeper: bool = True) -> dict:
         """A final flush of the persister (its pending write) and, with ``keeper``, of the log keeper (a

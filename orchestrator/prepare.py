@@ -100,9 +100,10 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
 
 
 def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, fired: Collection[str] = ()) -> None:
-    """Refuse ``node`` failures (``workers.faults.take_down_node``) still to fire on a cluster where the
+    """Refuse ``node`` and ``preempt`` failures (``workers.preempt``) still to fire on a cluster where the
     run could not survive one: rank 0's node must not be the driver's (its loss would end the run), and
-    after it is gone another node must host the train workers.
+    after it is gone another node must host the train workers; a ``preempt-shadow`` failure needs another
+    node for the shadow (one offering ``placement.shadow_resource``, when set).
 
     Args:
         nodes: the alive nodes (``alive_nodes``); driver_node_id: the driver's node.
@@ -110,22 +111,26 @@ def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, 
             failure fired before is not refused for the node it took down.
 
     Raises:
-        ValueError: ``cfg`` has a ``node`` failure and the cluster has one node, or the driver's node
-            can host a train worker, or fewer than two other nodes can.
+        ValueError: ``cfg`` has such a failure and the cluster has one node, or the driver's node
+            can host a train worker, or fewer than two other nodes can host what the node held.
     """
-    node_failures = [f"{f.step}:node" for i, f in enumerate(cfg.faults.failures)
-                     if f.target == "node" and not set(marker(i, part) for part in PARTS["node"]) <= set(fired)]
-    if not node_failures:
+    due = [f"{f.step}:{f.target}" for i, f in enumerate(cfg.faults.failures)
+           if f.target in ("node", "preempt", "preempt-shadow") and not set(marker(i, part) for part in PARTS.get(f.target, (f.target,))) <= set(fired)]
+    if not due:
         return
     if len(nodes) < 2:
-        raise ValueError(f"failure {node_failures[0]} takes down rank 0's node, which on a one-node cluster is the "
+        raise ValueError(f"failure {due[0]} takes down a node, which on a one-node cluster is the "
                          "driver's: the run would end with it; use a cluster of several nodes")
-    need = worker_need(cfg.device == "cuda", cfg.placement.worker_resource)
-    hosts = [n.node_id for n in nodes if n.can_host(need)]
-    if driver_node_id in hosts:
-        raise ValueError(f"failure {node_failures[0]} would take down the driver's node, which can host a train worker "
-                         f"(it offers {need}): start the driver's node without them (ray start --head --num-cpus=0) "
-                         "or set --worker-resource to a resource only the other nodes offer")
-    if len(hosts) < 2:
-        raise ValueError(f"failure {node_failures[0]} takes down rank 0's node, but {len(hosts)} node(s) of {len(nodes)} "
-                         f"can host a train worker (each asks {need}): the workers need another node to restart on")
+    for failure in due:
+        shadow = failure.endswith("preempt-shadow")
+        need = {cfg.placement.shadow_resource: 1.0} if shadow and cfg.placement.shadow_resource else {} if shadow else \
+            worker_need(cfg.device == "cuda", cfg.placement.worker_resource)
+        hosts = [n.node_id for n in nodes if n.can_host(need) and (n.node_id != driver_node_id or not shadow)]
+        node, what, movers = ("the shadow's node", "the shadow", "the shadow needs") if shadow else ("rank 0's node", "a train worker", "the workers need")
+        if not shadow and driver_node_id in hosts:
+            raise ValueError(f"failure {failure} would take down the driver's node, which can host a train worker "
+                             f"(it offers {need}): start the driver's node without them (ray start --head --num-cpus=0) "
+                             "or set --worker-resource to a resource only the other nodes offer")
+        if len(hosts) < 2:
+            raise ValueError(f"failure {failure} takes down {node}, but {len(hosts)} node(s) of {len(nodes)} "
+                             f"can host {what} (each asks {need}): {movers} another node to restart on")

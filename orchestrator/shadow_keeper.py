@@ -69,6 +69,8 @@ class ShardKeeper:
                  placement: dict | None = None) -> None:
         self.cfg, self.run, self.spec, self._publish = cfg, run, spec, publish
         self.incarnation = -1
+        self.moves = 0
+        """Incarnations started to move the shard off a draining node (not counted against its restart budget)."""
         self.actor: Any = None  # the actor handle, None until started (ray types a handle's methods as Never)
         self.status: dict = {}
         self.restarts = restarts
@@ -115,7 +117,7 @@ class ShardKeeper:
             self._status_ref = self.actor.status.remote()
         ready, _ = ray.wait([self._status_ref], timeout=0)
         if not ready:
-            return ShardStatus(self.spec.shard, self.incarnation)
+            return ShardStatus(self.spec.shard, self.restarts_counted)
         ref, self._status_ref = self._status_ref, None
         try:
             status = ray.get(ref)
@@ -128,15 +130,29 @@ class ShardKeeper:
         reason = failure_reason(status)
         self.alive = reason is None
         if reason is None:
-            return ShardStatus(self.spec.shard, self.incarnation)
+            return ShardStatus(self.spec.shard, self.restarts_counted)
         self._failed = self._failed or (time.time(), reason)
-        return ShardStatus(self.spec.shard, self.incarnation, failure=self._failed[1])
+        return ShardStatus(self.spec.shard, self.restarts_counted, failure=self._failed[1])
+
+    @property
+    def restarts_counted(self) -> int:
+        """Restarts that count against ``faults.max_shadow_restarts`` (moves off a draining node do not)."""
+        return self.incarnation - self.moves
 
     def restart(self) -> None:
         """Kill the current incarnation (an actor whose replay thread died still holds memory and CPU)
         and start the next; its ``shadow_restart`` event is recorded once it answers."""
         ray.kill(self.actor, no_restart=True)
         self._restarted, self._failed = self._failed, None
+        self.start()
+
+    def move(self, reason: str) -> None:
+        """Start the next incarnation in place of a live one (e.g. off a draining node: Ray places nothing new
+        there), not counted against the restart budget; its ``shadow_restart`` event (``reason``) is recorded
+        once it answers."""
+        self.moves += 1
+        ray.kill(self.actor, no_restart=True)
+        self._restarted, self._failed = (time.time(), reason), None
         self.start()
 
     def _record_restart(self, failed_unix_s: float, reason: str) -> None:
@@ -269,26 +285,44 @@ class ShadowKeeper:
             shard._seen(status)
         return self.status
 
-    def snapshot_now(self, timeout_s: float | None) -> None:
+    def snapshot_now(self, timeout_s: float | None) -> int | None:
         """Hand the current state to the persister (e.g. the final state, or a calibration snapshot).
         One shard: ``ShadowActor.snapshot_now``. Several: every shard snapshots one agreed step
         (``ShadowActor.snapshot_at``), so the parts complete one snapshot: the furthest shard's step
         (statuses refreshed first), or with ``timeout_s`` None (do not wait) the step after the
         furthest last seen, which every shard still has to reach while training runs. A shard that
-        passed the agreed step declines, and the persister drops the incomplete step.
+        passed the agreed step declines, and the persister drops the incomplete step. Returns the
+        snapshot's step (None with ``timeout_s`` None); it reaches the persister a moment later.
 
         Raises:
             ray.exceptions.RayActorError, GetTimeoutError: a shard did not answer within ``timeout_s``.
         """
         if len(self.shards) == 1:
             refs = [self.shards[0].actor.snapshot_now.remote()]
+            step = None
         else:
             if timeout_s is not None:
                 self.refresh_status(timeout_s)
             step = max(s.status["step"] for s in self.shards) + (1 if timeout_s is None else 0)
             refs = [s.actor.snapshot_at.remote(step) for s in self.shards]
-        if timeout_s is not None:
-            ray.get(refs, timeout=timeout_s)
+        if timeout_s is None:
+            return None
+        answers = ray.get(refs, timeout=timeout_s)
+        return answers[0] if step is None else step
+
+    def hand_off(self, shards: tuple[int, ...], committed: Callable[[int], int | None], timeout_s: float) -> int | None:
+        """Shards ``shards`` are on a draining node: the shadow hands its current image to the persister
+        (``snapshot_now``), ``committed(step)`` waits until the persister has written that step and returns its
+        newest durable snapshot step, then those shards move (``ShardKeeper.move``: the next incarnation starts from that
+        snapshot, elsewhere). Returns that step.
+
+        Raises:
+            ray.exceptions.RayActorError, GetTimeoutError: a shard did not answer within ``timeout_s``.
+        """
+        step = committed(self.snapshot_now(timeout_s) or 0)
+        for shard in shards:
+            self.shards[shard].move("preemption")
+        return step
 
     def state_sha256(self, step: int, timeout_s: float) -> str:
         """``training.state.state_sha256`` of the shadow's state after exactly ``step`` steps (the

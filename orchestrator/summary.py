@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raycheck.job.config import JobConfig
+from raycheck.orchestrator.preemption import preemption_records
 
 METRIC_COLUMNS = ("step", "loss", "step_seconds", "checkpoint_block_seconds", "log_append_seconds", "shadow_lag_steps",
                   "snapshot_interval_steps")
@@ -389,6 +390,7 @@ def run_summary(c: Collected) -> dict:
         "bitwise_equal": None,
         "failures": [{k: e[k] for k in ("step", "target", "how")} for e in events if e["kind"] == "failure"],
         "recoveries": recs,
+        "preemptions": preemption_records(events, list(c.executions)),
         "lost_steps": sum(r.get("lost_steps", 0) for r in recs),
         "torn_tails_cut": [e for e in events if e["kind"] == "torn_tail_cut"],
         "accuracy_before": next((e["value"] for e in events if e["kind"] == "accuracy"), None),
@@ -439,6 +441,10 @@ SUMMARY_FIELDS: dict[str, str] = {
                   "restore beginning), ``load_seconds``, ``replay_seconds``, ``base_step``, ``replayed_steps``, "
                   "``recompute_steps``, ``breakdown`` (seconds per component from the failure to the first step done, "
                   "below; docs/recovery.md), ``first_step_seconds``.",
+    "preemptions": "One entry per preemption notice (a drained node that held a component; ``orchestrator.preemption."
+                   "preemption_records``): ``node_id``, ``components``, ``notice_unix_s``, ``deadline_unix_s``, ``grace_s``, "
+                   "``saved`` (``[{component, step, notice_to_safe_seconds}]``), ``unsaved`` (``[{component, error}]``), and "
+                   "for a node with train workers ``restored_step`` and ``recomputed_steps``.",
     "lost_steps": "Durable steps that no recovery restored, summed over the recoveries (0 unless something durable was lost).",
     "torn_tails_cut": "The ``torn_tail_cut`` events: step-log appends cut short by a failure and cut off the log.",
     "accuracy_before": "Held-out accuracy before training (``eval_metric`` ``loss``: the held-out loss in nats per token).",

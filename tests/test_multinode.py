@@ -17,7 +17,7 @@ import ray
 from ray.job_submission import JobStatus, JobSubmissionClient
 from typer.testing import CliRunner
 
-from cluster import SPARE_GPU_NODE, mount_namespace
+from cluster import SPARE_GPU_NODE, NodeSpec, mount_namespace
 from conftest import make_bucket
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
@@ -221,8 +221,67 @@ def wait_until_gone(run_id: str) -> None:
         time.sleep(0.5)
 
 
+PLACED = ["--worker-resource", "train", "--shadow-resource", "replica", "--start-timeout", "120"]
+
+
+def preempted_run(three_nodes, s3_endpoint, tmp_path, spare, *args: str) -> tuple[dict, list[dict], dict[str, str]]:
+    """Add the ``spare`` node, then a tiny ``raycheck run --verify`` with ``args`` (its preemptions) on the
+    cluster with s3 storage; returns its summary, events and node names by id."""
+    three_nodes.add_node(spare)
+    names = {three_nodes.node_id(n.name): n.name for n in three_nodes.nodes if three_nodes.processes(n.name)}
+    out = tmp_path / "run"
+    result = run_cli("--steps", "12", "--verify", "--storage", bucket_uri(s3_endpoint), "--s3-endpoint", s3_endpoint,
+                     *PLACED, "--out", str(out), *args)
+    summary = json.loads((out / "summary.json").read_text())
+    assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
+    assert summary == {**summary, "ok": True, "final_step": 12, "bitwise_equal": True, "lost_steps": 0}
+    return summary, RunDir.read(out / "events.jsonl"), names
+
+
+@pytest.mark.raytrain
+@pytest.mark.parametrize("strategy", ["layerwise", "full-async"])
+def test_a_first_order_run_saves_the_current_step_on_a_preemption_notice_and_redoes_no_step(
+        three_nodes, s3_endpoint, tmp_path, strategy):
+    """Rank 0's node gets a 10 s preemption notice (``ray drain-node``) at step 4 of a first-order run that
+    checkpoints every 5 steps: the workers commit a just-in-time checkpoint of step 5 at once, wait, and
+    restart on the spare node at the deadline (the node is taken down then) from it: 0 steps redone, the
+    final state bitwise equal to the failure-free run's (layer-wise with threshold 0 is exact)."""
+    spare = NodeSpec(f"gpu-{strategy}", num_cpus=2, resources={"train": 2})
+    summary, events, names = preempted_run(three_nodes, s3_endpoint, tmp_path, spare, "--algo", "fo", "--strategy", strategy,
+                                           "--snapshot-every", "5", "--layer-threshold", "0", "--fail", "4:preempt:10")
+    [preemption] = summary["preemptions"]
+    assert preemption == {**preemption, "components": ["workers"], "grace_s": pytest.approx(10, abs=1.5), "unsaved": [],
+                          "restored_step": 5, "recomputed_steps": 0}, preemption
+    [saved] = preemption["saved"]
+    assert (saved["component"], saved["step"]) == ("workers", 5) and saved["notice_to_safe_seconds"] < 10, saved
+    print(f"{strategy}: notice to safe {saved['notice_to_safe_seconds']:.2f} s (grace 10 s)")
+    assert not three_nodes.processes(names[preemption["node_id"]]), "the preempted node was not taken down at its deadline"
+    assert [w["node_id"] for w in summary["placement"]["workers"]][-1] != preemption["node_id"]
+
+
+@pytest.mark.raytrain
+def test_a_zo_shadow_on_a_preempted_node_hands_its_image_on_and_moves_without_replaying(three_nodes, s3_endpoint, tmp_path):
+    """The shadow's node gets a 10 s preemption notice at step 3: the shadow hands its current image to the
+    persister (on the same node), which commits it; the shadow starts again on the spare node from that
+    snapshot (nothing it had replayed is replayed again) and the persister moves there too; the run ends
+    bitwise equal with the shadow equal, no restart counted against the budgets."""
+    summary, events, names = preempted_run(three_nodes, s3_endpoint, tmp_path, NodeSpec("cpu2", num_cpus=1, resources={"replica": 8}),
+                                           "--durability", "node", "--snapshot-every", "100", "--fail", "3:preempt-shadow:10")
+    assert summary["shadow_equal"] is True
+    [preemption] = summary["preemptions"]
+    assert sorted(preemption["components"]) == ["persister", "shadow 0"] and preemption["unsaved"] == [], preemption
+    saved = {s["component"]: s for s in preemption["saved"]}
+    assert set(saved) == {"shadow", "persister"} and all(s["notice_to_safe_seconds"] < 10 for s in saved.values()), saved
+    handed = next(e for e in events if e["kind"] == "preemption_saved" and e["component"] == "shadow")
+    [moved] = [e for e in events if e["kind"] == "shadow_restart"]
+    assert (moved["reason"], moved["step"]) == ("preemption", handed["step"]), (moved, handed)
+    print(f"shadow hand-off: notice to safe {saved['shadow']['notice_to_safe_seconds']:.2f} s, step {handed['step']}")
+    assert [names.get(p["node_id"]) for p in summary["placement"]["persister"]][-1] != names[preemption["node_id"]]
+    assert summary["persister_restarts"] == 0
+
+
 def test_a_node_taken_down_is_dead_to_ray_within_seconds(three_nodes):
-    """Runs last in this module: the "cpu" node stays down. Ray has no notification of a node's death
+    """Runs last in this module: the replica node ("cpu", or the spare that replaced it) stays down. Ray has no notification of a node's death
     to wait on, so this polls its view of the nodes, bounded by the lowered health-check timeouts (about 4 s;
     30 s allows for a loaded machine and still fails under Ray's defaults, about a minute)."""
     @ray.remote(num_cpus=0, resources={"replica": 1})
@@ -230,9 +289,10 @@ def test_a_node_taken_down_is_dead_to_ray_within_seconds(three_nodes):
         return ray.get_runtime_context().get_node_id()
 
     cpu_node = ray.get(node_id.remote(), timeout=60)
+    name = next(n.name for n in three_nodes.nodes if three_nodes.processes(n.name) and three_nodes.node_id(n.name) == cpu_node)
     t0 = time.monotonic()
-    three_nodes.kill_node("cpu")
-    assert three_nodes.processes("cpu") == []
+    three_nodes.kill_node(name)
+    assert three_nodes.processes(name) == []
     while next(n for n in ray.nodes() if n["NodeID"] == cpu_node)["Alive"]:
         assert time.monotonic() - t0 < 30, "Ray still counts the node alive (Ray's default health checks take about a minute)"
         time.sleep(0.2)

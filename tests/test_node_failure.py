@@ -16,12 +16,13 @@ import pytest
 from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.orchestrator.cluster import Node
 from raycheck.orchestrator.prepare import check_node_failures
-from raycheck.workers.faults import node_processes
+from raycheck.workers.preempt import node_processes
 
 HEAD = Node("head", "10.0.0.1", {"driver": 1.0})
 GPU_A = Node("gpu-a", "10.0.0.2", {"CPU": 2.0, "train": 2.0})
 GPU_B = Node("gpu-b", "10.0.0.3", {"CPU": 2.0, "train": 2.0})
 CPU = Node("cpu", "10.0.0.4", {"CPU": 1.0, "replica": 8.0})
+CPU2 = Node("cpu2", "10.0.0.5", {"CPU": 1.0, "replica": 8.0})
 
 
 def node_cfg(tmp_path: pathlib.Path, **fields) -> JobConfig:
@@ -31,8 +32,12 @@ def node_cfg(tmp_path: pathlib.Path, **fields) -> JobConfig:
 
 def test_a_node_failure_parses_and_is_refused_where_the_run_could_not_survive_it(tmp_path):
     assert FailureSpec.parse("3:node") == FailureSpec(step=3, target="node")
-    with pytest.raises(ValueError, match="HOW applies to worker, both and storage failures only"):
+    with pytest.raises(ValueError, match="HOW applies to worker, both, storage and preempt failures only"):
         FailureSpec.parse("3:node:sigkill")
+    assert (FailureSpec.parse("3:preempt").grace_s, FailureSpec.parse("3:preempt-shadow:10").grace_s) == (30.0, 10.0)
+    assert FailureSpec.parse("3:preempt:0").grace_s == 0.0 and FailureSpec.parse("3:node").grace_s is None
+    with pytest.raises(ValueError, match=r"^a preempt failure takes its notice in whole seconds, e.g. 3:preempt:10 \(got '2.5'\)$"):
+        FailureSpec.parse("3:preempt:2.5")
     for storage in ("", str(tmp_path / "snapshots"), f"file://{tmp_path}"):
         with pytest.raises(ValueError, match=r"^failure 3:node takes down rank 0's node with every file on it, but storage "
                                              r".* is node-local: give --storage a URI every node reaches \(s3://BUCKET/PREFIX\)$"):
@@ -52,6 +57,15 @@ def test_a_node_failure_parses_and_is_refused_where_the_run_could_not_survive_it
     check_node_failures(cfg, [HEAD, GPU_A, CPU], driver_node_id="head", fired=["0.worker"])  # a resume: it fired before
     with pytest.raises(ValueError, match="but 1 node"):  # another failure's marker does not count
         check_node_failures(cfg, [HEAD, GPU_A, CPU], driver_node_id="head", fired=["1.worker", "0.shadow"])
+    preempt = cfg.replace(faults={"failures": (FailureSpec.parse("3:preempt:10"),)})
+    check_node_failures(preempt, [HEAD, GPU_A, GPU_B, CPU], driver_node_id="head")
+    with pytest.raises(ValueError, match=r"^failure 3:preempt takes down rank 0's node, but 1 node\(s\) of 3 can host a train worker"):
+        check_node_failures(preempt, [HEAD, GPU_A, CPU], driver_node_id="head")
+    shadow = cfg.replace(faults={"failures": (FailureSpec.parse("3:preempt-shadow:10"),)}, placement={"shadow_resource": "replica"})
+    with pytest.raises(ValueError, match=r"^failure 3:preempt-shadow takes down the shadow's node, but 1 node\(s\) of 4 can host the "
+                                         r"shadow \(each asks \{'replica': 1.0\}\): the shadow needs another node to restart on$"):
+        check_node_failures(shadow, [HEAD, GPU_A, GPU_B, CPU], driver_node_id="head")
+    check_node_failures(shadow, [HEAD, GPU_A, CPU, CPU2], driver_node_id="head")
 
 
 def fake_raylet(tmp_path: pathlib.Path, session: str, name: str) -> tuple[subprocess.Popen, list[int]]:

@@ -25,66 +25,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import psutil
 import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from raycheck.actors.journal import RunChannel
 from raycheck.actors.shadow_actor import find_shards
-from raycheck.job.config import FailureSpec, JobConfig
+from raycheck.job.config import PREEMPT_TARGETS, FailureSpec, JobConfig
 from raycheck.job.names import persister_name
 from raycheck.job.stores import snapshot_store
 from raycheck.storage.steplog import StepLogWriter
-
-
-def raylet_of(pid: int) -> psutil.Process:
-    """The raylet of the Ray node that runs process ``pid``: its nearest ancestor named ``raylet``
-    (Ray's worker and actor processes are the raylet's children).
-
-    Raises:
-        RuntimeError: ``pid`` has no raylet among its ancestors (not a process Ray started).
-    """
-    raylet = next((p for p in psutil.Process(pid).parents() if p.name() == "raylet"), None)
-    if raylet is None:
-        raise RuntimeError(f"process {pid} is not a Ray worker: no raylet among its ancestors")
-    return raylet
-
-
-def node_processes(pid: int) -> list[psutil.Process]:
-    """Every process of the Ray node that runs ``pid`` that this process can see (``pid`` among them):
-    its raylet and the raylet's descendants (workers, actors, agents); and, where that raylet is the
-    only raylet of its Ray session in its mount namespace (the node has its own machine or
-    container), every other process there whose command line names the session's directory (e.g. the
-    log monitor ``ray start`` started beside the raylet). Where several nodes of the session share a
-    mount namespace (several ``ray start`` on one machine), only the raylet's tree is the node's."""
-    raylet = raylet_of(pid)
-    found = {p.pid: p for p in [raylet, *raylet.children(recursive=True)]}
-    session = next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--session_dir="))
-    namespace = os.readlink(f"/proc/{raylet.pid}/ns/mnt")
-    beside = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        try:
-            if os.readlink(f"/proc/{p.pid}/ns/mnt") == namespace and any(session in a for a in p.info["cmdline"] or ()):
-                beside.append(p)
-        except (OSError, psutil.Error):
-            continue  # gone, or not ours to inspect
-    if [p.pid for p in beside if p.info["name"] == "raylet"] == [raylet.pid]:
-        found.update({p.pid: p for p in beside})
-    return list(found.values())
-
-
-def take_down_node() -> None:
-    """SIGKILL every process of this process's Ray node (``node_processes``), this one last: the
-    node is lost as a machine is, its raylet with it (Ray marks the node dead)."""
-    me = os.getpid()
-    for p in node_processes(me):
-        if p.pid != me:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-    os.kill(me, signal.SIGKILL)
+from raycheck.workers.preempt import drain_node, schedule_node_loss, take_down_node
 
 
 class InjectedWorkerFailure(RuntimeError):
@@ -227,6 +178,25 @@ class FaultInjector:
         if persister is not None:
             ray.kill(persister, no_restart=True)
 
+    def _preempt(self, index: int, step: int, failure: FailureSpec) -> None:
+        """A preemption notice (``preempt``: rank 0's node; ``preempt-shadow``: shadow shard 0's): the node's
+        loss at the deadline is scheduled, then the node drained with it (``workers.preempt``). Nothing
+        stops here: what the node holds is saved on the notice, and the node goes at the deadline."""
+        assert failure.grace_s is not None
+        node: str | None
+        if failure.target == "preempt":
+            node = ray.get_runtime_context().get_node_id()
+        else:
+            shadow = self._live_shadow()
+            node = ray.get(shadow[0].status.remote(), timeout=120)["node_id"] if shadow else None
+        if node is None:
+            self.run.event("failure", step=step, target=failure.target, how=failure.how, marker=marker(index, failure.target), found=False)
+            return
+        schedule_node_loss(node, time.time() + failure.grace_s + 1.0)  # drain_node's command takes about a second
+        deadline = drain_node(node, failure.grace_s, f"raycheck: injected preemption at step {step}")
+        self.run.event("failure", step=step, target=failure.target, how=failure.how, marker=marker(index, failure.target),
+                       node_id=node, grace_s=failure.grace_s, deadline_unix_s=deadline)
+
     def _hold(self, step: int) -> None:
         """The test gate (module docstring): record ``held`` and block this process for good."""
         self.run.event("held", step=step, durable_steps=self.durable_steps())
@@ -254,6 +224,8 @@ class FaultInjector:
             if f.target == "storage" and self.rank == 0 and self._claim(i, "storage"):
                 self.run.event("failure", step=step, target="storage", how="outage", marker=marker(i, "storage"),
                                seconds=f.outage_s)  # the controller acts
+            if f.target in PREEMPT_TARGETS and self.rank == 0 and self._claim(i, f.target):
+                self._preempt(i, step, f)
             if f.target == "corrupt" and self.rank == 0 and self._claim(i, "corrupt"):
                 self._corrupt_newest_snapshot(i, step)
             if f.target in ("shadow", "both") and self.rank == 0 and self._claim(i, "shadow"):

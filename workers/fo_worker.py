@@ -16,6 +16,11 @@ Strategies (rank 0 persists; ``snapshot_store(cfg)`` holds every checkpoint):
 rank runs the checkpointer (full-sync / full-async, each writing its rows through torch DCP), the
 restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
 
+A preemption notice (Ray Train's ``get_preemption_info``, asked after every step by every rank): the
+checkpointer saves the state of the steps done now (``Checkpointer.save_now``, a just-in-time checkpoint),
+and the workers wait for the deadline, at which Ray Train restarts them on the nodes left; they restore
+that checkpoint and redo no step (``workers.preempt.save_before_deadline``).
+
 Restore at start (after a failure, or when the storage already holds a checkpoint, e.g. a merged
 one): the newest committed checkpoint (``workers.recovery.from_storage``; for ``differential``
 followed by the replay of the committed records after it). Steps after the durable point are
@@ -35,6 +40,7 @@ from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
 from raycheck.training.data import PromptEncoder, batch_indices
 from raycheck.training.differential import DiffCheckpointer
 from raycheck.workers.faults import FaultInjector
+from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 from raycheck.training.fo import FOHyper, FOTrainer
 from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import OverlappedCheckpointer
@@ -106,6 +112,7 @@ def train_loop_per_worker(config: dict) -> None:
             ckpt.resume(result["base_step"])  # the next full checkpoint bounds the chain this restore replayed
     accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None
     start = record_start(env, result, accuracy)
+    notices = PreemptionNotices()
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -116,6 +123,8 @@ def train_loop_per_worker(config: dict) -> None:
         [loss] = mean_over_workers([loss], world)
         step_s = time.perf_counter() - t0
         block_s = ckpt.after_step(step + 1, trainer.state_view) if ckpt else 0.0
+        if (notice := notices.poll()) is not None:  # every rank asks (a collective), every rank gets the same answer
+            save_before_deadline(notice, ckpt, step + 1, trainer.state_view, run, rank)
         hashed = cfg.hash_every_steps and (step + 1) % cfg.hash_every_steps == 0 and (rank == 0 or sharded)
         digest = state_sha256(sharded_fo.full_state(trainer.state_view())) if hashed else None  # weights + optimizer
         if rank == 0:

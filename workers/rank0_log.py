@@ -167,8 +167,9 @@ class KeeperSender:
             self._cond.wait()
         self._raise_if_failed()
 
-    def close(self) -> None:
-        """Wait until every queued record is acknowledged, then stop the sender thread.
+    def flush(self) -> int:
+        """Wait until every queued record is acknowledged (nothing to wait for with ``wait``); returns the
+        steps the keeper holds.
 
         Raises:
             KeeperUnreachableError: a send failed for good.
@@ -176,6 +177,17 @@ class KeeperSender:
         with self._cond:
             if self._queue:
                 self._wait_acked(self._queue[-1].step + 1)
+            self._raise_if_failed()
+            return self.acked
+
+    def close(self) -> None:
+        """Wait until every queued record is acknowledged, then stop the sender thread.
+
+        Raises:
+            KeeperUnreachableError: a send failed for good.
+        """
+        self.flush()
+        with self._cond:
             self._closed = True
             self._cond.notify_all()
             self._raise_if_failed()

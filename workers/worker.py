@@ -41,6 +41,7 @@ from raycheck.training.groups import Exchange, example_groups, group_vector, gro
 from raycheck.training.model import trainable_parameters
 from raycheck.training.in_process import StepFailure, decide
 from raycheck.workers.rank0_log import KeeperSender, KeeperUnreachableError, local_log_path, open_local_log, replicated_append
+from raycheck.workers.preempt import NodeDrainWatch
 from raycheck.workers.recovery import restore
 from raycheck.training.state import state_sha256
 from raycheck.workers.worker_env import WorkerEnv, record_start, sum_over_workers, worker_env
@@ -99,6 +100,7 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
     step = record_start(env, restored, promoted=promoted)
 
     commit = replicated_append(writer, sender) if writer is not None and sender is not None else timed_append(None)
+    drain = NodeDrainWatch(ray.get_runtime_context().get_node_id()) if writer is not None else None
     restarts = 0  # in-process restarts of this process
     while step < cfg.steps:
         try:
@@ -107,6 +109,8 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
                                         fail=lambda: faults.maybe_fail(step, writer), commit=commit, exchange=exchange)
             step_s = time.perf_counter() - t0 - append_s
             block_s = checkpointer.after_step(step + 1, lambda: on_cpu(params)) if checkpointer is not None else append_s
+            if drain is not None and sender is not None and (deadline := drain.check()) is not None:
+                acknowledged(sender, deadline, run)
             if rank == 0:
                 loss_plus, loss_minus = record.loss_plus, record.loss_minus
                 row: dict[str, object] = dict(step=step, loss=(loss_plus + loss_minus) / 2, loss_plus=loss_plus, loss_minus=loss_minus,
@@ -150,6 +154,19 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
             sender.close()  # the keeper holds every step before the run counts as done
             writer.close()
         run.event("final", **final)
+
+
+def acknowledged(sender: KeeperSender, deadline_unix_s: float, run: RunChannel) -> None:
+    """Rank 0's node is being drained (a preemption notice, ``workers.preempt.NodeDrainWatch``): wait until the
+    log keeper holds every record of its node-local log (at durability ``process`` they may still be queued;
+    at ``node`` and ``cluster`` each already was before its step went on) and record a ``preemption_saved``
+    event. Training goes on: every later step is acknowledged as it is logged (or, at ``process``, until the
+    node goes; a restarted rank 0 sends what its node-local log kept)."""
+    t0 = time.time()
+    held = sender.flush()
+    run.event("preemption_saved", component="step_log", step=held, notice_seen_unix_s=t0,
+              deadline_unix_s=None if deadline_unix_s == float("inf") else deadline_unix_s, seconds=time.time() - t0,
+              node_id=ray.get_runtime_context().get_node_id())
 
 
 def open_rank0_log(cfg: JobConfig, keeper: RemoteKeeper, run: RunChannel) -> StepLogWriter:
