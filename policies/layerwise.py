@@ -18,6 +18,9 @@ status of every unit:
    the rest are ``deferred`` to a later check (where the staleness bound forces them at the latest).
 
 Forced units are taken even when they alone exceed the budget; their bytes count against it.
+A just-in-time check (``just_in_time=True``: a checkpoint on a failure notice, Just-In-Time Checkpointing,
+Gupta et al., EuroSys 2024) takes every unit not persisted at this step (``JUST_IN_TIME``), with no
+threshold and no budget, so the composite is the current state, exactly.
 Pure: no torch, no Ray, no I/O; counters and measurements are passed in.
 """
 
@@ -102,6 +105,8 @@ class Reason(str, enum.Enum):
     """Its last persisted version is ``staleness_bound_steps`` old or older."""
     THRESHOLD = "threshold"
     """Its relative change exceeds ``threshold`` and it fits the byte budget."""
+    JUST_IN_TIME = "just_in_time"
+    """A just-in-time check: it was not persisted at this step (never, or at an earlier one)."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,9 @@ class LayerwiseDecision:
         return {s.unit: s.reason for s in self.selected}
 
 
-def select_units(config: LayerwiseConfig, units: Sequence[UnitStatus]) -> LayerwiseDecision:
-    """The units to persist at this step (the rule is in the module docstring).
+def select_units(config: LayerwiseConfig, units: Sequence[UnitStatus], just_in_time: bool = False) -> LayerwiseDecision:
+    """The units to persist at this step (the rule is in the module docstring); ``just_in_time``: every
+    unit whose staleness is not 0 steps, in input order, ignoring ``config``.
 
     Raises:
         ValueError: a unit appears twice in ``units``.
@@ -148,6 +154,9 @@ def select_units(config: LayerwiseConfig, units: Sequence[UnitStatus]) -> Layerw
         if u.unit in seen:
             raise ValueError(f"unit {u.unit!r} appears twice in the unit status")
         seen.add(u.unit)
+    if just_in_time:
+        due = [Selected(u.unit, Reason.JUST_IN_TIME, u.bytes) for u in units if u.staleness_steps != 0]
+        return LayerwiseDecision(tuple(due), (), sum(s.bytes for s in due))
     never = [u for u in units if u.staleness_steps is None]
     persisted = [(i, u.staleness_steps, u) for i, u in enumerate(units) if u.staleness_steps is not None]
     stale = sorted(

@@ -5,7 +5,8 @@ writes the copy; jobs run one at a time, in submission order (so a manifest neve
 shards it references). ``submit`` blocks while ``max_pending`` jobs are already waiting: that
 back-pressure bounds the staged memory, and the time it blocks is returned so callers count it as
 training-loop stall. A job that raises is logged and its error kept (``errors``); the thread goes on
-with the next job (it never dies silently). ``close`` waits for every job, bounded by a timeout.
+with the next job (it never dies silently). ``close`` waits for every job, bounded by a timeout;
+``drain_or_raise`` waits and raises the error of a job queued after a mark (a just-in-time checkpoint).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class BackgroundWriter:
         self._unfinished = 0
         self.errors: list[str] = []
         """``"<what>: <error>"`` for every job that raised, in order."""
+        self._failures: list[Exception] = []  # the errors of ``errors``, without their tracebacks (which hold staged copies)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -65,6 +67,7 @@ class BackgroundWriter:
             except Exception as exc:  # kept and reported; the next job still runs
                 log.exception("background write failed: %s", what)
                 self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
+                self._failures.append(exc.with_traceback(None))
             finally:
                 with self._idle:
                     self._unfinished -= 1
@@ -75,6 +78,20 @@ class BackgroundWriter:
         (None: no limit; 0: only ask whether it has)."""
         with self._idle:
             return self._idle.wait_for(lambda: self._unfinished == 0, timeout=timeout_s)
+
+    def drain_or_raise(self, timeout_s: float, what: str, since: int) -> None:
+        """``drain``, raising when it did not end in success: the jobs queued after ``len(errors)`` was
+        ``since`` (the caller waited for every earlier job first) must all have finished within ``timeout_s``
+        seconds and none of them failed.
+
+        Raises:
+            TimeoutError: naming ``what``, when ``timeout_s`` seconds passed first (the jobs go on).
+            Exception: the first error of those jobs, as the job raised it.
+        """
+        if not self.drain(timeout_s):
+            raise TimeoutError(f"{what} did not finish within {timeout_s:.1f} s")
+        if len(self._failures) > since:
+            raise self._failures[since]
 
     def close(self, timeout_s: float) -> bool:
         """``drain``, then stop the thread; returns whether every job finished in time."""

@@ -20,7 +20,7 @@ from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import OverlappedCheckpointer
 from raycheck.training.sharded import ShardedCheckpointer
 
-METHODS = ("after_step", "flush", "close")
+METHODS = ("after_step", "save_now", "flush", "close")
 
 
 def checkpointers(store: SnapshotStore) -> list:

@@ -16,6 +16,9 @@ checkpoints can exceed the interval by the steps a slow write takes. Either way 
 and commit rules as the shadow's snapshots) and recovery restores it through the same path.
 
 A failure loses the steps after the last committed checkpoint: they are recomputed after restart.
+On a failure notice (a node drain with a deadline) the loop calls ``save_now`` instead: it commits the
+state of the current step whatever the schedule says, so the restart recomputes none (Just-In-Time
+Checkpointing, Gupta et al., EuroSys 2024: a checkpoint of the current minibatch on a failure notice).
 """
 
 from __future__ import annotations
@@ -52,6 +55,24 @@ class Checkpointer(Protocol):
         nothing was taken).
         """
 
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        """Just-in-time checkpoint (Just-In-Time Checkpointing, Gupta et al., EuroSys 2024): commit the
+        state after ``steps_done`` steps (``state()``, as for ``after_step``) now, whatever the schedule
+        says, after the writes already queued, and return once it is committed, so that a restart from it
+        recomputes no step. The loop calls it after that step's ``after_step``; ``after_step`` and ``close``
+        go on afterwards as before (a schedule counts from ``steps_done``, as after a restart there).
+
+        Returns ``step`` (``steps_done``), ``bytes`` (bytes this call wrote), ``seconds`` (its wall
+        seconds), the checkpointer's own fields, and ``already`` (True when the state of ``steps_done`` was
+        committed already, e.g. by the schedule at that step: then only that write is waited for and
+        ``bytes`` is 0).
+
+        Raises:
+            TimeoutError: the commit did not finish within ``timeout_s`` seconds (nothing partial is
+                committed; the write may still commit later).
+            storage.backend.StorageError (or the store's other error): the write failed.
+        """
+
     def flush(self, timeout_s: float = 600.0) -> bool:
         """Wait until every write handed to the background has finished (committed or failed); False
         when ``timeout_s`` seconds passed first. What a failed write does is the checkpointer's
@@ -64,6 +85,27 @@ class Checkpointer(Protocol):
         the checkpointer's statistics, at least ``checkpoints`` (committed), ``bytes`` and ``last_step``
         (the newest committed state's step; None: none).
         """
+
+
+def just_in_time(steps_done: int, timeout_s: float, queued: Callable[[float], bool], written: Callable[[], int],
+                 save: Callable[[Callable[[], float]], dict[str, Any] | None]) -> dict[str, Any]:
+    """The frame of every checkpointer's ``save_now``: wait up to ``timeout_s`` seconds for the writes
+    already queued (``queued(seconds)``: False on timeout), then ``save(left)`` commits what the state
+    after ``steps_done`` steps still lacks and waits for it (``left()``: the seconds of ``timeout_s`` left);
+    it returns the checkpointer's own result fields, or None when nothing was lacking (``already``).
+    ``bytes``: the growth of ``written()`` (the checkpointer's committed bytes).
+
+    Raises:
+        TimeoutError: the queued writes did not finish in time (or ``save``'s, which raises it).
+    """
+    t0 = time.perf_counter()
+    if not queued(timeout_s):
+        raise TimeoutError(f"the writes queued before the just-in-time checkpoint of step {steps_done} did not finish "
+                           f"within {timeout_s} s")
+    before = written()
+    fields = save(lambda: max(0.0, timeout_s - (time.perf_counter() - t0)))
+    return {"step": steps_done, "bytes": written() - before, "seconds": time.perf_counter() - t0,
+            **(fields or {}), "already": fields is None}
 
 
 class _Committed(Protocol):
@@ -165,6 +207,27 @@ class FullCheckpointer:
         self.stage_seconds.append(time.perf_counter() - t0)
         self._writer.submit(functools.partial(self._write, steps_done, staged), f"checkpoint at step {steps_done}")
         return time.perf_counter() - t0  # the queue is empty (the previous write has finished): no wait
+
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        """``Checkpointer.save_now`` (Just-In-Time Checkpointing, Gupta et al., EuroSys 2024): wait for
+        the running write; unless it was of ``steps_done``, take a checkpoint of ``state()`` now as the
+        schedule would (written on this thread, or staged and waited for) and count the interval from
+        ``steps_done``. Returns ``step``, ``bytes``, ``seconds`` and ``already``.
+
+        Raises:
+            TimeoutError: not committed within ``timeout_s`` seconds.
+            storage.backend.StorageError: this write failed, or the running one did (raised first, as
+                ``after_step`` does: it is raised once, and a second call then writes).
+        """
+        def save(left: Callable[[], float]) -> dict[str, Any] | None:
+            if self.last_step == steps_done:
+                return None
+            self._take(steps_done, state)
+            if not self._wait(left()):
+                raise TimeoutError(f"the just-in-time checkpoint of step {steps_done} did not commit within {timeout_s} s")
+            return {}
+
+        return just_in_time(steps_done, timeout_s, self._wait, lambda: self.bytes, save)
 
     def flush(self, timeout_s: float = 600.0) -> bool:
         """Wait until the background write (if any) has committed; raises its error if it failed;

@@ -11,7 +11,9 @@ the encoding's; a CUDA trainer would need a device-to-host copy there, on the wr
 ``full_every`` steps, commits a full checkpoint to the run's ``SnapshotStore`` and then deletes the
 records it supersedes. Records still pending at a full checkpoint are dropped: the full state
 supersedes them. Recovery: the newest full checkpoint, then ``DiffStore.replay`` of the records after
-it through ``training.fo.FOTrainer.replay_gradients`` (bitwise exact with exact records).
+it through ``training.fo.FOTrainer.replay_gradients`` (bitwise exact with exact records). On a failure
+notice ``save_now`` writes the pending records at once (Just-In-Time Checkpointing, Gupta et al.,
+EuroSys 2024), so that recovery replays up to the current step.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from raycheck.storage.background import BackgroundWriter
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.tensor_files import as_numpy
+from raycheck.training.checkpointing import just_in_time
 from raycheck.training.state import copy_state, require_new_tensors
 
 
@@ -98,20 +101,57 @@ class DiffCheckpointer:
         due. Returns the seconds the training loop was blocked."""
         t0 = time.perf_counter()
         if self.full_schedule.take_if_due(steps_done):
-            self._pending.clear()
-            self._previous = {}
-            staged = copy_state(state())
-            self._writer.submit(lambda: self._write_full(steps_done, staged), f"full checkpoint at step {steps_done}")
+            self._submit_full(steps_done, state)
             return time.perf_counter() - t0
         grads = dict(self.gradients())
         require_new_tensors(self._previous, grads, f"the gradients of step {steps_done - 2}")
         self._pending.append((steps_done - 1, grads))
         self._previous = grads
         if len(self._pending) >= self.batch_steps:
-            records, self._pending = self._pending, []
-            self._writer.submit(lambda: self._write_batch(records),
-                                f"diff batch of steps {records[0][0]}-{records[-1][0]}")
+            self._submit_pending()
         return time.perf_counter() - t0
+
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        """``Checkpointer.save_now`` (Just-In-Time Checkpointing, Gupta et al., EuroSys 2024): after the
+        queued writes, write the pending records (those of the batch not yet due) and wait for them, so
+        that the committed records reach ``steps_done`` from the newest full checkpoint
+        (``DiffStore.durable_end``). When they still do not (an earlier batch failed, leaving a gap, or
+        ``after_step(steps_done)`` was not called), a full checkpoint of ``state()`` is written instead and
+        the full interval counts from ``steps_done``; otherwise it keeps counting from its base, as
+        ``resume`` does after a restart. Returns ``step``, ``bytes``, ``seconds``, ``already``, ``records``
+        (records written) and ``full`` (whether a full checkpoint was written).
+
+        Raises:
+            TimeoutError: not committed within ``timeout_s`` seconds.
+            storage.backend.StorageError (or the store's other error): a write failed.
+        """
+        def save(left: Callable[[], float]) -> dict[str, Any] | None:
+            since, what = len(self._writer.errors), f"the just-in-time checkpoint of step {steps_done}"
+            records = self._submit_pending()
+            self._writer.drain_or_raise(left(), what, since)
+            base = max((i.step for i in self.snapshots.list()), default=0)  # where recovery's replay starts
+            if self.diffs.durable_end(base) >= steps_done:
+                return {"records": records, "full": False} if records else None
+            self.full_schedule.taken(steps_done)
+            self._submit_full(steps_done, state)
+            self._writer.drain_or_raise(left(), what, since)
+            return {"records": records, "full": True}
+
+        return just_in_time(steps_done, timeout_s, self.flush, lambda: self.bytes, save)
+
+    def _submit_full(self, step: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        """Queue a full checkpoint of ``state()`` at ``step``; the pending records are dropped (it supersedes them)."""
+        self._pending.clear()
+        self._previous = {}
+        staged = copy_state(state())
+        self._writer.submit(lambda: self._write_full(step, staged), f"full checkpoint at step {step}")
+
+    def _submit_pending(self) -> int:
+        """Queue the pending records as one batch; returns how many there were."""
+        records, self._pending = self._pending, []
+        if records:
+            self._writer.submit(lambda: self._write_batch(records), f"diff batch of steps {records[0][0]}-{records[-1][0]}")
+        return len(records)
 
     def _write_full(self, step: int, staged: Mapping[str, np.ndarray]) -> None:
         t0 = time.perf_counter()
@@ -142,9 +182,7 @@ class DiffCheckpointer:
         returns the stats: ``checkpoints`` (full), ``batches``, ``bytes`` (``full_bytes`` +
         ``diff_bytes``), ``last_step`` (state step the committed data reach), ``last_full_step``,
         ``write_seconds``, ``deleted_objects``, ``errors`` and ``finished``."""
-        if self._pending:
-            records, self._pending = self._pending, []
-            self._writer.submit(lambda: self._write_batch(records), f"diff batch of steps {records[0][0]}-{records[-1][0]}")
+        self._submit_pending()
         finished = self._writer.close(timeout_s)
         return {**self.stats, "write_seconds": list(self.stats["write_seconds"]), "errors": list(self._writer.errors),
                 "finished": finished}

@@ -25,6 +25,11 @@ first: a unit whose shard fails verification is rewritten from the staged copy).
 newest committed snapshot like any other (``SnapshotStore.load_latest``); its units may come from
 different steps.
 
+A just-in-time check (``save_now``, on a failure notice: Just-In-Time Checkpointing, Gupta et al.,
+EuroSys 2024) rewrites every unit not persisted at the current step, whatever the threshold and the
+budget, so the composite it commits is the current state exactly; it is staged and queued as a check is
+(after the checks already queued), and waited for.
+
 Recovery is approximate by design: a unit not rewritten at the last check resumes from an older
 version (within the threshold of the current one, and at most ``staleness_bound_steps`` old).
 """
@@ -39,11 +44,12 @@ import numpy as np
 import torch
 
 from raycheck.policies.interval import SnapshotSchedule
-from raycheck.policies.layerwise import LayerwiseConfig, UnitStatus, relative_change, select_units
+from raycheck.policies.layerwise import LayerwiseConfig, Reason, UnitStatus, relative_change, select_units
 from raycheck.storage.background import BackgroundWriter, Postponements
 from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
 from raycheck.storage.tensor_files import as_numpy
 from raycheck.storage.units import group_by_unit, parameter_of
+from raycheck.training.checkpointing import just_in_time
 from raycheck.training.state import StagingPool, copy_into
 
 
@@ -111,9 +117,36 @@ class LayerwiseCheckpointer:
         self._stage(steps_done, buffers, state)
         return time.perf_counter() - t0
 
-    def _stage(self, step: int, buffers: dict[str, np.ndarray], state: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-        """Take the check at ``step``: copy ``state()`` into ``buffers`` and queue the check, which gives
-        the buffers back once it has finished."""
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        """``Checkpointer.save_now`` (Just-In-Time Checkpointing, Gupta et al., EuroSys 2024): after the
+        queued checks, unless every unit is persisted at ``steps_done`` already, stage ``state()`` and
+        queue a just-in-time check that rewrites every unit persisted before ``steps_done`` (or never),
+        ignoring the threshold and the byte budget (reason ``just_in_time``), and wait for its commit: the
+        composite of ``steps_done`` is then the state of ``steps_done`` in every unit, weights and
+        optimizer state. Checks go on counting from ``steps_done``. Returns ``step``, ``bytes``,
+        ``seconds``, ``already`` and ``units`` (units rewritten).
+
+        Raises:
+            TimeoutError: not committed within ``timeout_s`` seconds.
+            storage.backend.StorageError (or the store's other error): the check's write failed.
+        """
+        def save(left: Callable[[], float]) -> dict[str, Any] | None:
+            if self._persisted and all(step == steps_done for step, _ in self._persisted.values()):
+                return None
+            buffers = self._pool.take(left())  # free: the queued checks have given theirs back
+            if buffers is None:
+                raise TimeoutError(f"no staging buffer set came free within {timeout_s} s")
+            since, before = len(self._writer.errors), self.reasons.get(Reason.JUST_IN_TIME.value, 0)
+            self._stage(steps_done, buffers, state, just_in_time=True)
+            self._writer.drain_or_raise(left(), f"the just-in-time check at step {steps_done}", since)
+            return {"units": self.reasons.get(Reason.JUST_IN_TIME.value, 0) - before}
+
+        return just_in_time(steps_done, timeout_s, self.flush, lambda: self.bytes, save)
+
+    def _stage(self, step: int, buffers: dict[str, np.ndarray], state: Callable[[], Mapping[str, torch.Tensor]],
+               just_in_time: bool = False) -> None:
+        """Take the check at ``step`` (a just-in-time one: every unit not persisted at ``step``): copy
+        ``state()`` into ``buffers`` and queue the check, which gives the buffers back once it has finished."""
         self.schedule.taken(step)
         self.postponed.taken(step)
         t0 = time.perf_counter()
@@ -122,11 +155,11 @@ class LayerwiseCheckpointer:
 
         def check() -> None:
             try:
-                self._check(step, staged)
+                self._check(step, staged, just_in_time)
             finally:
                 self._pool.give_back(buffers)
 
-        self._writer.submit(check, f"layer-wise check at step {step}")
+        self._writer.submit(check, f"{'just-in-time ' if just_in_time else ''}layer-wise check at step {step}")
 
     def _status(self, step: int, unit: str, names: list[str], staged: Mapping[str, np.ndarray]) -> UnitStatus:
         size = sum(staged[n].nbytes for n in names)
@@ -136,10 +169,10 @@ class LayerwiseCheckpointer:
         change = relative_change({n: staged[n] for n in weights}, weights)
         return UnitStatus(unit=unit, relative_change=change, staleness_steps=step - persisted_step, bytes=size)
 
-    def _check(self, step: int, staged: dict[str, np.ndarray]) -> None:
+    def _check(self, step: int, staged: dict[str, np.ndarray], just_in_time: bool) -> None:
         """On the writer thread: select the units (``policies.layerwise.select_units``), commit them."""
         layout = group_by_unit(staged)
-        decision = select_units(self.policy, [self._status(step, u, ns, staged) for u, ns in layout.items()])
+        decision = select_units(self.policy, [self._status(step, u, ns, staged) for u, ns in layout.items()], just_in_time)
         for s in decision.selected:
             self.reasons[s.reason.value] = self.reasons.get(s.reason.value, 0) + 1
         t0 = time.perf_counter()

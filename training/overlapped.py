@@ -20,7 +20,9 @@ being written, and ``max_pending`` queued); a snapshot that comes due while none
 is behind) is postponed to the first step at which one is, never waited for (``postponed_checks``,
 ``postponed_steps`` in ``close``), as in ``training.layerwise``. A failure during a window loses
 that window (recovery takes the newest committed snapshot); ``close`` completes an open window from the
-final state. m = 1 is a one-shot staged copy, as ``full-async``.
+final state. m = 1 is a one-shot staged copy, as ``full-async``. On a failure notice ``save_now`` drops an
+open window (its chunks are of several steps and need later steps' gradients) and commits the whole state
+of the current step at once (Just-In-Time Checkpointing, Gupta et al., EuroSys 2024).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from raycheck.storage.background import BackgroundWriter, Postponements
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.tensor_files import as_numpy
 from raycheck.storage.units import parameter_of
+from raycheck.training.checkpointing import just_in_time
 from raycheck.training.fo import FOHyper, replay_adamw_
 from raycheck.training.state import StagingPool, copy_into, require_new_tensors
 
@@ -201,6 +204,40 @@ class OverlappedCheckpointer:
         blocked = time.perf_counter() - t0
         self.stats["stage_seconds"].append(blocked)
         return blocked
+
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        """``Checkpointer.save_now`` (Just-In-Time Checkpointing, Gupta et al., EuroSys 2024): after the
+        submitted snapshots, drop an open window (never committed half-staged: its buffer set goes back to
+        the pool) and, unless the newest committed snapshot is of ``steps_done``, stage every chunk of
+        ``state()`` now (a window of one step: no catch-up) and wait for its commit. Snapshots go on
+        counting from ``steps_done``. Returns ``step``, ``bytes``, ``seconds``, ``already`` and
+        ``dropped_window`` (the step the dropped window began at; None: none was open).
+
+        Raises:
+            TimeoutError: not committed within ``timeout_s`` seconds.
+            storage.backend.StorageError (or the store's other error): the write failed.
+        """
+        def save(left: Callable[[], float]) -> dict[str, Any] | None:
+            dropped, self._window = self._window, None
+            if dropped is not None:
+                self._pool.give_back(dropped.buffers)
+            if self.stats["last_step"] == steps_done:
+                self.schedule.taken(steps_done)
+                self.postponed.taken(steps_done)
+                return None
+            buffers = self._pool.take(left())  # free: the submitted snapshots have given theirs back
+            if buffers is None:
+                raise TimeoutError(f"no staging buffer set came free within {timeout_s} s")
+            live = state()
+            window = self._open(steps_done, live, buffers)
+            for index in range(len(window.plan)):
+                self._stage(window, index, live)
+            since = len(self._writer.errors)
+            self._submit(window, steps_done)
+            self._writer.drain_or_raise(left(), f"the just-in-time snapshot of step {steps_done}", since)
+            return {"dropped_window": None if dropped is None else dropped.start_step}
+
+        return just_in_time(steps_done, timeout_s, self.flush, lambda: self.bytes, save)
 
     def _open(self, step: int, live: Mapping[str, torch.Tensor], buffers: dict[str, np.ndarray]) -> _Window:
         """Start the snapshot due after ``step`` steps in ``buffers`` (plans the chunks on first use)."""

@@ -130,10 +130,14 @@ def sharded_store(cfg: JobConfig) -> ShardedStore:
 
 class ShardedCheckpointer(FullCheckpointer):
     """``FullCheckpointer`` on every rank under FSDP2: it stages a copy of this rank's rows
-    (``local_view``) and writes through a ``ShardedWriter``; ``bytes`` counts this rank's files."""
+    (``local_view``) and writes through a ``ShardedWriter``; ``bytes`` counts this rank's files.
+    ``save_now`` is a collective as ``after_step`` is: every rank calls it at the same step."""
 
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
         return super().after_step(steps_done, lambda: local_view(state()))
+
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        return super().save_now(steps_done, lambda: local_view(state()), timeout_s)
 
 
 def sharded_checkpointer(cfg: JobConfig, trainer: FOTrainer, group: dist.ProcessGroup) -> ShardedCheckpointer:
