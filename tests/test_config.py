@@ -19,7 +19,7 @@ def test_failure_spec_parsing():
         FailureSpec.parse("3:worker:melt")
     with pytest.raises(ValueError) as err:  # was accepted and recorded as ray.kill
         FailureSpec.parse("2:shadow:exit")
-    assert str(err.value) == ("bad failure '2:shadow:exit': HOW applies to worker, both and storage failures only "
+    assert str(err.value) == ("bad failure '2:shadow:exit': HOW applies to worker, both, storage and preempt failures only "
                               "(a shadow failure takes a shard number instead, e.g. 2:shadow:1)")
     assert FailureSpec.parse("2:shadow:1") == FailureSpec(step=2, target="shadow", how="1")  # shard 1 of a sharded shadow
 

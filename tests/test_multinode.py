@@ -243,7 +243,7 @@ def preempted_run(three_nodes, s3_endpoint, tmp_path, spare, *args: str) -> tupl
 def test_a_first_order_run_saves_the_current_step_on_a_preemption_notice_and_redoes_no_step(
         three_nodes, s3_endpoint, tmp_path, strategy):
     """Rank 0's node gets a 10 s preemption notice (``ray drain-node``) at step 4 of a first-order run that
-    checkpoints every 5 steps: the workers commit a just-in-time checkpoint of step 5 at once, wait, and
+    checkpoints every 5 steps: the workers commit a just-in-time checkpoint of the steps done at once, wait, and
     restart on the spare node at the deadline (the node is taken down then) from it: 0 steps redone, the
     final state bitwise equal to the failure-free run's (layer-wise with threshold 0 is exact)."""
     spare = NodeSpec(f"gpu-{strategy}", num_cpus=2, resources={"train": 2})
@@ -251,9 +251,10 @@ def test_a_first_order_run_saves_the_current_step_on_a_preemption_notice_and_red
                                            "--snapshot-every", "5", "--layer-threshold", "0", "--fail", "4:preempt:10")
     [preemption] = summary["preemptions"]
     assert preemption == {**preemption, "components": ["workers"], "grace_s": pytest.approx(10, abs=1.5), "unsaved": [],
-                          "restored_step": 5, "recomputed_steps": 0}, preemption
-    [saved] = preemption["saved"]
-    assert (saved["component"], saved["step"]) == ("workers", 5) and saved["notice_to_safe_seconds"] < 10, saved
+                          "recomputed_steps": 0}, preemption
+    [saved] = preemption["saved"]  # of the step the workers had done when Ray Train's watcher told them (it polls every 1 s)
+    assert saved["component"] == "workers" and saved["step"] == preemption["restored_step"] > 4, (saved, preemption)
+    assert saved["notice_to_safe_seconds"] < 10, saved
     print(f"{strategy}: notice to safe {saved['notice_to_safe_seconds']:.2f} s (grace 10 s)")
     assert not three_nodes.processes(names[preemption["node_id"]]), "the preempted node was not taken down at its deadline"
     assert [w["node_id"] for w in summary["placement"]["workers"]][-1] != preemption["node_id"]
