@@ -79,25 +79,38 @@ class DrainWatch:
         return new
 
 
+def notices_of(events: list[dict]) -> list[dict]:
+    """The preemption notices in an event stream (pure), oldest first: the driver's ``preemption_notice``
+    events, and an injected ``preempt`` failure's drain that the driver did not see holding a component (a
+    notice with no grace: Ray Train restarted the workers elsewhere before the driver's next look), with
+    ``workers`` among its components when a rank's newest start before it was on that node. Each:
+    ``node_id``, ``components``, ``notice_unix_s`` (the drain: the injected failure's time, else when the
+    driver saw it), ``deadline_unix_s``."""
+    injected = {e["node_id"]: e for e in events if e["kind"] == "failure" and e.get("target") in ("preempt", "preempt-shadow") and e.get("node_id")}
+    seen = {e["node_id"]: e for e in events if e["kind"] == "preemption_notice"}
+    notices = [{"node_id": node, "components": e["components"], "deadline_unix_s": e.get("deadline_unix_s"),
+                "notice_unix_s": injected[node]["unix_s"] if node in injected else e["unix_s"]} for node, e in seen.items()]
+    for node, e in injected.items():
+        if node not in seen:
+            placed = {p["rank"]: p["node_id"] for p in events if p["kind"] == "placement" and p["component"] == "worker" and p["unix_s"] <= e["unix_s"]}
+            notices.append({"node_id": node, "components": ["workers"] if node in placed.values() else [],
+                            "deadline_unix_s": e.get("deadline_unix_s"), "notice_unix_s": e["unix_s"]})
+    return sorted(notices, key=lambda n: n["notice_unix_s"])
+
+
 def preemption_records(events: list[dict], executions: list[dict]) -> list[dict]:
-    """Each preemption of the run, from its events (pure; ``summary.json``'s ``preemptions``), one per drained
-    node that held a component, in order: ``node_id``, ``components``, ``notice_unix_s`` (the drain: an
-    injected ``preempt`` failure's time, else when the driver saw it), ``deadline_unix_s``, ``grace_s``
-    (notice to deadline, seconds), ``saved`` (per component: ``component``, ``step``, ``notice_to_safe_seconds``),
+    """Each preemption of the run (``notices_of``), from its events (pure; ``summary.json``'s ``preemptions``),
+    in order: ``node_id``, ``components``, ``notice_unix_s``, ``deadline_unix_s``, ``grace_s`` (notice to
+    deadline, seconds), ``saved`` (per component: ``component``, ``step``, ``notice_to_safe_seconds``),
     ``unsaved`` (per component: ``component`` and ``error`` when given) and, when it held train workers and they
     restarted, ``restored_step`` and ``recomputed_steps`` (steps done before the restart that the
     restarted workers do again: 0 when the just-in-time state was saved)."""
-    injected = {e["node_id"]: e for e in events if e["kind"] == "failure" and e.get("target") in ("preempt", "preempt-shadow") and e.get("node_id")}
     records = []
-    for notice in (e for e in events if e["kind"] == "preemption_notice"):
-        node = notice["node_id"]
-        drained = injected.get(node)
-        notice_s = drained["unix_s"] if drained is not None else notice["unix_s"]
-        deadline = notice.get("deadline_unix_s")
+    for notice in notices_of(events):
+        node, notice_s, deadline = notice["node_id"], notice["notice_unix_s"], notice["deadline_unix_s"]
         mine = [e for e in events if e["kind"] in ("preemption_saved", "preemption_unsaved")
                 and (e.get("node_id") == node or node in e.get("nodes", ()))]
-        record: dict = {"node_id": node, "components": notice["components"], "notice_unix_s": notice_s, "deadline_unix_s": deadline,
-                        "grace_s": None if deadline is None else round(deadline - notice_s, 3),
+        record: dict = {**notice, "grace_s": None if deadline is None else round(deadline - notice_s, 3),
                         "saved": [{"component": e["component"], "step": e.get("step"), "notice_to_safe_seconds": e["unix_s"] - notice_s}
                                   for e in mine if e["kind"] == "preemption_saved"],
                         "unsaved": [{"component": e["component"], **({"error": e["error"]} if "error" in e else {})}

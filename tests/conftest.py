@@ -106,13 +106,13 @@ def storage(request, tmp_path):
 
 @pytest.fixture(scope="module")
 def three_nodes(tmp_path_factory):
-    """A three-node Ray cluster (``tests/cluster.py``: head for the driver, a "gpu" node with
+    """A three-node Ray cluster (``experiments/local_cluster.py``: head for the driver, a "gpu" node with
     ``{"train": 2}``, a "cpu" node with ``{"replica": 8}``) whose two non-head nodes cannot see this
     session's temporary directories nor rank 0's default scratch root, with the head's dashboard (``ray job
     submit``); this process is connected to it (namespace ``raycheck``)."""
     import ray
 
-    from cluster import THREE_NODES, LocalCluster
+    from raycheck.experiments.local_cluster import THREE_NODES, LocalCluster
 
     scratch_root = pathlib.Path(default_scratch_dir("out", "run")).parent  # rank 0's default scratch: node-local on a cluster
     scratch_root.mkdir(parents=True, exist_ok=True)

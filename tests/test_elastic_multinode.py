@@ -1,4 +1,4 @@
-"""Elastic and exact on a cluster of nodes (``tests/cluster.py``): a 2-worker run loses a node, goes on
+"""Elastic and exact on a cluster of nodes (``experiments/local_cluster.py``): a 2-worker run loses a node, goes on
 with 1 worker, grows back to 2 when a node joins, and ends with the bits of the 2-worker failure-free run."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 
-from cluster import LocalCluster, NodeSpec
+from raycheck.experiments.local_cluster import LocalCluster, NodeSpec
 from conftest import make_bucket
 from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.job.run_dir import RunDir

@@ -1,5 +1,5 @@
 """raycheck on a three-node Ray cluster on this machine whose non-head nodes have private directories
-(``tests/cluster.py``): the cluster itself, placement, storage credentials, and a run with failures."""
+(``experiments/local_cluster.py``): the cluster itself, placement, storage credentials, and a run with failures."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import ray
 from ray.job_submission import JobStatus, JobSubmissionClient
 from typer.testing import CliRunner
 
-from cluster import SPARE_GPU_NODE, NodeSpec, mount_namespace
+from raycheck.experiments.local_cluster import SPARE_GPU_NODE, NodeSpec, mount_namespace
 from conftest import make_bucket
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
+from raycheck.job.stores import snapshot_store
 from raycheck.cli.main import app
 from raycheck.orchestrator.cluster import alive_nodes, plan_placement
 from raycheck.orchestrator.components import start_persister
@@ -256,8 +257,29 @@ def test_a_first_order_run_saves_the_current_step_on_a_preemption_notice_and_red
     assert saved["component"] == "workers" and saved["step"] == preemption["restored_step"] > 4, (saved, preemption)
     assert saved["notice_to_safe_seconds"] < 10, saved
     print(f"{strategy}: notice to safe {saved['notice_to_safe_seconds']:.2f} s (grace 10 s)")
-    assert not three_nodes.processes(names[preemption["node_id"]]), "the preempted node was not taken down at its deadline"
+    wait_until_taken_down(three_nodes, names[preemption["node_id"]], preemption["deadline_unix_s"])
     assert [w["node_id"] for w in summary["placement"]["workers"]][-1] != preemption["node_id"]
+
+
+@pytest.mark.raytrain
+def test_a_notice_without_grace_falls_back_to_the_newest_committed_checkpoint_and_commits_nothing_partial(
+        three_nodes, s3_endpoint, tmp_path):
+    """A 0 s notice at step 4 of a full-sync run that checkpoints every 3 steps: the deadline has passed when
+    Ray Train sees the drain, so it restarts the workers at once and the node goes a second later, whatever
+    the workers managed to save. The restart loads a committed checkpoint (the periodic one of step 3, or a
+    just-in-time one that committed in time), redoes the steps after it, and ends bitwise equal; every
+    snapshot in the bucket verifies (none half-written)."""
+    summary, events, names = preempted_run(three_nodes, s3_endpoint, tmp_path, NodeSpec("gpu-grace0", num_cpus=2, resources={"train": 2}),
+                                           "--algo", "fo", "--strategy", "full-sync", "--snapshot-every", "3", "--fail", "4:preempt:0")
+    [preemption] = summary["preemptions"]
+    assert preemption["grace_s"] == pytest.approx(0, abs=1.5) and preemption["components"] == ["workers"], preemption
+    assert preemption["restored_step"] in {3, *(s["step"] for s in preemption["saved"])}, preemption
+    cfg = JobConfig.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+    store = snapshot_store(cfg)
+    assert [(info.step, store.verify(info)) for info in store.list()] == [(info.step, []) for info in store.list()]
+    wait_until_taken_down(three_nodes, names[preemption["node_id"]], preemption["deadline_unix_s"])
+    print(f"grace 0: restored step {preemption['restored_step']}, {preemption['recomputed_steps']} steps redone, "
+          f"saved {preemption['saved']}, unsaved {preemption['unsaved']}")
 
 
 @pytest.mark.raytrain
@@ -279,6 +301,16 @@ def test_a_zo_shadow_on_a_preempted_node_hands_its_image_on_and_moves_without_re
     print(f"shadow hand-off: notice to safe {saved['shadow']['notice_to_safe_seconds']:.2f} s, step {handed['step']}")
     assert [names.get(p["node_id"]) for p in summary["placement"]["persister"]][-1] != names[preemption["node_id"]]
     assert summary["persister_restarts"] == 0
+    wait_until_taken_down(three_nodes, names[preemption["node_id"]], preemption["deadline_unix_s"])
+
+
+def wait_until_taken_down(cluster, node: str, deadline_unix_s: float) -> None:
+    """Wait (bounded) until ``node``'s processes are gone: it is taken down at its preemption deadline, which
+    a short run ends before."""
+    while cluster.processes(node):
+        assert time.time() < deadline_unix_s + 30, (f"the {node} node was not taken down at its preemption deadline",
+                                                    [(p.pid, p.name(), p.cmdline()[:3]) for p in cluster.processes(node)])
+        time.sleep(0.5)
 
 
 def test_a_node_taken_down_is_dead_to_ray_within_seconds(three_nodes):

@@ -60,24 +60,42 @@ def raylet_processes(raylet: psutil.Process) -> list[psutil.Process]:
     command line names the session's directory (e.g. the log monitor ``ray start`` started beside the
     raylet). Where several nodes of the session share a mount namespace (several ``ray start`` on one
     machine), only the raylet's tree is the node's."""
-    found = {p.pid: p for p in [raylet, *raylet.children(recursive=True)]}
+    return list({p.pid: p for p in [*tree(raylet), *beside(*node_marks(raylet))]}.values())
+
+
+def tree(process: psutil.Process) -> list[psutil.Process]:
+    """``process`` and its descendants ([] when it is gone)."""
+    try:
+        return [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def node_marks(raylet: psutil.Process) -> tuple[str, str, bool]:
+    """(its session directory, its mount namespace, whether it is the only raylet of the session there)
+    of a live ``raylet``: what finds the processes of its node beside its tree (``beside``)."""
     session = next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--session_dir="))
     namespace = os.readlink(f"/proc/{raylet.pid}/ns/mnt")
-    beside = []
-    for p in psutil.process_iter(["name", "cmdline"]):
+    raylets = [p.pid for p in beside(session, namespace, True) if p.name() == "raylet"]
+    return session, namespace, raylets == [raylet.pid]
+
+
+def beside(session: str, namespace: str, sole: bool) -> list[psutil.Process]:
+    """With ``sole``, the processes in mount namespace ``namespace`` whose command line names ``session``
+    (``node_marks``); without, none."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]) if sole else ():
         try:
             if os.readlink(f"/proc/{p.pid}/ns/mnt") == namespace and any(session in a for a in p.info["cmdline"] or ()):
-                beside.append(p)
+                found.append(p)
         except (OSError, psutil.Error):
             continue  # gone, or not ours to inspect
-    if [p.pid for p in beside if p.info["name"] == "raylet"] == [raylet.pid]:
-        found.update({p.pid: p for p in beside})
-    return list(found.values())
+    return found
 
 
 def kill_all(processes: list[psutil.Process], last: int | None = None) -> None:
     """SIGKILL ``processes`` (those already gone are skipped), the one of pid ``last`` (this process) last."""
-    for p in processes:
+    for p in {p.pid: p for p in processes}.values():  # a process listed twice is killed once
         if p.pid != last:
             try:
                 p.kill()
@@ -215,13 +233,13 @@ def schedule_node_loss(node_id: str, deadline_unix_s: float) -> int:
 
 
 def reap(raylet_pid: int, deadline_unix_s: float) -> None:
-    """The reaper of ``schedule_node_loss``: wait until the deadline, then kill the node of ``raylet_pid``
-    (nothing when it is gone already)."""
+    """The reaper of ``schedule_node_loss``: learn the node's marks now (``node_marks``), wait until the
+    deadline, then kill the node of ``raylet_pid`` (``raylet_processes``): its raylet's tree, if the
+    raylet is still there (a drained raylet may have ended itself), and what runs beside it."""
+    raylet = psutil.Process(raylet_pid)
+    marks = node_marks(raylet)
     time.sleep(max(0.0, deadline_unix_s - time.time()))
-    try:
-        kill_all(raylet_processes(psutil.Process(raylet_pid)))
-    except psutil.NoSuchProcess:
-        pass
+    kill_all([*tree(raylet), *beside(*marks)])
 
 
 if __name__ == "__main__":

@@ -109,7 +109,8 @@ class LocalCluster:
                         PATH=f"{BIN}:{os.environ['PATH']}")
         self.namespaces: dict[str, str] = {}
         """Node name -> its mount namespace."""
-        self.start_s = self.stop_s = None
+        self.start_s: float | None = None
+        self.stop_s: float | None = None
 
     def _ray_start(self, *args: str) -> list[str]:
         return [str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", f"--object-store-memory={OBJECT_STORE_BYTES}",
@@ -166,11 +167,11 @@ class LocalCluster:
     def _start_node(self, node: NodeSpec) -> subprocess.Popen:
         """Start ``ray start`` for ``node`` in a new mount namespace; its first output line names the namespace."""
         node_env = {k: v for k, v in self.env.items() if not k.startswith("AWS_")}
-        mounts = " && ".join(f"mount -t tmpfs none {shlex.quote(str(d))}" for d in self.private_dirs)
+        mounts = "".join(f"mount -t tmpfs none {shlex.quote(str(d))} && " for d in self.private_dirs)
         start = shlex.join(self._ray_start(f"--address={self.address}", f"--num-cpus={node.num_cpus}",
                                            f"--resources={json.dumps(node.resources)}"))
         return subprocess.Popen(["unshare", "--mount", "--propagation", "private", "bash", "-c",
-                                 f"{mounts} && readlink /proc/self/ns/mnt && {start}"],
+                                 f"{mounts}readlink /proc/self/ns/mnt && {start}"],
                                 env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def processes(self, node: str) -> list[psutil.Process]:
