@@ -264,10 +264,10 @@ def test_a_first_order_run_saves_the_current_step_on_a_preemption_notice_and_red
 @pytest.mark.raytrain
 def test_a_notice_without_grace_falls_back_to_the_newest_committed_checkpoint_and_commits_nothing_partial(
         three_nodes, s3_endpoint, tmp_path):
-    """A 0 s notice at step 4 of a full-sync run that checkpoints every 3 steps: the deadline has passed when
-    Ray Train sees the drain, so it restarts the workers at once and the node goes a second later, whatever
-    the workers managed to save. The restart loads a committed checkpoint (the periodic one of step 3, or a
-    just-in-time one that committed in time), redoes the steps after it, and ends bitwise equal; every
+    """A 0 s notice at step 4 of a full-sync run that checkpoints every 3 steps: Ray ends a node whose drain
+    deadline has passed at once, so there is no time to save; the preemption is still recorded (from the
+    injected drain). The restart loads a committed checkpoint (the periodic one of step 3, or a
+    just-in-time one had it committed in time), redoes the steps after it, and ends bitwise equal; every
     snapshot in the bucket verifies (none half-written)."""
     summary, events, names = preempted_run(three_nodes, s3_endpoint, tmp_path, NodeSpec("gpu-grace0", num_cpus=2, resources={"train": 2}),
                                            "--algo", "fo", "--strategy", "full-sync", "--snapshot-every", "3", "--fail", "4:preempt:0")

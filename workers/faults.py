@@ -193,9 +193,10 @@ class FaultInjector:
             self.run.event("failure", step=step, target=failure.target, how=failure.how, marker=marker(index, failure.target), found=False)
             return
         schedule_node_loss(node, time.time() + failure.grace_s + 1.0)  # drain_node's command takes about a second
-        deadline = drain_node(node, failure.grace_s, f"raycheck: injected preemption at step {step}")
+        # recorded before the drain: with no grace Ray ends the node at once, this process with it
         self.run.event("failure", step=step, target=failure.target, how=failure.how, marker=marker(index, failure.target),
-                       node_id=node, grace_s=failure.grace_s, deadline_unix_s=deadline)
+                       node_id=node, grace_s=failure.grace_s, deadline_unix_s=time.time() + failure.grace_s + 1.0)
+        drain_node(node, failure.grace_s, f"raycheck: injected preemption at step {step}")
 
     def _hold(self, step: int) -> None:
         """The test gate (module docstring): record ``held`` and block this process for good."""
