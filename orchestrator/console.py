@@ -100,7 +100,31 @@ def _failure(e: dict) -> str:
         return f"storage down for {format_duration(e['seconds'])} {after} (injected outage)"
     if target == "corrupt":
         return f"one byte of the newest snapshot flipped {after} (injected corruption of {e.get('shard')})"
+    if target in ("preempt", "preempt-shadow"):
+        whose = "rank 0's node" if target == "preempt" else "the shadow's node"
+        return (f"preemption notice for {whose} {after}: drained, taken down in {e['grace_s']:g} s (injected)" if e.get("node_id")
+                else f"preemption notice {after}: no live shadow was found (injected)")
     return f"{target} failed {after} (injected: {e.get('how')})"
+
+
+def _saved(e: dict) -> str:
+    what = {"workers": "the train workers' checkpoint", "step_log": "rank 0's step log", "shadow": "the shadow's image",
+            "persister": "the snapshot persister's pending write"}.get(e["component"], e["component"])
+    step = f" of step {e['step']}" if e.get("step") is not None else ""
+    return f"preemption: {what}{step} is safe ({e['seconds']:.1f} s)"
+
+
+def _preemption_rows(summary: dict) -> list[str]:
+    """One line per preemption of ``summary`` (its ``preemptions``): the node, its grace, what was saved how
+    long after the notice, what was not, and the steps redone."""
+    rows = []
+    for p in summary.get("preemptions") or []:
+        grace = f"{p['grace_s']:.0f} s notice" if p.get("grace_s") is not None else "no deadline"
+        saved = ", ".join(f"{s['component']} safe in {s['notice_to_safe_seconds']:.1f} s" for s in p["saved"]) or "nothing saved"
+        unsaved = "".join(f", {u['component']} not saved" for u in p["unsaved"])
+        redone = f", {_plural(p['recomputed_steps'], 'step')} redone" if p.get("recomputed_steps") is not None else ""
+        rows.append(f"node {p['node_id'][:8]} ({', '.join(p['components']) or 'nothing of the run'}), {grace}: {saved}{unsaved}{redone}")
+    return rows
 
 
 def _recovery(e: dict, recovery_seconds: float | None) -> str:
@@ -130,7 +154,12 @@ _SENTENCES: dict[str, Callable[[dict], str | None]] = {
     "log_adopted": lambda e: f"the step log's {_plural(e['steps'], 'step')} were read from {e['storage']}",
     "replan": lambda e: f"snapshot interval {e['previous_interval_steps']} -> {e['interval_steps']} steps ({e['reason']})",
     "plan_infeasible": lambda e: f"the snapshot policy has no plan at step {e['step']}: {e['reason']}",
-    "persister_restart": lambda e: f"snapshot persister restarted in {e['seconds']:.1f} s (it ended with {e['reason']})",
+    "persister_restart": lambda e: (f"snapshot persister moved off a draining node in {e['seconds']:.1f} s" if e["reason"] == "preemption"
+                                    else f"snapshot persister restarted in {e['seconds']:.1f} s (it ended with {e['reason']})"),
+    "preemption_notice": lambda e: (f"preemption notice: node {e['node_id'][:8]} ({', '.join(e['components'])}) goes "
+                                    + (f"in {e['grace_s']:.0f} s" if e.get("grace_s") is not None else "with no deadline given")),
+    "preemption_saved": _saved,
+    "preemption_unsaved": lambda e: f"preemption: {e['component']} NOT saved before the node goes ({e.get('error', 'no time')})",
     "shadow_restart": lambda e: (f"shadow{_shard(e)} restarted at step {e['step']} from {restored_from(e['source'], e['step'], 0)} "
                                  f"in {e['seconds']:.1f} s ({e['reason']})"),
     "resume": lambda e: (f"resuming: the step log holds {_plural(e['durable_steps'], 'step')}"
@@ -362,6 +391,7 @@ def summary_table(summary: dict, printed: dict, out: object) -> list[str]:
         rows += [("recoveries" if i == 0 else "", row) for i, row in enumerate(_recovery_rows(summary))]
         rows.append(("restarts", f"shadow {len(summary.get('shadow_restarts') or [])}, snapshot persister "
                                  f"{summary.get('persister_restarts') or 0}, driver resumes {len(summary.get('resumes') or [])}"))
+        rows += [("preemption" if i == 0 else "", row) for i, row in enumerate(_preemption_rows(summary))]
         if step_s:
             rows.append(("step time", f"{format_duration(step_s)} mean, of which checkpointing blocked "
                                       f"{format_duration(stall_s or 0.0)} ({100 * (stall_s or 0.0) / step_s:.1f} %)"))

@@ -134,3 +134,21 @@ def test_the_summary_table_says_exact_or_not_and_lists_failures_and_recoveries()
     assert "NOT exact" in summary_table({**summary, "bitwise_equal": False}, {}, "o")[0]
     failed = summary_table({"ok": False}, {"error": "boom", "phase": "failed", "logged_steps": 3, "resume": "raycheck run --resume --out o"}, "o")
     assert failed[:4] == ["raycheck run failed", "  error     boom", "  phase     failed", "  step log  3 steps, all recoverable"]
+
+
+def test_a_preemption_reads_as_a_notice_what_was_saved_and_when_not_as_a_failure():
+    notice = {"kind": "failure", "target": "preempt", "how": "10", "step": 4, "node_id": "abcdef0123", "grace_s": 10.0}
+    assert describe(notice) == "[raycheck] preemption notice for rank 0's node after step 4: drained, taken down in 10 s (injected)"
+    assert describe({"kind": "preemption_notice", "node_id": "abcdef0123", "components": ["shadow 0", "persister"], "grace_s": 9.6}) == (
+        "[raycheck] preemption notice: node abcdef01 (shadow 0, persister) goes in 10 s")
+    assert describe({"kind": "preemption_saved", "component": "workers", "step": 6, "seconds": 1.24}) == (
+        "[raycheck] preemption: the train workers' checkpoint of step 6 is safe (1.2 s)")
+    assert describe({"kind": "persister_restart", "reason": "preemption", "seconds": 7.4}) == "[raycheck] snapshot persister moved off a draining node in 7.4 s"
+    summary = {"ok": True, "final_step": 12, "lost_steps": 0, "state_sha256": "ab" * 32, "failures": [], "recoveries": [],
+               "preemptions": [{"node_id": "abcdef0123", "components": ["workers"], "grace_s": 10.2, "unsaved": [],
+                                "saved": [{"component": "workers", "step": 6, "notice_to_safe_seconds": 1.7}], "recomputed_steps": 0},
+                               {"node_id": "0123456789", "components": ["workers"], "grace_s": 0.0, "saved": [],
+                                "unsaved": [{"component": "workers"}], "recomputed_steps": 2}]}
+    rows = [line for line in summary_table(summary, {}, "o") if "node " in line]
+    assert rows == ["  preemption  node abcdef01 (workers), 10 s notice: workers safe in 1.7 s, 0 steps redone",
+                    "              node 01234567 (workers), 0 s notice: nothing saved, workers not saved, 2 steps redone"]
