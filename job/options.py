@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raycheck.storage.backend import local_path
+from raycheck.storage.backend import local_path, split_uri
 
 SECTIONS = ("Run", "Data and task", "Zeroth-order (MeZO)", "First-order", "Failures and restarts",
             "Snapshots, step log and storage", "Shadow and placement")
@@ -150,7 +150,18 @@ def absolute(path: str | pathlib.Path) -> str:
 
 
 def storage_uri(uri: str) -> str:
-    """A local path made absolute; URIs as given; empty stays empty (the default storage)."""
+    """A local path made absolute; URIs as given; empty stays empty (the default storage).
+
+    Raises:
+        ValueError: a URI with nothing after its scheme (``s3://``, ``file://``), or a path that reads as a URI
+            with a slash missing (``s3:/bucket``: it would be a local folder named ``s3:``).
+    """
+    scheme, rest = split_uri(uri)
+    if uri and "://" in uri and not rest.strip("/"):
+        raise ValueError(f"{uri!r} names no {'bucket' if scheme == 's3' else 'folder'}: e.g. s3://BUCKET/PREFIX or file:///ABSOLUTE/PATH")
+    typo = re.match(r"^([a-z][a-z0-9+.-]*):/(?!/)", uri)
+    if typo:
+        raise ValueError(f"{uri!r} reads as a local folder named {typo.group(1)}:; did you mean {typo.group(1)}://{uri[typo.end():]}?")
     folder = local_path(uri) if uri else None
     return uri if folder is None else str(folder)
 

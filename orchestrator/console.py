@@ -91,7 +91,7 @@ def _failure(e: dict) -> str:
     target = e["target"]
     if target == "worker":
         how = f": {e['how']}" if e.get("how") else ""
-        return f"worker {e.get('rank', 0)} failed {after} (injected{how}); the step log holds {_plural(e['durable_steps'], 'step')}"
+        return f"worker {e.get('rank', 0)} failed {after} (injected{how}); {_plural(e['durable_steps'], 'step')} durable"
     if target == "shadow":
         return f"shadow{_shard(e)} killed {after} (injected)" + ("" if e.get("found", True) else "; no live shadow was found")
     if target == "persister":

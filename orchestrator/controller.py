@@ -62,7 +62,7 @@ from raycheck.orchestrator.journal import RunRecord, claims_in, start_journal, w
 from raycheck.orchestrator.metrics import RunMetrics
 from raycheck.orchestrator.planning import SnapshotPlanner
 from raycheck.orchestrator.preemption import DrainWatch, held_by_node
-from raycheck.orchestrator.prepare import check_node_failures, prepare
+from raycheck.orchestrator.prepare import ClusterTooSmallError, check_node_failures, prepare
 from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from raycheck.orchestrator.stored_config import store_config
 from raycheck.orchestrator.summary import (Collected, failed_summary, mean_step_seconds, placement_record, run_summary, summary_base,
@@ -84,7 +84,7 @@ FAILURES: dict[str, type[RuntimeError]] = {"shadow": ShadowFailedError, "persist
                                            "log_keeper": LogKeeperFailedError}
 """The error of a run that ``orchestrator.control.FailRun`` ends, by component."""
 
-EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, LogKeeperFailedError, ComponentStartError)
+EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, LogKeeperFailedError, ComponentStartError, ClusterTooSmallError)
 """Failures a run is built to report (a restart budget spent): their message says it all."""
 
 

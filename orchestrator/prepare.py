@@ -99,6 +99,10 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
     StepLogWriter.create(run.step_log, header).close()
 
 
+class ClusterTooSmallError(ValueError):
+    """A ``node`` or ``preempt`` failure that the cluster could not survive (``check_node_failures``)."""
+
+
 def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, fired: Collection[str] = ()) -> None:
     """Refuse ``node`` and ``preempt`` failures (``workers.preempt``) still to fire on a cluster where the
     run could not survive one: rank 0's node must not be the driver's (its loss would end the run), and
@@ -111,7 +115,7 @@ def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, 
             failure fired before is not refused for the node it took down.
 
     Raises:
-        ValueError: ``cfg`` has such a failure and the cluster has one node, or the driver's node
+        ClusterTooSmallError: ``cfg`` has such a failure and the cluster has one node, or the driver's node
             can host a train worker, or fewer than two other nodes can host what the node held.
     """
     due = [f"{f.step}:{f.target}" for i, f in enumerate(cfg.faults.failures)
@@ -119,7 +123,7 @@ def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, 
     if not due:
         return
     if len(nodes) < 2:
-        raise ValueError(f"failure {due[0]} takes down a node, which on a one-node cluster is the "
+        raise ClusterTooSmallError(f"failure {due[0]} takes down a node, which on a one-node cluster is the "
                          "driver's: the run would end with it; use a cluster of several nodes")
     for failure in due:
         shadow = failure.endswith("preempt-shadow")
@@ -128,9 +132,9 @@ def check_node_failures(cfg: JobConfig, nodes: list[Node], driver_node_id: str, 
         hosts = [n.node_id for n in nodes if n.can_host(need) and (n.node_id != driver_node_id or not shadow)]
         node, what, movers = ("the shadow's node", "the shadow", "the shadow needs") if shadow else ("rank 0's node", "a train worker", "the workers need")
         if not shadow and driver_node_id in hosts:
-            raise ValueError(f"failure {failure} would take down the driver's node, which can host a train worker "
+            raise ClusterTooSmallError(f"failure {failure} would take down the driver's node, which can host a train worker "
                              f"(it offers {need}): start the driver's node without them (ray start --head --num-cpus=0) "
                              "or set --worker-resource to a resource only the other nodes offer")
         if len(hosts) < 2:
-            raise ValueError(f"failure {failure} takes down {node}, but {len(hosts)} node(s) of {len(nodes)} "
+            raise ClusterTooSmallError(f"failure {failure} takes down {node}, but {len(hosts)} node(s) of {len(nodes)} "
                              f"can host {what} (each asks {need}): {movers} another node to restart on")

@@ -5,12 +5,13 @@ defaults."""
 
 from __future__ import annotations
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
 import raycheck.orchestrator.api
 from raycheck.job.config import JobConfig, field_spec
-from raycheck.job.options import SECTIONS, option_of
+from raycheck.job.options import SECTIONS, option_of, storage_uri
 from raycheck.orchestrator.api import job_config
 from raycheck.cli.main import HAND_SECTIONS, RUN_FIELDS, app, parameter
 
@@ -90,3 +91,15 @@ def test_run_help_lists_every_option_once_under_its_section():
     headings = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert headings == list(RUN_SECTIONS)
     assert text.index("--steps") < text.index("--fo-lr") and text.index("--fail ") < text.index("--fail-schedule")
+
+
+@pytest.mark.parametrize(("uri", "error"), [
+    ("file://", "'file://' names no folder: e.g. s3://BUCKET/PREFIX or file:///ABSOLUTE/PATH"),
+    ("s3://", "'s3://' names no bucket: e.g. s3://BUCKET/PREFIX or file:///ABSOLUTE/PATH"),
+    ("s3:/bucket/run", "'s3:/bucket/run' reads as a local folder named s3:; did you mean s3://bucket/run?"),
+])
+def test_a_storage_uri_that_names_nothing_or_lost_a_slash_is_refused_before_anything_is_written(uri, error):
+    with pytest.raises(ValueError) as raised:
+        storage_uri(uri)
+    assert str(raised.value) == error
+    assert storage_uri("s3://bucket/run") == "s3://bucket/run" and storage_uri("/tmp/x") == "/tmp/x"

@@ -29,7 +29,7 @@ def test_verbose_event_lines_print_floats_to_3_significant_digits_and_leave_the_
 
 
 def test_events_read_as_sentences_and_bookkeeping_events_show_only_with_verbose():
-    assert describe(FAILURE) == "[raycheck] worker 0 failed after step 20 (injected: exit); the step log holds 20 steps"
+    assert describe(FAILURE) == "[raycheck] worker 0 failed after step 20 (injected: exit); 20 steps durable"
     assert describe(RECOVERY, 5.234) == ("[raycheck] worker 0 restored at step 20 from the snapshot of step 16 + 4 logged steps "
                                          "replayed in a new process, 5.2 s after the failure")
     assert describe({**RECOVERY, "source": "object_store", "replayed_steps": 0, "path": "standby"}, None) == (

@@ -68,5 +68,5 @@ def test_the_recovery_progress_line_names_its_times_as_the_summary_does(tmp_path
             [recovery] = [line for line in lines if line.startswith("[raycheck] recovery:")]
             assert "restore_seconds=0.25" in recovery and "seconds=17.5" in recovery.replace("restore_seconds=0.25", ""), recovery
         else:
-            assert lines == ["[raycheck] worker 0 failed after step 3 (injected); the step log holds 3 steps",
+            assert lines == ["[raycheck] worker 0 failed after step 3 (injected); 3 steps durable",
                              "[raycheck] worker 0 restored at step 3 from the shadow's image in a new process, 17.5 s after the failure"]
