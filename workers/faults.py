@@ -192,10 +192,10 @@ class FaultInjector:
         if node is None:
             self.run.event("failure", step=step, target=failure.target, how=failure.how, marker=marker(index, failure.target), found=False)
             return
-        schedule_node_loss(node, time.time() + failure.grace_s + 1.0)  # drain_node's command takes about a second
-        # recorded before the drain: with no grace Ray ends the node at once, this process with it
+        # recorded first: with no grace the node (this process with it) ends a moment after the loss is scheduled
         self.run.event("failure", step=step, target=failure.target, how=failure.how, marker=marker(index, failure.target),
                        node_id=node, grace_s=failure.grace_s, deadline_unix_s=time.time() + failure.grace_s + 1.0)
+        schedule_node_loss(node, time.time() + failure.grace_s + 1.0)  # drain_node's command takes about a second
         drain_node(node, failure.grace_s, f"raycheck: injected preemption at step {step}")
 
     def _hold(self, step: int) -> None:
