@@ -142,11 +142,9 @@ class PersisterHandle:
         self.on_status(self.status)
         return PersisterStatus(self.restarts)
 
-    def move(self, reason: str, timeout_s: float) -> bool:
-        """Start the persister again elsewhere (e.g. off a draining node: Ray places nothing new there) once its
-        pending write has finished (``flush``, at most ``timeout_s``), not counted against its restart
-        budget; returns whether the new one answers."""
-        self.poll("flush", timeout_s, timeout_s=timeout_s + 30)
+    def move(self, reason: str) -> bool:
+        """Start the persister again elsewhere (e.g. off a draining node: Ray places nothing new there; flush
+        it first), not counted against its restart budget; returns whether the new one answers."""
         ray.kill(self.actor, no_restart=True)
         deadline = time.monotonic() + 60
         while True:  # the killed one's name is released within a moment

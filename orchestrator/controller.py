@@ -355,11 +355,7 @@ class Controller:
             elif isinstance(action, HandOffShadow) and self.shadow is not None:
                 self._hand_off_shadow(action)
             elif isinstance(action, MovePersister) and self.persister is not None:
-                t0 = time.time()
-                moved = self.persister.move("preemption", timeout_s=self._time_left(action.notice.deadline_unix_s))
-                self.channel.event("preemption_saved" if moved else "preemption_unsaved", component="persister",
-                                   node_id=action.notice.node_id, seconds=time.time() - t0,
-                                   step=self.persister.status.get("last_durable_step"))
+                self._move_persister(action)
             elif isinstance(action, FailRun):
                 raise FAILURES[action.component](action.reason)
         return any(isinstance(action, Stop) for action in actions)
@@ -368,6 +364,19 @@ class Controller:
     def _time_left(deadline_unix_s: float | None) -> float:
         """Seconds until a notice's deadline (at least 1; 600 without a deadline)."""
         return max(1.0, deadline_unix_s - time.time()) if deadline_unix_s is not None else 600.0
+
+    def _move_persister(self, action: MovePersister) -> None:
+        """Carry out ``MovePersister``: its pending write finished (a ``preemption_saved`` event with the newest
+        durable step, or ``preemption_unsaved`` when it did not answer in time), then a new persister elsewhere
+        (its ``persister_restart`` event, reason ``preemption``)."""
+        assert self.persister is not None
+        t0, timeout_s = time.time(), self._time_left(action.notice.deadline_unix_s)
+        flushed = self.persister.poll("flush", timeout_s, timeout_s=timeout_s + 30)
+        done = flushed.died is None and "unavailable" not in self.persister.status and not self.persister.status.get("busy")
+        self.channel.event("preemption_saved" if done else "preemption_unsaved", component="persister", node_id=action.notice.node_id,
+                           seconds=time.time() - t0, step=self.persister.status.get("last_durable_step"),
+                           **({} if done else {"error": "its pending write did not finish before the deadline"}))
+        self.persister.move("preemption")
 
     def _hand_off_shadow(self, action: HandOffShadow) -> None:
         """Carry out ``HandOffShadow``: the shadow's image of now committed by the persister, then the shards on

@@ -79,17 +79,26 @@ class DrainWatch:
         return new
 
 
+def drained_unix_s(injected: dict | None, seen: dict) -> float:
+    """When a node seen draining (the driver's ``preemption_notice`` event ``seen``) got its notice: for an
+    injected one (its ``failure`` event), Ray's deadline less the grace asked for (the drain command runs a
+    moment after the failure is recorded); else when the driver saw it."""
+    if injected is None or seen.get("deadline_unix_s") is None or injected.get("grace_s") is None:
+        return injected["unix_s"] if injected is not None else seen["unix_s"]
+    return min(seen["unix_s"], seen["deadline_unix_s"] - injected["grace_s"])
+
+
 def notices_of(events: list[dict]) -> list[dict]:
     """The preemption notices in an event stream (pure), oldest first: the driver's ``preemption_notice``
     events, and an injected ``preempt`` failure's drain that the driver did not see holding a component (a
     notice with no grace: Ray Train restarted the workers elsewhere before the driver's next look), with
     ``workers`` among its components when a rank's newest start before it was on that node. Each:
-    ``node_id``, ``components``, ``notice_unix_s`` (the drain: the injected failure's time, else when the
-    driver saw it), ``deadline_unix_s``."""
+    ``node_id``, ``components``, ``notice_unix_s`` (the drain, ``drained_unix_s``; for a drain the driver did
+    not see, the injected failure's time), ``deadline_unix_s``."""
     injected = {e["node_id"]: e for e in events if e["kind"] == "failure" and e.get("target") in ("preempt", "preempt-shadow") and e.get("node_id")}
     seen = {e["node_id"]: e for e in events if e["kind"] == "preemption_notice"}
     notices = [{"node_id": node, "components": e["components"], "deadline_unix_s": e.get("deadline_unix_s"),
-                "notice_unix_s": injected[node]["unix_s"] if node in injected else e["unix_s"]} for node, e in seen.items()]
+                "notice_unix_s": drained_unix_s(injected.get(node), e)} for node, e in seen.items()]
     for node, e in injected.items():
         if node not in seen:
             placed = {p["rank"]: p["node_id"] for p in events if p["kind"] == "placement" and p["component"] == "worker" and p["unix_s"] <= e["unix_s"]}

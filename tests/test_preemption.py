@@ -45,18 +45,19 @@ def test_a_notice_is_recorded_then_the_shadow_hands_off_before_the_persister_mov
 def test_the_summary_gives_each_preemption_its_grace_what_was_saved_when_and_the_steps_redone():
     events = [
         {"kind": "placement", "component": "worker", "rank": 0, "node_id": "gpu", "unix_s": 1.0},
-        {"kind": "failure", "target": "preempt", "node_id": "gpu", "deadline_unix_s": 20.0, "unix_s": 10.0, "step": 4},
-        {"kind": "preemption_notice", "node_id": "gpu", "components": ["workers"], "deadline_unix_s": 20.0, "unix_s": 10.4},
+        {"kind": "failure", "target": "preempt", "node_id": "gpu", "grace_s": 9.5, "deadline_unix_s": 20.5, "unix_s": 10.0, "step": 4},
+        # the drain ran half a second after the failure was recorded: Ray's deadline less the grace is when it came
+        {"kind": "preemption_notice", "node_id": "gpu", "components": ["workers"], "deadline_unix_s": 20.0, "unix_s": 11.0},
         {"kind": "preemption_saved", "component": "workers", "step": 6, "nodes": ["gpu"], "unix_s": 11.5},
         {"kind": "recovery", "restored_step": 6, "unix_s": 25.0},
     ]
     rows = [{"step": s, "unix_s": 5.0 + s} for s in range(6)] + [{"step": 6, "unix_s": 26.0}]
     [record] = preemption_records(events, rows)
-    assert record == {"node_id": "gpu", "components": ["workers"], "notice_unix_s": 10.0, "deadline_unix_s": 20.0, "grace_s": 10.0,
-                      "saved": [{"component": "workers", "step": 6, "notice_to_safe_seconds": pytest.approx(1.5)}], "unsaved": [],
+    assert record == {"node_id": "gpu", "components": ["workers"], "notice_unix_s": 10.5, "deadline_unix_s": 20.0, "grace_s": 9.5,
+                      "saved": [{"component": "workers", "step": 6, "notice_to_safe_seconds": pytest.approx(1.0)}], "unsaved": [],
                       "restored_step": 6, "recomputed_steps": 0}
     # no grace: the driver never saw the node hold anything (Ray Train had moved the workers); a save cut off
-    events = [events[0], {**events[1], "deadline_unix_s": 10.0}, {"kind": "recovery", "restored_step": 3, "unix_s": 12.0}]
+    events = [events[0], {**events[1], "grace_s": 0.0, "deadline_unix_s": 10.0}, {"kind": "recovery", "restored_step": 3, "unix_s": 12.0}]
     [record] = preemption_records(events, rows)
     assert (record["components"], record["grace_s"], record["saved"], record["restored_step"], record["recomputed_steps"]) == (
         ["workers"], 0.0, [], 3, 3)  # steps 3 to 5 ran before the restart and run again
