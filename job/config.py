@@ -393,14 +393,16 @@ class FaultConfig:
     """ZO (ignored by ``algo`` fo), one worker: in-process restarts per worker process (``training.in_process``): a step that raises
     is rolled back to the freshest complete state in the same process and re-executed, without a Ray Train
     restart; once spent (or 0: off), a failure goes to Ray Train as before (``max_worker_failures``)."""
-    warm_standby: bool = field(default=False, metadata=opt('--warm-standby', 'Failures and restarts',
-            help='zo, one worker, cpu: train in a step executor actor with a second one loaded and waiting; '
-            "when the executor's process dies the standby takes over without a Ray Train restart "
-            '(counts against --max-worker-failures).'))
-    """ZO, one worker, CPU: the Ray Train worker supervises a step executor actor and keeps a second one
-    loaded and waiting (``workers.standby``); when the executor's process dies, the standby takes over
-    without a Ray Train restart. Each promotion counts against ``max_worker_failures``. Off by default:
-    two more processes import torch and load the model at the start (``docs/recovery.md``)."""
+    warm_standby: bool | None = field(default=None, metadata=opt('--warm-standby', 'Failures and restarts',
+            help='Keep a loaded standby executor per worker, promoted when the executor\'s process dies (no Ray Train '
+            'restart; counts against --max-worker-failures). Default: where it pays, by measurement (the console says '
+            'why); on or off forces it.'))
+    """A warm standby per rank (``workers.standby``): the Ray Train worker supervises a step executor actor and,
+    where it pays, a second one loaded and waiting; when the executor's process dies the standby takes over
+    without a Ray Train restart. Each promotion counts against ``max_worker_failures``. None (default): where
+    the run can keep one (``JobConfig.standby_refusal``), each rank measures its executor's cold start and
+    memory and keeps a standby where ``policies.standby.standby_decision`` says it pays; True: always (refused
+    where the run cannot keep one); False: never (the worker trains in Ray Train's own process)."""
     recovery_timeout_s: float = 600.0
     """Seconds a recovery may take before the run fails."""
     start_timeout_s: float = field(default=300.0, metadata=opt('--start-timeout', 'Shadow and placement', min=1, unit="s",
@@ -783,16 +785,14 @@ class JobConfig:
                                  f"{self.storage.uri!r} is node-local: give --storage a URI every node reaches (s3://BUCKET/PREFIX)")
 
     def _check_runtime(self) -> None:
-        """Validate ``device``, ``dtype`` (both ZO only), ``faults.warm_standby`` (ZO, one worker, CPU) and ``placement.shadow_env``
+        """Validate ``device``, ``dtype`` (both ZO only), ``faults.warm_standby`` (``standby_refusal``) and ``placement.shadow_env``
         (which needs a strategy with a shadow)."""
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.device != "cpu" and self.algo != "zo":
             raise ValueError(f"device {self.device} runs the ZO worker only (algo zo), not algo {self.algo}")
-        if self.faults.warm_standby and (self.algo, self.workers, self.device) != ("zo", 1, "cpu"):
-            raise ValueError(f"faults.warm_standby needs algo zo, one worker and device cpu (this run: algo {self.algo}, workers {self.workers}, "
-                             f"device {self.device}): its step executor runs outside Ray Train's worker group, so it has "
-                             "neither the collective of several workers nor the GPU Ray Train assigned")
+        if self.faults.warm_standby and (why := self.standby_refusal) is not None:
+            raise ValueError(f"faults.warm_standby: this run cannot keep a warm standby: {why}; leave --warm-standby out")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
         if self.dtype != "float32" and self.algo != "zo":
@@ -951,6 +951,26 @@ class JobConfig:
     def uses_step_log(self) -> bool:
         """True when every step is appended to the durable step log (``shadow``, ``log-only``)."""
         return self.algo == "zo" and self.strategy in STEP_LOG
+
+    @property
+    def standby_refusal(self) -> str | None:
+        """Why this run's workers cannot keep a warm standby (``workers.standby``), None where they can: a step
+        executor runs outside Ray Train's worker group, so it cannot join a torch.distributed group of several
+        workers (first-order DDP or FSDP2, ZO without replica groups: elastic or without a step log); and with
+        the default (``faults.warm_standby`` None) not on CUDA, where the standby path is not measured yet."""
+        if self.workers > 1 and not self.replica_groups:
+            what = "first-order DDP/FSDP2" if self.algo == "fo" else ("an elastic run" if self.is_elastic else f"strategy {self.strategy}")
+            return (f"{what} with {self.workers} workers all-reduces through one torch.distributed group, "
+                    "which a standby process cannot join (a standby needs one worker, or ZO replica groups)")
+        if self.device == "cuda" and self.faults.warm_standby is None:
+            return "the default keeps no standby on CUDA until scripts/device-check has measured it (--warm-standby forces one)"
+        return None
+
+    @property
+    def supervised(self) -> bool:
+        """The workers train in step executors under a supervisor (``workers.standby``): a standby is possible
+        (``standby_refusal`` None) and not turned off."""
+        return self.faults.warm_standby is not False and self.standby_refusal is None
 
     @property
     def replica_groups(self) -> bool:

@@ -164,7 +164,9 @@ _SENTENCES: dict[str, Callable[[dict], str | None]] = {
                                  f"in {e['seconds']:.1f} s ({e['reason']})"),
     "resume": lambda e: (f"resuming: the step log holds {_plural(e['durable_steps'], 'step')}"
                          + (f", the last done {format_duration(e['unix_s'] - e['last_step_unix_s'])} ago" if e.get("last_step_unix_s") else "")),
-    "standby_promoted": lambda e: None if e["promoted"] else "the warm standby was not promoted (worker failure budget spent)",
+    "standby_promoted": lambda e: (None if e["promoted"] else "the warm standby was not promoted (worker failure budget spent)"
+                                   if e.get("kept", True) else "no warm standby was kept: Ray Train restarts the worker"),
+    "standby_decision": lambda e: e["reason"] if e.get("rank") in (None, 0) else None,  # every rank's is in summary.json
 }
 """The sentence of each event kind that has one (``describe``)."""
 

@@ -269,6 +269,8 @@ class Controller:
                   f"({cfg.algo}, strategy {cfg.strategy})")
         self.console.begin(cfg.steps, done=len(self.record.metrics))
 
+        if not cfg.supervised:  # a supervised worker records its rank's own decision, by measurement
+            self.channel.event("standby_decision", keep=False, reason=f"warm standby off: {cfg.standby_refusal or '--no-warm-standby'}")
         fit = Fit(trainer(cfg, self.shipped, placement))
         while True:
             self.state, actions = step(self.state, self._observe(fit.running, fit.outcome), self.limits)

@@ -169,6 +169,7 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
     out: dict[int, dict] = {}
     rows: dict[tuple[int, int], dict] = {}
     last_failure, boundary = None, None
+    decisions = {e.get("rank"): e for e in events if e["kind"] == "standby_decision"}
     failures_unix_s = [e["unix_s"] for e in events if e["kind"] == "failure" and e["target"] == "worker"]
     for i, e in enumerate(events):
         if e["kind"] == "failure" and e["target"] == "worker":
@@ -180,7 +181,7 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
         elif e["kind"] == "recovery":
             row = rows[id(boundary), e["at_step"]] = out[i] = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
             if "path" in e:
-                row["path"] = e["path"]
+                row["path"], row["why"] = e["path"], path_reason(e["path"], decisions.get(e.get("rank"), decisions.get(None)))
             if e.get("skipped"):
                 row["skipped"] = e["skipped"]
             row.update({k: e[k] for k in ("saved_world_size", "restored_state_sha256") if k in e})  # fsdp2 restores
@@ -197,6 +198,19 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
                     next_failure = min((t for t in failures_unix_s if t > e["unix_s"]), default=math.inf)
                     row.update(_breakdown_fields(last_failure, e, events, executions, next_failure))
     return out
+
+
+def path_reason(path: str, decision: dict | None) -> str:
+    """Why a recovery took ``path`` (one line), given its rank's ``standby_decision`` event (None: none recorded)."""
+    if path == "standby":
+        return "the executor's process died and the rank's loaded standby took over"
+    if path == "in_process":
+        return "the step raised with the process alive: rolled back in the same process"
+    if decision is None:
+        return "Ray Train restarted the worker"
+    if not decision["keep"]:
+        return f"Ray Train restarted the worker: {decision['reason']}"
+    return "Ray Train restarted the worker: its supervisor's process or node was lost with the standby, or the promotion budget was spent"
 
 
 def _breakdown_fields(failure: dict, recovery: dict, events: list[dict], executions: Sequence[dict], next_failure_unix_s: float) -> dict:
@@ -390,6 +404,8 @@ def run_summary(c: Collected) -> dict:
         "bitwise_equal": None,
         "failures": [{k: e[k] for k in ("step", "target", "how")} for e in events if e["kind"] == "failure"],
         "recoveries": recs,
+        "standby": [{k: e[k] for k in ("rank", "keep", "reason", "saved_s", "cost_s") if k in e}
+                    for e in events if e["kind"] == "standby_decision"],
         "preemptions": preemption_records(events, list(c.executions)),
         "lost_steps": sum(r.get("lost_steps", 0) for r in recs),
         "torn_tails_cut": [e for e in events if e["kind"] == "torn_tail_cut"],
@@ -437,10 +453,13 @@ SUMMARY_FIELDS: dict[str, str] = {
     "recoveries": "One entry per worker recovery (``recoveries``, below): ``at_step``, ``failure_step``, ``source`` "
                   "(``object_store`` | ``storage`` | ``initial``), ``path`` (``new_process``: Ray Train started a "
                   "replacement worker; ``in_process``: the worker's own process rolled back; ``standby``: a warm "
-                  "standby executor took over), ``seconds`` (failure to restored), ``restart_seconds`` (failure to the "
+                  "standby executor took over), ``why`` (one line: why that path), ``seconds`` (failure to restored), ``restart_seconds`` (failure to the "
                   "restore beginning), ``load_seconds``, ``replay_seconds``, ``base_step``, ``replayed_steps``, "
                   "``recompute_steps``, ``breakdown`` (seconds per component from the failure to the first step done, "
                   "below; docs/recovery.md), ``first_step_seconds``.",
+    "standby": "Each rank's warm standby decision (``workers.standby``; one entry without ``rank`` where the run keeps "
+               "none, from the driver): ``keep``, ``reason`` (one line), and where measured ``saved_s`` and ``cost_s`` per "
+               "failure (``policies.standby.standby_decision``).",
     "preemptions": "One entry per preemption notice (a drained node that held a component; ``orchestrator.preemption."
                    "preemption_records``): ``node_id``, ``components``, ``notice_unix_s``, ``deadline_unix_s``, ``grace_s``, "
                    "``saved`` (``[{component, step, notice_to_safe_seconds}]``), ``unsaved`` (``[{component, error}]``), and "

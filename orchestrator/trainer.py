@@ -24,15 +24,16 @@ from raycheck.training.assets import ASSETS_KEY
 
 
 def trainer(cfg: JobConfig, shipped: dict, placement: Placement) -> TorchTrainer:
-    """The ``TorchTrainer`` of ``cfg``'s run: first-order workers (``workers.fo_worker``), ZO workers with a
-    warm standby (``workers.standby``) or without (``workers.worker``); ``shipped``: the assets in Ray's
+    """The ``TorchTrainer`` of ``cfg``'s run: supervised workers that can keep a warm standby
+    (``workers.standby``, ``JobConfig.supervised``), else first-order workers (``workers.fo_worker``) or ZO
+    workers (``workers.worker``); ``shipped``: the assets in Ray's
     object store (``training.assets.ship``); ``placement``: the workers' resources and label selector."""
     # Ray Train's preemption watcher polls the drains every 5 s by default: 1 s leaves more of a 30 s notice to save in
     os.environ.setdefault(PREEMPTION_POLL_ENV, "1")  # read by Ray Train's controller, which gets the driver's value
-    if cfg.algo == "fo":
-        from raycheck.workers.fo_worker import train_loop_per_worker
-    elif cfg.faults.warm_standby:
+    if cfg.supervised:
         from raycheck.workers.standby import train_loop_per_worker
+    elif cfg.algo == "fo":
+        from raycheck.workers.fo_worker import train_loop_per_worker
     else:
         from raycheck.workers.worker import train_loop_per_worker
     return TorchTrainer(

@@ -9,25 +9,39 @@ from ray.exceptions import ActorDiedError
 
 from raycheck.job.config import JobConfig
 from raycheck.policies.budgets import within_budget
-from raycheck.workers.standby import StandbyBudgetSpentError, supervise
+from raycheck.workers.standby import NoStandbyError, StandbyBudgetSpentError, supervise
 
 
 @pytest.mark.parametrize("kw, named", [
-    (dict(workers=2, batch_size=8), "workers 2"),
-    (dict(algo="fo", strategy="full-sync"), "algo fo"),
-    (dict(device="cuda"), "device cuda"),
+    (dict(workers=2, batch_size=8, algo="fo", strategy="full-sync"), "first-order DDP/FSDP2 with 2 workers"),
+    (dict(workers=2, batch_size=8, strategy="full-async"), "strategy full-async with 2 workers"),
 ])
-def test_warm_standby_is_refused_outside_one_zo_cpu_worker(tmp_path, kw, named):
-    with pytest.raises(ValueError, match=rf"^faults.warm_standby needs algo zo, one worker and device cpu \(this run: .*{named}"):
+def test_a_standby_is_refused_where_its_executor_could_not_join_the_collective(tmp_path, kw, named):
+    with pytest.raises(ValueError, match=rf"^faults.warm_standby: this run cannot keep a warm standby: {named} all-reduces"):
         JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", faults={"warm_standby": True}, **kw)
-    assert JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", faults={"warm_standby": True}).faults.warm_standby
+    auto = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", **kw)
+    assert auto.standby_refusal is not None and not auto.supervised  # the default trains in Ray Train's process
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(workers=2, batch_size=8), dict(algo="fo", strategy="layerwise"),
+                                dict(device="cuda", faults={"warm_standby": True})])
+def test_one_worker_zo_replica_groups_and_one_first_order_worker_are_supervised(tmp_path, kw):
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", **kw)
+    assert cfg.standby_refusal is None and cfg.supervised
+    off = JobConfig.from_dict({**cfg.to_dict(), "faults": {**cfg.to_dict()["faults"], "warm_standby": False}})
+    assert not off.supervised
+
+
+def test_the_default_keeps_no_standby_on_cuda_until_measured(tmp_path):
+    cfg = JobConfig(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny", device="cuda")
+    assert "scripts/device-check" in cfg.standby_refusal and not cfg.supervised
 
 
 class Executors:
     """Fake executors: numbered as started; ``dies`` lists the executors whose run dies (the rest finish)."""
 
     def __init__(self, dies: set[int], budget: int) -> None:
-        self.dies, self.budget = dies, budget
+        self.dies, self.budget, self.kept = dies, budget, True
         self.started, self.runs, self.events, self.claimed = 0, [], [], 0
 
     def start(self) -> int:
@@ -39,6 +53,9 @@ class Executors:
         if executor in self.dies:
             raise ActorDiedError()
 
+    def keep(self, active: int) -> bool:
+        return self.kept
+
     def allowed(self) -> bool:
         self.claimed += 1
         return within_budget(self.claimed - 1, self.budget)
@@ -49,7 +66,7 @@ class Executors:
 
 def test_a_dead_executor_is_replaced_by_the_standby_and_a_new_standby_starts():
     ex = Executors(dies={1, 2}, budget=10)
-    assert supervise(ex.start, ex.run_on, ex.allowed, ex.record) == 2
+    assert supervise(ex.start, ex.run_on, ex.keep, ex.allowed, ex.record) == 2
     # 1 and its standby 2 start together; 1 dies: 2 runs (promoted), 3 starts; 2 dies: 3 runs, 4 starts
     assert ex.runs == [(1, False), (2, True), (3, True)] and ex.started == 4
     assert ex.events == [("standby_promoted", True, 1), ("standby_promoted", True, 2)]
@@ -58,7 +75,7 @@ def test_a_dead_executor_is_replaced_by_the_standby_and_a_new_standby_starts():
 def test_an_executor_that_keeps_dying_ends_at_the_budget():
     ex = Executors(dies=set(range(1, 100)), budget=2)
     with pytest.raises(StandbyBudgetSpentError, match="past faults.max_worker_failures"):
-        supervise(ex.start, ex.run_on, ex.allowed, ex.record)
+        supervise(ex.start, ex.run_on, ex.keep, ex.allowed, ex.record)
     assert [e[1] for e in ex.events] == [True, True, False] and len(ex.runs) == 3
 
 
@@ -68,5 +85,13 @@ def test_an_executor_that_raises_goes_to_ray_train():
 
     ex = Executors(dies=set(), budget=10)
     with pytest.raises(RuntimeError, match="in-process restarts"):
-        supervise(ex.start, run_on, ex.allowed, ex.record)
+        supervise(ex.start, run_on, ex.keep, ex.allowed, ex.record)
     assert ex.events == []
+
+
+def test_without_a_standby_a_dead_executor_goes_to_ray_train():
+    ex = Executors(dies={1}, budget=10)
+    ex.kept = False
+    with pytest.raises(NoStandbyError, match="no standby was kept"):
+        supervise(ex.start, ex.run_on, ex.keep, ex.allowed, ex.record)
+    assert ex.started == 1 and ex.runs == [(1, False)] and ex.events == [("standby_promoted", False, 0)]

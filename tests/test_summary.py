@@ -193,7 +193,7 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
     assert summary == {
         "ok": True, "error": None, "final_step": 4, "state_sha256": "ab", "shadow_state_sha256": "ab", "shadow_equal": True,
         "reference_state_sha256": None, "bitwise_equal": None, "failures": [{"step": 2, "target": "worker", "how": "raise"}],
-        "recoveries": recoveries(events, rows), "preemptions": [], "lost_steps": 0, "torn_tails_cut": [], "accuracy_before": 0.5,
+        "recoveries": recoveries(events, rows), "standby": [], "preemptions": [], "lost_steps": 0, "torn_tails_cut": [], "accuracy_before": 0.5,
         "accuracy_after": 0.75, "eval_metric": "accuracy", "mean_step_seconds": 3.0, "mean_log_append_seconds": 0.125,
         "checkpoint_block_seconds_total": 1.0, "mean_checkpoint_block_seconds": 0.25, "worker_checkpoints": 3,
         "worker_cpu_capability": "avx2", "shadow_shards": [], "worker_hashes": {"4": "ab"},

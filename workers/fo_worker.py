@@ -46,7 +46,7 @@ from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import OverlappedCheckpointer
 from raycheck.workers.recovery import from_storage
 from raycheck.training.state import state_sha256
-from raycheck.workers.worker_env import mean_over_workers, record_start, worker_env
+from raycheck.workers.worker_env import WorkerEnv, mean_over_workers, record_start, worker_env
 
 
 def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Checkpointer:
@@ -87,8 +87,16 @@ def restore_first_order(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point for ``algo == "fo"``; ``config`` is ``JobConfig.to_dict()``."""
-    env = worker_env(config)
+    """Ray Train entry point for ``algo == "fo"``; ``config`` is ``JobConfig.to_dict()`` (a run that keeps a
+    warm standby runs ``fo_loop`` in a step executor instead, ``workers.standby``)."""
+    fo_loop(worker_env(config))
+
+
+def fo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
+    """A first-order worker from its start (``env``: its configuration, place, model and data) to the run's
+    last step: restore when the run is resuming, then steps until ``cfg.steps``, then the ``final`` event
+    (rank 0). ``promoted``: a warm standby's promotion stamps (``workers.standby``), recorded in its
+    ``recovery`` event."""
     cfg, rank, world, run = env.cfg, env.rank, env.world, env.run
     model, encoder, train, held_out = env.model, env.encoder, env.train, env.held_out
     if not isinstance(encoder, PromptEncoder):  # JobConfig refuses task causal-lm with algo fo
@@ -104,15 +112,15 @@ def train_loop_per_worker(config: dict) -> None:
     faults = FaultInjector(cfg, run, rank, world, durable_steps=durable, flush=ckpt.flush if ckpt else None)
 
     result = None
-    if faults.fired() or durable() > 0:
+    if promoted is not None or faults.fired() or durable() > 0:
         result = sharded_fo.restore_sharded(trainer, cfg, group) if group is not None else restore_first_order(trainer, cfg, store)
         if isinstance(ckpt, LayerwiseCheckpointer) and result["source"] == "storage":
             ckpt.resume(next(i for i in reversed(store.list()) if i.step == result["base_step"]), trainer.state_view())
         if isinstance(ckpt, DiffCheckpointer):
             ckpt.resume(result["base_step"])  # the next full checkpoint bounds the chain this restore replayed
     accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None
-    start = record_start(env, result, accuracy)
-    notices = PreemptionNotices()
+    start = record_start(env, result, accuracy, promoted=promoted)
+    notices = PreemptionNotices(env.rank)
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ restart redoes no step.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import shutil
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -147,17 +149,30 @@ class NodeDrainWatch:
 class PreemptionNotices:
     """Ray Train's preemption notice for this worker group (``ray.train.get_preemption_info``, a collective:
     every rank calls ``poll`` after every step). ``poll`` returns the notice once, the first time it is
-    seen, else None; after it, it asks no more (every rank got the same answer, so all stop together)."""
+    seen, else None; after it, it asks no more (every rank got the same answer, so all stop together).
+    In a process outside Ray Train's worker group (one worker's step executor, ``workers.standby``) the notice
+    is this node's drain (``NodeDrainWatch``), as a ``PreemptionInfo`` of rank ``rank``."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
         self.seen: Any = None
+        self.rank = rank
+        self._node: NodeDrainWatch | None = None
 
     def poll(self) -> Any:
         if self.seen is not None:
             return None
         import ray.train
 
-        self.seen = ray.train.get_preemption_info()
+        if self._node is None:
+            try:
+                self.seen = ray.train.get_preemption_info()
+                return self.seen
+            except RuntimeError:  # not a Ray Train worker: a step executor
+                self._node = NodeDrainWatch(ray.get_runtime_context().get_node_id())
+        deadline = self._node.check()
+        if deadline is not None:
+            self.seen = SimpleNamespace(deadline_ms=None if math.isinf(deadline) else int(deadline * 1000),
+                                        preempted_node_ids=[self._node.node_id], preempted_ranks=[self.rank])
         return self.seen
 
 

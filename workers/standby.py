@@ -1,18 +1,30 @@
-"""Warm standby of a single ZO worker: a worker process that dies is replaced by one already started and loaded.
+"""Warm standby per rank: a worker process that dies is replaced by one already started and loaded.
 
-With ``faults.warm_standby`` (``JobConfig``: ZO, one worker, CPU) the Ray Train worker's train function
+Where a run can keep one (``JobConfig.standby_refusal`` is None: ZO with one worker or with replica groups,
+first-order with one worker; ``faults.warm_standby`` not False), each Ray Train worker's train function
 (``train_loop_per_worker`` here) is a thin supervisor. The training runs in a step executor
-(``StepExecutor``, in a Ray actor on the supervisor's node): its constructor loads what a worker holds
-(``workers.worker_env.worker_env``: imports, model with its initial weights, tokenizer, data) and its
-``run`` is the worker's loop (``workers.worker.zo_loop``). A second executor is started beside it, loads
-the same and waits. When the active executor's process dies (its ``run`` call raises Ray's
-``ActorDiedError``: ``os._exit``, SIGKILL, the OOM killer), the supervisor promotes the standby: its
-``run`` restores the freshest complete state through the one restore entry point
-(``workers.recovery.restore``: the live shadow's image through the object store, else the newest
-snapshot plus the log tail), opens rank 0's node-local step log (the same node, so the same file, made
-equal to the log keeper's: ``workers.worker.open_rank0_log``) and goes on; a new standby starts loading
-in the background. Ray Train never sees the failure. Its ``recovery`` event has ``path`` ``standby``
-and the stamps of ``orchestrator.summary.STANDBY_BREAKDOWN``.
+(``StepExecutor``, a Ray actor on the supervisor's node): its constructor loads what a worker holds
+(``workers.worker_env.worker_env``: imports, model with its initial weights, tokenizer, data), runs one
+forward pass of the rank's first batch (the kernels, allocator and caches warmed, no state changed) and
+its ``run`` is the worker's loop (``workers.worker.zo_loop``, ``workers.fo_worker.fo_loop``) at the
+supervisor's rank and world size. Once the first executor is loaded, the supervisor measures its cold
+start, its CPU time and resident memory, its own idle CPU and the node's available memory, and asks the
+policy (``policies.standby.standby_decision``; ``faults.warm_standby`` True forces it on) whether a second
+executor is kept loaded and waiting: a ``standby_decision`` event, the reason in one line.
+
+When the active executor's process dies (its ``run`` call raises Ray's ``ActorDiedError``: ``os._exit``,
+SIGKILL, the OOM killer), the supervisor promotes the standby: its ``run`` restores the freshest complete
+state through the one restore entry point (``workers.recovery.restore``: the live shadow's image through
+the object store, else the newest snapshot plus the log tail; first-order: the newest checkpoint), rank 0
+reopens its node-local step log (the same node, so the same file, made equal to the log keeper's) and it
+goes on; with replica groups the other ranks wait at the step exchange meanwhile, as they do for a
+replaced worker. A new standby starts loading in the background. Ray Train never sees the failure. The
+``recovery`` event has ``path`` ``standby`` and the stamps of ``orchestrator.summary.STANDBY_BREAKDOWN``.
+Without a standby (the policy said no) a dead executor goes to Ray Train, which restarts the worker.
+
+On CUDA the standby holds the model on the CPU (built, loaded and warmed there, with the CUDA context
+created on the supervisor's GPU): it adds no second copy of the weights to the GPU's memory; the promoted
+executor moves them to the GPU after the restore (``zo_loop``), a host-to-device copy of the weights.
 
 What is not covered: an executor that raises (its process alive, past ``faults.max_in_process_restarts``)
 and a failure of the supervisor's process or node go to Ray Train as before (the executors are owned by
@@ -31,16 +43,21 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import psutil
 import ray
+import ray.train
+import torch
 from ray.exceptions import ActorDiedError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycheck.actors.journal import RunChannel
 from raycheck.job.config import JobConfig
 from raycheck.policies.budgets import within_budget
+from raycheck.policies.standby import StandbyCosts, StandbyDecision, standby_decision
 from raycheck.training.assets import ASSETS_KEY
-from raycheck.workers.worker import zo_loop
-from raycheck.workers.worker_env import worker_env
+from raycheck.training.data import batch_indices
+from raycheck.training.groups import example_groups, groups_of_rank
+from raycheck.workers.worker_env import WorkerEnv, worker_env
 
 E = TypeVar("E")
 
@@ -49,35 +66,77 @@ class StandbyBudgetSpentError(RuntimeError):
     """The step executor died once more than ``faults.max_worker_failures`` allows."""
 
 
-class StepExecutor:
-    """One ZO worker (rank 0 of 1) whose start is paid before it is needed: built, it holds the
-    ``WorkerEnv`` (``config``: ``JobConfig.to_dict()`` plus the shipped assets); ``run`` trains. A plain
-    class; ``start_executor`` runs it in a Ray actor."""
+class NoStandbyError(RuntimeError):
+    """The step executor died and no standby was kept (``standby_decision`` said no): Ray Train restarts the worker."""
 
-    def __init__(self, config: dict) -> None:
-        self.env = worker_env(config, place=(0, 1))
+
+def warm_up(env: WorkerEnv) -> None:
+    """One forward pass of this rank's share of the first batch, gradients off: torch's kernels, allocator
+    and caches are set up before the executor is needed, and no state changes (a ZO loss evaluation is a
+    forward pass; first-order: the same forward, no backward, so no ``.grad`` is created)."""
+    cfg = env.cfg
+    idx = batch_indices(cfg.seed, 0, cfg.batch_size, len(env.train))
+    groups = example_groups(idx, cfg.example_group_size)
+    with torch.no_grad():
+        for g in groups_of_rank(len(groups), env.rank, env.world)[:1]:
+            env.encoder.loss_terms(env.model, env.train, groups[g])
+
+
+class StepExecutor:
+    """One worker (rank ``place[0]`` of ``place[1]``) whose start is paid before it is needed: built, it
+    holds the ``WorkerEnv`` (``config``: ``JobConfig.to_dict()`` plus the shipped assets), warmed
+    (``warm_up``); ``run`` trains. ``visible_devices``: the supervisor's ``CUDA_VISIBLE_DEVICES`` (its GPU),
+    set before CUDA starts (Ray sets an actor's accelerator variables at its start only). A plain class;
+    ``start_executor`` runs it in a Ray actor."""
+
+    def __init__(self, config: dict, place: tuple[int, int], visible_devices: str | None = None) -> None:
+        if visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        self.env = worker_env(config, place=place)
+        warm_up(self.env)
+        if self.env.cfg.device == "cuda":
+            torch.cuda.init()  # the CUDA context, without a byte of the model on the GPU
+        me = psutil.Process()
+        cpu = me.cpu_times()
+        self.costs = {"load_s": time.time() - self.env.stamps["process_created_unix_s"], "load_cpu_s": cpu.user + cpu.system,
+                      "standby_bytes": me.memory_info().rss}
+
+    def measured(self) -> dict[str, float]:
+        """This executor's cold start: ``load_s`` (process created to loaded and warmed, seconds),
+        ``load_cpu_s`` (its CPU seconds) and ``standby_bytes`` (its resident memory when loaded, bytes)."""
+        return self.costs
 
     def run(self, detected_unix_s: float | None) -> None:
-        """Train to the run's last step (``zo_loop``): the run's first executor (``detected_unix_s`` None)
-        or a promoted standby, the active one's death detected at ``detected_unix_s`` (unix seconds); its
-        ``recovery`` event carries that and ``promoted_unix_s`` (now: this call began)."""
+        """Train to the run's last step (``zo_loop`` or ``fo_loop``): the rank's first executor
+        (``detected_unix_s`` None) or a promoted standby, the active one's death detected at ``detected_unix_s``
+        (unix seconds); its ``recovery`` event carries that and ``promoted_unix_s`` (now: this call began)."""
         promoted = None if detected_unix_s is None else {"detected_unix_s": detected_unix_s, "promoted_unix_s": time.time()}
-        zo_loop(self.env, promoted)
+        if self.env.cfg.algo == "fo":
+            from raycheck.workers.fo_worker import fo_loop
+
+            fo_loop(self.env, promoted)
+        else:
+            from raycheck.workers.worker import zo_loop
+
+            zo_loop(self.env, promoted)
 
 
-def supervise(start: Callable[[], E], run_on: Callable[[E, float | None], None], promotion_allowed: Callable[[], bool],
-              record: Callable[..., None]) -> int:
+def supervise(start: Callable[[], E], run_on: Callable[[E, float | None], None], keep_standby: Callable[[E], bool],
+              promotion_allowed: Callable[[], bool], record: Callable[..., None]) -> int:
     """Run the training in an executor (``start()`` returns one, loading in the background;
     ``run_on(executor, detected_unix_s)`` waits for its ``StepExecutor.run``) with a standby started beside
-    it; whenever the active one's process dies (``ActorDiedError``), record a ``standby_promoted`` event
-    (``record(kind, **fields)``) and, if ``promotion_allowed()``, run the standby instead and start a new
-    one. Returns the promotions done.
+    it where ``keep_standby(active)`` says so (asked once, before training); whenever the active one's process
+    dies (``ActorDiedError``), record a ``standby_promoted`` event (``record(kind, **fields)``) and, if there is
+    a standby and ``promotion_allowed()``, run the standby instead and start a new one. Returns the promotions
+    done.
 
     Raises:
         StandbyBudgetSpentError: a death past the budget (``promotion_allowed()`` False).
+        NoStandbyError: a death with no standby kept.
         Any other error of ``run_on`` (an executor that raised: Ray Train restarts the worker group).
     """
-    active, standby = start(), start()
+    active = start()
+    standby = start() if keep_standby(active) else None
     detected_unix_s: float | None = None
     promotions = 0
     while True:
@@ -86,9 +145,11 @@ def supervise(start: Callable[[], E], run_on: Callable[[E, float | None], None],
             return promotions
         except ActorDiedError as exc:
             detected_unix_s = time.time()
-            allowed = promotion_allowed()
+            allowed = standby is not None and promotion_allowed()
             record("standby_promoted", promoted=allowed, promotions=promotions + int(allowed), supervisor_pid=os.getpid(),
-                   error=f"{type(exc).__name__}: {exc}"[:300], detected_unix_s=detected_unix_s)
+                   error=f"{type(exc).__name__}: {exc}"[:300], detected_unix_s=detected_unix_s, kept=standby is not None)
+            if standby is None:
+                raise NoStandbyError("the step executor died and no standby was kept: Ray Train restarts the worker") from exc
             if not allowed:
                 raise StandbyBudgetSpentError("the step executor died again past faults.max_worker_failures: "
                                               "Ray Train restarts the worker group") from exc
@@ -110,26 +171,53 @@ ExecutorActor = ray.remote(num_cpus=0, max_restarts=0)(StepExecutor)
 supervisor only waits) and no Ray restart (the supervisor promotes its standby instead)."""
 
 
-def start_executor(config: dict):
+def start_executor(config: dict, place: tuple[int, int], visible_devices: str | None):
     """An ``ExecutorActor`` on this process's node (so the same node-local step log), loading in the background."""
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    return ExecutorActor.options(scheduling_strategy=here).remote(config)
+    return ExecutorActor.options(scheduling_strategy=here).remote(config, place, visible_devices)
+
+
+def measured_decision(cfg: JobConfig, executor, waited_from: tuple[float, float], restart_s: float) -> StandbyDecision:
+    """``standby_decision`` for this rank from measurements: ``executor``'s cold start (``StepExecutor.measured``,
+    waited for), this supervisor's own start (``restart_s``: Ray Train's part of a restart, seconds) and its CPU share while it waited
+    (``waited_from``: ``time.monotonic()`` and ``time.process_time()`` when it began: a blocked waiter, as a
+    standby is), the node's available memory and cores."""
+    load = ray.get(executor.measured.remote())
+    wall, cpu = time.monotonic() - waited_from[0], time.process_time() - waited_from[1]
+    return standby_decision(StandbyCosts(load_s=load["load_s"], load_cpu_s=load["load_cpu_s"], standby_bytes=int(load["standby_bytes"]),
+                                         available_bytes=psutil.virtual_memory().available, restart_s=restart_s,
+                                         idle_cpu_share=cpu / max(wall, 1e-3), mtbf_s=cfg.snapshot.mtbf_s,
+                                         cores=psutil.cpu_count() or 1))
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point with ``faults.warm_standby`` (``config``: ``JobConfig.to_dict()`` plus the
-    shipped assets): supervise the step executors (``supervise``), then stop the standby left over."""
+    """Ray Train entry point of a supervised worker (``config``: ``JobConfig.to_dict()`` plus the shipped
+    assets): supervise the step executors (``supervise``), then stop the standby left over."""
+    restart_s = time.time() - psutil.Process().create_time()  # Ray Train's start of this process, to this call
     cfg = JobConfig.from_dict({k: v for k, v in config.items() if k != ASSETS_KEY})
+    ctx = ray.train.get_context()
+    place = ctx.get_world_rank(), ctx.get_world_size()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cfg.device == "cuda" else None
     run = RunChannel(cfg)
     started: list = []
+    waited_from = time.monotonic(), time.process_time()
 
     def start():
-        started.append(start_executor(config))
+        started.append(start_executor(config, place, visible))
         return started[-1]
 
-    run.event("standby_supervisor", pid=os.getpid())
+    def keep(active) -> bool:
+        if cfg.faults.warm_standby:
+            run.event("standby_decision", rank=place[0], keep=True, reason="warm standby on: --warm-standby")
+            return True
+        decision = measured_decision(cfg, active, waited_from, restart_s)
+        run.event("standby_decision", rank=place[0], keep=decision.keep, reason=decision.reason,
+                  saved_s=decision.saved_s, cost_s=decision.cost_s)
+        return decision.keep
+
+    run.event("standby_supervisor", rank=place[0], pid=os.getpid())
     try:
-        supervise(start, lambda executor, detected: ray.get(executor.run.remote(detected)),
+        supervise(start, lambda executor, detected: ray.get(executor.run.remote(detected)), keep,
                   lambda: claim_promotion(run, cfg.faults.max_worker_failures), run.event)
     finally:
         for executor in started:

@@ -62,8 +62,8 @@ def barrier_of(exchange: RemoteExchange | None, world: int) -> Callable[[str], N
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point; ``config`` is ``JobConfig.to_dict()`` (with ``faults.warm_standby`` the
-    entry point is ``workers.standby``'s, which runs ``zo_loop`` in a step executor)."""
+    """Ray Train entry point; ``config`` is ``JobConfig.to_dict()`` (a run that can keep a warm standby has
+    ``workers.standby``'s entry point, which runs ``zo_loop`` in a step executor)."""
     zo_loop(worker_env(config))
 
 
@@ -197,7 +197,7 @@ def reopen_rank0_log(cfg: JobConfig, keeper: RemoteKeeper, run: RunChannel, writ
 
 def worker_device(device: str) -> torch.device:
     """The torch device of this worker for ``JobConfig.device`` (``cpu`` or ``cuda``: the GPU Ray Train
-    assigned). On CUDA, deterministic algorithms are required (cuBLAS with a fixed workspace), so a
+    assigned; in a step executor, the one GPU its supervisor shows it). On CUDA, deterministic algorithms are required (cuBLAS with a fixed workspace), so a
     step re-executed after a failure computes the same losses as the first time."""
     if device == "cpu":
         return torch.device("cpu")
@@ -205,7 +205,10 @@ def worker_device(device: str) -> torch.device:
     torch.use_deterministic_algorithms(True)
     import ray.train.torch
 
-    return ray.train.torch.get_device()
+    try:
+        return ray.train.torch.get_device()
+    except RuntimeError:  # not a Ray Train worker: a step executor (workers.standby), shown its supervisor's GPU only
+        return torch.device("cuda", 0)
 
 
 def timed_append(writer: StepLogWriter | None) -> Callable[[StepRecord], float]:
