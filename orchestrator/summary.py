@@ -404,7 +404,7 @@ def run_summary(c: Collected) -> dict:
         "bitwise_equal": None,
         "failures": [{k: e[k] for k in ("step", "target", "how")} for e in events if e["kind"] == "failure"],
         "recoveries": recs,
-        "standby": [{k: e[k] for k in ("rank", "keep", "reason", "saved_s", "cost_s") if k in e}
+        "standby": [{k: e[k] for k in ("rank", "keep", "reason", "saved_core_s", "cost_core_s") if k in e}
                     for e in events if e["kind"] == "standby_decision"],
         "preemptions": preemption_records(events, list(c.executions)),
         "lost_steps": sum(r.get("lost_steps", 0) for r in recs),
@@ -458,8 +458,8 @@ SUMMARY_FIELDS: dict[str, str] = {
                   "``recompute_steps``, ``breakdown`` (seconds per component from the failure to the first step done, "
                   "below; docs/recovery.md), ``first_step_seconds``.",
     "standby": "Each rank's warm standby decision (``workers.standby``; one entry without ``rank`` where the run keeps "
-               "none, from the driver): ``keep``, ``reason`` (one line), and where measured ``saved_s`` and ``cost_s`` per "
-               "failure (``policies.standby.standby_decision``).",
+               "none, from the driver): ``keep``, ``reason`` (one line), and where measured ``saved_core_s`` and ``cost_core_s`` "
+               "per failure (core-seconds, ``policies.standby.standby_decision``).",
     "preemptions": "One entry per preemption notice (a drained node that held a component; ``orchestrator.preemption."
                    "preemption_records``): ``node_id``, ``components``, ``notice_unix_s``, ``deadline_unix_s``, ``grace_s``, "
                    "``saved`` (``[{component, step, notice_to_safe_seconds}]``), ``unsaved`` (``[{component, error}]``), and "

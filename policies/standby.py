@@ -1,25 +1,27 @@
 """Whether a warm standby pays, from what it measurably costs and what it saves at each failure (pure).
 
-A standby (``workers.standby``) is a second step executor of a rank, built and loaded before it is needed:
-when the active executor's process dies it takes over, so the recovery skips the cold start (a process,
-the imports, the model, the data, and Ray Train's restart of the worker group around them).
+A standby (``workers.standby``) is a second step executor of a rank, built, loaded and warmed before it is
+needed: when the active executor's process dies it takes over, so the recovery skips the cold start (a
+process, the imports, the model, the data, and Ray Train's restart of the worker around them).
 
-The comparison is made per failure, at one failure every MTBF:
+The comparison is made per failure of the rank, in core-seconds (CPU seconds of the node's cores):
 
-- **saved** per failure: the measured cold start of an executor (``load_s``: process created to model
-  and data loaded, warmed) plus Ray Train's part of a restart (``restart_s``: measured as the supervisor's
-  own start, its process created to its train function called; a lower bound: the teardown of the
-  failed group and the detection come on top).
-- **cost** per failure: the CPU a standby takes from the node, in seconds of its cores: one load
-  (``load_cpu_s``, the new standby loaded after the promotion) plus its waiting over one MTBF
-  (``idle_cpu_share`` x ``mtbf_s``), divided by ``cores``.
+- **saved**: during a cold start every training worker of the job waits (with replica groups the others
+  wait at the step exchange), so a failure without a standby idles ``training_cores`` cores for the
+  measured cold start: an executor's load (``load_s``: process created to model and data loaded, warmed)
+  plus Ray Train's part of a restart (``restart_s``: measured as the supervisor's own start, its process
+  created to its train function called; a lower bound: detection and the failed group's teardown come
+  on top).
+- **cost**: the CPU the standby takes from the node: one load (``load_cpu_s``, the new standby loaded after
+  a promotion) plus its waiting until the failure (``idle_cpu_share`` x ``failure_interval_s``).
 - **memory**: a waiting standby holds ``standby_bytes`` (a loaded executor's resident memory); it is kept
-  only where the node's available memory is at least twice that, so that it never pushes the training
-  into swap or the OOM killer.
+  only where the node's available memory is at least twice that, so it never pushes the training into
+  swap or the OOM killer.
 
-It pays when saved > cost and the memory fits. Source: the expected-cost comparison of a hot spare against
-a cold restart (e.g. Gray & Siewiorek, "High-availability computer systems", IEEE Computer 1991, on
-standby spares); the per-MTBF accounting is Young's (Comm. ACM 17(9), 1974): one failure per MTBF.
+It pays when saved > cost and the memory fits. ``failure_interval`` gives the interval from the configured
+MTBF and the run's injected failures. Source: the expected-cost comparison of a hot spare against a cold
+restart in high-availability design (Gray & Siewiorek, "High-availability computer systems", IEEE Computer
+24(9), 1991); one failure per MTBF as in Young's interval (Comm. ACM 17(9), 1974).
 """
 
 from __future__ import annotations
@@ -38,55 +40,66 @@ class StandbyCosts:
     supervisor beside it).
 
     Raises:
-        ValueError: a field negative or not finite, ``mtbf_s`` or ``cores`` not > 0 (names the field).
+        ValueError: a field negative or not finite, ``failure_interval_s`` or ``training_cores`` not > 0
+            (the message names the field).
     """
 
     load_s: float
-    """An executor's cold start, process created to model and data loaded, seconds (wall clock)."""
+    """An executor's cold start, process created to model and data loaded and warmed, seconds (wall clock)."""
     load_cpu_s: float
     """The CPU time that start took, seconds (all its threads)."""
+    restart_s: float
+    """Ray Train's start of a worker process, created to its train function called, seconds (the supervisor's own)."""
     standby_bytes: int
     """A loaded executor's resident memory, bytes."""
     available_bytes: int
     """The node's available memory now (``psutil.virtual_memory().available``), bytes."""
-    restart_s: float
-    """Ray Train's start of a worker process, created to its train function called, seconds (the supervisor's own)."""
     idle_cpu_share: float
-    """CPU a waiting process takes (CPU seconds per second: a process blocked in ``ray.get``, measured)."""
-    mtbf_s: float
-    """Mean time between failures of a worker, seconds (``snapshot.mtbf_s``: ``--mtbf``)."""
-    cores: float
-    """The node's cores: the standby's CPU seconds are spread over them (``psutil.cpu_count()``)."""
+    """CPU a waiting process takes, CPU seconds per second (a process blocked in ``ray.get``, measured)."""
+    failure_interval_s: float
+    """Expected seconds from now to the rank's next failure (``failure_interval``)."""
+    training_cores: float
+    """The cores that wait during a cold start: every worker's torch threads (``workers`` x ``torch_threads``)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"StandbyCosts.{f.name} must be finite and >= 0, got {value!r}")
-        for name in ("mtbf_s", "cores"):
+        for name in ("failure_interval_s", "training_cores"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StandbyCosts.{name} must be > 0, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
 class StandbyDecision:
-    """Keep a standby loaded (``keep``) or not, and why in one line (``reason``), with the figures compared:
-    ``saved_s`` and ``cost_s`` per failure (seconds)."""
+    """Keep a standby loaded (``keep``) or not, and why in one line (``reason``), with the figures compared per
+    failure: ``saved_core_s`` and ``cost_core_s`` (core-seconds)."""
 
     keep: bool
     reason: str
-    saved_s: float
-    cost_s: float
+    saved_core_s: float
+    cost_core_s: float
+
+
+def failure_interval(mtbf_s: float, steps: int, injected_failures: int, step_s: float) -> float:
+    """Expected seconds to a worker's next failure: the configured MTBF (``mtbf_s``, seconds), or, where the
+    run injects ``injected_failures`` worker failures over its ``steps`` steps, the run's length over their
+    count (``steps`` x ``step_s`` / count; ``step_s``: one step, seconds, estimated) when that is shorter."""
+    if injected_failures <= 0:
+        return mtbf_s
+    return min(mtbf_s, max(steps * step_s / injected_failures, 1e-3))
 
 
 def standby_decision(c: StandbyCosts) -> StandbyDecision:
     """Whether a warm standby pays for ``c`` (the module docstring's comparison), the reason in one line."""
-    saved = c.load_s + c.restart_s
-    cost = (c.load_cpu_s + c.idle_cpu_share * c.mtbf_s) / c.cores
+    saved = (c.load_s + c.restart_s) * c.training_cores
+    cost = c.load_cpu_s + c.idle_cpu_share * c.failure_interval_s
     held = f"{c.standby_bytes / GIB:.2f} GiB"
     if c.available_bytes < MEMORY_HEADROOM * c.standby_bytes:
         return StandbyDecision(False, f"warm standby off: it would hold {held} and the node has {c.available_bytes / GIB:.2f} GiB "
                                       f"available (needs {MEMORY_HEADROOM:g}x)", saved, cost)
-    compared = (f"per failure (one per MTBF {c.mtbf_s:g} s) it saves {saved:.1f} s of cold start and costs {cost:.2f} s of "
-                f"the node's {c.cores:g} cores (load {c.load_cpu_s:.1f} CPU-s, waiting {c.idle_cpu_share:.3f} CPU/s), and holds {held}")
+    compared = (f"a failure every {c.failure_interval_s:.4g} s would idle {c.training_cores:g} training cores for a "
+                f"{c.load_s + c.restart_s:.1f} s cold start ({saved:.1f} core-s); a standby costs {cost:.1f} core-s "
+                f"(load {c.load_cpu_s:.1f}, waiting {c.idle_cpu_share:.3f} CPU/s) and holds {held}")
     return StandbyDecision(saved > cost, f"warm standby {'on' if saved > cost else 'off'}: {compared}", saved, cost)

@@ -41,17 +41,22 @@ class Executors:
     """Fake executors: numbered as started; ``dies`` lists the executors whose run dies (the rest finish)."""
 
     def __init__(self, dies: set[int], budget: int) -> None:
-        self.dies, self.budget, self.kept = dies, budget, True
+        self.dies, self.budget, self.kept, self.stopped = dies, budget, True, []
         self.started, self.runs, self.events, self.claimed = 0, [], [], 0
 
     def start(self) -> int:
         self.started += 1
         return self.started
 
-    def run_on(self, executor: int, detected_unix_s: float | None) -> None:
+    def run_on(self, executor: int, detected_unix_s: float | None, stepped) -> None:
         self.runs.append((executor, detected_unix_s is not None))
+        if detected_unix_s is not None:
+            stepped()  # a promoted executor's first step (before it dies, in these fakes)
         if executor in self.dies:
             raise ActorDiedError()
+
+    def stop(self, executor: int) -> None:
+        self.stopped.append(executor)
 
     def keep(self, active: int) -> bool:
         return self.kept
@@ -66,7 +71,7 @@ class Executors:
 
 def test_a_dead_executor_is_replaced_by_the_standby_and_a_new_standby_starts():
     ex = Executors(dies={1, 2}, budget=10)
-    assert supervise(ex.start, ex.run_on, ex.keep, ex.allowed, ex.record) == 2
+    assert supervise(ex.start, ex.stop, ex.run_on, ex.keep, ex.allowed, ex.record) == 2
     # 1 and its standby 2 start together; 1 dies: 2 runs (promoted), 3 starts; 2 dies: 3 runs, 4 starts
     assert ex.runs == [(1, False), (2, True), (3, True)] and ex.started == 4
     assert ex.events == [("standby_promoted", True, 1), ("standby_promoted", True, 2)]
@@ -75,17 +80,17 @@ def test_a_dead_executor_is_replaced_by_the_standby_and_a_new_standby_starts():
 def test_an_executor_that_keeps_dying_ends_at_the_budget():
     ex = Executors(dies=set(range(1, 100)), budget=2)
     with pytest.raises(StandbyBudgetSpentError, match="past faults.max_worker_failures"):
-        supervise(ex.start, ex.run_on, ex.keep, ex.allowed, ex.record)
+        supervise(ex.start, ex.stop, ex.run_on, ex.keep, ex.allowed, ex.record)
     assert [e[1] for e in ex.events] == [True, True, False] and len(ex.runs) == 3
 
 
 def test_an_executor_that_raises_goes_to_ray_train():
-    def run_on(executor, detected):
+    def run_on(executor, detected, stepped):
         raise RuntimeError("the step raised past the in-process restarts")
 
     ex = Executors(dies=set(), budget=10)
     with pytest.raises(RuntimeError, match="in-process restarts"):
-        supervise(ex.start, run_on, ex.keep, ex.allowed, ex.record)
+        supervise(ex.start, ex.stop, run_on, ex.keep, ex.allowed, ex.record)
     assert ex.events == []
 
 
@@ -93,5 +98,5 @@ def test_without_a_standby_a_dead_executor_goes_to_ray_train():
     ex = Executors(dies={1}, budget=10)
     ex.kept = False
     with pytest.raises(NoStandbyError, match="no standby was kept"):
-        supervise(ex.start, ex.run_on, ex.keep, ex.allowed, ex.record)
-    assert ex.started == 1 and ex.runs == [(1, False)] and ex.events == [("standby_promoted", False, 0)]
+        supervise(ex.start, ex.stop, ex.run_on, ex.keep, ex.allowed, ex.record)
+    assert ex.stopped == [2] and ex.runs == [(1, False)] and ex.events == [("standby_promoted", False, 0)]

@@ -139,6 +139,7 @@ def fo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
             row = dict(step=step, loss=loss, step_seconds=step_s, checkpoint_block_seconds=block_s, log_append_seconds=0.0,
                        checkpoint_bytes=ckpt.bytes if ckpt is not None else 0)  # committed so far (fsdp2: rank 0's files)
             run.metric(**row, **({"state_sha256": digest} if digest else {}))
+        env.stepped.set()
 
     if rank == 0 or sharded:
         final = {"step": cfg.steps, "state_sha256": state_sha256(sharded_fo.full_state(trainer.state_view()))}

@@ -3,14 +3,15 @@
 Where a run can keep one (``JobConfig.standby_refusal`` is None: ZO with one worker or with replica groups,
 first-order with one worker; ``faults.warm_standby`` not False), each Ray Train worker's train function
 (``train_loop_per_worker`` here) is a thin supervisor. The training runs in a step executor
-(``StepExecutor``, a Ray actor on the supervisor's node): its constructor loads what a worker holds
+(``StepExecutor``, a Ray actor on the supervisor's node), a second one started beside it (both load
+together, so a standby is ready when training starts). An executor's constructor loads what a worker holds
 (``workers.worker_env.worker_env``: imports, model with its initial weights, tokenizer, data), runs one
 forward pass of the rank's first batch (the kernels, allocator and caches warmed, no state changed) and
 its ``run`` is the worker's loop (``workers.worker.zo_loop``, ``workers.fo_worker.fo_loop``) at the
 supervisor's rank and world size. Once the first executor is loaded, the supervisor measures its cold
 start, its CPU time and resident memory, its own idle CPU and the node's available memory, and asks the
-policy (``policies.standby.standby_decision``; ``faults.warm_standby`` True forces it on) whether a second
-executor is kept loaded and waiting: a ``standby_decision`` event, the reason in one line.
+policy (``policies.standby.standby_decision``; ``faults.warm_standby`` True forces it on) whether the second
+executor is kept loaded and waiting, or stopped: a ``standby_decision`` event, the reason in one line.
 
 When the active executor's process dies (its ``run`` call raises Ray's ``ActorDiedError``: ``os._exit``,
 SIGKILL, the OOM killer), the supervisor promotes the standby: its ``run`` restores the freshest complete
@@ -51,9 +52,9 @@ from ray.exceptions import ActorDiedError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycheck.actors.journal import RunChannel
-from raycheck.job.config import JobConfig
+from raycheck.job.config import WORKER_TARGETS, JobConfig
 from raycheck.policies.budgets import within_budget
-from raycheck.policies.standby import StandbyCosts, StandbyDecision, standby_decision
+from raycheck.policies.standby import StandbyCosts, StandbyDecision, failure_interval, standby_decision
 from raycheck.training.assets import ASSETS_KEY
 from raycheck.training.data import batch_indices
 from raycheck.training.groups import example_groups, groups_of_rank
@@ -93,18 +94,25 @@ class StepExecutor:
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         self.env = worker_env(config, place=place)
+        t0 = time.perf_counter()
         warm_up(self.env)
+        forward_s = time.perf_counter() - t0
         if self.env.cfg.device == "cuda":
             torch.cuda.init()  # the CUDA context, without a byte of the model on the GPU
         me = psutil.Process()
         cpu = me.cpu_times()
         self.costs = {"load_s": time.time() - self.env.stamps["process_created_unix_s"], "load_cpu_s": cpu.user + cpu.system,
-                      "standby_bytes": me.memory_info().rss}
+                      "standby_bytes": me.memory_info().rss, "forward_s": forward_s}
 
     def measured(self) -> dict[str, float]:
         """This executor's cold start: ``load_s`` (process created to loaded and warmed, seconds),
-        ``load_cpu_s`` (its CPU seconds) and ``standby_bytes`` (its resident memory when loaded, bytes)."""
+        ``load_cpu_s`` (its CPU seconds), ``standby_bytes`` (its resident memory when loaded, bytes) and
+        ``forward_s`` (its warm-up forward pass, seconds: the first, so an upper bound of a step's)."""
         return self.costs
+
+    def first_step(self) -> None:
+        """Return once ``run`` has done a step (``WorkerEnv.stepped``)."""
+        self.env.stepped.wait()
 
     def run(self, detected_unix_s: float | None) -> None:
         """Train to the run's last step (``zo_loop`` or ``fo_loop``): the rank's first executor
@@ -121,27 +129,36 @@ class StepExecutor:
             zo_loop(self.env, promoted)
 
 
-def supervise(start: Callable[[], E], run_on: Callable[[E, float | None], None], keep_standby: Callable[[E], bool],
-              promotion_allowed: Callable[[], bool], record: Callable[..., None]) -> int:
+def supervise(start: Callable[[], E], stop: Callable[[E], None], run_on: Callable[[E, float | None, Callable[[], None]], None],
+              keep_standby: Callable[[E], bool], promotion_allowed: Callable[[], bool], record: Callable[..., None]) -> int:
     """Run the training in an executor (``start()`` returns one, loading in the background;
-    ``run_on(executor, detected_unix_s)`` waits for its ``StepExecutor.run``) with a standby started beside
-    it where ``keep_standby(active)`` says so (asked once, before training); whenever the active one's process
+    ``run_on(executor, detected_unix_s, stepped)`` waits for its ``StepExecutor.run``, calling ``stepped()``
+    once a promoted executor has done its first step) with a standby started beside
+    it at once (both load together), kept where ``keep_standby(active)`` says so (asked once, before training),
+    else stopped (``stop(standby)``); whenever the active one's process
     dies (``ActorDiedError``), record a ``standby_promoted`` event (``record(kind, **fields)``) and, if there is
-    a standby and ``promotion_allowed()``, run the standby instead and start a new one. Returns the promotions
-    done.
+    a standby and ``promotion_allowed()``, run the standby instead, and start a new one after its first step
+    (a standby loading beside the restore and first step would slow both). Returns the promotions done.
 
     Raises:
         StandbyBudgetSpentError: a death past the budget (``promotion_allowed()`` False).
         NoStandbyError: a death with no standby kept.
         Any other error of ``run_on`` (an executor that raised: Ray Train restarts the worker group).
     """
-    active = start()
-    standby = start() if keep_standby(active) else None
+    active, standby = start(), start()
+    if not keep_standby(active):
+        stop(standby)
+        standby = None
     detected_unix_s: float | None = None
     promotions = 0
+
+    def replace() -> None:
+        nonlocal standby
+        standby = start()
+
     while True:
         try:
-            run_on(active, detected_unix_s)
+            run_on(active, detected_unix_s, replace)
             return promotions
         except ActorDiedError as exc:
             detected_unix_s = time.time()
@@ -153,7 +170,7 @@ def supervise(start: Callable[[], E], run_on: Callable[[E, float | None], None],
             if not allowed:
                 raise StandbyBudgetSpentError("the step executor died again past faults.max_worker_failures: "
                                               "Ray Train restarts the worker group") from exc
-            active, standby = standby, start()
+            active, standby = standby, None
             promotions += 1
 
 
@@ -166,9 +183,20 @@ def claim_promotion(run: RunChannel, max_failures: int) -> bool:
     return within_budget(n, max_failures)
 
 
-ExecutorActor = ray.remote(num_cpus=0, max_restarts=0)(StepExecutor)
+ExecutorActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(StepExecutor)
 """``StepExecutor`` as a Ray actor: no CPU of its own (it computes in the CPU the supervisor holds; the
-supervisor only waits) and no Ray restart (the supervisor promotes its standby instead)."""
+supervisor only waits), no Ray restart (the supervisor promotes its standby instead), and two threads (``run``,
+and ``first_step`` waiting beside it)."""
+
+
+def run_on(executor, detected_unix_s: float | None, stepped: Callable[[], None]) -> None:
+    """``supervise``'s ``run_on`` for an ``ExecutorActor``: its ``run``, and for a promoted one (``detected_unix_s``
+    given) ``stepped()`` once its first step is done (or it died: the error is ``run``'s to raise)."""
+    done = executor.run.remote(detected_unix_s)
+    if detected_unix_s is not None:
+        ray.wait([done, executor.first_step.remote()], num_returns=1)
+        stepped()
+    ray.get(done)
 
 
 def start_executor(config: dict, place: tuple[int, int], visible_devices: str | None):
@@ -177,17 +205,21 @@ def start_executor(config: dict, place: tuple[int, int], visible_devices: str | 
     return ExecutorActor.options(scheduling_strategy=here).remote(config, place, visible_devices)
 
 
-def measured_decision(cfg: JobConfig, executor, waited_from: tuple[float, float], restart_s: float) -> StandbyDecision:
-    """``standby_decision`` for this rank from measurements: ``executor``'s cold start (``StepExecutor.measured``,
-    waited for), this supervisor's own start (``restart_s``: Ray Train's part of a restart, seconds) and its CPU share while it waited
-    (``waited_from``: ``time.monotonic()`` and ``time.process_time()`` when it began: a blocked waiter, as a
-    standby is), the node's available memory and cores."""
+def measured_decision(cfg: JobConfig, executor, restart_s: float) -> StandbyDecision:
+    """``standby_decision`` for this rank from measurements: ``executor``'s cold start and warm-up forward pass
+    (``StepExecutor.measured``, waited for), this supervisor's own start (``restart_s``: Ray Train's part of a
+    restart, seconds) and its CPU share while it waited (a process blocked in ``ray.get``, as a waiting standby
+    is), the node's available memory; the failure interval from ``--mtbf`` and the run's injected worker
+    failures (a ZO step is about two forward passes, a first-order one three)."""
+    wall, cpu = time.monotonic(), time.process_time()
     load = ray.get(executor.measured.remote())
-    wall, cpu = time.monotonic() - waited_from[0], time.process_time() - waited_from[1]
-    return standby_decision(StandbyCosts(load_s=load["load_s"], load_cpu_s=load["load_cpu_s"], standby_bytes=int(load["standby_bytes"]),
-                                         available_bytes=psutil.virtual_memory().available, restart_s=restart_s,
-                                         idle_cpu_share=cpu / max(wall, 1e-3), mtbf_s=cfg.snapshot.mtbf_s,
-                                         cores=psutil.cpu_count() or 1))
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    injected = sum(f.target in WORKER_TARGETS for f in cfg.faults.failures)
+    step_s = load["forward_s"] * (3 if cfg.algo == "fo" else 2)
+    return standby_decision(StandbyCosts(
+        load_s=load["load_s"], load_cpu_s=load["load_cpu_s"], restart_s=restart_s, standby_bytes=int(load["standby_bytes"]),
+        available_bytes=psutil.virtual_memory().available, idle_cpu_share=cpu / max(wall, 1e-3),
+        failure_interval_s=failure_interval(cfg.snapshot.mtbf_s, cfg.steps, injected, step_s), training_cores=cfg.workers * cfg.torch_threads))
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -200,7 +232,6 @@ def train_loop_per_worker(config: dict) -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cfg.device == "cuda" else None
     run = RunChannel(cfg)
     started: list = []
-    waited_from = time.monotonic(), time.process_time()
 
     def start():
         started.append(start_executor(config, place, visible))
@@ -210,14 +241,14 @@ def train_loop_per_worker(config: dict) -> None:
         if cfg.faults.warm_standby:
             run.event("standby_decision", rank=place[0], keep=True, reason="warm standby on: --warm-standby")
             return True
-        decision = measured_decision(cfg, active, waited_from, restart_s)
+        decision = measured_decision(cfg, active, restart_s)
         run.event("standby_decision", rank=place[0], keep=decision.keep, reason=decision.reason,
-                  saved_s=decision.saved_s, cost_s=decision.cost_s)
+                  saved_core_s=decision.saved_core_s, cost_core_s=decision.cost_core_s)
         return decision.keep
 
     run.event("standby_supervisor", rank=place[0], pid=os.getpid())
     try:
-        supervise(start, lambda executor, detected: ray.get(executor.run.remote(detected)), keep,
+        supervise(start, lambda executor: ray.kill(executor, no_restart=True), run_on, keep,
                   lambda: claim_promotion(run, cfg.faults.max_worker_failures), run.event)
     finally:
         for executor in started:

@@ -120,6 +120,7 @@ def zo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
                     row["state_sha256"] = state_sha256(on_cpu(params))  # the state after step + 1 steps
                 run.metric(**row)
             step += 1
+            env.stepped.set()
         except Exception as exc:
             detected_unix_s = time.time()
             decision = decide(StepFailure(world=world, error=type(exc), restarts_done=restarts, max_restarts=cfg.faults.max_in_process_restarts))

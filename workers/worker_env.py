@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import ray.train
@@ -43,6 +44,9 @@ class WorkerEnv:
     train: Split
     held_out: Split
     initial_weights: Callable[[], "OrderedDict[str, torch.Tensor]"]
+    stepped: threading.Event = field(default_factory=threading.Event)
+    """Set after each step this worker completes (a promoted standby's supervisor waits for the first one,
+    ``workers.standby``)."""
 
 
 def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], float] | None = None,
