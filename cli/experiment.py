@@ -26,10 +26,11 @@ def experiment(
     report_only: Annotated[bool, typer.Option(help="Rebuild the report from the results already in --out.")] = False,
     cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
     failure_kind: Annotated[str, typer.Option(
-        help="exit, raise or standby: how each injected worker failure happens, the same for every strategy. exit: the "
-             "process exits, Ray Train starts a new one that restores the state. raise: the step raises, the process "
-             "survives and restores the state in process. standby (zo only): the process exits and a warm standby "
-             "(--warm-standby) takes over.")] = "exit",
+        help="exit, cold, raise or standby: how each injected worker failure happens, the same for every strategy. "
+             "exit: the process exits and the run recovers as by default (a warm standby where its policy keeps one). "
+             "cold: the process exits with --no-warm-standby, Ray Train starts a new one that restores the state. "
+             "raise: the step raises, the process survives and restores the state in process. standby: the process "
+             "exits and a warm standby (--warm-standby) takes over.")] = "exit",
     model: Annotated[str, typer.Option(help="Model of every run instead of the preset's: a built-in name, a local Hugging "
                                             "Face model folder or a model id in the local Hugging Face cache.")] = "",
     durability: Annotated[str, typer.Option(help=(
@@ -62,8 +63,6 @@ def experiment(
     if durability not in LOCAL_DURABILITIES:
         why = " (cluster needs remote storage, which the experiment does not use)" if durability == "cluster" else ""
         _usage_error(f"--durability {durability!r}: choose {' or '.join(LOCAL_DURABILITIES)}{why}")
-    if failure_kind == "standby" and algo != "zo":
-        _usage_error(f"--failure-kind standby is for --algo zo (a warm standby runs one ZO worker), not --algo {algo}")
     out = out.resolve()
     preset = PRESETS_BY_ALGO[algo]["quick" if quick else "full"]
     if model and not report_only:

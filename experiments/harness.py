@@ -47,10 +47,13 @@ class Preset:
 
 
 FAILURE_KINDS = {
-    "exit": "the worker process exits (os._exit(1)): Ray Train starts a new process, which restores the state",
+    "exit": "the worker process exits (os._exit(1)) and the run recovers as it does by default: a warm standby where "
+            "its policy keeps one (workers.standby), else Ray Train starts a new process, which restores the state",
+    "cold": "the worker process exits (os._exit(1)) with --no-warm-standby: Ray Train starts a new process, which "
+            "restores the state",
     "raise": "the step raises and the process survives: it restores the state in process (training.in_process)",
-    "standby": "the worker process exits (os._exit(1)) and a warm standby, loaded before it was needed, takes over "
-               "(workers.standby; zo only): Ray Train sees no failure",
+    "standby": "the worker process exits (os._exit(1)) with --warm-standby: a standby, loaded before it was needed, "
+               "takes over (workers.standby): Ray Train sees no failure",
 }
 """``raycheck experiment --failure-kind``: how each injected worker failure happens (``FailureSpec.how``)."""
 
@@ -80,13 +83,11 @@ def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str,
     local disk, or ``node``, the run's default).
 
     Raises:
-        ValueError: an unknown ``failure_kind``; ``standby`` with a first-order preset.
+        ValueError: an unknown ``failure_kind``.
     """
     if failure_kind not in FAILURE_KINDS:
         raise ValueError(f"failure kind {failure_kind!r}: choose one of {', '.join(FAILURE_KINDS)}")
-    if failure_kind == "standby" and preset.algo != "zo":
-        raise ValueError(f"failure kind standby is for the zo presets (a warm standby runs one ZO worker), not {preset.name}")
-    how = "exit" if failure_kind == "standby" else failure_kind
+    how = "raise" if failure_kind == "raise" else "exit"
     return JobConfig(
         out_dir=str(out), cache_dir=cache_dir, model=preset.model, steps=preset.steps, batch_size=preset.batch_size,
         algo=preset.algo, strategy=strategy, eval_samples=0, run_id=f"{strategy}-{uuid.uuid4().hex[:6]}", durability=durability,
@@ -94,7 +95,7 @@ def job_config(preset: Preset, strategy: str, out: pathlib.Path, cache_dir: str,
         snapshot=SnapshotConfig(every_steps=preset.interval_steps, policy="adaptive" if strategy == "shadow" else "fixed",
                                 mtbf_s=preset.mtbf_s),
         faults=FaultConfig(failures=tuple(FailureSpec(step=s, how=how) for s in preset.failure_steps) if failures else (),
-                           warm_standby=failures and failure_kind == "standby"),
+                           warm_standby={"cold": False, "standby": True}.get(failure_kind) if failures else None),
     )
 
 

@@ -99,7 +99,7 @@ def standby_decision(c: StandbyCosts) -> StandbyDecision:
     if c.available_bytes < MEMORY_HEADROOM * c.standby_bytes:
         return StandbyDecision(False, f"warm standby off: it would hold {held} and the node has {c.available_bytes / GIB:.2f} GiB "
                                       f"available (needs {MEMORY_HEADROOM:g}x)", saved, cost)
-    compared = (f"a failure every {c.failure_interval_s:.4g} s would idle {c.training_cores:g} training cores for a "
+    compared = (f"a failure every {c.failure_interval_s:.4g} s would idle {c.training_cores:g} training core{'s' if c.training_cores != 1 else ''} for a "
                 f"{c.load_s + c.restart_s:.1f} s cold start ({saved:.1f} core-s); a standby costs {cost:.1f} core-s "
                 f"(load {c.load_cpu_s:.1f}, waiting {c.idle_cpu_share:.3f} CPU/s) and holds {held}")
     return StandbyDecision(saved > cost, f"warm standby {'on' if saved > cost else 'off'}: {compared}", saved, cost)

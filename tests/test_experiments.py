@@ -115,15 +115,17 @@ def test_failure_kind_reaches_every_strategy_but_not_the_reference(tmp_path):
         assert [(f.step, f.target, f.how) for f in cfg.faults.failures] == [(12, "worker", "raise"), (24, "worker", "raise")]
     assert [f.how for f in job_config(preset, "shadow", tmp_path, "/cache").faults.failures] == ["exit", "exit"]
     assert job_config(preset, "shadow", tmp_path, "/cache", failures=False, failure_kind="raise").faults.failures == ()
-    with pytest.raises(ValueError, match="failure kind 'sigkill': choose one of exit, raise, standby"):
+    with pytest.raises(ValueError, match="failure kind 'sigkill': choose one of exit, cold, raise, standby"):
         job_config(preset, "shadow", tmp_path, "/cache", failure_kind="sigkill")
     for strategy in STRATEGIES["zo"]:  # standby: the process exits and every strategy's worker has a warm standby
         cfg = job_config(preset, strategy, tmp_path / strategy, "/cache", failure_kind="standby")
-        assert [f.how for f in cfg.faults.failures] == ["exit", "exit"] and cfg.faults.warm_standby
-    assert not job_config(preset, "shadow", tmp_path, "/cache", failures=False, failure_kind="standby").faults.warm_standby
-    assert not job_config(preset, "shadow", tmp_path, "/cache").faults.warm_standby
-    with pytest.raises(ValueError, match="failure kind standby is for the zo presets .*not fo-full"):
-        job_config(PRESETS_BY_ALGO["fo"]["full"], "full-async", tmp_path, "/cache", failure_kind="standby")
+        assert [f.how for f in cfg.faults.failures] == ["exit", "exit"] and cfg.faults.warm_standby and cfg.supervised
+    for strategy in STRATEGIES["fo"]:  # one first-order worker can keep one too
+        assert job_config(PRESETS_BY_ALGO["fo"]["full"], strategy, tmp_path / strategy, "/cache", failure_kind="standby").supervised
+    cold = job_config(preset, "shadow", tmp_path, "/cache", failure_kind="cold")
+    assert [f.how for f in cold.faults.failures] == ["exit", "exit"] and cold.faults.warm_standby is False and not cold.supervised
+    assert job_config(preset, "shadow", tmp_path, "/cache", failures=False, failure_kind="standby").faults.warm_standby is None
+    assert job_config(preset, "shadow", tmp_path, "/cache").faults.warm_standby is None  # exit: the run's default
     assert job_config(preset, "shadow", tmp_path, "/cache").durability == "node"  # the run's default
     assert {job_config(preset, s, tmp_path, "/cache", durability="process").durability for s in STRATEGIES["zo"]} == {"process"}
 
@@ -134,13 +136,10 @@ def test_experiment_cli_refuses_an_unknown_failure_kind(tmp_path):
     from raycheck.cli.main import app
 
     result = CliRunner().invoke(app, ["experiment", "--failure-kind", "sigkill", "--out", str(tmp_path)])
-    assert result.exit_code == 2 and result.output.startswith("error: --failure-kind 'sigkill': choose from exit, raise")
+    assert result.exit_code == 2 and result.output.startswith("error: --failure-kind 'sigkill': choose from exit, cold, raise, standby")
     assert list(tmp_path.iterdir()) == []
     help_text = CliRunner().invoke(app, ["experiment", "--help"]).output
-    assert "--failure-kind" in help_text and "the process survives" in help_text
-    result = CliRunner().invoke(app, ["experiment", "--algo", "fo", "--failure-kind", "standby", "--out", str(tmp_path)])
-    assert result.exit_code == 2 and result.output == ("error: --failure-kind standby is for --algo zo (a warm standby runs one "
-                                                       "ZO worker), not --algo fo\n")
+    assert "--failure-kind" in help_text and "the process survives" in help_text and "--no-warm-standby" in help_text
     assert list(tmp_path.iterdir()) == []
     result = CliRunner().invoke(app, ["experiment", "--durability", "cluster", "--out", str(tmp_path)])
     assert result.exit_code == 2 and result.output == ("error: --durability 'cluster': choose process or node (cluster "
