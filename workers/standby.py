@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -58,6 +59,8 @@ from raycheck.policies.standby import StandbyCosts, StandbyDecision, failure_int
 from raycheck.training.assets import ASSETS_KEY
 from raycheck.training.data import batch_indices
 from raycheck.training.groups import example_groups, groups_of_rank
+from raycheck.training.model import trainable_parameters
+from raycheck.training.zo import ZOHyper, perturb_all_, reset_and_update_all_, step_seed
 from raycheck.workers.worker_env import WorkerEnv, worker_env
 
 E = TypeVar("E")
@@ -72,15 +75,22 @@ class NoStandbyError(RuntimeError):
 
 
 def warm_up(env: WorkerEnv) -> None:
-    """One forward pass of this rank's share of the first batch, gradients off: torch's kernels, allocator
-    and caches are set up before the executor is needed, and no state changes (a ZO loss evaluation is a
-    forward pass; first-order: the same forward, no backward, so no ``.grad`` is created)."""
+    """One forward pass of this rank's share of the first batch, gradients off, and for ZO a step's three
+    noise passes on a stand-in of 256 zeros per parameter (same names and dtypes): torch's kernels, the noise
+    kernels, allocator and caches are set up before the executor is needed, and no state changes (first-order:
+    the forward only, no backward, so no ``.grad`` is created)."""
     cfg = env.cfg
     idx = batch_indices(cfg.seed, 0, cfg.batch_size, len(env.train))
     groups = example_groups(idx, cfg.example_group_size)
     with torch.no_grad():
         for g in groups_of_rank(len(groups), env.rank, env.world)[:1]:
             env.encoder.loss_terms(env.model, env.train, groups[g])
+    if cfg.algo == "zo":
+        stand_in = OrderedDict((name, torch.zeros(256, dtype=p.dtype)) for name, p in trainable_parameters(env.model).items())
+        seed, hyper = step_seed(cfg.seed, 0), ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay)
+        perturb_all_(stand_in, seed, cfg.zo.eps)
+        perturb_all_(stand_in, seed, -2 * cfg.zo.eps)
+        reset_and_update_all_(stand_in, seed, 0.0, hyper)
 
 
 class StepExecutor:
@@ -145,9 +155,10 @@ def supervise(start: Callable[[], E], stop: Callable[[E], None], run_on: Callabl
         NoStandbyError: a death with no standby kept.
         Any other error of ``run_on`` (an executor that raised: Ray Train restarts the worker group).
     """
-    active, standby = start(), start()
+    active, spare = start(), start()
+    standby: E | None = spare
     if not keep_standby(active):
-        stop(standby)
+        stop(spare)
         standby = None
     detected_unix_s: float | None = None
     promotions = 0
@@ -170,7 +181,7 @@ def supervise(start: Callable[[], E], stop: Callable[[E], None], run_on: Callabl
             if not allowed:
                 raise StandbyBudgetSpentError("the step executor died again past faults.max_worker_failures: "
                                               "Ray Train restarts the worker group") from exc
-            active, standby = standby, None
+            active, standby = standby, None  # the next one starts after its first step (``replace``)
             promotions += 1
 
 
@@ -183,10 +194,10 @@ def claim_promotion(run: RunChannel, max_failures: int) -> bool:
     return within_budget(n, max_failures)
 
 
-ExecutorActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(StepExecutor)
+ExecutorActor = ray.remote(num_cpus=0, max_restarts=0)(StepExecutor)
 """``StepExecutor`` as a Ray actor: no CPU of its own (it computes in the CPU the supervisor holds; the
-supervisor only waits), no Ray restart (the supervisor promotes its standby instead), and two threads (``run``,
-and ``first_step`` waiting beside it)."""
+supervisor only waits) and no Ray restart (the supervisor promotes its standby instead); ``start_executor``
+gives it two threads (``run``, and ``first_step`` waiting beside it)."""
 
 
 def run_on(executor, detected_unix_s: float | None, stepped: Callable[[], None]) -> None:
@@ -202,7 +213,7 @@ def run_on(executor, detected_unix_s: float | None, stepped: Callable[[], None])
 def start_executor(config: dict, place: tuple[int, int], visible_devices: str | None):
     """An ``ExecutorActor`` on this process's node (so the same node-local step log), loading in the background."""
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    return ExecutorActor.options(scheduling_strategy=here).remote(config, place, visible_devices)
+    return ExecutorActor.options(scheduling_strategy=here, max_concurrency=2).remote(config, place, visible_devices)
 
 
 def measured_decision(cfg: JobConfig, executor, restart_s: float) -> StandbyDecision:
