@@ -1,8 +1,8 @@
 """Benchmark: a single worker's recovery through the in-process restart (``raise``: ``--fail STEP:worker:raise``,
 the process survives, ``training.in_process``), through a warm standby (``standby``: ``--fail STEP:worker``
 with ``--warm-standby``, the process dies and a loaded standby executor takes over, ``workers.standby``)
-and through a replacement worker (``exit``: ``--fail STEP:worker``, Ray Train restarts the worker group,
-a new process imports and loads everything).
+and through a replacement worker (``exit``: ``--fail STEP:worker`` with ``--no-warm-standby``, Ray Train
+restarts the worker group, a new process imports and loads everything).
 
 The kinds run in turn, one ``raycheck run`` each (its own local Ray cluster), so the machine's load
 hits all alike. From each run's ``summary.json``: failure -> restored and failure -> first step done
@@ -23,7 +23,7 @@ import sys
 
 from raycheck.orchestrator.summary import BREAKDOWN, STANDBY_BREAKDOWN
 
-KINDS = {"raise": ("raise", []), "standby": ("exit", ["--warm-standby"]), "exit": ("exit", [])}
+KINDS = {"raise": ("raise", []), "standby": ("exit", ["--warm-standby"]), "exit": ("exit", ["--no-warm-standby"])}
 """Each kind of run: the worker failure's ``how`` and the extra options."""
 
 

@@ -382,8 +382,8 @@ def test_every_baseline_survives_worker_failures_and_resumes_exactly(reference, 
     recs = s["recoveries"]
     assert [(r["failure_step"], r["path"]) for r in recs] == [(7, "in_process"), (10, "standby")]
     phases = [e["phase"] for e in RunDir.read(pathlib.Path(s["config"]["out_dir"]) / "events.jsonl") if e["kind"] == "phase"]
-    # the in-process restart may be over before the controller looks: it shows "recovering" or not
-    assert phases[0] == "running" and phases.count("recovering") in (1, 2) and phases[-1] == s["phase"] == "finished"
+    # the in-process restart and the standby's promotion may each be over before the controller looks: "recovering" or not
+    assert phases[0] == "running" and phases.count("recovering") in (0, 1, 2) and phases[-1] == s["phase"] == "finished"
     if not full:
         assert [(r["source"], r["base_step"], r["replayed_steps"], r["recompute_steps"]) for r in recs] == [
             ("initial", 0, 7, 0), ("initial", 0, 10, 0)]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError
 
-from raycheck.job.config import JobConfig
+from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.policies.budgets import within_budget
-from raycheck.workers.standby import NoStandbyError, StandbyBudgetSpentError, supervise
+from raycheck.workers.standby import NoStandbyError, StandbyBudgetSpentError, likely_kept, supervise
 
 
 @pytest.mark.parametrize("kw, named", [
@@ -100,3 +100,20 @@ def test_without_a_standby_a_dead_executor_goes_to_ray_train():
     with pytest.raises(NoStandbyError, match="no standby was kept"):
         supervise(ex.start, ex.stop, ex.run_on, ex.keep, ex.allowed, ex.record)
     assert ex.stopped == [2] and ex.runs == [(1, False)] and ex.events == [("standby_promoted", False, 0)]
+
+
+def test_a_standby_not_likely_kept_starts_only_once_the_decision_keeps_it():
+    ex = Executors(dies={1}, budget=10)
+    assert supervise(ex.start, ex.stop, ex.run_on, ex.keep, ex.allowed, ex.record, early=False) == 1
+    assert ex.runs == [(1, False), (2, True)] and ex.stopped == []  # 2 started after the decision, promoted
+    ex = Executors(dies=set(), budget=10)
+    ex.kept = False
+    assert supervise(ex.start, ex.stop, ex.run_on, ex.keep, ex.allowed, ex.record, early=False) == 0
+    assert ex.started == 1 and ex.stopped == []  # no standby ever loaded
+
+
+def test_a_standby_loads_beside_the_first_executor_where_worker_failures_are_injected_or_it_is_forced(tmp_path):
+    base = dict(out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path), model="tiny")
+    assert likely_kept(JobConfig(**base, faults={"failures": (FailureSpec.parse("6:worker"),)}))
+    assert likely_kept(JobConfig(**base, faults={"warm_standby": True}))
+    assert not likely_kept(JobConfig(**base)) and not likely_kept(JobConfig(**base, faults={"failures": (FailureSpec.parse("6:shadow"),)}))

@@ -3,15 +3,17 @@
 Where a run can keep one (``JobConfig.standby_refusal`` is None: ZO with one worker or with replica groups,
 first-order with one worker; ``faults.warm_standby`` not False), each Ray Train worker's train function
 (``train_loop_per_worker`` here) is a thin supervisor. The training runs in a step executor
-(``StepExecutor``, a Ray actor on the supervisor's node), a second one started beside it (both load
-together, so a standby is ready when training starts). An executor's constructor loads what a worker holds
+(``StepExecutor``, a Ray actor on the supervisor's node), a second one started beside it where one is likely
+kept (``likely_kept``: both load together, so a standby is ready when training starts). An executor's
+constructor loads what a worker holds
 (``workers.worker_env.worker_env``: imports, model with its initial weights, tokenizer, data), runs one
 forward pass of the rank's first batch (the kernels, allocator and caches warmed, no state changed) and
 its ``run`` is the worker's loop (``workers.worker.zo_loop``, ``workers.fo_worker.fo_loop``) at the
 supervisor's rank and world size. Once the first executor is loaded, the supervisor measures its cold
 start, its CPU time and resident memory, its own idle CPU and the node's available memory, and asks the
 policy (``policies.standby.standby_decision``; ``faults.warm_standby`` True forces it on) whether the second
-executor is kept loaded and waiting, or stopped: a ``standby_decision`` event, the reason in one line.
+executor is kept loaded and waiting (started now if it was not yet), or stopped: a ``standby_decision``
+event, the reason in one line.
 
 When the active executor's process dies (its ``run`` call raises Ray's ``ActorDiedError``: ``os._exit``,
 SIGKILL, the OOM killer), the supervisor promotes the standby: its ``run`` restores the freshest complete
@@ -140,12 +142,13 @@ class StepExecutor:
 
 
 def supervise(start: Callable[[], E], stop: Callable[[E], None], run_on: Callable[[E, float | None, Callable[[], None]], None],
-              keep_standby: Callable[[E], bool], promotion_allowed: Callable[[], bool], record: Callable[..., None]) -> int:
+              keep_standby: Callable[[E], bool], promotion_allowed: Callable[[], bool], record: Callable[..., None],
+              early: bool = True) -> int:
     """Run the training in an executor (``start()`` returns one, loading in the background;
     ``run_on(executor, detected_unix_s, stepped)`` waits for its ``StepExecutor.run``, calling ``stepped()``
-    once a promoted executor has done its first step) with a standby started beside
-    it at once (both load together), kept where ``keep_standby(active)`` says so (asked once, before training),
-    else stopped (``stop(standby)``); whenever the active one's process
+    once a promoted executor has done its first step) with a standby where ``keep_standby(active)`` says so
+    (asked once, before training): started beside the active one at once when ``early`` (both load together;
+    stopped, ``stop(standby)``, if not kept), else only once kept. Whenever the active one's process
     dies (``ActorDiedError``), record a ``standby_promoted`` event (``record(kind, **fields)``) and, if there is
     a standby and ``promotion_allowed()``, run the standby instead, and start a new one after its first step
     (a standby loading beside the restore and first step would slow both). Returns the promotions done.
@@ -155,11 +158,13 @@ def supervise(start: Callable[[], E], stop: Callable[[E], None], run_on: Callabl
         NoStandbyError: a death with no standby kept.
         Any other error of ``run_on`` (an executor that raised: Ray Train restarts the worker group).
     """
-    active, spare = start(), start()
-    standby: E | None = spare
-    if not keep_standby(active):
+    active = start()
+    spare = start() if early else None
+    standby: E | None = None
+    if keep_standby(active):
+        standby = spare if spare is not None else start()
+    elif spare is not None:
         stop(spare)
-        standby = None
     detected_unix_s: float | None = None
     promotions = 0
 
@@ -233,6 +238,13 @@ def measured_decision(cfg: JobConfig, executor, restart_s: float) -> StandbyDeci
         failure_interval_s=failure_interval(cfg.snapshot.mtbf_s, cfg.steps, injected, step_s), training_cores=cfg.workers * cfg.torch_threads))
 
 
+def likely_kept(cfg: JobConfig) -> bool:
+    """Whether a standby is started beside the first executor at once, before the measured decision: where it is
+    forced, or the run injects worker failures (its failures come sooner than ``--mtbf``, so the standby is
+    likely kept and should be ready early); a run without them pays no standby's load unless the decision keeps one."""
+    return bool(cfg.faults.warm_standby) or any(f.target in WORKER_TARGETS for f in cfg.faults.failures)
+
+
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry point of a supervised worker (``config``: ``JobConfig.to_dict()`` plus the shipped
     assets): supervise the step executors (``supervise``), then stop the standby left over."""
@@ -260,7 +272,7 @@ def train_loop_per_worker(config: dict) -> None:
     run.event("standby_supervisor", rank=place[0], pid=os.getpid())
     try:
         supervise(start, lambda executor: ray.kill(executor, no_restart=True), run_on, keep,
-                  lambda: claim_promotion(run, cfg.faults.max_worker_failures), run.event)
+                  lambda: claim_promotion(run, cfg.faults.max_worker_failures), run.event, early=likely_kept(cfg))
     finally:
         for executor in started:
             ray.kill(executor, no_restart=True)
