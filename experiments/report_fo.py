@@ -164,7 +164,7 @@ def render_fo_markdown(preset: dict, stall: list[dict], recovery: list[dict], br
         f"{preset['batch_size']}, a check every {preset['interval_steps']} steps; differential: a full checkpoint every "
         f"{2 * preset['interval_steps']} steps and gradient records between) with the same worker failures "
         f"({preset.get('failure_kind', 'exit')}) at steps {preset['failure_steps']}, each run through the same controller "
-        "and Ray Train restart path, against one failure-free first-order run (the reference). Strategy settings are "
+        "and recovery path (the `path` column), against one failure-free first-order run (the reference). Strategy settings are "
         "`JobConfig`'s defaults otherwise (each run's `config.json` under `runs/<strategy>/`).",
         "## (a) Loop stall and bytes written\n\n" + _stall_md(stall, preset),
         "## (b) Recovery latency\n\n" + _recovery_md(recovery, (), breakdown, ours=False),
