@@ -959,7 +959,8 @@ class JobConfig:
         workers (first-order DDP or FSDP2, ZO without replica groups: elastic or without a step log); and with
         the default (``faults.warm_standby`` None) not on CUDA, where the standby path is not measured yet."""
         if self.workers > 1 and not self.replica_groups:
-            what = "first-order DDP/FSDP2" if self.algo == "fo" else ("an elastic run" if self.is_elastic else f"strategy {self.strategy}")
+            what = (f"first-order {'FSDP2' if self.fo.parallelism == 'fsdp2' else 'DDP'}" if self.algo == "fo"
+                    else "an elastic run" if self.is_elastic else f"strategy {self.strategy}")
             return (f"{what} with {self.workers} workers all-reduces through one torch.distributed group, "
                     "which a standby process cannot join (a standby needs one worker, or ZO replica groups)")
         if self.device == "cuda" and self.faults.warm_standby is None:

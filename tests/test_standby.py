@@ -13,7 +13,8 @@ from raycheck.workers.standby import NoStandbyError, StandbyBudgetSpentError, li
 
 
 @pytest.mark.parametrize("kw, named", [
-    (dict(workers=2, batch_size=8, algo="fo", strategy="full-sync"), "first-order DDP/FSDP2 with 2 workers"),
+    (dict(workers=2, batch_size=8, algo="fo", strategy="full-sync"), "first-order DDP with 2 workers"),
+    (dict(workers=2, batch_size=8, algo="fo", strategy="full-sync", fo={"parallelism": "fsdp2"}), "first-order FSDP2 with 2 workers"),
     (dict(workers=2, batch_size=8, strategy="full-async"), "strategy full-async with 2 workers"),
 ])
 def test_a_standby_is_refused_where_its_executor_could_not_join_the_collective(tmp_path, kw, named):
