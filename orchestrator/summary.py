@@ -169,11 +169,15 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
     out: dict[int, dict] = {}
     rows: dict[tuple[int, int], dict] = {}
     last_failure, boundary = None, None
-    decisions = {e.get("rank"): e for e in events if e["kind"] == "standby_decision"}
+    decisions: dict[int | None, dict] = {}  # each rank's standby decision so far (None: the driver's)
+    failed_with: dict[int | None, dict] = {}  # those in force at the last failure: why it took its path
     failures_unix_s = [e["unix_s"] for e in events if e["kind"] == "failure" and e["target"] == "worker"]
     for i, e in enumerate(events):
-        if e["kind"] == "failure" and e["target"] == "worker":
+        if e["kind"] == "standby_decision":
+            decisions[e.get("rank")] = e
+        elif e["kind"] == "failure" and e["target"] == "worker":
             last_failure = boundary = e
+            failed_with = dict(decisions)
         elif e["kind"] == "resume":
             last_failure, boundary = None, e
         elif e["kind"] == "recovery" and (id(boundary), e["at_step"]) in rows:
@@ -181,7 +185,7 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
         elif e["kind"] == "recovery":
             row = rows[id(boundary), e["at_step"]] = out[i] = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
             if "path" in e:
-                row["path"], row["why"] = e["path"], path_reason(e["path"], decisions.get(e.get("rank"), decisions.get(None)))
+                row["path"], row["why"] = e["path"], path_reason(e["path"], failed_with.get(e.get("rank"), failed_with.get(None)))
             if e.get("skipped"):
                 row["skipped"] = e["skipped"]
             row.update({k: e[k] for k in ("saved_world_size", "restored_state_sha256") if k in e})  # fsdp2 restores

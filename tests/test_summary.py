@@ -154,6 +154,27 @@ def test_a_standby_promotion_is_broken_down_over_its_own_stamps():
     assert sum(row["breakdown"].values()) == row["first_step_seconds"] == 1.0 and row["seconds"] == 0.75
 
 
+def test_each_recovery_says_why_it_took_its_path_from_the_standby_decision_in_force_when_its_worker_failed():
+    """Rank 1 kept no standby (too little memory): its failure goes to Ray Train, and the row says why with that
+    decision's reason, not the one its new incarnation records before restoring; rank 0 kept one: promoted."""
+    def recovery(rank, step, path, t):
+        return {"kind": "recovery", "rank": rank, "at_step": step, "restored_step": step, "path": path, "source": "object_store",
+                "base_step": step, "replayed_steps": 0, "seconds": 0.25, "load_seconds": 0.1, "replay_seconds": 0.0, "unix_s": t}
+
+    events = [
+        {"kind": "standby_decision", "rank": 0, "keep": True, "reason": "warm standby on: ...", "unix_s": T0},
+        {"kind": "standby_decision", "rank": 1, "keep": False, "reason": "warm standby off: it would hold 2 GiB", "unix_s": T0},
+        {"kind": "failure", "target": "worker", "step": 3, "durable_steps": 3, "unix_s": T0 + 1},
+        {"kind": "standby_decision", "rank": 1, "keep": True, "reason": "warm standby on: the new incarnation's", "unix_s": T0 + 9},
+        recovery(1, 3, "new_process", T0 + 10),
+        {"kind": "failure", "target": "worker", "step": 5, "durable_steps": 5, "unix_s": T0 + 12},
+        recovery(0, 5, "standby", T0 + 12.5),
+    ]
+    assert [(r["path"], r["why"]) for r in recoveries(events)] == [
+        ("new_process", "Ray Train restarted the worker: warm standby off: it would hold 2 GiB"),
+        ("standby", "the executor's process died and the rank's loaded standby took over")]
+
+
 def test_a_resume_starts_afresh_its_restore_answers_no_earlier_failure_and_every_event_has_its_row():
     """A resume that restores the step the last recovery restored (its newest checkpoint was damaged) is
     a recovery of its own, not a second event of the earlier one; it has no failure fields (the driver
