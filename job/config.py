@@ -375,10 +375,11 @@ class FaultConfig:
             help='Restarts of a dead snapshot persister before the run fails (-1: unlimited).'))
     """Restarts of a dead snapshot persister before the run fails (-1: unlimited; ``orchestrator.controller``)."""
     max_worker_failures: int = field(default=10, metadata=opt('--max-worker-failures', 'Failures and restarts',
-            help='Worker-group restarts after a train worker failed before the run fails (-1: unlimited; '
-            'injected failures count).'))
+            help='Worker-group restarts after a train worker failed before the run fails, and apart from them as many '
+            'warm-standby promotions (-1: unlimited; injected failures count).'))
     """Worker-group restarts after a train worker failed (Ray Train's ``FailureConfig.max_failures``)
-    before the run fails (-1: unlimited). Injected ``worker``, ``both`` and ``node`` failures count too."""
+    before the run fails (-1: unlimited), and, counted apart, as many warm-standby promotions
+    (``workers.standby``). Injected ``worker``, ``both`` and ``node`` failures count too."""
     max_preemptions: int = field(default=-1, metadata=opt('--max-preemptions', 'Failures and restarts',
             help='Restarts after a preemption notice (a node drained with a deadline) before the run fails (-1: '
             'unlimited); counted apart from --max-worker-failures.'))

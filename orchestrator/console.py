@@ -129,6 +129,8 @@ def _preemption_rows(summary: dict) -> list[str]:
 
 def _recovery(e: dict, recovery_seconds: float | None) -> str:
     how = RECOVERY_PATHS.get(e.get("path", ""), e.get("path", "a new process"))
+    if (loading_s := e.get("standby_loaded_unix_s", 0.0) - e.get("detected_unix_s", math.inf)) > 0:
+        how += f" (still loading: {loading_s:.1f} s more)"
     took = (f"{recovery_seconds:.1f} s after the failure" if recovery_seconds is not None
             else f"restore took {e['seconds']:.2f} s")
     return (f"worker {e.get('rank', 0)} restored at step {e['restored_step']} from "
@@ -166,7 +168,7 @@ _SENTENCES: dict[str, Callable[[dict], str | None]] = {
                          + (f", the last done {format_duration(e['unix_s'] - e['last_step_unix_s'])} ago" if e.get("last_step_unix_s") else "")),
     "standby_promoted": lambda e: (None if e["promoted"] else "the warm standby was not promoted (worker failure budget spent)"
                                    if e.get("kept", True) else "no warm standby was kept: Ray Train restarts the worker"),
-    "standby_decision": lambda e: e["reason"] if e.get("rank") in (None, 0) else None,  # every rank's is in summary.json
+    "standby_decision": lambda e: e["reason"] if e.get("rank") in (None, 0) else f"worker {e['rank']}: {e['reason']}",
 }
 """The sentence of each event kind that has one (``describe``)."""
 

@@ -185,7 +185,7 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
         elif e["kind"] == "recovery":
             row = rows[id(boundary), e["at_step"]] = out[i] = {k: e[k] for k in ("at_step", "restored_step", "source", "base_step", "replayed_steps")}
             if "path" in e:
-                row["path"], row["why"] = e["path"], path_reason(e["path"], failed_with.get(e.get("rank"), failed_with.get(None)))
+                row["path"], row["why"] = e["path"], path_reason(e, failed_with.get(e.get("rank"), failed_with.get(None)))
             if e.get("skipped"):
                 row["skipped"] = e["skipped"]
             row.update({k: e[k] for k in ("saved_world_size", "restored_state_sha256") if k in e})  # fsdp2 restores
@@ -204,9 +204,14 @@ def recovery_of_event(events: list[dict], executions: Sequence[dict] = ()) -> di
     return out
 
 
-def path_reason(path: str, decision: dict | None) -> str:
-    """Why a recovery took ``path`` (one line), given its rank's ``standby_decision`` event (None: none recorded)."""
+def path_reason(recovery: dict, decision: dict | None) -> str:
+    """Why a ``recovery`` event took its ``path`` (one line), given its rank's ``standby_decision`` event in force
+    when the worker failed (None: none recorded)."""
+    path = recovery["path"]
     if path == "standby":
+        loading_s = recovery.get("standby_loaded_unix_s", 0.0) - recovery.get("detected_unix_s", math.inf)
+        if loading_s > 0:
+            return f"the executor's process died and the rank's standby, still loading ({loading_s:.1f} s more), took over"
         return "the executor's process died and the rank's loaded standby took over"
     if path == "in_process":
         return "the step raised with the process alive: rolled back in the same process"

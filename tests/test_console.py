@@ -34,6 +34,13 @@ def test_events_read_as_sentences_and_bookkeeping_events_show_only_with_verbose(
                                          "replayed in a new process, 5.2 s after the failure")
     assert describe({**RECOVERY, "source": "object_store", "replayed_steps": 0, "path": "standby"}, None) == (
         "[raycheck] worker 0 restored at step 20 from the shadow's image in the warm standby, restore took 0.41 s")
+    loading = {**RECOVERY, "source": "object_store", "replayed_steps": 0, "path": "standby", "detected_unix_s": 10.0,
+               "standby_loaded_unix_s": 13.5}
+    assert describe(loading, 4.0) == ("[raycheck] worker 0 restored at step 20 from the shadow's image in the warm standby "
+                                      "(still loading: 3.5 s more), 4.0 s after the failure")
+    decision = {"kind": "standby_decision", "keep": False, "reason": "warm standby off: it would hold 2 GiB"}
+    assert describe({**decision, "rank": 0}) == describe(decision) == "[raycheck] warm standby off: it would hold 2 GiB"
+    assert describe({**decision, "rank": 1}) == "[raycheck] worker 1: warm standby off: it would hold 2 GiB"
     assert describe({"kind": "shadow_restart", "step": 30, "source": "snapshot", "seconds": 3.05, "reason": "ActorDiedError"}) == (
         "[raycheck] shadow restarted at step 30 from the snapshot of step 30 in 3.0 s (ActorDiedError)")
     assert describe({"kind": "failure", "step": 5, "target": "storage", "seconds": 90.0}) == (

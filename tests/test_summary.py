@@ -168,11 +168,14 @@ def test_each_recovery_says_why_it_took_its_path_from_the_standby_decision_in_fo
         {"kind": "standby_decision", "rank": 1, "keep": True, "reason": "warm standby on: the new incarnation's", "unix_s": T0 + 9},
         recovery(1, 3, "new_process", T0 + 10),
         {"kind": "failure", "target": "worker", "step": 5, "durable_steps": 5, "unix_s": T0 + 12},
-        recovery(0, 5, "standby", T0 + 12.5),
+        {**recovery(0, 5, "standby", T0 + 12.5), "detected_unix_s": T0 + 12.1, "standby_loaded_unix_s": T0 + 4},
+        {"kind": "failure", "target": "worker", "step": 6, "durable_steps": 6, "unix_s": T0 + 13},
+        {**recovery(0, 6, "standby", T0 + 17), "detected_unix_s": T0 + 13.25, "standby_loaded_unix_s": T0 + 15.75},
     ]
     assert [(r["path"], r["why"]) for r in recoveries(events)] == [
         ("new_process", "Ray Train restarted the worker: warm standby off: it would hold 2 GiB"),
-        ("standby", "the executor's process died and the rank's loaded standby took over")]
+        ("standby", "the executor's process died and the rank's loaded standby took over"),
+        ("standby", "the executor's process died and the rank's standby, still loading (2.5 s more), took over")]
 
 
 def test_a_resume_starts_afresh_its_restore_answers_no_earlier_failure_and_every_event_has_its_row():

@@ -76,23 +76,30 @@ class NoStandbyError(RuntimeError):
     """The step executor died and no standby was kept (``standby_decision`` said no): Ray Train restarts the worker."""
 
 
-def warm_up(env: WorkerEnv) -> None:
-    """One forward pass of this rank's share of the first batch, gradients off, and for ZO a step's three
-    noise passes on a stand-in of 256 zeros per parameter (same names and dtypes): torch's kernels, the noise
-    kernels, allocator and caches are set up before the executor is needed, and no state changes (first-order:
-    the forward only, no backward, so no ``.grad`` is created)."""
+def warm_up(env: WorkerEnv) -> float:
+    """Two forward passes of one of this rank's example groups of the first batch, gradients off, and for ZO
+    a step's three noise passes on a stand-in of 256 zeros per parameter (same names and dtypes): torch's
+    kernels, the noise kernels, allocator and caches are set up before the executor is needed, and no state
+    changes (first-order: forward only, no backward, so no ``.grad`` is created). Returns the seconds of a
+    forward pass over the rank's share of a batch, estimated from the second pass (a warm one: the first pays
+    the one-time costs) times the rank's groups."""
     cfg = env.cfg
     idx = batch_indices(cfg.seed, 0, cfg.batch_size, len(env.train))
     groups = example_groups(idx, cfg.example_group_size)
+    mine = groups_of_rank(len(groups), env.rank, env.world)
+    group = groups[mine[0]]
     with torch.no_grad():
-        for g in groups_of_rank(len(groups), env.rank, env.world)[:1]:
-            env.encoder.loss_terms(env.model, env.train, groups[g])
+        env.encoder.loss_terms(env.model, env.train, group)
+        t0 = time.perf_counter()
+        env.encoder.loss_terms(env.model, env.train, group)
+        forward_s = time.perf_counter() - t0
     if cfg.algo == "zo":
         stand_in = OrderedDict((name, torch.zeros(256, dtype=p.dtype)) for name, p in trainable_parameters(env.model).items())
         seed, hyper = step_seed(cfg.seed, 0), ZOHyper(lr=cfg.zo.lr, eps=cfg.zo.eps, weight_decay=cfg.weight_decay)
         perturb_all_(stand_in, seed, cfg.zo.eps)
         perturb_all_(stand_in, seed, -2 * cfg.zo.eps)
         reset_and_update_all_(stand_in, seed, 0.0, hyper)
+    return forward_s * len(mine)
 
 
 class StepExecutor:
@@ -106,20 +113,19 @@ class StepExecutor:
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         self.env = worker_env(config, place=place)
-        t0 = time.perf_counter()
-        warm_up(self.env)
-        forward_s = time.perf_counter() - t0
+        forward_s = warm_up(self.env)
         if self.env.cfg.device == "cuda":
             torch.cuda.init()  # the CUDA context, without a byte of the model on the GPU
         me = psutil.Process()
         cpu = me.cpu_times()
         self.costs = {"load_s": time.time() - self.env.stamps["process_created_unix_s"], "load_cpu_s": cpu.user + cpu.system,
                       "standby_bytes": me.memory_info().rss, "forward_s": forward_s}
+        self.loaded_unix_s = time.time()
 
     def measured(self) -> dict[str, float]:
         """This executor's cold start: ``load_s`` (process created to loaded and warmed, seconds),
         ``load_cpu_s`` (its CPU seconds), ``standby_bytes`` (its resident memory when loaded, bytes) and
-        ``forward_s`` (its warm-up forward pass, seconds: the first, so an upper bound of a step's)."""
+        ``forward_s`` (a warm forward pass over the rank's share of a batch, seconds, ``warm_up``)."""
         return self.costs
 
     def first_step(self) -> None:
@@ -129,8 +135,10 @@ class StepExecutor:
     def run(self, detected_unix_s: float | None) -> None:
         """Train to the run's last step (``zo_loop`` or ``fo_loop``): the rank's first executor
         (``detected_unix_s`` None) or a promoted standby, the active one's death detected at ``detected_unix_s``
-        (unix seconds); its ``recovery`` event carries that and ``promoted_unix_s`` (now: this call began)."""
-        promoted = None if detected_unix_s is None else {"detected_unix_s": detected_unix_s, "promoted_unix_s": time.time()}
+        (unix seconds); its ``recovery`` event carries that, ``promoted_unix_s`` (now: this call began) and
+        ``standby_loaded_unix_s`` (when this executor was loaded and warmed: after the death, if it was still loading)."""
+        promoted = None if detected_unix_s is None else {"detected_unix_s": detected_unix_s, "promoted_unix_s": time.time(),
+                                                         "standby_loaded_unix_s": self.loaded_unix_s}
         if self.env.cfg.algo == "fo":
             from raycheck.workers.fo_worker import fo_loop
 
@@ -226,7 +234,7 @@ def measured_decision(cfg: JobConfig, executor, restart_s: float) -> StandbyDeci
     (``StepExecutor.measured``, waited for), this supervisor's own start (``restart_s``: Ray Train's part of a
     restart, seconds) and its CPU share while it waited (a process blocked in ``ray.get``, as a waiting standby
     is), the node's available memory; the failure interval from ``--mtbf`` and the run's injected worker
-    failures (a ZO step is about two forward passes, a first-order one three)."""
+    failures (a ZO step is about two forward passes over the rank's share of the batch, a first-order one three)."""
     wall, cpu = time.monotonic(), time.process_time()
     load = ray.get(executor.measured.remote())
     wall, cpu = time.monotonic() - wall, time.process_time() - cpu
