@@ -238,19 +238,23 @@ def measured_decision(cfg: JobConfig, executor, restart_s: float) -> StandbyDeci
     wall, cpu = time.monotonic(), time.process_time()
     load = ray.get(executor.measured.remote())
     wall, cpu = time.monotonic() - wall, time.process_time() - cpu
-    injected = sum(f.target in WORKER_TARGETS for f in cfg.faults.failures)
     step_s = load["forward_s"] * (3 if cfg.algo == "fo" else 2)
     return standby_decision(StandbyCosts(
         load_s=load["load_s"], load_cpu_s=load["load_cpu_s"], restart_s=restart_s, standby_bytes=int(load["standby_bytes"]),
         available_bytes=psutil.virtual_memory().available, idle_cpu_share=cpu / max(wall, 1e-3),
-        failure_interval_s=failure_interval(cfg.snapshot.mtbf_s, cfg.steps, injected, step_s), training_cores=cfg.workers * cfg.torch_threads))
+        failure_interval_s=failure_interval(cfg.snapshot.mtbf_s, cfg.steps, injected_worker_failures(cfg), step_s), training_cores=cfg.workers * cfg.torch_threads))
+
+
+def injected_worker_failures(cfg: JobConfig) -> int:
+    """The run's injected failures that kill a worker's process (``WORKER_TARGETS``)."""
+    return sum(f.target in WORKER_TARGETS for f in cfg.faults.failures)
 
 
 def likely_kept(cfg: JobConfig) -> bool:
     """Whether a standby is started beside the first executor at once, before the measured decision: where it is
     forced, or the run injects worker failures (its failures come sooner than ``--mtbf``, so the standby is
     likely kept and should be ready early); a run without them pays no standby's load unless the decision keeps one."""
-    return bool(cfg.faults.warm_standby) or any(f.target in WORKER_TARGETS for f in cfg.faults.failures)
+    return bool(cfg.faults.warm_standby) or injected_worker_failures(cfg) > 0
 
 
 def train_loop_per_worker(config: dict) -> None:
