@@ -71,7 +71,7 @@ from raycheck.storage.steplog import StepRecord, header_tag
 from raycheck.training.model import load_model, trainable_parameters
 from raycheck.workers.rank0_log import KeeperSender, open_local_log, replicated_append
 from raycheck.training.state import copy_state
-from raycheck.workers.worker import on_cpu
+from raycheck.workers.zo_session import on_cpu
 
 LEVELS = ("process", "node", "cluster")
 WARMUP_RECORDS = 20

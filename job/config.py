@@ -53,6 +53,8 @@ LABEL_WORDS = (" negative", " positive")  # label 0 = rotten, 1 = fresh
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """An environment variable name (``shadow_env`` keys)."""
 MODEL_NAMES = ("smollm2-135m", "tiny")
+OWN_MODEL_PREFIX = "module:"
+"""``JobConfig.model`` of a run of your own model and loop: this prefix and the model's class name (``JobConfig.own_model``)."""
 """The built-in models, by name (``training.model`` builds each into a node's cache from installed wheels)."""
 SEED_LIMIT = 2**64
 """Run seeds are packed as unsigned 64-bit integers (``training.zo.derive_seed``, ``numpy`` generators)."""
@@ -954,11 +956,19 @@ class JobConfig:
         return self.algo == "zo" and self.strategy in STEP_LOG
 
     @property
+    def own_model(self) -> bool:
+        """The model is your own ``torch.nn.Module``, trained by your own loop (``orchestrator.api.run_own_loop``;
+        ``model`` is ``OWN_MODEL_PREFIX`` + its class name)."""
+        return self.model.startswith(OWN_MODEL_PREFIX)
+
+    @property
     def standby_refusal(self) -> str | None:
         """Why this run's workers cannot keep a warm standby (``workers.standby``), None where they can: a step
         executor runs outside Ray Train's worker group, so it cannot join a torch.distributed group of several
         workers (first-order DDP or FSDP2, ZO without replica groups: elastic or without a step log); and with
         the default (``faults.warm_standby`` None) not on CUDA, where the standby path is not measured yet."""
+        if self.own_model:
+            return "your own train loop runs in Ray Train's worker process, which a standby process cannot take over"
         if self.workers > 1 and not self.replica_groups:
             what = (f"first-order {'FSDP2' if self.fo.parallelism == 'fsdp2' else 'DDP'}" if self.algo == "fo"
                     else "an elastic run" if self.is_elastic else f"strategy {self.strategy}")

@@ -6,8 +6,9 @@
     cfg = job_config("runs/mine", model="/models/my-gpt2", data={"path": "train.jsonl"}, steps=100)
     summary = run_job(cfg, verify=True)
 
-Everything is checked before the cluster starts: a bad configuration, model or data file raises
-``ValueError`` (``training.data.DataError`` for the data) and touches nothing.
+Your own ZO train loop and ``torch.nn.Module`` run with ``run_own_loop`` (the loop's side:
+``workers.own_loop_zo``). Everything is checked before the cluster starts: a bad configuration, model or
+data file raises ``ValueError`` (``training.data.DataError`` for the data) and touches nothing.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import pathlib
 import uuid
 from typing import Any, Callable
 
-from raycheck.job.config import JobConfig
+import torch
+
+from raycheck.job.config import OWN_MODEL_PREFIX, JobConfig
 from raycheck.job.stores import snapshot_store
-from raycheck.training.assets import Assets, read_assets
-from raycheck.training.model import default_cache_dir
+from raycheck.training.assets import Assets, OwnLoop, module_files, read_assets
+from raycheck.training.model import default_cache_dir, trainable_parameters
 
 
 def job_config(out_dir: str | pathlib.Path, **fields: Any) -> JobConfig:
@@ -56,16 +59,27 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
     cfg, assets = read_assets(cfg)
     if cfg.placement.shadow_shards > 1:
         from raycheck.actors.shards import split_units
-        from raycheck.training.model import load_model, trainable_parameters
+        from raycheck.training.model import load_model
 
         params = trainable_parameters(load_model(cfg.model, pathlib.Path(cfg.cache_dir)))
         split_units({n: p.numel() for n, p in params.items()}, cfg.placement.shadow_shards)
-    if cfg.storage.remote:  # a local store is made by the run: checking it here would leave a folder behind
+    check_storage(cfg)
+    return cfg, assets
+
+
+def check_storage(cfg: JobConfig) -> None:
+    """Probe ``cfg``'s remote snapshot storage (a local store is made by the run: checking it here would
+    leave a folder behind).
+
+    Raises:
+        OSError: it cannot be reached; ``StorageConsistencyError``: it ignores conditional writes and
+            ``job.config.StorageConfig.consistency`` is ``fenced``.
+    """
+    if cfg.storage.remote:
         storage = snapshot_store(cfg).storage
         storage.probe()
         if cfg.storage.consistency == "fenced":
             storage.check_conditional_writes()
-    return cfg, assets
 
 
 def run_job(cfg: JobConfig, *, verify: bool = False, echo: Callable[[str], None] = print,
@@ -84,3 +98,31 @@ def run_job(cfg: JobConfig, *, verify: bool = False, echo: Callable[[str], None]
     if assets is None:
         cfg, assets = check_job(cfg)
     return run_controller(cfg, verify=verify, echo=echo, assets=assets)
+
+
+def run_own_loop(cfg: JobConfig, train_loop_per_worker: Callable[[dict[str, Any]], None], model: torch.nn.Module, *,
+                 verify: bool = False, echo: Callable[[str], None] = print) -> dict:
+    """Run your own ZO ``train_loop_per_worker`` (which calls ``workers.own_loop_zo.zeroth_order``) on Ray
+    Train with ``cfg``'s workers, step log, shadow, persister, snapshot policy and failures, as ``run_job``
+    runs raycheck's task; returns the same summary (``state_sha256``: your model's final parameters;
+    ``bitwise_equal`` with ``verify``: against the failure-free reference, your loop run again).
+
+    Args:
+        cfg: from ``job_config``; ``algo`` zo. ``model`` is replaced by ``module:<class name>``; the data
+            and evaluation settings are not used (your loop has its own).
+        train_loop_per_worker: your function; Ray pickles it (with what it closes over) to every worker.
+        model: your model with its initial weights (on the CPU, in ``cfg.dtype``): shipped once to every
+            worker and to the shadow.
+
+    Raises:
+        ValueError: ``cfg.algo`` is not zo, a parameter is not in ``cfg.dtype``, or see ``check_job``'s storage checks.
+    """
+    from raycheck.orchestrator.runs import run_job as run_controller
+
+    if cfg.algo != "zo":
+        raise ValueError(f"run_own_loop trains zeroth-order (algo zo), not {cfg.algo}: for first order, call "
+                         "workers.own_loop.FirstOrderCheckpoints from your own TorchTrainer loop")
+    files = module_files(model, cfg.dtype)
+    cfg = cfg.replace(model=f"{OWN_MODEL_PREFIX}{type(model).__qualname__}", model_sha256=files.sha256, eval_samples=0)
+    check_storage(cfg)
+    return run_controller(cfg, verify=verify, echo=echo, assets=Assets(model=files, data=None, own=OwnLoop(train_loop_per_worker, model)))

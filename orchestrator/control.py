@@ -62,6 +62,9 @@ class WorkerGroupStatus:
     """``<ErrorType>: message`` of a ``fit`` that raised."""
     failures: int = 0
     recoveries: int = 0
+    code_error: str | None = None
+    """The first ``code_error`` event's error: your loop's code broke a rule (``workers.zo_session.CodeError``),
+    which every restart would meet again."""
 
     @property
     def recovery_pending(self) -> bool:
@@ -79,8 +82,9 @@ def worker_group_status(running: bool, outcome: dict, events: list[dict]) -> Wor
     """The snapshot of the worker group from its ``fit`` thread (``running``; ``outcome``: ``ok`` and,
     when it raised, ``error``, once it returned) and the run's event stream."""
     failures, recoveries = worker_failures_and_recoveries(events)
+    code_error = next((e["error"] for e in events if e["kind"] == "code_error"), None)
     return WorkerGroupStatus(running=running, ok=outcome.get("ok", False), error=outcome.get("error"),
-                             failures=failures, recoveries=recoveries)
+                             failures=failures, recoveries=recoveries, code_error=code_error)
 
 
 @dataclass(frozen=True)
@@ -306,7 +310,8 @@ class MovePersister:
 @dataclass(frozen=True)
 class FailRun:
     """End the run as failed: ``component`` (``shadow``, ``persister`` or ``log_keeper``) is beyond
-    repair; ``reason`` is the whole message of the run's error."""
+    repair, or (``worker_code``) a worker's code broke a rule that a restart would meet again; ``reason`` is
+    the whole message of the run's error."""
 
     component: str
     reason: str
@@ -417,14 +422,16 @@ def workers_state(workers: WorkerGroupStatus) -> State:
 def step(state: State, observation: Observation, limits: Limits) -> tuple[State, tuple[Action, ...]]:
     """One iteration of the controller (pure): the next state and the actions to execute, in order.
 
-    A terminal state stays as it is (``Stop``). A component beyond repair: ``Failed(reason)`` and its
-    ``FailRun`` alone. Otherwise the state of the worker group (``workers_state``), an ``EmitPhase``
+    A terminal state stays as it is (``Stop``). A worker's code error (``WorkerGroupStatus.code_error``) or a
+    component beyond repair: ``Failed(reason)`` and its ``FailRun`` alone. Otherwise the state of the worker group (``workers_state``), an ``EmitPhase``
     when its phase differs from ``state``'s, the component repairs (``component_actions``), what new
     preemption notices call for (``preemption_actions``, while the run goes on), the snapshot policy's
     actions (``plan_actions``), and ``Stop`` when the new state is terminal.
     """
     if isinstance(state, (Finished, Failed)):
         return state, (Stop(),)
+    if observation.workers.code_error is not None:
+        return Failed(observation.workers.code_error), (FailRun("worker_code", observation.workers.code_error),)
     repairs = component_actions(limits, observation.shadow, observation.persister, observation.log_keeper,
                                 observation.workers.recovery_pending)
     if repairs and isinstance(repairs[0], FailRun):

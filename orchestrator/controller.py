@@ -80,11 +80,15 @@ STORAGE_OUTAGE_NEEDS_SERVER = (
     "storage failures stop the S3 server, so they need a server that raycheck owns: the tests, and programs that "
     "pass Controller(storage_outage=LocalS3Server(...).outage) (experiments/s3_server.py); use another failure target")
 
+class WorkerCodeError(RuntimeError):
+    """A worker's code broke a rule that every restart would meet again (``workers.zo_session.CodeError``)."""
+
+
 FAILURES: dict[str, type[RuntimeError]] = {"shadow": ShadowFailedError, "persister": PersisterFailedError,
-                                           "log_keeper": LogKeeperFailedError}
+                                           "log_keeper": LogKeeperFailedError, "worker_code": WorkerCodeError}
 """The error of a run that ``orchestrator.control.FailRun`` ends, by component."""
 
-EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, LogKeeperFailedError, ComponentStartError, ClusterTooSmallError)
+EXPECTED_FAILURES = (ShadowFailedError, PersisterFailedError, LogKeeperFailedError, WorkerCodeError, ComponentStartError, ClusterTooSmallError)
 """Failures a run is built to report (a restart budget spent): their message says it all."""
 
 
@@ -210,7 +214,7 @@ class Controller:
         self.run_dir.root.mkdir(parents=True, exist_ok=True)
         first_use = is_builtin(self.cfg.model) and not (pathlib.Path(self.cfg.cache_dir or default_cache_dir()) / self.cfg.model).is_dir()
         self.echo(f"[raycheck] preparing {self.cfg.model}{' (converted once, on this first use)' if first_use else ''} in {self.run_dir.root}")
-        prepare(self.cfg, self.run_dir)
+        prepare(self.cfg, self.run_dir, self.assets.own.model if self.assets.own is not None else None)
         summary = None
         try:
             summary = self._run()
@@ -271,7 +275,7 @@ class Controller:
 
         if not cfg.supervised:  # a supervised worker records its rank's own decision, by measurement
             self.channel.event("standby_decision", keep=False, reason=f"warm standby off: {cfg.standby_refusal or '--no-warm-standby'}")
-        fit = Fit(trainer(cfg, self.shipped, placement))
+        fit = Fit(trainer(cfg, self.shipped, placement, self.assets.own.train_loop_per_worker if self.assets.own is not None else None))
         while True:
             self.state, actions = step(self.state, self._observe(fit.running, fit.outcome), self.limits)
             if self._act(actions):

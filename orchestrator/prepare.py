@@ -8,6 +8,7 @@ import logging
 import pathlib
 import uuid
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
@@ -17,6 +18,9 @@ from raycheck.storage.units import describe_units
 from raycheck.training.model import is_builtin, layout_sha256, load_model, model_dir, parameter_layout, tokenizer_dir, trainable_parameters
 from raycheck.training.zo import GENERATOR, ZOHyper, check_dtype, check_generator, check_records
 from raycheck.workers.faults import PARTS, marker
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +62,18 @@ def check_resumed_log(cfg: JobConfig, run: RunDir) -> None:
         raise prefix.damage
 
 
-def prepare(cfg: JobConfig, run: RunDir) -> None:
+def prepare(cfg: JobConfig, run: RunDir, module: "torch.nn.Module | None" = None) -> None:
     """Convert the model once, save the configuration (``config.json``, for ``--resume``; a resumed run
     saves it again, with the options ``--resume`` took from the command line, e.g. a larger restart
     budget) and create the step log with everything replay needs in its header. An existing step log is
     kept when ``check_resumed_log`` passes (a resumed run: its trajectory, run id, seed and every record's
     seed and hyper-parameters match, and its records are in order), else it raises what that raises
     (``ResumeMismatchError``, ``GeneratorMismatchError``, ``DtypeMismatchError``, or a ``StepLogError``
-    for a damaged log); none of them touches ``config.json``."""
+    for a damaged log); none of them touches ``config.json``. ``module``: your own model (an own-loop
+    run, ``training.assets.OwnLoop``), whose parameters the header describes."""
     cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else None
-    tokenizer_dir(cache_dir)
+    if module is None:
+        tokenizer_dir(cache_dir)
     if is_builtin(cfg.model):
         model_dir(cfg.model, cache_dir)
     if run.step_log.exists():
@@ -75,7 +81,7 @@ def prepare(cfg: JobConfig, run: RunDir) -> None:
         run.write_json(run.root / "config.json", cfg.to_dict())
         return
     run.write_json(run.root / "config.json", cfg.to_dict())
-    model = load_model(cfg.model, cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
+    model = module if module is not None else load_model(cfg.model, cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
     units = describe_units(model)
     if not units.recognised:
         log.warning("the unit layout of %s (%s) is not recognised: each module is its own checkpoint unit (%d units)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+from collections.abc import Callable
 
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # what ray.train exports (Ray Train v2)
 from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
@@ -23,14 +24,16 @@ from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
 from raycheck.training.assets import ASSETS_KEY
 
 
-def trainer(cfg: JobConfig, shipped: dict, placement: Placement) -> TorchTrainer:
-    """The ``TorchTrainer`` of ``cfg``'s run: supervised workers that can keep a warm standby
+def trainer(cfg: JobConfig, shipped: dict, placement: Placement, loop: Callable[[dict], None] | None = None) -> TorchTrainer:
+    """The ``TorchTrainer`` of ``cfg``'s run: your own ``loop`` when given (``orchestrator.api.run_own_loop``), else supervised workers that can keep a warm standby
     (``workers.standby``, ``JobConfig.supervised``), else first-order workers (``workers.fo_worker``) or ZO
     workers (``workers.worker``); ``shipped``: the assets in Ray's
     object store (``training.assets.ship``); ``placement``: the workers' resources and label selector."""
     # Ray Train's preemption watcher polls the drains every 5 s by default: 1 s leaves more of a 30 s notice to save in
     os.environ.setdefault(PREEMPTION_POLL_ENV, "1")  # read by Ray Train's controller, which gets the driver's value
-    if cfg.supervised:
+    if loop is not None:
+        train_loop_per_worker = loop
+    elif cfg.supervised:
         from raycheck.workers.standby import train_loop_per_worker
     elif cfg.algo == "fo":
         from raycheck.workers.fo_worker import train_loop_per_worker

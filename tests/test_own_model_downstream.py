@@ -26,7 +26,8 @@ from raycheck.training.assets import read_assets
 from raycheck.training.data import make_encoder
 from raycheck.training.model import load_model, load_tokenizer, trainable_parameters
 from raycheck.training.state import copy_state, state_sha256
-from raycheck.workers.worker import timed_append, zo_step_
+from raycheck.workers.worker import zo_step_
+from raycheck.workers.zo_session import timed_append
 from raycheck.training.zo import ZOHyper
 
 STEPS, SNAPSHOT_STEP = 4, 2

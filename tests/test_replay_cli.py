@@ -36,7 +36,8 @@ from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, read_log
 from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
 from raycheck.training.state import copy_state, state_sha256
-from raycheck.workers.worker import timed_append, zo_step_
+from raycheck.workers.worker import zo_step_
+from raycheck.workers.zo_session import timed_append
 from raycheck.training.zo import ZOHyper, step_seed
 
 STEPS, SNAPSHOT_STEP = 6, 3

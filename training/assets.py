@@ -14,11 +14,13 @@ import hashlib
 import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from raycheck.job.config import JobConfig
+import torch
+
+from raycheck.job.config import OWN_MODEL_PREFIX, JobConfig
 from raycheck.training.data import Split, load_data_file, load_rotten_tomatoes, make_encoder
-from raycheck.training.model import ModelFiles, is_builtin, load_tokenizer, read_model_files
+from raycheck.training.model import ModelFiles, files_sha256, is_builtin, load_tokenizer, read_model_files, trainable_parameters
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -38,6 +40,39 @@ class Assets:
 
     model: ModelFiles | None
     data: tuple[Split, Split] | None
+    own: "OwnLoop | None" = None
+    """Your own train loop and model (``orchestrator.api.run_own_loop``); None: raycheck's task."""
+
+
+@dataclass(frozen=True)
+class OwnLoop:
+    """Your own ZO train loop and model on the driver (``orchestrator.api.run_own_loop``):
+    ``train_loop_per_worker`` goes to Ray Train's ``TorchTrainer`` (pickled by Ray); ``model``'s initial
+    parameters are shipped as the run's model (``module_files``), so the shadow and every worker start
+    from the driver's weights."""
+
+    train_loop_per_worker: Callable[[dict[str, Any]], None]
+    model: torch.nn.Module
+
+
+def module_files(model: torch.nn.Module, dtype: str) -> ModelFiles:
+    """``model``'s parameters (``trainable_parameters``: names, order, tied tensors once) as one
+    safetensors file (``model.safetensors``), the model files of an own-loop run: the shadow reads them
+    with the step log header's layout (``training.model.read_parameters``), a worker loads them into your
+    model (``workers.own_loop_zo``).
+
+    Raises:
+        ValueError: a parameter's dtype is not ``dtype`` (the run's ``JobConfig.dtype``).
+    """
+    from safetensors.torch import save
+
+    params = trainable_parameters(model)
+    wrong = next(((n, t.dtype) for n, t in params.items() if t.dtype != getattr(torch, dtype)), None)
+    if wrong is not None:
+        raise ValueError(f"your model's parameter {wrong[0]!r} is {str(wrong[1]).removeprefix('torch.')}, the run's dtype is {dtype}: "
+                         f"give dtype={str(wrong[1]).removeprefix('torch.')!r} or convert the model")
+    files = {"model.safetensors": save({n: t.detach().cpu().contiguous() for n, t in params.items()})}
+    return ModelFiles(source=f"{OWN_MODEL_PREFIX}{type(model).__qualname__}", files=files, sha256=files_sha256(files))
 
 
 def file_sha256(path: str | pathlib.Path) -> str:

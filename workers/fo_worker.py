@@ -46,7 +46,7 @@ from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import OverlappedCheckpointer
 from raycheck.workers.recovery import from_storage
 from raycheck.training.state import state_sha256
-from raycheck.workers.worker_env import WorkerEnv, mean_over_workers, record_start, worker_env
+from raycheck.workers.worker_env import TaskEnv, mean_over_workers, record_start, worker_env
 
 
 def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Checkpointer:
@@ -92,7 +92,7 @@ def train_loop_per_worker(config: dict) -> None:
     fo_loop(worker_env(config))
 
 
-def fo_loop(env: WorkerEnv, promoted: dict[str, float] | None = None) -> None:
+def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
     """A first-order worker from its start (``env``: its configuration, place, model and data) to the run's
     last step: restore when the run is resuming, then steps until ``cfg.steps``, then the ``final`` event
     (rank 0). ``promoted``: a warm standby's promotion stamps (``workers.standby``), recorded in its

@@ -63,7 +63,7 @@ from raycheck.training.data import batch_indices
 from raycheck.training.groups import example_groups, groups_of_rank
 from raycheck.training.model import trainable_parameters
 from raycheck.training.zo import ZOHyper, perturb_all_, reset_and_update_all_, step_seed
-from raycheck.workers.worker_env import WorkerEnv, worker_env
+from raycheck.workers.worker_env import TaskEnv, worker_env
 
 E = TypeVar("E")
 
@@ -76,7 +76,7 @@ class NoStandbyError(RuntimeError):
     """The step executor died and no standby was kept (``standby_decision`` said no): Ray Train restarts the worker."""
 
 
-def warm_up(env: WorkerEnv) -> float:
+def warm_up(env: TaskEnv) -> float:
     """Two forward passes of one of this rank's example groups of the first batch, gradients off, and for ZO
     a step's three noise passes on a stand-in of 256 zeros per parameter (same names and dtypes): torch's
     kernels, the noise kernels, allocator and caches are set up before the executor is needed, and no state
@@ -104,7 +104,7 @@ def warm_up(env: WorkerEnv) -> float:
 
 class StepExecutor:
     """One worker (rank ``place[0]`` of ``place[1]``) whose start is paid before it is needed: built, it
-    holds the ``WorkerEnv`` (``config``: ``JobConfig.to_dict()`` plus the shipped assets), warmed
+    holds the ``TaskEnv`` (``config``: ``JobConfig.to_dict()`` plus the shipped assets), warmed
     (``warm_up``); ``run`` trains. ``visible_devices``: the supervisor's ``CUDA_VISIBLE_DEVICES`` (its GPU),
     set before CUDA starts (Ray sets an actor's accelerator variables at its start only). A plain class;
     ``start_executor`` runs it in a Ray actor."""

@@ -24,13 +24,15 @@ from raycheck.training.node import this_node
 
 @dataclass(frozen=True)
 class WorkerEnv:
-    """One worker's configuration, place in the job, channel to the run's journal, model and data.
+    """One worker's configuration, place in the job, channel to the run's journal and model: what
+    ``workers.zo_session.ZerothOrder`` needs, for raycheck's task (``TaskEnv``) and for your own model
+    (``workers.own_loop_zo``).
 
     ``stamps``: when (unix seconds, this node's clock) this worker's start reached each phase
     (``process_created_unix_s``, ``worker_start_unix_s``, ``imports_unix_s``, ``model_loaded_unix_s``,
     ``data_loaded_unix_s``: ``worker_env``); a restore's ``recovery`` event carries them, for the
     recovery breakdown (``orchestrator.summary.BREAKDOWN``). ``initial_weights()``: the model's initial
-    parameters again (``trainable_parameters`` order, on the CPU), loaded anew from the node's model cache,
+    parameters again (``trainable_parameters`` order, on the CPU), read anew from the node's model cache,
     for an in-process restart that finds no snapshot (``workers.recovery.restore``'s ``initial``).
     """
 
@@ -40,13 +42,19 @@ class WorkerEnv:
     run: RunChannel
     stamps: dict[str, float]
     model: torch.nn.Module
-    encoder: PromptEncoder | CausalLMEncoder
-    train: Split
-    held_out: Split
     initial_weights: Callable[[], "OrderedDict[str, torch.Tensor]"]
     stepped: threading.Event = field(default_factory=threading.Event)
     """Set after each step this worker completes (a promoted standby's supervisor waits for the first one,
     ``workers.standby``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskEnv(WorkerEnv):
+    """A ``WorkerEnv`` of raycheck's own task: its tokenizer's encoder and the (train, held-out) splits."""
+
+    encoder: PromptEncoder | CausalLMEncoder
+    train: Split
+    held_out: Split
 
 
 def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], float] | None = None,
@@ -62,7 +70,7 @@ def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], f
     world size (a ``placement`` event, for the summary)."""
     env.run.event("placement", component="worker", rank=env.rank, world=env.world, pid=os.getpid(), **this_node())
     if restored is None:
-        if env.cfg.eval_samples and (env.rank == 0 or accuracy is not None):
+        if env.cfg.eval_samples and isinstance(env, TaskEnv) and (env.rank == 0 or accuracy is not None):
             value = accuracy() if accuracy is not None else env.encoder.evaluate(env.model, env.held_out, env.cfg.eval_samples)
             if env.rank == 0:
                 env.run.event("accuracy", when="before", value=value)
@@ -74,7 +82,7 @@ def record_start(env: WorkerEnv, restored: dict | None, accuracy: Callable[[], f
     return start
 
 
-def worker_env(config: dict, place: tuple[int, int] | None = None) -> WorkerEnv:
+def worker_env(config: dict, place: tuple[int, int] | None = None) -> TaskEnv:
     """Parse ``config`` (``JobConfig.to_dict()`` plus the driver's shipped references under
     ``training.assets.ASSETS_KEY``), fix the torch thread count (reproducible forward passes across
     restarts), and load the model (initial weights), tokenizer and data: a model folder's files and a
@@ -98,7 +106,7 @@ def worker_env(config: dict, place: tuple[int, int] | None = None) -> WorkerEnv:
     if place is None:
         ctx = ray.train.get_context()
         place = ctx.get_world_rank(), ctx.get_world_size()
-    return WorkerEnv(cfg=cfg, rank=place[0], world=place[1], run=RunChannel(cfg), stamps=stamps,
+    return TaskEnv(cfg=cfg, rank=place[0], world=place[1], run=RunChannel(cfg), stamps=stamps,
                      model=model, encoder=encoder, train=train, held_out=held_out,
                      initial_weights=lambda: trainable_parameters(load_model(cfg.model, cfg.cache_dir, files, cfg.dtype)))
 
