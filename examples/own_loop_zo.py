@@ -84,13 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eps", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--storage", default="", help="where snapshots go: s3://bucket/prefix on a cluster (default: --out/snapshots)")
+    parser.add_argument("--s3-endpoint", default=None, help="an S3-compatible server's URL (default: AWS)")
     args = parser.parse_args(argv)
     if args.fail_step is not None and not 0 <= args.fail_step < args.steps:
         parser.error(f"--fail-step must be in 0..{args.steps - 1}")
 
     failures = (FailureSpec(step=args.fail_step, target="worker"),) if args.fail_step is not None else ()
     cfg = job_config(args.out, steps=args.steps, workers=args.workers, seed=args.seed, zo={"lr": args.lr, "eps": args.eps},
-                     snapshot={"every_steps": args.every}, faults={"failures": failures})
+                     snapshot={"every_steps": args.every}, faults={"failures": failures},
+                     storage={"uri": args.storage, "options": {"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}})
     torch.manual_seed(args.seed)
     summary = run_own_loop(cfg, train_loop_per_worker, Regressor(), verify=args.verify)
     keys = ("ok", "final_step", "state_sha256", "reference_state_sha256", "bitwise_equal", "lost_steps", "recoveries", "error")

@@ -79,7 +79,7 @@ def test_a_shadow_that_keeps_failing_is_restarted_within_its_budget_then_the_run
         return dataclasses.replace(spec(self), log_keeper_name="", log_path=str(gapped))
 
     monkeypatch.setattr(Controller, "_shadow_spec", file_spec)
-    monkeypatch.setattr(raycheck.orchestrator.controller, "trainer", lambda cfg, shipped, placement: GapTrainer(gapped, release))
+    monkeypatch.setattr(raycheck.orchestrator.controller, "trainer", lambda cfg, shipped, placement, loop: GapTrainer(gapped, release))
     try:
         returned = Controller(cfg, echo=lambda _: None).run()
     finally:

@@ -329,3 +329,20 @@ def test_a_node_taken_down_is_dead_to_ray_within_seconds(three_nodes):
     while next(n for n in ray.nodes() if n["NodeID"] == cpu_node)["Alive"]:
         assert time.monotonic() - t0 < 30, "Ray still counts the node alive (Ray's default health checks take about a minute)"
         time.sleep(0.2)
+
+
+@pytest.mark.raytrain
+def test_your_own_zo_loop_submitted_to_the_cluster_recovers_a_worker_failure_bitwise(three_nodes, s3_endpoint, tmp_path):
+    """``examples/own_loop_zo.py`` (your model, loss and loop; ``run_own_loop``) under ``ray job submit``: its
+    train worker on the "gpu" node, the shadow and persister on the others, snapshots in a bucket; the
+    worker exits in step 4 and its replacement restores: bitwise equal to the failure-free run."""
+    out = tmp_path / "own-zo"
+    submit = ray_job_submit(three_nodes, "--working-dir", str(REPO), "--", "python", "examples/own_loop_zo.py", "--out", str(out),
+                            "--steps", "10", "--fail-step", "4", "--verify", "--storage", bucket_uri(s3_endpoint), "--s3-endpoint", s3_endpoint)
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == {**summary, "ok": True, "final_step": 10, "bitwise_equal": True, "lost_steps": 0}
+    [recovery] = summary["recoveries"]
+    assert recovery["failure_step"] == 4 and recovery["restored_step"] == 4
+    head = this_node()["node_id"]
+    assert all(w["node_id"] != head for w in summary["placement"]["workers"]) and summary["config"]["model"] == "module:Regressor"

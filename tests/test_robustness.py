@@ -302,7 +302,7 @@ def test_a_persister_restarted_during_an_outage_comes_up_and_its_spent_budget_fa
         return answered
 
     monkeypatch.setattr(PersisterHandle, "restart", restart_and_signal)
-    monkeypatch.setattr(raycheck.orchestrator.controller, "trainer", lambda cfg, shipped, placement: trainer)
+    monkeypatch.setattr(raycheck.orchestrator.controller, "trainer", lambda cfg, shipped, placement, loop: trainer)
     try:
         returned = Controller(cfg, echo=lambda _: None).run()
     finally:
