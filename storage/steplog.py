@@ -300,6 +300,27 @@ def read_prefix(path: str | os.PathLike[str]) -> LogPrefix:
     return LogPrefix(header, records, 0 if damage else len(data) - end, damage)
 
 
+def read_record(path: str | os.PathLike[str], step: int) -> StepRecord:
+    """Step ``step``'s record of the log at ``path``, reading its header and that record only (records have
+    a fixed size, ``RECORD_BYTES``): for a check of one step, without reading a long log.
+
+    Raises:
+        StepLogGapError: the log holds no complete record at step ``step``'s place (it is shorter), or the
+            record there is another step's.
+        StepLogCorruptError, StepLogForeignError: the header or that record is damaged, or another trajectory's.
+    """
+    with open(path, "rb") as fh:
+        prefix = fh.read(len(MAGIC) + 4)
+        n = _CRC.unpack_from(prefix, len(MAGIC))[0] if len(prefix) == len(MAGIC) + 4 else 0
+        header, start = decode_header(prefix + fh.read(n + 4), path)
+        fh.seek(start + step * RECORD_BYTES)
+        data = fh.read(2 * RECORD_BYTES)  # and the next: a bad checksum with more data after it is damage, not a torn tail
+    records, _ = scan_records(data, 0, path, step, header_tag(header))
+    if not records:
+        raise StepLogGapError(f"{path}: no complete record of step {step}")
+    return records[0]
+
+
 def read_records(path: str | os.PathLike[str]) -> list[StepRecord]:
     """All complete, checksummed records of the log (a torn tail is ignored, not cut)."""
     return read_log(path)[1]

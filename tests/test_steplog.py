@@ -20,6 +20,7 @@ from raycheck.storage.steplog import (
     read_header,
     read_log,
     read_prefix,
+    read_record,
     read_records,
 )
 
@@ -41,6 +42,22 @@ def test_roundtrip_keeps_every_field_exactly(tmp_path):
     assert read_records(tmp_path / "log") == [rec(i) for i in range(5)]
     assert read_header(tmp_path / "log")["model"] == "x"
     assert RECORD_BYTES == 84
+
+
+def test_one_record_is_read_by_its_place_and_a_missing_or_damaged_one_is_refused(tmp_path):
+    w = make_log(tmp_path / "log", 5)
+    w.write_torn(5)
+    w.close()
+    assert [read_record(tmp_path / "log", i) for i in (4, 0, 2)] == [rec(4), rec(0), rec(2)]
+    for step in (5, 9):  # torn, and past the end
+        with pytest.raises(StepLogGapError, match="no complete record of step"):
+            read_record(tmp_path / "log", step)
+    data = bytearray((tmp_path / "log").read_bytes())
+    data[-RECORD_BYTES // 2 - RECORD_BYTES - 30] ^= 0xFF  # inside step 3's record
+    (tmp_path / "log").write_bytes(bytes(data))
+    assert read_record(tmp_path / "log", 4) == rec(4)
+    with pytest.raises(StepLogCorruptError, match="fails its checksum"):
+        read_record(tmp_path / "log", 3)
 
 
 def test_append_refuses_a_gap_or_a_repeat(tmp_path):

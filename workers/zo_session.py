@@ -39,7 +39,7 @@ from raycheck.actors.step_exchange import RemoteExchange
 from raycheck.job.names import exchange_name, log_keeper_name
 from raycheck.job.stores import snapshot_store
 from raycheck.policies.strategies import RunStrategy
-from raycheck.storage.steplog import StepLogWriter, StepRecord, read_records
+from raycheck.storage.steplog import StepLogWriter, StepRecord, read_record
 from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.groups import Exchange, Terms, group_vector, reduce_groups
 from raycheck.training.in_process import StepFailure, decide
@@ -165,7 +165,7 @@ class ZerothOrder:
         """Rank 0: ``batch_of`` of the newest logged step must give the batch that step logged."""
         if self.writer is None or not self.next_step:
             return
-        logged = read_records(local_log_path(self.cfg))[-1]
+        logged = read_record(local_log_path(self.cfg), self.next_step - 1)
         again = self.batch_of(logged.step).identity
         if again != logged.batch_id:
             raise BatchMismatchError(f"batch_of({logged.step}) is not deterministic: it gave batch {again:016x} after the restart, "
