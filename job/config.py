@@ -53,9 +53,9 @@ LABEL_WORDS = (" negative", " positive")  # label 0 = rotten, 1 = fresh
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """An environment variable name (``shadow_env`` keys)."""
 MODEL_NAMES = ("smollm2-135m", "tiny")
+"""The built-in models, by name (``training.model`` builds each into a node's cache from installed wheels)."""
 OWN_MODEL_PREFIX = "module:"
 """``JobConfig.model`` of a run of your own model and loop: this prefix and the model's class name (``JobConfig.own_model``)."""
-"""The built-in models, by name (``training.model`` builds each into a node's cache from installed wheels)."""
 SEED_LIMIT = 2**64
 """Run seeds are packed as unsigned 64-bit integers (``training.zo.derive_seed``, ``numpy`` generators)."""
 

@@ -115,13 +115,17 @@ def run_own_loop(cfg: JobConfig, train_loop_per_worker: Callable[[dict[str, Any]
             worker and to the shadow.
 
     Raises:
-        ValueError: ``cfg.algo`` is not zo, a parameter is not in ``cfg.dtype``, or see ``check_job``'s storage checks.
+        ValueError: ``cfg.algo`` is not zo, ``cfg`` is elastic, a parameter is not in ``cfg.dtype``, or see
+            ``check_storage``.
     """
     from raycheck.orchestrator.runs import run_job as run_controller
 
     if cfg.algo != "zo":
         raise ValueError(f"run_own_loop trains zeroth-order (algo zo), not {cfg.algo}: for first order, call "
                          "workers.own_loop.FirstOrderCheckpoints from your own TorchTrainer loop")
+    if cfg.is_elastic:
+        raise ValueError("run_own_loop does not run elastic worker counts: each rank's loss is one term of the step, so the "
+                         "trajectory depends on the worker count; give a fixed --workers")
     files = module_files(model, cfg.dtype)
     cfg = cfg.replace(model=f"{OWN_MODEL_PREFIX}{type(model).__qualname__}", model_sha256=files.sha256, eval_samples=0)
     check_storage(cfg)

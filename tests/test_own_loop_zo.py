@@ -40,6 +40,7 @@ def test_a_batch_identity_follows_its_content_exactly():
         (batch["x"], batch["y"]),
     ]
     assert len({batch_identity(batch), *(batch_identity(c) for c in changed)}) == 1 + len(changed)
+    assert batch_identity(torch.tensor(1.5)) != batch_identity(torch.tensor(2.5))  # 0-d tensors too
     with pytest.raises(OwnLoopError, match="batch_of returned a object inside its batch"):
         batch_identity([torch.zeros(1), object()])
 
@@ -102,6 +103,8 @@ def test_run_own_loop_and_zeroth_order_refuse_what_they_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="run_own_loop trains zeroth-order .algo zo., not fo: for first order, call "
                                          "workers.own_loop.FirstOrderCheckpoints"):
         run_own_loop(job_config(tmp_path / "run", algo="fo", strategy="layerwise"), lambda config: None, Net())
+    with pytest.raises(ValueError, match="run_own_loop does not run elastic worker counts"):
+        run_own_loop(job_config(tmp_path / "run", workers=2, elastic={"min_workers": 1}), lambda config: None, Net())
     assert not (tmp_path / "run").exists()
     with pytest.raises(OwnLoopError, match="zeroth_order takes the config that orchestrator.api.run_own_loop's TorchTrainer passes"):
         own_env({"lr": 0.1}, Net())

@@ -76,7 +76,7 @@ def batch_identity(batch: Any) -> int:
         if isinstance(x, torch.Tensor):
             x = x.detach().cpu().contiguous()
             h.update(f"T{x.dtype}{list(x.shape)}".encode())
-            h.update(x.view(torch.uint8).numpy().tobytes() if x.numel() else b"")
+            h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes() if x.numel() else b"")
         elif isinstance(x, np.ndarray):
             h.update(f"A{x.dtype}{list(x.shape)}".encode() + np.ascontiguousarray(x).tobytes())
         elif isinstance(x, (list, tuple)):
@@ -184,13 +184,17 @@ def own_env(config: dict, model: torch.nn.Module) -> WorkerEnv:
     files = shipped_model(shipped, cfg.model)
     assert files is not None  # an own model is always shipped
     folder = materialise(files, cfg.cache_dir)
+    run = RunChannel(cfg)
+    model.to("cpu")  # restores and replays run on the CPU (the session moves the model to its device after them)
     layout = parameter_layout(trainable_parameters(model))
 
     def initial_weights() -> "OrderedDict[str, torch.Tensor]":
         params = read_parameters(folder, layout, cfg.dtype)
         if params is None:
-            raise OwnLoopError(f"this worker's model does not match the driver's {cfg.model.split(':', 1)[1]} (its parameters' "
+            exc = OwnLoopError(f"this worker's model does not match the driver's {cfg.model.split(':', 1)[1]} (its parameters' "
                                "names, shapes, dtypes or order differ): build the same model in the train loop as on the driver")
+            run.event("code_error", rank=ray.train.get_context().get_world_rank(), step=None, error=f"{type(exc).__name__}: {exc}")
+            raise exc
         return params
 
     model.eval()
@@ -200,7 +204,7 @@ def own_env(config: dict, model: torch.nn.Module) -> WorkerEnv:
             p.copy_(value)
     stamps["model_loaded_unix_s"] = time.time()
     ctx = ray.train.get_context()
-    return WorkerEnv(cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=RunChannel(cfg), stamps=stamps,
+    return WorkerEnv(cfg=cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(), run=run, stamps=stamps,
                      model=model, initial_weights=initial_weights)
 
 

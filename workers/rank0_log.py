@@ -229,7 +229,7 @@ class KeeperSender:
 
 
 def replicated_append(writer: StepLogWriter, sender: KeeperSender) -> Callable[[StepRecord], float]:
-    """A ``commit`` for ``workers.worker.zo_step_``: the local append (write + fsync), then the send to
+    """A ``commit`` for ``workers.zo_session.mezo_step_``: the local append (write + fsync), then the send to
     the keeper (with durability ``node`` or ``cluster``, until it acknowledged); returns the seconds it blocked."""
     def commit(record: StepRecord) -> float:
         t0 = time.perf_counter()

@@ -309,7 +309,7 @@ def worker_device(device: str) -> torch.device:
 
 
 def timed_append(writer: StepLogWriter | None) -> Callable[[StepRecord], float]:
-    """A ``commit`` for ``zo_step_``: appends the record durably to ``writer`` (rank 0; None on the
+    """A ``commit`` for ``mezo_step_``: appends the record durably to ``writer`` (rank 0; None on the
     other ranks: nothing) and returns the seconds the append blocked."""
     def commit(record: StepRecord) -> float:
         if writer is None:
