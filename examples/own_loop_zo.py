@@ -31,6 +31,9 @@ import torch
 
 from raycheck.job.config import FailureSpec
 from raycheck.orchestrator.api import job_config, run_own_loop
+from raycheck.training.model import trainable_parameters
+from raycheck.training.state import state_sha256
+from raycheck.workers.own_loop import load_checkpoint
 from raycheck.workers.own_loop_zo import zeroth_order
 
 INPUTS, HIDDEN, BATCH = 8, 32, 64
@@ -96,10 +99,16 @@ def main(argv: list[str] | None = None) -> int:
                      storage={"uri": args.storage, "options": {"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}})
     torch.manual_seed(args.seed)
     summary = run_own_loop(cfg, train_loop_per_worker, Regressor(), verify=args.verify)
-    keys = ("ok", "final_step", "state_sha256", "reference_state_sha256", "bitwise_equal", "lost_steps", "recoveries", "error")
-    print(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=str))
+    trained = None
+    if summary.get("final_snapshot"):  # the trained weights, in one call
+        model = Regressor()
+        load_checkpoint(summary["final_snapshot"], model, **cfg.storage.options)
+        trained = state_sha256(trainable_parameters(model))
+    keys = ("ok", "final_step", "state_sha256", "reference_state_sha256", "bitwise_equal", "lost_steps", "final_snapshot", "recoveries", "error")
+    print(json.dumps({**{k: summary.get(k) for k in keys}, "final_snapshot_loads_final_state": trained == summary["state_sha256"]},
+                     indent=2, default=str))
     exact = summary["ok"] and not summary.get("lost_steps") and (not args.verify or summary.get("bitwise_equal") is True)
-    return 0 if exact else 1
+    return 0 if exact and trained == summary["state_sha256"] else 1
 
 
 if __name__ == "__main__":

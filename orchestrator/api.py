@@ -105,7 +105,8 @@ def run_own_loop(cfg: JobConfig, train_loop_per_worker: Callable[[dict[str, Any]
     """Run your own ZO ``train_loop_per_worker`` (which calls ``workers.own_loop_zo.zeroth_order``) on Ray
     Train with ``cfg``'s workers, step log, shadow, persister, snapshot policy and failures, as ``run_job``
     runs raycheck's task; returns the same summary (``state_sha256``: your model's final parameters;
-    ``bitwise_equal`` with ``verify``: against the failure-free reference, your loop run again).
+    ``bitwise_equal`` with ``verify``: against the failure-free reference, your loop run again;
+    ``final_snapshot``: the trained weights, for ``workers.own_loop.load_checkpoint``).
 
     Args:
         cfg: from ``job_config``; ``algo`` zo. ``model`` is replaced by ``module:<class name>``; the data

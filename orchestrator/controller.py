@@ -482,4 +482,15 @@ class Controller:
             ok=outcome.get("ok", False), error=outcome.get("error"), events=self.record.events, executions=self.record.metrics, rows=rows,
             shadow=shadow, persisted=persisted, mirror=self.log_keeper.mirror_status() if self.log_keeper else {},
             keeper=self.log_keeper.status if self.log_keeper else None, durability_level=cfg.durability, task=cfg.data.task,
-            base=self._summary_base()))
+            base=self._summary_base(), newest_snapshot=self._newest_snapshot()))
+
+    def _newest_snapshot(self) -> tuple[int, str] | None:
+        """(step, URI) of the newest committed snapshot in the run's storage; None when there is none or the
+        storage cannot be read from the driver (it is told in a warning)."""
+        try:
+            store = snapshot_store(self.cfg)
+            infos = store.list()
+        except OSError as exc:
+            log.warning("the run's snapshots could not be listed for the summary: %s", one_line(exc))
+            return None
+        return (infos[-1].step, f"{store.storage.uri.rstrip('/')}/{infos[-1].folder}") if infos else None

@@ -83,8 +83,8 @@ def prepare(cfg: JobConfig, run: RunDir, module: "torch.nn.Module | None" = None
     run.write_json(run.root / "config.json", cfg.to_dict())
     model = module if module is not None else load_model(cfg.model, cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
     units = describe_units(model)
-    if not units.recognised:
-        log.warning("the unit layout of %s (%s) is not recognised: each module is its own checkpoint unit (%d units)",
+    if not units.recognised:  # expected of your own module: said only with --verbose
+        (log.info if module is not None else log.warning)("the unit layout of %s (%s) is not recognised: each module is its own checkpoint unit (%d units)",
                     cfg.model, type(model).__name__, len(units.units))
     layout = parameter_layout(trainable_parameters(model))
     header = {

@@ -353,6 +353,8 @@ class Collected:
     """``JobConfig.data.task``."""
     base: dict
     """The fields known whatever happened (phase, restarts, placement, configuration, ...), last in the summary."""
+    newest_snapshot: tuple[int, str] | None = None
+    """(step, URI) of the newest committed snapshot in the run's storage at the end; None: none, or unreadable."""
 
 
 def placement_record(policy: str | None, driver: dict | None, persister: list[dict], shadow_shards: list[list[dict]] | None,
@@ -430,6 +432,7 @@ def run_summary(c: Collected) -> dict:
         **c.shadow,
         "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
         "snapshots": {**c.persisted, **c.mirror},
+        "final_snapshot": c.newest_snapshot[1] if c.newest_snapshot and final and c.newest_snapshot[0] == final.get("step") else None,
         "durability": durability(c.durability_level, c.keeper, events) if c.keeper is not None else None,
         "replans": [e for e in events if e["kind"] == "replan"],
         "resumes": [e for e in events if e["kind"] == "resume"],
@@ -492,6 +495,9 @@ SUMMARY_FIELDS: dict[str, str] = {
     "shadow_cpu_capability": "The shadow's torch CPU capability.",
     "shadow_shards": "Per shard: units, elements, replay seconds per step, replay over step, restarts, actor ids; null without a shadow.",
     "worker_hashes": "The worker's state sha256 after each hashed step (``--hash-every``), keyed by steps done.",
+    "final_snapshot": "The committed snapshot of the final state (``<storage>/<folder>``), when the run's storage holds one "
+                      "(null otherwise, e.g. a failed run or a strategy without snapshots): "
+                      "``workers.own_loop.load_checkpoint(final_snapshot, model)`` loads it into your model in one call.",
     "snapshots": "The persister's counts, bytes and last durable step, the storage circuit breaker's state (``storage``), "
                  "and the step log mirror's ``log_mirrored_steps``.",
     "durability": "The step log's level, the log keeper's node and rank 0's, ``node_held`` (``durability``, below); "

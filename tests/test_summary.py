@@ -212,7 +212,7 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
     collected = Collected(ok=True, error=None, events=events, executions=rows, rows=rows,
                           shadow={"shadow_state_sha256": "ab", "shadow_shards": []}, persisted={"written": 2},
                           mirror={"log_mirrored_steps": 4}, keeper={"node_id": "k", "end": 4}, durability_level="node", task="classification",
-                          base={"phase": "finished", "dtype": "float32"})
+                          base={"phase": "finished", "dtype": "float32"}, newest_snapshot=(4, "/s/step-4"))
     summary = run_summary(collected)
     assert summary == {
         "ok": True, "error": None, "final_step": 4, "state_sha256": "ab", "shadow_state_sha256": "ab", "shadow_equal": True,
@@ -221,7 +221,7 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
         "accuracy_after": 0.75, "eval_metric": "accuracy", "mean_step_seconds": 3.0, "mean_log_append_seconds": 0.125,
         "checkpoint_block_seconds_total": 1.0, "mean_checkpoint_block_seconds": 0.25, "worker_checkpoints": 3,
         "worker_cpu_capability": "avx2", "shadow_shards": [], "worker_hashes": {"4": "ab"},
-        "snapshots": {"written": 2, "log_mirrored_steps": 4},
+        "snapshots": {"written": 2, "log_mirrored_steps": 4}, "final_snapshot": "/s/step-4",
         "durability": {"level": "node", "keeper_node_id": "k", "rank0_node_ids": ["n0"], "node_held": True},
         "replans": [], "resumes": [], "metrics": {"missing_step_count": 0, "missing_steps": []},
         "phase": "finished", "dtype": "float32"}
@@ -230,6 +230,9 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
     bare = run_summary(dataclasses.replace(collected, shadow={}, keeper=None))
     assert (bare["shadow_equal"], bare["shadow_state_sha256"], bare["durability"], bare["metrics"]) == (None, None, None, None)
     assert mean_step_seconds([]) is None
+    # the newest snapshot is the final state's only at the final step
+    assert run_summary(dataclasses.replace(collected, newest_snapshot=(3, "/s/step-3")))["final_snapshot"] is None
+    assert run_summary(dataclasses.replace(collected, newest_snapshot=None))["final_snapshot"] is None
     # step 2's row was lost across an interrupt (logged, so not executed again): named, no row invented
     lost = run_summary(dataclasses.replace(collected, rows=[r for r in rows if r["step"] != 2]))
     assert lost["metrics"] == {"missing_step_count": 1, "missing_steps": [[2, 2]]}

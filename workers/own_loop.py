@@ -303,15 +303,19 @@ class FirstOrderCheckpoints:
         return load_checkpoint(checkpoint, model, optimizer)
 
 
-def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    **storage_options: Any) -> int:
     """Load one committed snapshot, e.g. ``Result.checkpoint`` of a finished run, into ``model`` (and
     ``optimizer``: its per-parameter state and parameter groups), in place, bitwise; returns its step.
 
     Args:
         checkpoint: a ``ray.train.Checkpoint`` reported by ``FirstOrderCheckpoints``, or the path / URI of
-            a snapshot folder (``<storage>/step-...``).
+            a snapshot folder (``<storage>/step-...``; e.g. a run summary's ``final_snapshot``, the trained
+            weights of ``raycheck run`` or ``run_own_loop``).
         model: the same architecture (a DDP wrapper is unwrapped).
         optimizer: the same optimizer class and parameter groups; None: the parameters only.
+        storage_options: the storage's options (``storage.backend.Storage``'s, e.g. ``endpoint_url`` of an
+            S3-compatible server).
 
     Raises:
         FileNotFoundError: ``checkpoint`` is None, or the folder is not a committed snapshot of its store
@@ -328,7 +332,7 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
     if fs is not None and getattr(fs, "type_name", "local") != "local":
         path = f"{fs.type_name}://{path}"
     root, _, folder = path.rpartition("/")
-    store = SnapshotStore(Storage(root, create=False))
+    store = SnapshotStore(Storage(root, create=False, **storage_options))
     infos = store.list()
     info = next((i for i in infos if i.folder == folder), None)
     if info is None:
