@@ -44,6 +44,7 @@ class Journal:
         self.metrics: list[dict] = []
         self._claims: dict[str, None] = {}  # insertion-ordered set
         self._shadow: dict | None = None
+        self._trainer: Any = None
 
     @staticmethod
     def _stamped(row: dict) -> dict:
@@ -92,6 +93,15 @@ class Journal:
         """The last published shadow pointer, or None before the first."""
         return self._shadow
 
+    def publish_trainer(self, handle: Any) -> None:
+        """Keep Ray Train's controller actor (its handle, sent by ``orchestrator.group_timeline``), so the
+        driver can abort a fit its run no longer wants (``trainer``)."""
+        self._trainer = handle
+
+    def trainer(self) -> Any:
+        """The handle of Ray Train's controller actor, or None before its first worker group started."""
+        return self._trainer
+
     def seed(self, claims: list[str], shadow_pointer: dict | None = None) -> None:
         """Start from a previous driver's state: its claimed markers (and shadow pointer, when given)."""
         for marker in claims:
@@ -115,6 +125,14 @@ class RunChannel:
     def __init__(self, cfg: JobConfig) -> None:
         self.name, self.namespace = journal_name(cfg), cfg.namespace
         self._handle = None
+
+    @classmethod
+    def of_run(cls, run_id: str, namespace: str) -> "RunChannel":
+        """The channel of run ``run_id`` in Ray namespace ``namespace``, without its configuration (a worker
+        that lost it, ``workers.own_loop_zo``)."""
+        channel = cls.__new__(cls)
+        channel.name, channel.namespace, channel._handle = journal_name(run_id), namespace, None
+        return channel
 
     @property
     def handle(self):

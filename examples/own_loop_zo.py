@@ -10,8 +10,8 @@ Hugging Face), the data (``batch_of(step, ...)``: a seeded, deterministic functi
 (``orchestrator.api.run_own_loop``), which starts the run's log keeper, shadow and snapshot persister
 and injects the failures, as ``raycheck run`` does.
 
-``--fail-step N``: raycheck's failure injector makes the rank-0 worker process exit during step N
-(0-based; once per run); Ray Train restarts it, and it restores the freshest state (the live shadow's
+``--fail-step N``: raycheck's failure injector makes a worker process (the last rank's) exit during step N
+(0-based: after N steps; once per run); Ray Train restarts it, and it restores the freshest state (the live shadow's
 image, or a snapshot plus the step log tail) and goes on. ``--verify`` also runs the failure-free loop and
 compares the final weights bitwise (sha256 over every tensor). Prints the summary; exits 0 only when the
 run finished, no logged step was lost and (``--verify``) recovery was exact.
@@ -79,7 +79,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", required=True, help="the run's folder (step log, snapshots, summary.json)")
-    parser.add_argument("--fail-step", type=int, default=None, help="the rank-0 worker exits in this step (0-based), once")
+    parser.add_argument("--fail-step", type=int, default=None, help="a worker exits in this step (0-based: after N steps), once")
     parser.add_argument("--verify", action="store_true", help="also run the failure-free loop and compare bitwise")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers (each scores its share of the batch)")

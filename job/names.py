@@ -20,9 +20,13 @@ def persister_name(cfg: JobConfig) -> str:
     return f"raycheck-persister-{cfg.run_id}"
 
 
-def journal_name(cfg: JobConfig) -> str:
-    """The run's journal actor (``actors.journal``)."""
-    return f"raycheck-journal-{cfg.run_id}"
+def journal_name(cfg: JobConfig | str) -> str:
+    """The run's journal actor (``actors.journal``); ``cfg``: the run's configuration or its run id."""
+    return f"raycheck-journal-{cfg if isinstance(cfg, str) else cfg.run_id}"
+
+
+TRAINER_PREFIX = "raycheck-"
+"""The run's Ray Train experiment name is this prefix and its run id (``orchestrator.trainer``)."""
 
 
 def log_keeper_name(cfg: JobConfig) -> str:

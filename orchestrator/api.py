@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from raycheck.job.config import OWN_MODEL_PREFIX, JobConfig
+from raycheck.job.run_dir import RunDir
 from raycheck.job.stores import snapshot_store
 from raycheck.training.assets import Assets, OwnLoop, module_files, read_assets
 from raycheck.training.model import default_cache_dir, trainable_parameters
@@ -104,7 +105,8 @@ def run_own_loop(cfg: JobConfig, train_loop_per_worker: Callable[[dict[str, Any]
                  verify: bool = False, echo: Callable[[str], None] = print) -> dict:
     """Run your own ZO ``train_loop_per_worker`` (which calls ``workers.own_loop_zo.zeroth_order``) on Ray
     Train with ``cfg``'s workers, step log, shadow, persister, snapshot policy and failures, as ``run_job``
-    runs raycheck's task; returns the same summary (``state_sha256``: your model's final parameters;
+    runs raycheck's task; returns the same summary, also when the run failed (``ok`` false, ``error``: e.g. a
+    ``workers.zo_session.CodeError`` of your code; ``state_sha256``: your model's final parameters;
     ``bitwise_equal`` with ``verify``: against the failure-free reference, your loop run again;
     ``final_snapshot``: the trained weights, for ``workers.own_loop.load_checkpoint``).
 
@@ -116,7 +118,7 @@ def run_own_loop(cfg: JobConfig, train_loop_per_worker: Callable[[dict[str, Any]
             worker and to the shadow.
 
     Raises:
-        ValueError: ``cfg.algo`` is not zo, ``cfg`` is elastic, a parameter is not in ``cfg.dtype``, or see
+        ValueError: ``cfg.algo`` is not zo, ``cfg.out_dir`` holds a run already, ``cfg`` is elastic, a parameter is not in ``cfg.dtype``, or see
             ``check_storage``.
     """
     from raycheck.orchestrator.runs import run_job as run_controller
@@ -124,6 +126,9 @@ def run_own_loop(cfg: JobConfig, train_loop_per_worker: Callable[[dict[str, Any]
     if cfg.algo != "zo":
         raise ValueError(f"run_own_loop trains zeroth-order (algo zo), not {cfg.algo}: for first order, call "
                          "workers.own_loop.FirstOrderCheckpoints from your own TorchTrainer loop")
+    if RunDir(pathlib.Path(cfg.out_dir)).step_log.exists():
+        raise ValueError(f"{cfg.out_dir} holds a run already (its step log): give run_own_loop a new out_dir (resuming your "
+                         "own loop is not supported yet)")
     if cfg.is_elastic:
         raise ValueError("run_own_loop does not run elastic worker counts: each rank's loss is one term of the step, so the "
                          "trajectory depends on the worker count; give a fixed --workers")

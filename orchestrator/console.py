@@ -150,7 +150,8 @@ _SENTENCES: dict[str, Callable[[dict], str | None]] = {
     "accuracy": lambda e: f"accuracy before training: {e['value']:.3f}",
     "final": lambda e: (f"training done at step {e['step']}, state sha256 {e['state_sha256'][:12]}"
                         + (f", accuracy {e['accuracy_after']:.3f}" if e.get("accuracy_after") is not None else "")),
-    "in_process_refused": lambda e: f"worker {e['rank']}: no restart in the same process ({e['reason']})",
+    "in_process_restart": lambda e: f"worker {e['rank']}'s step {e['step']} raised {e['error']}: rolled back in the same process ({e['reason']})",
+    "in_process_refused": lambda e: f"worker {e['rank']}'s step {e['step']} raised {e['error']}: no restart in the same process ({e['reason']})",
     "torn_tail_cut": lambda e: (f"the step log's last record was torn ({e['bytes']} bytes after step {e['step']}, never "
                                 "acknowledged): cut"),
     "log_adopted": lambda e: f"the step log's {_plural(e['steps'], 'step')} were read from {e['storage']}",
@@ -176,8 +177,7 @@ _SENTENCES: dict[str, Callable[[dict], str | None]] = {
 def describe(event: dict, recovery_seconds: float | None = None) -> str | None:
     """The plain line of a journal event, prefixed ``[raycheck]``, or None for an event that shows only
     with ``--verbose`` (``placement``, ``phase``, ``worker_group``, ``standby_supervisor``, ``held``,
-    ``calibration_snapshot``, ``in_process_restart`` (its ``recovery`` follows), a ``step_log`` with
-    nothing to report). ``recovery_seconds``: for a ``recovery``, from the failure to the restored
+    ``calibration_snapshot``, a ``step_log`` with nothing to report). ``recovery_seconds``: for a ``recovery``, from the failure to the restored
     state (``orchestrator.summary.recovery_of_event``; None after a resume: no failure preceded it)."""
     kind = event["kind"]
     if kind == "recovery":

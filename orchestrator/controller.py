@@ -134,6 +134,7 @@ class Controller:
         self.run_dir = RunDir(pathlib.Path(cfg.out_dir))
         self.channel = RunChannel(cfg)
         self.journal: Any = None  # the journal actor's handle once started
+        self.fit: Fit | None = None  # Ray Train's fit, once started
         self.record = RunRecord(self.run_dir)
         self.echo = self.console = echo if isinstance(echo, RunConsole) else RunConsole(echo)
         self.ray_messages = InjectedFailureMessages()
@@ -275,7 +276,7 @@ class Controller:
 
         if not cfg.supervised:  # a supervised worker records its rank's own decision, by measurement
             self.channel.event("standby_decision", keep=False, reason=f"warm standby off: {cfg.standby_refusal or '--no-warm-standby'}")
-        fit = Fit(trainer(cfg, self.shipped, placement, self.assets.own.train_loop_per_worker if self.assets.own is not None else None))
+        self.fit = fit = Fit(trainer(cfg, self.shipped, placement, self.assets.own.train_loop_per_worker if self.assets.own is not None else None))
         while True:
             self.state, actions = step(self.state, self._observe(fit.running, fit.outcome), self.limits)
             if self._act(actions):
@@ -424,8 +425,16 @@ class Controller:
         return self.persister.status
 
     def _kill_actors(self) -> None:
-        """Kill this run's shadow (every shard's current incarnation), persister, log keeper and journal
-        (after a last drain), whichever were started."""
+        """Abort Ray Train's fit if it still runs (the run failed first: otherwise it would go on restarting
+        workers in this process), then kill this run's shadow (every shard's current incarnation),
+        persister, log keeper and journal (after a last drain), whichever were started."""
+        if self.fit is not None and self.fit.running and self.journal is not None:
+            try:
+                handle = ray.get(self.journal.trainer.remote(), timeout=30)
+                if handle is not None:
+                    ray.get(handle.abort.remote(), timeout=60)
+            except RayError:  # abort ends Ray Train's controller process: its call fails as it exits
+                pass
         for component in (self.shadow, self.persister, self.log_keeper):
             if component is not None:
                 component.kill()

@@ -6,7 +6,9 @@ there (a ``ControllerCallback`` and a ``WorkerGroupCallback``; ours run after Ra
 ``after_worker_group_start`` comes after the torch process group is set up). ``GroupTimeline`` stamps
 each hook with ``time.time()`` (unix seconds, the controller's node clock) and, once a group's train
 function is launched, sends all stamps since the previous launch to the run's journal as one
-``worker_group`` event (with ``starts``, the group starts so far), without waiting for the journal (the controller's loop is never held up):
+``worker_group`` event (with ``starts``, the group starts so far), without waiting for the journal (the controller's loop is never held up);
+at the first launch it also hands the journal Ray Train's controller actor (``Journal.publish_trainer``), so
+a run that fails on its own (e.g. a ``code_error``) aborts the fit instead of leaving it restarting workers:
 
 - ``detected_unix_s``: the controller is about to act on a failure (its poll saw a worker die; the poll
   runs every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 0.5 s here); absent on the first start;
@@ -24,6 +26,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import ray
 from ray.exceptions import RayError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
@@ -66,6 +69,8 @@ class GroupTimeline(ControllerCallback, WorkerGroupCallback):
         stamps, self.stamps = self.stamps, {}
         self.starts += 1
         try:
+            if self.starts == 1:  # this controller's handle: the driver aborts the fit with it when the run fails first
+                self.run.handle.publish_trainer.remote(ray.get_runtime_context().current_actor)
             self.run.handle.event.remote({"kind": "worker_group", "starts": self.starts, **stamps, "unix_s": time.time()})
         except (ValueError, RayError) as exc:
             log.warning("the run's journal did not take the worker group's stamps: %s", exc)

@@ -17,7 +17,7 @@ PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 """Ray Train's setting of how often its preemption watcher polls the node drains, in seconds."""
 
 from raycheck.job.config import JobConfig
-from raycheck.job.names import exchange_name
+from raycheck.job.names import TRAINER_PREFIX, exchange_name
 from raycheck.orchestrator.cluster import Placement, runtime_env
 from raycheck.orchestrator.group_timeline import GroupTimeline
 from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
@@ -49,7 +49,7 @@ def trainer(cfg: JobConfig, shipped: dict, placement: Placement, loop: Callable[
                                      resources_per_worker=placement.worker_resources,
                                      label_selector=placement.worker_label_selector),
         run_config=RunConfig(
-            name=f"raycheck-{cfg.run_id}",
+            name=f"{TRAINER_PREFIX}{cfg.run_id}",
             storage_path=str(pathlib.Path(cfg.out_dir).resolve() / "ray_train"),
             failure_config=FailureConfig(max_failures=cfg.faults.max_worker_failures, max_preemption_failures=cfg.faults.max_preemptions),
             worker_runtime_env=runtime_env(),

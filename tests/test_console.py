@@ -50,6 +50,11 @@ def test_events_read_as_sentences_and_bookkeeping_events_show_only_with_verbose(
         assert describe(quiet) is None, quiet
     assert describe({"kind": "step_log", "local_steps": 4, "rebuilt_steps": 2, "sent_steps": 0, "discarded": None}) == (
         "[raycheck] rank 0's local step log (4 steps): 2 steps copied from the log keeper")
+    raised = {"rank": 0, "step": 3, "error": "TypeError: unsupported operand"}  # what raised is named, not only the recovery
+    assert describe({"kind": "in_process_restart", **raised, "reason": "in-process restart 1 of 3"}) == (
+        "[raycheck] worker 0's step 3 raised TypeError: unsupported operand: rolled back in the same process (in-process restart 1 of 3)")
+    assert describe({"kind": "in_process_refused", **raised, "reason": "2 workers: ..."}) == (
+        "[raycheck] worker 0's step 3 raised TypeError: unsupported operand: no restart in the same process (2 workers: ...)")
 
 
 def test_plain_step_lines_come_every_5_percent_and_at_the_first_step_after_a_restore():

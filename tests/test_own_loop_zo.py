@@ -17,7 +17,7 @@ from raycheck.orchestrator.control import (Failed, FailRun, Limits, Observation,
 from raycheck.training.assets import module_files
 from raycheck.training.model import materialise, parameter_layout, read_parameters, trainable_parameters
 from raycheck.training.state import state_sha256
-from raycheck.workers.own_loop_zo import OwnLoopError, batch_identity, loss_value, own_env, parameters_changed
+from raycheck.workers.own_loop_zo import OwnLoopError, batch_identity, first_difference, loss_value, own_env, parameters_changed
 from raycheck.workers.zo_session import BatchMismatchError, CodeError
 
 
@@ -85,6 +85,16 @@ def test_the_shipped_model_files_give_back_the_drivers_weights_bitwise(tmp_path)
     again = read_parameters(materialise(files, tmp_path), parameter_layout(trainable_parameters(Net())), "float32")
     assert again is not None and state_sha256(again) == state_sha256(trainable_parameters(model))
     assert read_parameters(materialise(files, tmp_path), parameter_layout(trainable_parameters(torch.nn.Linear(3, 4))), "float32") is None
+    folder, layout = materialise(files, tmp_path), parameter_layout(trainable_parameters(Net()))
+    wider = Net()
+    wider.b = torch.nn.Linear(4, 2)
+    renamed = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    assert [first_difference(folder, parameter_layout(trainable_parameters(m)), "float32") for m in (wider, renamed)] == [
+        "'b.weight' is [1, 4] in the driver's model, [2, 4] here", "the driver's model has no parameter '0.weight'"]
+    assert first_difference(folder, parameter_layout(trainable_parameters(Net().to(torch.bfloat16))), "float32") == (
+        "'a.weight' is bfloat16 here, the run's dtype is float32")
+    assert first_difference(folder, layout[:2], "float32") == "this model has no parameter 'b.bias'"
+    assert first_difference(folder, layout[2:] + layout[:2], "float32") == "the parameters come in another order"
     with pytest.raises(ValueError, match="parameter 'a.weight' is bfloat16, the run's dtype is float32: give dtype='bfloat16'"):
         module_files(Net().to(torch.bfloat16), "float32")
 
@@ -106,5 +116,9 @@ def test_run_own_loop_and_zeroth_order_refuse_what_they_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="run_own_loop does not run elastic worker counts"):
         run_own_loop(job_config(tmp_path / "run", workers=2, elastic={"min_workers": 1}), lambda config: None, Net())
     assert not (tmp_path / "run").exists()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "steplog.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="holds a run already .its step log.: give run_own_loop a new out_dir"):
+        run_own_loop(job_config(tmp_path / "old"), lambda config: None, Net())
     with pytest.raises(OwnLoopError, match="zeroth_order takes the config that orchestrator.api.run_own_loop's TorchTrainer passes"):
         own_env({"lr": 0.1}, Net())

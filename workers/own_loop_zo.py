@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import pathlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -46,6 +47,7 @@ import torch
 
 from raycheck.actors.journal import RunChannel
 from raycheck.job.config import OWN_MODEL_PREFIX, JobConfig
+from raycheck.job.names import TRAINER_PREFIX
 from raycheck.training.assets import ASSETS_KEY, shipped_model
 from raycheck.training.groups import Terms
 from raycheck.training.model import materialise, parameter_layout, read_parameters, trainable_parameters
@@ -164,6 +166,34 @@ class OwnModelSession(ZerothOrder):
         return StepBatch(groups=self.world, mine=(self.rank,), score=score, identity=batch_identity(batch))
 
 
+def first_difference(folder: pathlib.Path, layout: list[list[Any]], dtype: str) -> str:
+    """The first difference between a worker model's parameter ``layout`` (``training.model.parameter_layout``)
+    and the driver's, shipped in ``folder`` (``training.assets.module_files``) in the run's ``dtype``: a
+    parameter the driver's has not, another shape, another dtype than the run's, a parameter the worker's
+    lacks, or (none of these) another order."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+        shipped = {name: list(fh.get_slice(name).get_shape()) for name in fh.keys()}
+    for name, shape, param_dtype in layout:
+        if name not in shipped:
+            return f"the driver's model has no parameter {name!r}"
+        if shipped[name] != list(shape):
+            return f"{name!r} is {shipped[name]} in the driver's model, {list(shape)} here"
+        if param_dtype != dtype:
+            return f"{name!r} is {param_dtype} here, the run's dtype is {dtype}"
+    missing = sorted(set(shipped) - {name for name, _, _ in layout})
+    return f"this model has no parameter {missing[0]!r}" if missing else "the parameters come in another order"
+
+
+def _ray_train_experiment() -> str | None:
+    """Ray Train's experiment name in a Ray Train worker, None elsewhere."""
+    try:
+        return ray.train.get_context().get_experiment_name()
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def own_env(config: dict, model: torch.nn.Module) -> WorkerEnv:
     """This Ray Train worker's ``WorkerEnv`` for your ``model``: ``config`` is what ``run_own_loop``'s
     TorchTrainer passes (``JobConfig.to_dict()`` plus the shipped model files); the driver's initial
@@ -177,8 +207,13 @@ def own_env(config: dict, model: torch.nn.Module) -> WorkerEnv:
     config = dict(config)
     shipped = config.pop(ASSETS_KEY, None)
     if shipped is None or not str(config.get("model", "")).startswith(OWN_MODEL_PREFIX):
-        raise OwnLoopError("zeroth_order takes the config that orchestrator.api.run_own_loop's TorchTrainer passes to your "
-                           "train_loop_per_worker: start the run with run_own_loop(cfg, train_loop_per_worker, model)")
+        exc = OwnLoopError("zeroth_order takes the config that orchestrator.api.run_own_loop's TorchTrainer passes to your "
+                           "train_loop_per_worker: give it that argument, unchanged")
+        name = _ray_train_experiment()
+        if name is not None and name.startswith(TRAINER_PREFIX):  # run_own_loop's trainer: its controller ends the run
+            RunChannel.of_run(name.removeprefix(TRAINER_PREFIX), ray.get_runtime_context().namespace).event(
+                "code_error", rank=ray.train.get_context().get_world_rank(), step=None, error=f"{type(exc).__name__}: {exc}")
+        raise exc
     cfg = JobConfig.from_dict(config)
     torch.set_num_threads(cfg.torch_threads)
     files = shipped_model(shipped, cfg.model)
@@ -191,8 +226,8 @@ def own_env(config: dict, model: torch.nn.Module) -> WorkerEnv:
     def initial_weights() -> "OrderedDict[str, torch.Tensor]":
         params = read_parameters(folder, layout, cfg.dtype)
         if params is None:
-            exc = OwnLoopError(f"this worker's model does not match the driver's {cfg.model.split(':', 1)[1]} (its parameters' "
-                               "names, shapes, dtypes or order differ): build the same model in the train loop as on the driver")
+            exc = OwnLoopError(f"this worker's model does not match the driver's {cfg.model.split(':', 1)[1]}: "
+                               f"{first_difference(folder, layout, cfg.dtype)}; build the same model in the train loop as on the driver")
             run.event("code_error", rank=ray.train.get_context().get_world_rank(), step=None, error=f"{type(exc).__name__}: {exc}")
             raise exc
         return params
