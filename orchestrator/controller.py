@@ -80,6 +80,7 @@ STORAGE_OUTAGE_NEEDS_SERVER = (
     "storage failures stop the S3 server, so they need a server that raycheck owns: the tests, and programs that "
     "pass Controller(storage_outage=LocalS3Server(...).outage) (experiments/s3_server.py); use another failure target")
 
+
 class WorkerCodeError(RuntimeError):
     """A worker's code broke a rule that every restart would meet again (``workers.zo_session.CodeError``)."""
 
