@@ -59,7 +59,7 @@ def round_trip_residue(params: Mapping[str, torch.Tensor], seed: int, eps: float
 
 
 def step_memory_bytes(params: Mapping[str, torch.Tensor]) -> dict:
-    """What a worker holds per step: ``parameter_bytes``, the parameters (``workers.worker.zo_step_``
+    """What a worker holds per step: ``parameter_bytes``, the parameters (``workers.zo_session.mezo_step_``
     holds no z: each pass regenerates it, ``training.zo.apply_``)."""
     return {"parameter_bytes": sum(p.numel() * p.element_size() for p in params.values())}
 

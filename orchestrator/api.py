@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from raycheck.job.config import OWN_MODEL_PREFIX, JobConfig
+from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.job.stores import snapshot_store
 from raycheck.training.assets import Assets, OwnLoop, module_files, read_assets
@@ -133,6 +133,6 @@ def run_own_loop(cfg: JobConfig, train_loop_per_worker: Callable[[dict[str, Any]
         raise ValueError("run_own_loop does not run elastic worker counts: each rank's loss is one term of the step, so the "
                          "trajectory depends on the worker count; give a fixed --workers")
     files = module_files(model, cfg.dtype)
-    cfg = cfg.replace(model=f"{OWN_MODEL_PREFIX}{type(model).__qualname__}", model_sha256=files.sha256, eval_samples=0)
+    cfg = cfg.replace(model=files.source, model_sha256=files.sha256, eval_samples=0)
     check_storage(cfg)
     return run_controller(cfg, verify=verify, echo=echo, assets=Assets(model=files, data=None, own=OwnLoop(train_loop_per_worker, model)))

@@ -84,8 +84,9 @@ def prepare(cfg: JobConfig, run: RunDir, module: "torch.nn.Module | None" = None
     model = module if module is not None else load_model(cfg.model, cache_dir, dtype=cfg.dtype)  # the driver's own copy: a folder is read here only
     units = describe_units(model)
     if not units.recognised:  # expected of your own module: said only with --verbose
-        (log.info if module is not None else log.warning)("the unit layout of %s (%s) is not recognised: each module is its own checkpoint unit (%d units)",
-                    cfg.model, type(model).__name__, len(units.units))
+        say = log.info if module is not None else log.warning
+        say("the unit layout of %s (%s) is not recognised: each module is its own checkpoint unit (%d units)",
+            cfg.model, type(model).__name__, len(units.units))
     layout = parameter_layout(trainable_parameters(model))
     header = {
         "run_id": cfg.run_id,

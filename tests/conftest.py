@@ -18,6 +18,16 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")  # for the moto S3 server;
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")  # so that actors and workers inherit them
 
 
+def zo_step_(params, model, encoder, train, cfg, step, rank, world, hyper, fail, commit, exchange=None):
+    """The worker's MeZO step on raycheck's task without Ray: ``workers.zo_session.mezo_step_`` over
+    ``workers.worker.task_batch`` (what ``ZerothOrder.step`` runs). Returns (record, commit's seconds)."""
+    from raycheck.workers.worker import task_batch
+    from raycheck.workers.zo_session import mezo_step_
+
+    return mezo_step_(params, task_batch(model, encoder, train, cfg, step, rank, world), step, cfg, hyper, fail, commit,
+                      exchange, world)
+
+
 @pytest.fixture(scope="session")
 def data():
     from raycheck.training.data import load_rotten_tomatoes

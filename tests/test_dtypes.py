@@ -26,7 +26,7 @@ from raycheck.storage.steplog import StepLogWriter
 from raycheck.training.model import default_cache_dir, layout_sha256, load_model, parameter_layout, trainable_parameters
 from raycheck.workers.recovery import from_storage
 from raycheck.training.state import copy_state, load_into, state_sha256
-from raycheck.workers.worker import zo_step_
+from conftest import zo_step_
 from raycheck.training.zo import (DTYPES, GENERATOR, DtypeMismatchError, ZOHyper, noise, perturb_, replay_records_, step_seed,
                                   update_)
 

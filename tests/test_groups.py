@@ -15,7 +15,7 @@ from raycheck.training.data import batch_indices
 from raycheck.training.groups import example_groups, group_vector, groups_of_rank, reduce_groups
 from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
 from raycheck.training.state import state_sha256
-from raycheck.workers.worker import zo_step_
+from conftest import zo_step_
 from raycheck.workers.zo_session import timed_append
 from raycheck.training.zo import ZOHyper, perturb_all_, step_seed
 

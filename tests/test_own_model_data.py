@@ -312,10 +312,10 @@ def test_causal_lm_files_load_as_prompt_completion_or_plain_text(tmp_path):
 
 
 def test_a_mezo_step_trains_a_causal_lm_on_its_completion_loss(tmp_path):
-    """The worker's own step (``workers.worker.zo_step_``) on a prompt/completion file: its
+    """The worker's own step (``conftest.zo_step_``: ``workers.zo_session.mezo_step_`` over ``workers.worker.task_batch``) on a prompt/completion file: its
     first loss is the encoder's completion loss at +eps z (rebuilt on a fresh copy), and the weights move."""
     from raycheck.training.data import batch_indices
-    from raycheck.workers.worker import zo_step_
+    from conftest import zo_step_
     from raycheck.training.zo import ZOHyper, perturb_all_, step_seed
 
     folder = gpt2_folder(tmp_path / "gpt2")

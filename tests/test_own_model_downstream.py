@@ -2,7 +2,7 @@
 unit-sharded snapshots, the shadow's replay, ``raycheck replay`` (with ``--export-hf``), ``raycheck
 merge --export-hf --model FOLDER``, and a replay refused once the folder's weights changed.
 
-The run is made by the worker's own step (``workers.worker.zo_step_``) on a JSONL classification file
+The run is made by the worker's own step (``conftest.zo_step_``: ``workers.zo_session.mezo_step_`` over ``workers.worker.task_batch``) on a JSONL classification file
 loaded as the driver loads it (``training.assets.read_assets``)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from raycheck.training.assets import read_assets
 from raycheck.training.data import make_encoder
 from raycheck.training.model import load_model, load_tokenizer, trainable_parameters
 from raycheck.training.state import copy_state, state_sha256
-from raycheck.workers.worker import zo_step_
+from conftest import zo_step_
 from raycheck.workers.zo_session import timed_append
 from raycheck.training.zo import ZOHyper
 

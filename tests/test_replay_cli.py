@@ -1,6 +1,6 @@
 """``raycheck replay``: any logged step rebuilt bitwise, also under other CPU kernels; clear refusals.
 
-The run is made without Ray by the worker's own step (``workers.worker.zo_step_``) on the tiny model,
+The run is made without Ray by the worker's own step (``conftest.zo_step_``: ``workers.zo_session.mezo_step_`` over ``workers.worker.task_batch``) on the tiny model,
 with the machine's best CPU kernels, its step log written by ``StepLogWriter`` and a snapshot of step 3
 committed with the run's identity, as the persister does. Its state sha256 after every step is what
 the replay must reproduce.
@@ -36,7 +36,7 @@ from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, StepLogWriter, read_log
 from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
 from raycheck.training.state import copy_state, state_sha256
-from raycheck.workers.worker import zo_step_
+from conftest import zo_step_
 from raycheck.workers.zo_session import timed_append
 from raycheck.training.zo import ZOHyper, step_seed
 

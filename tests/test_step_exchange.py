@@ -14,7 +14,7 @@ from raycheck.actors.step_exchange import StepEvictedError, StepExchange, StepEx
 from raycheck.job.config import JobConfig
 from raycheck.training.model import default_cache_dir, load_model, trainable_parameters
 from raycheck.training.state import state_sha256
-from raycheck.workers.worker import zo_step_
+from conftest import zo_step_
 from raycheck.workers.zo_session import timed_append
 from raycheck.training.zo import ZOHyper
 

@@ -63,7 +63,7 @@ NOT_SUPPORTED = {
 }
 
 
-def _ray_context() -> Any | None:
+def ray_train_context() -> Any | None:
     """Ray Train's context in a Ray Train worker, None elsewhere."""
     try:
         import ray.train
@@ -116,7 +116,7 @@ class FirstOrderCheckpoints:
         for name, value in (("every_steps", every_steps), ("keep", keep), ("report_every_steps", report_every_steps)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self._ctx = _ray_context()
+        self._ctx = ray_train_context()
         if storage is None:
             if self._ctx is None:
                 raise ValueError("storage is required outside a Ray Train worker (a folder or s3:// URI)")

@@ -51,6 +51,7 @@ from raycheck.job.names import TRAINER_PREFIX
 from raycheck.training.assets import ASSETS_KEY, shipped_model
 from raycheck.training.groups import Terms
 from raycheck.training.model import materialise, parameter_layout, read_parameters, trainable_parameters
+from raycheck.workers.own_loop import ray_train_context
 from raycheck.workers.worker_env import WorkerEnv
 from raycheck.workers.zo_session import CodeError, StepBatch, ZerothOrder, worker_device
 
@@ -186,14 +187,6 @@ def first_difference(folder: pathlib.Path, layout: list[list[Any]], dtype: str) 
     return f"this model has no parameter {missing[0]!r}" if missing else "the parameters come in another order"
 
 
-def _ray_train_experiment() -> str | None:
-    """Ray Train's experiment name in a Ray Train worker, None elsewhere."""
-    try:
-        return ray.train.get_context().get_experiment_name()
-    except (RuntimeError, AttributeError):
-        return None
-
-
 def own_env(config: dict, model: torch.nn.Module) -> WorkerEnv:
     """This Ray Train worker's ``WorkerEnv`` for your ``model``: ``config`` is what ``run_own_loop``'s
     TorchTrainer passes (``JobConfig.to_dict()`` plus the shipped model files); the driver's initial
@@ -209,10 +202,10 @@ def own_env(config: dict, model: torch.nn.Module) -> WorkerEnv:
     if shipped is None or not str(config.get("model", "")).startswith(OWN_MODEL_PREFIX):
         exc = OwnLoopError("zeroth_order takes the config that orchestrator.api.run_own_loop's TorchTrainer passes to your "
                            "train_loop_per_worker: give it that argument, unchanged")
-        name = _ray_train_experiment()
-        if name is not None and name.startswith(TRAINER_PREFIX):  # run_own_loop's trainer: its controller ends the run
+        ctx = ray_train_context()
+        if ctx is not None and (name := ctx.get_experiment_name()).startswith(TRAINER_PREFIX):  # run_own_loop's trainer: its controller ends the run
             RunChannel.of_run(name.removeprefix(TRAINER_PREFIX), ray.get_runtime_context().namespace).event(
-                "code_error", rank=ray.train.get_context().get_world_rank(), step=None, error=f"{type(exc).__name__}: {exc}")
+                "code_error", rank=ctx.get_world_rank(), step=None, error=f"{type(exc).__name__}: {exc}")
         raise exc
     cfg = JobConfig.from_dict(config)
     torch.set_num_threads(cfg.torch_threads)

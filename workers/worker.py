@@ -5,17 +5,14 @@ g % world (``training.groups``), so the trajectory does not depend on the worker
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from raycheck.storage.steplog import StepRecord
 from raycheck.training.data import batch_id, batch_indices
-from raycheck.training.groups import Exchange, example_groups, groups_of_rank
-from raycheck.training.zo import ZOHyper
+from raycheck.training.groups import example_groups, groups_of_rank
 from raycheck.workers.worker_env import TaskEnv, worker_env
-from raycheck.workers.zo_session import StepBatch, ZerothOrder, mezo_step_
+from raycheck.workers.zo_session import StepBatch, ZerothOrder
 
 if TYPE_CHECKING:
     from raycheck.job.config import JobConfig
@@ -50,11 +47,3 @@ def task_batch(model: torch.nn.Module, encoder: PromptEncoder | CausalLMEncoder,
     return StepBatch(groups=len(groups), mine=groups_of_rank(len(groups), rank, world),
                      score=lambda g: encoder.loss_terms(model, train, groups[g]), identity=batch_id(idx))
 
-
-def zo_step_(
-    params: Mapping[str, torch.Tensor], model: torch.nn.Module, encoder: PromptEncoder | CausalLMEncoder, train: Split, cfg: JobConfig, step: int, rank: int, world: int,
-    hyper: ZOHyper, fail: Callable[[], None], commit: Callable[[StepRecord], float], exchange: Exchange | None = None,
-) -> tuple[StepRecord, float]:
-    """MeZO step ``step`` of raycheck's task (``task_batch``) on ``params``, the tensors of ``model``
-    (``workers.zo_session.mezo_step_``). Returns the step's record and what ``commit`` returned."""
-    return mezo_step_(params, task_batch(model, encoder, train, cfg, step, rank, world), step, cfg, hyper, fail, commit, exchange, world)
