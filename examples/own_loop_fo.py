@@ -43,6 +43,7 @@ import ray.train.torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.training.optim_state import ModelOptimizerState
@@ -100,7 +101,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ckpt = FirstOrderCheckpoints(  # raycheck (1/3): storage defaults to <Ray Train experiment dir>/raycheck
         model, optimizer, strategy=config["strategy"], every_steps=config["every"],
         settings={k: config[k] for k in ("seed", "lr", "steps", "strategy")},
-        layerwise=LayerwiseConfig(threshold=config["threshold"], staleness_bound_steps=config["staleness"]))
+        layerwise=LayerwiseConfig(threshold=config["threshold"], staleness_bound_steps=config["staleness"]),
+        differential=DifferentialConfig(full_every_steps=config["every"], batch_steps=2),
+        overlapped=OverlappedConfig(chunks=config["chunks"]))
     start = ckpt.restore()  # raycheck (2/3): model AND optimizer, in place; 0: nothing committed yet
     if rank == 0:
         with open(out / f"{config['name']}.events.jsonl", "a") as f:
@@ -131,7 +134,7 @@ def run(args: argparse.Namespace, name: str, fail_step: int | None) -> tuple[Any
     """One ``TorchTrainer`` run of the loop; returns (Result, the final record, the start events)."""
     out = pathlib.Path(args.out).resolve()
     config = dict(out=str(out), name=name, seed=args.seed, lr=args.lr, steps=args.steps, every=args.every,
-                  strategy=args.strategy, threshold=args.layer_threshold, staleness=args.layer_staleness_steps,
+                  strategy=args.strategy, threshold=args.layer_threshold, staleness=args.layer_staleness_steps, chunks=args.chunks,
                   fail_step=-1 if fail_step is None else fail_step)
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=args.workers),
@@ -150,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="also run the failure-free loop and compare bitwise")
     parser.add_argument("--strategy", default="layerwise", choices=STRATEGIES)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints")
+    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints (differential: between full ones, "
+                        "with each step's gradients recorded in objects of 2 steps)")
+    parser.add_argument("--chunks", type=int, default=2, help="overlapped: a snapshot is staged in this many chunks, one per step")
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers (DDP over gloo when > 1)")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)

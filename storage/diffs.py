@@ -13,6 +13,9 @@ records ``b .. e-1`` onto the state after ``b`` steps gives the state after ``e`
   ``values`` (float32) and flat ``indices`` (int32, sorted); the others replay as 0. Approximate:
   8 bytes per kept element, i.e. ``1 / (2 ratio)`` times smaller than ``exact``.
 
+A record may also hold float64 entries, stored exact in either encoding: a user's optimizer's
+parameter-group hyper-parameters at that step (``param_groups.<i>.<key>``, ``training.optim_steps``).
+
 Layout under a ``Storage`` (shared with the run's ``SnapshotStore``, which owns ``step-*`` folders)::
 
     diffs/0000000040-0000000043-9a8b7c6d-1f2e3d4c.safetensors  steps 40..43: ``{step:010d}:{param}``
@@ -155,7 +158,8 @@ class DiffStore:
 
         Raises:
             ValueError: no records, steps not consecutive, parameters or shapes differ between
-                records, a gradient is not float32, or ``topk_ratio`` outside [0, 1].
+                records, an entry is neither float32 (a gradient) nor float64 (stored exact), or
+                ``topk_ratio`` outside [0, 1].
             storage.backend.StorageError: writing failed after retries (nothing is committed).
         """
         if not records:
@@ -173,10 +177,10 @@ class DiffStore:
                 raise ValueError(f"step {step}: gradient names or shapes differ from step {steps[0]}'s")
             for name, g in grads.items():
                 g = np.asarray(g)
-                if g.dtype != np.float32:
-                    raise ValueError(f"step {step}, {name}: gradients must be float32, got {g.dtype}")
+                if g.dtype not in (np.float32, np.float64):
+                    raise ValueError(f"step {step}, {name}: gradients must be float32 (float64: stored exact), got {g.dtype}")
                 key = f"{step:010d}:{name}"
-                if topk_ratio:
+                if topk_ratio and g.dtype == np.float32:
                     tensors[key + ":values"], tensors[key + ":indices"] = topk_encode(g, topk_ratio)
                 else:
                     tensors[key] = g  # by reference: the write streams from its memory
@@ -249,11 +253,9 @@ class DiffStore:
         try:
             for step in batch.steps:
                 key = f"{step:010d}:"
-                if batch.encoding == "exact":
-                    records.append((step, {n: tensors[key + n] for n in batch.tensors}))
-                else:
-                    records.append((step, {n: topk_decode(tensors[key + n + ":values"], tensors[key + n + ":indices"], shape)
-                                           for n, shape in batch.tensors.items()}))
+                records.append((step, {n: tensors[key + n] if batch.encoding == "exact" or key + n in tensors
+                                       else topk_decode(tensors[key + n + ":values"], tensors[key + n + ":indices"], shape)
+                                       for n, shape in batch.tensors.items()}))
         except KeyError as exc:
             raise DiffCorruptError(f"{where}: lacks tensor {exc}") from exc
         return records

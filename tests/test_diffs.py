@@ -200,8 +200,8 @@ def test_write_batch_validation(tmp_path):
         diffs.write_batch([records(0, 0)[0], records(2, 2)[0]])
     with pytest.raises(ValueError, match="step 1: gradient names or shapes differ from step 0's"):
         diffs.write_batch([records(0, 0)[0], (1, {"w": np.zeros((2, 3), np.float32)})])
-    with pytest.raises(ValueError, match="step 0, w: gradients must be float32, got float64"):
-        diffs.write_batch([(0, {"w": np.zeros(2)})])
+    with pytest.raises(ValueError, match=r"step 0, w: gradients must be float32 \(float64: stored exact\), got float16"):
+        diffs.write_batch([(0, {"w": np.zeros(2, np.float16)})])
     with pytest.raises(ValueError, match=r"topk_ratio must be in \[0, 1\]"):
         diffs.write_batch(records(0, 0), topk_ratio=1.5)
     assert diffs.storage.list("diffs") == []
@@ -275,3 +275,16 @@ def test_garbage_collection_deletes_only_this_run_s_batches_and_orphans(storage,
     assert len(notes) == 1 and "6 object(s)" in notes[0] and "run run-a" in notes[0], notes
     assert [(b.first_step, b.last_step) for b in theirs.list()] == [(0, 1)]  # B's chain is intact
     assert anonymous.collect_garbage(4) == 6 and storage.list("diffs") == sorted([mine[2].path, mine[2].commit])
+
+
+def test_float64_entries_stay_exact_under_topk(tmp_path):
+    """A user's optimizer's hyper-parameters ride in the records as float64 (``training.optim_steps``):
+    top-k encodes only the float32 gradients."""
+    diffs = DiffStore(str(tmp_path))
+    grad = np.arange(1, 21, dtype=np.float32)
+    lr, betas = np.array([1e-2 * 0.8 ** 3]), np.array([0.9, 0.999])
+    diffs.write_batch([(0, {"w": grad, "param_groups.0.lr": lr, "param_groups.0.betas": betas})], topk_ratio=0.1)
+    [(step, record)] = diffs.read(diffs.list()[0])
+    assert step == 0 and record["param_groups.0.lr"].tobytes() == lr.tobytes()
+    assert record["param_groups.0.betas"].tobytes() == betas.tobytes()
+    assert record["w"].tolist() == [0.0] * 18 + [19.0, 20.0]

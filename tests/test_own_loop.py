@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, UnsupportedOptimizerError
 from raycheck.training.state import copy_state, state_sha256
@@ -168,8 +169,8 @@ def test_mismatch_is_refused_and_nothing_is_overwritten(tmp_path):
 
 def test_refusals():
     model, _ = make()
-    with pytest.raises(ValueError, match="differential.*not supported"):
-        FirstOrderCheckpoints(model, torch.optim.AdamW(model.parameters()), "/tmp/unused", strategy="differential")
+    with pytest.raises(ValueError, match="unknown strategy 'full'; use one of full-sync, full-async, layerwise, differential, overlapped"):
+        FirstOrderCheckpoints(model, torch.optim.AdamW(model.parameters()), "/tmp/unused", strategy="full")
     with pytest.raises(UnsupportedOptimizerError, match="Adamax"):
         ModelOptimizerState(model, torch.optim.Adamax(model.parameters()))
     with pytest.raises(UnsupportedOptimizerError, match="dampening"):
@@ -196,3 +197,93 @@ def test_a_setting_no_loop_can_use_is_refused_naming_it(tmp_path):
         with pytest.raises(ValueError, match=f"^{message}$"):
             FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), report=False, **given)
     assert not (tmp_path / "ckpt").exists()  # refused before the store is made
+
+
+def lr_at(i: int) -> float:
+    """A schedule set by the loop before each step: the records must carry it."""
+    return 1e-2 * 0.8 ** i
+
+
+OPTIMIZERS = {
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01, foreach=False),
+    "sgd-nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
+}
+
+
+def scheduled_run(optimizer: str, steps: int) -> list[str]:
+    """The failure-free state hashes after 0..steps steps, the lr set by ``lr_at`` before every step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS[optimizer](model)
+    view = ModelOptimizerState(model, opt)
+    hashes = [state_sha256(view.view())]
+    for i in range(steps):
+        opt.param_groups[0]["lr"] = lr_at(i)
+        step(model, opt, i)
+        hashes.append(state_sha256(view.view()))
+    return hashes
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("strategy, resumed", [("differential", 9), ("overlapped", 6)])
+def test_records_of_your_optimizer_replay_bitwise(tmp_path, strategy, resumed, optimizer):
+    """Differential and overlapped through your optimizer: the loop dies after step 9.
+
+    differential (full every 5, 2 records per object): full checkpoints of steps 0 (written by the first
+    restore) and 5, records of steps 5-8; the restore replays 4 records with their lr through the optimizer.
+    overlapped (every 4, 3 chunks): the snapshot started after step 4 is completed at step 6 by catching
+    chunks up through a new optimizer of the same class; the window started at 8 dies open. Both rejoin the
+    failure-free trajectory bit for bit, and close's snapshot of step 14 loads in one call."""
+    ref = scheduled_run(optimizer, 14)
+    settings = dict(strategy=strategy, every_steps=4, report=False, differential=DifferentialConfig(full_every_steps=5, batch_steps=2),
+                    overlapped=OverlappedConfig(chunks=3))
+
+    def loop(start: int, stop: int) -> tuple[Net, torch.optim.Optimizer, FirstOrderCheckpoints]:
+        torch.manual_seed(start + 1)  # a restarted worker's model is built anew, with other weights
+        model = Net()
+        opt = OPTIMIZERS[optimizer](model)
+        ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), **settings)
+        assert ckpt.restore() == start and state_sha256(ModelOptimizerState(model, opt).view()) == ref[start]
+        for i in range(start, stop):
+            opt.param_groups[0]["lr"] = lr_at(i)
+            step(model, opt, i)
+            ckpt.after_step(i + 1)
+        return model, opt, ckpt
+
+    torch.manual_seed(0)  # the first incarnation starts from the reference's initial model
+    first = Net()
+    opt = OPTIMIZERS[optimizer](first)
+    ckpt = FirstOrderCheckpoints(first, opt, str(tmp_path / "ckpt"), **settings)
+    assert ckpt.restore() == 0
+    for i in range(9):
+        opt.param_groups[0]["lr"] = lr_at(i)
+        step(first, opt, i)
+        ckpt.after_step(i + 1)
+    assert ckpt.flush() and ckpt.steps is not None  # then the process dies: no close (its writer thread is a daemon)
+    ckpt.steps.close()
+    if ckpt.diffs is not None:
+        [batch, *_] = ckpt.diffs.list()
+        assert batch.tensors["param_groups.0.lr"] == [1]  # each record carries the step's lr
+
+    model, opt, ckpt = loop(resumed, 14)
+    assert ckpt.restored["replayed_steps" if strategy == "differential" else "step"] == (4 if strategy == "differential" else 6)
+    stats = ckpt.close()
+    assert state_sha256(ModelOptimizerState(model, opt).view()) == ref[14] and not stats["errors"]
+    fresh = Net()
+    fresh_opt = OPTIMIZERS[optimizer](fresh)
+    assert load_checkpoint(str(tmp_path / "ckpt" / stats["newest"]), fresh, fresh_opt) == 14
+    assert state_sha256(ModelOptimizerState(fresh, fresh_opt).view()) == ref[14]
+
+
+def test_what_replay_cannot_do_exactly_is_refused_up_front(tmp_path):
+    class Scaled(torch.optim.SGD):  # needs an argument its parameter groups do not hold
+        def __init__(self, params, scale: float) -> None:
+            super().__init__(params, lr=0.1 * scale)
+
+    model, _ = make()
+    with pytest.raises(UnsupportedOptimizerError, match="^Scaled cannot be built from its parameter groups alone"):
+        FirstOrderCheckpoints(model, Scaled(model.parameters(), 2.0), str(tmp_path / "c"), strategy="overlapped", report=False)
+    half = Net().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="^strategy differential records float32 gradients; parameter 'embed.weight' is torch.bfloat16"):
+        FirstOrderCheckpoints(half, torch.optim.AdamW(half.parameters()), str(tmp_path / "c"), strategy="differential", report=False)
+    assert not (tmp_path / "c").exists()

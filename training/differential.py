@@ -92,6 +92,17 @@ class DiffCheckpointer:
         self.full_schedule.taken(base_step)
 
     @property
+    def schedule(self) -> SnapshotSchedule:
+        """The full checkpoints' schedule (``full_every``)."""
+        return self.full_schedule
+
+    def full_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        """Queue a full checkpoint of ``state()`` (the state after ``steps_done`` steps, e.g. the initial
+        one) now, whatever the schedule says; the full interval counts from ``steps_done``."""
+        self.full_schedule.taken(steps_done)
+        self._submit_full(steps_done, state)
+
+    @property
     def bytes(self) -> int:
         """Bytes committed so far (full checkpoints and record batches)."""
         return self.stats["bytes"]

@@ -142,6 +142,30 @@ def _restored_value(old: Any, values: list[float]) -> Any:
     return one(old, values[0])
 
 
+def group_values(optimizer: torch.optim.Optimizer) -> OrderedDict[str, torch.Tensor]:
+    """Every numeric hyper-parameter of every parameter group (see the module docstring):
+    ``param_groups.<i>.<key>`` -> a new float64 tensor, shape ``(1,)`` or ``(len,)``."""
+    values: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for i, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            floats = _group_value(value) if key != "params" else None
+            if floats is not None:
+                values[f"{GROUP_PREFIX}{i}.{key}"] = torch.tensor(floats, dtype=torch.float64)
+    return values
+
+
+def set_group_values(group: dict[str, Any], index: int, entries: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+    """Set ``group``'s numeric hyper-parameters from ``entries``' ``param_groups.<index>.<key>`` (as
+    ``group_values`` names them), each in the type of the group's current value; an entry the group lacks,
+    or one of another length, is left out (so is a key ``entries`` lacks)."""
+    for key in list(group):
+        name = f"{GROUP_PREFIX}{index}.{key}"
+        floats = _group_value(group[key]) if key != "params" and name in entries else None
+        values = np.asarray(as_numpy(entries[name]), dtype=np.float64).ravel() if floats is not None else None
+        if floats is not None and values is not None and values.size == len(floats):
+            group[key] = _restored_value(group[key], [float(v) for v in values])
+
+
 class ModelOptimizerState:
     """The training state of ``model`` and ``optimizer`` (see the module docstring), for checkpointing
     and restoring in place.
@@ -192,11 +216,7 @@ class ModelOptimizerState:
                 t = self.optimizer.state[p].get(slot) if p in self.optimizer.state else None
                 if t is not None:
                     view[f"optim.{slot}.{name}"] = host(t.view(1) if t.dim() == 0 else t)
-        for i, group in enumerate(self.optimizer.param_groups):
-            for key, value in group.items():
-                floats = _group_value(value) if key != "params" else None
-                if floats is not None:
-                    view[f"{GROUP_PREFIX}{i}.{key}"] = torch.tensor(floats, dtype=torch.float64)
+        view.update(group_values(self.optimizer))
         return view
 
     def check(self, layout: list[list[Any]], what: str) -> None:
@@ -246,9 +266,5 @@ class ModelOptimizerState:
                 live = self.optimizer.state[self.named[param]][slot]
                 live.copy_(to_tensor(as_numpy(state[name])).reshape(live.shape))
         for i, group in enumerate(self.optimizer.param_groups):
-            for key in list(group):
-                name = f"{GROUP_PREFIX}{i}.{key}"
-                if name in view and name in state and np.asarray(as_numpy(state[name])).size == view[name].numel():
-                    values = [float(v) for v in np.asarray(as_numpy(state[name]), dtype=np.float64).ravel()]
-                    group[key] = _restored_value(group[key], values)
+            set_group_values(group, i, state)
 

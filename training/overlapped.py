@@ -8,7 +8,8 @@ after step t+m-1: each step copies one chunk, about 1/m of a full staging copy. 
 also keeps a reference to the gradients its AdamW step applied to the chunks already staged (no copy:
 ``training.fo.FOTrainer.applied_gradients`` are new tensors every step). Once the last chunk is staged, a
 background thread brings every earlier chunk forward to step t+m-1 by replaying those gradients through
-the same AdamW arithmetic (``training.fo.replay_adamw_``: GoCkpt's gradient catch-up), so the assembled
+the same AdamW arithmetic (``training.fo.replay_adamw_``: GoCkpt's gradient catch-up; for a user's own
+optimizer its class, ``training.optim_steps.OptimizerSteps.catch_up_``), so the assembled
 snapshot is one consistent version, the state after step t+m-1, bitwise; then it commits it through the
 run's ``SnapshotStore`` (shards, manifest last, the index as commit point). Rolling chunks back to step t
 instead would not be exact (an AdamW step is not invertible in floating point), hence the forward
@@ -27,8 +28,9 @@ of the current step at once (Just-In-Time Checkpointing, Gupta et al., EuroSys 2
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -43,6 +45,11 @@ from raycheck.storage.units import parameter_of
 from raycheck.training.checkpointing import just_in_time
 from raycheck.training.fo import FOHyper, replay_adamw_
 from raycheck.training.state import StagingPool, copy_into, require_new_tensors
+
+
+CatchUp = Callable[[dict[str, np.ndarray], Sequence[Mapping[str, torch.Tensor]]], None]
+"""Brings part of a staged state forward in place by the given steps' records, in order
+(``training.fo.replay_adamw_``; ``training.optim_steps.OptimizerSteps.catch_up_`` for your optimizer)."""
 
 
 def balanced_chunks(sizes: Mapping[str, int], m: int) -> list[list[str]]:
@@ -132,9 +139,11 @@ class OverlappedCheckpointer:
         store: the run's snapshots.
         every: steps between the starts of two snapshots (>= 1).
         chunks: m, the steps a snapshot is staged over (>= 1; at most one chunk per parameter).
-        hyper: the run's AdamW settings (the catch-up replays its steps).
-        gradients: the gradients the last step applied (``FOTrainer.applied_gradients``); tensors that
-            no later step writes.
+        catch_up: the run's AdamW settings (the catch-up replays its steps through
+            ``training.fo.replay_adamw_``), or a ``CatchUp`` (a user's optimizer:
+            ``training.optim_steps.OptimizerSteps.catch_up_``).
+        gradients: the record of the last step (``FOTrainer.applied_gradients``; a ``CatchUp``'s records,
+            ``OptimizerSteps.applied``): tensors that no later step writes.
         config: recorded in each manifest.
         max_pending: assembled snapshots that may wait behind the one being written (bounds memory: the
             checkpointer holds ``max_pending + 2`` copies of the state).
@@ -143,14 +152,15 @@ class OverlappedCheckpointer:
         ValueError: ``every`` or ``chunks`` < 1.
     """
 
-    def __init__(self, store: SnapshotStore, every: int, chunks: int, hyper: FOHyper,
+    def __init__(self, store: SnapshotStore, every: int, chunks: int, catch_up: FOHyper | CatchUp,
                  gradients: Callable[[], Mapping[str, torch.Tensor]], config: Mapping[str, Any] | None = None,
                  max_pending: int = 1) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
         if chunks < 1:
             raise ValueError(f"an overlapped snapshot needs >= 1 chunk, got {chunks}")
-        self.store, self.chunks, self.hyper, self.gradients = store, chunks, hyper, gradients
+        self.store, self.chunks, self.gradients = store, chunks, gradients
+        self.catch_up: CatchUp = functools.partial(replay_adamw_, hyper=catch_up) if isinstance(catch_up, FOHyper) else catch_up
         self.schedule = SnapshotSchedule(every_steps=every)  # counts from the step the loop starts at
         self.config = dict(config or {})
         self._pool = StagingPool(max_pending + 2)  # the open window, the snapshot being written, the queued ones
@@ -169,16 +179,26 @@ class OverlappedCheckpointer:
                               "stage_seconds": []}
 
     @property
+    def window_open(self) -> bool:
+        """A snapshot is being staged (its remaining chunks come with the next steps, or at ``close``)."""
+        return self._window is not None
+
+    @property
     def bytes(self) -> int:
         """Shard bytes committed so far."""
         return self.stats["bytes"]
 
     def plan(self, state: Mapping[str, torch.Tensor | np.ndarray]) -> list[dict[str, list[str]]]:
         """The chunks of ``state`` (``balanced_chunks`` by the bytes of each parameter with its optimizer
-        state), each as parameter -> its tensor names."""
+        state), each as parameter -> its tensor names. Entries without optimizer state (a frozen
+        parameter, a parameter group's hyper-parameters: nothing catches them up) go into the last chunk,
+        staged at the snapshot's step."""
         members = parameter_tensors(list(state))
-        sizes = {p: _nbytes(state, names) for p, names in members.items()}
-        return [{p: members[p] for p in chunk} for chunk in balanced_chunks(sizes, self.chunks)]
+        loose = [p for p, names in members.items() if len(names) == 1]
+        sizes = {p: _nbytes(state, names) for p, names in members.items() if p not in loose}
+        plan = [{p: members[p] for p in chunk} for chunk in balanced_chunks(sizes, self.chunks)] or [{}]
+        plan[-1].update((p, members[p]) for p in loose)
+        return plan
 
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
         """Start a snapshot when one is due, or go on with the open one: keep the last step's gradients of
@@ -250,9 +270,11 @@ class OverlappedCheckpointer:
         return self._window
 
     def _held_gradients(self, window: _Window) -> dict[str, torch.Tensor]:
-        """References to the last step's gradients of the chunks staged so far (no copy)."""
+        """References to the last step's record but the gradients of the chunks not staged yet (no copy;
+        a record's other entries, e.g. a user's optimizer's hyper-parameters, are kept for every chunk)."""
         grads = self.gradients()
-        held = {p: grads[p] for chunk in window.plan[:window.chunks_staged] for p in chunk}
+        unstaged = {p for chunk in window.plan[window.chunks_staged:] for p, names in chunk.items() if len(names) > 1}
+        held = {n: g for n, g in grads.items() if n not in unstaged}
         previous = window.gradients[-1] if window.gradients else {}
         require_new_tensors(previous, held, f"the gradients of step {window.start_step + len(window.gradients) - 1}")
         return held
@@ -278,8 +300,7 @@ class OverlappedCheckpointer:
         for index, chunk in enumerate(window.plan):
             later = window.gradients[index:]  # the steps after chunk ``index`` was staged
             if later:
-                replay_adamw_({n: window.staged[n] for n in _tensors(chunk)},
-                              [{p: g[p] for p in chunk} for g in later], self.hyper)
+                self.catch_up({n: window.staged[n] for n in _tensors(chunk)}, later)
         t1 = time.perf_counter()
         info = self.store.write(step, {n: window.staged[n] for n in window.names}, config=self.config)
         self.stats["catch_up_seconds"].append(t1 - t0)

@@ -11,11 +11,23 @@ the loop calls (``from raycheck.workers.own_loop import FirstOrderCheckpoints, l
 
 What is saved is ``training.optim_state.ModelOptimizerState``'s view: the parameters, each one's
 optimizer tensors (``optim.<slot>.<parameter>``, in that parameter's unit) and the parameter groups'
-numeric hyper-parameters (``param_groups.<i>.lr``, ...). Strategies: ``full-sync``, ``full-async``
-(``training.checkpointing.FullCheckpointer``) and ``layerwise`` (``training.layerwise.LayerwiseCheckpointer``:
-composites of units from different steps, each with its own optimizer state; exact with threshold 0).
-``differential`` and ``overlapped`` are refused: both replay the applied gradients through raycheck's own
-AdamW (``training.fo.replay_adamw_``), not through your optimizer.
+numeric hyper-parameters (``param_groups.<i>.lr``, ...). Strategies (``STRATEGIES``):
+
+* ``full-sync``, ``full-async`` (``training.checkpointing.FullCheckpointer``);
+* ``layerwise`` (``training.layerwise.LayerwiseCheckpointer``: composites of units from different steps,
+  each with its own optimizer state; exact with threshold 0);
+* ``differential`` (``training.differential.DiffCheckpointer``, LowDiff): a full checkpoint every
+  ``differential.full_every_steps`` steps and, between them, each step's record: the gradients your
+  ``optimizer.step()`` consumed and its groups' hyper-parameters (``training.optim_steps``, taken by a
+  step pre-hook). ``restore`` loads the newest full checkpoint and replays the committed records after
+  it through your optimizer: bitwise the steps that ran. A full checkpoint of the initial state is
+  written at the first ``restore`` that finds none, so no replay ever starts from a model built anew;
+* ``overlapped`` (``training.overlapped.OverlappedCheckpointer``, GoCkpt): each snapshot staged in
+  ``overlapped.chunks`` chunks over as many steps, the earlier chunks caught up by the later steps'
+  records through a new optimizer of your optimizer's class (``OptimizerSteps.catch_up_``).
+
+``differential`` and ``overlapped`` ask that each step's gradients be new tensors (torch's
+``zero_grad(set_to_none=True)`` default) and that ``after_step`` follow every ``optimizer.step()``.
 
 Ray Train: every rank restores (the state is read from storage by each; rank 0 picks the snapshot and
 the others load the same one), rank 0 writes. Every ``report_every_steps`` steps (default: the
@@ -43,24 +55,27 @@ from typing import Any
 
 import torch
 
+from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
-from raycheck.policies.strategies import RunStrategy
+from raycheck.policies.strategies import STEP_LOG, RunStrategy
 from raycheck.storage.backend import Storage, local_path
+from raycheck.storage.diffs import DiffStore
 from raycheck.storage.manifest import RunIdentity, folder_step, manifest_layout
 from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from raycheck.training.checkpointing import FullCheckpointer
+from raycheck.training.differential import DiffCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, unwrap
+from raycheck.training.optim_steps import OptimizerSteps, clone_optimizer
+from raycheck.training.overlapped import OverlappedCheckpointer
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = (RunStrategy.FULL_SYNC.value, RunStrategy.FULL_ASYNC.value, RunStrategy.LAYERWISE.value)
-"""The strategies a user's loop can checkpoint with."""
+OwnCheckpointer = FullCheckpointer | LayerwiseCheckpointer | DiffCheckpointer | OverlappedCheckpointer
+"""Rank 0's checkpointer, by strategy."""
 
-NOT_SUPPORTED = {
-    RunStrategy.DIFFERENTIAL.value: "it replays the recorded gradients through raycheck's own AdamW, not through your optimizer",
-    RunStrategy.OVERLAPPED.value: "its catch-up replays the applied gradients through raycheck's own AdamW, not through your optimizer",
-}
+STRATEGIES = tuple(s.value for s in RunStrategy if s not in STEP_LOG)
+"""The strategies a user's loop can checkpoint with (all of ``raycheck run``'s first-order ones)."""
 
 
 def ray_train_context() -> Any | None:
@@ -83,8 +98,10 @@ class FirstOrderCheckpoints:
         storage: where snapshots go: a local folder, ``file://``, ``s3://bucket/prefix``. Default in a
             Ray Train worker: ``<Ray Train experiment dir>/raycheck``; required elsewhere. Every rank must
             reach it (a shared filesystem or a bucket) to restore.
-        strategy: ``full-sync``, ``full-async`` or ``layerwise`` (``STRATEGIES``).
-        every_steps: steps between checkpoints (>= 1).
+        strategy: ``full-sync``, ``full-async``, ``layerwise``, ``differential`` or ``overlapped``
+            (``STRATEGIES``; the module docstring).
+        every_steps: steps between checkpoints (>= 1; ``differential``: between reports only, its
+            full checkpoints follow ``differential.full_every_steps``).
         run_id: the run the snapshots belong to (a restore takes only this run's). Default: the Ray
             Train experiment name, else ``"own-loop"``.
         settings: what fixes your trajectory (lr, seed, batch size, ...; JSON-able): hashed into the run
@@ -92,6 +109,9 @@ class FirstOrderCheckpoints:
         layerwise: the layer-wise rule (threshold, staleness bound, bytes per check); default
             ``LayerwiseConfig()`` (threshold 1e-3: approximate; threshold 0: every changed unit is
             rewritten at each check, so a restore is exact).
+        differential: ``differential``'s full-checkpoint interval, records per object and top-k
+            (0: exact records); default ``DifferentialConfig()``.
+        overlapped: ``overlapped``'s chunks; default ``OverlappedConfig()``.
         keep: committed snapshots kept (>= 1; older ones deleted by raycheck, shards a kept composite
             references excepted).
         report: call ``ray.train.report`` (default: True in a Ray Train worker).
@@ -100,17 +120,16 @@ class FirstOrderCheckpoints:
 
     Raises:
         ValueError: an unknown strategy, ``every_steps`` or ``keep`` < 1, no ``storage`` outside Ray Train,
-            ``differential`` / ``overlapped`` (not supported, the message says why).
-        training.optim_state.UnsupportedOptimizerError: an optimizer whose state cannot be created up front.
+            ``differential`` with a parameter that is not float32 (its records are float32 gradients).
+        training.optim_state.UnsupportedOptimizerError: an optimizer whose state cannot be created up front;
+            ``overlapped`` with one that cannot be rebuilt from its parameter groups.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, storage: str | None = None, *,
                  strategy: str = "layerwise", every_steps: int = 10, run_id: str | None = None,
-                 settings: Mapping[str, Any] | None = None, layerwise: LayerwiseConfig | None = None, keep: int = 3,
+                 settings: Mapping[str, Any] | None = None, layerwise: LayerwiseConfig | None = None,
+                 differential: DifferentialConfig | None = None, overlapped: OverlappedConfig | None = None, keep: int = 3,
                  report: bool | None = None, report_every_steps: int | None = None) -> None:
-        if strategy in NOT_SUPPORTED:
-            raise ValueError(f"strategy {strategy!r} is not supported from your own loop: {NOT_SUPPORTED[strategy]}; "
-                             f"use one of {', '.join(STRATEGIES)}")
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         for name, value in (("every_steps", every_steps), ("keep", keep), ("report_every_steps", report_every_steps)):
@@ -129,16 +148,28 @@ class FirstOrderCheckpoints:
         self.report_enabled = self._ctx is not None if report is None else report
         self.report_every_steps = report_every_steps or every_steps
         self.state = ModelOptimizerState(model, optimizer)
+        self.differential = differential or DifferentialConfig()
+        if strategy == RunStrategy.DIFFERENTIAL:
+            odd = next((n for n, p in self.state.named.items() if p.dtype != torch.float32), None)
+            if odd is not None:
+                raise ValueError(f"strategy differential records float32 gradients; parameter {odd!r} is "
+                                 f"{self.state.named[odd].dtype}: use another strategy")
+        if strategy == RunStrategy.OVERLAPPED:
+            clone_optimizer(optimizer)  # refuses, now, an optimizer the catch-up could not rebuild
         run_id = run_id or (self._ctx.get_experiment_name() if self._ctx is not None else "own-loop")
         trajectory = hashlib.sha256(json.dumps(dict(settings or {}), sort_keys=True, default=str).encode()).hexdigest()
-        self.store = SnapshotStore(Storage(storage), keep_last=keep, identity=RunIdentity(run_id, trajectory))
+        identity = RunIdentity(run_id, trajectory)
+        self.store = SnapshotStore(Storage(storage), keep_last=keep, identity=identity)
+        self.diffs = DiffStore(self.store.storage, identity=identity) if strategy == RunStrategy.DIFFERENTIAL else None
         config = {"strategy": strategy, "optimizer": type(optimizer).__name__, "settings": dict(settings or {})}
-        self.checkpointer: FullCheckpointer | LayerwiseCheckpointer | None = None
+        self.steps: OptimizerSteps | None = None
+        """The optimizer's step records (``differential`` and ``overlapped``; every rank: a restore replays)."""
+        if strategy in (RunStrategy.DIFFERENTIAL, RunStrategy.OVERLAPPED):
+            self.steps = OptimizerSteps(self.state)
+        self.checkpointer: OwnCheckpointer | None = None
         if self.rank == 0:
             self.store.claim_epoch()  # fences the writers of an earlier incarnation of this run
-            self.checkpointer = (LayerwiseCheckpointer(self.store, every_steps, layerwise or LayerwiseConfig(), config)
-                                 if strategy == RunStrategy.LAYERWISE else
-                                 FullCheckpointer(self.store, every_steps, strategy == RunStrategy.FULL_ASYNC, config))
+            self.checkpointer = self._checkpointer(layerwise or LayerwiseConfig(), overlapped or OverlappedConfig(), config)
         self.restored: dict[str, Any] = {"step": 0, "folder": None}
         """What ``restore`` loaded: ``step``, ``folder`` (None: nothing), ``seconds``, ``skipped`` (newer
         snapshots that did not load, with the reason), ``ray_checkpoint`` (``ray.train.get_checkpoint()``'s
@@ -147,6 +178,20 @@ class FirstOrderCheckpoints:
         self._last_steps_done = 0
         self._warned_unmanaged = False
         self.closed = False
+
+    def _checkpointer(self, layerwise: LayerwiseConfig, overlapped: OverlappedConfig, config: dict[str, Any]) -> OwnCheckpointer:
+        """Rank 0's checkpointer for the strategy."""
+        if self.strategy == RunStrategy.LAYERWISE:
+            return LayerwiseCheckpointer(self.store, self.every_steps, layerwise, config)
+        if self.strategy == RunStrategy.DIFFERENTIAL:
+            assert self.diffs is not None and self.steps is not None
+            d = self.differential
+            return DiffCheckpointer(self.store, self.diffs, self.steps.applied, d.full_every_steps, d.batch_steps, d.topk, config)
+        if self.strategy == RunStrategy.OVERLAPPED:
+            assert self.steps is not None
+            return OverlappedCheckpointer(self.store, self.every_steps, overlapped.chunks, self.steps.catch_up_,
+                                          self.steps.applied, config)
+        return FullCheckpointer(self.store, self.every_steps, self.strategy == RunStrategy.FULL_ASYNC, config)
 
     # -- restore ----------------------------------------------------------------------------------
     def _own(self) -> list[SnapshotInfo]:
@@ -196,6 +241,8 @@ class FirstOrderCheckpoints:
                                  unit_steps={u: int(s["step"]) for u, s in chosen.manifest["units"].items()})
             same = ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder)
             self._reported = chosen.folder if same else None
+        if self.steps is not None and self.diffs is not None:
+            self._replay_records(chosen)
         self._last_steps_done = int(self.restored["step"])
         self.restored.update(seconds=time.perf_counter() - t0, ray_checkpoint=ray_ckpt.path if ray_ckpt is not None else None)
         if ray_ckpt is not None:
@@ -204,6 +251,29 @@ class FirstOrderCheckpoints:
                 log.warning("restored step %d, older than Ray Train's latest reported checkpoint %s (it did not verify)",
                             self.restored["step"], ray_ckpt.path)
         return int(self.restored["step"])
+
+    def _replay_records(self, chosen: SnapshotInfo | None) -> None:
+        """``differential``: replay the committed records after the restored full checkpoint through the
+        optimizer (rank 0 as far as they verify; every other rank the same steps), then count the full
+        checkpoints from it. With no full checkpoint no record is replayed (the model may not be the one
+        the records started from): the initial state is written as one instead."""
+        assert self.steps is not None and self.diffs is not None
+        base = chosen.step if chosen is not None else 0
+        box = [base]
+        if self.rank == 0 and chosen is not None:
+            replay = self.diffs.replay(base, self.steps.replay)
+            box = [replay.end_step]
+            if replay.stopped:
+                self.restored["skipped"] = [*self.restored.get("skipped", []), replay.stopped]
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(box, src=0)
+            if self.rank != 0 and box[0] > base:
+                self.diffs.replay(base, self.steps.replay, until=box[0])
+        if isinstance(self.checkpointer, DiffCheckpointer):
+            self.checkpointer.resume(base)
+            if chosen is None:
+                self.checkpointer.full_now(0, self.state.view)
+        self.restored.update(step=box[0], replayed_steps=box[0] - base)
 
     # -- the loop ---------------------------------------------------------------------------------
     def after_step(self, steps_done: int, metrics: Mapping[str, Any] | None = None) -> float:
@@ -284,18 +354,31 @@ class FirstOrderCheckpoints:
         self.closed = True
         stats: dict[str, Any] = {}
         if self.checkpointer is not None:
-            last, schedule = self._last_steps_done, self.checkpointer.schedule
-            if last and schedule.last_step is not None and schedule.last_step < last:  # the trained state, not an earlier one
-                schedule.set_interval(1)
-                self.checkpointer.after_step(last, self.state.view)
+            if self._last_steps_done:
+                self._checkpoint_trained_state(self._last_steps_done)
             stats = self.checkpointer.close(timeout_s)
             if stats.get("errors"):
                 log.warning("failed checkpoint writes: %s", stats["errors"])
             own = self._own()
             stats.update(storage=self.storage_uri, newest=own[-1].folder if own else None)
+        if self.steps is not None:
+            self.steps.close()
         if self.report_enabled:
             self._report(steps_done if steps_done is not None else self._last_steps_done, metrics)
         return stats
+
+    def _checkpoint_trained_state(self, last: int) -> None:
+        """Rank 0 at ``close``: take a checkpoint of the state after ``last`` steps unless one holds it or
+        will (an overlapped window still open is completed from this state by the checkpointer's close)."""
+        ckpt = self.checkpointer
+        if isinstance(ckpt, OverlappedCheckpointer):
+            if not ckpt.window_open and (ckpt.last_submitted_step or 0) < last:
+                ckpt.save_now(last, self.state.view)
+            return
+        assert ckpt is not None
+        if ckpt.schedule.last_step is not None and ckpt.schedule.last_step < last:
+            ckpt.schedule.set_interval(1)
+            ckpt.after_step(last, self.state.view)
 
     @staticmethod
     def load(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

@@ -1,0 +1,162 @@
+"""The steps of a user's own ``torch.optim`` optimizer as records, and their replay through the same
+optimizer class: what differential checkpoints (LowDiff, SC'25) and overlapped snapshots (GoCkpt,
+arXiv:2511.07035) need from a loop whose optimizer raycheck does not own
+(``workers.own_loop.FirstOrderCheckpoints``).
+
+A step record (``OptimizerSteps.applied``) is what one ``optimizer.step()`` read, taken by a step
+pre-hook (``Optimizer.register_step_pre_hook``) at the moment of the call:
+
+* ``<parameter>``: the gradient the step consumed (``p.grad`` then: after your clipping, AMP unscaling,
+  DDP averaging), the parameter's shape and dtype, by reference (no copy; ``zero_grad(set_to_none=True)``,
+  torch's default, makes each step's gradients new tensors). A parameter without a gradient is absent:
+  the step skipped it, and so does its replay.
+* ``param_groups.<i>.<key>``: group ``i``'s numeric hyper-parameters at that step
+  (``training.optim_state.group_values``, float64): what your scheduler had set, so a replayed step
+  uses the learning rate the step used.
+
+Replaying a record sets those gradients and hyper-parameters and calls ``step()``: given the same
+state, bitwise the step that ran (the optimizer is deterministic on the CPU). ``catch_up_`` replays
+records onto part of a staged copy of the state through a new optimizer of the same class over that
+part (its parameter groups' settings copied), which is exact for every optimizer whose update of a
+parameter reads only that parameter's gradient, state and group settings (every ``torch.optim``
+optimizer except LBFGS, which needs a closure).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from raycheck.storage.tensor_files import as_numpy, to_tensor
+from raycheck.training.optim_state import ModelOptimizerState, UnsupportedOptimizerError, group_values, set_group_values
+
+
+def _tensor_like(value: np.ndarray | torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
+    """``value`` as a tensor of ``like``'s shape, dtype and device (a view on the CPU when it can be).
+
+    Raises:
+        ValueError: another shape or dtype, naming ``what``.
+    """
+    t = value if isinstance(value, torch.Tensor) else to_tensor(value)
+    if tuple(t.shape) != tuple(like.shape) or t.dtype != like.dtype:
+        raise ValueError(f"{what} is {t.dtype} {tuple(t.shape)}, the parameter is {like.dtype} {tuple(like.shape)}")
+    return t.to(like.device)
+
+
+def clone_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class over ``groups`` (parameter groups with every setting;
+    default: one group of ``optimizer``'s first group's settings over a stand-in tensor, to check early
+    that the class can be rebuilt).
+
+    Raises:
+        UnsupportedOptimizerError: the class cannot be built from its parameter groups alone."""
+    if groups is None:
+        groups = [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}, "params": [torch.zeros(1)]}]
+    cls = type(optimizer)
+    try:
+        return cast(torch.optim.Optimizer, cast(Any, cls)(groups))
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedOptimizerError(f"{cls.__name__} cannot be built from its parameter groups alone ({exc}), "
+                                        "which the overlapped catch-up needs: use another strategy") from exc
+
+
+class OptimizerSteps:
+    """Records every ``step()`` of ``state``'s optimizer and replays such records (the module docstring).
+
+    Args:
+        state: the model and optimizer of the loop (``training.optim_state.ModelOptimizerState``); a step
+            pre-hook is registered on its optimizer until ``close``.
+    """
+
+    def __init__(self, state: ModelOptimizerState) -> None:
+        self.state = state
+        self._last: OrderedDict[str, torch.Tensor] | None = None
+        self._replaying = False
+        self._hook = state.optimizer.register_step_pre_hook(self._capture)
+
+    def _capture(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._replaying:
+            return
+        record: OrderedDict[str, torch.Tensor] = OrderedDict(
+            (n, p.grad.detach()) for n, p in self.state.named.items() if p.grad is not None)
+        record.update(group_values(optimizer))
+        self._last = record
+
+    def applied(self) -> Mapping[str, torch.Tensor]:
+        """The record of the last ``optimizer.step()`` (see the module docstring).
+
+        Raises:
+            RuntimeError: no step has run since this object was made.
+        """
+        if self._last is None:
+            raise RuntimeError("no optimizer.step() since the checkpoints were set up: call after_step after your "
+                               "optimizer's step")
+        return self._last
+
+    def replay(self, record: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        """One ``step()`` of the live optimizer with ``record``'s gradients and hyper-parameters (not
+        recorded again); the gradients are cleared afterwards.
+
+        Raises:
+            ValueError: a recorded gradient's shape or dtype differs from its parameter's.
+        """
+        for name, p in self.state.named.items():
+            p.grad = _tensor_like(record[name], p, f"the recorded gradient of {name}") if name in record else None
+        for i, group in enumerate(self.state.optimizer.param_groups):
+            set_group_values(group, i, record)
+        self._replaying = True
+        try:
+            self.state.optimizer.step()
+        finally:
+            self._replaying = False
+            for p in self.state.named.values():
+                p.grad = None
+
+    def catch_up_(self, chunk: Mapping[str, np.ndarray], records: Sequence[Mapping[str, np.ndarray | torch.Tensor]]) -> None:
+        """Apply ``records`` (in step order) to part of a staged state in place (GoCkpt's catch-up):
+        ``chunk`` holds some parameters' weights with their ``optim.<slot>.<parameter>`` tensors
+        (writable C-contiguous arrays, e.g. a staging buffer; other entries are left alone); a new
+        optimizer of the live one's class, over these parameters in their groups, steps once per record
+        on the parameters' device, and the result is written back into ``chunk``.
+
+        Raises:
+            KeyError: a parameter of ``chunk`` lacks one of its optimizer state tensors.
+            ValueError: a recorded gradient's shape or dtype differs from its parameter's.
+            UnsupportedOptimizerError: the optimizer's class cannot be rebuilt (``clone_optimizer``).
+        """
+        live = self.state.optimizer
+        params = OrderedDict((n, _tensor_like(chunk[n], p, f"the staged {n}")) for n, p in self.state.named.items() if n in chunk)
+        if not params or not records:
+            return
+        groups, index = [], []  # the clone's groups, and the live group each one is
+        for i, group in enumerate(live.param_groups):
+            ids = {id(q) for q in group["params"]}
+            members = [t for n, t in params.items() if id(self.state.named[n]) in ids]
+            if members:
+                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
+                index.append(i)
+        clone = clone_optimizer(live, groups)
+        for name, t in params.items():
+            slots = live.state[self.state.named[name]]
+            clone.state[t] = {slot: _tensor_like(chunk[f"optim.{slot}.{name}"], s.reshape(-1) if s.dim() == 0 else s,
+                                                 f"the staged optim.{slot}.{name}").reshape(s.shape)
+                              for slot, s in slots.items()}
+        for record in records:
+            for name, t in params.items():
+                t.grad = _tensor_like(record[name], t, f"the recorded gradient of {name}") if name in record else None
+            for group, i in zip(clone.param_groups, index):
+                set_group_values(group, i, record)
+            clone.step()
+        for name, t in params.items():  # the CPU tensors are views of the chunk already
+            if t.device.type != "cpu":
+                np.copyto(chunk[name], as_numpy(t.detach().cpu()))
+                for slot, s in clone.state[t].items():
+                    np.copyto(chunk[f"optim.{slot}.{name}"], as_numpy(s.detach().cpu().reshape(-1 if s.dim() == 0 else s.shape)))
+
+    def close(self) -> None:
+        """Remove the step pre-hook (idempotent)."""
+        self._hook.remove()
