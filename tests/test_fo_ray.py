@@ -68,13 +68,14 @@ def test_two_ddp_workers_with_differential_checkpoints_recover_bitwise(ddp_refer
              r["recompute_steps"]) for r in failed["recoveries"]] == [("storage", 7, 4, 2, 6, 0, 1)]
 
 
-@pytest.mark.parametrize("strategy, restored, last", [("full-async", 6, 9), ("overlapped", 7, 10)])
+@pytest.mark.parametrize("strategy, restored, last", [("full-async", 6, 10), ("overlapped", 7, 10)])
 def test_two_ddp_workers_with_full_state_baselines_recover_bitwise(ddp_reference, tmp_path, strategy, restored, last):
     """Rank 1 dies during step 7; a checkpoint begins every 3 steps. Full: restored at 6, step 6
     recomputed (full-sync differs only in ``FullCheckpointer(asynchronous=False)``, tested without Ray in
     ``tests/test_staging.py``; its restore is this one). Overlapped in 2 chunks (GoCkpt): the snapshot begun after step 6 is the state after
     step 7 (its first chunk caught up with step 6's DDP-averaged gradients), nothing recomputed; the one
-    begun after the last step is completed by ``close``."""
+    begun after the last step is completed by ``close``. Full: ``close`` commits the state of the last step
+    (10, off the interval), the run's trained state (``FirstOrderCheckpoints.close``)."""
     failed = fo_job(tmp_path, f"fo-{strategy}", "7:worker", strategy=strategy, snapshot={"every_steps": 3}, overlapped={"chunks": 2}, **DDP)
     assert_bitwise(failed, ddp_reference)
     assert [(r["source"], r["failure_step"], r["restored_step"], r["lost_steps"], r["recompute_steps"])

@@ -96,9 +96,12 @@ class LayerwiseCheckpointer:
 
     def resume(self, info: SnapshotInfo, state: Mapping[str, torch.Tensor | np.ndarray]) -> None:
         """Start from a restored snapshot: each unit counts as persisted at its manifest step with the
-        weights of ``state`` (the state just loaded from ``info``), so no unit is rewritten needlessly.
-        Call before the first ``after_step``."""
+        weights of ``state`` (the state just loaded from ``info``), so no unit is rewritten needlessly;
+        a unit the snapshot lacks (e.g. the parameter groups of a state merged from checkpoints without
+        them) counts as never persisted, so the next check writes it. Call before the first ``after_step``."""
         for unit, names in group_by_unit(state).items():
+            if unit not in info.manifest["units"]:
+                continue
             weights = {n: np.array(as_numpy(state[n]), copy=True) for n in names if parameter_of(n) is None}
             self._persisted[unit] = (int(info.manifest["units"][unit]["step"]), weights)
 

@@ -68,15 +68,16 @@ class OptimizerSteps:
     """Records every ``step()`` of ``state``'s optimizer and replays such records (the module docstring).
 
     Args:
-        state: the model and optimizer of the loop (``training.optim_state.ModelOptimizerState``); a step
-            pre-hook is registered on its optimizer until ``close``.
+        state: the model and optimizer of the loop (``training.optim_state.ModelOptimizerState``).
+        record: register the step pre-hook that takes the records (until ``close``); False: replay only
+            (a rank that writes no checkpoint).
     """
 
-    def __init__(self, state: ModelOptimizerState) -> None:
+    def __init__(self, state: ModelOptimizerState, record: bool = True) -> None:
         self.state = state
         self._last: OrderedDict[str, torch.Tensor] | None = None
         self._replaying = False
-        self._hook = state.optimizer.register_step_pre_hook(self._capture)
+        self._hook = state.optimizer.register_step_pre_hook(self._capture) if record else None
 
     def _capture(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._replaying:
@@ -87,15 +88,17 @@ class OptimizerSteps:
         self._last = record
 
     def applied(self) -> Mapping[str, torch.Tensor]:
-        """The record of the last ``optimizer.step()`` (see the module docstring).
+        """The record of the last ``optimizer.step()`` (see the module docstring), handed over once: this
+        object keeps no reference to it afterwards (the caller's is the only one holding the gradients).
 
         Raises:
-            RuntimeError: no step has run since this object was made.
+            RuntimeError: no step has run since the last call.
         """
-        if self._last is None:
-            raise RuntimeError("no optimizer.step() since the checkpoints were set up: call after_step after your "
-                               "optimizer's step")
-        return self._last
+        record, self._last = self._last, None
+        if record is None:
+            raise RuntimeError("no optimizer.step() since the last after_step: call after_step once after each "
+                               "optimizer.step()")
+        return record
 
     def replay(self, record: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """One ``step()`` of the live optimizer with ``record``'s gradients and hyper-parameters (not
@@ -159,4 +162,6 @@ class OptimizerSteps:
 
     def close(self) -> None:
         """Remove the step pre-hook (idempotent)."""
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
+        self._last = None

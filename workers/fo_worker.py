@@ -33,33 +33,30 @@ import time
 
 from raycheck.job.config import JobConfig
 from raycheck.job.stores import diff_store, snapshot_store
-from raycheck.policies.strategies import FULL_STATE, RunStrategy
-from raycheck.storage.snapshots import SnapshotStore
+from raycheck.policies.strategies import RunStrategy
 from raycheck.training import sharded as sharded_fo
-from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
+from raycheck.training.checkpointing import Checkpointer
 from raycheck.training.data import PromptEncoder, batch_indices
-from raycheck.training.differential import DiffCheckpointer
-from raycheck.workers.faults import FaultInjector
-from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 from raycheck.training.fo import FOHyper, FOTrainer
-from raycheck.training.layerwise import LayerwiseCheckpointer
-from raycheck.training.overlapped import OverlappedCheckpointer
-from raycheck.workers.recovery import from_storage
 from raycheck.training.state import state_sha256
+from raycheck.workers.faults import FaultInjector
+from raycheck.workers.own_loop import FirstOrderCheckpoints
+from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 from raycheck.workers.worker_env import TaskEnv, mean_over_workers, record_start, worker_env
 
+RECOVERY_FIELDS = ("source", "base_step", "replayed_steps", "load_seconds", "replay_seconds", "seconds", "skipped",
+                   "restore_began_unix_s", "state_loaded_unix_s", "exact")
+"""What a ``recovery`` event takes of ``FirstOrderCheckpoints.restored`` (``exact``: ``differential`` only)."""
 
-def checkpointer(cfg: JobConfig, store: SnapshotStore, trainer: FOTrainer) -> Checkpointer:
-    """Rank 0's checkpointer for ``cfg.strategy`` (unsharded state)."""
-    config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy}
-    if cfg.strategy in FULL_STATE:
-        return FullCheckpointer(store, cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC, config)
-    if cfg.strategy == RunStrategy.OVERLAPPED:
-        return OverlappedCheckpointer(store, cfg.snapshot.every_steps, cfg.overlapped.chunks, trainer.hyper, trainer.applied_gradients, config)
-    if cfg.strategy == RunStrategy.LAYERWISE:
-        return LayerwiseCheckpointer(store, cfg.snapshot.every_steps, cfg.layerwise, config)
-    return DiffCheckpointer(store, diff_store(cfg), trainer.applied_gradients, cfg.differential.full_every_steps,
-                            cfg.differential.batch_steps, cfg.differential.topk, config)
+
+def run_checkpoints(cfg: JobConfig, trainer: FOTrainer) -> FirstOrderCheckpoints:
+    """The run's checkpoints through the public API a user's own loop calls (``workers.own_loop``): the
+    run's snapshot store (its identity, retention and writer epoch), ``cfg``'s strategy and settings, no
+    Ray Train reports (the store is not in Ray Train's experiment directory), and ``reproducible_init``
+    (every worker loads the same initial weights)."""
+    return FirstOrderCheckpoints(trainer.model, trainer.optimizer, snapshot_store(cfg), strategy=cfg.strategy,
+                                 every_steps=cfg.snapshot.every_steps, layerwise=cfg.layerwise, differential=cfg.differential,
+                                 overlapped=cfg.overlapped, report=False, reproducible_init=True)
 
 
 def durable_steps(cfg: JobConfig) -> int:
@@ -68,22 +65,6 @@ def durable_steps(cfg: JobConfig) -> int:
     store = snapshot_store(cfg)
     base = max((i.step for i in store.list()), default=0)
     return diff_store(cfg).durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
-
-
-def restore_first_order(trainer: FOTrainer, cfg: JobConfig, store: SnapshotStore) -> dict:
-    """Load the newest durable state into ``trainer`` (see the module docstring); returns the
-    ``recovery`` event's fields: ``source``, ``base_step``, ``replayed_steps``, ``load_seconds``,
-    ``replay_seconds``, ``seconds``, ``skipped`` (and ``exact`` for ``differential``)."""
-    t0 = time.perf_counter()
-    result = from_storage(trainer.state_view(), cfg, None, None)
-    if cfg.strategy == RunStrategy.DIFFERENTIAL:
-        t1 = time.perf_counter()
-        replay = diff_store(cfg).replay(result["base_step"], trainer.replay_gradients)
-        result.update(replayed_steps=replay.replayed_steps, replay_seconds=time.perf_counter() - t1, exact=replay.exact)
-        if replay.stopped:
-            result["skipped"] = [*result["skipped"], replay.stopped]
-    result["seconds"] = time.perf_counter() - t0
-    return result
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -105,19 +86,20 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
     sharded = cfg.fo.parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
     group = sharded_fo.checkpoint_group() if sharded else None
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
-    store = snapshot_store(cfg)
+    own = None if group is not None else run_checkpoints(cfg, trainer)
     ckpt: Checkpointer | None = (sharded_fo.sharded_checkpointer(cfg, trainer, group) if group is not None
-                                 else checkpointer(cfg, store, trainer) if rank == 0 else None)
+                                 else own.checkpointer if own is not None else None)
+    state = own.state.view if own is not None else trainer.state_view  # what the checkpointer copies
     durable = (lambda: sharded_fo.durable_steps(cfg)) if sharded else (lambda: durable_steps(cfg))
     faults = FaultInjector(cfg, run, rank, world, durable_steps=durable, flush=ckpt.flush if ckpt else None)
 
     result = None
     if promoted is not None or faults.fired() or durable() > 0:
-        result = sharded_fo.restore_sharded(trainer, cfg, group) if group is not None else restore_first_order(trainer, cfg, store)
-        if isinstance(ckpt, LayerwiseCheckpointer) and result["source"] == "storage":
-            ckpt.resume(next(i for i in reversed(store.list()) if i.step == result["base_step"]), trainer.state_view())
-        if isinstance(ckpt, DiffCheckpointer):
-            ckpt.resume(result["base_step"])  # the next full checkpoint bounds the chain this restore replayed
+        if group is not None:
+            result = sharded_fo.restore_sharded(trainer, cfg, group)
+        elif own is not None:
+            own.restore()
+            result = {k: own.restored[k] for k in RECOVERY_FIELDS if k in own.restored}
     accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None
     start = record_start(env, result, accuracy, promoted=promoted)
     notices = PreemptionNotices(env.rank)
@@ -130,9 +112,9 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
         trainer.apply_gradients()
         [loss] = mean_over_workers([loss], world)
         step_s = time.perf_counter() - t0
-        block_s = ckpt.after_step(step + 1, trainer.state_view) if ckpt else 0.0
+        block_s = own.after_step(step + 1) if own is not None else ckpt.after_step(step + 1, state) if ckpt else 0.0
         if (notice := notices.poll()) is not None:  # every rank asks (a collective), every rank gets the same answer
-            save_before_deadline(notice, ckpt, step + 1, trainer.state_view, run, rank)
+            save_before_deadline(notice, ckpt, step + 1, state, run, rank)
         hashed = cfg.hash_every_steps and (step + 1) % cfg.hash_every_steps == 0 and (rank == 0 or sharded)
         digest = state_sha256(sharded_fo.full_state(trainer.state_view())) if hashed else None  # weights + optimizer
         if rank == 0:
@@ -145,7 +127,11 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
         final = {"step": cfg.steps, "state_sha256": state_sha256(sharded_fo.full_state(trainer.state_view()))}
         if cfg.eval_samples:
             final["accuracy_after"] = accuracy() if accuracy is not None else encoder.evaluate(model, held_out, cfg.eval_samples)
-        if ckpt is not None:  # rank 0's, or every rank's under fsdp2
+        if own is not None:
+            final["checkpoints"] = own.close()
+        elif ckpt is not None:  # every rank's under fsdp2
             final["checkpoints"] = ckpt.close()
         if rank == 0:
             run.event("final", **final)
+    elif own is not None:
+        own.close()

@@ -97,7 +97,9 @@ class FirstOrderCheckpoints:
             created now if missing (``training.optim_state.materialise_state``).
         storage: where snapshots go: a local folder, ``file://``, ``s3://bucket/prefix``. Default in a
             Ray Train worker: ``<Ray Train experiment dir>/raycheck``; required elsewhere. Every rank must
-            reach it (a shared filesystem or a bucket) to restore.
+            reach it (a shared filesystem or a bucket) to restore. Or a ``SnapshotStore`` with a run
+            identity whose writer epoch is claimed already (``raycheck run``'s, ``job.stores.snapshot_store``):
+            its identity and retention are used (``run_id``, ``settings`` and ``keep`` are not).
         strategy: ``full-sync``, ``full-async``, ``layerwise``, ``differential`` or ``overlapped``
             (``STRATEGIES``; the module docstring).
         every_steps: steps between checkpoints (>= 1; ``differential``: between reports only, its
@@ -117,6 +119,9 @@ class FirstOrderCheckpoints:
         report: call ``ray.train.report`` (default: True in a Ray Train worker).
         report_every_steps: steps between reports (default ``every_steps``); every rank reports at the
             same steps.
+        reproducible_init: the model and optimizer passed in hold the run's initial state in every
+            incarnation (pretrained weights, a seeded initialisation): ``differential`` then replays its
+            records from step 0 when no full checkpoint exists, and writes none of the initial state.
 
     Raises:
         ValueError: an unknown strategy, ``every_steps`` or ``keep`` < 1, no ``storage`` outside Ray Train,
@@ -125,11 +130,11 @@ class FirstOrderCheckpoints:
             ``overlapped`` with one that cannot be rebuilt from its parameter groups.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, storage: str | None = None, *,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, storage: str | SnapshotStore | None = None, *,
                  strategy: str = "layerwise", every_steps: int = 10, run_id: str | None = None,
                  settings: Mapping[str, Any] | None = None, layerwise: LayerwiseConfig | None = None,
                  differential: DifferentialConfig | None = None, overlapped: OverlappedConfig | None = None, keep: int = 3,
-                 report: bool | None = None, report_every_steps: int | None = None) -> None:
+                 report: bool | None = None, report_every_steps: int | None = None, reproducible_init: bool = False) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         for name, value in (("every_steps", every_steps), ("keep", keep), ("report_every_steps", report_every_steps)):
@@ -140,7 +145,8 @@ class FirstOrderCheckpoints:
             if self._ctx is None:
                 raise ValueError("storage is required outside a Ray Train worker (a folder or s3:// URI)")
             storage = f"{self._ctx.get_storage().experiment_fs_path}/raycheck"
-        self.storage_uri, self.strategy, self.every_steps = storage, strategy, every_steps
+        self.storage_uri = storage.storage.url() if isinstance(storage, SnapshotStore) else storage
+        self.strategy, self.every_steps, self.reproducible_init = strategy, every_steps, reproducible_init
         self.rank = self._ctx.get_world_rank() if self._ctx is not None else (
             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self.world = self._ctx.get_world_size() if self._ctx is not None else (
@@ -156,24 +162,33 @@ class FirstOrderCheckpoints:
                                  f"{self.state.named[odd].dtype}: use another strategy")
         if strategy == RunStrategy.OVERLAPPED:
             clone_optimizer(optimizer)  # refuses, now, an optimizer the catch-up could not rebuild
-        run_id = run_id or (self._ctx.get_experiment_name() if self._ctx is not None else "own-loop")
-        trajectory = hashlib.sha256(json.dumps(dict(settings or {}), sort_keys=True, default=str).encode()).hexdigest()
-        identity = RunIdentity(run_id, trajectory)
-        self.store = SnapshotStore(Storage(storage), keep_last=keep, identity=identity)
-        self.diffs = DiffStore(self.store.storage, identity=identity) if strategy == RunStrategy.DIFFERENTIAL else None
+        if isinstance(storage, SnapshotStore):
+            if storage.identity is None:
+                raise ValueError("a SnapshotStore given as storage needs a run identity")
+            self.store, claim = storage, False
+        else:
+            run_id = run_id or (self._ctx.get_experiment_name() if self._ctx is not None else "own-loop")
+            trajectory = hashlib.sha256(json.dumps(dict(settings or {}), sort_keys=True, default=str).encode()).hexdigest()
+            self.store, claim = SnapshotStore(Storage(storage), keep_last=keep, identity=RunIdentity(run_id, trajectory)), True
+        self.diffs = DiffStore(self.store.storage, identity=self.store.identity) if strategy == RunStrategy.DIFFERENTIAL else None
         config = {"strategy": strategy, "optimizer": type(optimizer).__name__, "settings": dict(settings or {})}
         self.steps: OptimizerSteps | None = None
         """The optimizer's step records (``differential`` and ``overlapped``; every rank: a restore replays)."""
         if strategy in (RunStrategy.DIFFERENTIAL, RunStrategy.OVERLAPPED):
-            self.steps = OptimizerSteps(self.state)
+            self.steps = OptimizerSteps(self.state, record=self.rank == 0)
         self.checkpointer: OwnCheckpointer | None = None
         if self.rank == 0:
-            self.store.claim_epoch()  # fences the writers of an earlier incarnation of this run
+            if claim:
+                self.store.claim_epoch()  # fences the writers of an earlier incarnation of this run
             self.checkpointer = self._checkpointer(layerwise or LayerwiseConfig(), overlapped or OverlappedConfig(), config)
         self.restored: dict[str, Any] = {"step": 0, "folder": None}
-        """What ``restore`` loaded: ``step``, ``folder`` (None: nothing), ``seconds``, ``skipped`` (newer
-        snapshots that did not load, with the reason), ``ray_checkpoint`` (``ray.train.get_checkpoint()``'s
-        path, or None), ``unit_steps`` (unit -> the step its tensors belong to: a composite's)."""
+        """What ``restore`` loaded: ``step`` (the steps done), ``folder`` (None: nothing), ``source``
+        (``storage``, or ``initial``: nothing loaded), ``base_step`` (the loaded snapshot's step),
+        ``replayed_steps`` (``differential``'s records replayed after it; ``exact``: all were exact),
+        ``seconds``, ``load_seconds``, ``replay_seconds``, ``restore_began_unix_s``,
+        ``state_loaded_unix_s``, ``skipped`` (newer snapshots that did not load, or why a replay
+        stopped), ``ray_checkpoint`` (``ray.train.get_checkpoint()``'s path, or None), ``unit_steps``
+        (unit -> the step its tensors belong to: a composite's)."""
         self._reported: str | None = None  # the folder last attached to a report (rank 0)
         self._last_steps_done = 0
         self._warned_unmanaged = False
@@ -195,8 +210,8 @@ class FirstOrderCheckpoints:
 
     # -- restore ----------------------------------------------------------------------------------
     def _own(self) -> list[SnapshotInfo]:
-        assert self.store.identity is not None
-        return [i for i in self.store.list() if i.manifest["run"] == self.store.identity.as_dict()]
+        """This run's committed snapshots and the merge results it may start from, oldest first."""
+        return self.store.list()
 
     def restore(self) -> int:
         """Load the newest committed snapshot of this run that verifies into the model and the optimizer
@@ -208,12 +223,39 @@ class FirstOrderCheckpoints:
             training.optim_state.StateMismatchError: the newest snapshot's tensors differ from this model's
                 and optimizer's (names, shapes, dtypes; the first one is named); nothing was loaded.
         """
-        t0 = time.perf_counter()
+        t0, began_unix_s = time.perf_counter(), time.time()
         ray_ckpt = None
         if self._ctx is not None:
             import ray.train
 
             ray_ckpt = ray.train.get_checkpoint()
+        chosen = self._load_newest()
+        t1 = time.perf_counter()
+        self.restored.update(base_step=chosen.step if chosen is not None else 0, source="storage" if chosen is not None else "initial",
+                             replayed_steps=0, load_seconds=t1 - t0, restore_began_unix_s=began_unix_s,
+                             state_loaded_unix_s=time.time())
+        if chosen is not None:
+            if isinstance(self.checkpointer, LayerwiseCheckpointer):
+                self.checkpointer.resume(chosen, self.state.view())
+            self.restored.update(step=chosen.step, folder=chosen.folder,
+                                 unit_steps={u: int(s["step"]) for u, s in chosen.manifest["units"].items()})
+            same = ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder)
+            self._reported = chosen.folder if same else None
+        if self.steps is not None and self.diffs is not None:
+            self._replay_records(chosen)
+        self._last_steps_done = int(self.restored["step"])
+        self.restored.update(seconds=time.perf_counter() - t0, replay_seconds=time.perf_counter() - t1,
+                             ray_checkpoint=ray_ckpt.path if ray_ckpt is not None else None)
+        if ray_ckpt is not None:
+            ray_step = folder_step(os.path.basename(ray_ckpt.path.rstrip("/")))
+            if ray_step > self.restored["step"]:
+                log.warning("restored step %d, older than Ray Train's latest reported checkpoint %s (it did not verify)",
+                            self.restored["step"], ray_ckpt.path)
+        return int(self.restored["step"])
+
+    def _load_newest(self) -> SnapshotInfo | None:
+        """Load the newest snapshot that verifies (rank 0's choice on every rank) into the model and the
+        optimizer; returns it (None: none; ``restored["skipped"]`` names the ones that did not verify)."""
         chosen, state = None, None
         if self.rank == 0:
             own = self._own()
@@ -235,34 +277,21 @@ class FirstOrderCheckpoints:
                 state = self.store.load(chosen)
         if chosen is not None and state is not None:
             self.state.load(state, f"snapshot {chosen.folder}")
-            if isinstance(self.checkpointer, LayerwiseCheckpointer):
-                self.checkpointer.resume(chosen, self.state.view())
-            self.restored.update(step=chosen.step, folder=chosen.folder,
-                                 unit_steps={u: int(s["step"]) for u, s in chosen.manifest["units"].items()})
-            same = ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder)
-            self._reported = chosen.folder if same else None
-        if self.steps is not None and self.diffs is not None:
-            self._replay_records(chosen)
-        self._last_steps_done = int(self.restored["step"])
-        self.restored.update(seconds=time.perf_counter() - t0, ray_checkpoint=ray_ckpt.path if ray_ckpt is not None else None)
-        if ray_ckpt is not None:
-            ray_step = folder_step(os.path.basename(ray_ckpt.path.rstrip("/")))
-            if ray_step > self.restored["step"]:
-                log.warning("restored step %d, older than Ray Train's latest reported checkpoint %s (it did not verify)",
-                            self.restored["step"], ray_ckpt.path)
-        return int(self.restored["step"])
+        return chosen
 
     def _replay_records(self, chosen: SnapshotInfo | None) -> None:
         """``differential``: replay the committed records after the restored full checkpoint through the
         optimizer (rank 0 as far as they verify; every other rank the same steps), then count the full
-        checkpoints from it. With no full checkpoint no record is replayed (the model may not be the one
-        the records started from): the initial state is written as one instead."""
+        checkpoints from it. With no full checkpoint, records are replayed from step 0 only with
+        ``reproducible_init``; otherwise none is (the model may not be the one the records started
+        from) and the initial state is written as a full checkpoint instead."""
         assert self.steps is not None and self.diffs is not None
         base = chosen.step if chosen is not None else 0
         box = [base]
-        if self.rank == 0 and chosen is not None:
+        if self.rank == 0 and (chosen is not None or self.reproducible_init):
             replay = self.diffs.replay(base, self.steps.replay)
             box = [replay.end_step]
+            self.restored["exact"] = replay.exact
             if replay.stopped:
                 self.restored["skipped"] = [*self.restored.get("skipped", []), replay.stopped]
         if self.world > 1 and torch.distributed.is_initialized():
@@ -271,7 +300,7 @@ class FirstOrderCheckpoints:
                 self.diffs.replay(base, self.steps.replay, until=box[0])
         if isinstance(self.checkpointer, DiffCheckpointer):
             self.checkpointer.resume(base)
-            if chosen is None:
+            if chosen is None and not self.reproducible_init:
                 self.checkpointer.full_now(0, self.state.view)
         self.restored.update(step=box[0], replayed_steps=box[0] - base)
 
