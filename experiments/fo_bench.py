@@ -80,6 +80,8 @@ from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.data import PromptEncoder, Split, batch_indices, classification_loss, load_rotten_tomatoes
 from raycheck.training.differential import DiffCheckpointer
 from raycheck.training.fo import FOHyper, FOTrainer
+from raycheck.training.optim_state import ModelOptimizerState
+from raycheck.training.optim_steps import OptimizerSteps
 from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import OverlappedCheckpointer
 from raycheck.training.model import load_model, load_tokenizer
@@ -166,17 +168,22 @@ def restart_points(restart_at: int, seeds: int, gap: int) -> list[int]:
     return [restart_at + i * gap for i in range(seeds)]
 
 
-def make_checkpointer(name: str, root: pathlib.Path, trainer: FOTrainer, args: argparse.Namespace):
+def step_records(trainer: FOTrainer, record: bool = True) -> OptimizerSteps:
+    """``trainer``'s AdamW steps as records (``training.optim_steps``): taken at each step (``record``), replayed."""
+    return OptimizerSteps(ModelOptimizerState(trainer.model, trainer.optimizer), record)
+
+
+def make_checkpointer(name: str, root: pathlib.Path, steps: OptimizerSteps, args: argparse.Namespace):
     store = SnapshotStore(Storage(str(root / name)), keep_last=KEEP_ALL if name == "layerwise" else 2)
     if name == "full-async":
         return store, FullCheckpointer(store, args.full_async_every, asynchronous=True)
     if name.startswith(OVERLAPPED):
-        return store, OverlappedCheckpointer(store, args.every, int(name[len(OVERLAPPED):]), trainer.hyper, trainer.applied_gradients)
+        return store, OverlappedCheckpointer(store, args.every, int(name[len(OVERLAPPED):]), steps.catch_up_, steps.applied)
     if name == "layerwise":
         policy = LayerwiseConfig(threshold=args.threshold, staleness_bound_steps=args.staleness, max_bytes_per_check=args.max_bytes)
         return store, LayerwiseCheckpointer(store, args.every, policy)
     topk = args.topk if name == "differential-topk" else 0.0
-    return store, DiffCheckpointer(store, DiffStore(store.storage), trainer.applied_gradients, args.full_every, args.batch_steps, topk)
+    return store, DiffCheckpointer(store, DiffStore(store.storage), steps.applied, args.full_every, args.batch_steps, topk)
 
 
 def weights_of(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -196,10 +203,10 @@ def restore(name: str, store: SnapshotStore, trainer: FOTrainer) -> int:
     trainer.load_state(loaded.state)
     if not name.startswith("differential"):
         return loaded.info.step
-    return DiffStore(store.storage).replay(loaded.info.step, trainer.replay_gradients).end_step
+    return DiffStore(store.storage).replay(loaded.info.step, step_records(trainer, record=False).replay).end_step
 
 
-def calibrate_full_every(trainer: FOTrainer, split: Split, args: argparse.Namespace) -> dict:
+def calibrate_full_every(trainer: FOTrainer, steps: OptimizerSteps, split: Split, args: argparse.Namespace) -> dict:
     """Choose the differential full-checkpoint interval from costs measured on ``trainer``, then put
     its state back bitwise (the run starts from the state it had).
 
@@ -222,13 +229,13 @@ def calibrate_full_every(trainer: FOTrainer, split: Split, args: argparse.Namesp
         t0 = time.perf_counter()
         trainer.train_step(split, batch_indices(0, step, args.batch_size, len(split)))
         step_s = time.perf_counter() - t0
-    record = copy_state(trainer.applied_gradients())
+    record = copy_state(steps.applied())
     record_bytes = sum(a.nbytes for a in record.values())
     diffs = DiffStore(store.storage)
     trainer.load_state(initial)
     diffs.write_batch([(0, record)])
     t0 = time.perf_counter()
-    diffs.replay(0, trainer.replay_gradients, until=1)
+    diffs.replay(0, steps.replay, until=1)
     replay = time.perf_counter() - t0
     trainer.load_state(initial)
     del initial, record
@@ -291,8 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
     evaluate = eval_indices(args.eval_size, len(eval_split)) if args.eval_size else None
     hyper = FOHyper(lr=args.lr, max_grad_norm=args.max_grad_norm)
     trainer = FOTrainer(load_model(args.model), hyper, encoder)
+    steps = step_records(trainer)  # shared by every checkpointer: one trainer feeds them all
     release_memory()
-    calibration = calibrate_full_every(trainer, split, args) if args.full_every == 0 and any(
+    calibration = calibrate_full_every(trainer, steps, split, args) if args.full_every == 0 and any(
         n.startswith("differential") for n in names) else None
     if calibration:
         args.full_every = calibration["full_every"]
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"the differential full interval ({args.full_every} steps) exceeds --restart-at {args.restart_at}: "
                 "the restart would find no full checkpoint; restart later")
     args.full_async_every = args.full_every if calibration else args.every
-    ckpts = {n: make_checkpointer(n, args.out / "stores", trainer, args) for n in names}
+    ckpts = {n: make_checkpointer(n, args.out / "stores", steps, args) for n in names}
     layerwise = "layerwise" in names
     reference = SnapshotStore(Storage(str(args.out / "stores" / "reference")), keep_last=KEEP_ALL) \
         if layerwise and args.noise_floor else None

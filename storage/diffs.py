@@ -5,7 +5,7 @@ LowDiff (SC'25): instead of the whole state, each step persists the gradients th
 loads the newest full checkpoint and replays the recorded gradients through the optimizer.
 
 Records. Step ``t``'s record holds, for every parameter, the float32 gradient fed to AdamW at step
-``t`` (after DDP averaging and clipping: ``training.fo.FOTrainer.applied_gradients``); replaying
+``t`` (after DDP averaging and clipping: ``training.optim_steps.OptimizerSteps.applied``); replaying
 records ``b .. e-1`` onto the state after ``b`` steps gives the state after ``e`` steps. Encodings:
 
 * ``exact``: the dense float32 gradient. Replay is bitwise the executed trajectory.
@@ -281,7 +281,7 @@ class DiffStore:
 
     def replay(self, from_step: int, apply: Callable[[Mapping[str, np.ndarray]], None], until: int | None = None) -> ReplayResult:
         """Apply the records of steps ``from_step .. until - 1`` in order with ``apply`` (one optimizer
-        step per record, e.g. ``FOTrainer.replay_gradients``) to a state that is after ``from_step`` steps.
+        step per record, e.g. ``training.optim_steps.OptimizerSteps.replay``) to a state that is after ``from_step`` steps.
 
         ``until=None``: as far as the committed records go; a missing or corrupt batch ends the
         replay before its first step and is reported in ``ReplayResult.stopped``.

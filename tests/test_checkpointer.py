@@ -13,7 +13,6 @@ from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.storage.backend import StorageError
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import SnapshotStore
-from test_fo import HYPER
 from raycheck.training.checkpointing import Checkpointer, FullCheckpointer
 from raycheck.training.differential import DiffCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
@@ -25,12 +24,12 @@ METHODS = ("after_step", "save_now", "flush", "close")
 
 def checkpointers(store: SnapshotStore) -> list:
     """One of each checkpointer over ``store`` (a checkpoint every step; nothing taken yet)."""
-    no_gradients = dict  # never called: no step is taken
+    no_gradients, no_catch_up = dict, print  # never called: no step is taken
     return [FullCheckpointer(store, 1, asynchronous=False), FullCheckpointer(store, 1, asynchronous=True),
             ShardedCheckpointer(store, 1, asynchronous=True),
             LayerwiseCheckpointer(store, 1, LayerwiseConfig(threshold=0.0, staleness_bound_steps=10)),
             DiffCheckpointer(store, DiffStore(store.storage), no_gradients, full_every=2, batch_steps=1),
-            OverlappedCheckpointer(store, 1, 2, HYPER, no_gradients)]
+            OverlappedCheckpointer(store, 1, 2, no_catch_up, no_gradients)]
 
 
 def signatures(cls) -> dict[str, inspect.Signature]:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from raycheck.experiments.fo_bench import step_records
 from raycheck.storage.backend import Storage
 from raycheck.storage.diffs import DiffCorruptError, DiffGapError, DiffStore, topk_decode, topk_encode
 from raycheck.storage.snapshots import SnapshotStore
@@ -33,7 +34,7 @@ def stores(tmp_path) -> tuple[SnapshotStore, DiffStore]:
 def run_with_diffs(encoder, data, tmp_path, steps: int, close: bool = True, **kw) -> tuple[SnapshotStore, DiffStore, dict]:
     snapshots, diffs = stores(tmp_path)
     trainer = make_trainer(encoder)
-    ckpt = DiffCheckpointer(snapshots, diffs, trainer.applied_gradients, **{"full_every": 5, "batch_steps": 2, **kw})
+    ckpt = DiffCheckpointer(snapshots, diffs, step_records(trainer).applied, **{"full_every": 5, "batch_steps": 2, **kw})
     train(trainer, data[0], 0, steps, after=lambda done: ckpt.after_step(done, trainer.state_view))
     stats = ckpt.close(60) if close else ckpt.flush(60)
     return snapshots, diffs, stats
@@ -48,7 +49,7 @@ def recover(encoder, snapshots: SnapshotStore, diffs: DiffStore, until: int | No
         loaded = snapshots.load_latest()
         trainer.load_state(loaded.state)
         base = loaded.info.step
-    return trainer, base, diffs.replay(base, trainer.replay_gradients, until=until)
+    return trainer, base, diffs.replay(base, step_records(trainer, record=False).replay, until=until)
 
 
 def test_exact_records_replay_bitwise_and_old_diffs_are_collected(encoder, data, tmp_path, reference):
@@ -88,11 +89,12 @@ def test_records_held_by_reference_are_written_bitwise_as_applied_while_the_loop
     written record's sha256 equals that of the gradients its step applied, hashed at that step."""
     snapshots, diffs = stores(tmp_path)
     trainer = make_trainer(encoder)
-    ckpt = DiffCheckpointer(snapshots, diffs, trainer.applied_gradients, full_every=100, batch_steps=4)
+    steps = step_records(trainer)
+    ckpt = DiffCheckpointer(snapshots, diffs, steps.applied, full_every=100, batch_steps=4)
     applied: dict[int, str] = {}
 
     def after(done: int) -> None:
-        applied[done - 1] = state_sha256(trainer.applied_gradients())
+        applied[done - 1] = state_sha256(steps.applied())
         ckpt.after_step(done, trainer.state_view)
 
     train(trainer, data[0], 0, 10, after=after)
@@ -216,7 +218,7 @@ def test_a_resumed_checkpointer_counts_the_full_interval_from_the_chain_s_base(e
     snapshots, diffs, _ = run_with_diffs(encoder, data, tmp_path, 6, close=False, full_every=8, batch_steps=2)
     trainer, base, result = recover(encoder, snapshots, diffs)
     assert (base, result.end_step) == (0, 6) and state_sha256(trainer.state_view()) == reference[6]
-    ckpt = DiffCheckpointer(snapshots, diffs, trainer.applied_gradients, full_every=8, batch_steps=2)
+    ckpt = DiffCheckpointer(snapshots, diffs, step_records(trainer).applied, full_every=8, batch_steps=2)
     ckpt.resume(base)
     train(trainer, data[0], 6, 10, after=lambda done: ckpt.after_step(done, trainer.state_view))
     ckpt.close(60)

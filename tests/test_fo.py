@@ -11,6 +11,7 @@ from raycheck.storage.merge import MergeError, Source, export_hf, merge_snapshot
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.units import group_by_unit, parameter_of, unit_of
 from raycheck.training.data import batch_indices
+from raycheck.experiments.fo_bench import step_records
 from raycheck.training.fo import FOHyper, FOTrainer
 from raycheck.training.model import load_model, model_folder
 from raycheck.training.state import copy_state, state_sha256
@@ -90,18 +91,21 @@ def test_resume_from_a_full_checkpoint_is_bitwise_exact(encoder, data, tmp_path)
     assert state_sha256(resumed.state_view()) == state_sha256(reference.state_view())
 
 
-def test_replayed_gradients_give_the_executed_step_bitwise(encoder, data):
+def test_replayed_step_records_give_the_executed_step_bitwise(encoder, data):
+    """raycheck's AdamW steps recorded and replayed through ``training.optim_steps`` (the records a
+    differential checkpoint writes): bitwise the executed steps, and each record carries the lr."""
     executed, replayed = make_trainer(encoder), make_trainer(encoder)
+    recorded, replay = step_records(executed), step_records(replayed, record=False)
     for step in range(3):
         executed.train_step(data[0], batch_indices(0, step, BATCH, len(data[0])))
-        replayed.replay_gradients(copy_state(executed.applied_gradients()))
+        record = copy_state(recorded.applied())
+        assert record["param_groups.0.lr"].tolist() == [HYPER.lr]
+        replay.replay(record)
     assert state_sha256(replayed.state_view()) == state_sha256(executed.state_view())
-    with pytest.raises(ValueError, match=r"recorded gradients lack 1 parameter\(s\), e.g. \['model.norm.weight'\]"):
-        replayed.replay_gradients({n: g for n, g in copy_state(executed.applied_gradients()).items() if n != "model.norm.weight"})
-    bad = copy_state(executed.applied_gradients())
+    bad = copy_state(recorded.applied())
     bad["model.norm.weight"] = np.zeros(3, np.float32)
-    with pytest.raises(ValueError, match=r"model.norm.weight: recorded gradient is torch.float32 \(3,\), the parameter is torch.float32 \(64,\)"):
-        replayed.replay_gradients(bad)
+    with pytest.raises(ValueError, match=r"the recorded gradient of model.norm.weight is torch.float32 \(3,\), the parameter is torch.float32 \(64,\)"):
+        replay.replay(bad)
 
 
 def test_load_state_names_the_mismatch(encoder):

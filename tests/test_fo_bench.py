@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from raycheck.training.optim_state import group_values
 from raycheck.experiments import fo_bench
 from raycheck.training.fo import FOHyper, FOTrainer
 from raycheck.training.model import load_model
@@ -53,10 +54,11 @@ def test_calibration_chooses_the_cost_models_interval_and_leaves_the_state_bitwi
     trainer = FOTrainer(load_model("tiny"), FOHyper(lr=1e-4, max_grad_norm=1.0), encoder)
     before = state_sha256(trainer.state_view())
     args = argparse.Namespace(out=tmp_path, batch_size=4, batch_steps=2, mtbf=3600.0, record_budget_gb=0.05)
-    c = fo_bench.calibrate_full_every(trainer, data[0], args)
+    c = fo_bench.calibrate_full_every(trainer, fo_bench.step_records(trainer), data[0], args)
     assert state_sha256(trainer.state_view()) == before
     assert all(c[k] > 0 for k in ("step_s", "replay_step_s", "snapshot_s", "stall_s"))
-    assert c["record_bytes"] == sum(p.numel() * 4 for p in trainer.model.parameters())
+    hyper_parameters = sum(v.numel() * 8 for v in group_values(trainer.optimizer).values())  # float64, in each record
+    assert c["record_bytes"] == sum(p.numel() * 4 for p in trainer.model.parameters()) + hyper_parameters
     assert c["budget_full_every"] == int(0.05e9 // c["record_bytes"]) // 2 * 2
     assert c["full_every"] == min(c["model_full_every"], c["budget_full_every"]) and c["full_every"] % 2 == 0
     assert not (tmp_path / "stores" / "calibration").exists()

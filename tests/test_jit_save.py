@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from raycheck.experiments.fo_bench import step_records
 from raycheck.policies.layerwise import LayerwiseConfig, Reason, UnitStatus, select_units
 from raycheck.storage.backend import Storage, StorageError
 from raycheck.storage.diffs import DiffStore
@@ -35,8 +36,8 @@ BUILD: dict[str, Callable[[SnapshotStore, DiffStore, FOTrainer], object]] = {
     "full-async": lambda s, d, t: FullCheckpointer(s, 4, asynchronous=True),
     "sharded": lambda s, d, t: ShardedCheckpointer(s, 4, asynchronous=True),  # a state without DTensors: its own rows
     "layerwise": lambda s, d, t: LayerwiseCheckpointer(s, 4, NO_THRESHOLD),
-    "differential": lambda s, d, t: DiffCheckpointer(s, d, t.applied_gradients, full_every=4, batch_steps=3),
-    "overlapped": lambda s, d, t: OverlappedCheckpointer(s, 3, 2, HYPER, t.applied_gradients),
+    "differential": lambda s, d, t: DiffCheckpointer(s, d, step_records(t).applied, full_every=4, batch_steps=3),
+    "overlapped": lambda s, d, t: (lambda r: OverlappedCheckpointer(s, 3, 2, r.catch_up_, r.applied))(step_records(t)),
 }
 
 
@@ -56,7 +57,7 @@ def restored(encoder, snapshots: SnapshotStore, diffs: DiffStore, strategy: str)
         latest = snapshots.load_latest()
         trainer.load_state(latest.state)
         base = latest.info.step
-    return base + diffs.replay(base, trainer.replay_gradients).end_step - base, state_sha256(trainer.state_view())
+    return base + diffs.replay(base, step_records(trainer, record=False).replay).end_step - base, state_sha256(trainer.state_view())
 
 
 @pytest.mark.parametrize("strategy", list(BUILD))

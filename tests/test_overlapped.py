@@ -10,10 +10,10 @@ import torch
 
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.units import parameter_of
-from test_fo import BATCH, HYPER, make_trainer, train
+from test_fo import BATCH, make_trainer, train
 from raycheck.training.data import batch_indices
 from raycheck.training.overlapped import OverlappedCheckpointer, balanced_chunks
-from raycheck.training.fo import replay_adamw_
+from raycheck.experiments.fo_bench import step_records
 from raycheck.training.state import copy_state, state_sha256
 
 STEPS, EVERY = 12, 4
@@ -46,24 +46,25 @@ def test_replayed_adamw_steps_bring_a_staged_part_up_to_date_bitwise(encoder, da
     train(trainer, data[0], 0, 2)
     part = [n for n in trainer.state_view() if (parameter_of(n) or n) in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight")]
     staged = copy_state({n: trainer.state_view()[n] for n in part})
-    grads = []
+    steps, records = step_records(trainer), []
     for step in range(2, 5):
         trainer.train_step(data[0], batch_indices(0, step, BATCH, len(data[0])))
-        grads.append(dict(trainer.applied_gradients()))  # references: every step makes new tensors
+        records.append(dict(steps.applied()))  # references: every step makes new tensors
     at5 = {n: trainer.state_view()[n] for n in part}
     assert state_sha256(staged) != state_sha256(at5)
-    replay_adamw_(staged, grads, HYPER)
+    steps.catch_up_(staged, records)  # a new AdamW over the two parameters, in their two groups
     assert state_sha256(staged) == state_sha256(at5)
     assert float(staged["optim.step.model.norm.weight"][0]) == 5.0
-    with pytest.raises(ValueError, match=r"recorded gradients lack 1 parameter\(s\), e.g. \['model.norm.weight'\]"):
-        replay_adamw_(staged, [{"model.layers.0.mlp.up_proj.weight": grads[0]["model.layers.0.mlp.up_proj.weight"]}], HYPER)
+    with pytest.raises(ValueError, match=r"the recorded gradient of model.norm.weight is torch.float32 \(3,\)"):
+        steps.catch_up_(staged, [{**records[0], "model.norm.weight": torch.zeros(3)}])
 
 
 def run_with(encoder, split, store: SnapshotStore, chunks: int, versions: list[int]) -> tuple[dict, dict[int, str]]:
     """Steps 0..STEPS-1 with an overlapped checkpointer attached; returns its closing stats and the
     state's sha256 after every step."""
     trainer = make_trainer(encoder)
-    ckpt = OverlappedCheckpointer(store, EVERY, chunks, HYPER, trainer.applied_gradients)
+    steps = step_records(trainer)
+    ckpt = OverlappedCheckpointer(store, EVERY, chunks, steps.catch_up_, steps.applied)
     hashes = {0: state_sha256(trainer.state_view())}
 
     def after(steps_done: int) -> None:
@@ -100,7 +101,8 @@ def test_each_step_of_a_window_stages_only_its_chunk(encoder, data, tmp_path):
     """m = 4: the plan covers every tensor once, chunks within the greedy bound of a quarter of the
     state's bytes; the window's four steps (after steps 4..7) each stage one more chunk, the others none."""
     trainer = make_trainer(encoder)
-    ckpt = OverlappedCheckpointer(SnapshotStore(str(tmp_path / "s")), EVERY, 4, HYPER, trainer.applied_gradients)
+    steps = step_records(trainer)
+    ckpt = OverlappedCheckpointer(SnapshotStore(str(tmp_path / "s")), EVERY, 4, steps.catch_up_, steps.applied)
     state = copy_state(trainer.state_view())
     plan = ckpt.plan(state)
     chunks = [[n for tensors in chunk.values() for n in tensors] for chunk in plan]
@@ -129,7 +131,7 @@ def test_gradients_overwritten_in_place_are_refused(encoder, data, tmp_path):
     trainer = make_trainer(encoder)
     same = {n: np.zeros(p.shape, np.float32) for n, p in trainer.named.items()}
     store = SnapshotStore(str(tmp_path / "s"))
-    ckpt = OverlappedCheckpointer(store, 1, 3, HYPER, lambda: {n: torch.from_numpy(a) for n, a in same.items()})
+    ckpt = OverlappedCheckpointer(store, 1, 3, step_records(trainer).catch_up_, lambda: {n: torch.from_numpy(a) for n, a in same.items()})
     ckpt.after_step(1, trainer.state_view)
     ckpt.after_step(2, trainer.state_view)  # holds the gradients of step 1
     with pytest.raises(RuntimeError, match=r"the gradients of step 1 were overwritten by the next step .* must return new tensors"):

@@ -9,9 +9,10 @@ import threading
 import numpy as np
 import pytest
 
+from raycheck.experiments.fo_bench import step_records
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.storage.snapshots import SnapshotStore
-from test_fo import HYPER, make_trainer, train
+from test_fo import make_trainer, train
 from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import OverlappedCheckpointer
@@ -188,7 +189,8 @@ def test_an_overlapped_snapshot_due_while_every_buffer_set_is_held_is_postponed(
     every snapshot (its earlier chunk caught up) is the state at its step, bitwise."""
     store = GatedStore(str(tmp_path))
     trainer = make_trainer(encoder)
-    ckpt = OverlappedCheckpointer(store, 2, 2, HYPER, trainer.applied_gradients, max_pending=1)
+    steps = step_records(trainer)
+    ckpt = OverlappedCheckpointer(store, 2, 2, steps.catch_up_, steps.applied, max_pending=1)
     states = {}
     after = attach(ckpt, trainer, store, states, held_at=3)  # the snapshot of step 3 is held in its write
 

@@ -1,7 +1,7 @@
 """Differential checkpoints of a first-order run (LowDiff, SC'25): the training-loop side.
 
 After every step the loop keeps a reference to the gradients AdamW consumed, no copy: each step's
-``training.fo.FOTrainer.applied_gradients`` are new tensors that no later step writes
+``training.optim_steps.OptimizerSteps.applied`` records are new tensors that no later step writes
 (``zero_grad(set_to_none=True)``; a gradients callable that hands back a tensor written in place is
 refused with an error, ``training.state.require_new_tensors``), as ``training.overlapped`` does. Every
 ``full_every`` steps the loop stalls for a copy of the whole state instead. A background thread
@@ -11,7 +11,7 @@ the encoding's; a CUDA trainer would need a device-to-host copy there, on the wr
 ``full_every`` steps, commits a full checkpoint to the run's ``SnapshotStore`` and then deletes the
 records it supersedes. Records still pending at a full checkpoint are dropped: the full state
 supersedes them. Recovery: the newest full checkpoint, then ``DiffStore.replay`` of the records after
-it through ``training.fo.FOTrainer.replay_gradients`` (bitwise exact with exact records). On a failure
+it through ``training.optim_steps.OptimizerSteps.replay`` (bitwise exact with exact records). On a failure
 notice ``save_now`` writes the pending records at once (Just-In-Time Checkpointing, Gupta et al.,
 EuroSys 2024), so that recovery replays up to the current step.
 """
@@ -52,7 +52,7 @@ class DiffCheckpointer:
     Args:
         snapshots: the run's snapshot store (full checkpoints).
         diffs: where the records go.
-        gradients: returns the gradients the last step applied (``FOTrainer.applied_gradients``).
+        gradients: returns the gradients the last step applied (``OptimizerSteps.applied``).
         full_every: steps between full checkpoints (>= 1).
         batch_steps: records per batch object (>= 1).
         topk_ratio: 0 for exact records, else the fraction of elements kept per tensor.

@@ -25,24 +25,22 @@ the weights with their matching moments and step count. Counts may differ betwee
 state (layers from different steps; LayerCheck, arXiv 2026; LLMTailor, PDSW'25) loads as it is, and
 AdamW's bias correction then uses each parameter's own count.
 
-Differential checkpoints (LowDiff, SC'25) record ``applied_gradients`` (after averaging and clipping,
-exactly what AdamW consumed) and ``replay_gradients`` feeds them back through the same AdamW step;
-``replay_adamw_`` does the same for part of a staged state (overlapped snapshots, GoCkpt).
+Differential checkpoints (LowDiff, SC'25) and overlapped snapshots (GoCkpt) record what each AdamW
+step consumed (the gradients after averaging and clipping) and replay it through the same optimizer
+class: ``training.optim_steps``, the same for raycheck's AdamW as for a user's own optimizer.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from raycheck.storage.tensor_files import as_numpy
-from raycheck.storage.units import parameter_of
 from raycheck.training.data import PromptEncoder, Split
 from raycheck.training.state import load_into
 from raycheck.training.zo import decays
@@ -186,32 +184,6 @@ class FOTrainer:
         self.apply_gradients()
         return loss
 
-    def applied_gradients(self) -> "OrderedDict[str, torch.Tensor]":
-        """The gradients the last ``apply_gradients`` fed to AdamW (after averaging and clipping),
-        parameter name -> float32 tensor of the parameter's shape. ``compute_gradients`` drops them
-        (``zero_grad(set_to_none=True)``), so each step's gradients are new tensors that no later step
-        writes: a reference keeps this step's gradients (``training.overlapped`` relies on it). Copy
-        them to hand them to another process.
-
-        Raises:
-            RuntimeError: a parameter has no gradient (no step applied yet)."""
-        grads: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for n, p in self.named.items():
-            if p.grad is None:
-                raise RuntimeError(f"parameter {n} has no gradient: applied_gradients is for after apply_gradients")
-            grads[n] = p.grad
-        return grads
-
-    def replay_gradients(self, grads: Mapping[str, np.ndarray | torch.Tensor]) -> None:
-        """One AdamW step with recorded gradients (``applied_gradients`` of an earlier step), no clipping
-        (they were clipped when recorded): bitwise the step that ran, given the same state.
-
-        Raises:
-            ValueError: a parameter's gradient is missing, or its shape or dtype differs.
-        """
-        _set_gradients(self.named, grads)
-        self.optimizer.step()
-
 
 def adamw(named: Mapping[str, torch.Tensor], hyper: FOHyper) -> torch.optim.AdamW:
     """torch's AdamW over ``named`` (parameter name -> float32 tensor) as ``FOTrainer`` runs it:
@@ -225,45 +197,3 @@ def adamw(named: Mapping[str, torch.Tensor], hyper: FOHyper) -> torch.optim.Adam
     ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
                              foreach=False, fused=False)
-
-
-def _set_gradients(named: Mapping[str, torch.Tensor], grads: Mapping[str, np.ndarray | torch.Tensor]) -> None:
-    """Set each parameter's ``.grad`` to its recorded gradient (a view; a copy only when it is not a
-    writable, contiguous array); ``ValueError`` when one is missing or has another shape or dtype."""
-    missing = [n for n in named if n not in grads]
-    if missing:
-        raise ValueError(f"recorded gradients lack {len(missing)} parameter(s), e.g. {missing[:3]}")
-    for name, p in named.items():
-        g = torch.from_numpy(np.require(as_numpy(grads[name]), requirements=["C", "W"]))  # copies only if needed
-        if g.shape != p.shape or g.dtype != p.dtype:
-            raise ValueError(f"{name}: recorded gradient is {g.dtype} {tuple(g.shape)}, "
-                             f"the parameter is {p.dtype} {tuple(p.shape)}")
-        p.grad = g
-
-
-def replay_adamw_(state: Mapping[str, np.ndarray], gradients: Sequence[Mapping[str, np.ndarray | torch.Tensor]],
-                  hyper: FOHyper) -> None:
-    """Apply recorded AdamW steps to part of a training state, in place (GoCkpt's catch-up,
-    ``training.overlapped``): bitwise what the trainer's steps did to these parameters (``adamw``).
-
-    Args:
-        state: some parameters' weights with their ``optim.exp_avg``, ``optim.exp_avg_sq`` and
-            ``optim.step`` entries (the training-state names, ``FOTrainer.state_view``), as writable
-            C-contiguous float32 numpy arrays (e.g. ``training.state.copy_state``); updated in place.
-        gradients: one mapping per step, in step order: parameter name -> the gradient that step fed
-            to AdamW (``FOTrainer.applied_gradients``, already clipped; not clipped again), for at
-            least the parameters of ``state``.
-        hyper: the run's AdamW settings.
-
-    Raises:
-        KeyError: a parameter of ``state`` lacks an optimizer slot.
-        ValueError: a step's gradient of a parameter is missing, or its shape or dtype differs.
-    """
-    named = OrderedDict((n, torch.from_numpy(a)) for n, a in state.items() if parameter_of(n) is None)
-    optimizer = adamw(named, hyper)
-    for name, p in named.items():
-        slots = {slot: torch.from_numpy(state[f"optim.{slot}.{name}"]) for slot in OPTIM_SLOTS}
-        optimizer.state[p] = {**slots, "step": slots["step"].view(())}  # torch keeps a 0-d count
-    for grads in gradients:
-        _set_gradients(named, grads)
-        optimizer.step()

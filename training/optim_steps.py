@@ -88,17 +88,20 @@ class OptimizerSteps:
         self._last = record
 
     def applied(self) -> Mapping[str, torch.Tensor]:
-        """The record of the last ``optimizer.step()`` (see the module docstring), handed over once: this
-        object keeps no reference to it afterwards (the caller's is the only one holding the gradients).
+        """The record of the last ``optimizer.step()`` (see the module docstring).
 
         Raises:
-            RuntimeError: no step has run since the last call.
+            RuntimeError: no step has run since this object was made or since ``release``.
         """
-        record, self._last = self._last, None
-        if record is None:
+        if self._last is None:
             raise RuntimeError("no optimizer.step() since the last after_step: call after_step once after each "
                                "optimizer.step()")
-        return record
+        return self._last
+
+    def release(self) -> None:
+        """Drop this object's reference to the last record (its gradients stay alive only where a
+        checkpointer holds them, not through the next step's forward and backward)."""
+        self._last = None
 
     def replay(self, record: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """One ``step()`` of the live optimizer with ``record``'s gradients and hyper-parameters (not
@@ -164,4 +167,4 @@ class OptimizerSteps:
         """Remove the step pre-hook (idempotent)."""
         if self._hook is not None:
             self._hook.remove()
-        self._last = None
+        self.release()

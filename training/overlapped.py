@@ -6,10 +6,10 @@ balanced by bytes (``balanced_chunks``). When one comes due after step t (``poli
 through ``SnapshotSchedule``), the loop stages chunk 1 after step t, chunk 2 after step t+1, ..., chunk m
 after step t+m-1: each step copies one chunk, about 1/m of a full staging copy. Each step of the window
 also keeps a reference to the gradients its AdamW step applied to the chunks already staged (no copy:
-``training.fo.FOTrainer.applied_gradients`` are new tensors every step). Once the last chunk is staged, a
+``training.optim_steps.OptimizerSteps.applied``: each step's gradients are new tensors). Once the last chunk is staged, a
 background thread brings every earlier chunk forward to step t+m-1 by replaying those gradients through
-the same AdamW arithmetic (``training.fo.replay_adamw_``: GoCkpt's gradient catch-up; for a user's own
-optimizer its class, ``training.optim_steps.OptimizerSteps.catch_up_``), so the assembled
+the same optimizer arithmetic (GoCkpt's gradient catch-up: a new optimizer of the run's optimizer class
+over the chunk, ``training.optim_steps.OptimizerSteps.catch_up_``), so the assembled
 snapshot is one consistent version, the state after step t+m-1, bitwise; then it commits it through the
 run's ``SnapshotStore`` (shards, manifest last, the index as commit point). Rolling chunks back to step t
 instead would not be exact (an AdamW step is not invertible in floating point), hence the forward
@@ -28,7 +28,6 @@ of the current step at once (Just-In-Time Checkpointing, Gupta et al., EuroSys 2
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,13 +42,12 @@ from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.tensor_files import as_numpy
 from raycheck.storage.units import parameter_of
 from raycheck.training.checkpointing import just_in_time
-from raycheck.training.fo import FOHyper, replay_adamw_
 from raycheck.training.state import StagingPool, copy_into, require_new_tensors
 
 
 CatchUp = Callable[[dict[str, np.ndarray], Sequence[Mapping[str, torch.Tensor]]], None]
 """Brings part of a staged state forward in place by the given steps' records, in order
-(``training.fo.replay_adamw_``; ``training.optim_steps.OptimizerSteps.catch_up_`` for your optimizer)."""
+(``training.optim_steps.OptimizerSteps.catch_up_``)."""
 
 
 def balanced_chunks(sizes: Mapping[str, int], m: int) -> list[list[str]]:
@@ -139,11 +137,10 @@ class OverlappedCheckpointer:
         store: the run's snapshots.
         every: steps between the starts of two snapshots (>= 1).
         chunks: m, the steps a snapshot is staged over (>= 1; at most one chunk per parameter).
-        catch_up: the run's AdamW settings (the catch-up replays its steps through
-            ``training.fo.replay_adamw_``), or a ``CatchUp`` (a user's optimizer:
-            ``training.optim_steps.OptimizerSteps.catch_up_``).
-        gradients: the record of the last step (``FOTrainer.applied_gradients``; a ``CatchUp``'s records,
-            ``OptimizerSteps.applied``): tensors that no later step writes.
+        catch_up: brings a staged chunk forward by the later steps' records
+            (``training.optim_steps.OptimizerSteps.catch_up_``: through the optimizer's class).
+        gradients: the record of the last step (``OptimizerSteps.applied``): tensors that no later
+            step writes.
         config: recorded in each manifest.
         max_pending: assembled snapshots that may wait behind the one being written (bounds memory: the
             checkpointer holds ``max_pending + 2`` copies of the state).
@@ -152,7 +149,7 @@ class OverlappedCheckpointer:
         ValueError: ``every`` or ``chunks`` < 1.
     """
 
-    def __init__(self, store: SnapshotStore, every: int, chunks: int, catch_up: FOHyper | CatchUp,
+    def __init__(self, store: SnapshotStore, every: int, chunks: int, catch_up: CatchUp,
                  gradients: Callable[[], Mapping[str, torch.Tensor]], config: Mapping[str, Any] | None = None,
                  max_pending: int = 1) -> None:
         if every < 1:
@@ -160,7 +157,7 @@ class OverlappedCheckpointer:
         if chunks < 1:
             raise ValueError(f"an overlapped snapshot needs >= 1 chunk, got {chunks}")
         self.store, self.chunks, self.gradients = store, chunks, gradients
-        self.catch_up: CatchUp = functools.partial(replay_adamw_, hyper=catch_up) if isinstance(catch_up, FOHyper) else catch_up
+        self.catch_up = catch_up
         self.schedule = SnapshotSchedule(every_steps=every)  # counts from the step the loop starts at
         self.config = dict(config or {})
         self._pool = StagingPool(max_pending + 2)  # the open window, the snapshot being written, the queued ones

@@ -323,6 +323,8 @@ class FirstOrderCheckpoints:
         self._last_steps_done = steps_done
         if self.checkpointer is not None:
             self.checkpointer.after_step(steps_done, self.state.view)
+            if self.steps is not None:
+                self.steps.release()
         if self.report_enabled and steps_done % self.report_every_steps == 0:
             self._report(steps_done, metrics)
         return time.perf_counter() - t0
