@@ -1,7 +1,8 @@
 """Your own first-order training loop under Ray Train, checkpointed by raycheck (layer-wise by default).
 
     python examples/own_loop_fo.py --out /tmp/own-loop --fail-step 7 --verify
-    ray job submit --working-dir . -- python examples/own_loop_fo.py --out /shared/own-loop --fail-step 7 --verify
+    ray job submit --working-dir . -- python examples/own_loop_fo.py --out /tmp/own-loop --fail-step 7 --verify \
+        --storage s3://bucket/own-loop --s3-endpoint http://host:9000
 
 Everything the user owns is in this file: the model (``TinyMLP``, a residual MLP: no Hugging Face), the
 data (``batch_of(step)``: a seeded, deterministic function of the step), the loss (``loss_fn``),
@@ -10,16 +11,21 @@ is three calls in that loop (``workers.own_loop.FirstOrderCheckpoints``: ``resto
 ``close``) and one after it (``load_checkpoint(result.checkpoint, ...)``).
 
 ``--fail-step N``: the rank-0 worker process exits (``os._exit(1)``) in step N (0-based: after N steps,
-between its backward and ``optimizer.step``; its background writes settled first), once: a marker file in ``--out`` keeps the restarted worker
-from failing again; Ray Train (``FailureConfig(max_failures=2)``) restarts the worker group, which
-restores the newest committed checkpoint and recomputes the lost steps. ``--verify`` also runs the
-failure-free loop and compares the final states (sha256 over every tensor: weights, AdamW moments and
-step counts, parameter groups; ``training.state.state_sha256``). Layer-wise checkpoints use threshold
-0 by default (every changed unit is rewritten at each check), so every strategy here must be bitwise
-exact; with ``--layer-threshold`` > 0 a layer-wise restore is approximate by design and ``--verify``
-checks its bound instead: every unit of the restored composite at most ``--layer-staleness-steps`` old.
-Prints a JSON summary; exits 0 only when the run finished, ``Result.checkpoint`` is the newest
-committed snapshot and loads, and (``--verify``) recovery was exact (or within the bound).
+between its backward and ``optimizer.step``; its background writes settled first), once (an ``Events``
+actor answers "fail" the first time only); Ray Train (``FailureConfig(max_failures=2)``) restarts the
+worker group, which restores the newest committed checkpoint and recomputes the lost steps. ``--verify``
+also runs the failure-free loop and compares the final states (sha256 over every tensor: weights, AdamW
+moments and step counts, parameter groups; ``training.state.state_sha256``). Layer-wise checkpoints use
+threshold 0 by default (every changed unit is rewritten at each check), so every strategy here must be
+bitwise exact; with ``--layer-threshold`` > 0 a layer-wise restore is approximate by design and
+``--verify`` checks its bound instead: every unit of the restored composite at most
+``--layer-staleness-steps`` old. Prints a JSON summary; exits 0 only when the run finished,
+``Result.checkpoint`` is the newest committed snapshot and loads, and (``--verify``) recovery was exact
+(or within the bound).
+
+Storage: Ray Train's ``storage_path`` is ``--out/ray`` on one machine, or ``--storage`` (a bucket) on a
+cluster whose nodes share no disk; the checkpoints go to ``<experiment dir>/raycheck`` in it. The workers
+tell the driver what happened through the ``Events`` actor, never through a file.
 
 Ray: connects to the cluster of ``$RAY_ADDRESS`` (what ``ray job submit`` sets) or ``--address``, else
 starts a local one (``ray.init(address="local")``, never another process's local cluster).
@@ -33,6 +39,7 @@ import logging
 import os
 import pathlib
 import sys
+import urllib.parse
 from typing import Any
 
 import torch
@@ -45,6 +52,7 @@ from ray.train.torch import TorchTrainer
 
 from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.storage.backend import Storage, storage_env
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.training.optim_state import ModelOptimizerState
 from raycheck.training.state import state_sha256
@@ -87,10 +95,35 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
 
 
+@ray.remote(num_cpus=0)
+class Events:
+    """What the workers tell the driver, kept in a Ray actor (no file crosses nodes): each start, the final
+    state, and the one injected failure."""
+
+    def __init__(self) -> None:
+        self.starts: list[dict[str, Any]] = []
+        self.final: dict[str, Any] | None = None
+        self.failed = False
+
+    def start(self, event: dict[str, Any]) -> None:
+        self.starts.append(event)
+
+    def finish(self, final: dict[str, Any]) -> None:
+        self.final = final
+
+    def fail_once(self) -> bool:
+        """True the first time only: the run's one failure."""
+        first, self.failed = not self.failed, True
+        return first
+
+    def report(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        return self.starts, self.final
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The user's loop; the three raycheck calls are marked."""
     torch.set_num_threads(1)  # the same arithmetic in every run: bitwise comparable
-    out, ctx = pathlib.Path(config["out"]), ray.train.get_context()
+    events, ctx = config["events"], ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(config["seed"])
     model = TinyMLP()
@@ -100,23 +133,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     ckpt = FirstOrderCheckpoints(  # raycheck (1/3): storage defaults to <Ray Train experiment dir>/raycheck
         model, optimizer, strategy=config["strategy"], every_steps=config["every"],
-        settings={k: config[k] for k in ("seed", "lr", "steps", "strategy")},
+        settings={k: config[k] for k in ("seed", "lr", "steps", "strategy")}, storage_options=config["storage_options"],
         layerwise=LayerwiseConfig(threshold=config["threshold"], staleness_bound_steps=config["staleness"]),
         differential=DifferentialConfig(full_every_steps=config["every"], batch_steps=2),
         overlapped=OverlappedConfig(chunks=config["chunks"]))
     start = ckpt.restore()  # raycheck (2/3): model AND optimizer, in place; 0: nothing committed yet
     if rank == 0:
-        with open(out / f"{config['name']}.events.jsonl", "a") as f:
-            f.write(json.dumps({"event": "start", "step": start, **{k: ckpt.restored.get(k) for k in
-                                ("folder", "ray_checkpoint", "unit_steps")}}) + "\n")
+        ray.get(events.start.remote({"step": start, **{k: ckpt.restored.get(k) for k in ("folder", "ray_checkpoint", "unit_steps")}}))
 
     for step in range(start, config["steps"]):
         x, y = batch_of(step, config["seed"])
         loss = loss_fn(model(x[rank::world]), y[rank::world])
         loss.backward()
-        marker = out / "failed.marker"
-        if step == config["fail_step"] and rank == 0 and not marker.exists():
-            marker.touch()
+        if step == config["fail_step"] and rank == 0 and ray.get(events.fail_once.remote()):
             ckpt.flush()  # settle the writes in flight, so the restore point follows from the step (a real crash may lose one)
             os._exit(1)  # the process dies: Ray Train restarts the worker group
         optimizer.step()
@@ -125,30 +154,48 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     stats = ckpt.close(config["steps"])
     if rank == 0:
-        final = {"state_sha256": state_sha256(ModelOptimizerState(model, optimizer).view()), "checkpoints": stats.get("checkpoints"),
-                 "newest": stats.get("newest"), "storage": stats.get("storage")}
-        (out / f"{config['name']}.final.json").write_text(json.dumps(final))
+        ray.get(events.finish.remote({"state_sha256": state_sha256(ModelOptimizerState(model, optimizer).view()),
+                                      "checkpoints": stats.get("checkpoints"), "newest": stats.get("newest"),
+                                      "storage": stats.get("storage")}))
+
+
+def ray_train_storage(args: argparse.Namespace) -> dict[str, Any]:
+    """``RunConfig``'s storage: ``--storage`` (a bucket, through pyarrow's S3 filesystem at ``--s3-endpoint``;
+    credentials from the environment) or ``--out/ray``."""
+    if not args.storage:
+        return {"storage_path": str(pathlib.Path(args.out).resolve() / "ray")}
+    import pyarrow.fs
+
+    endpoint = urllib.parse.urlparse(args.s3_endpoint) if args.s3_endpoint else None
+    fs = pyarrow.fs.S3FileSystem(**({"endpoint_override": endpoint.netloc, "scheme": endpoint.scheme} if endpoint else {}))
+    return {"storage_path": args.storage.removeprefix("s3://"), "storage_filesystem": fs}
 
 
 def run(args: argparse.Namespace, name: str, fail_step: int | None) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     """One ``TorchTrainer`` run of the loop; returns (Result, the final record, the start events)."""
-    out = pathlib.Path(args.out).resolve()
-    config = dict(out=str(out), name=name, seed=args.seed, lr=args.lr, steps=args.steps, every=args.every,
+    events = Events.remote()
+    config = dict(events=events, name=name, seed=args.seed, lr=args.lr, steps=args.steps, every=args.every,
                   strategy=args.strategy, threshold=args.layer_threshold, staleness=args.layer_staleness_steps, chunks=args.chunks,
-                  fail_step=-1 if fail_step is None else fail_step)
+                  fail_step=-1 if fail_step is None else fail_step, storage_options=storage_options(args))
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=args.workers),
-                           run_config=RunConfig(name=name, storage_path=str(out / "ray"),
-                                                failure_config=FailureConfig(max_failures=2)))
+                           run_config=RunConfig(name=name, failure_config=FailureConfig(max_failures=2), **ray_train_storage(args),
+                                                worker_runtime_env={"env_vars": storage_env()}))  # the workers reach the bucket
     result = trainer.fit()
-    final = json.loads((out / f"{name}.final.json").read_text())
-    events = [json.loads(line) for line in (out / f"{name}.events.jsonl").read_text().splitlines()]
-    return result, final, events
+    starts, final = ray.get(events.report.remote())
+    if final is None:
+        raise RuntimeError(f"run {name} ended without its final state: {result.error}")
+    return result, final, starts
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """raycheck's storage options: the S3-compatible endpoint, if any."""
+    return {"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--out", required=True, help="the run's folder (Ray Train's storage, the checkpoints, the marker)")
+    parser.add_argument("--out", required=True, help="the run's folder (Ray Train's storage and the checkpoints, without --storage)")
     parser.add_argument("--fail-step", type=int, default=None, help="the rank-0 worker exits in this step (0-based), once")
     parser.add_argument("--verify", action="store_true", help="also run the failure-free loop and compare bitwise")
     parser.add_argument("--strategy", default="layerwise", choices=STRATEGIES)
@@ -161,13 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layer-threshold", type=float, default=0.0, help="layer-wise: relative change that rewrites a unit (0: exact)")
     parser.add_argument("--layer-staleness-steps", type=int, default=100, help="layer-wise: a unit this old is rewritten")
+    parser.add_argument("--storage", default="", help="Ray Train's storage_path in a bucket, s3://bucket/prefix (a cluster "
+                        "whose nodes share no disk); the checkpoints go to <experiment dir>/raycheck there")
+    parser.add_argument("--s3-endpoint", default=None, help="an S3-compatible server's URL (default: AWS)")
     parser.add_argument("--address", default=None, help="a Ray cluster (default: $RAY_ADDRESS, else a new local one)")
     args = parser.parse_args(argv)
     if args.fail_step is not None and not 0 <= args.fail_step < args.steps:
         parser.error(f"--fail-step must be in 0..{args.steps - 1}")
 
     out = pathlib.Path(args.out).resolve()
-    if out.exists() and any(out.iterdir()):  # Ray Train would resume the runs found there, and the marker would stop the failure
+    if out.exists() and any(out.iterdir()):  # Ray Train would resume the runs found there
         parser.error(f"--out {out} is not empty: give a new folder")
     out.mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
@@ -179,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     result, final, events = run(args, "failing", args.fail_step)
     restores = [e for e in events if e["step"] > 0 or e["folder"]]
     ckpt_path = result.checkpoint.path if result.checkpoint is not None else None
-    newest = SnapshotStore(final["storage"]).list()[-1].folder if final["storage"] else None
+    newest = SnapshotStore(Storage(final["storage"], **storage_options(args))).list()[-1].folder if final["storage"] else None
     fresh_model = TinyMLP()
     fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
-    loaded_step = load_checkpoint(result.checkpoint, fresh_model, fresh_opt) if result.checkpoint is not None else None
+    loaded_step = load_checkpoint(result.checkpoint, fresh_model, fresh_opt, **storage_options(args)) if result.checkpoint else None
     loaded_sha = state_sha256(ModelOptimizerState(fresh_model, fresh_opt).view())
     summary: dict[str, Any] = {
         "strategy": args.strategy, "steps": args.steps, "workers": args.workers, "every_steps": args.every,

@@ -167,7 +167,11 @@ class LocalCluster:
     def _start_node(self, node: NodeSpec) -> subprocess.Popen:
         """Start ``ray start`` for ``node`` in a new mount namespace; its first output line names the namespace."""
         node_env = {k: v for k, v in self.env.items() if not k.startswith("AWS_")}
-        mounts = "".join(f"mount -t tmpfs none {shlex.quote(str(d))} && " for d in self.private_dirs)
+        # the node's own runtime resources (the working directories its workers unpack), as on a real cluster:
+        # shared, a node's cleanup of a job's working directory would remove the driver's current directory
+        resources = pathlib.Path(self.tmp, "ray", "session_latest").resolve() / "runtime_resources"
+        resources.mkdir(parents=True, exist_ok=True)
+        mounts = "".join(f"mount -t tmpfs none {shlex.quote(str(d))} && " for d in [*self.private_dirs, resources])
         start = shlex.join(self._ray_start(f"--address={self.address}", f"--num-cpus={node.num_cpus}",
                                            f"--resources={json.dumps(node.resources)}"))
         return subprocess.Popen(["unshare", "--mount", "--propagation", "private", "bash", "-c",

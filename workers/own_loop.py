@@ -96,8 +96,9 @@ class FirstOrderCheckpoints:
         optimizer: your ``torch.optim`` optimizer over ``model``'s parameters; its per-parameter state is
             created now if missing (``training.optim_state.materialise_state``).
         storage: where snapshots go: a local folder, ``file://``, ``s3://bucket/prefix``. Default in a
-            Ray Train worker: ``<Ray Train experiment dir>/raycheck``; required elsewhere. Every rank must
-            reach it (a shared filesystem or a bucket) to restore. Or a ``SnapshotStore`` with a run
+            Ray Train worker: ``<Ray Train experiment dir>/raycheck`` (in a bucket when Ray Train's
+            ``storage_path`` is one: ``s3://...``); required elsewhere. Every rank must reach it (a shared
+            filesystem or a bucket) to restore. Or a ``SnapshotStore`` with a run
             identity whose writer epoch is claimed already (``raycheck run``'s, ``job.stores.snapshot_store``):
             its identity and retention are used (``run_id``, ``settings`` and ``keep`` are not).
         strategy: ``full-sync``, ``full-async``, ``layerwise``, ``differential`` or ``overlapped``
@@ -119,6 +120,8 @@ class FirstOrderCheckpoints:
         report: call ``ray.train.report`` (default: True in a Ray Train worker).
         report_every_steps: steps between reports (default ``every_steps``); every rank reports at the
             same steps.
+        storage_options: the storage's options (``storage.backend.Storage``'s, e.g. ``endpoint_url`` of an
+            S3-compatible server; credentials come from the environment).
         reproducible_init: the model and optimizer passed in hold the run's initial state in every
             incarnation (pretrained weights, a seeded initialisation): ``differential`` then replays its
             records from step 0 when no full checkpoint exists, and writes none of the initial state.
@@ -134,7 +137,8 @@ class FirstOrderCheckpoints:
                  strategy: str = "layerwise", every_steps: int = 10, run_id: str | None = None,
                  settings: Mapping[str, Any] | None = None, layerwise: LayerwiseConfig | None = None,
                  differential: DifferentialConfig | None = None, overlapped: OverlappedConfig | None = None, keep: int = 3,
-                 report: bool | None = None, report_every_steps: int | None = None, reproducible_init: bool = False) -> None:
+                 report: bool | None = None, report_every_steps: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None, reproducible_init: bool = False) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         for name, value in (("every_steps", every_steps), ("keep", keep), ("report_every_steps", report_every_steps)):
@@ -144,7 +148,9 @@ class FirstOrderCheckpoints:
         if storage is None:
             if self._ctx is None:
                 raise ValueError("storage is required outside a Ray Train worker (a folder or s3:// URI)")
-            storage = f"{self._ctx.get_storage().experiment_fs_path}/raycheck"
+            sc = self._ctx.get_storage()
+            kind = getattr(sc.storage_filesystem, "type_name", "local")  # pyarrow's: "local", "s3", "gcs", ...
+            storage = f"{'' if kind == 'local' else kind + '://'}{sc.experiment_fs_path}/raycheck"
         self.storage_uri = storage.storage.url() if isinstance(storage, SnapshotStore) else storage
         self.strategy, self.every_steps, self.reproducible_init = strategy, every_steps, reproducible_init
         self.rank = self._ctx.get_world_rank() if self._ctx is not None else (
@@ -169,7 +175,8 @@ class FirstOrderCheckpoints:
         else:
             run_id = run_id or (self._ctx.get_experiment_name() if self._ctx is not None else "own-loop")
             trajectory = hashlib.sha256(json.dumps(dict(settings or {}), sort_keys=True, default=str).encode()).hexdigest()
-            self.store, claim = SnapshotStore(Storage(storage), keep_last=keep, identity=RunIdentity(run_id, trajectory)), True
+            self.store, claim = SnapshotStore(Storage(storage, **dict(storage_options or {})), keep_last=keep,
+                                              identity=RunIdentity(run_id, trajectory)), True
         self.diffs = DiffStore(self.store.storage, identity=self.store.identity) if strategy == RunStrategy.DIFFERENTIAL else None
         config = {"strategy": strategy, "optimizer": type(optimizer).__name__, "settings": dict(settings or {})}
         self.steps: OptimizerSteps | None = None
