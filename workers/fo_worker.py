@@ -16,10 +16,14 @@ Strategies (rank 0 persists; ``snapshot_store(cfg)`` holds every checkpoint):
 rank runs the checkpointer (full-sync / full-async, each writing its rows through torch DCP), the
 restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
 
-A preemption notice (Ray Train's ``get_preemption_info``, asked after every step by every rank): the
-checkpointer saves the state of the steps done now (``Checkpointer.save_now``, a just-in-time checkpoint),
-and the workers wait for the deadline, at which Ray Train restarts them on the nodes left; they restore
-that checkpoint and redo no step (``workers.preempt.save_before_deadline``).
+Checkpoints go through ``workers.own_loop.FirstOrderCheckpoints`` (``run_checkpoints``), the API a user's
+own loop calls; FSDP2 keeps its own (``training.sharded``).
+
+A preemption notice (Ray Train's ``get_preemption_info``, asked after every step by every rank; by
+``FirstOrderCheckpoints.after_step``, by the loop under FSDP2): the checkpointer saves the state of the
+steps done now (``Checkpointer.save_now``, a just-in-time checkpoint), and the workers wait for the
+deadline, at which Ray Train restarts them on the nodes left; they restore that checkpoint and redo no
+step (``workers.preempt.save_before_deadline``).
 
 Restore at start (after a failure, or when the storage already holds a checkpoint, e.g. a merged
 one): the newest committed checkpoint (``workers.recovery.from_storage``; for ``differential``
@@ -30,6 +34,8 @@ recomputed with the same batches, so exact strategies rejoin the failure-free tr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from raycheck.job.config import JobConfig
 from raycheck.job.stores import diff_store, snapshot_store
@@ -49,14 +55,15 @@ RECOVERY_FIELDS = ("source", "base_step", "replayed_steps", "load_seconds", "rep
 """What a ``recovery`` event takes of ``FirstOrderCheckpoints.restored`` (``exact``: ``differential`` only)."""
 
 
-def run_checkpoints(cfg: JobConfig, trainer: FOTrainer) -> FirstOrderCheckpoints:
+def run_checkpoints(cfg: JobConfig, trainer: FOTrainer, events: Callable[[str, dict[str, Any]], None]) -> FirstOrderCheckpoints:
     """The run's checkpoints through the public API a user's own loop calls (``workers.own_loop``): the
     run's snapshot store (its identity, retention and writer epoch), ``cfg``'s strategy and settings, no
-    Ray Train reports (the store is not in Ray Train's experiment directory), and ``reproducible_init``
-    (every worker loads the same initial weights)."""
+    Ray Train reports (the store is not in Ray Train's experiment directory), preemption notices acted on
+    (``events``: the run's journal), and ``reproducible_init`` (every worker loads the same initial weights)."""
     return FirstOrderCheckpoints(trainer.model, trainer.optimizer, snapshot_store(cfg), strategy=cfg.strategy,
                                  every_steps=cfg.snapshot.every_steps, layerwise=cfg.layerwise, differential=cfg.differential,
-                                 overlapped=cfg.overlapped, report=False, reproducible_init=True)
+                                 overlapped=cfg.overlapped, report=False, preemption=True, events=events,
+                                 reproducible_init=True)
 
 
 def durable_steps(cfg: JobConfig) -> int:
@@ -86,7 +93,8 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
     sharded = cfg.fo.parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
     group = sharded_fo.checkpoint_group() if sharded else None
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
-    own = None if group is not None else run_checkpoints(cfg, trainer)
+    record = lambda kind, fields: run.event(kind, **fields)  # noqa: E731  (rank 0's preemption events)
+    own = None if group is not None else run_checkpoints(cfg, trainer, record)
     ckpt: Checkpointer | None = (sharded_fo.sharded_checkpointer(cfg, trainer, group) if group is not None
                                  else own.checkpointer if own is not None else None)
     state = own.state.view if own is not None else trainer.state_view  # what the checkpointer copies
@@ -102,7 +110,7 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
             result = {k: own.restored[k] for k in RECOVERY_FIELDS if k in own.restored}
     accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None
     start = record_start(env, result, accuracy, promoted=promoted)
-    notices = PreemptionNotices(env.rank)
+    notices = PreemptionNotices(env.rank) if group is not None else None  # FirstOrderCheckpoints asks by itself
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -113,8 +121,8 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
         [loss] = mean_over_workers([loss], world)
         step_s = time.perf_counter() - t0
         block_s = own.after_step(step + 1) if own is not None else ckpt.after_step(step + 1, state) if ckpt else 0.0
-        if (notice := notices.poll()) is not None:  # every rank asks (a collective), every rank gets the same answer
-            save_before_deadline(notice, ckpt, step + 1, state, run, rank)
+        if notices is not None and (notice := notices.poll()) is not None:  # every rank asks (a collective)
+            save_before_deadline(notice, ckpt, step + 1, state, record if rank == 0 else None)
         hashed = cfg.hash_every_steps and (step + 1) % cfg.hash_every_steps == 0 and (rank == 0 or sharded)
         digest = state_sha256(sharded_fo.full_state(trainer.state_view())) if hashed else None  # weights + optimizer
         if rank == 0:

@@ -50,7 +50,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, unwrap
 from raycheck.training.optim_steps import OptimizerSteps, clone_optimizer
 from raycheck.training.overlapped import OverlappedCheckpointer
+from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,13 @@ class FirstOrderCheckpoints:
             same steps.
         storage_options: the storage's options (``storage.backend.Storage``'s, e.g. ``endpoint_url`` of an
             S3-compatible server; credentials come from the environment).
+        preemption: act on preemption notices (default: in a Ray Train worker): every rank asks after each
+            step (``workers.preempt.PreemptionNotices``, a collective); on a notice rank 0 commits the state
+            of the steps done now (``save_now``, before the deadline) and ``after_step`` does not return:
+            the workers wait for Ray Train to restart the group on the nodes left, which restores that
+            state and redoes no step (``workers.preempt.save_before_deadline``).
+        events: receives ``(kind, fields)`` of what happened on a notice (``preemption_saved`` or
+            ``preemption_unsaved``, rank 0's); default: a log line.
         reproducible_init: the model and optimizer passed in hold the run's initial state in every
             incarnation (pretrained weights, a seeded initialisation): ``differential`` then replays its
             records from step 0 when no full checkpoint exists, and writes none of the initial state.
@@ -138,7 +146,8 @@ class FirstOrderCheckpoints:
                  settings: Mapping[str, Any] | None = None, layerwise: LayerwiseConfig | None = None,
                  differential: DifferentialConfig | None = None, overlapped: OverlappedConfig | None = None, keep: int = 3,
                  report: bool | None = None, report_every_steps: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None, reproducible_init: bool = False) -> None:
+                 storage_options: Mapping[str, Any] | None = None, preemption: bool | None = None,
+                 events: Callable[[str, dict[str, Any]], None] | None = None, reproducible_init: bool = False) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         for name, value in (("every_steps", every_steps), ("keep", keep), ("report_every_steps", report_every_steps)):
@@ -158,6 +167,8 @@ class FirstOrderCheckpoints:
         self.world = self._ctx.get_world_size() if self._ctx is not None else (
             torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
         self.report_enabled = self._ctx is not None if report is None else report
+        self._notices = PreemptionNotices(self.rank) if (self._ctx is not None if preemption is None else preemption) else None
+        self._events = events or (lambda kind, fields: log.warning("%s: %s", kind, fields))
         self.report_every_steps = report_every_steps or every_steps
         self.state = ModelOptimizerState(model, optimizer)
         self.differential = differential or DifferentialConfig()
@@ -334,6 +345,8 @@ class FirstOrderCheckpoints:
                 self.steps.release()
         if self.report_enabled and steps_done % self.report_every_steps == 0:
             self._report(steps_done, metrics)
+        if self._notices is not None and (notice := self._notices.poll()) is not None:  # every rank asks, all get the same answer
+            save_before_deadline(notice, self.checkpointer, steps_done, self.state.view, self._events if self.rank == 0 else None)
         return time.perf_counter() - t0
 
     def _checkpoint_of(self, info: SnapshotInfo) -> Any | None:

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 if TYPE_CHECKING:
-    from raycheck.actors.journal import RunChannel
     from raycheck.training.checkpointing import Checkpointer
 
 
@@ -177,13 +176,14 @@ class PreemptionNotices:
 
 
 def save_before_deadline(notice: Any, checkpointer: Checkpointer | None, steps_done: int, state: Callable[[], Mapping[str, Any]],
-                         run: RunChannel, rank: int) -> None:
+                         record: Callable[[str, dict[str, Any]], None] | None) -> None:
     """A first-order worker on a preemption ``notice`` (Ray Train's ``PreemptionInfo``): ``checkpointer`` (rank 0's;
     every rank's under FSDP2; None on the other ranks) commits the state after ``steps_done`` steps now
-    (``Checkpointer.save_now``, bounded by the deadline), rank 0 records a ``preemption_saved`` event (or
-    ``preemption_unsaved`` with the error: the restart then starts from the newest committed checkpoint,
-    redoing the steps after it), then the worker waits, training no further (a step after the save would be
-    redone), until Ray Train ends it at the deadline and restarts the group on the nodes left. Never returns."""
+    (``Checkpointer.save_now``, bounded by the deadline), ``record`` (rank 0's; None elsewhere) gets a
+    ``preemption_saved`` event (or ``preemption_unsaved`` with the error: the restart then starts from the
+    newest committed checkpoint, redoing the steps after it), then the worker waits, training no further (a
+    step after the save would be redone), until Ray Train ends it at the deadline and restarts the group on
+    the nodes left. Never returns."""
     t0 = time.time()
     deadline = notice.deadline_ms / 1000 if notice.deadline_ms else None
     fields = dict(component="workers", step=steps_done, notice_seen_unix_s=t0, deadline_unix_s=deadline,
@@ -191,12 +191,12 @@ def save_before_deadline(notice: Any, checkpointer: Checkpointer | None, steps_d
     try:
         saved = checkpointer.save_now(steps_done, state, timeout_s=max(1.0, (deadline or t0 + 600) - t0)) if checkpointer else None
     except Exception as exc:  # a save that did not commit leaves the newest committed checkpoint as it was
-        if rank == 0:
-            run.event("preemption_unsaved", **fields, error=f"{type(exc).__name__}: {exc}"[:300])
+        if record is not None:
+            record("preemption_unsaved", {**fields, "error": f"{type(exc).__name__}: {exc}"[:300]})
     else:
-        if rank == 0:
-            run.event("preemption_saved", **fields, seconds=time.time() - t0, bytes=(saved or {}).get("bytes", 0),
-                      before_deadline=deadline is None or time.time() <= deadline)
+        if record is not None:
+            record("preemption_saved", {**fields, "seconds": time.time() - t0, "bytes": (saved or {}).get("bytes", 0),
+                                        "before_deadline": deadline is None or time.time() <= deadline})
     threading.Event().wait()
 
 
