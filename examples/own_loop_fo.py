@@ -198,14 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the run's folder (Ray Train's storage and the checkpoints, without --storage)")
     parser.add_argument("--fail-step", type=int, default=None, help="the rank-0 worker exits in this step (0-based), once")
     parser.add_argument("--verify", action="store_true", help="also run the failure-free loop and compare bitwise")
-    parser.add_argument("--strategy", default="layerwise", choices=STRATEGIES)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints (differential: between full ones, "
-                        "with each step's gradients recorded in objects of 2 steps)")
+    parser.add_argument("--strategy", default="layerwise", choices=STRATEGIES, help="how raycheck checkpoints (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints (overlapped: between snapshot starts; "
+                        "differential: between full ones, each step's record written in objects of 2 steps)")
     parser.add_argument("--chunks", type=int, default=2, help="overlapped: a snapshot is staged in this many chunks, one per step")
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers (DDP over gloo when > 1)")
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's learning rate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the model's and the batches' seed (default: %(default)s)")
     parser.add_argument("--layer-threshold", type=float, default=0.0, help="layer-wise: relative change that rewrites a unit (0: exact)")
     parser.add_argument("--layer-staleness-steps", type=int, default=100, help="layer-wise: a unit this old is rewritten")
     parser.add_argument("--storage", default="", help="Ray Train's storage_path in a bucket, s3://bucket/prefix (a cluster "
@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-endpoint", default=None, help="an S3-compatible server's URL (default: AWS)")
     parser.add_argument("--address", default=None, help="a Ray cluster (default: $RAY_ADDRESS, else a new local one)")
     args = parser.parse_args(argv)
+    for name in ("steps", "every", "chunks", "workers", "layer_staleness_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.fail_step is not None and not 0 <= args.fail_step < args.steps:
         parser.error(f"--fail-step must be in 0..{args.steps - 1}")
 
@@ -226,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                  "logging_level": logging.WARNING}  # the workers' output stays in Ray's logs (session_latest/logs)
         ray.init(address=address, **(local if address == "local" else {}))
 
+    if args.fail_step is not None:
+        print(f"[own_loop_fo] the rank-0 worker will exit in step {args.fail_step} (the injected failure): Ray's "
+              "'worker died' message below is that exit", file=sys.stderr, flush=True)
     result, final, events = run(args, "failing", args.fail_step)
     restores = [e for e in events if e["step"] > 0 or e["folder"]]
     ckpt_path = result.checkpoint.path if result.checkpoint is not None else None

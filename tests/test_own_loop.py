@@ -9,6 +9,10 @@ import torch
 
 from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
+from raycheck.storage.diffs import DiffStore
+from raycheck.storage.snapshots import SnapshotStore
+from raycheck.training.differential import DiffCheckpointer
+from raycheck.training.state import StepRecord
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, UnsupportedOptimizerError
 from raycheck.training.state import copy_state, state_sha256
 from raycheck.storage.units import unit_of
@@ -210,31 +214,40 @@ OPTIMIZERS = {
 }
 
 
-def scheduled_run(optimizer: str, steps: int) -> list[str]:
-    """The failure-free state hashes after 0..steps steps, the lr set by ``lr_at`` before every step."""
+def scheduled_step(model: Net, opt: torch.optim.Optimizer, i: int, schedule: str) -> None:
+    """Step ``i`` with the lr of ``lr_at(i)``, set before the step, or after the step before (a scheduler's place)."""
+    if schedule == "before":
+        opt.param_groups[0]["lr"] = lr_at(i)
+    step(model, opt, i)
+    if schedule == "after":
+        opt.param_groups[0]["lr"] = lr_at(i + 1)
+
+
+def scheduled_run(optimizer: str, steps: int, schedule: str) -> list[str]:
+    """The failure-free state hashes after 0..steps steps (``scheduled_step``)."""
     torch.manual_seed(0)
     model = Net()
     opt = OPTIMIZERS[optimizer](model)
     view = ModelOptimizerState(model, opt)
     hashes = [state_sha256(view.view())]
     for i in range(steps):
-        opt.param_groups[0]["lr"] = lr_at(i)
-        step(model, opt, i)
+        scheduled_step(model, opt, i, schedule)
         hashes.append(state_sha256(view.view()))
     return hashes
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("optimizer, schedule", [("adamw", "before"), ("sgd-nesterov", "before"), ("adamw", "after")])
 @pytest.mark.parametrize("strategy, resumed", [("differential", 9), ("overlapped", 6)])
-def test_records_of_your_optimizer_replay_bitwise(tmp_path, strategy, resumed, optimizer):
+def test_records_of_your_optimizer_replay_bitwise(tmp_path, strategy, resumed, optimizer, schedule):
     """Differential and overlapped through your optimizer: the loop dies after step 9.
 
     differential (full every 5, 2 records per object): full checkpoints of steps 0 (written by the first
     restore) and 5, records of steps 5-8; the restore replays 4 records with their lr through the optimizer.
     overlapped (every 4, 3 chunks): the snapshot started after step 4 is completed at step 6 by catching
     chunks up through a new optimizer of the same class; the window started at 8 dies open. Both rejoin the
-    failure-free trajectory bit for bit, and close's snapshot of step 14 loads in one call."""
-    ref = scheduled_run(optimizer, 14)
+    failure-free trajectory bit for bit, and close's snapshot of step 14 loads in one call. The lr changes
+    every step, set before the step or after it (a scheduler's place: a replayed state holds the next lr)."""
+    ref = scheduled_run(optimizer, 14, schedule)
     settings = dict(strategy=strategy, every_steps=4, report=False, differential=DifferentialConfig(full_every_steps=5, batch_steps=2),
                     overlapped=OverlappedConfig(chunks=3))
 
@@ -245,8 +258,7 @@ def test_records_of_your_optimizer_replay_bitwise(tmp_path, strategy, resumed, o
         ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), **settings)
         assert ckpt.restore() == start and state_sha256(ModelOptimizerState(model, opt).view()) == ref[start]
         for i in range(start, stop):
-            opt.param_groups[0]["lr"] = lr_at(i)
-            step(model, opt, i)
+            scheduled_step(model, opt, i, schedule)
             ckpt.after_step(i + 1)
         return model, opt, ckpt
 
@@ -256,8 +268,7 @@ def test_records_of_your_optimizer_replay_bitwise(tmp_path, strategy, resumed, o
     ckpt = FirstOrderCheckpoints(first, opt, str(tmp_path / "ckpt"), **settings)
     assert ckpt.restore() == 0
     for i in range(9):
-        opt.param_groups[0]["lr"] = lr_at(i)
-        step(first, opt, i)
+        scheduled_step(first, opt, i, schedule)
         ckpt.after_step(i + 1)
     assert ckpt.flush() and ckpt.steps is not None  # then the process dies: no close (its writer thread is a daemon)
     ckpt.steps.close()
@@ -287,3 +298,105 @@ def test_what_replay_cannot_do_exactly_is_refused_up_front(tmp_path):
     with pytest.raises(ValueError, match="^strategy differential records float32 gradients; parameter 'embed.weight' is torch.bfloat16"):
         FirstOrderCheckpoints(half, torch.optim.AdamW(half.parameters()), str(tmp_path / "c"), strategy="differential", report=False)
     assert not (tmp_path / "c").exists()
+
+
+def in_place_step(model: Net, opt: torch.optim.Optimizer, i: int) -> None:
+    """``step`` with the gradients zeroed in place (``zero_grad(set_to_none=False)``), before ``after_step``."""
+    g = torch.Generator().manual_seed(1000 + i)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 2, (8,), generator=g)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("strategy", ["differential", "overlapped"])
+def test_gradients_zeroed_in_place_are_refused_and_nothing_wrong_is_committed(tmp_path, strategy):
+    """The record of a step is the gradients it read; zeroed in place they would be zeros: the first
+    ``after_step`` that reads one refuses it in one line, and every committed snapshot is its step's state."""
+    ref = reference(8)
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "c"), strategy=strategy, every_steps=2, report=False,
+                                 differential=DifferentialConfig(full_every_steps=3, batch_steps=1), overlapped=OverlappedConfig(chunks=2))
+    with pytest.raises(RuntimeError, match=r"^after_step: the gradients optimizer.step\(\) read were written in place since "
+                                           r"\(\['embed.weight', .*zero them with optimizer.zero_grad\(\) \(set_to_none=True"):
+        for i in range(8):
+            in_place_step(model, opt, i)
+            ckpt.after_step(i + 1)
+    assert ckpt.flush()
+    for info in ckpt.store.list():
+        assert state_sha256(ckpt.store.load(info)) == state_sha256(ref[info.step]), info.step
+
+
+def test_a_record_written_in_place_after_after_step_is_refused_in_the_loop_or_by_the_writer(tmp_path):
+    """Zeroed in place after ``after_step`` and refilled by the next backward, a held record changes: the
+    next ``after_step`` refuses the reused tensors; and a record changed before its batch is written (its
+    version counter moved) is refused by the writer: nothing of that batch is committed."""
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "a"), strategy="differential", report=False,
+                                 differential=DifferentialConfig(full_every_steps=100, batch_steps=4))
+    ckpt.restore()  # writes the initial state as the full checkpoint of step 0
+    with pytest.raises(RuntimeError, match=r"the gradients of step 0 were overwritten by the next step .*set_to_none=True"):
+        for i in range(3):
+            g = torch.Generator().manual_seed(1000 + i)
+            torch.nn.functional.cross_entropy(model(torch.randn(8, 6, generator=g)), torch.randint(0, 2, (8,), generator=g)).backward()
+            opt.step()
+            ckpt.after_step(i + 1)
+            opt.zero_grad(set_to_none=False)
+    ckpt.close()
+
+    store = SnapshotStore(str(tmp_path / "b"))
+    writer = DiffCheckpointer(store, DiffStore(store.storage), lambda: records.pop(0), full_every=100, batch_steps=2)
+    records = [StepRecord({"w": torch.ones(3)}), StepRecord({"w": torch.ones(3)})]
+    held = records[0]["w"]
+    writer.after_step(1, dict)
+    held.zero_()  # written in place while its batch waits
+    writer.after_step(2, dict)
+    stats = writer.close(60)
+    assert stats["batches"] == 0 and "the record of step 0: the gradients optimizer.step() read were written in place" in stats["errors"][0]
+    assert DiffStore(store.storage).list() == []
+
+
+def test_a_loop_that_breaks_what_a_strategy_needs_is_refused_in_one_line(tmp_path):
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "a"), strategy="full-sync", every_steps=2, report=False)
+    step(model, opt, 0)
+    with pytest.raises(ValueError, match=r"^after_step\(0\) after 0 steps done: call it after every optimizer.step\(\) "
+                                         r"with the steps done so far \(step \+ 1 for a 0-based step\), 1 now$"):
+        ckpt.after_step(0)
+    ckpt.close()
+
+    model, opt = make()  # differential: a parameter with a gradient at some steps only
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "b"), strategy="differential", report=False)
+    step(model, opt, 0)
+    ckpt.after_step(1)
+    model.head.bias.requires_grad_(False)
+    step(model, opt, 1)
+    with pytest.raises(ValueError, match=r"^the record of step 1 holds other tensors than the earlier steps' \(\['head.bias'\]"):
+        ckpt.after_step(2)
+    ckpt.close()
+
+    class ShrinkSGD(torch.optim.SGD):  # a setting kept outside the parameter groups: the catch-up could not rebuild it
+        def __init__(self, params, lr: float = 0.1, shrink: float = 0.0) -> None:
+            super().__init__(params, lr=lr)
+            self.shrink = shrink
+
+    with pytest.raises(UnsupportedOptimizerError, match=r"^ShrinkSGD keeps 'shrink' outside its parameter groups \(0.1 here, 0.0 when"):
+        FirstOrderCheckpoints(model, ShrinkSGD(model.parameters(), shrink=0.1), str(tmp_path / "c"), strategy="overlapped", report=False)
+
+
+def test_load_refuses_another_dtype_and_another_number_of_parameter_groups(tmp_path):
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path), strategy="full-sync", every_steps=1, report=False)
+    step(model, opt, 0)
+    ckpt.after_step(1)
+    folder = str(tmp_path / ckpt.close()["newest"])
+    half = Net().to(torch.bfloat16)
+    before = state_sha256({n: p.detach() for n, p in half.named_parameters()})
+    with pytest.raises(StateMismatchError, match=r"'embed.weight' is torch.float32 \[16, 6\] there, torch.bfloat16 \[16, 6\] here"):
+        load_checkpoint(folder, half)
+    assert state_sha256({n: p.detach() for n, p in half.named_parameters()}) == before
+    two = Net()
+    two_groups = torch.optim.AdamW([{"params": list(two.embed.parameters())},
+                                    {"params": [p for n, p in two.named_parameters() if not n.startswith("embed.")], "lr": 5.0}])
+    with pytest.raises(StateMismatchError, match=r"it holds 1 parameter group\(s\), this optimizer 2; nothing was loaded"):
+        load_checkpoint(folder, two, two_groups)

@@ -30,7 +30,7 @@ from raycheck.storage.diffs import DiffStore
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.tensor_files import as_numpy
 from raycheck.training.checkpointing import just_in_time
-from raycheck.training.state import copy_state, require_new_tensors
+from raycheck.training.state import check_record, copy_state, require_new_tensors
 
 
 class _Stats(TypedDict):
@@ -77,6 +77,7 @@ class DiffCheckpointer:
         self.config = dict(config or {})
         self._pending: list[tuple[int, Mapping[str, torch.Tensor]]] = []
         self._previous: Mapping[str, torch.Tensor] = {}  # the last step's gradients (held; checked against the next)
+        self._names: list[str] | None = None  # the tensors every record holds (the first record's)
         self._writer = BackgroundWriter("differential-checkpoint", max_pending)
         self.stats: _Stats = {"checkpoints": 0, "bytes": 0, "full_bytes": 0, "diff_bytes": 0, "batches": 0, "last_step": None,
                               "last_full_step": None, "write_seconds": [], "deleted_objects": 0}
@@ -114,8 +115,16 @@ class DiffCheckpointer:
         if self.full_schedule.take_if_due(steps_done):
             self._submit_full(steps_done, state)
             return time.perf_counter() - t0
-        grads = dict(self.gradients())
+        grads = self.gradients()
         require_new_tensors(self._previous, grads, f"the gradients of step {steps_done - 2}")
+        names = list(grads)
+        if self._names is not None and names != self._names:
+            odd = sorted(set(names) ^ set(self._names))
+            raise ValueError(f"the record of step {steps_done - 1} holds other tensors than the earlier steps' ({odd[:3]}: a "
+                             "parameter without a gradient at some steps?): differential records the gradients of the same "
+                             "parameters at every step; freeze a parameter for the whole run (requires_grad=False) or use "
+                             "another strategy")
+        self._names = names
         self._pending.append((steps_done - 1, grads))
         self._previous = grads
         if len(self._pending) >= self.batch_steps:
@@ -176,6 +185,8 @@ class DiffCheckpointer:
 
     def _write_batch(self, records: list[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
         t0 = time.perf_counter()
+        for step, grads in records:  # a gradient written in place since its step: nothing of the batch is written
+            check_record(grads, f"the record of step {step}")
         batch = self.diffs.write_batch([(step, {n: as_numpy(g.cpu()) for n, g in grads.items()}) for step, grads in records],
                                        self.topk_ratio)
         self.stats["write_seconds"].append(time.perf_counter() - t0)

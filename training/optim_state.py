@@ -154,12 +154,12 @@ def group_values(optimizer: torch.optim.Optimizer) -> OrderedDict[str, torch.Ten
     return values
 
 
-def set_group_values(group: dict[str, Any], index: int, entries: Mapping[str, np.ndarray | torch.Tensor]) -> None:
-    """Set ``group``'s numeric hyper-parameters from ``entries``' ``param_groups.<index>.<key>`` (as
+def set_group_values(group: dict[str, Any], index: int, entries: Mapping[str, np.ndarray | torch.Tensor], prefix: str = "") -> None:
+    """Set ``group``'s numeric hyper-parameters from ``entries``' ``<prefix>param_groups.<index>.<key>`` (as
     ``group_values`` names them), each in the type of the group's current value; an entry the group lacks,
     or one of another length, is left out (so is a key ``entries`` lacks)."""
     for key in list(group):
-        name = f"{GROUP_PREFIX}{index}.{key}"
+        name = f"{prefix}{GROUP_PREFIX}{index}.{key}"
         floats = _group_value(group[key]) if key != "params" and name in entries else None
         values = np.asarray(as_numpy(entries[name]), dtype=np.float64).ravel() if floats is not None else None
         if floats is not None and values is not None and values.size == len(floats):
@@ -229,6 +229,10 @@ class ModelOptimizerState:
         def strict(entries: list[list[Any]]) -> list[list[Any]]:  # the parameter groups are matched by name in load
             return [e for e in entries if not e[0].startswith(GROUP_PREFIX)]
 
+        groups = {e[0].split(".")[1] for e in layout if e[0].startswith(GROUP_PREFIX)}
+        if groups and len(groups) != len(self.optimizer.param_groups):
+            raise StateMismatchError(f"{what} does not fit the optimizer: it holds {len(groups)} parameter group(s), "
+                                     f"this optimizer {len(self.optimizer.param_groups)}; nothing was loaded")
         layout, ours = strict(layout), strict(layout_of(self.view()))
         if layout == ours:
             return

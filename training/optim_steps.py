@@ -12,7 +12,13 @@ pre-hook (``Optimizer.register_step_pre_hook``) at the moment of the call:
   the step skipped it, and so does its replay.
 * ``param_groups.<i>.<key>``: group ``i``'s numeric hyper-parameters at that step
   (``training.optim_state.group_values``, float64): what your scheduler had set, so a replayed step
-  uses the learning rate the step used.
+  uses the learning rate the step used;
+* ``after.param_groups.<i>.<key>``: the same once the loop's step was over (``step_done``, called by
+  ``after_step``: a scheduler stepped after ``optimizer.step()`` has set the next step's), restored after
+  the replayed step, so a replayed state holds what a checkpoint taken then would.
+
+A record (``training.state.StepRecord``) keeps each gradient's version counter: a gradient written in
+place after the step (``zero_grad(set_to_none=False)``) is refused before the record is used.
 
 Replaying a record sets those gradients and hyper-parameters and calls ``step()``: given the same
 state, bitwise the step that ran (the optimizer is deterministic on the CPU). ``catch_up_`` replays
@@ -33,6 +39,10 @@ import torch
 
 from raycheck.storage.tensor_files import as_numpy, to_tensor
 from raycheck.training.optim_state import ModelOptimizerState, UnsupportedOptimizerError, group_values, set_group_values
+from raycheck.training.state import StepRecord
+
+AFTER = "after."
+"""``after.param_groups.<i>.<key>``: a group's hyper-parameter when the loop's step was over (``OptimizerSteps.step_done``)."""
 
 
 def _tensor_like(value: np.ndarray | torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
@@ -53,15 +63,37 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any
     that the class can be rebuilt).
 
     Raises:
-        UnsupportedOptimizerError: the class cannot be built from its parameter groups alone."""
+        UnsupportedOptimizerError: the class cannot be built from its parameter groups alone, or (the check)
+            keeps a public attribute outside them that the rebuilt one does not have alike (e.g. a
+            constructor argument with a default, stored on the optimizer)."""
+    probe = groups is None
     if groups is None:
         groups = [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}, "params": [torch.zeros(1)]}]
     cls = type(optimizer)
     try:
-        return cast(torch.optim.Optimizer, cast(Any, cls)(groups))
+        clone = cast(torch.optim.Optimizer, cast(Any, cls)(groups))
     except (TypeError, ValueError) as exc:
         raise UnsupportedOptimizerError(f"{cls.__name__} cannot be built from its parameter groups alone ({exc}), "
                                         "which the overlapped catch-up needs: use another strategy") from exc
+    own = {k: v for k, v in vars(optimizer).items() if not k.startswith("_") and k not in ("defaults", "state", "param_groups")}
+    differs = [k for k, v in own.items() if not _same(v, getattr(clone, k, _MISSING))] if probe else []
+    if differs:
+        raise UnsupportedOptimizerError(f"{cls.__name__} keeps {differs[0]!r} outside its parameter groups "
+                                        f"({own[differs[0]]!r} here, {getattr(clone, differs[0], None)!r} when rebuilt from "
+                                        "them), which the overlapped catch-up rebuilds it from: use another strategy, or "
+                                        "keep the setting in the parameter groups")
+    return clone
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` where that is one truth value, else identity."""
+    try:
+        return bool(a == b)
+    except (RuntimeError, ValueError, TypeError):
+        return a is b
 
 
 class OptimizerSteps:
@@ -75,27 +107,34 @@ class OptimizerSteps:
 
     def __init__(self, state: ModelOptimizerState, record: bool = True) -> None:
         self.state = state
-        self._last: OrderedDict[str, torch.Tensor] | None = None
+        self._last: StepRecord | None = None
         self._replaying = False
         self._hook = state.optimizer.register_step_pre_hook(self._capture) if record else None
 
     def _capture(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._replaying:
             return
-        record: OrderedDict[str, torch.Tensor] = OrderedDict(
-            (n, p.grad.detach()) for n, p in self.state.named.items() if p.grad is not None)
-        record.update(group_values(optimizer))
-        self._last = record
+        grads = {n: p.grad.detach() for n, p in self.state.named.items() if p.grad is not None}
+        self._last = StepRecord({**grads, **group_values(optimizer)})
+
+    def step_done(self) -> None:
+        """Add to the last record the groups' hyper-parameters now, once the loop's step is over
+        (``after.param_groups.<i>.<key>``: what a scheduler set for the next step, which a replay restores
+        after the step, as a checkpoint taken now would hold them)."""
+        if self._last is not None:
+            self._last.update({AFTER + n: v for n, v in group_values(self.state.optimizer).items()})
 
     def applied(self) -> Mapping[str, torch.Tensor]:
         """The record of the last ``optimizer.step()`` (see the module docstring).
 
         Raises:
-            RuntimeError: no step has run since this object was made or since ``release``.
+            RuntimeError: no step has run since this object was made or since ``release``; or its
+                gradients were written in place since the step (``StepRecord.check``).
         """
         if self._last is None:
             raise RuntimeError("no optimizer.step() since the last after_step: call after_step once after each "
                                "optimizer.step()")
+        self._last.check("after_step")
         return self._last
 
     def release(self) -> None:
@@ -121,6 +160,8 @@ class OptimizerSteps:
             self._replaying = False
             for p in self.state.named.values():
                 p.grad = None
+        for i, group in enumerate(self.state.optimizer.param_groups):
+            set_group_values(group, i, record, prefix=AFTER)
 
     def catch_up_(self, chunk: Mapping[str, np.ndarray], records: Sequence[Mapping[str, np.ndarray | torch.Tensor]]) -> None:
         """Apply ``records`` (in step order) to part of a staged state in place (GoCkpt's catch-up):

@@ -42,7 +42,7 @@ from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.tensor_files import as_numpy
 from raycheck.storage.units import parameter_of
 from raycheck.training.checkpointing import just_in_time
-from raycheck.training.state import StagingPool, copy_into, require_new_tensors
+from raycheck.training.state import StagingPool, check_record, copy_into, record_part, require_new_tensors
 
 
 CatchUp = Callable[[dict[str, np.ndarray], Sequence[Mapping[str, torch.Tensor]]], None]
@@ -111,7 +111,7 @@ class _Window:
     plan: list[dict[str, list[str]]]
     """The chunks (``OverlappedCheckpointer.plan``), staged in this order."""
     staged: dict[str, np.ndarray] = field(default_factory=dict)
-    gradients: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    gradients: list[Mapping[str, torch.Tensor]] = field(default_factory=list)
     """``gradients[i]``: what step ``start_step + i`` applied to the parameters of chunks 0..i."""
 
     @property
@@ -266,12 +266,12 @@ class OverlappedCheckpointer:
         self._window = _Window(start_step=step, names=list(live), buffers=buffers, plan=self._plan)
         return self._window
 
-    def _held_gradients(self, window: _Window) -> dict[str, torch.Tensor]:
+    def _held_gradients(self, window: _Window) -> Mapping[str, torch.Tensor]:
         """References to the last step's record but the gradients of the chunks not staged yet (no copy;
         a record's other entries, e.g. a user's optimizer's hyper-parameters, are kept for every chunk)."""
         grads = self.gradients()
         unstaged = {p for chunk in window.plan[window.chunks_staged:] for p, names in chunk.items() if len(names) > 1}
-        held = {n: g for n, g in grads.items() if n not in unstaged}
+        held = record_part(grads, [n for n in grads if n not in unstaged])
         previous = window.gradients[-1] if window.gradients else {}
         require_new_tensors(previous, held, f"the gradients of step {window.start_step + len(window.gradients) - 1}")
         return held
@@ -294,6 +294,8 @@ class OverlappedCheckpointer:
     def _write(self, window: _Window, step: int) -> None:
         """On the writer thread: bring each chunk to ``step`` (replay the steps after it was staged), commit."""
         t0 = time.perf_counter()
+        for i, record in enumerate(window.gradients):  # a gradient written in place since its step: nothing is written
+            check_record(record, f"the record of step {window.start_step + i} (overlapped snapshot of step {step})")
         for index, chunk in enumerate(window.plan):
             later = window.gradients[index:]  # the steps after chunk ``index`` was staged
             if later:

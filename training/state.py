@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -35,6 +35,36 @@ def copy_state(state: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, np.n
     return {n: np.array(as_numpy(t), copy=True) for n, t in state.items()}
 
 
+class StepRecord(dict[str, torch.Tensor]):
+    """One optimizer step's record (``training.optim_steps``) with each tensor's version counter when the
+    step read it (torch bumps a tensor's ``_version`` at every in-place write), so that a gradient written
+    in place after the step (``zero_grad(set_to_none=False)``, accumulation into the same tensor) is found
+    before the record is used (``check``), never written or replayed."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], versions: Mapping[str, int] | None = None) -> None:
+        super().__init__(tensors)
+        self.versions = {n: t._version for n, t in tensors.items()} if versions is None else {n: versions[n] for n in tensors if n in versions}
+
+    def check(self, what: str) -> None:
+        """Raises ``RuntimeError`` (naming ``what`` and up to three tensors) when a tensor was written in place."""
+        changed = [n for n, v in self.versions.items() if self[n]._version != v]
+        if changed:
+            raise RuntimeError(f"{what}: the gradients optimizer.step() read were written in place since ({changed[:3]}); "
+                               "zero them with optimizer.zero_grad() (set_to_none=True, torch's default), not in place")
+
+
+def record_part(record: Mapping[str, torch.Tensor], names: Iterable[str]) -> Mapping[str, torch.Tensor]:
+    """The entries ``names`` of ``record`` (a ``StepRecord`` keeps their versions of the step)."""
+    part = {n: record[n] for n in names}
+    return StepRecord(part, record.versions) if isinstance(record, StepRecord) else part
+
+
+def check_record(record: Mapping[str, torch.Tensor], what: str) -> None:
+    """``StepRecord.check`` for a step record; nothing for another mapping (a gradients callable's own)."""
+    if isinstance(record, StepRecord):
+        record.check(what)
+
+
 def require_new_tensors(previous: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor], what: str) -> None:
     """Refuse tensors kept by reference across steps that a later step wrote in place: a non-empty
     tensor of ``current`` at the same address as the same name's tensor of ``previous`` (still held,
@@ -46,7 +76,7 @@ def require_new_tensors(previous: Mapping[str, torch.Tensor], current: Mapping[s
     reused = [n for n, t in previous.items() if t.numel() and n in current and t.data_ptr() == current[n].data_ptr()]
     if reused:
         raise RuntimeError(f"{what} were overwritten by the next step ({reused[:3]}): the gradients callable must return "
-                           "new tensors every step")
+                           "new tensors every step (optimizer.zero_grad() with set_to_none=True, torch's default)")
 
 
 def copy_into(buffers: dict[str, np.ndarray], state: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, np.ndarray]:

@@ -62,6 +62,7 @@ from raycheck.storage.backend import Storage, local_path
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.manifest import RunIdentity, folder_step, manifest_layout
 from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.storage.tensor_files import to_tensor
 from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.differential import DiffCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
@@ -332,13 +333,22 @@ class FirstOrderCheckpoints:
         reported yet. Returns the seconds this call blocked the loop (checkpoint and report).
 
         Raises:
-            RuntimeError: called after ``close``.
+            RuntimeError: called after ``close``; ``differential`` / ``overlapped``: no ``optimizer.step()``
+                since the last call, or its gradients were written in place (``zero_grad(set_to_none=False)``).
+            ValueError: ``steps_done`` is not one more than the last call's (or than ``restore``'s step);
+                ``differential``: a step's record holds other parameters than the earlier ones'.
             storage.backend.StorageError: a full-state write failed (``FullCheckpointer``).
         """
         if self.closed:
             raise RuntimeError("after_step after close()")
+        if steps_done != self._last_steps_done + 1:
+            raise ValueError(f"after_step({steps_done}) after {self._last_steps_done} steps done: call it after every "
+                             f"optimizer.step() with the steps done so far (step + 1 for a 0-based step), "
+                             f"{self._last_steps_done + 1} now")
         t0 = time.perf_counter()
         self._last_steps_done = steps_done
+        if self.steps is not None:
+            self.steps.step_done()
         if self.checkpointer is not None:
             self.checkpointer.after_step(steps_done, self.state.view)
             if self.steps is not None:
@@ -479,15 +489,15 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
         ModelOptimizerState(model, optimizer).load(state, what)
         return info.step
     params = dict(unwrap(model).named_parameters())
+    tensors = {n: to_tensor(state[n]) for n in params if n in state}
     for name, p in params.items():
-        if name not in state:
+        if name not in tensors:
             raise StateMismatchError(f"{what} does not fit the model: it has no tensor {name!r}; nothing was loaded")
-        if tuple(state[name].shape) != tuple(p.shape):
-            raise StateMismatchError(f"{what} does not fit the model: {name!r} is {list(state[name].shape)} there, "
-                                     f"{list(p.shape)} here; nothing was loaded")
-    from raycheck.storage.tensor_files import to_tensor
-
+        t = tensors[name]
+        if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+            raise StateMismatchError(f"{what} does not fit the model: {name!r} is {t.dtype} {list(t.shape)} there, "
+                                     f"{p.dtype} {list(p.shape)} here; nothing was loaded")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(to_tensor(state[name]).reshape(p.shape))
+            p.copy_(tensors[name])
     return info.step
