@@ -400,3 +400,5 @@ def test_load_refuses_another_dtype_and_another_number_of_parameter_groups(tmp_p
                                     {"params": [p for n, p in two.named_parameters() if not n.startswith("embed.")], "lr": 5.0}])
     with pytest.raises(StateMismatchError, match=r"it holds 1 parameter group\(s\), this optimizer 2; nothing was loaded"):
         load_checkpoint(folder, two, two_groups)
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path} is a snapshot store, not one snapshot: its newest is {folder}$"):
+        load_checkpoint(str(tmp_path), two)

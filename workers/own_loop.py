@@ -480,6 +480,9 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
     infos = store.list()
     info = next((i for i in infos if i.folder == folder), None)
     if info is None:
+        inner = SnapshotStore(Storage(path, create=False, **storage_options)).list() if not folder.startswith("step-") else []
+        if inner:  # the store itself was given
+            raise FileNotFoundError(f"{path} is a snapshot store, not one snapshot: its newest is {path}/{inner[-1].folder}")
         newest = max(infos, key=lambda i: i.step, default=None)
         hint = f"; its newest snapshot is {root}/{newest.folder}" if newest is not None else ""
         raise FileNotFoundError(f"{path} is not a committed snapshot of {root} (not in its index){hint}")
