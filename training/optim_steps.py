@@ -9,7 +9,8 @@ pre-hook (``Optimizer.register_step_pre_hook``) at the moment of the call:
 * ``<parameter>``: the gradient the step consumed (``p.grad`` then: after your clipping, AMP unscaling,
   DDP averaging), the parameter's shape and dtype, by reference (no copy; ``zero_grad(set_to_none=True)``,
   torch's default, makes each step's gradients new tensors). A parameter without a gradient is absent:
-  the step skipped it, and so does its replay.
+  the step skipped it, and so does its replay (a differential checkpointer refuses a record whose
+  parameters differ from the earlier steps': its record objects hold one set).
 * ``param_groups.<i>.<key>``: group ``i``'s numeric hyper-parameters at that step
   (``training.optim_state.group_values``, float64): what your scheduler had set, so a replayed step
   uses the learning rate the step used;
