@@ -39,12 +39,13 @@ def make(hidden: int = 16, lr: float = 1e-2) -> tuple[Net, torch.optim.AdamW]:
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
 
 
-def step(model: Net, opt: torch.optim.Optimizer, i: int) -> None:
+def step(model: Net, opt: torch.optim.Optimizer, i: int, set_to_none: bool = True) -> None:
+    """Step ``i`` (its batch seeded by ``i``); ``set_to_none`` False zeroes the gradients in place."""
     g = torch.Generator().manual_seed(1000 + i)
     x, y = torch.randn(8, 6, generator=g), torch.randint(0, 2, (8,), generator=g)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=set_to_none)
 
 
 def reference(steps: int) -> list[dict]:
@@ -300,15 +301,6 @@ def test_what_replay_cannot_do_exactly_is_refused_up_front(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-def in_place_step(model: Net, opt: torch.optim.Optimizer, i: int) -> None:
-    """``step`` with the gradients zeroed in place (``zero_grad(set_to_none=False)``), before ``after_step``."""
-    g = torch.Generator().manual_seed(1000 + i)
-    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 2, (8,), generator=g)
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-
-
 @pytest.mark.parametrize("strategy", ["differential", "overlapped"])
 def test_gradients_zeroed_in_place_are_refused_and_nothing_wrong_is_committed(tmp_path, strategy):
     """The record of a step is the gradients it read; zeroed in place they would be zeros: the first
@@ -320,7 +312,7 @@ def test_gradients_zeroed_in_place_are_refused_and_nothing_wrong_is_committed(tm
     with pytest.raises(RuntimeError, match=r"^after_step: the gradients optimizer.step\(\) read were written in place since "
                                            r"\(\['embed.weight', .*zero them with optimizer.zero_grad\(\) \(set_to_none=True"):
         for i in range(8):
-            in_place_step(model, opt, i)
+            step(model, opt, i, set_to_none=False)
             ckpt.after_step(i + 1)
     assert ckpt.flush()
     for info in ckpt.store.list():
