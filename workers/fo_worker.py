@@ -93,7 +93,9 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
     sharded = cfg.fo.parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
     group = sharded_fo.checkpoint_group() if sharded else None
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
-    record = lambda kind, fields: run.event(kind, **fields)  # noqa: E731  (rank 0's preemption events)
+    def record(kind: str, fields: dict[str, Any]) -> None:  # rank 0's preemption events, in the run's journal
+        run.event(kind, **fields)
+
     own = None if group is not None else run_checkpoints(cfg, trainer, record)
     ckpt: Checkpointer | None = (sharded_fo.sharded_checkpointer(cfg, trainer, group) if group is not None
                                  else own.checkpointer if own is not None else None)
