@@ -27,7 +27,7 @@ from raycheck.job.options import SECTIONS, Opt, metavar_of, option_of
 from raycheck.job.run_dir import RunDir
 from raycheck.orchestrator.console import RunConsole, summary_table
 from raycheck.cli.experiment import experiment
-from raycheck.cli.merge import merge
+from raycheck.cli.merge import export, merge
 from raycheck.cli.policy import policy
 from raycheck.cli.replay import replay
 from raycheck.orchestrator.schedule import parse_schedule
@@ -597,6 +597,7 @@ app.command()(policy)
 app.command()(inspect)
 app.command()(verify)
 app.command()(merge)
+app.command()(export)
 app.command()(replay)
 app.command()(experiment)
 
@@ -606,6 +607,7 @@ SHORT_HELP = {
     "inspect": "List a store's snapshots, their runs, and the step log.",
     "verify": "Re-hash every snapshot shard; exit 1 naming each bad one.",
     "merge": "Assemble one snapshot from units of several.",
+    "export": "Write a snapshot's weights as a transformers folder.",
     "replay": "Rebuild and hash the state at any logged step.",
     "experiment": "Every checkpointing strategy side by side, with a report.",
 }

@@ -1,11 +1,12 @@
-"""``raycheck merge``: a composite snapshot from units of several snapshots (logic: ``storage.merge``)."""
+"""``raycheck merge``: a composite snapshot from units of several snapshots; ``raycheck export``: a snapshot as a
+Hugging Face folder (logic: ``storage.merge``)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import pathlib
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -16,6 +17,7 @@ from raycheck.storage.merge import (
     Source,
     check_output,
     commit_merge,
+    export_hf,
     parse_source,
     parse_take,
     prepare_hf_export,
@@ -99,3 +101,26 @@ def _remove_empty_folders(root: pathlib.Path) -> None:
     for folder, _, _ in sorted(os.walk(root), key=lambda entry: len(entry[0]), reverse=True):
         with contextlib.suppress(OSError):  # not empty: a file stays, and so does its folder
             os.rmdir(folder)
+
+
+def export(
+    checkpoint: Annotated[str, typer.Argument(metavar="CHECKPOINT", help=(
+        "One snapshot: Ray Train's Result.checkpoint path (a pointer raycheck reported), a summary's "
+        "ray_train_checkpoint.path or final_snapshot, a snapshot folder (path or s3:// URI); or a store: its newest."))],
+    hf: Annotated[pathlib.Path, typer.Option(help="The Hugging Face folder to write: new or empty, outside the model cache.")],
+    model: Annotated[str, typer.Option(help=f"The run's model (config and layout): {', '.join(MODEL_NAMES)}, a model folder or a cached model id.")],
+    s3_endpoint: EndpointOpt = "",
+    cache_dir: Annotated[pathlib.Path, typer.Option(help="Converted-model cache.")] = default_cache_dir(),
+) -> None:
+    """Write a committed snapshot's weights as a folder transformers loads (from_pretrained).
+
+    The weights only (the optimizer state is dropped), checked against --model's layout before anything is
+    written. Exit 2: a bad checkpoint, model or target folder, nothing written."""
+    options: dict[str, Any] = {"endpoint_url": s3_endpoint} if s3_endpoint else {}
+    try:
+        check_outside_cache(hf, cache_dir)
+        folder = export_hf(checkpoint, hf, model, model_folder(model, cache_dir), **options)
+    except (NoSnapshotError, SnapshotCorruptError, ValueError, FileExistsError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"Hugging Face folder: {folder}")

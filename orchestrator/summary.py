@@ -355,6 +355,8 @@ class Collected:
     """The fields known whatever happened (phase, restarts, placement, configuration, ...), last in the summary."""
     newest_snapshot: tuple[int, str] | None = None
     """(step, URI) of the newest committed snapshot in the run's storage at the end; None: none, or unreadable."""
+    ray_train_checkpoint: dict | None = None
+    """``Result.checkpoint`` of the run (``workers.train_reports.checkpoint_record``); None: none reported."""
 
 
 def placement_record(policy: str | None, driver: dict | None, persister: list[dict], shadow_shards: list[list[dict]] | None,
@@ -433,6 +435,7 @@ def run_summary(c: Collected) -> dict:
         "worker_hashes": {str(r["step"] + 1): r["state_sha256"] for r in rows if "state_sha256" in r},
         "snapshots": {**c.persisted, **c.mirror},
         "final_snapshot": c.newest_snapshot[1] if c.newest_snapshot and final and c.newest_snapshot[0] == final.get("step") else None,
+        "ray_train_checkpoint": c.ray_train_checkpoint,
         "durability": durability(c.durability_level, c.keeper, events) if c.keeper is not None else None,
         "replans": [e for e in events if e["kind"] == "replan"],
         "resumes": [e for e in events if e["kind"] == "resume"],
@@ -498,6 +501,10 @@ SUMMARY_FIELDS: dict[str, str] = {
     "final_snapshot": "The committed snapshot of the final state (``<storage>/<folder>``), when the run's storage holds one "
                       "(null otherwise, e.g. a failed run or a strategy without snapshots): "
                       "``workers.own_loop.load_checkpoint(final_snapshot, model)`` loads it into your model in one call.",
+    "ray_train_checkpoint": "Ray Train's ``Result.checkpoint`` of the run: ``path`` (a pointer checkpoint in Ray Train's storage, "
+                            "``workers.train_reports``), the ``snapshot`` it points to and its ``step``; null when none was reported "
+                            "(e.g. replica groups, or no snapshot committed). ``load_checkpoint(path, model)`` loads it. With a shadow, "
+                            "the final state may be committed after the workers' last report: then ``final_snapshot`` is newer.",
     "snapshots": "The persister's counts, bytes and last durable step, the storage circuit breaker's state (``storage``), "
                  "and the step log mirror's ``log_mirrored_steps``.",
     "durability": "The step log's level, the log keeper's node and rank 0's, ``node_held`` (``durability``, below); "

@@ -42,6 +42,7 @@ from safetensors import safe_open
 
 from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile
 from raycheck.storage.files import TEMP_MARK
+from raycheck.storage.pointers import committed_snapshot, is_one_snapshot
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotInfo, SnapshotStore
 from raycheck.storage.tensor_files import FLOAT_DTYPES, dtype_name, save_file
 from raycheck.storage.units import parameter_of, unit_of
@@ -559,32 +560,42 @@ def write_hf_export(export: HFExport) -> pathlib.Path:
 
 
 def export_hf(
-    store_uri: SnapshotStore | Storage | str,
+    source: Any,
     out_dir: str | pathlib.Path,
     model_name: str,
     model_source: str | pathlib.Path,
     *,
     step: int | None = None,
+    **storage_options: Any,
 ) -> pathlib.Path:
     """Write a snapshot's parameters as a Hugging Face folder that ``from_pretrained`` loads.
 
-    ``config.json`` (and ``generation_config.json`` when present) come from ``model_source``, the local
-    folder of model ``model_name`` (``training.model.model_folder``: a built-in name, a model folder or a
-    cached model id); the weights go to ``model.safetensors``, parameters only (optimizer state dropped),
-    in the model's own tensor names (``prepare_hf_export``, ``write_hf_export``). ``step`` picks a
-    snapshot (default: the newest that verifies).
+    ``source``: one snapshot (a ``ray.train.Checkpoint`` raycheck reported, e.g. ``Result.checkpoint``; a
+    pointer folder, ``storage.pointers``; a snapshot folder's path or URI) or a store (a ``SnapshotStore``,
+    ``Storage`` or its URI: its newest snapshot that verifies, or the one at ``step``), read with
+    ``storage_options`` (e.g. ``endpoint_url``). ``config.json`` (and ``generation_config.json`` when
+    present) come from ``model_source``, the local folder of model ``model_name``
+    (``training.model.model_folder``: a built-in name, a model folder or a cached model id); the weights go
+    to ``model.safetensors``, parameters only (optimizer state dropped), in the model's own tensor names
+    (``prepare_hf_export``, ``write_hf_export``).
 
     Raises:
-        ValueError: the snapshot's parameters do not match the model's (names, shapes, dtypes).
+        ValueError: the snapshot's parameters do not match the model's (names, shapes, dtypes); a malformed pointer.
         FileExistsError: ``out_dir`` is not a new or empty folder.
+        FileNotFoundError: ``source`` names a snapshot that is not committed in its store.
         NoSnapshotError: no snapshot (at ``step``) verifies.
     """
-    store = store_uri if isinstance(store_uri, SnapshotStore) else SnapshotStore(store_uri)
-    if step is None:
-        state = store.load_latest().state
+    if not isinstance(source, SnapshotStore | Storage) and step is None and is_one_snapshot(source, **storage_options):
+        store, info = committed_snapshot(source, **storage_options)
+        state = store.load(info)
     else:
-        infos = [i for i in store.list() if i.step == step]
-        if not infos:
-            raise NoSnapshotError(f"no committed snapshot at step {step} in {store.storage.url()}")
-        state = store.load(infos[-1])
+        store = source if isinstance(source, SnapshotStore) else SnapshotStore(
+            source if isinstance(source, Storage) else Storage(str(source), create=False, **storage_options))
+        if step is None:
+            state = store.load_latest().state
+        else:
+            infos = [i for i in store.list() if i.step == step]
+            if not infos:
+                raise NoSnapshotError(f"no committed snapshot at step {step} in {store.storage.url()}")
+            state = store.load(infos[-1])
     return write_hf_export(prepare_hf_export(state, out_dir, model_name, model_source))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import re
 import time
@@ -32,6 +33,7 @@ from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.steplog import RECORD_BYTES, read_records
 from raycheck.training.model import default_cache_dir
 from raycheck.training.state import state_sha256
+from raycheck.storage.pointers import committed_snapshot
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 OUTAGE_S = 20.0  # long enough for the breaker to open (three failed operations of about 4 s each)
@@ -110,6 +112,15 @@ def test_reference_shadow_matches_worker_every_k_steps(reference):
     assert reference["shadow_hashes"] == reference["worker_hashes"]
     assert reference["recoveries"] == [] and reference["failures"] == []
     assert reference["snapshots"]["written"] >= 1 and reference["snapshots"]["failed"] == 0
+    assert_result_checkpoint_is_the_final_snapshot(reference, os.path.join(reference["config"]["out_dir"], "ray_train", ""))
+
+
+def assert_result_checkpoint_is_the_final_snapshot(summary: dict, ray_train_storage: str) -> None:
+    """Ray Train's ``Result.checkpoint`` is a pointer in its storage (``ray_train_storage``) to the committed
+    snapshot of the final step (the last report waited for the shadow's)."""
+    reported = summary["ray_train_checkpoint"]
+    assert reported["path"].startswith(ray_train_storage) and reported["path"].rsplit("/", 1)[1].startswith("step-0000000012-")
+    assert reported["snapshot"] == summary["final_snapshot"] and reported["step"] == 12
 
 
 def poisson_schedule() -> tuple:
@@ -299,6 +310,9 @@ def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_fa
     assert recovery["source"] == "storage" and recovery["base_step"] == 3 and recovery["replayed_steps"] == 4
     assert len(recovery["skipped"]) == 1 and "step-0000000006" in recovery["skipped"][0]
     assert s["snapshots"]["last_durable_step"] == 12 and s["snapshots"]["log_mirrored_steps"] == 12
+    assert_result_checkpoint_is_the_final_snapshot(s, f"{uri}/ray_train/")  # Ray Train's storage in the bucket too
+    store, info = committed_snapshot(s["ray_train_checkpoint"]["path"], endpoint_url=s3_endpoint)
+    assert info.step == 12 and store.storage.url(info.folder) == s["final_snapshot"]
 
     result = CliRunner().invoke(app, ["verify", uri, "--s3-endpoint", s3_endpoint])
     assert result.exit_code == 1, result.output

@@ -4,6 +4,8 @@ strategy, the layer-wise composite with each unit's optimizer state, and the one
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -17,6 +19,8 @@ from raycheck.training.optim_state import ModelOptimizerState, StateMismatchErro
 from raycheck.training.state import copy_state, state_sha256
 from raycheck.storage.units import unit_of
 from raycheck.workers.own_loop import FirstOrderCheckpoints, load_checkpoint
+from raycheck.storage.pointers import POINTER_FILE, pointer
+from raycheck.workers.train_reports import checkpoint_record
 
 
 class Net(torch.nn.Module):
@@ -134,6 +138,37 @@ def test_close_checkpoints_the_trained_state_when_the_last_step_is_not_on_the_in
     assert state_sha256(ModelOptimizerState(fresh, fresh_opt).view()) == state_sha256(ref[8])
     with pytest.raises(FileNotFoundError, match=r"^no checkpoint to load \(None"):
         load_checkpoint(None, fresh, fresh_opt)
+
+
+def test_a_pointer_checkpoint_loads_its_snapshot_and_names_the_newest_once_retention_deleted_it(tmp_path):
+    """What Ray Train holds for a reported snapshot (``workers.train_reports``): a folder with the pointer file.
+    It loads the snapshot bitwise; after retention deleted that snapshot it names the store's newest; a
+    pointer file that is not one is refused in one line."""
+    ref = reference(4)
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path / "ckpt"), strategy="full-sync", every_steps=1, keep=2, report=False)
+    (tmp_path / "ray").mkdir()
+    for i in range(4):
+        step(model, opt, i)
+        ckpt.after_step(i + 1)
+        info = ckpt.store.list()[-1]
+        reported = tmp_path / "ray" / info.folder  # as Ray Train uploads it: named as the snapshot
+        reported.mkdir()
+        (reported / POINTER_FILE).write_text(json.dumps(pointer(ckpt.store, info)))
+    ckpt.close()
+    fresh, fresh_opt = make()
+    newest = sorted((tmp_path / "ray").iterdir())[-1]
+    assert load_checkpoint(str(newest), fresh, fresh_opt) == 4
+    assert state_sha256(ModelOptimizerState(fresh, fresh_opt).view()) == state_sha256(ref[4])
+    assert checkpoint_record(str(newest)) == {"path": str(newest), "snapshot": str(tmp_path / "ckpt" / newest.name), "step": 4}
+    oldest = sorted((tmp_path / "ray").iterdir())[0]  # step 1: deleted by retention (keep 2)
+    with pytest.raises(FileNotFoundError, match=rf"step-0000000001-\S+ is not a committed snapshot of {tmp_path / 'ckpt'} "
+                                                rf"\(not in its index\); its newest snapshot is {tmp_path / 'ckpt' / newest.name}$"):
+        load_checkpoint(str(oldest), fresh, fresh_opt)
+    (oldest / POINTER_FILE).write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match=r"raycheck-snapshot.json is not a raycheck snapshot pointer \(format 'raycheck-snapshot-pointer/1' expected\)$"):
+        load_checkpoint(str(oldest), fresh, fresh_opt)
+    assert state_sha256(ModelOptimizerState(fresh, fresh_opt).view()) == state_sha256(ref[4])  # nothing loaded by the refusals
 
 
 def test_layerwise_composite_units_carry_their_optimizer_state(tmp_path):

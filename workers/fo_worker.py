@@ -57,12 +57,13 @@ RECOVERY_FIELDS = ("source", "base_step", "replayed_steps", "load_seconds", "rep
 
 def run_checkpoints(cfg: JobConfig, trainer: FOTrainer, events: Callable[[str, dict[str, Any]], None]) -> FirstOrderCheckpoints:
     """The run's checkpoints through the public API a user's own loop calls (``workers.own_loop``): the
-    run's snapshot store (its identity, retention and writer epoch), ``cfg``'s strategy and settings, no
-    Ray Train reports (the store is not in Ray Train's experiment directory), preemption notices acted on
+    run's snapshot store (its identity, retention and writer epoch), ``cfg``'s strategy and settings, Ray
+    Train reports of its committed snapshots (in a Ray Train worker; not with replica groups, whose group
+    restarted alone would miss the lockstep reports: ``workers.train_reports``), preemption notices acted on
     (``events``: the run's journal), and ``reproducible_init`` (every worker loads the same initial weights)."""
     return FirstOrderCheckpoints(trainer.model, trainer.optimizer, snapshot_store(cfg), strategy=cfg.strategy,
                                  every_steps=cfg.snapshot.every_steps, layerwise=cfg.layerwise, differential=cfg.differential,
-                                 overlapped=cfg.overlapped, report=False, preemption=True, events=events,
+                                 overlapped=cfg.overlapped, report=False if cfg.replica_groups else None, preemption=True, events=events,
                                  reproducible_init=True)
 
 
@@ -122,7 +123,7 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
         trainer.apply_gradients()
         [loss] = mean_over_workers([loss], world)
         step_s = time.perf_counter() - t0
-        block_s = own.after_step(step + 1) if own is not None else ckpt.after_step(step + 1, state) if ckpt else 0.0
+        block_s = own.after_step(step + 1, {"loss": loss}) if own is not None else ckpt.after_step(step + 1, state) if ckpt else 0.0
         if notices is not None and (notice := notices.poll()) is not None:  # every rank asks (a collective)
             save_before_deadline(notice, ckpt, step + 1, state, record if rank == 0 else None)
         hashed = cfg.hash_every_steps and (step + 1) % cfg.hash_every_steps == 0 and (rank == 0 or sharded)

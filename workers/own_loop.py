@@ -32,15 +32,12 @@ numeric hyper-parameters (``param_groups.<i>.lr``, ...). Strategies (``STRATEGIE
 Ray Train: every rank restores (the state is read from storage by each; rank 0 picks the snapshot and
 the others load the same one), rank 0 writes. Every ``report_every_steps`` steps (default: the
 checkpoint interval) and at ``close`` every rank calls ``ray.train.report`` (lockstep, as Ray Train v2
-requires), and rank 0 attaches the newest committed snapshot not reported yet as
-``ray.train.Checkpoint(path=<its folder>)`` with ``CheckpointUploadMode.NO_UPLOAD``: no byte is copied,
-so the storage must be inside the run's Ray Train experiment directory (the default,
-``<experiment dir>/raycheck``). ``Result.checkpoint`` of a finished run is then the newest committed
-state and ``load_checkpoint(result.checkpoint, model, optimizer)`` loads it. Leave
-``CheckpointConfig(num_to_keep=...)`` unset: raycheck's retention (``keep``) deletes old snapshots, and a
-composite's shards may live in older folders. ``ray.train.get_checkpoint()`` in a restarted worker is the
-newest reported snapshot; ``restore`` loads the newest committed one, never older than it (asynchronous
-writes commit between reports).
+requires), and rank 0 attaches the newest committed snapshot not reported yet as a pointer checkpoint
+(``workers.train_reports``: a folder named as the snapshot holding its URI; the snapshot's bytes are not
+copied), so the storage may be anywhere every rank reaches. ``Result.checkpoint`` of a finished run is
+then the newest committed state and ``load_checkpoint(result.checkpoint, model, optimizer)`` loads it.
+``ray.train.get_checkpoint()`` in a restarted worker is the newest reported snapshot; ``restore`` loads the
+newest committed one, never older than it (asynchronous writes commit between reports).
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ import torch
 from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import STEP_LOG, RunStrategy
-from raycheck.storage.backend import Storage, local_path
+from raycheck.storage.backend import Storage
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.manifest import RunIdentity, folder_step, manifest_layout
 from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
@@ -70,6 +67,8 @@ from raycheck.training.optim_state import ModelOptimizerState, StateMismatchErro
 from raycheck.training.optim_steps import OptimizerSteps, clone_optimizer
 from raycheck.training.overlapped import OverlappedCheckpointer
 from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
+from raycheck.storage.pointers import committed_snapshot
+from raycheck.workers.train_reports import TrainReports, ray_train_context
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +77,6 @@ OwnCheckpointer = FullCheckpointer | LayerwiseCheckpointer | DiffCheckpointer | 
 
 STRATEGIES = tuple(s.value for s in RunStrategy if s not in STEP_LOG)
 """The strategies a user's loop can checkpoint with (all of ``raycheck run``'s first-order ones)."""
-
-
-def ray_train_context() -> Any | None:
-    """Ray Train's context in a Ray Train worker, None elsewhere."""
-    try:
-        import ray.train
-
-        return ray.train.get_context()
-    except (RuntimeError, ImportError, AttributeError):
-        return None
 
 
 class FirstOrderCheckpoints:
@@ -167,7 +156,6 @@ class FirstOrderCheckpoints:
             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self.world = self._ctx.get_world_size() if self._ctx is not None else (
             torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
-        self.report_enabled = self._ctx is not None if report is None else report
         self._notices = PreemptionNotices(self.rank) if (self._ctx is not None if preemption is None else preemption) else None
         self._events = events or (lambda kind, fields: log.warning("%s: %s", kind, fields))
         self.report_every_steps = report_every_steps or every_steps
@@ -208,9 +196,9 @@ class FirstOrderCheckpoints:
         ``state_loaded_unix_s``, ``skipped`` (newer snapshots that did not load, or why a replay
         stopped), ``ray_checkpoint`` (``ray.train.get_checkpoint()``'s path, or None), ``unit_steps``
         (unit -> the step its tensors belong to: a composite's)."""
-        self._reported: str | None = None  # the folder last attached to a report (rank 0)
+        self.reports = TrainReports(self.store, self.rank) if (self._ctx is not None if report is None else report) else None
+        """Rank 0 attaches the newest committed snapshot to the reports (``workers.train_reports``)."""
         self._last_steps_done = 0
-        self._warned_unmanaged = False
         self.closed = False
 
     def _checkpointer(self, layerwise: LayerwiseConfig, overlapped: OverlappedConfig, config: dict[str, Any]) -> OwnCheckpointer:
@@ -258,8 +246,8 @@ class FirstOrderCheckpoints:
                 self.checkpointer.resume(chosen, self.state.view())
             self.restored.update(step=chosen.step, folder=chosen.folder,
                                  unit_steps={u: int(s["step"]) for u, s in chosen.manifest["units"].items()})
-            same = ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder)
-            self._reported = chosen.folder if same else None
+            if self.reports is not None and ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder):
+                self.reports.reported = chosen.folder  # an earlier incarnation reported it
         if self.steps is not None and self.diffs is not None:
             self._replay_records(chosen)
         self._last_steps_done = int(self.restored["step"])
@@ -353,44 +341,11 @@ class FirstOrderCheckpoints:
             self.checkpointer.after_step(steps_done, self.state.view)
             if self.steps is not None:
                 self.steps.release()
-        if self.report_enabled and steps_done % self.report_every_steps == 0:
-            self._report(steps_done, metrics)
+        if self.reports is not None and steps_done % self.report_every_steps == 0:
+            self.reports.report(steps_done, metrics)
         if self._notices is not None and (notice := self._notices.poll()) is not None:  # every rank asks, all get the same answer
             save_before_deadline(notice, self.checkpointer, steps_done, self.state.view, self._events if self.rank == 0 else None)
         return time.perf_counter() - t0
-
-    def _checkpoint_of(self, info: SnapshotInfo) -> Any | None:
-        """``ray.train.Checkpoint`` of ``info``'s folder in place (no copy), or None when the storage is
-        outside Ray Train's experiment directory (warned once: Ray Train only takes its own)."""
-        import ray.train
-
-        assert self._ctx is not None
-        sc = self._ctx.get_storage()
-        local = local_path(self.storage_uri)
-        root = os.path.realpath(local) if local is not None else self.storage_uri.split("://", 1)[1]
-        experiment = os.path.realpath(sc.experiment_fs_path) if local is not None else sc.experiment_fs_path
-        if not (root + "/").startswith(experiment.rstrip("/") + "/"):
-            if not self._warned_unmanaged:
-                log.warning("storage %s is outside Ray Train's experiment directory %s: checkpoints are not reported "
-                            "to Ray Train (NO_UPLOAD takes only its own)", self.storage_uri, sc.experiment_fs_path)
-                self._warned_unmanaged = True
-            return None
-        return ray.train.Checkpoint(path=f"{root}/{info.folder}", filesystem=sc.storage_filesystem)
-
-    def _report(self, steps_done: int, metrics: Mapping[str, Any] | None) -> None:
-        import ray.train
-
-        checkpoint, newest_step = None, None
-        if self.rank == 0:
-            own = self._own()
-            if own:
-                newest_step = own[-1].step
-                if own[-1].folder != self._reported:
-                    checkpoint = self._checkpoint_of(own[-1])
-                    if checkpoint is not None:
-                        self._reported = own[-1].folder
-        row = {**dict(metrics or {}), "step": steps_done, "checkpoint_step": newest_step}
-        ray.train.report(row, checkpoint=checkpoint, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
 
     def flush(self, timeout_s: float = 600.0) -> bool:
         """Wait until every checkpoint handed to the background has finished (rank 0; True elsewhere);
@@ -424,8 +379,8 @@ class FirstOrderCheckpoints:
             stats.update(storage=self.storage_uri, newest=own[-1].folder if own else None)
         if self.steps is not None:
             self.steps.close()
-        if self.report_enabled:
-            self._report(steps_done if steps_done is not None else self._last_steps_done, metrics)
+        if self.reports is not None:
+            self.reports.report(steps_done if steps_done is not None else self._last_steps_done, metrics)
         return stats
 
     def _checkpoint_trained_state(self, last: int) -> None:
@@ -453,7 +408,7 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
     ``optimizer``: its per-parameter state and parameter groups), in place, bitwise; returns its step.
 
     Args:
-        checkpoint: a ``ray.train.Checkpoint`` reported by ``FirstOrderCheckpoints``, or the path / URI of
+        checkpoint: a ``ray.train.Checkpoint`` reported by raycheck (a pointer, ``workers.train_reports``), or the path / URI of
             a snapshot folder (``<storage>/step-...``; e.g. a run summary's ``final_snapshot``, the trained
             weights of ``raycheck run`` or ``run_own_loop``).
         model: the same architecture (a DDP wrapper is unwrapped).
@@ -463,31 +418,15 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
 
     Raises:
         FileNotFoundError: ``checkpoint`` is None, or the folder is not a committed snapshot of its store
-            (not in its index; the message names the store's newest).
+            (not in its index, e.g. deleted by retention; the message names the store's newest).
+        ValueError: a malformed pointer.
         storage.snapshots.SnapshotCorruptError: a shard is missing or altered.
         training.optim_state.StateMismatchError: names, shapes or dtypes differ (the first is named);
             nothing was loaded.
     """
-    if checkpoint is None:
-        raise FileNotFoundError("no checkpoint to load (None: e.g. the Result.checkpoint of a run that reported none, "
-                                "or storage outside Ray Train's experiment directory)")
-    path = str(getattr(checkpoint, "path", checkpoint)).rstrip("/")
-    fs = getattr(checkpoint, "filesystem", None)
-    if fs is not None and getattr(fs, "type_name", "local") != "local":
-        path = f"{fs.type_name}://{path}"
-    root, _, folder = path.rpartition("/")
-    store = SnapshotStore(Storage(root, create=False, **storage_options))
-    infos = store.list()
-    info = next((i for i in infos if i.folder == folder), None)
-    if info is None:
-        inner = SnapshotStore(Storage(path, create=False, **storage_options)).list() if not folder.startswith("step-") else []
-        if inner:  # the store itself was given
-            raise FileNotFoundError(f"{path} is a snapshot store, not one snapshot: its newest is {path}/{inner[-1].folder}")
-        newest = max(infos, key=lambda i: i.step, default=None)
-        hint = f"; its newest snapshot is {root}/{newest.folder}" if newest is not None else ""
-        raise FileNotFoundError(f"{path} is not a committed snapshot of {root} (not in its index){hint}")
+    store, info = committed_snapshot(checkpoint, **storage_options)
     state = store.load(info)
-    what = f"snapshot {path}"
+    what = f"snapshot {store.storage.url(info.folder)}"
     if optimizer is not None:
         ModelOptimizerState(model, optimizer).load(state, what)
         return info.step

@@ -51,7 +51,7 @@ from raycheck.job.names import TRAINER_PREFIX
 from raycheck.training.assets import ASSETS_KEY, shipped_model
 from raycheck.training.groups import Terms
 from raycheck.training.model import materialise, parameter_layout, read_parameters, trainable_parameters
-from raycheck.workers.own_loop import ray_train_context
+from raycheck.workers.train_reports import ray_train_context
 from raycheck.workers.worker_env import WorkerEnv
 from raycheck.workers.zo_session import CodeError, StepBatch, ZerothOrder, worker_device
 

@@ -41,6 +41,7 @@ is needed, promoted when the primary fails, so a failover pays no cold start.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import OrderedDict
@@ -63,6 +64,7 @@ from raycheck.training.data import batch_indices
 from raycheck.training.groups import example_groups, groups_of_rank
 from raycheck.training.model import trainable_parameters
 from raycheck.training.zo import ZOHyper, perturb_all_, reset_and_update_all_, step_seed
+from raycheck.workers.train_reports import last_report, train_reports
 from raycheck.workers.worker_env import TaskEnv, worker_env
 
 E = TypeVar("E")
@@ -282,9 +284,13 @@ def train_loop_per_worker(config: dict) -> None:
         return decision.keep
 
     run.event("standby_supervisor", rank=place[0], pid=os.getpid())
+    reports = train_reports(cfg, place[0])  # the executors are not Ray Train workers: the supervisor reports
     try:
-        supervise(start, lambda executor: ray.kill(executor, no_restart=True), run_on, keep,
-                  lambda: claim_promotion(run, cfg.faults.max_worker_failures), run.event, early=likely_kept(cfg))
+        with reports.following() if reports is not None else contextlib.nullcontext():
+            supervise(start, lambda executor: ray.kill(executor, no_restart=True), run_on, keep,
+                      lambda: claim_promotion(run, cfg.faults.max_worker_failures), run.event, early=likely_kept(cfg))
+        if reports is not None:
+            last_report(cfg, reports)
     finally:
         for executor in started:
             ray.kill(executor, no_restart=True)

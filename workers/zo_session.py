@@ -50,6 +50,7 @@ from raycheck.workers.faults import FaultInjector
 from raycheck.workers.preempt import NodeDrainWatch
 from raycheck.workers.rank0_log import KeeperSender, KeeperUnreachableError, local_log_path, open_local_log, replicated_append
 from raycheck.workers.recovery import restore
+from raycheck.workers.train_reports import last_report, train_reports
 from raycheck.workers.worker_env import WorkerEnv, record_start, sum_over_workers
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ class ZerothOrder:
         self.commit = self._commit()
         self.drain = NodeDrainWatch(ray.get_runtime_context().get_node_id()) if self.writer is not None else None
         self.restarts = 0  # in-process restarts of this process
+        self.reports = train_reports(cfg, rank)
 
     def _local_log(self) -> str | None:
         return str(local_log_path(self.cfg)) if self.writer is not None else None
@@ -200,6 +202,8 @@ class ZerothOrder:
                     row["state_sha256"] = state_sha256(on_cpu(self.params))  # the state after step + 1 steps
                 env.run.metric(**row)
             self.next_step = step + 1
+            if self.reports is not None and cfg.snapshot.every_steps and self.next_step % cfg.snapshot.every_steps == 0:
+                self.reports.report(self.next_step, {"loss": (record.loss_plus + record.loss_minus) / 2})
             env.stepped.set()
             return record
         except Exception as exc:
@@ -240,8 +244,11 @@ class ZerothOrder:
 
     def close(self, **final: Any) -> None:
         """After the last step: rank 0 records the ``final`` event (the run's last step, the state's sha256,
-        ``final``'s fields, the full-state checkpointer's statistics) once the log keeper holds every step."""
+        ``final``'s fields, the full-state checkpointer's statistics) once the log keeper holds every step;
+        then every rank reports to Ray Train once more (``train_reports``)."""
         if self.env.rank != 0:
+            if self.reports is not None:
+                last_report(self.cfg, self.reports)
             return
         event = {"step": self.cfg.steps, "state_sha256": state_sha256(on_cpu(self.params)),
                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), **final}
@@ -250,6 +257,8 @@ class ZerothOrder:
         if self.writer is not None and self.sender is not None:
             self.sender.close()  # the keeper holds every step before the run counts as done
             self.writer.close()
+        if self.reports is not None:
+            last_report(self.cfg, self.reports)
         self.env.run.event("final", **event)
 
 

@@ -1,0 +1,177 @@
+"""raycheck's committed snapshots as Ray Train checkpoints, without copying their bytes.
+
+Ray Train v2 keeps only checkpoints inside its run's experiment directory (``ray.train.report`` refuses
+any other with ``NO_UPLOAD``, and a ``checkpoint_upload_fn`` must return one there), while raycheck's
+snapshots live in the run's own storage (a folder, a bucket) and follow its retention and fencing. So
+each committed snapshot is reported as a *pointer checkpoint*, the pattern Ray's own message recommends:
+a folder named as the snapshot (``step-<10 digits>-<hex>``) holding one small JSON file,
+``storage.pointers.POINTER_FILE``, with the snapshot's URI. Ray uploads those few hundred bytes into the experiment
+directory; ``Result.checkpoint``, ``get_all_reported_checkpoints()``, ``ray.train.get_checkpoint()`` and the
+Train dashboard list it; ``storage.pointers.snapshot_uri`` (and so ``workers.own_loop.load_checkpoint``)
+follows it to the snapshot. A snapshot deleted later by raycheck's retention leaves its pointer valid for Ray (its folder
+exists); following it then names the store's newest.
+
+Ray Train v2 requires every rank to call ``ray.train.report`` the same number of times: every rank builds
+a ``TrainReports`` and calls ``report`` at the same steps; rank 0 attaches the pointer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from raycheck.job.stores import snapshot_store
+from raycheck.storage.pointers import POINTER_FILE, checkpoint_uri, pointer, read_pointer
+from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
+
+if TYPE_CHECKING:
+    from raycheck.job.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+def ray_train_context() -> Any | None:
+    """Ray Train's context in a Ray Train worker, None elsewhere."""
+    try:
+        import ray.train
+
+        return ray.train.get_context()
+    except (RuntimeError, ImportError, AttributeError):
+        return None
+
+
+class TrainReports:
+    """``ray.train.report`` calls of one Ray Train worker, rank 0 attaching the newest committed snapshot
+    of ``store`` (a pointer checkpoint) when it was not reported yet.
+
+    Args:
+        store: the run's snapshot store (its ``list()``: this run's committed snapshots); read by rank 0 only.
+        rank: this worker's world rank.
+        reported: the snapshot folder already reported (e.g. by an earlier incarnation: the folder name of
+            ``ray.train.get_checkpoint()``), not attached again.
+    """
+
+    def __init__(self, store: SnapshotStore, rank: int, reported: str | None = None) -> None:
+        self.store, self.rank, self.reported = store, rank, reported
+
+    def newest(self) -> SnapshotInfo | None:
+        """The store's newest committed snapshot of this run (rank 0; None elsewhere or when none)."""
+        if self.rank != 0:
+            return None
+        own = self.store.list()
+        return own[-1] if own else None
+
+    def wait_for(self, step: int, timeout_s: float, poll_s: float = 0.2) -> bool:
+        """Rank 0: wait until a snapshot of ``step`` (or later) is committed, at most ``timeout_s`` seconds
+        (e.g. the shadow's snapshot of the final step, before the last report). True: it is (True elsewhere)."""
+        deadline = time.monotonic() + timeout_s
+        while self.rank == 0:
+            newest = self.newest()
+            if newest is not None and newest.step >= step:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    @contextlib.contextmanager
+    def following(self, interval_s: float = 5.0) -> Iterator[None]:
+        """While the block runs, a thread reports each new committed snapshot within ``interval_s`` seconds
+        (its ``step``: the snapshot's). For a one-worker group whose training runs in another process (a
+        warm standby's supervisor, ``workers.standby``): with several ranks the reports would not be in
+        lockstep. A listing that fails is logged and tried again."""
+        stop = threading.Event()
+
+        def follow() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    newest = self.newest()
+                    if newest is not None and newest.folder != self.reported:
+                        self.report(newest.step)
+                except OSError as exc:
+                    log.warning("could not report the newest snapshot to Ray Train: %s", exc)
+
+        thread = threading.Thread(target=follow, name="raycheck-train-reports", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def report(self, steps_done: int, metrics: Mapping[str, Any] | None = None) -> str | None:
+        """Report ``metrics`` (plain numbers) with ``step`` (= ``steps_done``) and ``checkpoint_step`` (the
+        newest committed snapshot's step, rank 0); rank 0 attaches that snapshot's pointer when it is new.
+        Every rank must call it at the same steps. Returns the folder attached (None: none).
+
+        Raises:
+            storage.backend.StorageError: rank 0 could not list the store.
+        """
+        import ray.train
+
+        newest = self.newest()
+        row = {**dict(metrics or {}), "step": steps_done, "checkpoint_step": newest.step if newest is not None else None}
+        if newest is None or newest.folder == self.reported:
+            ray.train.report(row)
+            return None
+        with tempfile.TemporaryDirectory(prefix="raycheck-pointer-") as folder:
+            with open(os.path.join(folder, POINTER_FILE), "w") as f:
+                json.dump(pointer(self.store, newest), f)
+            ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_dir_name=newest.folder)
+        self.reported = newest.folder
+        return newest.folder
+
+
+def checkpoint_record(checkpoint: Any) -> dict[str, Any] | None:
+    """A reported checkpoint for a run's summary: ``path`` (its URI in Ray Train's storage), ``snapshot``
+    and ``step`` (the snapshot it points to; None when the pointer cannot be read from here). None for
+    None (no checkpoint was reported)."""
+    if checkpoint is None:
+        return None
+    try:
+        found = read_pointer(checkpoint)
+    except (OSError, ValueError):
+        found = None
+    return {"path": checkpoint_uri(checkpoint), "snapshot": found["snapshot"] if found else None, "step": found.get("step") if found else None}
+
+
+FINAL_SNAPSHOT_WAIT_S = 60.0
+"""How long rank 0's ``close`` waits for the shadow's snapshot of the final step before its last report (seconds)."""
+
+
+def final_snapshot_due(cfg: JobConfig) -> bool:
+    """Whether the shadow snapshots the final step by its schedule (fixed interval dividing ``steps``), so that
+    the last report can wait for it and ``Result.checkpoint`` be the trained state."""
+    every = cfg.snapshot.every_steps
+    return cfg.uses_shadow and cfg.snapshot.policy == "fixed" and every > 0 and cfg.steps % every == 0
+
+
+def train_reports(cfg: JobConfig, rank: int) -> TrainReports | None:
+    """A ``raycheck run`` worker's reports (ZO: ``workers.zo_session``, every ``snapshot.every_steps`` steps
+    and at ``close``; a warm standby's supervisor: ``TrainReports.following``), rank 0 attaching the run's
+    newest committed snapshot; None outside a Ray Train worker (a warm standby's step executor) and with
+    replica groups (a group restarted alone would miss the other ranks' reports, which Ray Train v2 takes
+    in lockstep)."""
+    if ray_train_context() is None or cfg.replica_groups:
+        return None
+    import ray.train
+
+    reported = ray.train.get_checkpoint() if rank == 0 else None  # an earlier incarnation's last report
+    return TrainReports(snapshot_store(cfg), rank, os.path.basename(reported.path.rstrip("/")) if reported is not None else None)
+
+
+def last_report(cfg: JobConfig, reports: TrainReports) -> None:
+    """The run's last report, every rank: rank 0 first waits (at most ``FINAL_SNAPSHOT_WAIT_S``) for the
+    shadow's snapshot of the final step when its schedule takes one (``final_snapshot_due``), so that
+    ``Result.checkpoint`` is the trained state."""
+    if final_snapshot_due(cfg) and not reports.wait_for(cfg.steps, FINAL_SNAPSHOT_WAIT_S):
+        log.warning("the snapshot of step %d was not committed within %.0f s: Ray Train's last checkpoint is an older one",
+                    cfg.steps, FINAL_SNAPSHOT_WAIT_S)
+    reports.report(cfg.steps)
