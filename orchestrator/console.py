@@ -403,6 +403,8 @@ def summary_table(summary: dict, printed: dict, out: object) -> list[str]:
             rows.append((summary.get("eval_metric") or "accuracy", f"{summary['accuracy_before']:.3f} before, "
                                                                    f"{summary['accuracy_after']:.3f} after"))
         rows.append(("wall time", format_duration(summary.get("wall_seconds") or 0.0)))
+        if reported := summary.get("ray_train_checkpoint"):
+            rows.append(("checkpoint", f"Ray Train's Result.checkpoint (step {reported.get('step')}): {reported['path']}"))
         title = f"raycheck run finished: {summary['final_step']} steps, {_verdict(summary)}"
     rows.append(("results", f"{out}/summary.json, {out}/metrics.parquet"))
     width = max(len(label) for label, _ in rows)

@@ -144,6 +144,10 @@ def test_the_summary_table_says_exact_or_not_and_lists_failures_and_recoveries()
         "  wall time   5 min",
         "  results     runs/x/summary.json, runs/x/metrics.parquet"]
     assert "NOT exact" in summary_table({**summary, "bitwise_equal": False}, {}, "o")[0]
+    reported = {"path": "runs/x/ray_train/raycheck-x/step-0000000050-ab", "snapshot": "runs/x/snapshots/step-0000000050-ab", "step": 50}
+    assert summary_table({**summary, "ray_train_checkpoint": reported}, {}, "runs/x")[-2:] == [
+        "  checkpoint  Ray Train's Result.checkpoint (step 50): runs/x/ray_train/raycheck-x/step-0000000050-ab",
+        "  results     runs/x/summary.json, runs/x/metrics.parquet"]
     failed = summary_table({"ok": False}, {"error": "boom", "phase": "failed", "logged_steps": 3, "resume": "raycheck run --resume --out o"}, "o")
     assert failed[:4] == ["raycheck run failed", "  error     boom", "  phase     failed", "  step log  3 steps, all recoverable"]
 

@@ -359,6 +359,41 @@ def test_merge_command_with_a_run_directory_a_step_and_export(tiny_stores, tmp_p
         tensor_sha256(states["B20"]["model.layers.0.mlp.up_proj.weight"])  # layer 0 really from A
 
 
+def test_export_command_writes_the_snapshot_a_ray_train_pointer_names_and_refuses_a_deleted_one(tiny_stores, tmp_path):
+    """``raycheck export`` of what Ray Train's ``Result.checkpoint`` holds (a pointer folder, ``storage.pointers``):
+    the weights of the snapshot it names (step 20 of B, not B's newest), bitwise; a pointer to a snapshot that
+    is not committed is refused in one line with the store's newest, and nothing is written."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raycheck.cli.merge import export as export_command
+    from raycheck.storage.pointers import POINTER_FILE, pointer
+
+    _, _, b, states = tiny_stores
+    info = next(i for i in b.list() if i.step == 20)
+    reported = tmp_path / "ray_train" / info.folder
+    reported.mkdir(parents=True)
+    (reported / POINTER_FILE).write_text(json.dumps(pointer(b, info)))
+    app = typer.Typer()
+    app.command()(export_command)
+    result = CliRunner().invoke(app, [str(reported), "--hf", str(tmp_path / "hf"), "--model", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"Hugging Face folder: {tmp_path / 'hf'}\n"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    loaded = {n: t.detach().numpy() for n, t in model.state_dict().items()}
+    for name, value in states["B20"].items():
+        if parameter_of(name) is None:
+            assert tensor_sha256(loaded[name]) == tensor_sha256(value), name
+    gone = dict(pointer(b, info), snapshot=f"{b.storage.url()}/step-0000000025-00000000-1-00000000")
+    (reported / POINTER_FILE).write_text(json.dumps(gone))
+    result = CliRunner().invoke(app, [str(reported), "--hf", str(tmp_path / "hf2"), "--model", "tiny"])
+    newest = b.list()[-1].folder
+    assert result.exit_code == 2 and result.output.strip() == (
+        f"error: {b.storage.url()}/step-0000000025-00000000-1-00000000 is not a committed snapshot of {b.storage.url()} "
+        f"(not in its index); its newest snapshot is {b.storage.url()}/{newest}")
+    assert not (tmp_path / "hf2").exists()
+
+
 def tensor_sha256(array: np.ndarray) -> str:
     return hashlib.sha256(array.dtype.str.encode() + str(array.shape).encode() + np.ascontiguousarray(array).tobytes()).hexdigest()
 

@@ -352,8 +352,8 @@ def test_your_own_fo_loop_submitted_to_the_cluster_recovers_a_ddp_worker_failure
     """``examples/own_loop_fo.py`` (your model, loss, AdamW and Ray Train loop; ``FirstOrderCheckpoints``)
     under ``ray job submit`` with Ray Train's storage in a bucket: 2 DDP workers on the nodes without the
     driver's disk, rank 0 exits in step 6, the group restarts and restores the layer-wise checkpoint of step
-    4 from the bucket: bitwise equal to the failure-free run; ``Result.checkpoint`` is the newest committed
-    snapshot, in the bucket, and loads the final state."""
+    4 from the bucket: bitwise equal to the failure-free run; ``Result.checkpoint`` is a pointer in the bucket
+    (Ray Train's experiment directory) to the newest committed snapshot, and loads the final state."""
     storage = bucket_uri(s3_endpoint)
     submit = ray_job_submit(three_nodes, "--working-dir", str(REPO), "--", "python", "examples/own_loop_fo.py", "--out",
                             str(tmp_path / "own-fo"), "--steps", "10", "--every", "4", "--fail-step", "6", "--workers", "2",
@@ -363,5 +363,5 @@ def test_your_own_fo_loop_submitted_to_the_cluster_recovers_a_ddp_worker_failure
     summary = json.loads(submit.stdout[start:submit.stdout.index("\n}\n", start) + 2])
     assert summary == {**summary, "recovery": "exact", "bitwise_equal": True, "worker_starts": 2, "restored_from_steps": [4],
                        "result_checkpoint_is_newest": True, "result_checkpoint_loads_final_state": True}
-    assert summary["result_checkpoint"].startswith(storage.removeprefix("s3://") + "/failing/raycheck/step-0000000010-")
+    assert summary["result_checkpoint"].startswith(storage.removeprefix("s3://") + "/failing/step-0000000010-")
     assert summary["checkpoints"] == f"{storage}/failing/raycheck"

@@ -212,7 +212,8 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
     collected = Collected(ok=True, error=None, events=events, executions=rows, rows=rows,
                           shadow={"shadow_state_sha256": "ab", "shadow_shards": []}, persisted={"written": 2},
                           mirror={"log_mirrored_steps": 4}, keeper={"node_id": "k", "end": 4}, durability_level="node", task="classification",
-                          base={"phase": "finished", "dtype": "float32"}, newest_snapshot=(4, "/s/step-4"))
+                          base={"phase": "finished", "dtype": "float32"}, newest_snapshot=(4, "/s/step-4"),
+                          ray_train_checkpoint={"path": "/r/step-4", "snapshot": "/s/step-4", "step": 4})
     summary = run_summary(collected)
     assert summary == {
         "ok": True, "error": None, "final_step": 4, "state_sha256": "ab", "shadow_state_sha256": "ab", "shadow_equal": True,
@@ -222,6 +223,7 @@ def test_the_run_summary_is_a_pure_function_of_what_the_controller_collected():
         "checkpoint_block_seconds_total": 1.0, "mean_checkpoint_block_seconds": 0.25, "worker_checkpoints": 3,
         "worker_cpu_capability": "avx2", "shadow_shards": [], "worker_hashes": {"4": "ab"},
         "snapshots": {"written": 2, "log_mirrored_steps": 4}, "final_snapshot": "/s/step-4",
+        "ray_train_checkpoint": {"path": "/r/step-4", "snapshot": "/s/step-4", "step": 4},
         "durability": {"level": "node", "keeper_node_id": "k", "rank0_node_ids": ["n0"], "node_held": True},
         "replans": [], "resumes": [], "metrics": {"missing_step_count": 0, "missing_steps": []},
         "phase": "finished", "dtype": "float32"}
