@@ -30,6 +30,7 @@ import hashlib
 import io
 import os
 import time
+import warnings
 from collections.abc import Generator, Mapping
 from typing import Any, NamedTuple
 
@@ -219,30 +220,51 @@ class ShardedStore(SnapshotStore):
             NoSnapshotError: none loads (``state`` is untouched); the message names each one tried.
             SnapshotCorruptError: DCP failed to read a checkpoint whose files had verified.
         """
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
         expected = layout_sha256(global_layout(state))
         infos, tried = self.list(), list(self.skipped)
         for info in reversed(infos):
             if info.manifest["layout_sha256"] != expected:
                 tried.append(f"sharded checkpoint {info.folder}: another layout (another model)")
                 continue
-            units = sorted(info.manifest["units"])
-            per_rank: list[list[str]] = [[]] * world  # all_gather_object fills each
-            dist.all_gather_object(per_rank, self.verify_units(info, units[rank::world]), group=group)
-            problems = [p for ps in per_rank for p in ps]
+            problems = self.load_into(info, state, group)
             if problems:
                 tried.append(f"sharded checkpoint {info.folder} in {self.storage.url()}: {'; '.join(problems)}")
                 continue
-            reader = FileSystemReader(info.folder)
-            reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})  # type: ignore[assignment]  # as in save
-            try:
-                dcp.load(dict(state), storage_reader=reader, process_group=group)
-            except CheckpointException as exc:  # the files verified a moment ago: changed since, or another layout
-                raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()} failed to load after "
-                                           f"its files verified (the state is partly overwritten; restart the workers): "
-                                           f"{_first_failure(exc)}") from exc
             return info, tried
         raise NoSnapshotError(f"no loadable sharded checkpoint in {self.storage.url()}; tried: {tried or 'none found'}")
+
+    def load_into(self, info: SnapshotInfo, state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> list[str]:
+        """Load checkpoint ``info`` into ``state`` (name -> tensor or DTensor, its global layout) in place, at
+        this world size, after verifying every file (the ranks of ``group`` share that work; a process
+        without torch.distributed verifies and reads them all). Returns the problems found in its files
+        (nothing loaded then); ``[]``: loaded.
+
+        Raises:
+            SnapshotCorruptError: DCP failed to read a checkpoint whose files had verified.
+        """
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+        units = sorted(info.manifest["units"])
+        per_rank: list[list[str]] = [[]] * world  # all_gather_object fills each
+        mine = self.verify_units(info, units[rank::world])
+        if distributed:
+            dist.all_gather_object(per_rank, mine, group=group)
+        else:
+            per_rank = [mine]
+        problems = [p for ps in per_rank for p in ps]
+        if problems:
+            return problems
+        reader = FileSystemReader(info.folder)
+        reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})  # type: ignore[assignment]  # as in save
+        try:
+            with warnings.catch_warnings():  # without torch.distributed DCP warns that it loads in one process: the intent
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(dict(state), storage_reader=reader, process_group=group if distributed else None)
+        except CheckpointException as exc:  # the files verified a moment ago: changed since, or another layout
+            raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()} failed to load after "
+                                       f"its files verified (the state is partly overwritten; restart the workers): "
+                                       f"{_first_failure(exc)}") from exc
+        return []
 
     def verify_units(self, info: SnapshotInfo, units: list[str]) -> list[str]:
         """Problems with the files ``units`` of ``info`` (missing, truncated, sha256 differs)."""

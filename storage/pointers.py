@@ -94,9 +94,20 @@ def is_one_snapshot(checkpoint: Any, **storage_options: Any) -> bool:
     return read_pointer(checkpoint, **storage_options) is not None or checkpoint_uri(checkpoint).rsplit("/", 1)[-1].startswith("step-")
 
 
+def _store_at(root: str, **storage_options: Any) -> SnapshotStore:
+    """The store whose folder is ``root``: a ``storage.dcp_store.ShardedStore`` for its ``sharded/`` folder
+    (FSDP2 checkpoints), else a ``SnapshotStore``."""
+    from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
+
+    parent, _, last = root.rpartition("/")
+    if last == SUBFOLDER and parent:
+        return ShardedStore(Storage(parent, create=False, **storage_options), create=False)
+    return SnapshotStore(Storage(root, create=False, **storage_options))
+
+
 def committed_snapshot(checkpoint: Any, **storage_options: Any) -> tuple[SnapshotStore, SnapshotInfo]:
-    """The store and committed snapshot ``checkpoint`` stands for (``snapshot_uri``), checked against its
-    store's index; ``storage_options``: the store's (``storage.backend.Storage``'s, e.g. ``endpoint_url``).
+    """The store (a ``ShardedStore`` for FSDP2 checkpoints) and committed snapshot ``checkpoint`` stands for
+    (``snapshot_uri``), checked against its store's index; ``storage_options``: the store's (``storage.backend.Storage``'s, e.g. ``endpoint_url``).
 
     Raises:
         FileNotFoundError: ``checkpoint`` is None, or the folder is not a committed snapshot of its store (not
@@ -107,7 +118,7 @@ def committed_snapshot(checkpoint: Any, **storage_options: Any) -> tuple[Snapsho
     """
     path = snapshot_uri(checkpoint, **storage_options)
     root, _, folder = path.rpartition("/")
-    store = SnapshotStore(Storage(root, create=False, **storage_options))
+    store = _store_at(root, **storage_options)
     infos = store.list()
     info = next((i for i in infos if i.folder == folder), None)
     if info is not None:

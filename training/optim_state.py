@@ -201,21 +201,22 @@ class ModelOptimizerState:
         slots = {s for p in self.named.values() if p in self.optimizer.state for s in self.optimizer.state[p]}
         return sorted(slots, key=_slot_key)
 
-    def view(self) -> OrderedDict[str, torch.Tensor]:
+    def view(self, host: bool = True) -> OrderedDict[str, torch.Tensor]:
         """The training state, name -> CPU tensor: the parameters and optimizer tensors as live views
-        (no copy on the CPU; a tensor on another device is copied to the host), the parameter groups'
+        (no copy on the CPU; with ``host``, a tensor on another device is copied to the host; without,
+        every one is a live view where it lives, e.g. to load into in place), the parameter groups'
         hyper-parameters as new float64 tensors. Take a copy before the next step changes it
         (``training.state.copy_state``)."""
-        def host(t: torch.Tensor) -> torch.Tensor:
+        def at_home(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
-            return t if t.device.type == "cpu" else t.cpu()
+            return t if t.device.type == "cpu" or not host else t.cpu()
 
-        view: OrderedDict[str, torch.Tensor] = OrderedDict((n, host(p)) for n, p in self.named.items())
+        view: OrderedDict[str, torch.Tensor] = OrderedDict((n, at_home(p)) for n, p in self.named.items())
         for slot in self._slots():
             for name, p in self.named.items():
                 t = self.optimizer.state[p].get(slot) if p in self.optimizer.state else None
                 if t is not None:
-                    view[f"optim.{slot}.{name}"] = host(t.view(1) if t.dim() == 0 else t)
+                    view[f"optim.{slot}.{name}"] = at_home(t.view(1) if t.dim() == 0 else t)
         view.update(group_values(self.optimizer))
         return view
 

@@ -48,24 +48,27 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import STEP_LOG, RunStrategy
 from raycheck.storage.backend import Storage
 from raycheck.storage.diffs import DiffStore
-from raycheck.storage.manifest import RunIdentity, folder_step, manifest_layout
-from raycheck.storage.snapshots import SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.storage.manifest import RunIdentity, folder_step, layout_sha256, manifest_layout
+from raycheck.storage.dcp_store import ShardedStore, global_layout
+from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from raycheck.storage.tensor_files import to_tensor
 from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.differential import DiffCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
-from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, unwrap
+from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, set_group_values, unwrap
 from raycheck.training.optim_steps import OptimizerSteps, clone_optimizer
 from raycheck.training.overlapped import OverlappedCheckpointer
+from raycheck.training.sharded import ShardedCheckpointer, ShardedWriter, checkpoint_group
 from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 from raycheck.storage.pointers import committed_snapshot
 from raycheck.workers.train_reports import TrainReports, ray_train_context
@@ -73,7 +76,12 @@ from raycheck.workers.train_reports import TrainReports, ray_train_context
 log = logging.getLogger(__name__)
 
 OwnCheckpointer = FullCheckpointer | LayerwiseCheckpointer | DiffCheckpointer | OverlappedCheckpointer
-"""Rank 0's checkpointer, by strategy."""
+"""Rank 0's checkpointer, by strategy (FSDP2: ``training.sharded.ShardedCheckpointer``, a ``FullCheckpointer``, on every rank)."""
+
+SHARDED_STRATEGIES = (RunStrategy.FULL_SYNC.value, RunStrategy.FULL_ASYNC.value)
+"""The strategies of a model sharded by FSDP2 (``fully_shard``: DTensor parameters): sharded checkpoints,
+every rank writing its rows (``storage.dcp_store``); layerwise, differential and overlapped measure or
+record whole tensors (as ``raycheck run --fo-parallelism fsdp2``)."""
 
 STRATEGIES = tuple(s.value for s in RunStrategy if s not in STEP_LOG)
 """The strategies a user's loop can checkpoint with (all of ``raycheck run``'s first-order ones)."""
@@ -168,6 +176,14 @@ class FirstOrderCheckpoints:
                                  f"{self.state.named[odd].dtype}: use another strategy")
         if strategy == RunStrategy.OVERLAPPED:
             clone_optimizer(optimizer)  # refuses, now, an optimizer the catch-up could not rebuild
+        self.group: torch.distributed.ProcessGroup | None = None
+        """FSDP2 (DTensor parameters): every rank's checkpoint collectives' gloo group; None otherwise."""
+        if any(isinstance(p, DTensor) for p in self.state.named.values()):
+            if strategy not in SHARDED_STRATEGIES or isinstance(storage, SnapshotStore):
+                raise ValueError(f"FSDP2 (DTensor parameters): strategy {' or '.join(SHARDED_STRATEGIES)} with storage as a "
+                                 f"path or URI (sharded checkpoints, every rank writes its rows); got {strategy}"
+                                 f"{' and a SnapshotStore' if isinstance(storage, SnapshotStore) else ''}")
+            self.group = checkpoint_group()
         if isinstance(storage, SnapshotStore):
             if storage.identity is None:
                 raise ValueError("a SnapshotStore given as storage needs a run identity")
@@ -175,8 +191,9 @@ class FirstOrderCheckpoints:
         else:
             run_id = run_id or (self._ctx.get_experiment_name() if self._ctx is not None else "own-loop")
             trajectory = hashlib.sha256(json.dumps(dict(settings or {}), sort_keys=True, default=str).encode()).hexdigest()
-            self.store, claim = SnapshotStore(Storage(storage, **dict(storage_options or {})), keep_last=keep,
-                                              identity=RunIdentity(run_id, trajectory)), True
+            kind = SnapshotStore if self.group is None else ShardedStore
+            self.store, claim = kind(Storage(storage, **dict(storage_options or {})), keep_last=keep,
+                                     identity=RunIdentity(run_id, trajectory)), True
         self.diffs = DiffStore(self.store.storage, identity=self.store.identity) if strategy == RunStrategy.DIFFERENTIAL else None
         config = {"strategy": strategy, "optimizer": type(optimizer).__name__, "settings": dict(settings or {})}
         self.steps: OptimizerSteps | None = None
@@ -184,9 +201,9 @@ class FirstOrderCheckpoints:
         if strategy in (RunStrategy.DIFFERENTIAL, RunStrategy.OVERLAPPED):
             self.steps = OptimizerSteps(self.state, record=self.rank == 0)
         self.checkpointer: OwnCheckpointer | None = None
-        if self.rank == 0:
-            if claim:
-                self.store.claim_epoch()  # fences the writers of an earlier incarnation of this run
+        if self.rank == 0 and claim:
+            self.store.claim_epoch()  # fences the writers of an earlier incarnation of this run
+        if self.rank == 0 or self.group is not None:  # FSDP2: every rank writes its rows
             self.checkpointer = self._checkpointer(layerwise or LayerwiseConfig(), overlapped or OverlappedConfig(), config)
         self.restored: dict[str, Any] = {"step": 0, "folder": None}
         """What ``restore`` loaded: ``step`` (the steps done), ``folder`` (None: nothing), ``source``
@@ -202,7 +219,10 @@ class FirstOrderCheckpoints:
         self.closed = False
 
     def _checkpointer(self, layerwise: LayerwiseConfig, overlapped: OverlappedConfig, config: dict[str, Any]) -> OwnCheckpointer:
-        """Rank 0's checkpointer for the strategy."""
+        """Rank 0's checkpointer for the strategy (FSDP2: every rank's)."""
+        if self.group is not None:
+            writer = ShardedWriter(cast(ShardedStore, self.store), self.state.view(), self.group)
+            return ShardedCheckpointer(writer, self.every_steps, self.strategy == RunStrategy.FULL_ASYNC, {**config, "fsdp2": True})
         if self.strategy == RunStrategy.LAYERWISE:
             return LayerwiseCheckpointer(self.store, self.every_steps, layerwise, config)
         if self.strategy == RunStrategy.DIFFERENTIAL:
@@ -245,7 +265,7 @@ class FirstOrderCheckpoints:
             if isinstance(self.checkpointer, LayerwiseCheckpointer):
                 self.checkpointer.resume(chosen, self.state.view())
             self.restored.update(step=chosen.step, folder=chosen.folder,
-                                 unit_steps={u: int(s["step"]) for u, s in chosen.manifest["units"].items()})
+                                 unit_steps={u: int(s.get("step", chosen.step)) for u, s in chosen.manifest["units"].items()})
             if self.reports is not None and ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder):
                 self.reports.reported = chosen.folder  # an earlier incarnation reported it
         if self.steps is not None and self.diffs is not None:
@@ -263,6 +283,8 @@ class FirstOrderCheckpoints:
     def _load_newest(self) -> SnapshotInfo | None:
         """Load the newest snapshot that verifies (rank 0's choice on every rank) into the model and the
         optimizer; returns it (None: none; ``restored["skipped"]`` names the ones that did not verify)."""
+        if self.group is not None:
+            return self._load_sharded()
         chosen, state = None, None
         if self.rank == 0:
             own = self._own()
@@ -284,6 +306,24 @@ class FirstOrderCheckpoints:
                 state = self.store.load(chosen)
         if chosen is not None and state is not None:
             self.state.load(state, f"snapshot {chosen.folder}")
+        return chosen
+
+    def _load_sharded(self) -> SnapshotInfo | None:
+        """FSDP2: every rank loads its rows of the newest sharded snapshot that verifies (a collective,
+        ``storage.dcp_store.ShardedStore.restore``), then the parameter groups' hyper-parameters."""
+        store = cast(ShardedStore, self.store)
+        view = self.state.view(host=False)  # live, where the tensors live: DCP loads into them
+        own = store.list()
+        if own and own[-1].manifest["layout_sha256"] != layout_sha256(global_layout(view)):
+            raise StateMismatchError(f"sharded snapshot {own[-1].folder} in {self.storage_uri} holds another model's or "
+                                     "optimizer's tensors (names, shapes or dtypes differ); nothing was loaded")
+        try:
+            chosen, self.restored["skipped"] = store.restore(view, self.group)
+        except NoSnapshotError as exc:
+            self.restored["skipped"] = [str(exc)]
+            return None
+        for i, group in enumerate(self.state.optimizer.param_groups):
+            set_group_values(group, i, view)
         return chosen
 
     def _replay_records(self, chosen: SnapshotInfo | None) -> None:
@@ -375,7 +415,7 @@ class FirstOrderCheckpoints:
             stats = self.checkpointer.close(timeout_s)
             if stats.get("errors"):
                 log.warning("failed checkpoint writes: %s", stats["errors"])
-            own = self._own()
+            own = self._own() if self.rank == 0 else []
             stats.update(storage=self.storage_uri, newest=own[-1].folder if own else None)
         if self.steps is not None:
             self.steps.close()
@@ -425,6 +465,8 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
             nothing was loaded.
     """
     store, info = committed_snapshot(checkpoint, **storage_options)
+    if isinstance(store, ShardedStore):
+        return _load_sharded_checkpoint(store, info, model, optimizer)
     state = store.load(info)
     what = f"snapshot {store.storage.url(info.folder)}"
     if optimizer is not None:
@@ -442,4 +484,22 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[name])
+    return info.step
+
+
+def _load_sharded_checkpoint(store: ShardedStore, info: SnapshotInfo, model: torch.nn.Module,
+                             optimizer: torch.optim.Optimizer | None) -> int:
+    """``load_checkpoint`` of an FSDP2 snapshot (``storage.dcp_store``): DCP reads the rows of ``model``'s
+    sharding, or whole tensors for a model not sharded (in a process without torch.distributed too)."""
+    what = f"sharded snapshot {store.storage.url(info.folder)}"
+    state = ModelOptimizerState(model, optimizer) if optimizer is not None else None
+    view = state.view(host=False) if state is not None else {n: p.detach() for n, p in unwrap(model).named_parameters()}
+    if state is not None and info.manifest["layout_sha256"] != layout_sha256(global_layout(view)):
+        raise StateMismatchError(f"{what} does not fit the model and optimizer (names, shapes or dtypes differ); nothing was loaded")
+    problems = store.load_into(info, view)
+    if problems:
+        raise SnapshotCorruptError(f"{what}: {'; '.join(problems)}; nothing was loaded")
+    if state is not None:
+        for i, group in enumerate(state.optimizer.param_groups):
+            set_group_values(group, i, view)
     return info.step
