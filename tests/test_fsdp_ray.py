@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 
 def test_two_fsdp2_workers_recover_from_sharded_checkpoints_and_the_run_resumes_at_one_worker(cluster, tmp_path):
     """Rank 1 dies during step 5: both ranks restore the 2-rank checkpoint of step 3 (resharded to the
-    same 2 ranks) and finish. Then ``--resume --workers 1`` of the same run restores the newest 2-rank
-    checkpoint (step 6) at 1 rank, bitwise the state the 2-worker run hashed after 6 steps, and finishes."""
+    same 2 ranks) and finish, ``close`` committing the final state. Then ``--resume --workers 1`` of the same
+    run restores that newest 2-rank checkpoint (step 8) at 1 rank, bitwise the state the 2-worker run hashed
+    after 8 steps."""
     cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo="fo", strategy="full-async", steps=8, batch_size=8, seq_len=32,
                     eval_samples=16, hash_every_steps=1, workers=2, run_id="fsdp2-ray",
                     fo={"parallelism": "fsdp2", "lr": 1e-3},
@@ -35,6 +36,6 @@ def test_two_fsdp2_workers_recover_from_sharded_checkpoints_and_the_run_resumes_
     resumed = Controller(resumed_cfg, echo=lambda _: None).run()
     assert resumed["ok"], resumed["error"]
     restart = resumed["recoveries"][-1]
-    assert (restart["source"], restart["base_step"], restart["saved_world_size"]) == ("storage", 6, 2)
-    assert restart["restored_state_sha256"] == hashes["6"]  # weights + Adam moments saved by 2 ranks, loaded by 1
+    assert (restart["source"], restart["base_step"], restart["saved_world_size"]) == ("storage", 8, 2)
+    assert restart["restored_state_sha256"] == hashes["8"]  # weights + Adam moments saved by 2 ranks, loaded by 1
     assert resumed["final_step"] == 8

@@ -99,8 +99,8 @@ def test_your_fsdp2_loop_restores_its_sharded_checkpoint_and_continues_bitwise(r
     assert out["final"] == out["reference"] and out["restored_state"] != out["reference"]
     assert out["closed"]["newest"].startswith("step-0000000008-") and out["closed"]["storage"] == str(root)
     assert [i.step for i in ShardedStore(str(root)).list()] == [3, 6, 8]
-    assert out["layerwise"] == ("FSDP2 (DTensor parameters): strategy full-sync or full-async with storage as a path or URI "
-                                "(sharded checkpoints, every rank writes its rows); got layerwise")
+    assert out["layerwise"] == ("FSDP2 (DTensor parameters): strategy full-sync or full-async with storage as a path, URI or "
+                                "ShardedStore (sharded checkpoints, every rank writes its rows); got layerwise")
 
 
 def test_the_final_sharded_snapshot_loads_into_the_model_unsharded_in_one_call(ran, tmp_path):

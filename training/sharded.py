@@ -8,10 +8,11 @@ reduce-scatters its gradients (averaged over the ranks, as DDP does), and AdamW 
 rows only. The training state keeps ``FOTrainer.state_view``'s names and order; its tensors are
 DTensors (the Adam step counts stay plain tensors, the same on every rank).
 
-Checkpoints (``storage.dcp_store.ShardedStore``): each rank writes its rows through torch DCP, rank 0
-commits; a restore at another world size reads the rows of the new sharding (DCP's resharding), so
-weights and moments are bitwise those saved. Strategies: ``full-sync`` and ``full-async``
-(``training.checkpointing.FullCheckpointer`` on every rank, with ``ShardedWriter`` as its store: the
+Checkpoints (``storage.dcp_store.ShardedStore``, through ``workers.own_loop.FirstOrderCheckpoints`` as
+for your own FSDP2 loop): each rank writes its rows through torch DCP, rank 0 commits; a restore at
+another world size reads the rows of the new sharding (DCP's resharding), so weights and moments are
+bitwise those saved. Strategies: ``full-sync`` and ``full-async`` (``ShardedCheckpointer``, a
+``training.checkpointing.FullCheckpointer`` on every rank, with ``ShardedWriter`` as its store: the
 staging copy is of this rank's rows). ``layerwise`` and ``differential`` are not supported with sharded
 state (their change measurement and gradient records are per full tensor): future work.
 
@@ -23,7 +24,6 @@ so the trajectories drift apart by rounding (the reference of such a run is a ru
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -34,13 +34,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from raycheck.policies.strategies import RunStrategy
 from raycheck.storage.backend import Storage
 from raycheck.storage.dcp_store import ShardedStore
 from raycheck.storage.manifest import RunIdentity
-from raycheck.storage.snapshots import NoSnapshotError
 from raycheck.training.checkpointing import FullCheckpointer
-from raycheck.training.state import state_sha256
 
 if TYPE_CHECKING:
     from raycheck.job.config import JobConfig
@@ -55,12 +52,18 @@ def shard_scorer(scorer: torch.nn.Module) -> None:
     fully_shard(scorer)
 
 
+def ensure_process_group() -> None:
+    """Initialise a one-rank default process group (gloo) when none exists, as ``fully_shard`` needs one
+    (e.g. in a warm standby's step executor, outside Ray Train's worker group)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 def checkpoint_group() -> dist.ProcessGroup:
     """A gloo group of every rank for checkpoint collectives (a background save must not share the
     training loop's group: two threads' collectives would interleave). Initialises a one-rank default
-    group first when none exists. Every rank calls it, once."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group first when none exists (``ensure_process_group``). Every rank calls it, once."""
+    ensure_process_group()
     return cast(dist.ProcessGroup, dist.new_group(backend="gloo"))  # torch: new_group is unannotated
 
 
@@ -140,30 +143,6 @@ class ShardedCheckpointer(FullCheckpointer):
         return super().save_now(steps_done, lambda: local_view(state()), timeout_s)
 
 
-def sharded_checkpointer(cfg: JobConfig, trainer: FOTrainer, group: dist.ProcessGroup) -> ShardedCheckpointer:
-    """Every rank's checkpointer for ``cfg.strategy`` (full-sync or full-async) under FSDP2."""
-    writer = ShardedWriter(sharded_store(cfg), trainer.state_view(), group)
-    config = {"trajectory_sha256": cfg.trajectory_sha256(), "strategy": cfg.strategy, "fo_parallelism": "fsdp2"}
-    return ShardedCheckpointer(writer, cfg.snapshot.every_steps, cfg.strategy == RunStrategy.FULL_ASYNC, config)
-
-
 def durable_steps(cfg: JobConfig) -> int:
     """The step of the newest committed sharded checkpoint of run ``cfg`` (0: none)."""
     return max((i.step for i in sharded_store(cfg).list()), default=0)
-
-
-def restore_sharded(trainer: FOTrainer, cfg: JobConfig, group: dist.ProcessGroup) -> dict[str, Any]:
-    """Load the newest committed sharded checkpoint into ``trainer`` at this world size (a collective);
-    returns the ``recovery`` event's fields (``source`` ``storage``, or ``initial`` with the initial
-    weights kept when none loads; ``base_step``, ``replayed_steps`` 0, ``load_seconds``,
-    ``replay_seconds`` 0, ``seconds``, ``skipped``, ``saved_world_size``, and ``restored_state_sha256``:
-    ``training.state.state_sha256`` of the state loaded, re-gathered, computed after ``seconds``)."""
-    t0 = time.perf_counter()
-    try:
-        info, skipped = sharded_store(cfg).restore(trainer.state_view(), group)
-        result = {"source": "storage", "base_step": info.step, "saved_world_size": info.manifest["world_size"]}
-    except NoSnapshotError as exc:
-        result, skipped = {"source": "initial", "base_step": 0}, [str(exc)]
-    seconds = time.perf_counter() - t0
-    return {**result, "replayed_steps": 0, "skipped": skipped, "load_seconds": seconds, "replay_seconds": 0.0, "seconds": seconds,
-            "restored_state_sha256": state_sha256(full_state(trainer.state_view()))}

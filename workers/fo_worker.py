@@ -17,10 +17,10 @@ rank runs the checkpointer (full-sync / full-async, each writing its rows throug
 restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
 
 Checkpoints go through ``workers.own_loop.FirstOrderCheckpoints`` (``run_checkpoints``), the API a user's
-own loop calls; FSDP2 keeps its own (``training.sharded``).
+own loop calls, FSDP2 included (its sharded checkpoints in ``storage.dcp_store.ShardedStore``).
 
-A preemption notice (Ray Train's ``get_preemption_info``, asked after every step by every rank; by
-``FirstOrderCheckpoints.after_step``, by the loop under FSDP2): the checkpointer saves the state of the
+A preemption notice (Ray Train's ``get_preemption_info``, asked after every step by every rank in
+``FirstOrderCheckpoints.after_step``): the checkpointer saves the state of the
 steps done now (``Checkpointer.save_now``, a just-in-time checkpoint), and the workers wait for the
 deadline, at which Ray Train restarts them on the nodes left; they restore that checkpoint and redo no
 step (``workers.preempt.save_before_deadline``).
@@ -41,13 +41,11 @@ from raycheck.job.config import JobConfig
 from raycheck.job.stores import diff_store, snapshot_store
 from raycheck.policies.strategies import RunStrategy
 from raycheck.training import sharded as sharded_fo
-from raycheck.training.checkpointing import Checkpointer
 from raycheck.training.data import PromptEncoder, batch_indices
 from raycheck.training.fo import FOHyper, FOTrainer
 from raycheck.training.state import state_sha256
 from raycheck.workers.faults import FaultInjector
 from raycheck.workers.own_loop import FirstOrderCheckpoints
-from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 from raycheck.workers.worker_env import TaskEnv, mean_over_workers, record_start, worker_env
 
 RECOVERY_FIELDS = ("source", "base_step", "replayed_steps", "load_seconds", "replay_seconds", "seconds", "skipped",
@@ -57,11 +55,13 @@ RECOVERY_FIELDS = ("source", "base_step", "replayed_steps", "load_seconds", "rep
 
 def run_checkpoints(cfg: JobConfig, trainer: FOTrainer, events: Callable[[str, dict[str, Any]], None]) -> FirstOrderCheckpoints:
     """The run's checkpoints through the public API a user's own loop calls (``workers.own_loop``): the
-    run's snapshot store (its identity, retention and writer epoch), ``cfg``'s strategy and settings, Ray
-    Train reports of its committed snapshots (in a Ray Train worker; not with replica groups, whose group
-    restarted alone would miss the lockstep reports: ``workers.train_reports``), preemption notices acted on
-    (``events``: the run's journal), and ``reproducible_init`` (every worker loads the same initial weights)."""
-    return FirstOrderCheckpoints(trainer.model, trainer.optimizer, snapshot_store(cfg), strategy=cfg.strategy,
+    run's snapshot store (its identity, retention and writer epoch; FSDP2: its sharded store), ``cfg``'s
+    strategy and settings, Ray Train reports of its committed snapshots (in a Ray Train worker; not with
+    replica groups, whose group restarted alone would miss the lockstep reports: ``workers.train_reports``),
+    preemption notices acted on (``events``: the run's journal), and ``reproducible_init`` (every worker
+    loads the same initial weights)."""
+    store = sharded_fo.sharded_store(cfg) if cfg.fo.parallelism == "fsdp2" else snapshot_store(cfg)
+    return FirstOrderCheckpoints(trainer.model, trainer.optimizer, store, strategy=cfg.strategy,
                                  every_steps=cfg.snapshot.every_steps, layerwise=cfg.layerwise, differential=cfg.differential,
                                  overlapped=cfg.overlapped, report=False if cfg.replica_groups else None, preemption=True, events=events,
                                  reproducible_init=True)
@@ -92,28 +92,25 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
         raise ValueError(f"algo fo trains a classification task (a PromptEncoder), got a {type(encoder).__name__}")
     hyper = FOHyper(lr=cfg.fo.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.fo.max_grad_norm)
     sharded = cfg.fo.parallelism == "fsdp2"  # every rank checkpoints its rows, restores, hashes and evaluates
-    group = sharded_fo.checkpoint_group() if sharded else None
+    if sharded:
+        sharded_fo.ensure_process_group()
     trainer = FOTrainer(model, hyper, encoder, distributed=world > 1, sharded=sharded)
     def record(kind: str, fields: dict[str, Any]) -> None:  # rank 0's preemption events, in the run's journal
         run.event(kind, **fields)
 
-    own = None if group is not None else run_checkpoints(cfg, trainer, record)
-    ckpt: Checkpointer | None = (sharded_fo.sharded_checkpointer(cfg, trainer, group) if group is not None
-                                 else own.checkpointer if own is not None else None)
-    state = own.state.view if own is not None else trainer.state_view  # what the checkpointer copies
+    own = run_checkpoints(cfg, trainer, record)
     durable = (lambda: sharded_fo.durable_steps(cfg)) if sharded else (lambda: durable_steps(cfg))
-    faults = FaultInjector(cfg, run, rank, world, durable_steps=durable, flush=ckpt.flush if ckpt else None)
+    faults = FaultInjector(cfg, run, rank, world, durable_steps=durable, flush=own.flush)
 
     result = None
     if promoted is not None or faults.fired() or durable() > 0:
-        if group is not None:
-            result = sharded_fo.restore_sharded(trainer, cfg, group)
-        elif own is not None:
-            own.restore()
-            result = {k: own.restored[k] for k in RECOVERY_FIELDS if k in own.restored}
+        own.restore()
+        result = {k: own.restored[k] for k in RECOVERY_FIELDS if k in own.restored}
+        if sharded:  # what the ranks loaded, re-gathered (a collective)
+            result.update(saved_world_size=own.restored.get("saved_world_size"),
+                          restored_state_sha256=state_sha256(sharded_fo.full_state(trainer.state_view())))
     accuracy = (lambda: sharded_fo.evaluate(trainer, encoder, held_out, cfg.eval_samples)) if sharded else None
     start = record_start(env, result, accuracy, promoted=promoted)
-    notices = PreemptionNotices(env.rank) if group is not None else None  # FirstOrderCheckpoints asks by itself
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -123,14 +120,12 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
         trainer.apply_gradients()
         [loss] = mean_over_workers([loss], world)
         step_s = time.perf_counter() - t0
-        block_s = own.after_step(step + 1, {"loss": loss}) if own is not None else ckpt.after_step(step + 1, state) if ckpt else 0.0
-        if notices is not None and (notice := notices.poll()) is not None:  # every rank asks (a collective)
-            save_before_deadline(notice, ckpt, step + 1, state, record if rank == 0 else None)
+        block_s = own.after_step(step + 1, {"loss": loss})
         hashed = cfg.hash_every_steps and (step + 1) % cfg.hash_every_steps == 0 and (rank == 0 or sharded)
         digest = state_sha256(sharded_fo.full_state(trainer.state_view())) if hashed else None  # weights + optimizer
         if rank == 0:
             row = dict(step=step, loss=loss, step_seconds=step_s, checkpoint_block_seconds=block_s, log_append_seconds=0.0,
-                       checkpoint_bytes=ckpt.bytes if ckpt is not None else 0)  # committed so far (fsdp2: rank 0's files)
+                       checkpoint_bytes=own.checkpointer.bytes if own.checkpointer is not None else 0)  # committed so far (fsdp2: rank 0's files)
             run.metric(**row, **({"state_sha256": digest} if digest else {}))
         env.stepped.set()
 
@@ -138,11 +133,8 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
         final = {"step": cfg.steps, "state_sha256": state_sha256(sharded_fo.full_state(trainer.state_view()))}
         if cfg.eval_samples:
             final["accuracy_after"] = accuracy() if accuracy is not None else encoder.evaluate(model, held_out, cfg.eval_samples)
-        if own is not None:
-            final["checkpoints"] = own.close()
-        elif ckpt is not None:  # every rank's under fsdp2
-            final["checkpoints"] = ckpt.close()
+        final["checkpoints"] = own.close()  # a collective under fsdp2
         if rank == 0:
             run.event("final", **final)
-    elif own is not None:
+    else:
         own.close()

@@ -179,11 +179,14 @@ class FirstOrderCheckpoints:
         self.group: torch.distributed.ProcessGroup | None = None
         """FSDP2 (DTensor parameters): every rank's checkpoint collectives' gloo group; None otherwise."""
         if any(isinstance(p, DTensor) for p in self.state.named.values()):
-            if strategy not in SHARDED_STRATEGIES or isinstance(storage, SnapshotStore):
+            plain = isinstance(storage, SnapshotStore) and not isinstance(storage, ShardedStore)
+            if strategy not in SHARDED_STRATEGIES or plain:
                 raise ValueError(f"FSDP2 (DTensor parameters): strategy {' or '.join(SHARDED_STRATEGIES)} with storage as a "
-                                 f"path or URI (sharded checkpoints, every rank writes its rows); got {strategy}"
-                                 f"{' and a SnapshotStore' if isinstance(storage, SnapshotStore) else ''}")
+                                 f"path, URI or ShardedStore (sharded checkpoints, every rank writes its rows); got {strategy}"
+                                 f"{' and a SnapshotStore' if plain else ''}")
             self.group = checkpoint_group()
+        elif isinstance(storage, ShardedStore):
+            raise ValueError("a ShardedStore holds FSDP2 checkpoints: this model's parameters are not DTensors (not sharded)")
         if isinstance(storage, SnapshotStore):
             if storage.identity is None:
                 raise ValueError("a SnapshotStore given as storage needs a run identity")
@@ -324,6 +327,7 @@ class FirstOrderCheckpoints:
             return None
         for i, group in enumerate(self.state.optimizer.param_groups):
             set_group_values(group, i, view)
+        self.restored["saved_world_size"] = chosen.manifest["world_size"]
         return chosen
 
     def _replay_records(self, chosen: SnapshotInfo | None) -> None:
