@@ -1,6 +1,7 @@
 """Your own first-order training loop under Ray Train, checkpointed by raycheck (layer-wise by default).
 
     python examples/own_loop_fo.py --out /tmp/own-loop --fail-step 7 --verify
+    python examples/own_loop_fo.py --out /tmp/own-fsdp --fail-step 7 --verify --workers 2 --fsdp2 --strategy full-async
     ray job submit --working-dir . -- python examples/own_loop_fo.py --out /tmp/own-loop --fail-step 7 --verify \
         --storage s3://bucket/own-loop --s3-endpoint http://host:9000
 
@@ -43,6 +44,7 @@ import urllib.parse
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import fully_shard
 
 import ray
 import ray.train
@@ -52,11 +54,11 @@ from ray.train.torch import TorchTrainer
 
 from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
-from raycheck.storage.backend import Storage, storage_env
-from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.backend import storage_env
 from raycheck.training.optim_state import ModelOptimizerState
+from raycheck.training.sharded import full_state
 from raycheck.training.state import state_sha256
-from raycheck.workers.own_loop import STRATEGIES, FirstOrderCheckpoints, load_checkpoint
+from raycheck.workers.own_loop import SHARDED_STRATEGIES, STRATEGIES, FirstOrderCheckpoints, load_checkpoint
 
 FEATURES, HIDDEN, CLASSES, BATCH = 16, 64, 4, 32
 
@@ -127,9 +129,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(config["seed"])
     model = TinyMLP()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.01, foreach=False)
-    if world > 1:
+    if config["fsdp2"]:  # FSDP2: each rank holds its rows of every parameter (and, below, of every AdamW moment)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif world > 1:
         model = ray.train.torch.prepare_model(model)  # DDP over gloo: gradients averaged over the ranks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.01, foreach=False)
 
     ckpt = FirstOrderCheckpoints(  # raycheck (1/3): storage defaults to <Ray Train experiment dir>/raycheck
         model, optimizer, strategy=config["strategy"], every_steps=config["every"],
@@ -153,8 +159,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         ckpt.after_step(step + 1, {"loss": loss.item()})  # raycheck (3/3): checkpoints and Ray Train reports
 
     stats = ckpt.close(config["steps"])
+    final_sha256 = state_sha256(full_state(ModelOptimizerState(model, optimizer).view()))  # FSDP2: re-gathered, every rank
     if rank == 0:
-        ray.get(events.finish.remote({"state_sha256": state_sha256(ModelOptimizerState(model, optimizer).view()),
+        ray.get(events.finish.remote({"state_sha256": final_sha256,
                                       "checkpoints": stats.get("checkpoints"), "newest": stats.get("newest"),
                                       "storage": stats.get("storage")}))
 
@@ -176,7 +183,7 @@ def run(args: argparse.Namespace, name: str, fail_step: int | None) -> tuple[Any
     events = Events.remote()
     config = dict(events=events, name=name, seed=args.seed, lr=args.lr, steps=args.steps, every=args.every,
                   strategy=args.strategy, threshold=args.layer_threshold, staleness=args.layer_staleness_steps, chunks=args.chunks,
-                  fail_step=-1 if fail_step is None else fail_step, storage_options=storage_options(args))
+                  fail_step=-1 if fail_step is None else fail_step, storage_options=storage_options(args), fsdp2=args.fsdp2)
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=args.workers),
                            run_config=RunConfig(name=name, failure_config=FailureConfig(max_failures=2), **ray_train_storage(args),
@@ -204,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                         "differential: between full ones, each step's record written in objects of 2 steps)")
     parser.add_argument("--chunks", type=int, default=2, help="overlapped: a snapshot is staged in this many chunks, one per step")
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers (DDP over gloo when > 1)")
+    parser.add_argument("--fsdp2", action="store_true", help="shard the model and AdamW over the workers with FSDP2 (fully_shard) "
+                        "instead of DDP: sharded checkpoints, every rank writing its rows (--strategy full-sync or full-async)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="the model's and the batches' seed (default: %(default)s)")
     parser.add_argument("--layer-threshold", type=float, default=0.0, help="layer-wise: relative change that rewrites a unit (0: exact)")
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.fail_step is not None and not 0 <= args.fail_step < args.steps:
         parser.error(f"--fail-step must be in 0..{args.steps - 1}")
+    if args.fsdp2 and (args.strategy not in SHARDED_STRATEGIES or args.workers < 2):
+        parser.error(f"--fsdp2 needs --strategy {' or '.join(SHARDED_STRATEGIES)} and --workers 2 or more")
 
     out = pathlib.Path(args.out).resolve()
     if out.exists() and any(out.iterdir()):  # Ray Train would resume the runs found there
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     result, final, events = run(args, "failing", args.fail_step)
     restores = [e for e in events if e["step"] > 0 or e["folder"]]
     ckpt_path = result.checkpoint.path if result.checkpoint is not None else None
-    newest = SnapshotStore(Storage(final["storage"], **storage_options(args))).list()[-1].folder if final["storage"] else None
+    newest = final["newest"]  # rank 0's newest committed snapshot at close
     fresh_model = TinyMLP()
     fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
     loaded_step = load_checkpoint(result.checkpoint, fresh_model, fresh_opt, **storage_options(args)) if result.checkpoint else None
