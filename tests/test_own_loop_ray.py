@@ -1,7 +1,7 @@
 """examples/own_loop_fo.py end to end under Ray Train: a user's own MLP, data, loss and AdamW with
 ``FirstOrderCheckpoints`` (layer-wise, threshold 0), 2 DDP workers, the rank-0 process exits once at
 step 6, Ray Train restarts the group, every rank restores: bitwise equal to the failure-free run, and
-``Result.checkpoint`` is the newest committed snapshot and loads in one call (about 100 s here)."""
+``Result.checkpoint`` points at the newest committed snapshot and loads in one call (about 100 s here)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_own_loop_example_recovers_a_ddp_worker_failure_bitwise_and_reports_the_
     assert summary["recovery"] == "exact" and summary["bitwise_equal"] is True
     assert summary["state_sha256"] == summary["reference_sha256"]
     assert summary["worker_starts"] == 2 and summary["restored_from_steps"] == [4]  # settled before the exit
-    # Result.checkpoint: the newest committed snapshot, in place in raycheck's store (no copy), loading the final state
+    # Result.checkpoint: a pointer to the newest committed snapshot (its bytes not copied), loading the final state
     store = SnapshotStore(summary["checkpoints"])
     assert pathlib.Path(summary["result_checkpoint"]).name == store.list()[-1].folder
     assert summary["result_checkpoint_is_newest"] and summary["result_checkpoint_loads_final_state"]
