@@ -1,11 +1,12 @@
-"""The objects a run's configuration describes, built from it: its snapshot store and its differential
-gradient records (``job.config.JobConfig`` describes and validates; it builds nothing itself). Each is
+"""The objects a run's configuration describes, built from it: its snapshot store (or sharded store) and its
+differential gradient records (``job.config.JobConfig`` describes and validates; it builds nothing itself). Each is
 built fresh, so it is safe to call in any process (driver, actor, train worker)."""
 
 from __future__ import annotations
 
 from raycheck.job.config import JobConfig
 from raycheck.storage.backend import Storage
+from raycheck.storage.dcp_store import ShardedStore
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.manifest import RunIdentity
 from raycheck.storage.snapshots import SnapshotStore
@@ -23,6 +24,18 @@ def snapshot_store(cfg: JobConfig, direct: bool = False) -> SnapshotStore:
     ``write_direct``)."""
     return SnapshotStore(Storage(cfg.storage.uri, write_direct=direct, **cfg.storage.options), keep_last=cfg.snapshot.keep,
                          identity=run_identity(cfg), epoch=cfg.writer_epoch, step_log=cfg.uses_step_log)
+
+
+def sharded_store(cfg: JobConfig) -> ShardedStore:
+    """The run's sharded checkpoints (``--fo-parallelism fsdp2``, ``storage.dcp_store``): its identity and
+    writer epoch."""
+    return ShardedStore(Storage(cfg.storage.uri, **cfg.storage.options), keep_last=cfg.snapshot.keep,
+                        identity=run_identity(cfg), epoch=cfg.writer_epoch)
+
+
+def checkpoint_store(cfg: JobConfig) -> SnapshotStore:
+    """Where the run's states are committed: its sharded store under FSDP2, else its snapshot store."""
+    return sharded_store(cfg) if cfg.algo == "fo" and cfg.fo.parallelism == "fsdp2" else snapshot_store(cfg)
 
 
 def diff_store(cfg: JobConfig) -> DiffStore:

@@ -34,15 +34,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from raycheck.storage.backend import Storage
 from raycheck.storage.dcp_store import ShardedStore
-from raycheck.storage.manifest import RunIdentity
 from raycheck.training.checkpointing import FullCheckpointer
 
 if TYPE_CHECKING:
-    from raycheck.job.config import JobConfig
     from raycheck.training.data import PromptEncoder, Split
     from raycheck.training.fo import FOTrainer
+
 
 def shard_scorer(scorer: torch.nn.Module) -> None:
     """``fully_shard`` each decoder layer of ``scorer.lm`` (``lm.model.layers``), then ``scorer`` itself (the
@@ -125,12 +123,6 @@ class ShardedWriter:
         return Written(step, self.store.save(step, state, config, self.group).rank_bytes)
 
 
-def sharded_store(cfg: JobConfig) -> ShardedStore:
-    """The sharded checkpoints of run ``cfg`` (a ``JobConfig``): its identity and writer epoch."""
-    return ShardedStore(Storage(cfg.storage.uri, **cfg.storage.options), keep_last=cfg.snapshot.keep,
-                        identity=RunIdentity(cfg.run_id, cfg.trajectory_sha256()), epoch=cfg.writer_epoch)
-
-
 class ShardedCheckpointer(FullCheckpointer):
     """``FullCheckpointer`` on every rank under FSDP2: it stages a copy of this rank's rows
     (``local_view``) and writes through a ``ShardedWriter``; ``bytes`` counts this rank's files.
@@ -141,8 +133,3 @@ class ShardedCheckpointer(FullCheckpointer):
 
     def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
         return super().save_now(steps_done, lambda: local_view(state()), timeout_s)
-
-
-def durable_steps(cfg: JobConfig) -> int:
-    """The step of the newest committed sharded checkpoint of run ``cfg`` (0: none)."""
-    return max((i.step for i in sharded_store(cfg).list()), default=0)

@@ -4,7 +4,7 @@ Per step t (rank r of W workers, DDP over gloo when W > 1; every worker holds th
   batch t's shard r  ->  forward + backward (gradients averaged by DDP)  ->  [injected failure]  ->
   clip + AdamW  ->  average the loss over the workers (metrics)  ->  rank 0's checkpointer.
 
-Strategies (rank 0 persists; ``snapshot_store(cfg)`` holds every checkpoint):
+Strategies (rank 0 persists; ``job.stores.checkpoint_store(cfg)`` holds every checkpoint):
   ``full-sync`` / ``full-async``: ``training.checkpointing.FullCheckpointer`` every ``snapshot_every``.
   ``layerwise``: ``training.layerwise.LayerwiseCheckpointer`` every ``snapshot_every`` (LayerCheck).
   ``differential``: ``training.differential.DiffCheckpointer`` (LowDiff): gradient records every
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raycheck.job.config import JobConfig
-from raycheck.job.stores import diff_store, snapshot_store
+from raycheck.job.stores import checkpoint_store, diff_store
 from raycheck.policies.strategies import RunStrategy
 from raycheck.training import sharded as sharded_fo
 from raycheck.training.data import PromptEncoder, batch_indices
@@ -60,18 +60,16 @@ def run_checkpoints(cfg: JobConfig, trainer: FOTrainer, events: Callable[[str, d
     replica groups, whose group restarted alone would miss the lockstep reports: ``workers.train_reports``),
     preemption notices acted on (``events``: the run's journal), and ``reproducible_init`` (every worker
     loads the same initial weights)."""
-    store = sharded_fo.sharded_store(cfg) if cfg.fo.parallelism == "fsdp2" else snapshot_store(cfg)
-    return FirstOrderCheckpoints(trainer.model, trainer.optimizer, store, strategy=cfg.strategy,
+    return FirstOrderCheckpoints(trainer.model, trainer.optimizer, checkpoint_store(cfg), strategy=cfg.strategy,
                                  every_steps=cfg.snapshot.every_steps, layerwise=cfg.layerwise, differential=cfg.differential,
                                  overlapped=cfg.overlapped, report=False if cfg.replica_groups else None, preemption=True, events=events,
                                  reproducible_init=True)
 
 
 def durable_steps(cfg: JobConfig) -> int:
-    """Steps durable in storage now: the newest committed checkpoint's, extended by the committed
-    gradient records after it for ``differential``."""
-    store = snapshot_store(cfg)
-    base = max((i.step for i in store.list()), default=0)
+    """Steps durable in storage now: the newest committed checkpoint's (FSDP2: sharded), extended by the
+    committed gradient records after it for ``differential``."""
+    base = max((i.step for i in checkpoint_store(cfg).list()), default=0)
     return diff_store(cfg).durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
 
 
@@ -99,11 +97,10 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
         run.event(kind, **fields)
 
     own = run_checkpoints(cfg, trainer, record)
-    durable = (lambda: sharded_fo.durable_steps(cfg)) if sharded else (lambda: durable_steps(cfg))
-    faults = FaultInjector(cfg, run, rank, world, durable_steps=durable, flush=own.flush)
+    faults = FaultInjector(cfg, run, rank, world, durable_steps=lambda: durable_steps(cfg), flush=own.flush)
 
     result = None
-    if promoted is not None or faults.fired() or durable() > 0:
+    if promoted is not None or faults.fired() or durable_steps(cfg) > 0:
         own.restore()
         result = {k: own.restored[k] for k in RECOVERY_FIELDS if k in own.restored}
         if sharded:  # what the ranks loaded, re-gathered (a collective)

@@ -3,12 +3,12 @@
 Ray Train v2 keeps only checkpoints inside its run's experiment directory (``ray.train.report`` refuses
 any other with ``NO_UPLOAD``, and a ``checkpoint_upload_fn`` must return one there), while raycheck's
 snapshots live in the run's own storage (a folder, a bucket) and follow its retention and fencing. So
-each committed snapshot is reported as a *pointer checkpoint*, the pattern Ray's own message recommends:
-a folder named as the snapshot (``step-<10 digits>-<hex>``) holding one small JSON file,
-``storage.pointers.POINTER_FILE``, with the snapshot's URI. Ray uploads those few hundred bytes into the experiment
-directory; ``Result.checkpoint``, ``get_all_reported_checkpoints()``, ``ray.train.get_checkpoint()`` and the
-Train dashboard list it; ``storage.pointers.snapshot_uri`` (and so ``workers.own_loop.load_checkpoint``)
-follows it to the snapshot. A snapshot deleted later by raycheck's retention leaves its pointer valid for Ray (its folder
+each committed snapshot is reported as a *pointer checkpoint*, the pattern Ray's own message recommends
+(``storage.pointers``): a folder named as the snapshot (``step-<10 digits>-<hex>``) holding one small
+JSON file with the snapshot's URI. Ray uploads those few hundred bytes into the experiment directory;
+``Result.checkpoint``, ``get_all_reported_checkpoints()``, ``ray.train.get_checkpoint()`` and the Train
+dashboard list it; ``workers.own_loop.load_checkpoint`` and ``raycheck export`` follow it to the
+snapshot. A snapshot deleted later by raycheck's retention leaves its pointer valid for Ray (its folder
 exists); following it then names the store's newest.
 
 Ray Train v2 requires every rank to call ``ray.train.report`` the same number of times: every rank builds
@@ -21,13 +21,13 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from raycheck.job.stores import snapshot_store
+from raycheck.job.stores import checkpoint_store
 from raycheck.storage.pointers import POINTER_FILE, checkpoint_uri, pointer, read_pointer
 from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
 
@@ -164,7 +164,7 @@ def train_reports(cfg: JobConfig, rank: int) -> TrainReports | None:
     import ray.train
 
     reported = ray.train.get_checkpoint() if rank == 0 else None  # an earlier incarnation's last report
-    return TrainReports(snapshot_store(cfg), rank, os.path.basename(reported.path.rstrip("/")) if reported is not None else None)
+    return TrainReports(checkpoint_store(cfg), rank, os.path.basename(reported.path.rstrip("/")) if reported is not None else None)
 
 
 def last_report(cfg: JobConfig, reports: TrainReports) -> None:
