@@ -503,8 +503,8 @@ SUMMARY_FIELDS: dict[str, str] = {
                       "``workers.own_loop.load_checkpoint(final_snapshot, model)`` loads it into your model in one call.",
     "ray_train_checkpoint": "Ray Train's ``Result.checkpoint`` of the run: ``path`` (a pointer checkpoint in Ray Train's storage, "
                             "``workers.train_reports``), the ``snapshot`` it points to and its ``step``; null when none was reported "
-                            "(e.g. replica groups, or no snapshot committed). ``load_checkpoint(path, model)`` loads it. With a shadow, "
-                            "the final state may be committed after the workers' last report: then ``final_snapshot`` is newer.",
+                            "(no snapshot committed). ``load_checkpoint(path, model)`` loads it. With a shadow, rank 0 has it snapshot the final "
+                            "step before the last report (waiting up to 60 s): else ``final_snapshot`` may be newer.",
     "snapshots": "The persister's counts, bytes and last durable step, the storage circuit breaker's state (``storage``), "
                  "and the step log mirror's ``log_mirrored_steps``.",
     "durability": "The step log's level, the log keeper's node and rank 0's, ``node_held`` (``durability``, below); "

@@ -286,11 +286,11 @@ def train_loop_per_worker(config: dict) -> None:
     run.event("standby_supervisor", rank=place[0], pid=os.getpid())
     reports = train_reports(cfg, place[0])  # the executors are not Ray Train workers: the supervisor reports
     try:
-        with reports.following() if reports is not None else contextlib.nullcontext():
+        with reports.following() if reports is not None and reports.periodic else contextlib.nullcontext():  # one rank only
             supervise(start, lambda executor: ray.kill(executor, no_restart=True), run_on, keep,
                       lambda: claim_promotion(run, cfg.faults.max_worker_failures), run.event, early=likely_kept(cfg))
         if reports is not None:
-            last_report(cfg, reports)
+            last_report(cfg, reports, run)
     finally:
         for executor in started:
             ray.kill(executor, no_restart=True)

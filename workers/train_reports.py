@@ -27,11 +27,16 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from raycheck.actors.shadow_actor import find_shards
 from raycheck.job.stores import checkpoint_store
 from raycheck.storage.pointers import POINTER_FILE, checkpoint_uri, pointer, read_pointer
 from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
 
 if TYPE_CHECKING:
+    from raycheck.actors.journal import RunChannel
     from raycheck.job.config import JobConfig
 
 log = logging.getLogger(__name__)
@@ -56,10 +61,12 @@ class TrainReports:
         rank: this worker's world rank.
         reported: the snapshot folder already reported (e.g. by an earlier incarnation: the folder name of
             ``ray.train.get_checkpoint()``), not attached again.
+        periodic: reports during training as well as the last one (False: the last one only; ZO replica
+            groups, where a worker replaced alone re-executes steps the others reported already).
     """
 
-    def __init__(self, store: SnapshotStore, rank: int, reported: str | None = None) -> None:
-        self.store, self.rank, self.reported = store, rank, reported
+    def __init__(self, store: SnapshotStore, rank: int, reported: str | None = None, periodic: bool = True) -> None:
+        self.store, self.rank, self.reported, self.periodic = store, rank, reported, periodic
 
     def newest(self) -> SnapshotInfo | None:
         """The store's newest committed snapshot of this run (rank 0; None elsewhere or when none)."""
@@ -85,8 +92,9 @@ class TrainReports:
     def following(self, interval_s: float = 5.0) -> Iterator[None]:
         """While the block runs, a thread reports each new committed snapshot within ``interval_s`` seconds
         (its ``step``: the snapshot's). For a one-worker group whose training runs in another process (a
-        warm standby's supervisor, ``workers.standby``): with several ranks the reports would not be in
-        lockstep. A listing that fails is logged and tried again."""
+        warm standby's supervisor, ``workers.standby``; several supervisors are ZO replica groups, which
+        report at the end only): with several ranks the reports would not be in lockstep. A listing that
+        fails is logged and tried again."""
         stop = threading.Event()
 
         def follow() -> None:
@@ -143,35 +151,52 @@ def checkpoint_record(checkpoint: Any) -> dict[str, Any] | None:
 
 
 FINAL_SNAPSHOT_WAIT_S = 60.0
-"""How long rank 0's ``close`` waits for the shadow's snapshot of the final step before its last report (seconds)."""
+"""How long rank 0's last report waits for the shadow's snapshot of the final step (seconds)."""
 
 
-def final_snapshot_due(cfg: JobConfig) -> bool:
-    """Whether the shadow snapshots the final step by its schedule (fixed interval dividing ``steps``), so that
-    the last report can wait for it and ``Result.checkpoint`` be the trained state."""
+def ask_final_snapshot(cfg: JobConfig, run: RunChannel) -> None:
+    """Ask every shard of the run's shadow for a snapshot of the final step (``ShadowActor.snapshot_at``:
+    taken once its replay gets there), unless its fixed interval takes one there anyway. A shadow that
+    does not answer within ``FINAL_SNAPSHOT_WAIT_S`` is logged and left (the driver snapshots the final
+    state after the workers end, as before)."""
     every = cfg.snapshot.every_steps
-    return cfg.uses_shadow and cfg.snapshot.policy == "fixed" and every > 0 and cfg.steps % every == 0
+    if cfg.snapshot.policy == "fixed" and (every == 0 or cfg.steps % every == 0):
+        return  # snapshots off, or the schedule takes the final step
+    shards = find_shards(run, cfg.namespace, timeout_s=FINAL_SNAPSHOT_WAIT_S)
+    try:
+        if shards is None:
+            raise GetTimeoutError(f"no live shadow within {FINAL_SNAPSHOT_WAIT_S:.0f} s")
+        ray.get([s.snapshot_at.remote(cfg.steps) for s in shards], timeout=FINAL_SNAPSHOT_WAIT_S)
+    except RayError as exc:
+        log.warning("the shadow was not asked for a snapshot of step %d (%s): Ray Train's last checkpoint is an older one",
+                    cfg.steps, exc)
 
 
 def train_reports(cfg: JobConfig, rank: int) -> TrainReports | None:
     """A ``raycheck run`` worker's reports (ZO: ``workers.zo_session``, every ``snapshot.every_steps`` steps
     and at ``close``; a warm standby's supervisor: ``TrainReports.following``), rank 0 attaching the run's
-    newest committed snapshot; None outside a Ray Train worker (a warm standby's step executor) and with
-    replica groups (a group restarted alone would miss the other ranks' reports, which Ray Train v2 takes
-    in lockstep)."""
-    if ray_train_context() is None or cfg.replica_groups:
+    newest committed snapshot; None outside a Ray Train worker (a warm standby's step executor). With
+    replica groups the last report only (``periodic`` False): a worker replaced alone re-executes steps
+    from its restore while the others wait for it in the step exchange, so a report of its own there
+    would wait for theirs (Ray Train v2 takes reports in lockstep) and stall the run; at the end every
+    worker reports once."""
+    if ray_train_context() is None:
         return None
     import ray.train
 
     reported = ray.train.get_checkpoint() if rank == 0 else None  # an earlier incarnation's last report
-    return TrainReports(checkpoint_store(cfg), rank, os.path.basename(reported.path.rstrip("/")) if reported is not None else None)
+    return TrainReports(checkpoint_store(cfg), rank, os.path.basename(reported.path.rstrip("/")) if reported is not None else None,
+                        periodic=not cfg.replica_groups)
 
 
-def last_report(cfg: JobConfig, reports: TrainReports) -> None:
-    """The run's last report, every rank: rank 0 first waits (at most ``FINAL_SNAPSHOT_WAIT_S``) for the
-    shadow's snapshot of the final step when its schedule takes one (``final_snapshot_due``), so that
-    ``Result.checkpoint`` is the trained state."""
-    if final_snapshot_due(cfg) and not reports.wait_for(cfg.steps, FINAL_SNAPSHOT_WAIT_S):
-        log.warning("the snapshot of step %d was not committed within %.0f s: Ray Train's last checkpoint is an older one",
-                    cfg.steps, FINAL_SNAPSHOT_WAIT_S)
+def last_report(cfg: JobConfig, reports: TrainReports, run: RunChannel) -> None:
+    """The run's last report, every rank: with a shadow, rank 0 first has it snapshot the final step
+    (``ask_final_snapshot``) and waits for that snapshot's commit (at most ``FINAL_SNAPSHOT_WAIT_S``), so
+    that ``Result.checkpoint`` is the trained state."""
+    snapshots = cfg.snapshot.policy == "adaptive" or cfg.snapshot.every_steps > 0
+    if reports.rank == 0 and cfg.uses_shadow and snapshots:
+        ask_final_snapshot(cfg, run)
+        if not reports.wait_for(cfg.steps, FINAL_SNAPSHOT_WAIT_S):
+            log.warning("the snapshot of step %d was not committed within %.0f s: Ray Train's last checkpoint is an older one",
+                        cfg.steps, FINAL_SNAPSHOT_WAIT_S)
     reports.report(cfg.steps)

@@ -202,7 +202,7 @@ class ZerothOrder:
                     row["state_sha256"] = state_sha256(on_cpu(self.params))  # the state after step + 1 steps
                 env.run.metric(**row)
             self.next_step = step + 1
-            if self.reports is not None and cfg.snapshot.every_steps and self.next_step % cfg.snapshot.every_steps == 0:
+            if self.reports is not None and self.reports.periodic and cfg.snapshot.every_steps and self.next_step % cfg.snapshot.every_steps == 0:
                 self.reports.report(self.next_step, {"loss": (record.loss_plus + record.loss_minus) / 2})
             env.stepped.set()
             return record
@@ -248,7 +248,7 @@ class ZerothOrder:
         then every rank reports to Ray Train once more (``train_reports``)."""
         if self.env.rank != 0:
             if self.reports is not None:
-                last_report(self.cfg, self.reports)
+                last_report(self.cfg, self.reports, self.env.run)
             return
         event = {"step": self.cfg.steps, "state_sha256": state_sha256(on_cpu(self.params)),
                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), **final}
@@ -258,7 +258,7 @@ class ZerothOrder:
             self.sender.close()  # the keeper holds every step before the run counts as done
             self.writer.close()
         if self.reports is not None:
-            last_report(self.cfg, self.reports)
+            last_report(self.cfg, self.reports, self.env.run)
         self.env.run.event("final", **event)
 
 
