@@ -227,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.fail_step is not None and not 0 <= args.fail_step < args.steps:
         parser.error(f"--fail-step must be in 0..{args.steps - 1}")
-    if args.fsdp2 and (args.strategy not in SHARDED_STRATEGIES or args.workers < 2):
-        parser.error(f"--fsdp2 needs --strategy {' or '.join(SHARDED_STRATEGIES)} and --workers 2 or more")
+    if args.fsdp2 and args.strategy not in SHARDED_STRATEGIES:
+        parser.error(f"--fsdp2 writes sharded checkpoints: give --strategy {' or '.join(SHARDED_STRATEGIES)} (got {args.strategy})")
+    if args.fsdp2 and args.workers < 2:
+        parser.error(f"--fsdp2 shards over the workers: give --workers 2 or more (got {args.workers})")
 
     out = pathlib.Path(args.out).resolve()
     if out.exists() and any(out.iterdir()):  # Ray Train would resume the runs found there

@@ -48,7 +48,7 @@ from raycheck.actors.shadow import ShadowSpec
 from raycheck.job.config import JobConfig
 from raycheck.job.names import log_keeper_name, persister_name
 from raycheck.job.run_dir import RunDir
-from raycheck.job.stores import snapshot_store
+from raycheck.job.stores import checkpoint_store, snapshot_store
 from raycheck.orchestrator.cluster import Placement, alive_nodes, connect, plan_placement
 from raycheck.orchestrator.components import (ComponentStartError, LogKeeperFailedError, LogKeeperHandle, PersisterFailedError,
                                               PersisterHandle)
@@ -499,7 +499,7 @@ class Controller:
         """(step, URI) of the newest committed snapshot in the run's storage; None when there is none or the
         storage cannot be read from the driver (it is told in a warning)."""
         try:
-            store = snapshot_store(self.cfg)
+            store = checkpoint_store(self.cfg)
             infos = store.list()
         except OSError as exc:
             log.warning("the run's snapshots could not be listed for the summary: %s", one_line(exc))

@@ -34,15 +34,18 @@ import warnings
 from collections.abc import Generator, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raycheck.storage.backend import Storage, StorageError
 from raycheck.storage.manifest import folder_step, layout_sha256
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.storage.tensor_files import as_numpy
 
 SUBFOLDER = "sharded"
 FORMAT = "raycheck-dcp-1"
@@ -233,16 +236,17 @@ class ShardedStore(SnapshotStore):
             return info, tried
         raise NoSnapshotError(f"no loadable sharded checkpoint in {self.storage.url()}; tried: {tried or 'none found'}")
 
-    def load_into(self, info: SnapshotInfo, state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> list[str]:
+    def load_into(self, info: SnapshotInfo, state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None,
+                  local: bool = False) -> list[str]:
         """Load checkpoint ``info`` into ``state`` (name -> tensor or DTensor, its global layout) in place, at
         this world size, after verifying every file (the ranks of ``group`` share that work; a process
-        without torch.distributed verifies and reads them all). Returns the problems found in its files
-        (nothing loaded then); ``[]``: loaded.
+        without torch.distributed, or ``local`` (whole plain tensors read by this process alone), verifies
+        and reads them all). Returns the problems found in its files (nothing loaded then); ``[]``: loaded.
 
         Raises:
             SnapshotCorruptError: DCP failed to read a checkpoint whose files had verified.
         """
-        distributed = dist.is_available() and dist.is_initialized()
+        distributed = not local and dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
         units = sorted(info.manifest["units"])
         per_rank: list[list[str]] = [[]] * world  # all_gather_object fills each
@@ -254,17 +258,51 @@ class ShardedStore(SnapshotStore):
         problems = [p for ps in per_rank for p in ps]
         if problems:
             return problems
-        reader = FileSystemReader(info.folder)
-        reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})  # type: ignore[assignment]  # as in save
+        reader = self._reader(info)
         try:
             with warnings.catch_warnings():  # without torch.distributed DCP warns that it loads in one process: the intent
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(dict(state), storage_reader=reader, process_group=group if distributed else None)
+                dcp.load(dict(state), storage_reader=reader, process_group=group if distributed else None, no_dist=not distributed)
         except CheckpointException as exc:  # the files verified a moment ago: changed since, or another layout
             raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()} failed to load after "
                                        f"its files verified (the state is partly overwritten; restart the workers): "
                                        f"{_first_failure(exc)}") from exc
         return []
+
+    def _reader(self, info: SnapshotInfo) -> FileSystemReader:
+        reader = FileSystemReader(info.folder)
+        reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})  # type: ignore[assignment]  # as in save
+        return reader
+
+    def tensor_layout(self, info: SnapshotInfo) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Name -> (dtype, global shape) of every tensor of checkpoint ``info`` (DCP's ``.metadata``).
+
+        Raises:
+            SnapshotCorruptError: the metadata file is missing or altered.
+        """
+        problems = self.verify_units(info, [u for u in info.manifest["units"] if u.endswith(".metadata")])
+        if problems:
+            raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()}: {'; '.join(problems)}")
+        metadata = self._reader(info).read_metadata()
+        return {name: (m.properties.dtype, tuple(m.size)) for name, m in metadata.state_dict_metadata.items()
+                if isinstance(m, TensorStorageMetadata)}
+
+    def load(self, info: SnapshotInfo, units: list[str] | None = None) -> dict[str, np.ndarray]:
+        """The whole state of checkpoint ``info``, every tensor gathered from the ranks' rows (DCP reads
+        them into full tensors here: no process group needed), as numpy arrays (bfloat16 as its bits,
+        ``storage.tensor_files.as_numpy``), in the checkpoint's order. ``units`` is not supported (a
+        sharded checkpoint's files hold rows, not units).
+
+        Raises:
+            SnapshotCorruptError: a file is missing, truncated or altered.
+        """
+        if units is not None:
+            raise ValueError("a sharded checkpoint is read whole (its files hold rows of every tensor, not units)")
+        state = {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape) in self.tensor_layout(info).items()}
+        problems = self.load_into(info, state, local=True)
+        if problems:
+            raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()}: {'; '.join(problems)}")
+        return {name: as_numpy(t) for name, t in state.items()}
 
     def verify_units(self, info: SnapshotInfo, units: list[str]) -> list[str]:
         """Problems with the files ``units`` of ``info`` (missing, truncated, sha256 differs)."""

@@ -42,10 +42,10 @@ from safetensors import safe_open
 
 from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile
 from raycheck.storage.files import TEMP_MARK
-from raycheck.storage.pointers import committed_snapshot, is_one_snapshot
+from raycheck.storage.pointers import committed_snapshot, is_one_snapshot, store_at
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotInfo, SnapshotStore
 from raycheck.storage.tensor_files import FLOAT_DTYPES, dtype_name, save_file
-from raycheck.storage.units import parameter_of, unit_of
+from raycheck.storage.units import GROUP_PREFIX, parameter_of, unit_of
 
 _LAYER_UNIT = re.compile(r"^layer\.(\d+)$")
 log = logging.getLogger(__name__)
@@ -464,7 +464,7 @@ def prepare_hf_export(state: Mapping[str, np.ndarray], out_dir: str | pathlib.Pa
     source = pathlib.Path(model_source)
     config = json.loads((source / "config.json").read_text())
     expected = _reference_tensors(source)
-    params = {n: a for n, a in state.items() if parameter_of(n) is None}
+    params = {n: a for n, a in state.items() if parameter_of(n) is None and not n.startswith(GROUP_PREFIX)}  # weights only
     if config.get("tie_word_embeddings") and "lm_head.weight" in params and "lm_head.weight" not in expected:
         head = params.pop("lm_head.weight")
         embed = params.get("model.embed_tokens.weight")
@@ -589,8 +589,8 @@ def export_hf(
         store, info = committed_snapshot(source, **storage_options)
         state = store.load(info)
     else:
-        store = source if isinstance(source, SnapshotStore) else SnapshotStore(
-            source if isinstance(source, Storage) else Storage(str(source), create=False, **storage_options))
+        store = source if isinstance(source, SnapshotStore) else (
+            SnapshotStore(source) if isinstance(source, Storage) else store_at(str(source), **storage_options))
         if step is None:
             state = store.load_latest().state
         else:

@@ -69,8 +69,10 @@ def read_pointer(checkpoint: Any, **storage_options: Any) -> dict[str, Any] | No
         found = json.loads(blob)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"{target} is not a raycheck snapshot pointer: unreadable JSON ({exc})") from exc
-    if not isinstance(found, dict) or found.get("format") != POINTER_FORMAT or not isinstance(found.get("snapshot"), str):
+    if not isinstance(found, dict) or found.get("format") != POINTER_FORMAT:
         raise ValueError(f"{target} is not a raycheck snapshot pointer (format {POINTER_FORMAT!r} expected)")
+    if not isinstance(found.get("snapshot"), str) or not found["snapshot"]:
+        raise ValueError(f"{target} is a raycheck snapshot pointer without its snapshot's URI ('snapshot')")
     return found
 
 
@@ -94,7 +96,7 @@ def is_one_snapshot(checkpoint: Any, **storage_options: Any) -> bool:
     return read_pointer(checkpoint, **storage_options) is not None or checkpoint_uri(checkpoint).rsplit("/", 1)[-1].startswith("step-")
 
 
-def _store_at(root: str, **storage_options: Any) -> SnapshotStore:
+def store_at(root: str, **storage_options: Any) -> SnapshotStore:
     """The store whose folder is ``root``: a ``storage.dcp_store.ShardedStore`` for its ``sharded/`` folder
     (FSDP2 checkpoints), else a ``SnapshotStore``."""
     from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
@@ -118,14 +120,17 @@ def committed_snapshot(checkpoint: Any, **storage_options: Any) -> tuple[Snapsho
     """
     path = snapshot_uri(checkpoint, **storage_options)
     root, _, folder = path.rpartition("/")
-    store = _store_at(root, **storage_options)
+    store = store_at(root, **storage_options)
     infos = store.list()
     info = next((i for i in infos if i.folder == folder), None)
     if info is not None:
         return store, info
-    inner = SnapshotStore(Storage(path, create=False, **storage_options)).list() if not folder.startswith("step-") else []
+    inner = store_at(path, **storage_options).list() if not folder.startswith("step-") else []
     if inner:  # the store itself was given
         raise FileNotFoundError(f"{path} is a snapshot store, not one snapshot: its newest is {path}/{inner[-1].folder}")
     newest = max(infos, key=lambda i: i.step, default=None)
     hint = f"; its newest snapshot is {root}/{newest.folder}" if newest is not None else ""
+    why = next((reason for reason in store.skipped if reason.startswith(folder + "/")), None)
+    if why is not None:  # in the index, but its manifest is gone or altered
+        raise FileNotFoundError(f"{path} is in the index of {root} but does not load ({why}){hint}")
     raise FileNotFoundError(f"{path} is not a committed snapshot of {root} (not in its index){hint}")

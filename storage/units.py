@@ -34,6 +34,8 @@ _PARTS = {
 }
 OPTIMIZER_PREFIX = "optim."
 """Names ``optim.<slot>.<parameter name>`` hold optimizer state (slot: ``exp_avg``, ``exp_avg_sq``, ...)."""
+GROUP_PREFIX = "param_groups."
+"""``param_groups.<i>.<key>``: a parameter group's numeric hyper-parameter, float64 (``training.optim_state``)."""
 
 
 def parameter_of(name: str) -> str | None:

@@ -3,13 +3,18 @@ checkpoints survives a worker failure, then the run resumes at 1 worker from the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from raycheck.job.config import FailureSpec, JobConfig
 from raycheck.cli.main import resume_config
 from raycheck.orchestrator.controller import Controller
 from test_fo_ray import cluster  # noqa: F401 (the fixture: a local Ray cluster for this module)
-from raycheck.training.model import default_cache_dir
+from raycheck.storage.merge import export_hf
+from raycheck.storage.pointers import committed_snapshot
+from raycheck.training.model import default_cache_dir, model_folder
 
 pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 
@@ -39,3 +44,13 @@ def test_two_fsdp2_workers_recover_from_sharded_checkpoints_and_the_run_resumes_
     assert (restart["source"], restart["base_step"], restart["saved_world_size"]) == ("storage", 8, 2)
     assert restart["restored_state_sha256"] == hashes["8"]  # weights + Adam moments saved by 2 ranks, loaded by 1
     assert resumed["final_step"] == 8
+    # Result.checkpoint (a pointer to the sharded checkpoint of step 8) exports to a folder transformers loads: the weights
+    # gathered from the 2 ranks' rows, bitwise
+    assert resumed["ray_train_checkpoint"]["step"] == 8 and resumed["final_snapshot"] == resumed["ray_train_checkpoint"]["snapshot"]
+    folder = export_hf(resumed["ray_train_checkpoint"]["path"], tmp_path / "hf", "tiny", model_folder("tiny"))
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    store, info = committed_snapshot(resumed["ray_train_checkpoint"]["path"])
+    state = store.load(info)
+    weights = {n: a for n, a in state.items() if not n.startswith(("optim.", "param_groups."))}
+    assert sorted(weights) == sorted(n for n in loaded if n != "lm_head.weight")  # tied to the embeddings
+    assert all(np.array_equal(loaded[n].numpy(), a) for n, a in weights.items())

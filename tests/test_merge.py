@@ -384,6 +384,11 @@ def test_export_command_writes_the_snapshot_a_ray_train_pointer_names_and_refuse
     for name, value in states["B20"].items():
         if parameter_of(name) is None:
             assert tensor_sha256(loaded[name]) == tensor_sha256(value), name
+    fo = SnapshotStore(str(tmp_path / "fo"))  # a first-order snapshot: AdamW's moments and the parameter groups dropped
+    fo.write(7, {**states["B20"], **{f"optim.exp_avg.{n}": np.zeros_like(a) for n, a in states["B20"].items()},
+                 "param_groups.0.lr": np.array([1e-3]), "param_groups.0.betas": np.array([0.9, 0.999])})
+    result = CliRunner().invoke(app, [fo.storage.url(fo.list()[-1].folder), "--hf", str(tmp_path / "hf-fo"), "--model", "tiny"])
+    assert result.exit_code == 0, result.output
     gone = dict(pointer(b, info), snapshot=f"{b.storage.url()}/step-0000000025-00000000-1-00000000")
     (reported / POINTER_FILE).write_text(json.dumps(gone))
     result = CliRunner().invoke(app, [str(reported), "--hf", str(tmp_path / "hf2"), "--model", "tiny"])

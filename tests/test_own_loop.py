@@ -429,3 +429,12 @@ def test_load_refuses_another_dtype_and_another_number_of_parameter_groups(tmp_p
         load_checkpoint(folder, two, two_groups)
     with pytest.raises(FileNotFoundError, match=rf"^{tmp_path} is a snapshot store, not one snapshot: its newest is {folder}$"):
         load_checkpoint(str(tmp_path), two)
+
+    class Part(torch.nn.Module):  # a strict part of the saved model: its tensors fit, the rest would be dropped
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Linear(6, 16)
+
+    part = Part()
+    with pytest.raises(StateMismatchError, match=r"it holds 8 parameter\(s\) the model lacks, first 'layers.0.weight'; nothing was loaded$"):
+        load_checkpoint(folder, part)

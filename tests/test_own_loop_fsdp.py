@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from conftest import free_port
 from raycheck.storage.dcp_store import ShardedStore
 from raycheck.storage.pointers import POINTER_FILE, pointer
-from raycheck.training.optim_state import ModelOptimizerState
+from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError
 from raycheck.training.sharded import full_state
 from raycheck.training.state import state_sha256
 from raycheck.workers.own_loop import FirstOrderCheckpoints, load_checkpoint
@@ -115,3 +115,6 @@ def test_the_final_sharded_snapshot_loads_into_the_model_unsharded_in_one_call(r
     model, opt = make()
     assert load_checkpoint(str(tmp_path / out["closed"]["newest"]), model, opt) == STEPS
     assert state_sha256(ModelOptimizerState(model, opt).view()) == out["final"]
+    narrow = Net(hidden=8)  # another shape: refused before DCP reads a byte, not taken for a corrupt checkpoint
+    with pytest.raises(StateMismatchError, match=r"'embed.weight' is torch.float32 \[16, 6\] there, torch.float32 \[8, 6\] here; nothing was loaded$"):
+        load_checkpoint(str(tmp_path / out["closed"]["newest"]), narrow)

@@ -38,11 +38,10 @@ import torch
 
 from raycheck.storage.manifest import layout_of
 from raycheck.storage.tensor_files import as_numpy, to_tensor
+from raycheck.storage.units import GROUP_PREFIX
 from raycheck.training.fo import OPTIM_SLOTS
 
 
-GROUP_PREFIX = "param_groups."
-"""``param_groups.<i>.<key>``: a parameter group's numeric hyper-parameter, float64."""
 
 
 class UnsupportedOptimizerError(ValueError):

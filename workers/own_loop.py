@@ -62,6 +62,7 @@ from raycheck.storage.manifest import RunIdentity, folder_step, layout_sha256, m
 from raycheck.storage.dcp_store import ShardedStore, global_layout
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
 from raycheck.storage.tensor_files import to_tensor
+from raycheck.storage.units import GROUP_PREFIX, OPTIMIZER_PREFIX
 from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.differential import DiffCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
@@ -469,37 +470,51 @@ def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.op
             nothing was loaded.
     """
     store, info = committed_snapshot(checkpoint, **storage_options)
-    if isinstance(store, ShardedStore):
+    if isinstance(store, ShardedStore) and any(isinstance(p, DTensor) for p in unwrap(model).parameters()):
         return _load_sharded_checkpoint(store, info, model, optimizer)
-    state = store.load(info)
+    state = store.load(info)  # a sharded checkpoint: gathered into whole tensors
     what = f"snapshot {store.storage.url(info.folder)}"
     if optimizer is not None:
         ModelOptimizerState(model, optimizer).load(state, what)
         return info.step
     params = dict(unwrap(model).named_parameters())
-    tensors = {n: to_tensor(state[n]) for n in params if n in state}
-    for name, p in params.items():
-        if name not in tensors:
-            raise StateMismatchError(f"{what} does not fit the model: it has no tensor {name!r}; nothing was loaded")
-        t = tensors[name]
-        if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-            raise StateMismatchError(f"{what} does not fit the model: {name!r} is {t.dtype} {list(t.shape)} there, "
-                                     f"{p.dtype} {list(p.shape)} here; nothing was loaded")
+    _check_parameters(what, {n: (to_tensor(a).dtype, tuple(a.shape)) for n, a in state.items()}, params)
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(tensors[name])
+            p.copy_(to_tensor(state[name]))
     return info.step
+
+
+def _check_parameters(what: str, saved: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], params: Mapping[str, torch.Tensor]) -> None:
+    """Refuse (before anything is loaded) a snapshot whose parameters (``saved``: name -> dtype, global shape;
+    optimizer entries and parameter groups aside) are not exactly ``params``' names, dtypes and shapes.
+
+    Raises:
+        training.optim_state.StateMismatchError: the first difference named.
+    """
+    own = [n for n in saved if not n.startswith((OPTIMIZER_PREFIX, GROUP_PREFIX))]
+    missing, extra = [n for n in params if n not in saved], [n for n in own if n not in params]
+    if missing or extra:
+        first = f"it has no tensor {missing[0]!r}" if missing else f"it holds {len(extra)} parameter(s) the model lacks, first {extra[0]!r}"
+        raise StateMismatchError(f"{what} does not fit the model: {first}; nothing was loaded")
+    for name, p in params.items():
+        dtype, shape = saved[name]
+        if shape != tuple(p.shape) or dtype != p.dtype:
+            raise StateMismatchError(f"{what} does not fit the model: {name!r} is {dtype} {list(shape)} there, "
+                                     f"{p.dtype} {list(p.shape)} here; nothing was loaded")
 
 
 def _load_sharded_checkpoint(store: ShardedStore, info: SnapshotInfo, model: torch.nn.Module,
                              optimizer: torch.optim.Optimizer | None) -> int:
-    """``load_checkpoint`` of an FSDP2 snapshot (``storage.dcp_store``): DCP reads the rows of ``model``'s
-    sharding, or whole tensors for a model not sharded (in a process without torch.distributed too)."""
+    """``load_checkpoint`` of an FSDP2 snapshot (``storage.dcp_store``) into a model sharded by FSDP2: DCP
+    reads the rows of its sharding (a collective of its process group)."""
     what = f"sharded snapshot {store.storage.url(info.folder)}"
     state = ModelOptimizerState(model, optimizer) if optimizer is not None else None
     view = state.view(host=False) if state is not None else {n: p.detach() for n, p in unwrap(model).named_parameters()}
+    saved = store.tensor_layout(info)
+    _check_parameters(what, saved, {n: t for n, t in view.items() if not n.startswith((OPTIMIZER_PREFIX, GROUP_PREFIX))})
     if state is not None and info.manifest["layout_sha256"] != layout_sha256(global_layout(view)):
-        raise StateMismatchError(f"{what} does not fit the model and optimizer (names, shapes or dtypes differ); nothing was loaded")
+        raise StateMismatchError(f"{what} does not fit the optimizer (its state's names, shapes or dtypes differ); nothing was loaded")
     problems = store.load_into(info, view)
     if problems:
         raise SnapshotCorruptError(f"{what}: {'; '.join(problems)}; nothing was loaded")
