@@ -493,7 +493,7 @@ class Controller:
             ok=outcome.get("ok", False), error=outcome.get("error"), events=self.record.events, executions=self.record.metrics, rows=rows,
             shadow=shadow, persisted=persisted, mirror=self.log_keeper.mirror_status() if self.log_keeper else {},
             keeper=self.log_keeper.status if self.log_keeper else None, durability_level=cfg.durability, task=cfg.data.task,
-            base=self._summary_base(), newest_snapshot=self._newest_snapshot(), ray_train_checkpoint=checkpoint_record(outcome.get("checkpoint"))))
+            base=self._summary_base(), newest_snapshot=self._newest_snapshot(), ray_train_checkpoint=checkpoint_record(outcome.get("checkpoint"), outcome.get("metrics"))))
 
     def _newest_snapshot(self) -> tuple[int, str] | None:
         """(step, URI) of the newest committed snapshot in the run's storage; None when there is none or the

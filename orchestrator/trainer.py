@@ -9,7 +9,6 @@ import os
 import pathlib
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # what ray.train exports (Ray Train v2)
 from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
@@ -22,7 +21,6 @@ from raycheck.job.names import TRAINER_PREFIX, exchange_name
 from raycheck.orchestrator.cluster import Placement, runtime_env
 from raycheck.orchestrator.group_timeline import GroupTimeline
 from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
-from raycheck.storage.backend import node_local, pyarrow_filesystem
 from raycheck.training.assets import ASSETS_KEY
 
 
@@ -52,7 +50,7 @@ def trainer(cfg: JobConfig, shipped: dict, placement: Placement, loop: Callable[
                                      label_selector=placement.worker_label_selector),
         run_config=RunConfig(
             name=f"{TRAINER_PREFIX}{cfg.run_id}",
-            **ray_train_storage(cfg),
+            storage_path=str(pathlib.Path(cfg.out_dir).resolve() / "ray_train"),  # not the bucket: training outlives its outages
             failure_config=FailureConfig(max_failures=cfg.faults.max_worker_failures, max_preemption_failures=cfg.faults.max_preemptions),
             worker_runtime_env=runtime_env(),
             # the controller's side of the recovery breakdown; Ray annotates UserCallback, and takes any RayTrainCallback
@@ -61,19 +59,9 @@ def trainer(cfg: JobConfig, shipped: dict, placement: Placement, loop: Callable[
     )
 
 
-def ray_train_storage(cfg: JobConfig) -> dict[str, Any]:
-    """``RunConfig``'s storage for ``cfg``'s run: ``<out>/ray_train`` when the snapshots are on this node's
-    disk, else ``<storage>/ray_train`` beside them (a bucket every node reaches: the pointer checkpoints
-    the workers report, ``workers.train_reports``, are never files on another node)."""
-    if node_local(cfg.storage.uri):
-        return {"storage_path": str(pathlib.Path(cfg.out_dir).resolve() / "ray_train")}
-    fs, path = pyarrow_filesystem(f"{cfg.storage.uri.rstrip('/')}/ray_train", cfg.storage.options)
-    return {"storage_path": path, "storage_filesystem": fs}
-
-
 class Fit:
     """``trainer.fit()`` on a daemon thread, started at once: ``running`` while it runs, then ``outcome``
-    (``ok``; ``checkpoint``: the ``Result.checkpoint`` of a run that returned, or None; ``error``:
+    (``ok``; ``checkpoint`` and ``metrics``: the ``Result``'s of a run that returned; ``error``:
     ``<ErrorType>: message`` of what it raised, reported in the summary and by the exit code)."""
 
     def __init__(self, trainer: TorchTrainer) -> None:
@@ -84,7 +72,7 @@ class Fit:
     def _fit(self, trainer: TorchTrainer) -> None:
         try:
             result = trainer.fit()
-            self.outcome.update(ok=True, checkpoint=result.checkpoint)
+            self.outcome.update(ok=True, checkpoint=result.checkpoint, metrics=result.metrics)
         except Exception as exc:
             self.outcome.update(ok=False, error=f"{type(exc).__name__}: {exc}")
 

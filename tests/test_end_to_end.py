@@ -310,7 +310,7 @@ def test_s3_storage_skips_a_corrupt_snapshot_and_is_exact(reference, tmp_path_fa
     assert recovery["source"] == "storage" and recovery["base_step"] == 3 and recovery["replayed_steps"] == 4
     assert len(recovery["skipped"]) == 1 and "step-0000000006" in recovery["skipped"][0]
     assert s["snapshots"]["last_durable_step"] == 12 and s["snapshots"]["log_mirrored_steps"] == 12
-    assert_result_checkpoint_is_the_final_snapshot(s, f"{uri}/ray_train/")  # Ray Train's storage in the bucket too
+    assert_result_checkpoint_is_the_final_snapshot(s, os.path.join(s["config"]["out_dir"], "ray_train", ""))  # the pointer: on this disk
     store, info = committed_snapshot(s["ray_train_checkpoint"]["path"], endpoint_url=s3_endpoint)
     assert info.step == 12 and store.storage.url(info.folder) == s["final_snapshot"]
 

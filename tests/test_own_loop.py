@@ -20,7 +20,6 @@ from raycheck.training.state import copy_state, state_sha256
 from raycheck.storage.units import unit_of
 from raycheck.workers.own_loop import FirstOrderCheckpoints, load_checkpoint
 from raycheck.storage.pointers import POINTER_FILE, pointer
-from raycheck.workers.train_reports import checkpoint_record
 
 
 class Net(torch.nn.Module):
@@ -160,7 +159,6 @@ def test_a_pointer_checkpoint_loads_its_snapshot_and_names_the_newest_once_reten
     newest = sorted((tmp_path / "ray").iterdir())[-1]
     assert load_checkpoint(str(newest), fresh, fresh_opt) == 4
     assert state_sha256(ModelOptimizerState(fresh, fresh_opt).view()) == state_sha256(ref[4])
-    assert checkpoint_record(str(newest)) == {"path": str(newest), "snapshot": str(tmp_path / "ckpt" / newest.name), "step": 4}
     oldest = sorted((tmp_path / "ray").iterdir())[0]  # step 1: deleted by retention (keep 2)
     with pytest.raises(FileNotFoundError, match=rf"step-0000000001-\S+ is not a committed snapshot of {tmp_path / 'ckpt'} "
                                                 rf"\(not in its index\); its newest snapshot is {tmp_path / 'ckpt' / newest.name}$"):

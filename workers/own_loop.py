@@ -425,7 +425,7 @@ class FirstOrderCheckpoints:
         if self.steps is not None:
             self.steps.close()
         if self.reports is not None:
-            self.reports.report(steps_done if steps_done is not None else self._last_steps_done, metrics)
+            self.reports.report(steps_done if steps_done is not None else self._last_steps_done, metrics, final=True)
         return stats
 
     def _checkpoint_trained_state(self, last: int) -> None:

@@ -32,7 +32,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from raycheck.actors.shadow_actor import find_shards
 from raycheck.job.stores import checkpoint_store
-from raycheck.storage.pointers import POINTER_FILE, checkpoint_uri, pointer, read_pointer
+from raycheck.storage.pointers import POINTER_FILE, checkpoint_uri, pointer
 from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
 
 if TYPE_CHECKING:
@@ -56,6 +56,12 @@ class TrainReports:
     """``ray.train.report`` calls of one Ray Train worker, rank 0 attaching the newest committed snapshot
     of ``store`` (a pointer checkpoint) when it was not reported yet.
 
+    Rank 0 lists the store on a background thread every ``refresh_s`` seconds, so a report in the
+    training loop does no storage I/O (an unreachable bucket costs the loop nothing; the failed listing is
+    logged); the last report (``final``) lists it now. A checkpoint is attached only where Ray Train's
+    storage is reachable from this node (its validation marker is there): a local ``storage_path`` on a
+    cluster of several nodes is not, and Ray Train would fail the worker; it is told once.
+
     Args:
         store: the run's snapshot store (its ``list()``: this run's committed snapshots); read by rank 0 only.
         rank: this worker's world rank.
@@ -63,23 +69,42 @@ class TrainReports:
             ``ray.train.get_checkpoint()``), not attached again.
         periodic: reports during training as well as the last one (False: the last one only; ZO replica
             groups, where a worker replaced alone re-executes steps the others reported already).
+        refresh_s: seconds between rank 0's background listings.
     """
 
-    def __init__(self, store: SnapshotStore, rank: int, reported: str | None = None, periodic: bool = True) -> None:
+    def __init__(self, store: SnapshotStore, rank: int, reported: str | None = None, periodic: bool = True,
+                 refresh_s: float = 2.0) -> None:
         self.store, self.rank, self.reported, self.periodic = store, rank, reported, periodic
+        self._latest: SnapshotInfo | None = None
+        self._stop = threading.Event()
+        self.attach = rank == 0 and storage_reachable()
+        if self.attach:
+            threading.Thread(target=self._refresh, args=(refresh_s,), name="raycheck-train-reports", daemon=True).start()
+
+    def _refresh(self, refresh_s: float) -> None:
+        while True:
+            self.newest()
+            if self._stop.wait(refresh_s):
+                return
 
     def newest(self) -> SnapshotInfo | None:
-        """The store's newest committed snapshot of this run (rank 0; None elsewhere or when none)."""
-        if self.rank != 0:
+        """List the store now (rank 0 with a reachable Ray Train storage) and return its newest committed
+        snapshot of this run (None: none, elsewhere, or the listing failed: logged)."""
+        if not self.attach:
             return None
-        own = self.store.list()
-        return own[-1] if own else None
+        try:
+            own = self.store.list()
+        except OSError as exc:
+            log.warning("the snapshots could not be listed for Ray Train's report: %s", exc)
+            return None
+        self._latest = own[-1] if own else None
+        return self._latest
 
     def wait_for(self, step: int, timeout_s: float, poll_s: float = 0.2) -> bool:
         """Rank 0: wait until a snapshot of ``step`` (or later) is committed, at most ``timeout_s`` seconds
         (e.g. the shadow's snapshot of the final step, before the last report). True: it is (True elsewhere)."""
         deadline = time.monotonic() + timeout_s
-        while self.rank == 0:
+        while self.attach:
             newest = self.newest()
             if newest is not None and newest.step >= step:
                 return True
@@ -93,20 +118,16 @@ class TrainReports:
         """While the block runs, a thread reports each new committed snapshot within ``interval_s`` seconds
         (its ``step``: the snapshot's). For a one-worker group whose training runs in another process (a
         warm standby's supervisor, ``workers.standby``; several supervisors are ZO replica groups, which
-        report at the end only): with several ranks the reports would not be in lockstep. A listing that
-        fails is logged and tried again."""
+        report at the end only): with several ranks the reports would not be in lockstep."""
         stop = threading.Event()
 
         def follow() -> None:
             while not stop.wait(interval_s):
-                try:
-                    newest = self.newest()
-                    if newest is not None and newest.folder != self.reported:
-                        self.report(newest.step)
-                except OSError as exc:
-                    log.warning("could not report the newest snapshot to Ray Train: %s", exc)
+                newest = self._latest
+                if newest is not None and newest.folder != self.reported:
+                    self.report(newest.step)
 
-        thread = threading.Thread(target=follow, name="raycheck-train-reports", daemon=True)
+        thread = threading.Thread(target=follow, name="raycheck-train-follow", daemon=True)
         thread.start()
         try:
             yield
@@ -114,18 +135,19 @@ class TrainReports:
             stop.set()
             thread.join()
 
-    def report(self, steps_done: int, metrics: Mapping[str, Any] | None = None) -> str | None:
-        """Report ``metrics`` (plain numbers) with ``step`` (= ``steps_done``) and ``checkpoint_step`` (the
-        newest committed snapshot's step, rank 0); rank 0 attaches that snapshot's pointer when it is new.
-        Every rank must call it at the same steps. Returns the folder attached (None: none).
-
-        Raises:
-            storage.backend.StorageError: rank 0 could not list the store.
-        """
+    def report(self, steps_done: int, metrics: Mapping[str, Any] | None = None, final: bool = False) -> str | None:
+        """Report ``metrics`` (plain numbers) with ``step`` (= ``steps_done``), ``checkpoint_step`` and
+        ``checkpoint_snapshot`` (the newest committed snapshot's step and URI, rank 0: the last background
+        listing's, or with ``final`` a listing now, after which the background one stops); rank 0 attaches
+        that snapshot's pointer when it is new. Every rank must call it at the same steps. Returns the
+        folder attached (None: none)."""
         import ray.train
 
-        newest = self.newest()
-        row = {**dict(metrics or {}), "step": steps_done, "checkpoint_step": newest.step if newest is not None else None}
+        newest = self.newest() if final else self._latest
+        if final:
+            self._stop.set()
+        row = {**dict(metrics or {}), "step": steps_done, "checkpoint_step": newest.step if newest is not None else None,
+               "checkpoint_snapshot": self.store.storage.url(newest.folder) if newest is not None else None}
         if newest is None or newest.folder == self.reported:
             ray.train.report(row)
             return None
@@ -137,17 +159,37 @@ class TrainReports:
         return newest.folder
 
 
-def checkpoint_record(checkpoint: Any) -> dict[str, Any] | None:
-    """A reported checkpoint for a run's summary: ``path`` (its URI in Ray Train's storage), ``snapshot``
-    and ``step`` (the snapshot it points to; None when the pointer cannot be read from here). None for
-    None (no checkpoint was reported)."""
+def storage_reachable() -> bool:
+    """Whether Ray Train's storage is reachable from this worker: its validation marker, which Ray Train's
+    controller wrote, is there (it is not for a local ``storage_path`` on another node, where Ray Train
+    would refuse a checkpoint and fail the worker). Told once when not."""
+    from ray.train.v2._internal.constants import VALIDATE_STORAGE_MARKER_FILENAME  # the marker Ray Train checks itself
+
+    ctx = ray_train_context()
+    if ctx is None:
+        return False
+    sc = ctx.get_storage()
+    try:
+        import pyarrow.fs
+
+        found = sc.storage_filesystem.get_file_info(f"{sc.experiment_fs_path}/{VALIDATE_STORAGE_MARKER_FILENAME}").type == pyarrow.fs.FileType.File
+    except OSError:
+        found = False
+    if not found:
+        log.warning("Ray Train's storage %s is not reachable from this node (a local storage_path on a cluster of several "
+                    "nodes?): its reports carry no checkpoint (the snapshots stay in raycheck's storage); give RunConfig a "
+                    "storage_path every node reaches (s3://...) for Ray Train to list them", sc.experiment_fs_path)
+    return found
+
+
+def checkpoint_record(checkpoint: Any, metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``Result.checkpoint`` for a run's summary: ``path`` (its URI in Ray Train's storage), ``snapshot`` and
+    ``step`` (the snapshot it points to, from the last report's ``metrics``: no file is read). None when no
+    checkpoint was reported."""
     if checkpoint is None:
         return None
-    try:
-        found = read_pointer(checkpoint)
-    except (OSError, ValueError):
-        found = None
-    return {"path": checkpoint_uri(checkpoint), "snapshot": found["snapshot"] if found else None, "step": found.get("step") if found else None}
+    metrics = metrics or {}
+    return {"path": checkpoint_uri(checkpoint), "snapshot": metrics.get("checkpoint_snapshot"), "step": metrics.get("checkpoint_step")}
 
 
 FINAL_SNAPSHOT_WAIT_S = 60.0
@@ -199,4 +241,4 @@ def last_report(cfg: JobConfig, reports: TrainReports, run: RunChannel) -> None:
         if not reports.wait_for(cfg.steps, FINAL_SNAPSHOT_WAIT_S):
             log.warning("the snapshot of step %d was not committed within %.0f s: Ray Train's last checkpoint is an older one",
                         cfg.steps, FINAL_SNAPSHOT_WAIT_S)
-    reports.report(cfg.steps)
+    reports.report(cfg.steps, final=True)
