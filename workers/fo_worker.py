@@ -56,13 +56,12 @@ RECOVERY_FIELDS = ("source", "base_step", "replayed_steps", "load_seconds", "rep
 def run_checkpoints(cfg: JobConfig, trainer: FOTrainer, events: Callable[[str, dict[str, Any]], None]) -> FirstOrderCheckpoints:
     """The run's checkpoints through the public API a user's own loop calls (``workers.own_loop``): the
     run's snapshot store (its identity, retention and writer epoch; FSDP2: its sharded store), ``cfg``'s
-    strategy and settings, Ray Train reports of its committed snapshots (in a Ray Train worker; not with
-    replica groups, whose group restarted alone would miss the lockstep reports: ``workers.train_reports``),
-    preemption notices acted on (``events``: the run's journal), and ``reproducible_init`` (every worker
+    strategy and settings, Ray Train reports of its committed snapshots (in a Ray Train worker:
+    ``workers.train_reports``), preemption notices acted on (``events``: the run's journal), and ``reproducible_init`` (every worker
     loads the same initial weights)."""
     return FirstOrderCheckpoints(trainer.model, trainer.optimizer, checkpoint_store(cfg), strategy=cfg.strategy,
                                  every_steps=cfg.snapshot.every_steps, layerwise=cfg.layerwise, differential=cfg.differential,
-                                 overlapped=cfg.overlapped, report=False if cfg.replica_groups else None, preemption=True, events=events,
+                                 overlapped=cfg.overlapped, preemption=True, events=events,
                                  reproducible_init=True)
 
 

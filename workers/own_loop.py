@@ -270,8 +270,6 @@ class FirstOrderCheckpoints:
                 self.checkpointer.resume(chosen, self.state.view())
             self.restored.update(step=chosen.step, folder=chosen.folder,
                                  unit_steps={u: int(s.get("step", chosen.step)) for u, s in chosen.manifest["units"].items()})
-            if self.reports is not None and ray_ckpt is not None and ray_ckpt.path.rstrip("/").endswith("/" + chosen.folder):
-                self.reports.reported = chosen.folder  # an earlier incarnation reported it
         if self.steps is not None and self.diffs is not None:
             self._replay_records(chosen)
         self._last_steps_done = int(self.restored["step"])

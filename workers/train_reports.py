@@ -65,8 +65,8 @@ class TrainReports:
     Args:
         store: the run's snapshot store (its ``list()``: this run's committed snapshots); read by rank 0 only.
         rank: this worker's world rank.
-        reported: the snapshot folder already reported (e.g. by an earlier incarnation: the folder name of
-            ``ray.train.get_checkpoint()``), not attached again.
+        reported: the snapshot folder already reported, not attached again (default, rank 0: the folder name
+            of ``ray.train.get_checkpoint()``, an earlier incarnation's last report).
         periodic: reports during training as well as the last one (False: the last one only; ZO replica
             groups, where a worker replaced alone re-executes steps the others reported already).
         refresh_s: seconds between rank 0's background listings.
@@ -74,6 +74,11 @@ class TrainReports:
 
     def __init__(self, store: SnapshotStore, rank: int, reported: str | None = None, periodic: bool = True,
                  refresh_s: float = 2.0) -> None:
+        if reported is None and rank == 0:
+            import ray.train
+
+            earlier = ray.train.get_checkpoint()
+            reported = os.path.basename(earlier.path.rstrip("/")) if earlier is not None else None
         self.store, self.rank, self.reported, self.periodic = store, rank, reported, periodic
         self._latest: SnapshotInfo | None = None
         self._stop = threading.Event()
@@ -224,11 +229,7 @@ def train_reports(cfg: JobConfig, rank: int) -> TrainReports | None:
     worker reports once."""
     if ray_train_context() is None:
         return None
-    import ray.train
-
-    reported = ray.train.get_checkpoint() if rank == 0 else None  # an earlier incarnation's last report
-    return TrainReports(checkpoint_store(cfg), rank, os.path.basename(reported.path.rstrip("/")) if reported is not None else None,
-                        periodic=not cfg.replica_groups)
+    return TrainReports(checkpoint_store(cfg), rank, periodic=not cfg.replica_groups)
 
 
 def last_report(cfg: JobConfig, reports: TrainReports, run: RunChannel) -> None:
