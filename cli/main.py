@@ -81,7 +81,7 @@ HELP_ORDER = ("model", "data", "steps", "fail", "verify", "out", "resume", "over
               "fail_schedule", "fail_seed", "settle_failures", "max_shadow_restarts", "max_persister_restarts",
               "max_worker_failures", "max_preemptions", "max_in_process_restarts", "warm_standby", "min_workers", "elastic_resize_interval",
               "snapshot_every", "snapshot_policy", "mtbf", "keep_snapshots", "durability", "storage", "s3_endpoint",
-              "storage_consistency", "persister_priority", "persister_direct_io", "scratch_dir", "cache_dir",
+              "storage_consistency", "ray_train_storage", "persister_priority", "persister_direct_io", "scratch_dir", "cache_dir",
               "shadow_shards", "shadow_threads", "shadow_env", "worker_resource", "shadow_resource", "start_timeout")
 """The order of ``raycheck run --help``'s options (by parameter name), what most runs set first; each option's section
 is its field's (``job.options.Opt.section``) or ``HAND_SECTIONS``'."""
@@ -141,10 +141,10 @@ FIELD_PARAMETERS = {"out_dir": "out", **{path: name for name, (path, _) in RUN_F
 ``layer_threshold``, the names users' scripts use)."""
 RESUME_BUDGETS = ("faults.max_shadow_restarts", "faults.max_persister_restarts", "faults.max_worker_failures", "faults.max_preemptions",
                   "faults.max_in_process_restarts", "placement.worker_resource", "placement.shadow_resource",
-                  "faults.start_timeout_s")
+                  "faults.start_timeout_s", "storage.ray_train")
 """Fields (paths) that ``--resume`` takes from the command line over the run's ``config.json``: restart
-budgets and placement, not part of the trajectory (a run that spent one resumes with a larger one; a
-run resumed on another cluster is placed there)."""
+budgets, placement and Ray Train's storage, not part of the trajectory (a run that spent one resumes
+with a larger one; a run resumed on another cluster is placed there, and reports to a storage there)."""
 
 
 def parameter(path: str) -> str:

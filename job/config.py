@@ -16,7 +16,7 @@ from raycheck.job.options import (absolute, duration_text, endpoint_of, endpoint
                                   shown_newlines, storage_uri, typed_newlines)
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import FULL_STATE, STEP_LOG, RunStrategy
-from raycheck.storage.backend import local_path, node_local
+from raycheck.storage.backend import local_path, node_local, split_uri
 
 FailureTarget = Literal["worker", "shadow", "both", "corrupt", "persister", "storage", "node", "preempt", "preempt-shadow"]
 FailureHow = Literal["exit", "raise", "sigkill", "torn"]
@@ -334,10 +334,22 @@ class StorageConfig:
     """``fenced``: a remote store must honour conditional writes (probed at the start,
     ``Storage.check_conditional_writes``), or the run is refused; ``unfenced``: run on one that does not,
     accepting that a stale writer is no longer fenced off (docs/storage.md)."""
+    ray_train: str = field(default="", metadata=opt('--ray-train-storage', 'Snapshots, step log and storage', metavar='URI', parse=storage_uri,
+            help="Ray Train's storage_path, where it keeps the pointers to the snapshots it lists (Result.checkpoint): "
+            'a path or s3://BUCKET/PREFIX (with --s3-endpoint). Default: <out>/ray_train, the driver\'s disk, which '
+            'workers on other nodes cannot reach: on a cluster, give a bucket. Ray Train itself writes there: an outage '
+            'of it fails the run, one of --storage does not.'))
+    """Ray Train's ``RunConfig.storage_path`` (a path or ``s3://bucket/prefix``, read with ``options``);
+    empty: ``<out_dir>/ray_train``. Ray Train lists the run's snapshots there (``workers.train_reports``):
+    on a cluster of several nodes it must be a URI every node reaches, or the reports carry no checkpoint.
+    Ray Train's controller and workers write there themselves, so an outage of it stops Ray Train (unlike
+    one of ``uri``, which the run outlives): the reason the default is the driver's disk."""
 
     def __post_init__(self) -> None:
         if self.consistency not in STORAGE_CONSISTENCIES:
             raise ValueError(f"storage consistency {self.consistency!r}: choose one of {', '.join(STORAGE_CONSISTENCIES)}")
+        if split_uri(self.ray_train)[0] not in ("file", "s3"):
+            raise ValueError(f"Ray Train's storage {self.ray_train!r}: give a path or s3://BUCKET/PREFIX")
 
     @property
     def remote(self) -> bool:

@@ -67,7 +67,8 @@ from raycheck.orchestrator.shadow_keeper import ShadowFailedError, ShadowKeeper
 from raycheck.orchestrator.stored_config import store_config
 from raycheck.orchestrator.summary import (Collected, failed_summary, mean_step_seconds, placement_record, run_summary, summary_base,
                                            write_metrics)
-from raycheck.orchestrator.trainer import Fit, trainer
+from raycheck.orchestrator.trainer import Fit, ray_train_uri, trainer
+from raycheck.storage.backend import node_local
 from raycheck.storage.steplog import read_header
 from raycheck.training.assets import Assets, read_assets, ship
 from raycheck.training.model import default_cache_dir, is_builtin
@@ -251,6 +252,10 @@ class Controller:
         self.placement = placement = plan_placement(nodes, driver_node_id=driver_id, workers=cfg.workers,
                                                     use_gpu=cfg.device == "cuda", worker_resource=cfg.placement.worker_resource,
                                                     replica_resource=cfg.placement.shadow_resource)
+        if len(nodes) > 1 and node_local(ray_train_uri(cfg)):
+            self.echo(f"[raycheck] Ray Train's storage {ray_train_uri(cfg)} is this machine's disk: workers on the cluster's "
+                      "other nodes report no checkpoint to it (Result.checkpoint stays empty; the snapshots are in the run's "
+                      "storage). Give --ray-train-storage s3://BUCKET/PREFIX for Ray Train to list them")
         wait_for_previous_driver(cfg, echo=self.echo)  # a resume right after its driver died: Ray is removing its actors
         self.journal = start_journal(cfg, claims_in(self.record.events))  # a failure that fired before stays fired
         # start-ups overlap: the persister starts while the log keeper is awaited, the shadow (after the

@@ -9,6 +9,7 @@ import os
 import pathlib
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # what ray.train exports (Ray Train v2)
 from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch exports (Ray Train v2)
@@ -21,6 +22,7 @@ from raycheck.job.names import TRAINER_PREFIX, exchange_name
 from raycheck.orchestrator.cluster import Placement, runtime_env
 from raycheck.orchestrator.group_timeline import GroupTimeline
 from raycheck.orchestrator.replica_groups import ReplicaGroupsConfig
+from raycheck.storage.backend import local_path, pyarrow_filesystem
 from raycheck.training.assets import ASSETS_KEY
 
 
@@ -50,13 +52,30 @@ def trainer(cfg: JobConfig, shipped: dict, placement: Placement, loop: Callable[
                                      label_selector=placement.worker_label_selector),
         run_config=RunConfig(
             name=f"{TRAINER_PREFIX}{cfg.run_id}",
-            storage_path=str(pathlib.Path(cfg.out_dir).resolve() / "ray_train"),  # not the bucket: training outlives its outages
+            **ray_train_storage(cfg),
             failure_config=FailureConfig(max_failures=cfg.faults.max_worker_failures, max_preemption_failures=cfg.faults.max_preemptions),
             worker_runtime_env=runtime_env(),
             # the controller's side of the recovery breakdown; Ray annotates UserCallback, and takes any RayTrainCallback
             callbacks=[GroupTimeline(cfg)],  # type: ignore[list-item]
         ),
     )
+
+
+def ray_train_uri(cfg: JobConfig) -> str:
+    """Ray Train's storage of ``cfg``'s run: ``--ray-train-storage``, else ``<out>/ray_train``."""
+    return cfg.storage.ray_train or str(pathlib.Path(cfg.out_dir).resolve() / "ray_train")
+
+
+def ray_train_storage(cfg: JobConfig) -> dict[str, Any]:
+    """``RunConfig``'s storage arguments for ``cfg``'s run: a local ``storage_path``, or a remote one with
+    its ``storage_filesystem`` (the fsspec filesystem raycheck's storage uses, with ``cfg.storage.options``:
+    the same endpoint and credentials as ``--storage``)."""
+    uri = ray_train_uri(cfg)
+    folder = local_path(uri)
+    if folder is not None:
+        return {"storage_path": str(folder)}
+    fs, path = pyarrow_filesystem(uri, cfg.storage.options)
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
 class Fit:

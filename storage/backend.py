@@ -55,7 +55,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -395,6 +395,17 @@ def _filesystem(protocol: str, options: dict[str, Any], timeout_s: float) -> fss
         return fsspec.filesystem("s3", **{k: v for k, v in opts.items() if v is not None})
     return fsspec.filesystem(protocol, skip_instance_cache=protocol != "memory")
 
+
+
+def pyarrow_filesystem(uri: str, options: Mapping[str, Any], timeout_s: float = 60.0) -> tuple[Any, str]:
+    """``(pyarrow filesystem, path)`` of the remote ``uri`` for a library that takes pyarrow's (Ray Train's
+    ``RunConfig(storage_path=path, storage_filesystem=fs)``): the fsspec filesystem ``Storage`` uses, with
+    ``options`` and the environment's credentials, wrapped (``pyarrow.fs.FSSpecHandler``); reads and
+    writes time out after ``timeout_s`` seconds."""
+    import pyarrow.fs
+
+    scheme, rest = split_uri(uri)
+    return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(_filesystem(scheme, dict(options), timeout_s))), rest
 
 class Storage:
     """A folder of objects at ``uri``. Paths given to methods are relative, ``/``-separated.

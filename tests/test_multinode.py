@@ -162,8 +162,9 @@ def test_a_submitted_job_survives_a_worker_a_shadow_and_rank_0s_node_and_resumes
     wait_until_gone(json.loads((out / "config.json").read_text())["run_id"])
     shutil.rmtree(out)
 
+    ray_train = uri.removesuffix("/run") + "/ray_train"  # Ray Train's storage, in the bucket: every node reaches it
     result = CliRunner().invoke(app, ["run", "--resume", "--verify", "--storage", uri, "--s3-endpoint", s3_endpoint,
-                                      *placement, "--out", str(new)])
+                                      "--ray-train-storage", ray_train, *placement, "--out", str(new)])
     summary = json.loads((new / "summary.json").read_text())
     assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
     assert summary == {**summary, "ok": True, "final_step": 10, "bitwise_equal": True, "shadow_equal": True, "lost_steps": 0}
@@ -175,6 +176,9 @@ def test_a_submitted_job_survives_a_worker_a_shadow_and_rank_0s_node_and_resumes
     assert [names[p["node_id"]] for p in summary["placement"]["persister"]] == ["cpu"]
     assert summary["durability"] == {**summary["durability"], "level": "node", "node_held": True}
     assert [p.name for p in new.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()] == []
+    reported = summary["ray_train_checkpoint"]  # Result.checkpoint: a pointer in the bucket to the final snapshot
+    assert reported == {"path": reported["path"], "snapshot": summary["final_snapshot"], "step": 10}
+    assert reported["path"].startswith(ray_train + "/raycheck-")
 
 
 def ray_job_submit(cluster, *args: str) -> subprocess.CompletedProcess:
@@ -227,15 +231,20 @@ PLACED = ["--worker-resource", "train", "--shadow-resource", "replica", "--start
 
 def preempted_run(three_nodes, s3_endpoint, tmp_path, spare, *args: str) -> tuple[dict, list[dict], dict[str, str]]:
     """Add the ``spare`` node, then a tiny ``raycheck run --verify`` with ``args`` (its preemptions) on the
-    cluster with s3 storage; returns its summary, events and node names by id."""
+    cluster with its snapshots and Ray Train's storage in a bucket; returns its summary, events and node names
+    by id, once its Result.checkpoint is checked: a pointer in the bucket to the final snapshot."""
     three_nodes.add_node(spare)
     names = {three_nodes.node_id(n.name): n.name for n in three_nodes.nodes if three_nodes.processes(n.name)}
-    out = tmp_path / "run"
-    result = run_cli("--steps", "12", "--verify", "--storage", bucket_uri(s3_endpoint), "--s3-endpoint", s3_endpoint,
+    out, uri = tmp_path / "run", bucket_uri(s3_endpoint)
+    ray_train = uri.removesuffix("/run") + "/ray_train"
+    result = run_cli("--steps", "12", "--verify", "--storage", uri, "--s3-endpoint", s3_endpoint, "--ray-train-storage", ray_train,
                      *PLACED, "--out", str(out), *args)
     summary = json.loads((out / "summary.json").read_text())
     assert result.exit_code == 0, (summary.get("error"), result.output[-3000:])
     assert summary == {**summary, "ok": True, "final_step": 12, "bitwise_equal": True, "lost_steps": 0}
+    reported = summary["ray_train_checkpoint"]  # Result.checkpoint: a pointer in the bucket to the final snapshot
+    assert reported == {"path": reported["path"], "snapshot": summary["final_snapshot"], "step": 12}
+    assert reported["path"].startswith(ray_train + "/raycheck-")
     return summary, RunDir.read(out / "events.jsonl"), names
 
 
@@ -335,10 +344,13 @@ def test_a_node_taken_down_is_dead_to_ray_within_seconds(three_nodes):
 def test_your_own_zo_loop_submitted_to_the_cluster_recovers_a_worker_failure_bitwise(three_nodes, s3_endpoint, tmp_path):
     """``examples/own_loop_zo.py`` (your model, loss and loop; ``run_own_loop``) under ``ray job submit``: its
     train worker on the "gpu" node, the shadow and persister on the others, snapshots in a bucket; the
-    worker exits in step 4 and its replacement restores: bitwise equal to the failure-free run."""
+    worker exits in step 4 and its replacement restores: bitwise equal to the failure-free run. Ray Train's
+    storage in a bucket too (``--ray-train-storage``): ``Result.checkpoint`` points to the final snapshot."""
     out, storage = tmp_path / "own-zo", bucket_uri(s3_endpoint)
+    ray_train = storage.removesuffix("/run") + "/ray_train"
     submit = ray_job_submit(three_nodes, "--working-dir", str(REPO), "--", "python", "examples/own_loop_zo.py", "--out", str(out),
-                            "--steps", "10", "--fail-step", "4", "--verify", "--storage", storage, "--s3-endpoint", s3_endpoint)
+                            "--steps", "10", "--fail-step", "4", "--verify", "--storage", storage, "--s3-endpoint", s3_endpoint,
+                            "--ray-train-storage", ray_train)
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary == {**summary, "ok": True, "final_step": 10, "bitwise_equal": True, "lost_steps": 0}
@@ -346,9 +358,12 @@ def test_your_own_zo_loop_submitted_to_the_cluster_recovers_a_worker_failure_bit
     assert recovery["failure_step"] == 4 and recovery["restored_step"] == 4
     head = this_node()["node_id"]
     assert all(w["node_id"] != head for w in summary["placement"]["workers"]) and summary["config"]["model"] == "module:Regressor"
-    # Ray Train's storage is the driver's disk: unreachable from the worker's node, so its reports carry no checkpoint
-    # (Ray Train would fail the worker) and the run goes on; the trained state is the summary's final snapshot
-    assert summary["ray_train_checkpoint"] is None and summary["final_snapshot"].startswith(storage + "/step-0000000010-")
+    # Ray Train's storage is a bucket: Result.checkpoint is a pointer there to the final snapshot, and loads it (the
+    # example exits 1 otherwise)
+    assert summary["final_snapshot"].startswith(storage + "/step-0000000010-")
+    reported = summary["ray_train_checkpoint"]
+    assert reported == {"path": reported["path"], "snapshot": summary["final_snapshot"], "step": 10}
+    assert reported["path"].startswith(ray_train + "/raycheck-") and summary["config"]["storage"]["ray_train"] == ray_train
 
 
 def test_your_own_fo_loop_submitted_to_the_cluster_recovers_a_ddp_worker_failure_bitwise(three_nodes, s3_endpoint, tmp_path):
