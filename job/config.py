@@ -338,7 +338,7 @@ class StorageConfig:
             help="Ray Train's storage_path, where it keeps the pointers to the snapshots it lists (Result.checkpoint): "
             'a path or s3://BUCKET/PREFIX (with --s3-endpoint). Default: <out>/ray_train, the driver\'s disk, which '
             'workers on other nodes cannot reach: on a cluster, give a bucket. Ray Train itself writes there: an outage '
-            'of it fails the run, one of --storage does not.'))
+            'of it can fail the run, one of --storage does not.'))
     """Ray Train's ``RunConfig.storage_path`` (a path or ``s3://bucket/prefix``, read with ``options``);
     empty: ``<out_dir>/ray_train``. Ray Train lists the run's snapshots there (``workers.train_reports``):
     on a cluster of several nodes it must be a URI every node reaches, or the reports carry no checkpoint.
