@@ -191,6 +191,17 @@ def relative_change(current: Mapping[str, np.ndarray], persisted: Mapping[str, n
     Raises:
         ValueError: the two mappings hold different names, or a tensor's shape differs.
     """
+    return change_ratio(*change_sums(current, persisted))
+
+
+def change_sums(current: Mapping[str, np.ndarray], persisted: Mapping[str, np.ndarray]) -> tuple[float, float]:
+    """``(||w - w_persisted||^2, ||w_persisted||^2)`` over all tensors of one unit, accumulated in float64:
+    the parts of ``relative_change`` that add up over row shards (FSDP2: each rank sums its rows,
+    ``training.sharded.ShardedLayerwiseCheckpointer``).
+
+    Raises:
+        ValueError: as ``relative_change``.
+    """
     if set(current) != set(persisted):
         missing = sorted(set(persisted) - set(current))[:3]
         extra = sorted(set(current) - set(persisted))[:3]
@@ -204,6 +215,12 @@ def relative_change(current: Mapping[str, np.ndarray], persisted: Mapping[str, n
         delta = now.astype(np.float64) - then64
         diff_sq += float(np.vdot(delta.ravel(), delta.ravel()))
         base_sq += float(np.vdot(then64.ravel(), then64.ravel()))
+    return diff_sq, base_sq
+
+
+def change_ratio(diff_sq: float, base_sq: float) -> float:
+    """``sqrt(diff_sq) / sqrt(base_sq)`` (``relative_change`` from ``change_sums``); 0 when both are 0,
+    ``inf`` when only ``base_sq`` is."""
     if base_sq == 0.0:
         return 0.0 if diff_sq == 0.0 else math.inf
     return math.sqrt(diff_sq) / math.sqrt(base_sq)

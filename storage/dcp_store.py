@@ -15,6 +15,12 @@ ignores it)::
         .metadata                                 DCP: written by rank 0 once every rank has written
         manifest.json                             ours, written last by rank 0: size and sha256 of each file
 
+A composite (layer-wise) checkpoint writes the tensors of some units only (``storage.units``: a layer, its
+weights and optimizer state together); its manifest's ``layers`` names, for every unit, the folder
+holding that unit's rows and the step they belong to, and its ``units`` list the files of every folder
+it reads from (so retention keeps them). A load reads each folder's units through that folder's DCP
+metadata. A checkpoint without ``layers`` holds every unit itself.
+
 Commit rules (``storage.snapshots``): the files go under a folder unique to the attempt, each one put
 atomically (``Storage.put``: fsynced local files, whole S3 objects); every rank reports the size and
 sha256 of the bytes it wrote; rank 0 writes the manifest, then the index entry: that is the commit.
@@ -43,9 +49,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raycheck.storage.backend import Storage, StorageError
-from raycheck.storage.manifest import folder_step, layout_sha256
-from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.storage.manifest import FOLDER, folder_step, layout_sha256
+from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore, layers_of
 from raycheck.storage.tensor_files import as_numpy
+from raycheck.storage.units import group_by_unit, unit_of
 
 SUBFOLDER = "sharded"
 FORMAT = "raycheck-dcp-1"
@@ -133,13 +140,25 @@ def _folder_problems(manifest: object, folder: str) -> list[str]:
     if manifest["format_version"] != FORMAT:
         return [f"format {manifest['format_version']!r}, expected {FORMAT}"]
     problems = [] if manifest["step"] == folder_step(folder) else [f"step {manifest['step']!r} differs from the folder's"]
-    units = manifest["units"]
-    if not isinstance(units, dict) or f"{folder}/{DCP_METADATA}" not in [u.get("path") for u in units.values() if isinstance(u, dict)]:
-        return problems + [f"no {DCP_METADATA} among its files"]
-    for name, spec in units.items():
-        if not (isinstance(spec, dict) and spec.get("path") == f"{folder}/{name}" and isinstance(spec.get("bytes"), int)
-                and isinstance(spec.get("sha256"), str) and len(spec["sha256"]) == 64):
-            problems.append(f"file {name!r}: needs path {folder}/{name}, bytes and sha256")
+    units, layers = manifest["units"], manifest.get("layers")
+    if not isinstance(units, dict):
+        return problems + ["units is not a mapping"]
+    sources = {folder}
+    if layers is not None:
+        if not (isinstance(layers, dict) and layers and all(
+                isinstance(s, dict) and isinstance(s.get("step"), int) and s["step"] <= manifest["step"]
+                and isinstance(s.get("folder"), str) and FOLDER.match(s["folder"]) for s in layers.values())):
+            return problems + ["layers: needs unit -> {step (at most the checkpoint's), folder}"]
+        sources = {s["folder"] for s in layers.values()}
+    paths = [u.get("path") for u in units.values() if isinstance(u, dict)]
+    for source in sorted(sources):
+        if f"{source}/{DCP_METADATA}" not in paths:
+            problems.append(f"no {source}/{DCP_METADATA} among its files")
+    for name, spec in units.items():  # its own files by name, the files of the folders it reads from by path
+        own = f"{folder}/{name}"
+        if not (isinstance(spec, dict) and spec.get("path") in (own, name) and str(spec["path"]).split("/")[0] in sources | {folder}
+                and isinstance(spec.get("bytes"), int) and isinstance(spec.get("sha256"), str) and len(spec["sha256"]) == 64):
+            problems.append(f"file {name!r}: needs path {own} (or a path in a folder of its layers), bytes and sha256")
     return problems
 
 
@@ -178,26 +197,37 @@ class ShardedStore(SnapshotStore):
         return _folder_problems(manifest, folder)
 
     def save(self, step: int, state: Mapping[str, torch.Tensor], config: Mapping[str, Any] | None = None,
-             group: dist.ProcessGroup | None = None) -> Saved:
-        """Write ``state`` (name -> tensor or DTensor) as the checkpoint of step ``step`` and commit it.
+             group: dist.ProcessGroup | None = None, layout: list[list[Any]] | None = None) -> Saved:
+        """Write ``state`` (name -> tensor or DTensor) as the checkpoint of step ``step`` and commit it. With
+        ``layout`` (``global_layout`` of the whole state), ``state`` holds whole units of it only (possibly
+        none) and the checkpoint is a composite: every other unit is read from where the newest committed
+        checkpoint has it (LayerCheck, arXiv 2026: persist only the units whose update passed a threshold).
 
         Returns ``Saved``: the committed ``SnapshotInfo`` on rank 0 (of ``group``), and this rank's bytes.
 
         Raises:
+            ValueError: (every rank) ``state`` holds part of a unit or names outside ``layout``; a unit not in
+                ``state`` has no committed version of this layout to read from; nothing is written.
             storage.backend.StorageError: a rank's put failed (on every rank, naming the first failure);
                 nothing is committed. FencedError: a newer incarnation owns the run (rank 0).
         """
         rank = dist.get_rank(group)
-        box = [self._attempt_folder(step) if rank == 0 else None]
+        box: list[Any] = [None, None]  # the attempt's folder, or why there is none; rank 0's plan of the composite
+        if rank == 0:
+            try:
+                box = [self._attempt_folder(step), self._composite(step, state, layout) if layout is not None else None]
+            except ValueError as exc:
+                box = [None, str(exc)]
         dist.broadcast_object_list(box, group=group, group_src=0)
-        folder = box[0]
+        folder, plan = box
         if folder is None:
-            raise RuntimeError(f"rank {rank}: rank 0 broadcast no checkpoint folder for step {step}")
+            raise ValueError(plan) if plan else RuntimeError(f"rank {rank}: rank 0 broadcast no checkpoint folder for step {step}")
         writer = FileSystemWriter(folder, sync_files=False)  # Storage.put syncs; DCP's fsync would sync the machine
         fs = _StorageFS(self.storage)
         writer.fs = fs  # type: ignore[assignment]  # torch types fs as its FileSystem; any FileSystemBase is supported
         try:
-            dcp.save(dict(state), storage_writer=writer, process_group=group)
+            if state:
+                dcp.save(dict(state), storage_writer=writer, process_group=group)
         except CheckpointException as exc:
             raise StorageError(f"sharded checkpoint of step {step} in {self.storage.url(folder)} not written, nothing committed "
                                f"(the previous one stays the newest): {_first_failure(exc)}") from exc
@@ -209,8 +239,43 @@ class ShardedStore(SnapshotStore):
         units = {p.split("/", 1)[1]: {"path": p, "bytes": n, "sha256": sha} for w in files for p, (n, sha) in w.items()}
         manifest = {"format_version": FORMAT, "step": step, "created_unix_s": time.time(),
                     "run": self.identity.as_dict() if self.identity is not None else None, "config": dict(config or {}),
-                    "world_size": len(files), "layout_sha256": layout_sha256(global_layout(state)), "units": units}
+                    "world_size": len(files), "layout_sha256": layout_sha256(layout if layout is not None else global_layout(state)),
+                    "units": units, "names": [n for n, _, _ in layout] if layout is not None else list(state)}
+        if plan is not None:
+            manifest.update(units={**units, **plan["files"]},
+                            layers={u: {"step": step, "folder": folder} if u in plan["written"] else plan["layers"][u]
+                                    for u in group_by_unit(n for n, _, _ in layout or ())})
         return Saved(self._commit_manifest(folder, manifest), rank_bytes)
+
+    def _composite(self, step: int, state: Mapping[str, torch.Tensor], layout: list[list[Any]]) -> dict[str, Any]:
+        """Rank 0's plan of a composite: ``written`` (the units of ``state``), ``layers`` (unit -> where the
+        newest committed checkpoint has it, for the others) and ``files`` (the files of those folders).
+
+        Raises:
+            ValueError: as ``save``.
+        """
+        units, written = group_by_unit(n for n, _, _ in layout), group_by_unit(state)
+        problems = [f"unit {u}: got tensors {ns[:3]}, the layout has {units.get(u, [])[:3]}" for u, ns in written.items() if ns != units.get(u)]
+        others = [u for u in units if u not in written]
+        base = next((i for i in reversed(self.list()) if i.manifest["layout_sha256"] == layout_sha256(layout)), None) if others else None
+        if base is not None and base.step > step:
+            problems.append(f"step {step} is older than the newest committed checkpoint (step {base.step})")
+        layers = {u: s for u, s in (layers_of(base) if base is not None else {}).items() if u in others}
+        problems += [f"unit {u} is not in the new tensors and has no committed version to read from" for u in others if u not in layers]
+        if problems:
+            raise ValueError(f"cannot write the composite checkpoint of step {step}: {'; '.join(problems)}")
+        sources = {s["folder"] for s in layers.values()}
+        files = {spec["path"]: spec for spec in (base.manifest["units"].values() if base is not None else ())
+                 if spec["path"].split("/")[0] in sources}
+        return {"written": list(written), "layers": layers, "files": files}
+
+    def _sources(self, info: SnapshotInfo, names: list[str]) -> dict[str, list[str]]:
+        """Folder -> the tensors of ``names`` checkpoint ``info`` reads from it."""
+        layers = info.manifest.get("layers")
+        by_folder: dict[str, list[str]] = {}
+        for name in names:
+            by_folder.setdefault(layers[unit_of(name)]["folder"] if layers else info.folder, []).append(name)
+        return by_folder
 
     def restore(self, state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> tuple[SnapshotInfo, list[str]]:
         """Load the newest committed checkpoint of ``state``'s global layout into ``state`` in place, at
@@ -258,19 +323,21 @@ class ShardedStore(SnapshotStore):
         problems = [p for ps in per_rank for p in ps]
         if problems:
             return problems
-        reader = self._reader(info)
         try:
             with warnings.catch_warnings():  # without torch.distributed DCP warns that it loads in one process: the intent
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(dict(state), storage_reader=reader, process_group=group if distributed else None, no_dist=not distributed)
+                for folder, names in self._sources(info, list(state)).items():  # a composite: each folder's units
+                    dcp.load({n: state[n] for n in names}, storage_reader=self._reader(info, folder),
+                             process_group=group if distributed else None, no_dist=not distributed)
         except CheckpointException as exc:  # the files verified a moment ago: changed since, or another layout
             raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()} failed to load after "
                                        f"its files verified (the state is partly overwritten; restart the workers): "
                                        f"{_first_failure(exc)}") from exc
         return []
 
-    def _reader(self, info: SnapshotInfo) -> FileSystemReader:
-        reader = FileSystemReader(info.folder)
+    def _reader(self, info: SnapshotInfo, folder: str) -> FileSystemReader:
+        """DCP's reader of ``folder`` (``info``'s own or one its layers read from), verifying each file."""
+        reader = FileSystemReader(folder)
         reader.fs = _StorageFS(self.storage, {u["path"]: u for u in info.manifest["units"].values()})  # type: ignore[assignment]  # as in save
         return reader
 
@@ -280,12 +347,16 @@ class ShardedStore(SnapshotStore):
         Raises:
             SnapshotCorruptError: the metadata file is missing or altered.
         """
-        problems = self.verify_units(info, [u for u in info.manifest["units"] if u.endswith(".metadata")])
+        problems = self.verify_units(info, [u for u in info.manifest["units"] if u.endswith(DCP_METADATA)])
         if problems:
             raise SnapshotCorruptError(f"sharded checkpoint {info.folder} in {self.storage.url()}: {'; '.join(problems)}")
-        metadata = self._reader(info).read_metadata()
-        return {name: (m.properties.dtype, tuple(m.size)) for name, m in metadata.state_dict_metadata.items()
-                if isinstance(m, TensorStorageMetadata)}
+        layers = info.manifest.get("layers")
+        found: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for folder in dict.fromkeys(s["folder"] for s in layers.values()) if layers else [info.folder]:
+            metadata = self._reader(info, folder).read_metadata()
+            found.update({name: (m.properties.dtype, tuple(m.size)) for name, m in metadata.state_dict_metadata.items()
+                          if isinstance(m, TensorStorageMetadata) and (not layers or layers.get(unit_of(name), {}).get("folder") == folder)})
+        return {n: found[n] for n in info.manifest.get("names", found) if n in found}
 
     def load(self, info: SnapshotInfo, units: list[str] | None = None) -> dict[str, np.ndarray]:
         """The whole state of checkpoint ``info``, every tensor gathered from the ranks' rows (DCP reads

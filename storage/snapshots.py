@@ -651,6 +651,23 @@ class SnapshotStore:
         raise NoSnapshotError(f"no loadable snapshot in {self.storage.url()}; tried: {tried or 'none found'}")
 
 
+def unit_steps(info: SnapshotInfo) -> dict[str, int]:
+    """Unit -> the step its tensors belong to in snapshot ``info`` (a composite's units differ): its
+    manifest's ``units`` (safetensors shards), or ``layers`` (a sharded checkpoint's, ``storage.dcp_store``;
+    one that records none: every unit of its ``names`` at its step)."""
+    if info.manifest.get("format_version") == FORMAT_VERSION:
+        return {u: int(s.get("step", info.step)) for u, s in info.manifest["units"].items()}
+    return {u: int(s["step"]) for u, s in layers_of(info).items()}
+
+
+def layers_of(info: SnapshotInfo) -> dict[str, dict[str, Any]]:
+    """Unit -> ``{"step", "folder"}`` of a sharded checkpoint (``storage.dcp_store``): where it has each
+    unit's rows and the step they belong to (one that is not a composite: its own folder and step, for the
+    units of its ``names``; empty when it records none)."""
+    return info.manifest.get("layers") or {u: {"step": info.step, "folder": info.folder}
+                                           for u in group_by_unit(info.manifest.get("names", ()))}
+
+
 class Loaded(NamedTuple):
     """A loaded snapshot, and the newer ones that were skipped (with the reason)."""
 

@@ -3,7 +3,13 @@ with ``fully_shard``), without Ray: 2 gloo ranks (``torch.multiprocessing``), yo
 sharded checkpoints in a local store. A crash after step 5 (checkpoints every 3 steps: the newest is
 step 3's), a restart in the same processes restores it and trains on to step 8: bitwise the run that was
 not interrupted (sha256 of every tensor, re-gathered). The final snapshot loads in one call into the
-model unsharded, in a process without torch.distributed (DCP reshards): bitwise that state."""
+model unsharded, in a process without torch.distributed (DCP reshards): bitwise that state.
+
+Layer-wise (``training.sharded.ShardedLayerwiseCheckpointer``): with threshold 0 the same crash and
+restart is bitwise the uninterrupted run; with a byte budget per check that fits one layer, the check of
+step 6 rewrites some units and the composite reads the others from step 3's checkpoint: a restore loads
+each unit (weights and AdamW moments) bitwise as it was at the step the composite records for it, in the
+FSDP2 ranks and unsharded in one process."""
 
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from conftest import free_port
+from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.storage.dcp_store import ShardedStore
+from raycheck.storage.units import group_by_unit
 from raycheck.storage.pointers import POINTER_FILE, pointer
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError
 from raycheck.training.sharded import full_state
@@ -55,12 +63,47 @@ def state_of(model: Net, opt: torch.optim.Optimizer) -> str:
     return state_sha256(full_state(ModelOptimizerState(model, opt).view()))
 
 
+def unit_hashes(model: Net, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """sha256 of each unit's tensors (weights and AdamW state, re-gathered: a collective)."""
+    full = full_state(ModelOptimizerState(model, opt).view())
+    return {u: state_sha256({n: full[n] for n in names}) for u, names in group_by_unit(full).items()}
+
+
+def layerwise(rank: int, world: int, root: str, policy: LayerwiseConfig, crash_after: int, keep: int = 3) -> dict:
+    """A layer-wise run that crashes after ``crash_after`` steps (its writes done), restarts, restores and
+    trains on to ``STEPS``: what it restored (step, each unit's step and hash; and the hashes of the
+    same checkpoint loaded into the model unsharded) and the final state."""
+    def checkpoints(model: Net, opt: torch.optim.Optimizer) -> FirstOrderCheckpoints:
+        return FirstOrderCheckpoints(model, opt, root, strategy="layerwise", every_steps=EVERY, layerwise=policy, report=False,
+                                     preemption=False, keep=keep)
+
+    model, opt = sharded(rank, world)
+    ckpt = checkpoints(model, opt)
+    ckpt.restore()
+    train(model, opt, 0, crash_after, rank, world, ckpt)
+    ckpt.flush()
+    model, opt = sharded(rank, world)  # the restart
+    ckpt = checkpoints(model, opt)
+    out = {"restored": ckpt.restore(), "unit_steps": ckpt.restored["unit_steps"], "units": unit_hashes(model, opt),
+           "folder": ckpt.restored["folder"]}
+    plain, plain_opt = make()
+    load_checkpoint(f"{root}/sharded/{out['folder']}", plain, plain_opt)  # in one process, whole tensors
+    full = ModelOptimizerState(plain, plain_opt).view()
+    out["unsharded_units"] = {u: state_sha256({n: full[n] for n in names}) for u, names in group_by_unit(full).items()}
+    train(model, opt, out["restored"], STEPS, rank, world, ckpt)
+    out.update(closed=ckpt.close(), final=state_of(model, opt))
+    return out
+
+
 def _rank_main(rank: int, world: int, port: int, root: str, result: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict = {}
     model, opt = sharded(rank, world)
-    train(model, opt, 0, STEPS, rank, world)
+    out["units_at"] = {}
+    for start, stop in ((0, EVERY), (EVERY, 2 * EVERY), (2 * EVERY, STEPS)):
+        train(model, opt, start, stop, rank, world)
+        out["units_at"][stop] = unit_hashes(model, opt)
     out["reference"] = state_of(model, opt)
 
     model, opt = sharded(rank, world)  # the first incarnation: crashes after step 5 (its writes done, never closed)
@@ -77,9 +120,12 @@ def _rank_main(rank: int, world: int, port: int, root: str, result: str) -> None
     out["closed"] = ckpt.close()
     out["final"] = state_of(model, opt)
     try:
-        FirstOrderCheckpoints(model, opt, root, strategy="layerwise", report=False, preemption=False)
+        FirstOrderCheckpoints(model, opt, root, strategy="differential", report=False, preemption=False)
     except ValueError as exc:
-        out["layerwise"] = str(exc)
+        out["differential"] = str(exc)
+    out["exact"] = layerwise(rank, world, f"{root}-exact", LayerwiseConfig(threshold=0.0), CRASH_AFTER)
+    out["budget"] = layerwise(rank, world, f"{root}-budget", LayerwiseConfig(threshold=0.0, max_bytes_per_check=4000), 2 * EVERY + 1,
+                              keep=1)
     if rank == 0:
         torch.save(out, result)
     dist.destroy_process_group()
@@ -99,8 +145,29 @@ def test_your_fsdp2_loop_restores_its_sharded_checkpoint_and_continues_bitwise(r
     assert out["final"] == out["reference"] and out["restored_state"] != out["reference"]
     assert out["closed"]["newest"].startswith("step-0000000008-") and out["closed"]["storage"] == str(root)
     assert [i.step for i in ShardedStore(str(root)).list()] == [3, 6, 8]
-    assert out["layerwise"] == ("FSDP2 (DTensor parameters): strategy full-sync or full-async with storage as a path, URI or "
-                                "ShardedStore (sharded checkpoints, every rank writes its rows); got layerwise")
+    assert out["differential"] == ("FSDP2 (DTensor parameters): strategy full-sync or full-async or layerwise with storage as a "
+                                   "path, URI or ShardedStore (sharded checkpoints, every rank writes its rows); got differential")
+
+
+def test_your_fsdp2_loop_layerwise_at_threshold_0_restores_and_continues_bitwise(ran):
+    _, out = ran
+    exact = out["exact"]
+    assert exact["restored"] == EVERY and set(exact["unit_steps"].values()) == {EVERY}
+    assert exact["units"] == out["units_at"][EVERY] and exact["final"] == out["reference"]
+
+
+def test_a_sharded_layerwise_composite_restores_each_unit_bitwise_as_of_its_own_step(ran):
+    """The budget fits one layer per check: the composite of step 6 mixes units of steps 3 and 6 (the
+    parameter groups, unchanged, stay at 3), each loaded bitwise as it was then: in the FSDP2 ranks, and
+    into the model unsharded. With ``keep`` 1, step 3's checkpoint left the index but its files stayed,
+    since the composite reads them; the newest composite (step 8) still reads older folders."""
+    root, out = ran
+    budget = out["budget"]
+    steps = budget["unit_steps"]
+    assert budget["restored"] == 2 * EVERY and set(steps.values()) == {EVERY, 2 * EVERY} and steps["param_groups.0"] == EVERY
+    assert budget["units"] == budget["unsharded_units"] == {u: out["units_at"][s][u] for u, s in steps.items()}
+    [newest] = ShardedStore(f"{root}-budget").list()
+    assert newest.step == STEPS and {s["folder"] for s in newest.manifest["layers"].values()} != {newest.folder}
 
 
 def test_the_final_sharded_snapshot_loads_into_the_model_unsharded_in_one_call(ran, tmp_path):

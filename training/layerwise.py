@@ -46,7 +46,7 @@ import torch
 from raycheck.policies.interval import SnapshotSchedule
 from raycheck.policies.layerwise import LayerwiseConfig, Reason, UnitStatus, relative_change, select_units
 from raycheck.storage.background import BackgroundWriter, Postponements
-from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
+from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore, unit_steps
 from raycheck.storage.tensor_files import as_numpy
 from raycheck.storage.units import group_by_unit, parameter_of
 from raycheck.training.checkpointing import just_in_time
@@ -99,11 +99,12 @@ class LayerwiseCheckpointer:
         weights of ``state`` (the state just loaded from ``info``), so no unit is rewritten needlessly;
         a unit the snapshot lacks (e.g. the parameter groups of a state merged from checkpoints without
         them) counts as never persisted, so the next check writes it. Call before the first ``after_step``."""
+        steps = unit_steps(info)
         for unit, names in group_by_unit(state).items():
-            if unit not in info.manifest["units"]:
+            if unit not in steps:
                 continue
             weights = {n: np.array(as_numpy(state[n]), copy=True) for n in names if parameter_of(n) is None}
-            self._persisted[unit] = (int(info.manifest["units"][unit]["step"]), weights)
+            self._persisted[unit] = (steps[unit], weights)
 
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
         """At a check, stage a copy of the state into a free buffer set and queue the check; with no
@@ -172,23 +173,32 @@ class LayerwiseCheckpointer:
         change = relative_change({n: staged[n] for n in weights}, weights)
         return UnitStatus(unit=unit, relative_change=change, staleness_steps=step - persisted_step, bytes=size)
 
+    def _statuses(self, step: int, layout: Mapping[str, list[str]], staged: Mapping[str, np.ndarray]) -> list[UnitStatus]:
+        """Each unit's change, staleness and size at the check of ``step``."""
+        return [self._status(step, u, ns, staged) for u, ns in layout.items()]
+
+    def _write(self, step: int, units: tuple[str, ...], layout: Mapping[str, list[str]], staged: dict[str, np.ndarray]) -> tuple[list[str], int]:
+        """Commit the composite of ``step`` rewriting ``units``; returns the units written (with any whose
+        committed shard failed verification) and the bytes written."""
+        changed = {n: staged[n] for u in units for n in layout[u]}
+        info = self.store.write_units(step, changed, list(staged), config=self.config, full_state=staged)
+        return [u for u, spec in info.manifest["units"].items() if spec["path"].startswith(info.folder + "/")], info.own_bytes
+
     def _check(self, step: int, staged: dict[str, np.ndarray], just_in_time: bool) -> None:
         """On the writer thread: select the units (``policies.layerwise.select_units``), commit them."""
         layout = group_by_unit(staged)
-        decision = select_units(self.policy, [self._status(step, u, ns, staged) for u, ns in layout.items()], just_in_time)
+        decision = select_units(self.policy, self._statuses(step, layout, staged), just_in_time)
         for s in decision.selected:
             self.reasons[s.reason.value] = self.reasons.get(s.reason.value, 0) + 1
         t0 = time.perf_counter()
-        changed = {n: staged[n] for u in decision.units for n in layout[u]}
-        info = self.store.write_units(step, changed, list(staged), config=self.config, full_state=staged)
+        written, written_bytes = self._write(step, decision.units, layout, staged)
         self.write_seconds.append(time.perf_counter() - t0)
-        written = [u for u, spec in info.manifest["units"].items() if spec["path"].startswith(info.folder + "/")]
         for unit in written:  # the selected units, and any whose committed shard failed verification
             kept = self._persisted.get(unit, (step, {}))[1]  # copied: the staged buffers are reused
             self._persisted[unit] = (step, copy_into(kept, {n: staged[n] for n in layout[unit] if parameter_of(n) is None}))
             self.units_written[unit] = self.units_written.get(unit, 0) + 1
         self.checks += 1
-        self.bytes += info.own_bytes
+        self.bytes += written_bytes
         self.last_step = step
 
     @property

@@ -24,6 +24,7 @@ so the trajectories drift apart by rounding (the reference of such a run is a ru
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -34,8 +35,14 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from raycheck.storage.dcp_store import ShardedStore
+from raycheck.policies.layerwise import LayerwiseConfig, UnitStatus, change_ratio, change_sums
+from raycheck.storage.dcp_store import ShardedStore, global_layout
+from raycheck.storage.snapshots import SnapshotInfo
 from raycheck.training.checkpointing import FullCheckpointer
+from raycheck.training.layerwise import LayerwiseCheckpointer
+
+STAGING_WAIT_S = 600.0
+"""How long a check of ``ShardedLayerwiseCheckpointer`` waits for a free staging set (seconds)."""
 
 if TYPE_CHECKING:
     from raycheck.training.data import PromptEncoder, Split
@@ -115,12 +122,18 @@ class ShardedWriter:
         self.store, self.live, self.group = store, live, group
 
     def write(self, step: int, staged: Mapping[str, np.ndarray], config: Mapping[str, Any] | None = None) -> Written:
-        state: dict[str, torch.Tensor] = {}
-        for name, array in staged.items():
-            local, like = torch.from_numpy(array), self.live[name]
-            state[name] = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                                             shape=like.shape, stride=like.stride()) if isinstance(like, DTensor) else local
-        return Written(step, self.store.save(step, state, config, self.group).rank_bytes)
+        return Written(step, self.store.save(step, as_dtensors(staged, self.live), config, self.group).rank_bytes)
+
+
+def as_dtensors(staged: Mapping[str, np.ndarray], live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's staged rows (``local_view``'s copy) as DTensors of ``live``'s sharding (mesh, placements,
+    global shape); a tensor that is not a DTensor in ``live`` stays plain. Shares the staged memory."""
+    state: dict[str, torch.Tensor] = {}
+    for name, array in staged.items():
+        local, like = torch.from_numpy(array), live[name]
+        state[name] = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                         shape=like.shape, stride=like.stride()) if isinstance(like, DTensor) else local
+    return state
 
 
 class ShardedCheckpointer(FullCheckpointer):
@@ -133,3 +146,65 @@ class ShardedCheckpointer(FullCheckpointer):
 
     def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
         return super().save_now(steps_done, lambda: local_view(state()), timeout_s)
+
+
+class ShardedLayerwiseCheckpointer(LayerwiseCheckpointer):
+    """``LayerwiseCheckpointer`` on every rank under FSDP2 (LayerCheck, arXiv 2026, over row shards).
+
+    Each rank stages its rows (``local_view``). At a check every rank sums, for each unit, the squared
+    change of its rows since the unit's persisted version and their squared norm
+    (``policies.layerwise.change_sums``); one ``all_gather_object`` over ``group`` gives every rank all
+    the sums, added up in rank order, so every rank computes the same relative changes and, since
+    ``select_units`` is pure, the same selection. The ranks then write the selected units' rows as a
+    composite sharded checkpoint (``ShardedStore.save`` with the whole ``layout``): the other units are
+    read from the folders of the newest committed one. Checks are collectives, so a rank never postpones
+    one: with no free staging set, ``after_step`` waits for one (the base class postpones instead).
+    A referenced checkpoint is verified when a restore reads it, not before the composite is committed
+    (a restore that finds it damaged falls back to an older checkpoint).
+
+    Args:
+        store: the run's sharded checkpoints.
+        live: the live state (name -> DTensor or tensor, its global layout), for the sharding.
+        group: ``checkpoint_group()``.
+        every, policy, config, max_pending: as ``LayerwiseCheckpointer``.
+    """
+
+    def __init__(self, store: ShardedStore, live: Mapping[str, torch.Tensor], group: dist.ProcessGroup, every: int,
+                 policy: LayerwiseConfig, config: Mapping[str, Any] | None = None, max_pending: int = 2) -> None:
+        super().__init__(store, every, policy, config, max_pending)
+        self.sharded, self.live, self.group = store, live, group
+        self.layout = global_layout(live)
+
+    def resume(self, info: SnapshotInfo, state: Mapping[str, torch.Tensor | np.ndarray]) -> None:
+        super().resume(info, local_view(cast(Mapping[str, torch.Tensor], state)))
+
+    def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
+        self._state, self._last_step_seen = state, steps_done
+        if not self.schedule.due(steps_done):
+            return 0.0
+        t0 = time.perf_counter()
+        buffers = self._pool.take(STAGING_WAIT_S)  # every rank checks at the same steps: wait, never postpone
+        if buffers is None:
+            raise TimeoutError(f"no staging buffer set came free within {STAGING_WAIT_S} s for the check at step {steps_done}")
+        self._stage(steps_done, buffers, lambda: local_view(state()))
+        return time.perf_counter() - t0
+
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        return super().save_now(steps_done, lambda: local_view(state()), timeout_s)
+
+    def _statuses(self, step: int, layout: Mapping[str, list[str]], staged: Mapping[str, np.ndarray]) -> list[UnitStatus]:
+        mine = [(*(change_sums({n: staged[n] for n in self._persisted[u][1]}, self._persisted[u][1]) if u in self._persisted
+                   else (0.0, 0.0)), sum(staged[n].nbytes for n in names)) for u, names in layout.items()]
+        every: list[list[tuple[float, float, int]]] = [[]] * dist.get_world_size(self.group)  # all_gather_object fills each
+        dist.all_gather_object(every, mine, group=self.group)
+        statuses = []
+        for i, unit in enumerate(layout):
+            diff_sq, base_sq, size = (sum(rank[i][k] for rank in every) for k in range(3))
+            persisted = self._persisted.get(unit)
+            statuses.append(UnitStatus(unit=unit, relative_change=change_ratio(diff_sq, base_sq) if persisted else 0.0,
+                                       staleness_steps=step - persisted[0] if persisted else None, bytes=int(size)))
+        return statuses
+
+    def _write(self, step: int, units: tuple[str, ...], layout: Mapping[str, list[str]], staged: dict[str, np.ndarray]) -> tuple[list[str], int]:
+        changed = as_dtensors({n: staged[n] for u in units for n in layout[u]}, self.live)
+        return list(units), self.sharded.save(step, changed, self.config, self.group, layout=self.layout).rank_bytes

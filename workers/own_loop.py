@@ -60,7 +60,7 @@ from raycheck.storage.backend import Storage
 from raycheck.storage.diffs import DiffStore
 from raycheck.storage.manifest import RunIdentity, folder_step, layout_sha256, manifest_layout
 from raycheck.storage.dcp_store import ShardedStore, global_layout
-from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore
+from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore, unit_steps
 from raycheck.storage.tensor_files import to_tensor
 from raycheck.storage.units import GROUP_PREFIX, OPTIMIZER_PREFIX
 from raycheck.training.checkpointing import FullCheckpointer
@@ -69,7 +69,7 @@ from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, set_group_values, unwrap
 from raycheck.training.optim_steps import OptimizerSteps, clone_optimizer
 from raycheck.training.overlapped import OverlappedCheckpointer
-from raycheck.training.sharded import ShardedCheckpointer, ShardedWriter, checkpoint_group
+from raycheck.training.sharded import ShardedCheckpointer, ShardedLayerwiseCheckpointer, ShardedWriter, checkpoint_group
 from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 from raycheck.storage.pointers import committed_snapshot
 from raycheck.workers.train_reports import TrainReports, ray_train_context
@@ -77,12 +77,12 @@ from raycheck.workers.train_reports import TrainReports, ray_train_context
 log = logging.getLogger(__name__)
 
 OwnCheckpointer = FullCheckpointer | LayerwiseCheckpointer | DiffCheckpointer | OverlappedCheckpointer
-"""Rank 0's checkpointer, by strategy (FSDP2: ``training.sharded.ShardedCheckpointer``, a ``FullCheckpointer``, on every rank)."""
+"""Rank 0's checkpointer, by strategy (FSDP2: ``training.sharded.ShardedCheckpointer`` or ``ShardedLayerwiseCheckpointer``, on every rank)."""
 
-SHARDED_STRATEGIES = (RunStrategy.FULL_SYNC.value, RunStrategy.FULL_ASYNC.value)
+SHARDED_STRATEGIES = (RunStrategy.FULL_SYNC.value, RunStrategy.FULL_ASYNC.value, RunStrategy.LAYERWISE.value)
 """The strategies of a model sharded by FSDP2 (``fully_shard``: DTensor parameters): sharded checkpoints,
-every rank writing its rows (``storage.dcp_store``); layerwise, differential and overlapped measure or
-record whole tensors (as ``raycheck run --fo-parallelism fsdp2``)."""
+every rank writing its rows (``storage.dcp_store``; layer-wise: ``training.sharded.ShardedLayerwiseCheckpointer``,
+composites of sharded checkpoints); differential and overlapped record or catch up whole tensors."""
 
 STRATEGIES = tuple(s.value for s in RunStrategy if s not in STEP_LOG)
 """The strategies a user's loop can checkpoint with (all of ``raycheck run``'s first-order ones)."""
@@ -225,8 +225,11 @@ class FirstOrderCheckpoints:
     def _checkpointer(self, layerwise: LayerwiseConfig, overlapped: OverlappedConfig, config: dict[str, Any]) -> OwnCheckpointer:
         """Rank 0's checkpointer for the strategy (FSDP2: every rank's)."""
         if self.group is not None:
-            writer = ShardedWriter(cast(ShardedStore, self.store), self.state.view(), self.group)
-            return ShardedCheckpointer(writer, self.every_steps, self.strategy == RunStrategy.FULL_ASYNC, {**config, "fsdp2": True})
+            store, config = cast(ShardedStore, self.store), {**config, "fsdp2": True}
+            if self.strategy == RunStrategy.LAYERWISE:
+                return ShardedLayerwiseCheckpointer(store, self.state.view(), self.group, self.every_steps, layerwise, config)
+            return ShardedCheckpointer(ShardedWriter(store, self.state.view(), self.group), self.every_steps,
+                                       self.strategy == RunStrategy.FULL_ASYNC, config)
         if self.strategy == RunStrategy.LAYERWISE:
             return LayerwiseCheckpointer(self.store, self.every_steps, layerwise, config)
         if self.strategy == RunStrategy.DIFFERENTIAL:
@@ -269,7 +272,7 @@ class FirstOrderCheckpoints:
             if isinstance(self.checkpointer, LayerwiseCheckpointer):
                 self.checkpointer.resume(chosen, self.state.view())
             self.restored.update(step=chosen.step, folder=chosen.folder,
-                                 unit_steps={u: int(s.get("step", chosen.step)) for u, s in chosen.manifest["units"].items()})
+                                 unit_steps=unit_steps(chosen))
         if self.steps is not None and self.diffs is not None:
             self._replay_records(chosen)
         self._last_steps_done = int(self.restored["step"])
