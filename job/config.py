@@ -860,9 +860,9 @@ class JobConfig:
         if self.fo.parallelism == "fsdp2" and self.algo != "fo":
             raise ValueError(f"fo.parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo {self.algo} "
                              "runs every worker on the whole state: leave fo.parallelism out or use algo fo")
-        if self.fo.parallelism == "fsdp2" and self.strategy not in FULL_STATE:
-            raise ValueError(f"fo.parallelism fsdp2 (sharded state) needs strategy full-sync or full-async, not strategy "
-                             f"{self.strategy}: layer-wise, differential and overlapped checkpoints of sharded state are not "
+        if self.fo.parallelism == "fsdp2" and self.strategy not in (*FULL_STATE, RunStrategy.LAYERWISE):
+            raise ValueError(f"fo.parallelism fsdp2 (sharded state) needs strategy full-sync, full-async or layerwise, not "
+                             f"strategy {self.strategy}: differential and overlapped checkpoints of sharded state are not "
                              "supported yet")
         if self.strategy in (*FULL_STATE, RunStrategy.LAYERWISE, RunStrategy.OVERLAPPED) and every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot.every_steps steps: it must be >= 1, got {every}")

@@ -1,5 +1,6 @@
-"""FSDP2 first-order training under Ray Train (tiny model, real snippets): a 2-worker run with sharded
-checkpoints survives a worker failure, then the run resumes at 1 worker from the 2-rank checkpoint."""
+"""FSDP2 first-order training under Ray Train (tiny model, real snippets): a 2-worker run with layer-wise
+sharded checkpoints (composites) survives a worker failure, then the run resumes at 1 worker from the
+2-rank checkpoint."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.raytrain]
 
 
 def test_two_fsdp2_workers_recover_from_sharded_checkpoints_and_the_run_resumes_at_one_worker(cluster, tmp_path):
-    """Rank 1 dies during step 5: both ranks restore the 2-rank checkpoint of step 3 (resharded to the
-    same 2 ranks) and finish, ``close`` committing the final state. Then ``--resume --workers 1`` of the same
-    run restores that newest 2-rank checkpoint (step 8) at 1 rank, bitwise the state the 2-worker run hashed
-    after 8 steps."""
-    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo="fo", strategy="full-async", steps=8, batch_size=8, seq_len=32,
-                    eval_samples=16, hash_every_steps=1, workers=2, run_id="fsdp2-ray",
+    """Layer-wise at threshold 0 (every changed unit rewritten at each check: exact). Rank 1 dies during
+    step 5: both ranks restore the 2-rank checkpoint of step 3 (resharded to the same 2 ranks) and finish,
+    ``close`` committing the final state, a composite (the unchanged parameter groups read from an older
+    checkpoint). Then ``--resume --workers 1`` of the same run restores that newest 2-rank checkpoint (step
+    8) at 1 rank, bitwise the state the 2-worker run hashed after 8 steps."""
+    cfg = JobConfig(out_dir=str(tmp_path), cache_dir=str(default_cache_dir()), model="tiny", algo="fo", strategy="layerwise", steps=8, batch_size=8, seq_len=32,
+                    eval_samples=16, hash_every_steps=1, workers=2, run_id="fsdp2-ray", layerwise={"threshold": 0.0},
                     fo={"parallelism": "fsdp2", "lr": 1e-3},
                     snapshot={"every_steps": 3},
                     faults={"settle_failures": True, "failures": (FailureSpec.parse("5:worker"),)})
@@ -50,6 +52,7 @@ def test_two_fsdp2_workers_recover_from_sharded_checkpoints_and_the_run_resumes_
     folder = export_hf(resumed["ray_train_checkpoint"]["path"], tmp_path / "hf", "tiny", model_folder("tiny"))
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     store, info = committed_snapshot(resumed["ray_train_checkpoint"]["path"])
+    assert {s["folder"] for s in info.manifest["layers"].values()} != {info.folder}  # a composite: it reads older folders
     state = store.load(info)
     weights = {n: a for n, a in state.items() if not n.startswith(("optim.", "param_groups."))}
     assert sorted(weights) == sorted(n for n in loaded if n != "lm_head.weight")  # tied to the embeddings
