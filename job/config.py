@@ -218,7 +218,7 @@ class FOConfig:
     parallelism: str = field(default="ddp", metadata=opt('--fo-parallelism', 'First-order', metavar='ddp|fsdp2',
             help='fo: ddp (every worker holds the whole state) or fsdp2 (state sharded over the workers with'
             ' FSDP2; checkpoints per rank with torch DCP, so --resume --workers N may change the worker'
-            ' count; full-sync/full-async only).'))
+            ' count; full-sync, full-async or layerwise).'))
     """``ddp`` (every worker holds the whole state; DDP averages the gradients) or ``fsdp2`` (FSDP2
     ``fully_shard``: parameters and moments split over the workers, checkpoints written per rank with
     torch DCP and resharded on load, so a ``--resume`` may change ``workers``; strategies full-sync and

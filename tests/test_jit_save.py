@@ -157,21 +157,24 @@ def test_a_failed_write_raises_from_save_now_and_the_previous_checkpoint_stays_t
     ckpt.close(60)
 
 
-def test_a_sharded_save_now_under_fsdp2_restores_the_rows_of_its_step_bitwise(encoder, data, tmp_path):
+@pytest.mark.parametrize("layerwise", [False, True], ids=["full-async", "layerwise"])
+def test_a_sharded_save_now_under_fsdp2_restores_the_rows_of_its_step_bitwise(layerwise, encoder, data, tmp_path):
     """One rank of FSDP2 (a gloo group in this process): ``save_now`` stages this rank's rows and commits
-    them through the sharded store; a fresh sharded trainer restores them bitwise."""
+    them through the sharded store (layer-wise: a just-in-time check rewriting every unit not persisted at
+    step 3, whatever its threshold); a fresh sharded trainer restores them bitwise."""
     import torch.distributed as dist
 
     from raycheck.storage.dcp_store import ShardedStore
     from raycheck.training.model import load_model
-    from raycheck.training.sharded import ShardedWriter, checkpoint_group, full_state
+    from raycheck.training.sharded import ShardedLayerwiseCheckpointer, ShardedWriter, checkpoint_group, full_state
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         group = checkpoint_group()
         trainer = FOTrainer(load_model("tiny"), HYPER, encoder, sharded=True)
         store = ShardedStore(str(tmp_path))
-        ckpt = ShardedCheckpointer(ShardedWriter(store, trainer.state_view(), group), 2, asynchronous=True)
+        ckpt = (ShardedLayerwiseCheckpointer(store, trainer.state_view(), group, 2, LayerwiseConfig(threshold=1.0)) if layerwise
+                else ShardedCheckpointer(ShardedWriter(store, trainer.state_view(), group), 2, asynchronous=True))
         train(trainer, data[0], 0, 3, after=lambda done: ckpt.after_step(done, trainer.state_view))
         result = ckpt.save_now(3, trainer.state_view, timeout_s=60)
         assert not result["already"] and result["bytes"] > 0 and [i.step for i in store.list()] == [2, 3]
