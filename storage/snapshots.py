@@ -473,15 +473,17 @@ class SnapshotStore:
 
     def _delete_unlisted(self, drop: set[str], newest: int) -> None:
         """Delete the objects of ``drop`` and the leftovers of this run's failed attempts older than
-        ``newest`` (of this writer's epoch or older), except shards a listed manifest references."""
-        live = {u["path"].split("/")[0] for i in self._list_all() for u in i.manifest["units"].values()}
-        indexed = live | {e["folder"] for e in self._read_index()[0].entries}
+        ``newest`` (of this writer's epoch or older), except the files a listed manifest references (a
+        composite's older shards: kept alone, without their folder's manifest, which no index lists)."""
+        live = {u["path"] for i in self._list_all() for u in i.manifest["units"].values()}
+        indexed = {e["folder"] for e in self._read_index()[0].entries}
         emptied = set()
         for path in self.storage.list():
             folder = path.split("/")[0]
             writer = folder_writer(folder)  # None for a name without a writer (or no snapshot at all)
-            if folder in indexed or not FOLDER.match(folder) or not self._owned(folder) or (writer and writer[1] > self.epoch):
-                continue  # not a snapshot, still listed, another run's, or a newer incarnation's attempt
+            if (path in live or folder in indexed or not FOLDER.match(folder) or not self._owned(folder)
+                    or (writer and writer[1] > self.epoch)):
+                continue  # referenced, not a snapshot, still listed, another run's, or a newer incarnation's attempt
             if folder in drop or folder_step(folder) < newest:
                 try:
                     self.storage.delete(path)

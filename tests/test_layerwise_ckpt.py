@@ -134,8 +134,9 @@ def test_retention_never_deletes_a_shard_that_a_kept_composite_references(encode
     assert min(s["step"] for s in infos[0].manifest["units"].values()) < 10  # really composite
     for info in infos:
         assert store.verify(info) == []
-    referenced = {u["path"].split("/")[0] for i in infos for u in i.manifest["units"].values()} | {i.folder for i in infos}
-    assert {p.split("/")[0] for p in store.storage.list() if p.startswith("step-")} == referenced
+    referenced = {u["path"] for i in infos for u in i.manifest["units"].values()} | {f"{i.folder}/manifest.json" for i in infos}
+    assert {p for p in store.storage.list() if p.startswith("step-")} == referenced  # a dropped folder's other shards go
+    assert store.unindexed() == []  # and its manifest: what is left of it is no snapshot, only shards a composite reads
 
 
 def test_write_units_refuses_an_incomplete_composite(tmp_path):

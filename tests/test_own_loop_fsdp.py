@@ -166,8 +166,10 @@ def test_a_sharded_layerwise_composite_restores_each_unit_bitwise_as_of_its_own_
     steps = budget["unit_steps"]
     assert budget["restored"] == 2 * EVERY and set(steps.values()) == {EVERY, 2 * EVERY} and steps["param_groups.0"] == EVERY
     assert budget["units"] == budget["unsharded_units"] == {u: out["units_at"][s][u] for u, s in steps.items()}
-    [newest] = ShardedStore(f"{root}-budget").list()
+    store = ShardedStore(f"{root}-budget")
+    [newest] = store.list()
     assert newest.step == STEPS and {s["folder"] for s in newest.manifest["layers"].values()} != {newest.folder}
+    assert store.unindexed() == [] and store.verify(newest) == []  # the older folders hold only the files it reads
 
 
 def test_the_final_sharded_snapshot_loads_into_the_model_unsharded_in_one_call(ran, tmp_path):
