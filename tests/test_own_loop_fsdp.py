@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from conftest import free_port
+from raycheck.job.config import OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.storage.dcp_store import ShardedStore
 from raycheck.storage.units import group_by_unit
@@ -69,13 +70,12 @@ def unit_hashes(model: Net, opt: torch.optim.Optimizer) -> dict[str, str]:
     return {u: state_sha256({n: full[n] for n in names}) for u, names in group_by_unit(full).items()}
 
 
-def layerwise(rank: int, world: int, root: str, policy: LayerwiseConfig, crash_after: int, keep: int = 3) -> dict:
-    """A layer-wise run that crashes after ``crash_after`` steps (its writes done), restarts, restores and
-    trains on to ``STEPS``: what it restored (step, each unit's step and hash; and the hashes of the
-    same checkpoint loaded into the model unsharded) and the final state."""
+def crash_and_restart(rank: int, world: int, root: str, crash_after: int, **kw) -> dict:
+    """A run (``FirstOrderCheckpoints`` with ``kw``) that crashes after ``crash_after`` steps (its writes
+    done), restarts, restores and trains on to ``STEPS``: what it restored (step, each unit's step and hash;
+    and the hashes of the same checkpoint loaded into the model unsharded) and the final state."""
     def checkpoints(model: Net, opt: torch.optim.Optimizer) -> FirstOrderCheckpoints:
-        return FirstOrderCheckpoints(model, opt, root, strategy="layerwise", every_steps=EVERY, layerwise=policy, report=False,
-                                     preemption=False, keep=keep)
+        return FirstOrderCheckpoints(model, opt, root, every_steps=EVERY, report=False, preemption=False, **kw)
 
     model, opt = sharded(rank, world)
     ckpt = checkpoints(model, opt)
@@ -123,9 +123,11 @@ def _rank_main(rank: int, world: int, port: int, root: str, result: str) -> None
         FirstOrderCheckpoints(model, opt, root, strategy="differential", report=False, preemption=False)
     except ValueError as exc:
         out["differential"] = str(exc)
-    out["exact"] = layerwise(rank, world, f"{root}-exact", LayerwiseConfig(threshold=0.0), CRASH_AFTER)
-    out["budget"] = layerwise(rank, world, f"{root}-budget", LayerwiseConfig(threshold=0.0, max_bytes_per_check=4000), 2 * EVERY + 1,
-                              keep=1)
+    out["exact"] = crash_and_restart(rank, world, f"{root}-exact", CRASH_AFTER, strategy="layerwise", layerwise=LayerwiseConfig(threshold=0.0))
+    out["budget"] = crash_and_restart(rank, world, f"{root}-budget", 2 * EVERY + 1, strategy="layerwise", keep=1,
+                                      layerwise=LayerwiseConfig(threshold=0.0, max_bytes_per_check=4000))
+    out["overlapped"] = crash_and_restart(rank, world, f"{root}-overlapped", CRASH_AFTER, strategy="overlapped",
+                                          overlapped=OverlappedConfig(chunks=2))
     if rank == 0:
         torch.save(out, result)
     dist.destroy_process_group()
@@ -145,8 +147,8 @@ def test_your_fsdp2_loop_restores_its_sharded_checkpoint_and_continues_bitwise(r
     assert out["final"] == out["reference"] and out["restored_state"] != out["reference"]
     assert out["closed"]["newest"].startswith("step-0000000008-") and out["closed"]["storage"] == str(root)
     assert [i.step for i in ShardedStore(str(root)).list()] == [3, 6, 8]
-    assert out["differential"] == ("FSDP2 (DTensor parameters): strategy full-sync or full-async or layerwise with storage as a "
-                                   "path, URI or ShardedStore (sharded checkpoints, every rank writes its rows); got differential")
+    assert out["differential"] == ("FSDP2 (DTensor parameters): strategy full-sync or full-async or layerwise or overlapped with "
+                                   "storage as a path, URI or ShardedStore (sharded checkpoints, every rank writes its rows); got differential")
 
 
 def test_your_fsdp2_loop_layerwise_at_threshold_0_restores_and_continues_bitwise(ran):
@@ -154,6 +156,16 @@ def test_your_fsdp2_loop_layerwise_at_threshold_0_restores_and_continues_bitwise
     exact = out["exact"]
     assert exact["restored"] == EVERY and set(exact["unit_steps"].values()) == {EVERY}
     assert exact["units"] == out["units_at"][EVERY] and exact["final"] == out["reference"]
+
+
+def test_your_fsdp2_loop_overlapped_restores_the_caught_up_snapshot_and_continues_bitwise(ran):
+    """Two chunks: the snapshot due after step 3 stages a chunk after steps 3 and 4, each rank catches the
+    first up by step 4's gradient rows: the restart restores step 4, bitwise the state then (every unit),
+    and ends bitwise the uninterrupted run."""
+    _, out = ran
+    overlapped = out["overlapped"]
+    assert overlapped["restored"] == EVERY + 1 and overlapped["final"] == out["reference"]
+    assert overlapped["units"] == overlapped["unsharded_units"]
 
 
 def test_a_sharded_layerwise_composite_restores_each_unit_bitwise_as_of_its_own_step(ran):

@@ -71,6 +71,9 @@ class LayerwiseCheckpointer:
             checkpointer holds ``max_pending + 1`` copies of the state).
     """
 
+    staging_wait_s = 0.0
+    """How long a due check waits for a free staging set (0: it is postponed instead; ``StagingPool.take_due``)."""
+
     def __init__(self, store: SnapshotStore, every: int, policy: LayerwiseConfig, config: Mapping[str, Any] | None = None,
                  max_pending: int = 2) -> None:
         if every < 1:
@@ -114,9 +117,8 @@ class LayerwiseCheckpointer:
         if not self.schedule.due(steps_done):
             return 0.0
         t0 = time.perf_counter()
-        buffers = self._pool.take()
+        buffers = self._pool.take_due(steps_done, self.postponed, self.staging_wait_s)
         if buffers is None:
-            self.postponed.postpone(steps_done)
             return time.perf_counter() - t0
         self._stage(steps_done, buffers, state)
         return time.perf_counter() - t0

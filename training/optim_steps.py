@@ -27,6 +27,11 @@ records onto part of a staged copy of the state through a new optimizer of the s
 part (its parameter groups' settings copied), which is exact for every optimizer whose update of a
 parameter reads only that parameter's gradient, state and group settings (every ``torch.optim``
 optimizer except LBFGS, which needs a closure).
+
+Under FSDP2 (DTensor parameters) a record holds this rank's rows of each gradient (``to_local``), and
+``catch_up_`` steps this rank's staged rows (``training.sharded.local_view``'s copy): the update of a row
+reads only that row's gradient and state, so the rows caught up in each rank are those of the whole
+tensor. ``replay`` (differential checkpoints) takes whole gradients and is not used with sharded state.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from raycheck.storage.tensor_files import as_numpy, to_tensor
 from raycheck.training.optim_state import ModelOptimizerState, UnsupportedOptimizerError, group_values, set_group_values
@@ -44,6 +50,11 @@ from raycheck.training.state import StepRecord
 
 AFTER = "after."
 """``after.param_groups.<i>.<key>``: a group's hyper-parameter when the loop's step was over (``OptimizerSteps.step_done``)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a DTensor (FSDP2), or ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _tensor_like(value: np.ndarray | torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
@@ -115,7 +126,7 @@ class OptimizerSteps:
     def _capture(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._replaying:
             return
-        grads = {n: p.grad.detach() for n, p in self.state.named.items() if p.grad is not None}
+        grads = {n: _local(p.grad.detach()) for n, p in self.state.named.items() if p.grad is not None}
         self._last = StepRecord({**grads, **group_values(optimizer)})
 
     def step_done(self) -> None:
@@ -177,7 +188,8 @@ class OptimizerSteps:
             UnsupportedOptimizerError: the optimizer's class cannot be rebuilt (``clone_optimizer``).
         """
         live = self.state.optimizer
-        params = OrderedDict((n, _tensor_like(chunk[n], p, f"the staged {n}")) for n, p in self.state.named.items() if n in chunk)
+        params = OrderedDict((n, _tensor_like(chunk[n], _local(p.detach()), f"the staged {n}"))
+                             for n, p in self.state.named.items() if n in chunk)
         if not params or not records:
             return
         groups, index = [], []  # the clone's groups, and the live group each one is
@@ -192,7 +204,7 @@ class OptimizerSteps:
             slots = live.state[self.state.named[name]]
             clone.state[t] = {slot: _tensor_like(chunk[f"optim.{slot}.{name}"], s.reshape(-1) if s.dim() == 0 else s,
                                                  f"the staged optim.{slot}.{name}").reshape(s.shape)
-                              for slot, s in slots.items()}
+                              for slot, s in ((slot, _local(s)) for slot, s in slots.items())}
         for record in records:
             for name, t in params.items():
                 t.grad = _tensor_like(record[name], t, f"the recorded gradient of {name}") if name in record else None

@@ -149,6 +149,9 @@ class OverlappedCheckpointer:
         ValueError: ``every`` or ``chunks`` < 1.
     """
 
+    staging_wait_s = 0.0
+    """How long a due snapshot waits for a free staging set (0: it is postponed instead; ``StagingPool.take_due``)."""
+
     def __init__(self, store: SnapshotStore, every: int, chunks: int, catch_up: CatchUp,
                  gradients: Callable[[], Mapping[str, torch.Tensor]], config: Mapping[str, Any] | None = None,
                  max_pending: int = 1) -> None:
@@ -206,9 +209,8 @@ class OverlappedCheckpointer:
         if window is None:
             if not self.schedule.due(steps_done):
                 return 0.0
-            buffers = self._pool.take()
-            if buffers is None:  # every buffer set is held by snapshots not yet written
-                self.postponed.postpone(steps_done)
+            buffers = self._pool.take_due(steps_done, self.postponed, self.staging_wait_s)
+            if buffers is None:  # every buffer set is held by snapshots not yet written: postponed
                 return 0.0
             live = state()
             window = self._open(steps_done, live, buffers)
@@ -301,12 +303,16 @@ class OverlappedCheckpointer:
             if later:
                 self.catch_up({n: window.staged[n] for n in _tensors(chunk)}, later)
         t1 = time.perf_counter()
-        info = self.store.write(step, {n: window.staged[n] for n in window.names}, config=self.config)
+        written = self._commit(step, {n: window.staged[n] for n in window.names})
         self.stats["catch_up_seconds"].append(t1 - t0)
         self.stats["write_seconds"].append(time.perf_counter() - t1)
         self.stats["checkpoints"] += 1
-        self.stats["bytes"] += info.bytes
+        self.stats["bytes"] += written
         self.stats["last_step"] = step
+
+    def _commit(self, step: int, state: dict[str, np.ndarray]) -> int:
+        """Commit the assembled ``state`` as the snapshot of ``step``; returns the bytes written."""
+        return self.store.write(step, state, config=self.config).bytes
 
     def flush(self, timeout_s: float = 600.0) -> bool:
         """Wait until every submitted snapshot has been committed or has failed (an open window is not

@@ -25,7 +25,6 @@ so the trajectories drift apart by rounding (the reference of such a run is a ru
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -41,6 +40,7 @@ from raycheck.storage.dcp_store import ShardedStore, global_layout
 from raycheck.storage.snapshots import SnapshotInfo
 from raycheck.training.checkpointing import FullCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
+from raycheck.training.overlapped import CatchUp, OverlappedCheckpointer
 
 STAGING_WAIT_S = 600.0
 """How long a check of ``ShardedLayerwiseCheckpointer`` waits for a free staging set (seconds)."""
@@ -179,16 +179,10 @@ class ShardedLayerwiseCheckpointer(LayerwiseCheckpointer):
     def resume(self, info: SnapshotInfo, state: Mapping[str, torch.Tensor | np.ndarray]) -> None:
         super().resume(info, local_view(cast(Mapping[str, torch.Tensor], state)))
 
+    staging_wait_s = STAGING_WAIT_S  # every rank checks at the same steps: wait, never postpone
+
     def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
-        self._state, self._last_step_seen = state, steps_done
-        if not self.schedule.due(steps_done):
-            return 0.0
-        t0 = time.perf_counter()
-        buffers = self._pool.take(STAGING_WAIT_S)  # every rank checks at the same steps: wait, never postpone
-        if buffers is None:
-            raise TimeoutError(f"no staging buffer set came free within {STAGING_WAIT_S} s for the check at step {steps_done}")
-        self._stage(steps_done, buffers, lambda: local_view(state()))
-        return time.perf_counter() - t0
+        return super().after_step(steps_done, lambda: local_view(state()))
 
     def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
         return super().save_now(steps_done, lambda: local_view(state()), timeout_s)
@@ -209,3 +203,37 @@ class ShardedLayerwiseCheckpointer(LayerwiseCheckpointer):
     def _write(self, step: int, units: tuple[str, ...], layout: Mapping[str, list[str]], staged: dict[str, np.ndarray]) -> tuple[list[str], int]:
         changed = as_dtensors({n: staged[n] for u in units for n in layout[u]}, self.live)
         return list(units), self.sharded.save(step, changed, self.config, self.group, layout=self.layout).rank_bytes
+
+
+class ShardedOverlappedCheckpointer(OverlappedCheckpointer):
+    """``OverlappedCheckpointer`` on every rank under FSDP2 (GoCkpt, arXiv:2511.07035, over row shards):
+    each rank stages its rows of one chunk per step (``local_view``), keeps its rows of the later steps'
+    gradients (``training.optim_steps.OptimizerSteps`` records ``to_local`` gradients) and catches its
+    earlier chunks up through a new optimizer over its rows; then the ranks save the assembled rows as one
+    sharded checkpoint (``ShardedStore.save``, a collective). Every rank opens and submits each window at
+    the same steps (the chunk count is the same: one chunk per parameter at most), and with no free
+    staging set ``after_step`` waits for one rather than postpone (``staging_wait_s``).
+
+    Args:
+        store: the run's sharded checkpoints.
+        live: the live state (name -> DTensor or tensor), for the sharding.
+        group: ``checkpoint_group()``.
+        every, chunks, catch_up, gradients, config, max_pending: as ``OverlappedCheckpointer``.
+    """
+
+    staging_wait_s = STAGING_WAIT_S
+
+    def __init__(self, store: ShardedStore, live: Mapping[str, torch.Tensor], group: dist.ProcessGroup, every: int, chunks: int,
+                 catch_up: CatchUp, gradients: Callable[[], Mapping[str, torch.Tensor]], config: Mapping[str, Any] | None = None,
+                 max_pending: int = 1) -> None:
+        super().__init__(store, every, chunks, catch_up, gradients, config, max_pending)
+        self.sharded, self.live, self.group = store, live, group
+
+    def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
+        return super().after_step(steps_done, lambda: local_view(state()))
+
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        return super().save_now(steps_done, lambda: local_view(state()), timeout_s)
+
+    def _commit(self, step: int, state: dict[str, np.ndarray]) -> int:
+        return self.sharded.save(step, as_dtensors(state, self.live), self.config, self.group).rank_bytes

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
+from raycheck.storage.background import Postponements
 from raycheck.storage.tensor_files import as_numpy
 
 
@@ -128,6 +129,22 @@ class StagingPool:
             if not self._cond.wait_for(lambda: self._free, timeout=timeout_s):
                 return None
             return self._free.pop()  # the set given back last: a set is allocated only when all others are held
+
+    def take_due(self, step: int, postponed: Postponements, wait_s: float = 0.0) -> dict[str, np.ndarray] | None:
+        """A free set for the checkpoint due after ``step`` steps. ``wait_s`` 0: None when none is free now,
+        the checkpoint being postponed (``postponed``), so the loop never waits; > 0 (a checkpointer whose
+        checks are collectives, every rank taking each at the same step: FSDP2's): wait up to ``wait_s``
+        seconds.
+
+        Raises:
+            TimeoutError: ``wait_s`` > 0 and no set came free within it.
+        """
+        buffers = self.take(wait_s)
+        if buffers is None:
+            if wait_s > 0:
+                raise TimeoutError(f"no staging buffer set came free within {wait_s:.0f} s for the checkpoint due after step {step}")
+            postponed.postpone(step)
+        return buffers
 
     def give_back(self, buffers: dict[str, np.ndarray]) -> None:
         """Return a set taken with ``take``; its arrays may be overwritten from now on.

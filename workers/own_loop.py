@@ -69,7 +69,8 @@ from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, set_group_values, unwrap
 from raycheck.training.optim_steps import OptimizerSteps, clone_optimizer
 from raycheck.training.overlapped import OverlappedCheckpointer
-from raycheck.training.sharded import ShardedCheckpointer, ShardedLayerwiseCheckpointer, ShardedWriter, checkpoint_group
+from raycheck.training.sharded import (ShardedCheckpointer, ShardedLayerwiseCheckpointer, ShardedOverlappedCheckpointer, ShardedWriter,
+                                      checkpoint_group)
 from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 from raycheck.storage.pointers import committed_snapshot
 from raycheck.workers.train_reports import TrainReports, ray_train_context
@@ -77,12 +78,13 @@ from raycheck.workers.train_reports import TrainReports, ray_train_context
 log = logging.getLogger(__name__)
 
 OwnCheckpointer = FullCheckpointer | LayerwiseCheckpointer | DiffCheckpointer | OverlappedCheckpointer
-"""Rank 0's checkpointer, by strategy (FSDP2: ``training.sharded.ShardedCheckpointer`` or ``ShardedLayerwiseCheckpointer``, on every rank)."""
+"""Rank 0's checkpointer, by strategy (FSDP2: ``training.sharded``'s sharded ones, on every rank)."""
 
-SHARDED_STRATEGIES = (RunStrategy.FULL_SYNC.value, RunStrategy.FULL_ASYNC.value, RunStrategy.LAYERWISE.value)
+SHARDED_STRATEGIES = tuple(s.value for s in (RunStrategy.FULL_SYNC, RunStrategy.FULL_ASYNC, RunStrategy.LAYERWISE, RunStrategy.OVERLAPPED))
 """The strategies of a model sharded by FSDP2 (``fully_shard``: DTensor parameters): sharded checkpoints,
 every rank writing its rows (``storage.dcp_store``; layer-wise: ``training.sharded.ShardedLayerwiseCheckpointer``,
-composites of sharded checkpoints); differential and overlapped record or catch up whole tensors."""
+composites of sharded checkpoints; overlapped: ``ShardedOverlappedCheckpointer``, each rank catching its
+rows up). Differential replays whole gradients through the optimizer: not with sharded state."""
 
 STRATEGIES = tuple(s.value for s in RunStrategy if s not in STEP_LOG)
 """The strategies a user's loop can checkpoint with (all of ``raycheck run``'s first-order ones)."""
@@ -203,7 +205,7 @@ class FirstOrderCheckpoints:
         self.steps: OptimizerSteps | None = None
         """The optimizer's step records (``differential`` and ``overlapped``; every rank: a restore replays)."""
         if strategy in (RunStrategy.DIFFERENTIAL, RunStrategy.OVERLAPPED):
-            self.steps = OptimizerSteps(self.state, record=self.rank == 0)
+            self.steps = OptimizerSteps(self.state, record=self.rank == 0 or self.group is not None)  # FSDP2: every rank's rows
         self.checkpointer: OwnCheckpointer | None = None
         if self.rank == 0 and claim:
             self.store.claim_epoch()  # fences the writers of an earlier incarnation of this run
@@ -228,6 +230,10 @@ class FirstOrderCheckpoints:
             store, config = cast(ShardedStore, self.store), {**config, "fsdp2": True}
             if self.strategy == RunStrategy.LAYERWISE:
                 return ShardedLayerwiseCheckpointer(store, self.state.view(), self.group, self.every_steps, layerwise, config)
+            if self.strategy == RunStrategy.OVERLAPPED:
+                assert self.steps is not None
+                return ShardedOverlappedCheckpointer(store, self.state.view(), self.group, self.every_steps, overlapped.chunks,
+                                                     self.steps.catch_up_, self.steps.applied, config)
             return ShardedCheckpointer(ShardedWriter(store, self.state.view(), self.group), self.every_steps,
                                        self.strategy == RunStrategy.FULL_ASYNC, config)
         if self.strategy == RunStrategy.LAYERWISE:
