@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=2, help="overlapped: a snapshot is staged in this many chunks, one per step")
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers (DDP over gloo when > 1)")
     parser.add_argument("--fsdp2", action="store_true", help="shard the model and AdamW over the workers with FSDP2 (fully_shard) "
-                        "instead of DDP: sharded checkpoints, every rank writing its rows (--strategy full-sync, full-async or layerwise)")
+                        "instead of DDP: sharded checkpoints, every rank writing its rows (every --strategy but differential)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="the model's and the batches' seed (default: %(default)s)")
     parser.add_argument("--layer-threshold", type=float, default=0.0, help="layer-wise: relative change that rewrites a unit (0: exact)")

@@ -13,9 +13,10 @@ for your own FSDP2 loop): each rank writes its rows through torch DCP, rank 0 co
 another world size reads the rows of the new sharding (DCP's resharding), so weights and moments are
 bitwise those saved. Strategies: ``full-sync`` and ``full-async`` (``ShardedCheckpointer``, a
 ``training.checkpointing.FullCheckpointer`` on every rank, with ``ShardedWriter`` as its store: the
-staging copy is of this rank's rows) and ``layerwise`` (``ShardedLayerwiseCheckpointer``: each unit's
-change summed over the ranks' rows, composite sharded checkpoints). ``differential`` and ``overlapped``
-are not supported with sharded state (their gradient records and catch-up are per full tensor).
+staging copy is of this rank's rows), ``layerwise`` (``ShardedLayerwiseCheckpointer``: each unit's
+change summed over the ranks' rows, composite sharded checkpoints) and ``overlapped``
+(``ShardedOverlappedCheckpointer``: each rank catches its own rows up). ``differential`` is not supported
+with sharded state (its records replay whole gradients through the optimizer).
 
 What is and is not bitwise across world sizes: the state a restore loads is bitwise the state saved,
 at any world size. The steps after it are bitwise those of the saved run only at the same world

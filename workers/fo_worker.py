@@ -13,7 +13,7 @@ Strategies (rank 0 persists; ``job.stores.checkpoint_store(cfg)`` holds every ch
   staged in ``overlapped.chunks`` chunks over as many steps, caught up to one consistent step.
 
 ``fo.parallelism`` fsdp2 (``training.sharded``): the state is sharded over the workers (FSDP2); every
-rank runs the checkpointer (full-sync, full-async or layerwise, each writing its rows through torch DCP), the
+rank runs the checkpointer (every strategy but differential, each writing its rows through torch DCP), the
 restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
 
 Checkpoints go through ``workers.own_loop.FirstOrderCheckpoints`` (``run_checkpoints``), the API a user's
