@@ -58,7 +58,7 @@ from raycheck.storage.backend import storage_env
 from raycheck.training.optim_state import ModelOptimizerState
 from raycheck.training.sharded import full_state
 from raycheck.training.state import state_sha256
-from raycheck.workers.own_loop import SHARDED_STRATEGIES, STRATEGIES, FirstOrderCheckpoints, load_checkpoint
+from raycheck.workers.own_loop import STRATEGIES, FirstOrderCheckpoints, load_checkpoint
 
 FEATURES, HIDDEN, CLASSES, BATCH = 16, 64, 4, 32
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=2, help="overlapped: a snapshot is staged in this many chunks, one per step")
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers (DDP over gloo when > 1)")
     parser.add_argument("--fsdp2", action="store_true", help="shard the model and AdamW over the workers with FSDP2 (fully_shard) "
-                        "instead of DDP: sharded checkpoints, every rank writing its rows (every --strategy but differential)")
+                        "instead of DDP: sharded checkpoints, every rank writing its rows (any --strategy)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="the model's and the batches' seed (default: %(default)s)")
     parser.add_argument("--layer-threshold", type=float, default=0.0, help="layer-wise: relative change that rewrites a unit (0: exact)")
@@ -227,8 +227,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.fail_step is not None and not 0 <= args.fail_step < args.steps:
         parser.error(f"--fail-step must be in 0..{args.steps - 1}")
-    if args.fsdp2 and args.strategy not in SHARDED_STRATEGIES:
-        parser.error(f"--fsdp2 writes sharded checkpoints: give --strategy {' or '.join(SHARDED_STRATEGIES)} (got {args.strategy})")
     if args.fsdp2 and args.workers < 2:
         parser.error(f"--fsdp2 shards over the workers: give --workers 2 or more (got {args.workers})")
 

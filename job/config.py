@@ -218,7 +218,7 @@ class FOConfig:
     parallelism: str = field(default="ddp", metadata=opt('--fo-parallelism', 'First-order', metavar='ddp|fsdp2',
             help='fo: ddp (every worker holds the whole state) or fsdp2 (state sharded over the workers with'
             ' FSDP2; checkpoints per rank with torch DCP, so --resume --workers N may change the worker'
-            ' count; every strategy but differential).'))
+            ' count).'))
     """``ddp`` (every worker holds the whole state; DDP averages the gradients) or ``fsdp2`` (FSDP2
     ``fully_shard``: parameters and moments split over the workers, checkpoints written per rank with
     torch DCP and resharded on load, so a ``--resume`` may change ``workers``; strategies full-sync and
@@ -860,9 +860,6 @@ class JobConfig:
         if self.fo.parallelism == "fsdp2" and self.algo != "fo":
             raise ValueError(f"fo.parallelism fsdp2 (sharded state) is a first-order option (algo fo); algo {self.algo} "
                              "runs every worker on the whole state: leave fo.parallelism out or use algo fo")
-        if self.fo.parallelism == "fsdp2" and self.strategy == RunStrategy.DIFFERENTIAL:
-            raise ValueError("fo.parallelism fsdp2 (sharded state) needs strategy full-sync, full-async, layerwise or overlapped, "
-                             "not strategy differential: its records replay whole gradients through the optimizer")
         if self.strategy in (*FULL_STATE, RunStrategy.LAYERWISE, RunStrategy.OVERLAPPED) and every < 1:
             raise ValueError(f"strategy {self.strategy} checkpoints every snapshot.every_steps steps: it must be >= 1, got {every}")
         if self.strategy == RunStrategy.OVERLAPPED and self.overlapped.chunks > every >= 1:

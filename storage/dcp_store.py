@@ -203,13 +203,15 @@ class ShardedStore(SnapshotStore):
         none) and the checkpoint is a composite: every other unit is read from where the newest committed
         checkpoint has it (LayerCheck, arXiv 2026: persist only the units whose update passed a threshold).
 
-        Returns ``Saved``: the committed ``SnapshotInfo`` on rank 0 (of ``group``), and this rank's bytes.
+        Returns ``Saved``: the committed ``SnapshotInfo`` on rank 0 (of ``group``), and this rank's bytes;
+        every rank returns once rank 0 has committed.
 
         Raises:
             ValueError: (every rank) ``state`` holds part of a unit or names outside ``layout``; a unit not in
                 ``state`` has no committed version of this layout to read from; nothing is written.
             storage.backend.StorageError: a rank's put failed (on every rank, naming the first failure);
-                nothing is committed. FencedError: a newer incarnation owns the run (rank 0).
+                nothing is committed. Rank 0's commit failed: its error on rank 0 (e.g. FencedError: a newer
+                incarnation owns the run), a StorageError naming it on the others.
         """
         rank = dist.get_rank(group)
         box: list[Any] = [None, None]  # the attempt's folder, or why there is none; rank 0's plan of the composite
@@ -233,9 +235,23 @@ class ShardedStore(SnapshotStore):
                                f"(the previous one stays the newest): {_first_failure(exc)}") from exc
         files: list[dict[str, tuple[int, str]]] = [{}] * dist.get_world_size(group)  # all_gather_object fills each
         dist.all_gather_object(files, fs.written, group=group)
-        rank_bytes = sum(n for n, _ in fs.written.values())
-        if rank != 0:
-            return Saved(None, rank_bytes)
+        info, failure = None, None
+        if rank == 0:
+            try:
+                info = self._commit_files(step, folder, files, config, state, layout, plan)
+            except Exception as exc:  # told to every rank first, then raised here
+                failure = exc
+        outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(outcome, group=group, group_src=0)  # every rank returns once rank 0 has committed
+        if failure is not None:
+            raise failure
+        if outcome[0] is not None:
+            raise StorageError(f"sharded checkpoint of step {step} not committed by rank 0 (the previous one stays the newest): {outcome[0]}")
+        return Saved(info, sum(n for n, _ in fs.written.values()))
+
+    def _commit_files(self, step: int, folder: str, files: list[dict[str, tuple[int, str]]], config: Mapping[str, Any] | None,
+                      state: Mapping[str, torch.Tensor], layout: list[list[Any]] | None, plan: dict[str, Any] | None) -> SnapshotInfo:
+        """Rank 0: the manifest of the files every rank wrote (``files``, by rank) and the commit."""
         units = {p.split("/", 1)[1]: {"path": p, "bytes": n, "sha256": sha} for w in files for p, (n, sha) in w.items()}
         manifest = {"format_version": FORMAT, "step": step, "created_unix_s": time.time(),
                     "run": self.identity.as_dict() if self.identity is not None else None, "config": dict(config or {}),
@@ -245,7 +261,7 @@ class ShardedStore(SnapshotStore):
             manifest.update(units={**units, **plan["files"]},
                             layers={u: {"step": step, "folder": folder} if u in plan["written"] else plan["layers"][u]
                                     for u in group_by_unit(n for n, _, _ in layout or ())})
-        return Saved(self._commit_manifest(folder, manifest), rank_bytes)
+        return self._commit_manifest(folder, manifest)
 
     def _composite(self, step: int, state: Mapping[str, torch.Tensor], layout: list[list[Any]]) -> dict[str, Any]:
         """Rank 0's plan of a composite: ``written`` (the units of ``state``), ``layers`` (unit -> where the

@@ -131,6 +131,12 @@ def topk_decode(values: np.ndarray, indices: np.ndarray, shape: Sequence[int]) -
     return dense.reshape(tuple(shape))
 
 
+def rank_prefix(rank: int, world: int) -> str:
+    """The ``DiffStore`` prefix of FSDP2 rank ``rank``'s records at world size ``world`` (each rank records its
+    rows of the gradients: ``training.sharded.ShardedDiffCheckpointer``), beside the sharded checkpoints."""
+    return f"diffs-rank-{rank:05d}-of-{world:05d}"
+
+
 class DiffStore:
     """Per-step gradient records of one run in a ``Storage``, under ``prefix``.
 

@@ -23,9 +23,11 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from conftest import free_port
-from raycheck.job.config import OverlappedConfig
+from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.storage.dcp_store import ShardedStore
+from raycheck.storage.manifest import RunIdentity
+from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.units import group_by_unit
 from raycheck.storage.pointers import POINTER_FILE, pointer
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError
@@ -84,8 +86,8 @@ def crash_and_restart(rank: int, world: int, root: str, crash_after: int, **kw) 
     ckpt.flush()
     model, opt = sharded(rank, world)  # the restart
     ckpt = checkpoints(model, opt)
-    out = {"restored": ckpt.restore(), "unit_steps": ckpt.restored["unit_steps"], "units": unit_hashes(model, opt),
-           "folder": ckpt.restored["folder"]}
+    out = {"restored": ckpt.restore(), "unit_steps": ckpt.restored.get("unit_steps"), "units": unit_hashes(model, opt),
+           "folder": ckpt.restored["folder"], "base_step": ckpt.restored["base_step"], "replayed_steps": ckpt.restored["replayed_steps"]}
     plain, plain_opt = make()
     load_checkpoint(f"{root}/sharded/{out['folder']}", plain, plain_opt)  # in one process, whole tensors
     full = ModelOptimizerState(plain, plain_opt).view()
@@ -120,12 +122,14 @@ def _rank_main(rank: int, world: int, port: int, root: str, result: str) -> None
     out["closed"] = ckpt.close()
     out["final"] = state_of(model, opt)
     try:
-        FirstOrderCheckpoints(model, opt, root, strategy="differential", report=False, preemption=False)
+        FirstOrderCheckpoints(model, opt, SnapshotStore(root, identity=RunIdentity("own", "x")), report=False, preemption=False)
     except ValueError as exc:
-        out["differential"] = str(exc)
+        out["plain_store"] = str(exc)
     out["exact"] = crash_and_restart(rank, world, f"{root}-exact", CRASH_AFTER, strategy="layerwise", layerwise=LayerwiseConfig(threshold=0.0))
     out["budget"] = crash_and_restart(rank, world, f"{root}-budget", 2 * EVERY + 1, strategy="layerwise", keep=1,
                                       layerwise=LayerwiseConfig(threshold=0.0, max_bytes_per_check=4000))
+    out["differential"] = crash_and_restart(rank, world, f"{root}-differential", CRASH_AFTER + 1, strategy="differential",
+                                            differential=DifferentialConfig(full_every_steps=4, batch_steps=1))
     out["overlapped"] = crash_and_restart(rank, world, f"{root}-overlapped", CRASH_AFTER, strategy="overlapped",
                                           overlapped=OverlappedConfig(chunks=2))
     if rank == 0:
@@ -147,8 +151,19 @@ def test_your_fsdp2_loop_restores_its_sharded_checkpoint_and_continues_bitwise(r
     assert out["final"] == out["reference"] and out["restored_state"] != out["reference"]
     assert out["closed"]["newest"].startswith("step-0000000008-") and out["closed"]["storage"] == str(root)
     assert [i.step for i in ShardedStore(str(root)).list()] == [3, 6, 8]
-    assert out["differential"] == ("FSDP2 (DTensor parameters): strategy full-sync or full-async or layerwise or overlapped with "
-                                   "storage as a path, URI or ShardedStore (sharded checkpoints, every rank writes its rows); got differential")
+    assert out["plain_store"] == ("FSDP2 (DTensor parameters) writes sharded checkpoints, every rank its rows: give storage as a "
+                                  "path, URI or ShardedStore, not a SnapshotStore")
+
+
+def test_your_fsdp2_loop_differential_replays_every_ranks_gradient_rows_and_continues_bitwise(ran):
+    """A full checkpoint every 4 steps, each step's record in its own batch: the crash after step 6
+    restores the full checkpoint of step 4 and replays each rank's rows of steps 4 and 5 through AdamW:
+    bitwise the state after 6 steps (each unit), and the run ends bitwise the uninterrupted one."""
+    _, out = ran
+    differential = out["differential"]
+    assert differential["restored"] == 2 * EVERY and differential["units"] == out["units_at"][2 * EVERY]
+    assert differential["final"] == out["reference"]
+    assert (differential["base_step"], differential["replayed_steps"]) == (4, 2)
 
 
 def test_your_fsdp2_loop_layerwise_at_threshold_0_restores_and_continues_bitwise(ran):

@@ -149,8 +149,7 @@ class DiffCheckpointer:
             since, what = len(self._writer.errors), f"the just-in-time checkpoint of step {steps_done}"
             records = self._submit_pending()
             self._writer.drain_or_raise(left(), what, since)
-            base = max((i.step for i in self.snapshots.list()), default=0)  # where recovery's replay starts
-            if self.diffs.durable_end(base) >= steps_done:
+            if self._records_reach(steps_done):
                 return {"records": records, "full": False} if records else None
             self.full_schedule.taken(steps_done)
             self._submit_full(steps_done, state)
@@ -158,6 +157,12 @@ class DiffCheckpointer:
             return {"records": records, "full": True}
 
         return just_in_time(steps_done, timeout_s, self.flush, lambda: self.bytes, save)
+
+    def _records_reach(self, steps_done: int) -> bool:
+        """Whether the committed records reach ``steps_done`` from the newest full checkpoint (where a
+        recovery's replay starts; ``DiffStore.durable_end``)."""
+        base = max((i.step for i in self.snapshots.list()), default=0)
+        return self.diffs.durable_end(base) >= steps_done
 
     def _submit_full(self, step: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         """Queue a full checkpoint of ``state()`` at ``step``; the pending records are dropped (it supersedes them)."""
@@ -175,13 +180,17 @@ class DiffCheckpointer:
 
     def _write_full(self, step: int, staged: Mapping[str, np.ndarray]) -> None:
         t0 = time.perf_counter()
-        info = self.snapshots.write(step, staged, config=self.config)
+        written = self._commit_full(step, staged)
         self.stats["write_seconds"].append(time.perf_counter() - t0)
         self.stats["checkpoints"] += 1
-        self.stats["bytes"] += info.bytes
-        self.stats["full_bytes"] += info.bytes
+        self.stats["bytes"] += written
+        self.stats["full_bytes"] += written
         self.stats["last_step"] = self.stats["last_full_step"] = step
         self.stats["deleted_objects"] += self.diffs.collect_garbage(step)
+
+    def _commit_full(self, step: int, staged: Mapping[str, np.ndarray]) -> int:
+        """Commit the staged full state of ``step``; returns the bytes written."""
+        return self.snapshots.write(step, staged, config=self.config).bytes
 
     def _write_batch(self, records: list[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
         t0 = time.perf_counter()

@@ -31,7 +31,9 @@ optimizer except LBFGS, which needs a closure).
 Under FSDP2 (DTensor parameters) a record holds this rank's rows of each gradient (``to_local``), and
 ``catch_up_`` steps this rank's staged rows (``training.sharded.local_view``'s copy): the update of a row
 reads only that row's gradient and state, so the rows caught up in each rank are those of the whole
-tensor. ``replay`` (differential checkpoints) takes whole gradients and is not used with sharded state.
+tensor; ``replay`` (differential checkpoints) takes this rank's rows of each recorded gradient and steps
+the live optimizer with them as DTensors of the parameter's sharding: the step that ran, bitwise, at the
+world size the records were taken at.
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ AFTER = "after."
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a DTensor (FSDP2), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like_parameter(value: np.ndarray | torch.Tensor, p: torch.Tensor, what: str) -> torch.Tensor:
+    """``value`` (whole, or this rank's rows of a DTensor parameter) as a gradient of ``p``.
+
+    Raises:
+        ValueError: another shape or dtype than ``p``'s (its rows here), naming ``what``.
+    """
+    t = _tensor_like(value, _local(p.detach()), what)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return t
 
 
 def _tensor_like(value: np.ndarray | torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
@@ -162,7 +176,7 @@ class OptimizerSteps:
             ValueError: a recorded gradient's shape or dtype differs from its parameter's.
         """
         for name, p in self.state.named.items():
-            p.grad = _tensor_like(record[name], p, f"the recorded gradient of {name}") if name in record else None
+            p.grad = _like_parameter(record[name], p, f"the recorded gradient of {name}") if name in record else None
         for i, group in enumerate(self.state.optimizer.param_groups):
             set_group_values(group, i, record)
         self._replaying = True

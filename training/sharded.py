@@ -15,8 +15,9 @@ bitwise those saved. Strategies: ``full-sync`` and ``full-async`` (``ShardedChec
 ``training.checkpointing.FullCheckpointer`` on every rank, with ``ShardedWriter`` as its store: the
 staging copy is of this rank's rows), ``layerwise`` (``ShardedLayerwiseCheckpointer``: each unit's
 change summed over the ranks' rows, composite sharded checkpoints) and ``overlapped``
-(``ShardedOverlappedCheckpointer``: each rank catches its own rows up). ``differential`` is not supported
-with sharded state (its records replay whole gradients through the optimizer).
+(``ShardedOverlappedCheckpointer``: each rank catches its own rows up) and ``differential``
+(``ShardedDiffCheckpointer``: each rank records its rows of the gradients; replayed at the same world
+size only).
 
 What is and is not bitwise across world sizes: the state a restore loads is bitwise the state saved,
 at any world size. The steps after it are bitwise those of the saved run only at the same world
@@ -39,7 +40,9 @@ from torch.distributed.tensor import DTensor
 from raycheck.policies.layerwise import LayerwiseConfig, UnitStatus, change_ratio, change_sums
 from raycheck.storage.dcp_store import ShardedStore, global_layout
 from raycheck.storage.snapshots import SnapshotInfo
+from raycheck.storage.diffs import DiffStore
 from raycheck.training.checkpointing import FullCheckpointer
+from raycheck.training.differential import DiffCheckpointer
 from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import CatchUp, OverlappedCheckpointer
 
@@ -238,3 +241,48 @@ class ShardedOverlappedCheckpointer(OverlappedCheckpointer):
 
     def _commit(self, step: int, state: dict[str, np.ndarray]) -> int:
         return self.sharded.save(step, as_dtensors(state, self.live), self.config, self.group).rank_bytes
+
+
+class ShardedDiffCheckpointer(DiffCheckpointer):
+    """``DiffCheckpointer`` on every rank under FSDP2 (LowDiff, SC'25, over row shards): each rank records
+    its rows of each step's gradients (``training.optim_steps.OptimizerSteps`` records ``to_local``
+    gradients) in a record store of its own (``diffs``, under ``storage.diffs.rank_prefix``), in batches
+    cut at the same steps on every rank; the ranks save the full checkpoints together
+    (``ShardedStore.save``, which returns on every rank once rank 0 has committed, so no rank's garbage
+    collection of records outruns the commit). A restore (``workers.own_loop.FirstOrderCheckpoints``)
+    replays every rank's rows up to the step all ranks' records reach, at the world size they were taken
+    at only: at another one the rows of a gradient fall elsewhere, and the restore starts from the full
+    checkpoint.
+
+    Args:
+        store: the run's sharded checkpoints (the full ones).
+        diffs: this rank's records (``DiffStore`` with prefix ``rank_prefix(rank, world)``).
+        live: the live state (name -> DTensor or tensor), for the sharding.
+        group: ``checkpoint_group()``.
+        gradients, full_every, batch_steps, topk_ratio, config, max_pending: as ``DiffCheckpointer``.
+    """
+
+    def __init__(self, store: ShardedStore, diffs: DiffStore, live: Mapping[str, torch.Tensor], group: dist.ProcessGroup,
+                 gradients: Callable[[], Mapping[str, torch.Tensor]], full_every: int, batch_steps: int, topk_ratio: float = 0.0,
+                 config: Mapping[str, Any] | None = None, max_pending: int = 2) -> None:
+        super().__init__(store, diffs, gradients, full_every, batch_steps, topk_ratio, config, max_pending)
+        self.sharded, self.live, self.group = store, live, group
+
+    def after_step(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> float:
+        return super().after_step(steps_done, lambda: local_view(state()))
+
+    def save_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]], timeout_s: float = 600.0) -> dict[str, Any]:
+        return super().save_now(steps_done, lambda: local_view(state()), timeout_s)
+
+    def full_now(self, steps_done: int, state: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        super().full_now(steps_done, lambda: local_view(state()))
+
+    def _records_reach(self, steps_done: int) -> bool:
+        """Every rank's records reach ``steps_done`` (one answer on every rank: a full checkpoint instead
+        is a collective)."""
+        every: list[bool] = [False] * dist.get_world_size(self.group)  # all_gather_object fills each
+        dist.all_gather_object(every, super()._records_reach(steps_done), group=self.group)
+        return all(every)
+
+    def _commit_full(self, step: int, staged: Mapping[str, np.ndarray]) -> int:
+        return self.sharded.save(step, as_dtensors(staged, self.live), self.config, self.group).rank_bytes

@@ -13,7 +13,7 @@ Strategies (rank 0 persists; ``job.stores.checkpoint_store(cfg)`` holds every ch
   staged in ``overlapped.chunks`` chunks over as many steps, caught up to one consistent step.
 
 ``fo.parallelism`` fsdp2 (``training.sharded``): the state is sharded over the workers (FSDP2); every
-rank runs the checkpointer (every strategy but differential, each writing its rows through torch DCP), the
+rank runs the checkpointer (any strategy, each writing its rows through torch DCP), the
 restore (resharded to this world size), the state hashes (re-gathered) and the evaluation.
 
 Checkpoints go through ``workers.own_loop.FirstOrderCheckpoints`` (``run_checkpoints``), the API a user's
@@ -38,7 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 from raycheck.job.config import JobConfig
-from raycheck.job.stores import checkpoint_store, diff_store
+from raycheck.job.stores import checkpoint_store, diff_store, run_identity
+from raycheck.storage.diffs import DiffStore, rank_prefix
 from raycheck.policies.strategies import RunStrategy
 from raycheck.training import sharded as sharded_fo
 from raycheck.training.data import PromptEncoder, batch_indices
@@ -67,9 +68,15 @@ def run_checkpoints(cfg: JobConfig, trainer: FOTrainer, events: Callable[[str, d
 
 def durable_steps(cfg: JobConfig) -> int:
     """Steps durable in storage now: the newest committed checkpoint's (FSDP2: sharded), extended by the
-    committed gradient records after it for ``differential``."""
-    base = max((i.step for i in checkpoint_store(cfg).list()), default=0)
-    return diff_store(cfg).durable_end(base) if cfg.strategy == RunStrategy.DIFFERENTIAL else base
+    committed gradient records after it for ``differential`` (FSDP2: as far as every rank's reach, at the
+    run's worker count)."""
+    store = checkpoint_store(cfg)
+    base = max((i.step for i in store.list()), default=0)
+    if cfg.strategy != RunStrategy.DIFFERENTIAL:
+        return base
+    if cfg.fo.parallelism == "fsdp2":
+        return min(DiffStore(store.storage, rank_prefix(r, cfg.workers), run_identity(cfg)).durable_end(base) for r in range(cfg.workers))
+    return diff_store(cfg).durable_end(base)
 
 
 def train_loop_per_worker(config: dict) -> None:

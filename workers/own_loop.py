@@ -57,7 +57,7 @@ from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.policies.strategies import STEP_LOG, RunStrategy
 from raycheck.storage.backend import Storage
-from raycheck.storage.diffs import DiffStore
+from raycheck.storage.diffs import DiffStore, rank_prefix
 from raycheck.storage.manifest import RunIdentity, folder_step, layout_sha256, manifest_layout
 from raycheck.storage.dcp_store import ShardedStore, global_layout
 from raycheck.storage.snapshots import NoSnapshotError, SnapshotCorruptError, SnapshotInfo, SnapshotStore, unit_steps
@@ -69,8 +69,8 @@ from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, set_group_values, unwrap
 from raycheck.training.optim_steps import OptimizerSteps, clone_optimizer
 from raycheck.training.overlapped import OverlappedCheckpointer
-from raycheck.training.sharded import (ShardedCheckpointer, ShardedLayerwiseCheckpointer, ShardedOverlappedCheckpointer, ShardedWriter,
-                                      checkpoint_group)
+from raycheck.training.sharded import (ShardedCheckpointer, ShardedDiffCheckpointer, ShardedLayerwiseCheckpointer,
+                                      ShardedOverlappedCheckpointer, ShardedWriter, checkpoint_group)
 from raycheck.workers.preempt import PreemptionNotices, save_before_deadline
 from raycheck.storage.pointers import committed_snapshot
 from raycheck.workers.train_reports import TrainReports, ray_train_context
@@ -79,12 +79,6 @@ log = logging.getLogger(__name__)
 
 OwnCheckpointer = FullCheckpointer | LayerwiseCheckpointer | DiffCheckpointer | OverlappedCheckpointer
 """Rank 0's checkpointer, by strategy (FSDP2: ``training.sharded``'s sharded ones, on every rank)."""
-
-SHARDED_STRATEGIES = tuple(s.value for s in (RunStrategy.FULL_SYNC, RunStrategy.FULL_ASYNC, RunStrategy.LAYERWISE, RunStrategy.OVERLAPPED))
-"""The strategies of a model sharded by FSDP2 (``fully_shard``: DTensor parameters): sharded checkpoints,
-every rank writing its rows (``storage.dcp_store``; layer-wise: ``training.sharded.ShardedLayerwiseCheckpointer``,
-composites of sharded checkpoints; overlapped: ``ShardedOverlappedCheckpointer``, each rank catching its
-rows up). Differential replays whole gradients through the optimizer: not with sharded state."""
 
 STRATEGIES = tuple(s.value for s in RunStrategy if s not in STEP_LOG)
 """The strategies a user's loop can checkpoint with (all of ``raycheck run``'s first-order ones)."""
@@ -182,11 +176,9 @@ class FirstOrderCheckpoints:
         self.group: torch.distributed.ProcessGroup | None = None
         """FSDP2 (DTensor parameters): every rank's checkpoint collectives' gloo group; None otherwise."""
         if any(isinstance(p, DTensor) for p in self.state.named.values()):
-            plain = isinstance(storage, SnapshotStore) and not isinstance(storage, ShardedStore)
-            if strategy not in SHARDED_STRATEGIES or plain:
-                raise ValueError(f"FSDP2 (DTensor parameters): strategy {' or '.join(SHARDED_STRATEGIES)} with storage as a "
-                                 f"path, URI or ShardedStore (sharded checkpoints, every rank writes its rows); got {strategy}"
-                                 f"{' and a SnapshotStore' if plain else ''}")
+            if isinstance(storage, SnapshotStore) and not isinstance(storage, ShardedStore):
+                raise ValueError("FSDP2 (DTensor parameters) writes sharded checkpoints, every rank its rows: give storage as a "
+                                 "path, URI or ShardedStore, not a SnapshotStore")
             self.group = checkpoint_group()
         elif isinstance(storage, ShardedStore):
             raise ValueError("a ShardedStore holds FSDP2 checkpoints: this model's parameters are not DTensors (not sharded)")
@@ -200,7 +192,9 @@ class FirstOrderCheckpoints:
             kind = SnapshotStore if self.group is None else ShardedStore
             self.store, claim = kind(Storage(storage, **dict(storage_options or {})), keep_last=keep,
                                      identity=RunIdentity(run_id, trajectory)), True
-        self.diffs = DiffStore(self.store.storage, identity=self.store.identity) if strategy == RunStrategy.DIFFERENTIAL else None
+        self.diffs = DiffStore(self.store.storage, identity=self.store.identity, prefix=rank_prefix(self.rank, self.world)
+                               if self.group is not None else "diffs") if strategy == RunStrategy.DIFFERENTIAL else None
+        """``differential``'s records (FSDP2: this rank's rows, in a prefix of its own)."""
         config = {"strategy": strategy, "optimizer": type(optimizer).__name__, "settings": dict(settings or {})}
         self.steps: OptimizerSteps | None = None
         """The optimizer's step records (``differential`` and ``overlapped``; every rank: a restore replays)."""
@@ -230,6 +224,11 @@ class FirstOrderCheckpoints:
             store, config = cast(ShardedStore, self.store), {**config, "fsdp2": True}
             if self.strategy == RunStrategy.LAYERWISE:
                 return ShardedLayerwiseCheckpointer(store, self.state.view(), self.group, self.every_steps, layerwise, config)
+            d = self.differential
+            if self.strategy == RunStrategy.DIFFERENTIAL:
+                assert self.diffs is not None and self.steps is not None
+                return ShardedDiffCheckpointer(store, self.diffs, self.state.view(), self.group, self.steps.applied, d.full_every_steps,
+                                               d.batch_steps, d.topk, config)
             if self.strategy == RunStrategy.OVERLAPPED:
                 assert self.steps is not None
                 return ShardedOverlappedCheckpointer(store, self.state.view(), self.group, self.every_steps, overlapped.chunks,
@@ -343,17 +342,20 @@ class FirstOrderCheckpoints:
         optimizer (rank 0 as far as they verify; every other rank the same steps), then count the full
         checkpoints from it. With no full checkpoint, records are replayed from step 0 only with
         ``reproducible_init``; otherwise none is (the model may not be the one the records started
-        from) and the initial state is written as a full checkpoint instead."""
+        from) and the initial state is written as a full checkpoint instead. FSDP2: every rank replays its
+        own rows (``_replay_rows``)."""
         assert self.steps is not None and self.diffs is not None
         base = chosen.step if chosen is not None else 0
         box = [base]
-        if self.rank == 0 and (chosen is not None or self.reproducible_init):
+        if self.group is not None:
+            box = [self._replay_rows(base) if chosen is not None or self.reproducible_init else base]
+        elif self.rank == 0 and (chosen is not None or self.reproducible_init):
             replay = self.diffs.replay(base, self.steps.replay)
             box = [replay.end_step]
             self.restored["exact"] = replay.exact
             if replay.stopped:
                 self.restored["skipped"] = [*self.restored.get("skipped", []), replay.stopped]
-        if self.world > 1 and torch.distributed.is_initialized():
+        if self.group is None and self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(box, src=0)
             if self.rank != 0 and box[0] > base:
                 self.diffs.replay(base, self.steps.replay, until=box[0])
@@ -362,6 +364,22 @@ class FirstOrderCheckpoints:
             if chosen is None and not self.reproducible_init:
                 self.checkpointer.full_now(0, self.state.view)
         self.restored.update(step=box[0], replayed_steps=box[0] - base)
+
+    def _replay_rows(self, base: int) -> int:
+        """FSDP2 ``differential``: every rank verifies its own records from step ``base`` (applying none),
+        the ranks take the step all of them reach, and each replays its rows up to it (records of
+        another world size are under other prefixes: none, the full checkpoint is the restored state).
+        Returns that step."""
+        assert self.steps is not None and self.diffs is not None and self.group is not None
+        verified = self.diffs.replay(base, lambda record: None)  # reads and verifies each batch, applies nothing
+        ends = [base] * self.world  # all_gather_object fills each
+        torch.distributed.all_gather_object(ends, verified.end_step, group=self.group)
+        if verified.stopped:
+            self.restored["skipped"] = [*self.restored.get("skipped", []), verified.stopped]
+        end = min(ends)
+        if end > base:
+            self.restored["exact"] = self.diffs.replay(base, self.steps.replay, until=end).exact
+        return end
 
     # -- the loop ---------------------------------------------------------------------------------
     def after_step(self, steps_done: int, metrics: Mapping[str, Any] | None = None) -> float:
