@@ -72,10 +72,11 @@ def unit_hashes(model: Net, opt: torch.optim.Optimizer) -> dict[str, str]:
     return {u: state_sha256({n: full[n] for n in names}) for u, names in group_by_unit(full).items()}
 
 
-def crash_and_restart(rank: int, world: int, root: str, crash_after: int, **kw) -> dict:
+def crash_and_restart(rank: int, world: int, root: str, crash_after: int, save_now: bool = False, **kw) -> dict:
     """A run (``FirstOrderCheckpoints`` with ``kw``) that crashes after ``crash_after`` steps (its writes
-    done), restarts, restores and trains on to ``STEPS``: what it restored (step, each unit's step and hash;
-    and the hashes of the same checkpoint loaded into the model unsharded) and the final state."""
+    done; ``save_now``: after a just-in-time save of that step, as on a preemption notice), restarts,
+    restores and trains on to ``STEPS``: what it restored (step, each unit's step and hash; and the hashes
+    of the same checkpoint loaded into the model unsharded) and the final state."""
     def checkpoints(model: Net, opt: torch.optim.Optimizer) -> FirstOrderCheckpoints:
         return FirstOrderCheckpoints(model, opt, root, every_steps=EVERY, report=False, preemption=False, **kw)
 
@@ -83,6 +84,9 @@ def crash_and_restart(rank: int, world: int, root: str, crash_after: int, **kw) 
     ckpt = checkpoints(model, opt)
     ckpt.restore()
     train(model, opt, 0, crash_after, rank, world, ckpt)
+    if save_now:
+        assert ckpt.checkpointer is not None
+        ckpt.checkpointer.save_now(crash_after, ckpt.state.view)
     ckpt.flush()
     model, opt = sharded(rank, world)  # the restart
     ckpt = checkpoints(model, opt)
@@ -130,6 +134,8 @@ def _rank_main(rank: int, world: int, port: int, root: str, result: str) -> None
                                       layerwise=LayerwiseConfig(threshold=0.0, max_bytes_per_check=4000))
     out["differential"] = crash_and_restart(rank, world, f"{root}-differential", CRASH_AFTER + 1, strategy="differential",
                                             differential=DifferentialConfig(full_every_steps=4, batch_steps=1))
+    out["differential_jit"] = crash_and_restart(rank, world, f"{root}-differential-jit", CRASH_AFTER, save_now=True, strategy="differential",
+                                                differential=DifferentialConfig(full_every_steps=100, batch_steps=10))
     out["overlapped"] = crash_and_restart(rank, world, f"{root}-overlapped", CRASH_AFTER, strategy="overlapped",
                                           overlapped=OverlappedConfig(chunks=2))
     if rank == 0:
@@ -164,6 +170,11 @@ def test_your_fsdp2_loop_differential_replays_every_ranks_gradient_rows_and_cont
     assert differential["restored"] == 2 * EVERY and differential["units"] == out["units_at"][2 * EVERY]
     assert differential["final"] == out["reference"]
     assert (differential["base_step"], differential["replayed_steps"]) == (4, 2)
+    # a just-in-time save (a preemption notice) after step 5 writes every rank's pending records (nothing was
+    # due: batches of 10 steps): the restart replays all 5 from the initial full checkpoint, bitwise
+    jit = out["differential_jit"]
+    assert (jit["restored"], jit["base_step"], jit["replayed_steps"]) == (CRASH_AFTER, 0, CRASH_AFTER)
+    assert jit["final"] == out["reference"]
 
 
 def test_your_fsdp2_loop_layerwise_at_threshold_0_restores_and_continues_bitwise(ran):
