@@ -183,7 +183,8 @@ def storage_reachable() -> bool:
     if not found:
         log.warning("Ray Train's storage %s is not reachable from this node (a local storage_path on a cluster of several "
                     "nodes?): its reports carry no checkpoint (the snapshots stay in raycheck's storage); give RunConfig a "
-                    "storage_path every node reaches (s3://...) for Ray Train to list them", sc.experiment_fs_path)
+                    "storage_path every node reaches (s3://...; raycheck run: --ray-train-storage s3://...) for Ray Train to list them",
+                    sc.experiment_fs_path)
     return found
 
 
