@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -159,13 +160,19 @@ def _stores(store: SnapshotStore) -> list[SnapshotStore]:
 
 def _units(manifest: dict) -> str:
     """The ``inspect`` column of a snapshot's units and the step of each (``4 units (3 @ step 2, 1 @ step 5)``),
-    or of a sharded checkpoint's files (``3 files of 2 rank(s)``: DCP files of every rank, all of one step)."""
+    or of a sharded checkpoint's files (``3 files of 2 rank(s)``: DCP files of every rank), with its units'
+    steps when it is a composite (layer-wise: ``..., 7 units (5 @ step 20, 2 @ step 10)``)."""
     if "world_size" in manifest:
-        return f"{len(manifest['units'])} files of {manifest['world_size']} rank(s)"
-    steps: dict[int, int] = {}
-    for spec in manifest["units"].values():
-        steps[spec["step"]] = steps.get(spec["step"], 0) + 1
-    return f"{len(manifest['units']):>4} units ({', '.join(f'{n} @ step {s}' for s, n in sorted(steps.items()))})"
+        files = f"{len(manifest['units'])} files of {manifest['world_size']} rank(s)"
+        layers = manifest.get("layers")
+        return f"{files}, {_unit_steps([s['step'] for s in layers.values()])}" if layers else files
+    return _unit_steps([spec["step"] for spec in manifest["units"].values()], width=4)
+
+
+def _unit_steps(steps: list[int], width: int = 0) -> str:
+    """``N units (a @ step s, ...)``: how many units belong to each step (``N`` right-aligned in ``width``)."""
+    counts = collections.Counter(steps)
+    return f"{len(steps):>{width}} units ({', '.join(f'{n} @ step {s}' for s, n in sorted(counts.items()))})"
 
 
 def run_of(info: SnapshotInfo) -> str:

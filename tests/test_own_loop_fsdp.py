@@ -13,6 +13,7 @@ FSDP2 ranks and unsharded in one process."""
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 
@@ -21,8 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
+from typer.testing import CliRunner
 
 from conftest import free_port
+from raycheck.cli.main import app
 from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.storage.dcp_store import ShardedStore
@@ -208,6 +211,9 @@ def test_a_sharded_layerwise_composite_restores_each_unit_bitwise_as_of_its_own_
     [newest] = store.list()
     assert newest.step == STEPS and {s["folder"] for s in newest.manifest["layers"].values()} != {newest.folder}
     assert store.unindexed() == [] and store.verify(newest) == []  # the older folders hold only the files it reads
+    listed = CliRunner().invoke(app, ["inspect", f"{root}-budget"])
+    steps = collections.Counter(s["step"] for s in newest.manifest["layers"].values())
+    assert listed.exit_code == 0 and f"units ({', '.join(f'{n} @ step {s}' for s, n in sorted(steps.items()))})" in listed.output
 
 
 def test_the_final_sharded_snapshot_loads_into_the_model_unsharded_in_one_call(ran, tmp_path):
