@@ -16,10 +16,11 @@ ignores it)::
         manifest.json                             ours, written last by rank 0: size and sha256 of each file
 
 A composite (layer-wise) checkpoint writes the tensors of some units only (``storage.units``: a layer, its
-weights and optimizer state together); its manifest's ``layers`` names, for every unit, the folder
-holding that unit's rows and the step they belong to, and its ``units`` list the files of every folder
-it reads from (so retention keeps them). A load reads each folder's units through that folder's DCP
-metadata. A checkpoint without ``layers`` holds every unit itself.
+weights and optimizer state together), each unit a DCP checkpoint of its own (``<folder>/<unit>/``: its
+ranks' files and ``.metadata``); its manifest's ``layers`` names, for every unit, the folder holding that
+unit's rows (its own, or an older checkpoint's) and the step they belong to, and its ``units`` list the
+files of every folder it reads from, so retention keeps exactly those. A load reads each folder through
+its DCP metadata. A checkpoint without ``layers`` holds every unit itself, in one DCP checkpoint.
 
 Commit rules (``storage.snapshots``): the files go under a folder unique to the attempt, each one put
 atomically (``Storage.put``: fsynced local files, whole S3 objects); every rank reports the size and
@@ -147,16 +148,17 @@ def _folder_problems(manifest: object, folder: str) -> list[str]:
     if layers is not None:
         if not (isinstance(layers, dict) and layers and all(
                 isinstance(s, dict) and isinstance(s.get("step"), int) and s["step"] <= manifest["step"]
-                and isinstance(s.get("folder"), str) and FOLDER.match(s["folder"]) for s in layers.values())):
-            return problems + ["layers: needs unit -> {step (at most the checkpoint's), folder}"]
+                and isinstance(s.get("folder"), str) and FOLDER.match(s["folder"].split("/")[0]) for s in layers.values())):
+            return problems + ["layers: needs unit -> {step (at most the checkpoint's), folder (a checkpoint folder or one's unit)}"]
         sources = {s["folder"] for s in layers.values()}
     paths = [u.get("path") for u in units.values() if isinstance(u, dict)]
     for source in sorted(sources):
         if f"{source}/{DCP_METADATA}" not in paths:
             problems.append(f"no {source}/{DCP_METADATA} among its files")
+    roots = {s.split("/")[0] for s in sources} | {folder}
     for name, spec in units.items():  # its own files by name, the files of the folders it reads from by path
         own = f"{folder}/{name}"
-        if not (isinstance(spec, dict) and spec.get("path") in (own, name) and str(spec["path"]).split("/")[0] in sources | {folder}
+        if not (isinstance(spec, dict) and spec.get("path") in (own, name) and str(spec["path"]).split("/")[0] in roots
                 and isinstance(spec.get("bytes"), int) and isinstance(spec.get("sha256"), str) and len(spec["sha256"]) == 64):
             problems.append(f"file {name!r}: needs path {own} (or a path in a folder of its layers), bytes and sha256")
     return problems
@@ -224,12 +226,15 @@ class ShardedStore(SnapshotStore):
         folder, plan = box
         if folder is None:
             raise ValueError(plan) if plan else RuntimeError(f"rank {rank}: rank 0 broadcast no checkpoint folder for step {step}")
-        writer = FileSystemWriter(folder, sync_files=False)  # Storage.put syncs; DCP's fsync would sync the machine
         fs = _StorageFS(self.storage)
-        writer.fs = fs  # type: ignore[assignment]  # torch types fs as its FileSystem; any FileSystemBase is supported
+        # a composite's units each in a DCP checkpoint of their own (``<folder>/<unit>/``), so that a later
+        # composite reading some of them keeps those files alive, not the whole folder
+        parts = {f"{folder}/{u}": ns for u, ns in group_by_unit(state).items()} if layout is not None else {folder: list(state)}
         try:
-            if state:
-                dcp.save(dict(state), storage_writer=writer, process_group=group)
+            for path, names in parts.items():
+                writer = FileSystemWriter(path, sync_files=False)  # Storage.put syncs; DCP's fsync would sync the machine
+                writer.fs = fs  # type: ignore[assignment]  # torch types fs as its FileSystem; any FileSystemBase is supported
+                dcp.save({n: state[n] for n in names}, storage_writer=writer, process_group=group)
         except CheckpointException as exc:
             raise StorageError(f"sharded checkpoint of step {step} in {self.storage.url(folder)} not written, nothing committed "
                                f"(the previous one stays the newest): {_first_failure(exc)}") from exc
@@ -259,7 +264,7 @@ class ShardedStore(SnapshotStore):
                     "units": units, "names": [n for n, _, _ in layout] if layout is not None else list(state)}
         if plan is not None:
             manifest.update(units={**units, **plan["files"]},
-                            layers={u: {"step": step, "folder": folder} if u in plan["written"] else plan["layers"][u]
+                            layers={u: {"step": step, "folder": f"{folder}/{u}"} if u in plan["written"] else plan["layers"][u]
                                     for u in group_by_unit(n for n, _, _ in layout or ())})
         return self._commit_manifest(folder, manifest)
 
@@ -282,7 +287,7 @@ class ShardedStore(SnapshotStore):
             raise ValueError(f"cannot write the composite checkpoint of step {step}: {'; '.join(problems)}")
         sources = {s["folder"] for s in layers.values()}
         files = {spec["path"]: spec for spec in (base.manifest["units"].values() if base is not None else ())
-                 if spec["path"].split("/")[0] in sources}
+                 if spec["path"].rsplit("/", 1)[0] in sources}
         return {"written": list(written), "layers": layers, "files": files}
 
     def _sources(self, info: SnapshotInfo, names: list[str]) -> dict[str, list[str]]:

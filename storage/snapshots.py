@@ -487,10 +487,11 @@ class SnapshotStore:
             if folder in drop or folder_step(folder) < newest:
                 try:
                     self.storage.delete(path)
-                    emptied.add(folder)
+                    parts = path.split("/")[:-1]  # the folder and any subfolder of it (a sharded composite's units)
+                    emptied.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
                 except OSError as exc:
                     log.warning("retention could not delete %s: %s", path, exc)
-        for folder in emptied:
+        for folder in sorted(emptied, key=lambda f: -f.count("/")):  # the deepest first
             self.storage.remove_empty_folder(folder)
 
     # -- reading ------------------------------------------------------------------------------

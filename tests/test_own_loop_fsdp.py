@@ -200,8 +200,8 @@ def test_your_fsdp2_loop_overlapped_restores_the_caught_up_snapshot_and_continue
 def test_a_sharded_layerwise_composite_restores_each_unit_bitwise_as_of_its_own_step(ran):
     """The budget fits one layer per check: the composite of step 6 mixes units of steps 3 and 6 (the
     parameter groups, unchanged, stay at 3), each loaded bitwise as it was then: in the FSDP2 ranks, and
-    into the model unsharded. With ``keep`` 1, step 3's checkpoint left the index but its files stayed,
-    since the composite reads them; the newest composite (step 8) still reads older folders."""
+    into the model unsharded. With ``keep`` 1, step 3's checkpoint left the index but the files of its
+    units that the composite reads stayed; the newest composite (step 8) still reads older folders."""
     root, out = ran
     budget = out["budget"]
     steps = budget["unit_steps"]
@@ -210,7 +210,12 @@ def test_a_sharded_layerwise_composite_restores_each_unit_bitwise_as_of_its_own_
     store = ShardedStore(f"{root}-budget")
     [newest] = store.list()
     assert newest.step == STEPS and {s["folder"] for s in newest.manifest["layers"].values()} != {newest.folder}
-    assert store.unindexed() == [] and store.verify(newest) == []  # the older folders hold only the files it reads
+    assert store.unindexed() == [] and store.verify(newest) == []
+    # each unit of a composite is a DCP checkpoint of its own: of the older folders, retention kept the files of
+    # the units the newest composite reads, and nothing else
+    kept = {p for p in store.storage.list() if p.startswith("step-")}
+    assert kept == {u["path"] for u in newest.manifest["units"].values()} | {f"{newest.folder}/manifest.json"}
+    assert all(s["folder"] == f"{s['folder'].split('/')[0]}/{u}" for u, s in newest.manifest["layers"].items())
     listed = CliRunner().invoke(app, ["inspect", f"{root}-budget"])
     steps = collections.Counter(s["step"] for s in newest.manifest["layers"].values())
     assert listed.exit_code == 0 and f"units ({', '.join(f'{n} @ step {s}' for s, n in sorted(steps.items()))})" in listed.output
