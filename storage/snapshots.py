@@ -477,7 +477,7 @@ class SnapshotStore:
         composite's older shards: kept alone, without their folder's manifest, which no index lists)."""
         live = {u["path"] for i in self._list_all() for u in i.manifest["units"].values()}
         indexed = {e["folder"] for e in self._read_index()[0].entries}
-        emptied = set()
+        emptied: set[str] = set()
         for path in self.storage.list():
             folder = path.split("/")[0]
             writer = folder_writer(folder)  # None for a name without a writer (or no snapshot at all)

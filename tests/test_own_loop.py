@@ -5,6 +5,7 @@ strategy, the layer-wise composite with each unit's optimizer state, and the one
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from raycheck.job.config import DifferentialConfig, OverlappedConfig
 from raycheck.policies.layerwise import LayerwiseConfig
 from raycheck.storage.diffs import DiffStore
-from raycheck.storage.snapshots import SnapshotStore
+from raycheck.storage.snapshots import NoSnapshotError, SnapshotStore
 from raycheck.training.differential import DiffCheckpointer
 from raycheck.training.state import StepRecord
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError, UnsupportedOptimizerError
@@ -203,6 +204,37 @@ def test_mismatch_is_refused_and_nothing_is_overwritten(tmp_path):
     with pytest.raises(StateMismatchError, match=r"'embed.weight' is <f4 \[16, 6\] there, <f4 \[12, 6\] here; nothing was loaded"):
         ckpt.restore()
     assert state_sha256(ModelOptimizerState(other, other_opt).view()) == before
+
+
+def test_a_restart_whose_every_snapshot_fails_verification_is_refused_not_started_over(tmp_path):
+    """Two committed snapshots, one byte flipped in a shard of each: ``restore`` neither starts over from the
+    initial state (which would discard 2 committed steps and report nothing lost) nor loads anything; the
+    damaged files stay. With one good snapshot left, it loads that one and names the skipped one."""
+    model, opt = make()
+    ckpt = FirstOrderCheckpoints(model, opt, str(tmp_path), strategy="full-sync", every_steps=1, report=False)
+    for i in range(2):
+        step(model, opt, i)
+        ckpt.after_step(i + 1)
+    ckpt.close()
+    infos = ckpt.store.list()
+    shards = [tmp_path / next(iter(i.manifest["units"].values()))["path"] for i in infos]
+    for shard in shards:
+        flip_last_byte(shard)
+    fresh, fresh_opt = make()
+    before = state_sha256(ModelOptimizerState(fresh, fresh_opt).view())
+    again = FirstOrderCheckpoints(fresh, fresh_opt, str(tmp_path), strategy="full-sync", every_steps=1, report=False)
+    with pytest.raises(NoSnapshotError, match=rf"^none of the 2 committed snapshot\(s\) of this run in {tmp_path} loads \(newest: step 2; "
+                                              r".*refusing to start over from the initial state, which would discard 2 committed steps"):
+        again.restore()
+    assert state_sha256(ModelOptimizerState(fresh, fresh_opt).view()) == before and all(s.exists() for s in shards)
+    flip_last_byte(shards[0])  # step 1's snapshot mended
+    assert again.restore() == 1 and "sha256 differs" in again.restored["skipped"][0]
+
+
+def flip_last_byte(path: pathlib.Path) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[-1] ^= 0xFF
+    path.write_bytes(bytes(blob))
 
 
 def test_refusals():

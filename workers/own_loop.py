@@ -261,6 +261,8 @@ class FirstOrderCheckpoints:
         Raises:
             training.optim_state.StateMismatchError: the newest snapshot's tensors differ from this model's
                 and optimizer's (names, shapes, dtypes; the first one is named); nothing was loaded.
+            storage.snapshots.NoSnapshotError: the run has committed snapshots and none loads (each fails
+                verification): starting over would discard their steps; nothing is loaded or deleted.
         """
         t0, began_unix_s = time.perf_counter(), time.time()
         ray_ckpt = None
@@ -295,25 +297,32 @@ class FirstOrderCheckpoints:
         optimizer; returns it (None: none; ``restored["skipped"]`` names the ones that did not verify)."""
         if self.group is not None:
             return self._load_sharded()
-        chosen, state = None, None
+        chosen, state, refusal = None, None, None
         if self.rank == 0:
             own = self._own()
-            if own:  # refuse another model's or optimizer's state before reading any shard
-                self.state.check(manifest_layout(own[-1].manifest), f"snapshot {own[-1].folder} in {self.storage_uri}")
-            skipped: list[str] = []
-            for info in reversed(own):  # newest first; one that fails verification is skipped
-                try:
-                    chosen, state = info, self.store.load(info)
-                    break
-                except SnapshotCorruptError as exc:
-                    skipped.append(str(exc))
-            self.restored["skipped"] = skipped
-        if self.world > 1 and torch.distributed.is_initialized():  # every rank loads rank 0's choice
-            box = [chosen.folder if chosen is not None else None]
+            try:
+                if own:  # refuse another model's or optimizer's state before reading any shard
+                    self.state.check(manifest_layout(own[-1].manifest), f"snapshot {own[-1].folder} in {self.storage_uri}")
+                skipped: list[str] = []
+                for info in reversed(own):  # newest first; one that fails verification is skipped
+                    try:
+                        chosen, state = info, self.store.load(info)
+                        break
+                    except SnapshotCorruptError as exc:
+                        skipped.append(str(exc))
+                self.restored["skipped"] = skipped
+                _refuse_to_start_over(own, chosen, skipped, self.storage_uri)
+            except (StateMismatchError, NoSnapshotError) as exc:
+                refusal = exc
+        if self.world > 1 and torch.distributed.is_initialized():  # every rank loads rank 0's choice, or raises its refusal
+            box: list[Any] = [chosen.folder if chosen is not None else None, refusal]
             torch.distributed.broadcast_object_list(box, src=0)
-            if self.rank != 0 and box[0] is not None:
-                chosen = next(i for i in self._own() if i.folder == box[0])
+            folder, refusal = box
+            if self.rank != 0 and folder is not None:
+                chosen = next(i for i in self._own() if i.folder == folder)
                 state = self.store.load(chosen)
+        if refusal is not None:
+            raise refusal
         if chosen is not None and state is not None:
             self.state.load(state, f"snapshot {chosen.folder}")
         return chosen
@@ -331,6 +340,7 @@ class FirstOrderCheckpoints:
             chosen, self.restored["skipped"] = store.restore(view, self.group)
         except NoSnapshotError as exc:
             self.restored["skipped"] = [str(exc)]
+            _refuse_to_start_over(own, None, [str(exc)], self.storage_uri)
             return None
         for i, group in enumerate(self.state.optimizer.param_groups):
             set_group_values(group, i, view)
@@ -470,6 +480,21 @@ class FirstOrderCheckpoints:
     def load(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
         """``load_checkpoint``."""
         return load_checkpoint(checkpoint, model, optimizer)
+
+
+def _refuse_to_start_over(own: list[SnapshotInfo], chosen: SnapshotInfo | None, skipped: list[str], where: str) -> None:
+    """Refuse a restore that would start over from the initial state although the run has committed
+    snapshots (``own``): every one failed verification (``skipped`` says why). Starting over would discard
+    their steps and report nothing lost; the damaged files stay for inspection (nothing is deleted).
+
+    Raises:
+        storage.snapshots.NoSnapshotError: ``own`` is not empty and ``chosen`` is None.
+    """
+    if own and chosen is None:
+        raise NoSnapshotError(f"none of the {len(own)} committed snapshot(s) of this run in {where} loads (newest: step "
+                              f"{own[-1].step}; {skipped[0] if skipped else 'no reason given'}): refusing to start over from "
+                              f"the initial state, which would discard {own[-1].step} committed steps. Repair or restore the "
+                              f"files (raycheck verify {where} names them), or start a new run in another storage")
 
 
 def load_checkpoint(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
