@@ -320,7 +320,7 @@ class ShardedStore(SnapshotStore):
                 tried.append(f"sharded checkpoint {info.folder} in {self.storage.url()}: {'; '.join(problems)}")
                 continue
             return info, tried
-        raise NoSnapshotError(f"no loadable sharded checkpoint in {self.storage.url()}; tried: {tried or 'none found'}")
+        raise NoSnapshotError(f"no loadable sharded checkpoint in {self.storage.url()}; tried: {'; '.join(tried) or 'none found'}")
 
     def load_into(self, info: SnapshotInfo, state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None,
                   local: bool = False) -> list[str]:

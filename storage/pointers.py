@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from raycheck.storage.backend import Storage
-from raycheck.storage.snapshots import SnapshotInfo, SnapshotStore
+from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
+from raycheck.storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
 
 POINTER_FILE = "raycheck-snapshot.json"
 """The one file of a pointer checkpoint: ``{"format", "snapshot", "store", "folder", "step", "run_id"}``."""
@@ -98,13 +99,16 @@ def is_one_snapshot(checkpoint: Any, **storage_options: Any) -> bool:
 
 def store_at(root: str, **storage_options: Any) -> SnapshotStore:
     """The store whose folder is ``root``: a ``storage.dcp_store.ShardedStore`` for its ``sharded/`` folder
-    (FSDP2 checkpoints), else a ``SnapshotStore``."""
-    from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
-
+    (FSDP2 checkpoints), or for ``root`` itself when only sharded checkpoints are there (an FSDP2 run's
+    storage), else a ``SnapshotStore``."""
     parent, _, last = root.rpartition("/")
     if last == SUBFOLDER and parent:
         return ShardedStore(Storage(parent, create=False, **storage_options), create=False)
-    return SnapshotStore(Storage(root, create=False, **storage_options))
+    storage = Storage(root, create=False, **storage_options)
+    plain = SnapshotStore(storage)
+    if storage.exists(f"{SUBFOLDER}/{INDEX}") and not plain.list():
+        return ShardedStore(storage, create=False)
+    return plain
 
 
 def committed_snapshot(checkpoint: Any, **storage_options: Any) -> tuple[SnapshotStore, SnapshotInfo]:

@@ -651,7 +651,7 @@ class SnapshotStore:
             except SnapshotCorruptError as exc:
                 log.warning("skipping %s", exc)
                 tried.append(str(exc))
-        raise NoSnapshotError(f"no loadable snapshot in {self.storage.url()}; tried: {tried or 'none found'}")
+        raise NoSnapshotError(f"no loadable snapshot in {self.storage.url()}; tried: {'; '.join(tried) or 'none found'}")
 
 
 def unit_steps(info: SnapshotInfo) -> dict[str, int]:

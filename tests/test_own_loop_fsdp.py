@@ -32,7 +32,7 @@ from raycheck.storage.dcp_store import ShardedStore
 from raycheck.storage.manifest import RunIdentity
 from raycheck.storage.snapshots import SnapshotStore
 from raycheck.storage.units import group_by_unit
-from raycheck.storage.pointers import POINTER_FILE, pointer
+from raycheck.storage.pointers import POINTER_FILE, pointer, store_at
 from raycheck.training.optim_state import ModelOptimizerState, StateMismatchError
 from raycheck.training.sharded import full_state
 from raycheck.training.state import state_sha256
@@ -216,6 +216,8 @@ def test_a_sharded_layerwise_composite_restores_each_unit_bitwise_as_of_its_own_
     kept = {p for p in store.storage.list() if p.startswith("step-")}
     assert kept == {u["path"] for u in newest.manifest["units"].values()} | {f"{newest.folder}/manifest.json"}
     assert all(s["folder"] == f"{s['folder'].split('/')[0]}/{u}" for u, s in newest.manifest["layers"].items())
+    found = store_at(f"{root}-budget")  # the store's folder stands for its sharded checkpoints (raycheck export STORE)
+    assert isinstance(found, ShardedStore) and found.list()[-1].folder == newest.folder
     listed = CliRunner().invoke(app, ["inspect", f"{root}-budget"])
     steps = collections.Counter(s["step"] for s in newest.manifest["layers"].values())
     assert listed.exit_code == 0 and f"units ({', '.join(f'{n} @ step {s}' for s, n in sorted(steps.items()))})" in listed.output
