@@ -333,12 +333,14 @@ def _damaged(exc: StepLogError) -> typer.Exit:
 def _checked_job(cfg: JobConfig):
     """``orchestrator.api.check_job``: model, data, shards and storage checked before training starts
     (exit 2 with one line: a wrong model, bad data, endpoint, bucket or credentials)."""
-    from raycheck.orchestrator.api import check_job
+    from raycheck.orchestrator.api import RayTrainStorageError, check_job
 
     try:
         return check_job(cfg)
     except ValueError as exc:
         raise _refuse(option_names(str(exc))) from exc
+    except RayTrainStorageError as exc:
+        raise _refuse(str(exc)) from exc
     except OSError as exc:
         raise _refuse(f"snapshot storage {cfg.storage.uri} is not usable: {exc}") from exc
 

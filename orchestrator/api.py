@@ -13,6 +13,7 @@ data file raises ``ValueError`` (``training.data.DataError`` for the data) and t
 
 from __future__ import annotations
 
+import os
 import pathlib
 import uuid
 from typing import Any, Callable
@@ -22,6 +23,7 @@ import torch
 from raycheck.job.config import JobConfig
 from raycheck.job.run_dir import RunDir
 from raycheck.job.stores import snapshot_store
+from raycheck.storage.backend import Storage, local_path
 from raycheck.training.assets import Assets, OwnLoop, module_files, read_assets
 from raycheck.training.model import default_cache_dir, trainable_parameters
 
@@ -68,19 +70,38 @@ def check_job(cfg: JobConfig) -> tuple[JobConfig, Assets]:
     return cfg, assets
 
 
+class RayTrainStorageError(OSError):
+    """Ray Train's storage (``--ray-train-storage``) cannot be used; the message names it and why."""
+
+
 def check_storage(cfg: JobConfig) -> None:
     """Probe ``cfg``'s remote snapshot storage (a local store is made by the run: checking it here would
-    leave a folder behind).
+    leave a folder behind), then Ray Train's storage when one is given (``StorageConfig.ray_train``: a
+    bucket is probed with the same options; a local path must lie in a writable folder).
 
     Raises:
-        OSError: it cannot be reached; ``StorageConsistencyError``: it ignores conditional writes and
-            ``job.config.StorageConfig.consistency`` is ``fenced``.
+        OSError: the snapshot storage cannot be reached; ``StorageConsistencyError``: it ignores conditional
+            writes and ``job.config.StorageConfig.consistency`` is ``fenced``. RayTrainStorageError: Ray
+            Train's storage cannot be used.
     """
     if cfg.storage.remote:
         storage = snapshot_store(cfg).storage
         storage.probe()
         if cfg.storage.consistency == "fenced":
             storage.check_conditional_writes()
+    uri = cfg.storage.ray_train
+    if not uri:
+        return
+    folder = local_path(uri)
+    try:
+        if folder is None:
+            Storage(uri, create=False, **cfg.storage.options).probe()
+            return
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise NotADirectoryError(f"{existing} is not a folder this user can write in")
+    except OSError as exc:
+        raise RayTrainStorageError(f"Ray Train's storage {uri} (--ray-train-storage) is not usable: {exc}") from exc
 
 
 def run_job(cfg: JobConfig, *, verify: bool = False, echo: Callable[[str], None] = print,

@@ -56,6 +56,20 @@ def test_unusable_storage_is_refused_before_training(tmp_path, s3_endpoint):
     assert not (tmp_path / "run" / "steplog.bin").exists()
 
 
+def test_unusable_ray_train_storage_is_refused_before_training(tmp_path, s3_endpoint):
+    """``--ray-train-storage``: a missing bucket, and a path under a file, each refused in one line before
+    anything starts (Ray Train would fail its controller a minute later, after the shadow had started)."""
+    bucket = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "a-file").write_text("x")
+    for given, why in ((f"s3://{bucket}/rt", f"bucket {bucket!r} does not exist; create it first, or check the bucket name and --s3-endpoint"),
+                       (str(tmp_path / "a-file" / "rt"), f"{tmp_path / 'a-file'} is not a folder this user can write in")):
+        result = CliRunner().invoke(app, ["run", "--model", "tiny", "--steps", "4", "--out", str(tmp_path / "run"),
+                                          "--ray-train-storage", given, "--s3-endpoint", s3_endpoint])
+        assert (result.exit_code, result.output.splitlines()) == (
+            2, [f"error: Ray Train's storage {given} (--ray-train-storage) is not usable: {why}"]), result.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_without_a_saved_configuration_is_refused(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
