@@ -98,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fail-step must be in 0..{args.steps - 1}")
 
     failures = (FailureSpec(step=args.fail_step, target="worker"),) if args.fail_step is not None else ()
-    cfg = job_config(args.out, steps=args.steps, workers=args.workers, seed=args.seed, zo={"lr": args.lr, "eps": args.eps},
-                     snapshot={"every_steps": args.every}, faults={"failures": failures},
-                     storage={"uri": args.storage, "ray_train": args.ray_train_storage,
-                              "options": {"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}})
+    try:
+        cfg = job_config(args.out, steps=args.steps, workers=args.workers, seed=args.seed, zo={"lr": args.lr, "eps": args.eps},
+                         snapshot={"every_steps": args.every}, faults={"failures": failures},
+                         storage={"uri": args.storage, "ray_train": args.ray_train_storage,
+                                  "options": {"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}})
+    except ValueError as exc:  # a setting no run can use, e.g. a storage URI with a slash lost
+        parser.error(str(exc))
     torch.manual_seed(args.seed)
     summary = run_own_loop(cfg, train_loop_per_worker, Regressor(), verify=args.verify)
     trained, reported = None, None

@@ -348,6 +348,8 @@ class StorageConfig:
     def __post_init__(self) -> None:
         if self.consistency not in STORAGE_CONSISTENCIES:
             raise ValueError(f"storage consistency {self.consistency!r}: choose one of {', '.join(STORAGE_CONSISTENCIES)}")
+        for uri in (self.uri, self.ray_train):
+            storage_uri(uri)  # as the command line reads it: no URI naming nothing, no lost slash (ValueError)
         if split_uri(self.ray_train)[0] not in ("file", "s3"):
             raise ValueError(f"Ray Train's storage {self.ray_train!r}: give a path or s3://BUCKET/PREFIX")
 
