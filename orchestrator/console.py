@@ -133,8 +133,10 @@ def _recovery(e: dict, recovery_seconds: float | None) -> str:
         how += f" (still loading: {loading_s:.1f} s more)"
     took = (f"{recovery_seconds:.1f} s after the failure" if recovery_seconds is not None
             else f"restore took {e['seconds']:.2f} s")
+    skipped = e.get("skipped") or []  # newer states that did not load (a damaged checkpoint), or why a replay stopped
+    passed_over = f"; passed over: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else "") if skipped else ""
     return (f"worker {e.get('rank', 0)} restored at step {e['restored_step']} from "
-            f"{restored_from(e['source'], e['base_step'], e['replayed_steps'])} in {how}, {took}")
+            f"{restored_from(e['source'], e['base_step'], e['replayed_steps'])} in {how}, {took}{passed_over}")
 
 
 def _step_log(e: dict) -> str | None:

@@ -34,6 +34,10 @@ def test_events_read_as_sentences_and_bookkeeping_events_show_only_with_verbose(
                                          "replayed in a new process, 5.2 s after the failure")
     assert describe({**RECOVERY, "source": "object_store", "replayed_steps": 0, "path": "standby"}, None) == (
         "[raycheck] worker 0 restored at step 20 from the shadow's image in the warm standby, restore took 0.41 s")
+    damaged = {**RECOVERY, "skipped": ["snapshot step-0000000018-ab: unit embed, sha256 differs (corrupt)", "x"]}
+    assert describe(damaged, 5.234) == ("[raycheck] worker 0 restored at step 20 from the snapshot of step 16 + 4 logged steps "
+                                        "replayed in a new process, 5.2 s after the failure; passed over: snapshot "
+                                        "step-0000000018-ab: unit embed, sha256 differs (corrupt) (and 1 more)")
     loading = {**RECOVERY, "source": "object_store", "replayed_steps": 0, "path": "standby", "detected_unix_s": 10.0,
                "standby_loaded_unix_s": 13.5}
     assert describe(loading, 4.0) == ("[raycheck] worker 0 restored at step 20 from the shadow's image in the warm standby "
