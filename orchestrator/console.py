@@ -399,8 +399,9 @@ def summary_table(summary: dict, printed: dict, out: object) -> list[str]:
                                  f"{summary.get('persister_restarts') or 0}, driver resumes {len(summary.get('resumes') or [])}"))
         rows += [("preemption" if i == 0 else "", row) for i, row in enumerate(_preemption_rows(summary))]
         if step_s:
-            rows.append(("step time", f"{format_duration(step_s)} mean, of which checkpointing blocked "
-                                      f"{format_duration(stall_s or 0.0)} ({100 * (stall_s or 0.0) / step_s:.1f} %)"))
+            stall = stall_s or 0.0  # measured apart from the step: the loop's time is their sum
+            rows.append(("step time", f"{format_duration(step_s)} mean, plus {format_duration(stall)} checkpointing blocked "
+                                      f"the loop ({100 * stall / (step_s + stall):.1f} % of its time)"))
         if summary.get("accuracy_before") is not None:
             rows.append((summary.get("eval_metric") or "accuracy", f"{summary['accuracy_before']:.3f} before, "
                                                                    f"{summary['accuracy_after']:.3f} after"))

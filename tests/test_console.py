@@ -143,7 +143,7 @@ def test_the_summary_table_says_exact_or_not_and_lists_failures_and_recoveries()
         "  failures    worker after step 20 (exit), shadow after step 30",
         "  recoveries  step 20 from the shadow's image in a new process, 18.1 s after the failure",
         "  restarts    shadow 1, snapshot persister 0, driver resumes 0",
-        "  step time   2 s mean, of which checkpointing blocked 10 ms (0.5 %)",
+        "  step time   2 s mean, plus 10 ms checkpointing blocked the loop (0.5 % of its time)",
         "  accuracy    0.500 before, 0.560 after",
         "  wall time   5 min",
         "  results     runs/x/summary.json, runs/x/metrics.parquet"]
