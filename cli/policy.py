@@ -200,8 +200,9 @@ def policy(
 ) -> None:
     """Expected wasted time of each snapshot strategy at classical and model-optimal intervals, and the pick.
 
-    Exits 2 when no strategy is feasible or none makes progress (``policies.compare.MAX_WASTE_RATIO``),
-    after the table (or the JSON, with ``recommended`` null) that shows why."""
+    Exits 2 when no strategy is feasible or none makes progress (its run would take over 101 times as
+    long as without failures and snapshots), after the table (or the JSON, with recommended null) that
+    shows why."""
     throughput = _throughput(elements, replay_rate, device_replay_rate)
     replay_time, shadow_cores = _replay_time(replay_time, throughput, _seconds("--step-time", step_time), shadow_cores)
     costs = _costs(step_time, replay_time, snapshot_time, stall_time, log_time, restart_time, load_time,

@@ -289,9 +289,9 @@ def _temp_lines(temps: list[TempFile]) -> list[str]:
 def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: ConsistencyOpt = "fenced") -> None:
     """List committed snapshots: step, size (bytes of every shard its state is made of), units and the
     step each unit belongs to, the run that wrote it, and the step log; then folders with a manifest
-    that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its ``sharded/``
+    that the index does not list ("not indexed"). An fsdp2 run's sharded checkpoints (its sharded/
     folder) are listed after the snapshots, then the temp files that killed writes left in the store
-    (count, bytes, each one's path; ``storage.backend.Storage.temp_files``), and the steps of a run
+    (count, bytes, each one's path), and the steps of a run
     directory's step log without a row in its metrics.jsonl (lost across an interrupt); a differential
     run's diff batches (count, steps, bytes; unreadable commit records are problems).
 
@@ -299,7 +299,7 @@ def inspect(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: Con
     when a snapshot was skipped (missing, altered or malformed manifest, malformed index), a folder
     is not indexed, or the step log or its segments are damaged (a corrupt record or a gap; a torn
     tail is not damage). Temp files are not problems. 2: a missing store (folder or bucket), a folder
-    or prefix that holds nothing of a run, or (``--storage-consistency fenced``, the default) an S3
+    or prefix that holds nothing of a run, or (--storage-consistency fenced, the default) an S3
     server that ignores conditional writes. Shards are not re-hashed: see verify."""
     main = open_store(uri, s3_endpoint, consistency=storage_consistency)
     stores = _stores(main)
@@ -335,7 +335,7 @@ def verify(uri: UriArg, s3_endpoint: EndpointOpt = "", storage_consistency: Cons
     checkpoints, every diff batch of a differential run (against its commit record) and the mirrored
     step log; exit 1 naming each bad one, and the snapshot folders with a manifest that the index does
     not list. Exit 2: a missing store (folder or bucket), or a folder or prefix that holds nothing of a
-    run, or (``--storage-consistency fenced``) an S3 server that ignores conditional writes. A run with nothing to re-hash (no committed snapshot or diff batch: a log-only run, or one
+    run, or (--storage-consistency fenced) an S3 server that ignores conditional writes. A run with nothing to re-hash (no committed snapshot or diff batch: a log-only run, or one
     stopped before its first snapshot) is no usage error: exit 0 saying so, or 1 when its step log is damaged."""
     main = open_store(uri, s3_endpoint, consistency=storage_consistency)
     stores = _stores(main)
