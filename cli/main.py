@@ -196,6 +196,9 @@ def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig
         if saved.fo.parallelism != "fsdp2":
             raise _refuse(f"--resume --workers {given['workers']}: the run has {saved.workers} worker(s) and its state does not "
                           "reshard (only an --algo fo --fo-parallelism fsdp2 run changes its worker count); leave --workers out")
+        if saved.batch_size % int(given["workers"]):  # the batch is the run's (its trajectory): --batch-size does not change it
+            raise _refuse(f"--resume --workers {given['workers']}: the run's batch of {saved.batch_size} does not split over "
+                          f"{given['workers']} workers; give a worker count that divides {saved.batch_size}")
         budgets["workers"] = given["workers"]
     notes = [f"--resume: {parameter(path)} {saved.get(path)} -> {value}" for path, value in budgets.items() if saved.get(path) != value]
     if "dtype" in given and given["dtype"] != saved.dtype:

@@ -191,7 +191,7 @@ def test_resume_changes_the_worker_count_of_an_fsdp2_run_only(tmp_path, capsys):
     ddp = fo_config(tmp_path, strategy="full-sync", workers=2)
     assert ddp.replace(workers=1).trajectory_sha256() != ddp.trajectory_sha256()
     assert resume_config(ddp, {"workers": 2}) == (ddp, [])  # the same count: nothing to change
-    for saved, workers, expected in ((ddp, 1, "does not reshard"), (sharded, 3, "--batch-size (8) must be divisible by workers (3)")):
+    for saved, workers, expected in ((ddp, 1, "does not reshard"), (sharded, 3, "the run's batch of 8 does not split over 3 workers; give a worker count that divides 8")):
         with pytest.raises(typer.Exit) as exit_:
             resume_config(saved, {"workers": workers})
         assert exit_.value.exit_code == 2
