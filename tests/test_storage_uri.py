@@ -43,7 +43,7 @@ def test_storage_refuses_a_scheme_it_has_no_backend_for():
 
 def test_ray_train_storage_is_the_driver_disk_by_default_or_a_bucket_through_raycheck_s_filesystem(tmp_path, s3_endpoint):
     """``--ray-train-storage``: ``RunConfig``'s storage arguments; a bucket is reached with the run's
-    endpoint (``storage.options``), through the same filesystem raycheck's ``Storage`` uses."""
+    endpoint (its storage options), through the same filesystem raycheck's ``Storage`` uses."""
     assert ray_train_storage(job_config(tmp_path / "run")) == {"storage_path": str(tmp_path.resolve() / "run" / "ray_train")}
     assert ray_train_storage(job_config(tmp_path / "run", storage={"ray_train": str(tmp_path / "rt")})) == {
         "storage_path": str(tmp_path.resolve() / "rt")}
