@@ -14,10 +14,10 @@ another world size reads the rows of the new sharding (DCP's resharding), so wei
 bitwise those saved. Strategies: ``full-sync`` and ``full-async`` (``ShardedCheckpointer``, a
 ``training.checkpointing.FullCheckpointer`` on every rank, with ``ShardedWriter`` as its store: the
 staging copy is of this rank's rows), ``layerwise`` (``ShardedLayerwiseCheckpointer``: each unit's
-change summed over the ranks' rows, composite sharded checkpoints) and ``overlapped``
+change summed over the ranks' rows, composite sharded checkpoints), ``overlapped``
 (``ShardedOverlappedCheckpointer``: each rank catches its own rows up) and ``differential``
 (``ShardedDiffCheckpointer``: each rank records its rows of the gradients; replayed at the same world
-size only).
+size only). Their checks are collectives: every rank takes each at the same step.
 
 What is and is not bitwise across world sizes: the state a restore loads is bitwise the state saved,
 at any world size. The steps after it are bitwise those of the saved run only at the same world
@@ -47,7 +47,8 @@ from raycheck.training.layerwise import LayerwiseCheckpointer
 from raycheck.training.overlapped import CatchUp, OverlappedCheckpointer
 
 STAGING_WAIT_S = 600.0
-"""How long a check of ``ShardedLayerwiseCheckpointer`` waits for a free staging set (seconds)."""
+"""How long a due check of a sharded checkpointer waits for a free staging set (seconds): it is a
+collective, so it is never postponed (``training.state.StagingPool.take_due``)."""
 
 if TYPE_CHECKING:
     from raycheck.training.data import PromptEncoder, Split
