@@ -14,7 +14,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from inspect import Parameter, Signature, signature
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any, cast, get_type_hints
 
 import typer
 from typer._click.core import Context
@@ -196,7 +196,7 @@ def resume_config(saved: JobConfig, given: dict[str, object]) -> tuple[JobConfig
         if saved.fo.parallelism != "fsdp2":
             raise _refuse(f"--resume --workers {given['workers']}: the run has {saved.workers} worker(s) and its state does not "
                           "reshard (only an --algo fo --fo-parallelism fsdp2 run changes its worker count); leave --workers out")
-        if saved.batch_size % int(given["workers"]):  # the batch is the run's (its trajectory): --batch-size does not change it
+        if saved.batch_size % cast(int, given["workers"]):  # the batch is the run's (its trajectory): --batch-size does not change it
             raise _refuse(f"--resume --workers {given['workers']}: the run's batch of {saved.batch_size} does not split over "
                           f"{given['workers']} workers; give a worker count that divides {saved.batch_size}")
         budgets["workers"] = given["workers"]

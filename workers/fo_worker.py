@@ -40,6 +40,8 @@ from typing import Any
 from raycheck.job.config import JobConfig
 from raycheck.job.stores import checkpoint_store, diff_store, run_identity
 from raycheck.storage.diffs import DiffStore, rank_prefix
+from raycheck.storage.snapshots import NoSnapshotError
+from raycheck.training.optim_state import StateMismatchError
 from raycheck.policies.strategies import RunStrategy
 from raycheck.training import sharded as sharded_fo
 from raycheck.training.data import PromptEncoder, batch_indices
@@ -107,7 +109,12 @@ def fo_loop(env: TaskEnv, promoted: dict[str, float] | None = None) -> None:
 
     result = None
     if promoted is not None or faults.fired() or durable_steps(cfg) > 0:
-        own.restore()
+        try:
+            own.restore()
+        except (NoSnapshotError, StateMismatchError) as exc:  # every restart would meet it again: the run fails at once
+            if rank == 0:
+                run.event("code_error", rank=rank, step=None, error=f"{type(exc).__name__}: {exc}")
+            raise
         result = {k: own.restored[k] for k in RECOVERY_FIELDS if k in own.restored}
         if sharded:  # what the ranks loaded, re-gathered (a collective)
             result.update(saved_world_size=own.restored.get("saved_world_size"),
