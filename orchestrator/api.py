@@ -13,8 +13,8 @@ data file raises ``ValueError`` (``training.data.DataError`` for the data) and t
 
 from __future__ import annotations
 
-import os
 import pathlib
+import tempfile
 import uuid
 from typing import Any, Callable
 
@@ -77,7 +77,7 @@ class RayTrainStorageError(OSError):
 def check_storage(cfg: JobConfig) -> None:
     """Probe ``cfg``'s remote snapshot storage (a local store is made by the run: checking it here would
     leave a folder behind), then Ray Train's storage when one is given (``StorageConfig.ray_train``: a
-    bucket is probed with the same options; a local path must lie in a writable folder).
+    bucket is probed with the same options; a local path must lie in a folder where a file can be made).
 
     Raises:
         OSError: the snapshot storage cannot be reached; ``StorageConsistencyError``: it ignores conditional
@@ -98,8 +98,13 @@ def check_storage(cfg: JobConfig) -> None:
             Storage(uri, create=False, **cfg.storage.options).probe()
             return
         existing = next(p for p in (folder, *folder.parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is not a folder this user can write in")
+        try:
+            with tempfile.TemporaryFile(dir=existing):  # a write, not a permission bit (root passes every os.access); deleted at once
+                pass
+        except OSError as exc:
+            raise PermissionError(f"no file can be made in {existing} ({exc.strerror})") from exc
     except OSError as exc:
         raise RayTrainStorageError(f"Ray Train's storage {uri} (--ray-train-storage) is not usable: {exc}") from exc
 
