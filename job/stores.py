@@ -7,7 +7,7 @@ from __future__ import annotations
 from raycheck.job.config import JobConfig
 from raycheck.storage.backend import Storage
 from raycheck.storage.dcp_store import ShardedStore
-from raycheck.storage.diffs import DiffStore
+from raycheck.storage.diffs import DiffStore, rank_prefix
 from raycheck.storage.manifest import RunIdentity
 from raycheck.storage.snapshots import SnapshotStore
 
@@ -38,7 +38,10 @@ def checkpoint_store(cfg: JobConfig) -> SnapshotStore:
     return sharded_store(cfg) if cfg.algo == "fo" and cfg.fo.parallelism == "fsdp2" else snapshot_store(cfg)
 
 
-def diff_store(cfg: JobConfig) -> DiffStore:
+def diff_store(cfg: JobConfig, rank: int | None = None) -> DiffStore:
     """The run's differential gradient records (strategy ``differential``), in its snapshot storage: it
-    writes and replays only this run's batches (``run_identity``)."""
-    return DiffStore(Storage(cfg.storage.uri, **cfg.storage.options), identity=run_identity(cfg))
+    writes and replays only this run's batches (``run_identity``). ``rank`` (FSDP2): that rank's records of
+    its gradient rows at the run's worker count, beside the sharded checkpoints (``storage.diffs.rank_prefix``)."""
+    if rank is None:
+        return DiffStore(Storage(cfg.storage.uri, **cfg.storage.options), identity=run_identity(cfg))
+    return DiffStore(sharded_store(cfg).storage, rank_prefix(rank, cfg.workers), run_identity(cfg))

@@ -237,3 +237,18 @@ def test_a_save_that_fails_before_its_commit_leaves_the_previous_checkpoint_the_
         step(trainer, data[0], t, 0, 1)
     store.save(3, trainer.state_view(), group=one_rank_group)
     assert [i.step for i in store.list()] == [1, 3] and not any(p.startswith(leftover) for p in store.storage.list())
+
+
+def test_an_fsdp2_differential_run_is_durable_as_far_as_every_ranks_records_reach(tmp_path):
+    """``workers.fo_worker.durable_steps``: rank 0's records reach step 5, rank 1's step 3 (its later batch
+    never committed): the run is durable to step 3; records of another worker count are not counted."""
+    from raycheck.job.stores import diff_store
+    from raycheck.workers.fo_worker import durable_steps
+
+    cfg = fo_config(tmp_path, fo={"parallelism": "fsdp2"}, strategy="differential", workers=2, batch_size=8,
+                    storage={"uri": str(tmp_path / "store")})
+    grads = {"w": np.ones(3, np.float32)}
+    diff_store(cfg, 0).write_batch([(s, grads) for s in range(5)])
+    diff_store(cfg, 1).write_batch([(s, grads) for s in range(3)])
+    assert durable_steps(cfg) == 3
+    assert durable_steps(cfg.replace(workers=1)) == 0  # the records of 2 ranks do not replay at 1

@@ -38,8 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raycheck.job.config import JobConfig
-from raycheck.job.stores import checkpoint_store, diff_store, run_identity
-from raycheck.storage.diffs import DiffStore, rank_prefix
+from raycheck.job.stores import checkpoint_store, diff_store
 from raycheck.storage.snapshots import NoSnapshotError
 from raycheck.training.optim_state import StateMismatchError
 from raycheck.policies.strategies import RunStrategy
@@ -77,7 +76,7 @@ def durable_steps(cfg: JobConfig) -> int:
     if cfg.strategy != RunStrategy.DIFFERENTIAL:
         return base
     if cfg.fo.parallelism == "fsdp2":
-        return min(DiffStore(store.storage, rank_prefix(r, cfg.workers), run_identity(cfg)).durable_end(base) for r in range(cfg.workers))
+        return min(diff_store(cfg, r).durable_end(base) for r in range(cfg.workers))
     return diff_store(cfg).durable_end(base)
 
 
