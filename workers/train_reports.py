@@ -95,25 +95,32 @@ class TrainReports:
     def newest(self) -> SnapshotInfo | None:
         """List the store now (rank 0 with a reachable Ray Train storage) and return its newest committed
         snapshot of this run (None: none, elsewhere, or the listing failed: logged)."""
+        return self._list_now()[0]
+
+    def _list_now(self) -> tuple[SnapshotInfo | None, bool]:
+        """``newest()``, and whether the listing succeeded (True where nothing is listed: not rank 0, or
+        Ray Train's storage unreachable)."""
         if not self.attach:
-            return None
+            return None, True
         try:
             own = self.store.list()
         except OSError as exc:
             log.warning("the snapshots could not be listed for Ray Train's report: %s", exc)
-            return None
+            return None, False
         self._latest = own[-1] if own else None
-        return self._latest
+        return self._latest, True
 
     def wait_for(self, step: int, timeout_s: float, poll_s: float = 0.2) -> bool:
         """Rank 0: wait until a snapshot of ``step`` (or later) is committed, at most ``timeout_s`` seconds
-        (e.g. the shadow's snapshot of the final step, before the last report). True: it is (True elsewhere)."""
+        (e.g. the shadow's snapshot of the final step, before the last report), and no longer once a listing
+        fails after its retries (storage unreachable: nothing commits there either). True: it is (True
+        elsewhere)."""
         deadline = time.monotonic() + timeout_s
         while self.attach:
-            newest = self.newest()
+            newest, listed = self._list_now()
             if newest is not None and newest.step >= step:
                 return True
-            if time.monotonic() >= deadline:
+            if not listed or time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
         return True
@@ -235,12 +242,15 @@ def train_reports(cfg: JobConfig, rank: int) -> TrainReports | None:
 
 def last_report(cfg: JobConfig, reports: TrainReports, run: RunChannel) -> None:
     """The run's last report, every rank: with a shadow, rank 0 first has it snapshot the final step
-    (``ask_final_snapshot``) and waits for that snapshot's commit (at most ``FINAL_SNAPSHOT_WAIT_S``), so
-    that ``Result.checkpoint`` is the trained state."""
+    (``ask_final_snapshot``, unless one of the final step is committed already: a second would be a copy) and
+    waits for that snapshot's commit (at most ``FINAL_SNAPSHOT_WAIT_S``), so that ``Result.checkpoint`` is the
+    trained state."""
     snapshots = cfg.snapshot.policy == "adaptive" or cfg.snapshot.every_steps > 0
     if reports.rank == 0 and cfg.uses_shadow and snapshots:
-        ask_final_snapshot(cfg, run)
+        committed = reports.newest()
+        if committed is None or committed.step < cfg.steps:  # a worker restarted after its last report finds it there
+            ask_final_snapshot(cfg, run)
         if not reports.wait_for(cfg.steps, FINAL_SNAPSHOT_WAIT_S):
-            log.warning("the snapshot of step %d was not committed within %.0f s: Ray Train's last checkpoint is an older one",
-                        cfg.steps, FINAL_SNAPSHOT_WAIT_S)
+            log.warning("the snapshot of step %d is not committed (waited at most %.0f s; a failed listing is logged above): "
+                        "Ray Train's last checkpoint is an older one", cfg.steps, FINAL_SNAPSHOT_WAIT_S)
     reports.report(cfg.steps, final=True)
