@@ -3,7 +3,10 @@
 ``SnapshotPersister`` is the plain logic (tested without Ray); ``PersisterActor`` is its Ray shell.
 
 Backpressure: one image is written at a time and at most one waits; a newer image replaces a waiting
-one (counted in ``superseded``), so memory stays bounded however slow storage is. A failed write is
+one (counted in ``superseded``), so memory stays bounded however slow storage is. Images may arrive out
+of step order (Ray does not order calls to a threaded actor, nor calls through different handles): one
+older than the image waiting, being written or last written is dropped on arrival (also counted in
+``superseded``), so a late image never replaces a newer one nor becomes the last durable step. A failed write is
 counted and surfaced (``failed``, ``last_error``); the snapshot is simply not committed, so the
 previous one stays the restore point.
 
@@ -80,6 +83,7 @@ class SnapshotPersister:
         self._cond = threading.Condition()
         self._waiting: tuple[int, Mapping[str, np.ndarray]] | None = None
         self._writing = False
+        self._newest_taken: int | None = None  # the step waiting, being written or last written (None: none)
         self.last_submitted_step: int | None = None
         self.last_durable_step: int | None = None
         self.written = 0
@@ -92,11 +96,15 @@ class SnapshotPersister:
         threading.Thread(target=self._run, name="snapshot-persister", daemon=True).start()
 
     def submit(self, step: int, state: Mapping[str, np.ndarray]) -> None:
-        """Queue the image of ``step`` (replacing a waiting older one)."""
+        """Queue the image of ``step``, replacing a waiting older one; an image older than the one
+        waiting, being written or last written arrives late and is dropped (both counted in ``superseded``)."""
         with self._cond:
+            if self._newest_taken is not None and step < self._newest_taken:
+                self.superseded += 1
+                return
             if self._waiting is not None:
                 self.superseded += 1
-            self._waiting = (step, state)
+            self._waiting, self._newest_taken = (step, state), step
             self.last_submitted_step = step
             self._cond.notify_all()
 
@@ -128,6 +136,8 @@ class SnapshotPersister:
                 with self._cond:
                     self.failed += 1
                     self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
+                    if self._waiting is None:  # an older image may be written again (e.g. a restarted shadow's)
+                        self._newest_taken = self.last_durable_step
             finally:
                 del state
                 with self._cond:

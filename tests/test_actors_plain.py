@@ -98,14 +98,16 @@ def test_shadow_stops_at_a_gap(tmp_path, tiny_model):
 
 class GatedStorage(Storage):
     """A real local ``Storage`` whose writes (``put_stream``, which every put goes through) announce
-    themselves (``entered``) and block until ``release`` is set: the persister runs the real
-    ``SnapshotStore.write`` against it, so the fake cannot drift."""
+    themselves (``entered``), block until ``release`` is set, and fail while ``broken`` is set: the
+    persister runs the real ``SnapshotStore.write`` against it, so the fake cannot drift."""
 
     def __init__(self, root) -> None:
         super().__init__(str(root))
-        self.entered, self.release = threading.Event(), threading.Event()
+        self.entered, self.release, self.broken = threading.Event(), threading.Event(), threading.Event()
 
     def put_stream(self, rel, pieces):
+        if self.broken.is_set():
+            raise OSError("disk full")
         self.entered.set()
         if not self.release.wait(60):
             raise TimeoutError("the test never released the storage gate")
@@ -128,6 +130,47 @@ def test_persister_is_bounded_and_keeps_the_newest(tmp_path):
     store = SnapshotStore(str(tmp_path))
     assert [i.step for i in store.list()] == [1, 4]
     assert state_sha256(store.load_latest().state) == state_sha256({k: v + 4 for k, v in arrays.items()})
+
+
+def test_a_late_older_image_neither_replaces_a_newer_one_nor_becomes_the_last_durable_step(tmp_path):
+    """Images out of step order (Ray orders no calls to a threaded actor): 10 arriving after 12 waits,
+    or after 12 is being written, or after 12 is written, is dropped; 12 stays the last durable step."""
+    storage = GatedStorage(tmp_path)
+    p = SnapshotPersister(SnapshotStore(storage))
+    arrays = {"model.layers.0.w": np.arange(6, dtype=np.float32)}
+    p.submit(5, arrays)
+    assert storage.entered.wait(60)  # step 5 is being written, blocked in storage
+    p.submit(12, {k: v + 12 for k, v in arrays.items()})
+    p.submit(10, {k: v + 10 for k, v in arrays.items()})  # late: 12 waits
+    storage.release.set()
+    status = p.flush(60)
+    assert (status["written"], status["superseded"], status["last_durable_step"], status["last_submitted_step"]) == (2, 1, 12, 12)
+    p.submit(10, {k: v + 10 for k, v in arrays.items()})  # late: 12 is written
+    status = p.flush(60)
+    assert (status["written"], status["superseded"], status["last_durable_step"]) == (2, 2, 12)
+    p.submit(12, {k: v + 12 for k, v in arrays.items()})  # the same step again is taken (e.g. after a persister restart)
+    assert p.flush(60)["written"] == 3
+    store = SnapshotStore(str(tmp_path))
+    assert [i.step for i in store.list()] == [5, 12, 12]
+    assert state_sha256(store.load_latest().state) == state_sha256({k: v + 12 for k, v in arrays.items()})
+
+
+def test_after_a_failed_write_an_older_image_is_taken_again(tmp_path):
+    """A write of step 12 that failed leaves step 5 the newest durable: a restarted shadow's image of step
+    10 is then written, not dropped as late."""
+    storage = GatedStorage(tmp_path)
+    storage.release.set()
+    p = SnapshotPersister(SnapshotStore(storage))
+    p.submit(5, {"w": np.zeros(3, dtype=np.float32)})
+    assert p.flush(10)["last_durable_step"] == 5
+    storage.broken.set()
+    p.submit(12, {"w": np.ones(3, dtype=np.float32)})
+    status = p.flush(10)
+    storage.broken.clear()
+    assert (status["failed"], status["last_durable_step"]) == (1, 5)
+    p.submit(10, {"w": np.ones(3, dtype=np.float32)})
+    status = p.flush(10)
+    assert (status["written"], status["superseded"], status["last_durable_step"]) == (2, 0, 10)
 
 
 def test_persister_counts_and_surfaces_a_failed_write(tmp_path):
