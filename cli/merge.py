@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from raycheck.cli.storage import EndpointOpt, open_store
-from raycheck.storage.backend import local_path
+from raycheck.storage.backend import StorageError, local_path
 from raycheck.storage.merge import (
     MergeError,
     Source,
@@ -106,7 +106,8 @@ def _remove_empty_folders(root: pathlib.Path) -> None:
 def export(
     checkpoint: Annotated[str, typer.Argument(metavar="CHECKPOINT", help=(
         "One snapshot: Ray Train's Result.checkpoint path (a pointer raycheck reported), a summary's "
-        "ray_train_checkpoint.path or final_snapshot, a snapshot folder (path or s3:// URI); or a store: its newest."))],
+        "ray_train_checkpoint.path or final_snapshot, a snapshot folder (path or s3:// URI); or a store or a run "
+        "directory (the --out of raycheck run): its newest."))],
     hf: Annotated[pathlib.Path, typer.Option(help="The Hugging Face folder to write: new or empty, outside the model cache.")],
     model: Annotated[str, typer.Option(help=f"The run's model (config and layout): {', '.join(MODEL_NAMES)}, a model folder or a cached model id.")],
     s3_endpoint: EndpointOpt = "",
@@ -120,7 +121,7 @@ def export(
     try:
         check_outside_cache(hf, cache_dir)
         folder = export_hf(checkpoint, hf, model, model_folder(model, cache_dir), **options)
-    except (NoSnapshotError, SnapshotCorruptError, ValueError, FileExistsError, FileNotFoundError) as exc:
+    except (NoSnapshotError, SnapshotCorruptError, StorageError, ValueError, FileExistsError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     typer.echo(f"Hugging Face folder: {folder}")

@@ -21,6 +21,7 @@ from raycheck.storage.backend import TEMP_MAX_AGE_S, Storage, TempFile, local_pa
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.diffs import DiffCorruptError, DiffStore
 from raycheck.storage.log_segments import PREFIX, read_segments
+from raycheck.storage.pointers import store_root
 from raycheck.storage.snapshots import FOLDER, INDEX, SnapshotInfo, SnapshotStore
 from raycheck.storage.steplog import StepLogError, read_log
 from raycheck.training.zo import check_records
@@ -39,9 +40,8 @@ def open_store(uri: str, s3_endpoint: str, create: bool = False, consistency: st
     (``Storage.check_conditional_writes``, on a scratch object it deletes).
     Only ``create`` makes a missing local folder. A local path that is a file (a run's summary.json,
     a shard) is named as one, with what is expected instead."""
+    uri = store_root(uri)  # a run directory means its snapshots/
     folder = local_path(uri)
-    if folder is not None and (folder / "snapshots").is_dir():
-        uri = str(folder / "snapshots")  # a run directory
     try:
         if folder is not None and folder.exists() and not folder.is_dir():
             raise NotADirectoryError(f"{folder} is a file, not a folder: give a run directory (the --out of raycheck run), "

@@ -83,12 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the run's folder (step log, snapshots, summary.json)")
     parser.add_argument("--fail-step", type=int, default=None, help="a worker exits in this step (0-based: after N steps), once")
     parser.add_argument("--verify", action="store_true", help="also run the failure-free loop and compare bitwise")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="MeZO steps to train")
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers (each scores its share of the batch)")
-    parser.add_argument("--every", type=int, default=5, help="steps between the shadow's snapshots")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--eps", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--every", type=int, default=5, help="steps between the shadow's snapshots (>= 1; the final step "
+                        "is snapshotted too, and this example loads that snapshot)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the ZO-SGD update")
+    parser.add_argument("--eps", type=float, default=1e-3, help="perturbation scale of the two-point estimate")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and every step's noise")
     parser.add_argument("--storage", default="", help="where snapshots go: s3://bucket/prefix on a cluster (default: --out/snapshots)")
     parser.add_argument("--s3-endpoint", default=None, help="an S3-compatible server's URL (default: AWS)")
     parser.add_argument("--ray-train-storage", default="", help="Ray Train's storage, where Result.checkpoint points from: "
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fail_step is not None and not 0 <= args.fail_step < args.steps:
         parser.error(f"--fail-step must be in 0..{args.steps - 1}")
+    if args.every < 1:
+        parser.error("--every must be >= 1: this example loads the final snapshot, which a run without snapshots has not")
 
     failures = (FailureSpec(step=args.fail_step, target="worker"),) if args.fail_step is not None else ()
     try:

@@ -157,6 +157,10 @@ def node_local(uri: str) -> bool:
     return split_uri(uri)[0] in ("file", "memory")
 
 
+CHECK_TIMEOUT_S = 10.0
+"""The bound on one try of a start-up check (``Storage.check_reachable``, ``Storage.check_bucket``), seconds."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """Bounds on every storage operation.
@@ -472,7 +476,10 @@ class Storage:
         return self.path(rel) if self.protocol == "file" else f"{self.protocol}://{self.path(rel)}"
 
     # -- the bounded call ---------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+    def _call(self, what: str, fn: Callable[..., _T], *args: Any, timeout_s: float | None = None) -> _T:
+        """``fn(*args)`` through the breaker, each try bounded by ``timeout_s`` (default the policy's), retried
+        as the policy says; raises what ``_diagnosis`` names after the last try."""
+        timeout_s = self.retry.timeout_s if timeout_s is None else timeout_s
         admission = self.breaker.admit()
         if admission is Admission.REFUSED:
             state = self.breaker.state()
@@ -488,9 +495,9 @@ class Storage:
         for attempt in range(1, attempts + 1):
             future = self._pool.submit(fn, *args)
             try:
-                result = future.result(timeout=self.retry.timeout_s)
+                result = future.result(timeout=timeout_s)
             except concurrent.futures.TimeoutError:
-                last = StorageTimeoutError(f"{what}: no answer within {self.retry.timeout_s:g} s")
+                last = StorageTimeoutError(f"{what}: no answer within {timeout_s:g} s")
             except NOT_RETRIED:
                 self.breaker.record(ok=True, probe=probe)  # storage answered
                 raise
@@ -554,7 +561,7 @@ class Storage:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise StorageUnreachableError(self._unreachable("not an http:// or https:// URL with a host"))
-        timeout_s = min(self.retry.timeout_s, 10.0)
+        timeout_s = min(self.retry.timeout_s, CHECK_TIMEOUT_S)
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
             socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
@@ -743,7 +750,10 @@ class Storage:
 
     def check_bucket(self) -> None:
         """Check that an S3 store's bucket exists (a listing of a missing bucket would read as an empty
-        store), the endpoint first (``check_reachable``); a no-op for local and memory storage.
+        store), the endpoint first (``check_reachable``); a no-op for local and memory storage. Each try
+        waits at most ``CHECK_TIMEOUT_S`` seconds, and its request ends 2 s later (an endpoint that accepts
+        connections and never answers fails the check in under a minute, not after the policy's tries of
+        ``timeout_s``, and leaves no request behind that would hold up the process's exit).
 
         Raises:
             StorageUnreachableError: the endpoint cannot be reached.
@@ -754,8 +764,11 @@ class Storage:
             return
         self.check_reachable()
         bucket = self.root.split("/", 1)[0]
+        timeout_s = min(self.retry.timeout_s, CHECK_TIMEOUT_S)
+        fs = _filesystem(self.protocol, self.options, timeout_s + 2)  # its call ends soon after the try gives up
+        fs.retries = 1  # s3fs's own retries (5 by default) would keep that call going: the policy retries the check
         try:
-            self._call(f"check bucket s3://{bucket}", functools.partial(self.fs.call_s3, "head_bucket", Bucket=bucket))
+            self._call(f"check bucket s3://{bucket}", functools.partial(fs.call_s3, "head_bucket", Bucket=bucket), timeout_s=timeout_s)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"bucket {bucket!r} does not exist; create it first, or check the bucket name "
                                     "and --s3-endpoint") from exc

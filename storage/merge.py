@@ -572,7 +572,8 @@ def export_hf(
 
     ``source``: one snapshot (a ``ray.train.Checkpoint`` raycheck reported, e.g. ``Result.checkpoint``; a
     pointer folder, ``storage.pointers``; a snapshot folder's path or URI) or a store (a ``SnapshotStore``,
-    ``Storage`` or its URI: its newest snapshot that verifies, or the one at ``step``), read with
+    ``Storage``, its URI or a run directory, ``storage.pointers.store_root``: its newest snapshot that verifies,
+    or the one at ``step``), read with
     ``storage_options`` (e.g. ``endpoint_url``). ``config.json`` (and ``generation_config.json`` when
     present) come from ``model_source``, the local folder of model ``model_name``
     (``training.model.model_folder``: a built-in name, a model folder or a cached model id); the weights go

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from raycheck.storage.backend import Storage
+from raycheck.storage.backend import Storage, local_path
 from raycheck.storage.dcp_store import SUBFOLDER, ShardedStore
 from raycheck.storage.snapshots import INDEX, SnapshotInfo, SnapshotStore
 
@@ -97,10 +97,18 @@ def is_one_snapshot(checkpoint: Any, **storage_options: Any) -> bool:
     return read_pointer(checkpoint, **storage_options) is not None or checkpoint_uri(checkpoint).rsplit("/", 1)[-1].startswith("step-")
 
 
+def store_root(uri: str) -> str:
+    """``uri``, or for a local run directory (the ``--out`` of ``raycheck run``: it holds ``snapshots/``) its
+    ``snapshots/`` folder, where the run's store is by default."""
+    folder = local_path(uri)
+    return str(folder / "snapshots") if folder is not None and (folder / "snapshots").is_dir() else uri
+
+
 def store_at(root: str, **storage_options: Any) -> SnapshotStore:
-    """The store whose folder is ``root``: a ``storage.dcp_store.ShardedStore`` for its ``sharded/`` folder
-    (FSDP2 checkpoints), or for ``root`` itself when only sharded checkpoints are there (an FSDP2 run's
-    storage), else a ``SnapshotStore``."""
+    """The store whose folder is ``root`` (``store_root``: a run directory means its ``snapshots/``): a
+    ``storage.dcp_store.ShardedStore`` for its ``sharded/`` folder (FSDP2 checkpoints), or for ``root``
+    itself when only sharded checkpoints are there (an FSDP2 run's storage), else a ``SnapshotStore``."""
+    root = store_root(root)
     parent, _, last = root.rpartition("/")
     if last == SUBFOLDER and parent:
         return ShardedStore(Storage(parent, create=False, **storage_options), create=False)

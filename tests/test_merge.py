@@ -399,6 +399,30 @@ def test_export_command_writes_the_snapshot_a_ray_train_pointer_names_and_refuse
     assert not (tmp_path / "hf2").exists()
 
 
+def test_export_command_takes_a_run_directory_and_names_an_unreachable_bucket_in_one_line(tiny_stores, tmp_path):
+    """``raycheck export RUN_DIR`` exports the newest snapshot of the run's ``snapshots/`` (as ``inspect RUN_DIR``
+    reads it), bitwise; a bucket whose endpoint refuses connections is one line, exit 2, and nothing written."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import free_port
+    from raycheck.cli.merge import export as export_command
+
+    root, _, _, states = tiny_stores
+    app = typer.Typer()
+    app.command()(export_command)
+    result = CliRunner().invoke(app, [str(root / "A"), "--hf", str(tmp_path / "hf"), "--model", "tiny"])
+    assert result.exit_code == 0 and result.output == f"Hugging Face folder: {tmp_path / 'hf'}\n", result.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    loaded = {n: t.detach().numpy() for n, t in model.state_dict().items()}
+    assert all(tensor_sha256(loaded[n]) == tensor_sha256(v) for n, v in states["A"].items() if parameter_of(n) is None)
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = CliRunner().invoke(app, ["s3://raycheck-gone/run", "--hf", str(tmp_path / "hf-s3"), "--model", "tiny", "--s3-endpoint", endpoint])
+    assert result.exit_code == 2 and len(result.output.splitlines()) == 1, result.output
+    assert result.output.startswith("error: ") and f"storage endpoint {endpoint} unreachable (connection refused)" in result.output
+    assert not (tmp_path / "hf-s3").exists()
+
+
 def tensor_sha256(array: np.ndarray) -> str:
     return hashlib.sha256(array.dtype.str.encode() + str(array.shape).encode() + np.ascontiguousarray(array).tobytes()).hexdigest()
 

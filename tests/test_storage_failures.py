@@ -77,6 +77,15 @@ def test_timeouts_are_reported_as_such(silent_server):
     assert type(info.value.__cause__) is StorageTimeoutError
 
 
+def test_a_start_up_bucket_check_waits_10_s_a_try_not_the_operations_timeout(silent_server):
+    """``check_bucket`` (before a run starts, and in ``inspect``) against an endpoint that accepts connections and never
+    answers: each try is bounded by ``CHECK_TIMEOUT_S`` (10 s), not by the policy's 120 s for a snapshot's write."""
+    storage = Storage("s3://hung/run", retry=RetryPolicy(attempts=1, timeout_s=120.0), endpoint_url=silent_server)
+    with pytest.raises(StorageError, match=r"^check bucket s3://hung failed after 1 try: StorageTimeoutError: check bucket "
+                                           r"s3://hung: no answer within 10 s$"):
+        storage.check_bucket()
+
+
 def test_unreachable_endpoint_names_it():
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     storage = Storage("s3://bucket/run", retry=FAST, endpoint_url=endpoint)
