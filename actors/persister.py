@@ -6,8 +6,8 @@ Backpressure: one image is written at a time and at most one waits; a newer imag
 one (counted in ``superseded``), so memory stays bounded however slow storage is. Images may arrive out
 of step order (Ray does not order calls to a threaded actor, nor calls through different handles): one
 older than the image waiting, being written or last written is dropped on arrival (also counted in
-``superseded``), so a late image never replaces a newer one nor becomes the last durable step. A failed write is
-counted and surfaced (``failed``, ``last_error``); the snapshot is simply not committed, so the
+``superseded``), so a late image never replaces a newer one nor becomes the last durable step. A failed
+write is counted and surfaced (``failed``, ``last_error``); the snapshot is simply not committed, so the
 previous one stays the restore point.
 
 Sharded shadow (K shards, ``submit_part``), the commit rule (``ShardParts``): the parts of one step

@@ -248,7 +248,7 @@ def last_report(cfg: JobConfig, reports: TrainReports, run: RunChannel) -> None:
     snapshots = cfg.snapshot.policy == "adaptive" or cfg.snapshot.every_steps > 0
     if reports.rank == 0 and cfg.uses_shadow and snapshots:
         committed = reports.newest()
-        if committed is None or committed.step < cfg.steps:  # a worker restarted after its last report finds it there
+        if committed is None or committed.step < cfg.steps:  # taken already (the adaptive schedule's, an earlier incarnation's)
             ask_final_snapshot(cfg, run)
         if not reports.wait_for(cfg.steps, FINAL_SNAPSHOT_WAIT_S):
             log.warning("the snapshot of step %d is not committed (waited at most %.0f s; a failed listing is logged above): "
